@@ -1,0 +1,120 @@
+"""Observer hooks: how the timeline and the sanitizer see what the primitives launch.
+
+Every launch through the toolkit's primitives becomes a `Span`. Inline work (compute on the
+host thread, or any work on a device stream) starts and ends on the launching thread;
+asynchronous CPU work (a collective on gloo's threads, a copy on a copy thread) ends on the
+thread that completes it, so `on_span_end` may be called from another thread.
+Event records and waits and host synchronisation are reported too, so that a happens-before
+checker can follow the ordering edges. With no observer installed every call is a cheap no-op.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import threading
+import time
+from typing import Any, Dict, Iterator, List, Optional, Sequence
+
+import torch
+
+_observers: List[Any] = []
+_lock = threading.Lock()
+_ids = itertools.count()
+
+
+@dataclasses.dataclass
+class Span:
+    """One launch: where it ran, what it was, when it started and ended (host seconds)."""
+
+    name: str
+    stream: str
+    kind: str  # "compute", "comm" or "copy"
+    rank: int = 0
+    start: float = 0.0
+    end: Optional[float] = None
+    meta: Dict[str, Any] = dataclasses.field(default_factory=dict)
+    reads: Sequence[torch.Tensor] = ()
+    writes: Sequence[torch.Tensor] = ()
+    asynchronous: bool = False
+    id: int = dataclasses.field(default_factory=lambda: next(_ids))
+
+
+def add_observer(observer: Any) -> None:
+    """Install an observer; it may define any of the ``on_*`` methods called below."""
+    with _lock:
+        if observer not in _observers:
+            _observers.append(observer)
+
+
+def remove_observer(observer: Any) -> None:
+    with _lock:
+        if observer in _observers:
+            _observers.remove(observer)
+
+
+def active() -> bool:
+    return bool(_observers)
+
+
+def _notify(method: str, *args: Any) -> None:
+    for obs in list(_observers):
+        fn = getattr(obs, method, None)
+        if fn is not None:
+            fn(*args)
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def start_span(name: str, stream: str, kind: str, *, reads: Sequence[torch.Tensor] = (),
+               writes: Sequence[torch.Tensor] = (), asynchronous: bool = False,
+               meta: Optional[Dict[str, Any]] = None) -> Optional[Span]:
+    """Open a span and tell the observers; None when nobody observes."""
+    if not _observers:
+        return None
+    span = Span(name=name, stream=stream, kind=kind, rank=_rank(), start=time.perf_counter(),
+                meta=dict(meta or {}), reads=tuple(reads), writes=tuple(writes), asynchronous=asynchronous)
+    _notify("on_span_start", span)
+    return span
+
+
+def end_span(span: Optional[Span]) -> None:
+    """Close a span (possibly from a completion thread) and tell the observers."""
+    if span is None:
+        return
+    span.end = time.perf_counter()
+    _notify("on_span_end", span)
+
+
+@contextlib.contextmanager
+def span(name: str, kind: str = "compute", **meta: Any) -> Iterator[Optional[Span]]:
+    """Mark a block of inline work on the current stream, e.g. ``with span("attn", mb=0, layer=3)``."""
+    if not _observers:
+        yield None
+        return
+    from .streams import current_stream_tag
+
+    s = start_span(name, current_stream_tag(), kind, meta=meta)
+    try:
+        yield s
+    finally:
+        end_span(s)
+
+
+def event_recorded(event_name: str, stream: str) -> None:
+    if _observers:
+        _notify("on_event_record", event_name, stream)
+
+
+def event_waited(event_name: str, stream: str) -> None:
+    if _observers:
+        _notify("on_event_wait", event_name, stream)
+
+
+def synchronized() -> None:
+    if _observers:
+        _notify("on_synchronize")

@@ -1,0 +1,188 @@
+"""Run a function on N ranks: spawned gloo processes on one machine, or the ranks torchrun made.
+
+Tests call ``run_ranks(body, n, *args)``. Without torchrun it starts ``n`` processes joined by a
+gloo group over a file store, returns each rank's result in rank order, re-raises the first
+failure with that rank's traceback, and turns a hang into `RankTimeout` naming the ranks that
+did not finish. Under torchrun (``WORLD_SIZE`` set) the same call runs ``body`` on the first
+``n`` ranks of the existing job (HCCL / NCCL / gloo), so the test suite doubles as the multi-node
+regression suite: ``torchrun --nnodes 2 --nproc-per-node 8 -m pytest tests``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import tempfile
+import time
+import traceback
+import unittest
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+ENV_TIMEOUT = "OVERLAP_RANK_TIMEOUT"
+DEFAULT_TIMEOUT = float(os.environ.get(ENV_TIMEOUT, "90"))
+
+
+class RankFailure(RuntimeError):
+    """A rank raised; the message carries its traceback."""
+
+
+class RankTimeout(RuntimeError):
+    """Some ranks did not finish in time (a hang, most often a collective issued on some ranks only)."""
+
+
+@dataclasses.dataclass
+class RankContext:
+    """What a rank's body gets: its rank, the group of the ranks taking part, and its device."""
+
+    rank: int
+    world_size: int
+    group: Optional[dist.ProcessGroup]
+    device: torch.device
+
+
+def under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("WORLD_SIZE" in os.environ and "RANK" in os.environ)
+
+
+def default_backend(device: torch.device) -> str:
+    return {"cuda": "nccl", "npu": "hccl"}.get(device.type, "gloo")
+
+
+def default_device() -> torch.device:
+    from .paths import current_path
+
+    path = current_path()
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if path in ("npu", "ge", "aclgraph"):
+        import torch_npu  # noqa: F401
+
+        torch.npu.set_device(local)
+        return torch.device("npu", local)
+    if path == "cuda":
+        torch.cuda.set_device(local % torch.cuda.device_count())
+        return torch.device("cuda", local % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+_subgroups: Dict[int, Any] = {}
+
+
+def _torchrun_group(n: int, timeout: float) -> Optional[RankContext]:
+    if not dist.is_initialized():
+        device = default_device()
+        dist.init_process_group(default_backend(device), timeout=datetime.timedelta(seconds=timeout))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if n > world:
+        raise unittest.SkipTest(f"needs {n} ranks, torchrun started {world}")
+    if n == world:
+        group = dist.group.WORLD
+    else:
+        if n not in _subgroups:  # every rank must create every subgroup, in the same order
+            _subgroups[n] = dist.new_group(list(range(n)))
+        group = _subgroups[n]
+    if rank >= n:
+        return None
+    return RankContext(rank, n, group, default_device())
+
+
+def _child(fn: Callable[..., Any], rank: int, world: int, store_dir: str, timeout: float, threads: int,
+           env: Dict[str, str], results: Any, args: tuple, kwargs: dict) -> None:
+    os.environ.update(env)
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout))
+        ctx = RankContext(rank, world, dist.group.WORLD, torch.device("cpu"))
+        out = fn(ctx, *args, **kwargs)
+        results.put(("ok", rank, out))
+    except BaseException:
+        results.put(("error", rank, traceback.format_exc()))
+    finally:
+        try:
+            if dist.is_initialized():
+                from .streams import synchronize
+
+                synchronize()
+                dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def _context() -> Any:
+    method = os.environ.get("OVERLAP_START_METHOD", "forkserver")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "overlap"])
+    return ctx
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: Optional[float] = None,
+              threads: int = 1, env: Optional[Dict[str, str]] = None, **kwargs: Any) -> List[Any]:
+    """Run ``fn(ctx, *args, **kwargs)`` on ``world_size`` ranks and return the results in rank order.
+
+    ``fn`` must be importable (a module-level function) because ranks are separate processes.
+    ``env`` is set in each rank before ``fn`` runs. Under torchrun only this rank's result is
+    returned (a one-element list; empty on ranks that do not take part).
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    timeout = DEFAULT_TIMEOUT if timeout is None else timeout
+    if under_torchrun():
+        ctx = _torchrun_group(world_size, timeout)
+        if ctx is None:
+            return []
+        old = {k: os.environ.get(k) for k in (env or {})}
+        os.environ.update(env or {})
+        try:
+            return [fn(ctx, *args, **kwargs)]
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    mpctx = _context()
+    results = mpctx.Queue()
+    store_dir = tempfile.mkdtemp(prefix="overlap-ranks-")
+    procs = [mpctx.Process(target=_child, name=f"rank{r}", daemon=True,
+                           args=(fn, r, world_size, store_dir, timeout, threads, dict(env or {}), results,
+                                 args, kwargs))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    outputs: Dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outputs) < world_size:
+            try:
+                status, rank, payload = results.get(timeout=0.2)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in outputs and not p.is_alive() and p.exitcode]
+                if dead:
+                    time.sleep(0.5)  # its message may still be in the pipe
+                    if results.empty():
+                        raise RankFailure(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode} "
+                                          f"without reporting (killed, or crashed in native code)")
+                if time.monotonic() > deadline:
+                    missing = [r for r in range(world_size) if r not in outputs]
+                    raise RankTimeout(f"ranks {missing} of {world_size} did not finish within {timeout:.0f}s "
+                                      f"(a hang: often a collective issued on some ranks only)")
+                continue
+            if status == "error":
+                raise RankFailure(f"rank {rank} of {world_size} failed:\n{payload}")
+            outputs[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=5 if len(outputs) == world_size else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        shutil.rmtree(store_dir, ignore_errors=True)
+    return [outputs[r] for r in range(world_size)]

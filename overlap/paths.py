@@ -1,0 +1,108 @@
+"""Execution-path detection and the global enable switch.
+
+A path names how a schedule is lowered: ``ge`` (torchair max-autotune), ``aclgraph``
+(torchair reduce-overhead / npugraph_ex), ``npu`` / ``cuda`` (eager streams) and ``cpu``
+(logical streams: compute inline, collectives and copies asynchronous on host threads).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import importlib.util
+import os
+import sys
+from typing import Iterator, Optional
+
+import torch
+
+PATHS = ("ge", "aclgraph", "npu", "cuda", "cpu")
+GRAPH_PATHS = ("ge", "aclgraph")
+ENV_PATH = "OVERLAP_PATH"
+ENV_GRAPH_PATH = "OVERLAP_GRAPH_PATH"
+ENV_ENABLE = "OVERLAP_ENABLE"
+
+_path_override: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("overlap_path", default=None)
+_enable_override: contextvars.ContextVar[Optional[bool]] = contextvars.ContextVar("overlap_enable", default=None)
+_FALSE_WORDS = ("0", "false", "off", "no")
+
+
+def _check_path(path: str, source: str) -> str:
+    if path not in PATHS:
+        raise ValueError(f"unknown execution path {path!r} from {source}; expected one of {', '.join(PATHS)}")
+    return path
+
+
+@functools.lru_cache(maxsize=1)
+def _npu_available() -> bool:
+    if importlib.util.find_spec("torch_npu") is None:
+        return False
+    try:
+        import torch_npu  # noqa: F401  (registers torch.npu)
+        return bool(torch.npu.is_available())
+    except Exception:  # a wheel without CANN cannot even be imported
+        return False
+
+
+def _graph_path() -> str:
+    return _check_path(os.environ.get(ENV_GRAPH_PATH, "ge"), f"${ENV_GRAPH_PATH}")
+
+
+def detect_path() -> str:
+    """The execution path without overrides: compiled region, NPU, CUDA or CPU."""
+    if torch.compiler.is_compiling() and "torch_npu" in sys.modules:
+        return _graph_path()
+    if _npu_available():
+        return "npu"
+    if torch.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def current_path() -> str:
+    """The path primitives lower to: `use_path` override, then ``$OVERLAP_PATH``, then detection."""
+    path = _path_override.get()
+    if path is not None:
+        return path
+    env = os.environ.get(ENV_PATH)
+    if env:
+        return _check_path(env.strip().lower(), f"${ENV_PATH}")
+    return detect_path()
+
+
+def set_path(path: Optional[str]) -> None:
+    """Force the execution path for this context (``None`` restores detection)."""
+    _path_override.set(None if path is None else _check_path(path, "set_path()"))
+
+
+@contextlib.contextmanager
+def use_path(path: str) -> Iterator[str]:
+    """Lower every primitive inside the block on ``path``."""
+    token = _path_override.set(_check_path(path, "use_path()"))
+    try:
+        yield path
+    finally:
+        _path_override.reset(token)
+
+
+def is_enabled() -> bool:
+    """Whether overlap is on; off, every primitive lowers to plain single-stream code."""
+    flag = _enable_override.get()
+    if flag is not None:
+        return flag
+    return os.environ.get(ENV_ENABLE, "1").strip().lower() not in _FALSE_WORDS
+
+
+def set_enabled(flag: Optional[bool]) -> None:
+    """Turn overlap on or off for this context (``None`` restores ``$OVERLAP_ENABLE``)."""
+    _enable_override.set(flag)
+
+
+@contextlib.contextmanager
+def enabled(flag: bool = True) -> Iterator[bool]:
+    """Turn overlap on or off inside the block."""
+    token = _enable_override.set(bool(flag))
+    try:
+        yield bool(flag)
+    finally:
+        _enable_override.reset(token)
