@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 
 from . import hooks
-from .paths import current_path, is_enabled
+from .paths import _eager_in_trace, current_path, is_enabled
 
 MAIN = "default"  # torchair's name for the main stream
 COMM = "ep_comm"  # expert-parallel dispatch / combine
@@ -31,9 +31,18 @@ _cpu_streams: Dict[str, "CpuStream"] = {}
 _registry_lock = threading.Lock()
 
 
+@_eager_in_trace
 def current_stream_tag() -> str:
     """The tag of the stream work is placed on now (``"default"`` outside any `stream` block)."""
     return _current_tag.get()
+
+
+@_eager_in_trace
+def _swap_stream_tag(tag: str) -> str:
+    """Make ``tag`` the current stream tag; returns the previous one (a constant while tracing)."""
+    prev = _current_tag.get()
+    _current_tag.set(tag)
+    return prev
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -88,10 +97,13 @@ class CpuStream:
     def _prune(self) -> None:
         self._pending = [p for p in self._pending if not p.done()]
 
-    def _order_after_hazards(self, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor]) -> None:
+    def _order_after_hazards(self, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor],
+                             host: bool = False) -> None:
         # Stream order on a device serialises a launch after earlier launches on the same stream.
         # Async CPU work is only ordered when it touches the same memory, so wait for those.
         for p in list(self._pending):
+            if host and isinstance(p.waitable, concurrent.futures.Future):
+                continue  # the stream's one worker thread runs host launches in launch order already
             if _intersects(p.writes, list(reads) + list(writes)) or _intersects(p.reads, writes):
                 p.wait()
 
@@ -117,7 +129,7 @@ class CpuStream:
 
         with self._lock:
             self._prune()
-            self._order_after_hazards(reads, writes)
+            self._order_after_hazards(reads, writes, host=True)
             if self._worker is None:
                 self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"overlap-{self.tag}")
             fut = self._worker.submit(run)
@@ -183,7 +195,7 @@ def stream(tag: str = COMM, priority: int = 0, enabled: bool = True) -> Iterator
         yield current_stream_tag()
         return
     path = current_path()
-    token = _current_tag.set(tag)
+    prev = _swap_stream_tag(tag)
     try:
         if path == "cpu":
             yield tag
@@ -198,7 +210,7 @@ def stream(tag: str = COMM, priority: int = 0, enabled: bool = True) -> Iterator
             with npu_stream_switch(tag, priority):
                 yield tag
     finally:
-        _current_tag.reset(token)
+        _swap_stream_tag(prev)
 
 
 def _is_async_cpu() -> bool:

@@ -1,0 +1,284 @@
+"""KV-cache offload: the store equals the keys and values of a run without offload, on every
+schedule and 1-2 ranks; prefetch round trips exactly; bad input is refused before any work."""
+import os
+
+import pytest
+import torch
+
+import overlap
+from overlap import hooks
+from overlap.multirank import run_ranks
+from overlap.offload import OffloadCache, OffloadError
+
+LAYERS, TOKENS, HEADS, DIM, HIDDEN = 3, 24, 2, 8, 16
+SCHEDULES = ("serial", "shared_overlap", "two_batch")
+
+
+def _weights(layers=LAYERS, hidden=HIDDEN, heads=HEADS, dim=DIM):
+    g = torch.Generator().manual_seed(0)
+    mk = lambda *s: torch.randn(*s, generator=g) / s[0] ** 0.5  # noqa: E731
+    return [dict(wk=mk(hidden, heads * dim), wv=mk(hidden, heads * dim), wo=mk(heads * dim, hidden),
+                 ws=mk(hidden, hidden)) for _ in range(layers)]
+
+
+def _attention(h, w, heads=HEADS, dim=DIM):
+    """Keys, values and output of a toy attention (causal within the chunk)."""
+    k = (h @ w["wk"]).view(-1, heads, dim)
+    v = (h @ w["wv"]).view(-1, heads, dim)
+    scores = torch.einsum("thd,shd->hts", k, k) / dim ** 0.5
+    scores = scores + torch.full_like(scores, float("-inf")).triu(1)
+    out = torch.einsum("hts,shd->thd", scores.softmax(-1), v).reshape(h.shape[0], -1)
+    return k, v, out
+
+
+def _prefill(x, weights, schedule, cache=None, group=None):
+    """A synthetic layer loop shaped like the three schedules; returns (output, per-layer K, per-layer V).
+
+    serial: one chunk per layer. shared_overlap: one chunk, a shared branch on the SHARED stream
+    and (multi-rank) an all_reduce on the COMM stream. two_batch: two micro-batches per layer,
+    attention of mb1 issued while mb0's keys and values are still being copied.
+    """
+    chunks = list(x.split([x.shape[0] // 2, x.shape[0] - x.shape[0] // 2])) if schedule == "two_batch" else [x]
+    ks, vs = [[] for _ in weights], [[] for _ in weights]
+    for layer, w in enumerate(weights):
+        for mb, h in enumerate(chunks):
+            with overlap.span("attn", layer=layer, mb=mb):
+                k, v, a = _attention(h, w)
+            if cache is not None:
+                cache.offload(layer, k, v)
+            ks[layer].append(k)
+            vs[layer].append(v)
+            with overlap.span("mlp", layer=layer, mb=mb):
+                h = torch.tanh(a @ w["wo"]) + h
+            if schedule == "shared_overlap":
+                with overlap.stream(overlap.SHARED):
+                    s = torch.relu(h @ w["ws"])
+                h = h + s
+            if group is not None:
+                ev = overlap.event("test_offload.combine")
+                with overlap.stream(overlap.COMM):
+                    overlap.all_reduce(h, group=group)
+                    ev.record(h)
+                h = ev.wait(h)
+            chunks[mb] = h
+    return torch.cat(chunks), [torch.cat(t) for t in ks], [torch.cat(t) for t in vs]
+
+
+def _cache(**kw):
+    args = dict(n_layers=LAYERS, max_tokens=TOKENS, kv_shape=(HEADS, DIM), dtype=torch.float32, device="cpu")
+    args.update(kw)
+    return OffloadCache(**args)
+
+
+def _schedules_match(ctx, store, path=None):
+    """Per schedule: offloaded K/V equal the no-offload run's, and so does the output."""
+    group = ctx.group if ctx.world_size > 1 else None
+    weights = _weights()
+    x = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(10 + ctx.rank))
+    report = {}
+    for schedule in SCHEDULES:
+        ref_out, ref_k, ref_v = _prefill(x, weights, schedule, None, group)
+        with _cache(store=store, path=path) as cache:
+            out, _, _ = _prefill(x, weights, schedule, cache, group)
+            stored = [cache.host_kv(layer) for layer in range(LAYERS)]
+        report[schedule] = (torch.equal(out, ref_out),
+                            all(torch.equal(k, rk) and torch.equal(v, rv)
+                                for (k, v), rk, rv in zip(stored, ref_k, ref_v)))
+    return report
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_offloaded_cache_equals_no_offload_every_schedule(world):
+    for rank_report in run_ranks(_schedules_match, world, "memory", timeout=60):
+        assert rank_report == {s: (True, True) for s in SCHEDULES}
+
+
+def test_mmap_store_per_rank_files(tmp_path):
+    for rank_report in run_ranks(_schedules_match, 2, "mmap", str(tmp_path), timeout=60):
+        assert rank_report == {s: (True, True) for s in SCHEDULES}
+
+
+def test_mmap_store_folder_gives_one_file_per_rank(tmp_path):
+    with _cache(store="mmap", path=str(tmp_path)) as cache:
+        assert os.path.dirname(cache.path) == str(tmp_path) and cache.path.endswith("-rank0.kv")
+        assert os.path.getsize(cache.path) == cache.host_bytes
+
+
+@pytest.mark.parametrize("store", ["memory", "mmap"])
+def test_off_is_identical(store):
+    weights, x = _weights(), torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(3))
+    results = []
+    for flag, enabled in ((True, True), (True, False), (False, True)):
+        with overlap.enabled(flag), _cache(store=store, enabled=enabled) as cache:
+            assert cache.asynchronous == (flag and enabled)
+            out, _, _ = _prefill(x, weights, "two_batch", cache)
+            results.append((out, [cache.host_kv(layer) for layer in range(LAYERS)]))
+    for out, kv in results[1:]:
+        assert torch.equal(out, results[0][0])
+        assert all(torch.equal(a, b) for (ka, va), (kb, vb) in zip(kv, results[0][1]) for a, b in ((ka, kb), (va, vb)))
+
+
+def test_device_store_keeps_everything_and_costs_more_device_memory():
+    layers = 6
+    weights, x = _weights(layers), torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(4))
+    _, ref_k, ref_v = _prefill(x, weights, "serial")
+    slot_bytes = TOKENS * HEADS * DIM * 4 * 2  # K and V of one slot
+    peaks = {}
+    for store in ("device", "memory"):
+        with _cache(n_layers=layers, store=store, ring=2) as cache:
+            _prefill(x, weights, "serial", cache)
+            peaks[store] = cache.peak_device_bytes
+            assert all(torch.equal(cache.get(layer)[0], ref_k[layer]) for layer in range(layers))
+            if store == "device":
+                assert peaks[store] == cache.peak_device_bytes == layers * slot_bytes and cache.host_bytes == 0
+            else:  # a ring of two offload slots, then a ring of two prefetch slots (get() above)
+                assert peaks[store] == 2 * slot_bytes and cache.host_bytes == layers * slot_bytes
+                assert cache.peak_device_bytes == 4 * slot_bytes
+    assert peaks["memory"] < peaks["device"]
+
+
+# ------------------------------------------------------------------ prefetch
+def _offloaded(store="memory", ring=2, **kw):
+    weights, x = _weights(), torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(5))
+    _, ref_k, ref_v = _prefill(x, weights, "two_batch")
+    cache = _cache(store=store, ring=ring, **kw)
+    _prefill(x, weights, "two_batch", cache)
+    return cache, ref_k, ref_v
+
+
+@pytest.mark.parametrize("store,ring", [("memory", 2), ("mmap", 1), ("memory", 3)])
+def test_prefetch_round_trip_is_exact(store, ring):
+    cache, ref_k, ref_v = _offloaded(store, ring)
+    with cache:
+        cache.prefetch(0)
+        for layer in range(LAYERS):
+            if layer + 1 < LAYERS:
+                cache.prefetch(layer + 1)  # copied back while this layer computes
+            k, v = cache.get(layer)
+            torch.relu(k.flatten(1) @ torch.ones(HEADS * DIM, 64))  # this layer's compute
+            assert torch.equal(k, ref_k[layer]) and torch.equal(v, ref_v[layer])
+        k, v = cache.get(1, 5, 17)  # a range that was never prefetched
+        assert torch.equal(k, ref_k[1][5:17]) and torch.equal(v, ref_v[1][5:17])
+
+
+def test_continue_from_offloaded_prefix_in_a_file(tmp_path):
+    path = str(tmp_path / "prefix.kv")
+    cache, ref_k, ref_v = _offloaded("mmap", path=path)
+    cache.close()
+    assert os.path.exists(path)  # a named file outlives the cache
+    with _cache(store="mmap", path=path, prefix_tokens=TOKENS) as resumed:
+        for layer in range(LAYERS):
+            k, v = resumed.get(layer)
+            assert torch.equal(k, ref_k[layer]) and torch.equal(v, ref_v[layer])
+
+
+def test_acquire_lets_attention_write_the_slot():
+    weights, x = _weights(), torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(6))
+    _, ref_k, ref_v = _prefill(x, weights, "serial")
+    with _cache() as cache:
+        for layer in range(LAYERS):
+            k, v = cache.acquire(layer, TOKENS)
+            k.copy_(ref_k[layer])
+            v.copy_(ref_v[layer])
+            cache.offload(layer, k, v)
+        for layer in range(LAYERS):
+            hk, hv = cache.host_kv(layer)
+            assert torch.equal(hk, ref_k[layer]) and torch.equal(hv, ref_v[layer])
+
+
+# ------------------------------------------------------------------ bad input, before any work
+class _Launches:
+    def __init__(self):
+        self.spans = []
+
+    def on_span_start(self, span):
+        self.spans.append(span.name)
+
+
+@pytest.fixture
+def launches():
+    obs = _Launches()
+    hooks.add_observer(obs)
+    yield obs.spans
+    hooks.remove_observer(obs)
+
+
+def _kv(tokens, dtype=torch.float32, heads=HEADS, dim=DIM):
+    return torch.zeros(tokens, heads, dim, dtype=dtype), torch.zeros(tokens, heads, dim, dtype=dtype)
+
+
+@pytest.mark.parametrize("args,match", [
+    (lambda: (0, *_kv(TOKENS + 1)), "chunk_tokens"),
+    (lambda: (0, *_kv(4), TOKENS - 2), "do not fit a host store of max_tokens"),
+    (lambda: (0, *_kv(4, torch.float16)), "float16, the cache holds torch.float32"),
+    (lambda: (0, *_kv(4, dim=DIM + 1)), r"shape \(4, 2, 9\), expected \(tokens, 2, 8\)"),
+    (lambda: (0, _kv(4)[0], _kv(5)[1]), "4 key tokens but 5 value tokens"),
+    (lambda: (LAYERS, *_kv(4)), "out of range"),
+    (lambda: (0, _kv(4)[0].view(4, -1), _kv(4)[1]), "expected"),
+])
+def test_bad_offload_is_refused_before_any_copy(args, match, launches):
+    with _cache() as cache:
+        with pytest.raises(OffloadError, match=match):
+            cache.offload(*args())
+        assert launches == [] and cache.tokens(0) == 0 and cache.device_bytes == 0
+
+
+def test_bad_prefetch_is_refused(launches):
+    with _cache() as cache:
+        with pytest.raises(OffloadError, match="the store holds 0 tokens"):
+            cache.prefetch(0)
+        cache.offload(0, *_kv(4))
+        launches.clear()
+        with pytest.raises(OffloadError, match=r"tokens \[0, 5\) requested, the store holds 4"):
+            cache.get(0, 0, 5)
+        assert launches == []
+
+
+def test_capacity_check_names_the_numbers():
+    with _cache() as cache:
+        cache.check_capacity(TOKENS)
+        with pytest.raises(OffloadError, match=f"host store too small: {TOKENS + 1} tokens per layer"):
+            cache.check_capacity(TOKENS + 1)
+
+
+def test_store_too_small_for_host_memory_or_disk(monkeypatch, tmp_path):
+    import overlap._kvstore as kvstore
+
+    monkeypatch.setattr(kvstore, "_available_memory", lambda: 1024)
+    with pytest.raises(OffloadError, match="host store too small.*GiB of host memory"):
+        _cache(store="memory")
+    monkeypatch.setattr(kvstore.shutil, "disk_usage", lambda p: type("U", (), {"free": 1024})())
+    with pytest.raises(OffloadError, match="host store too small.*free in"):
+        _cache(store="mmap", path=str(tmp_path / "kv.bin"))
+    assert not os.path.exists(tmp_path / "kv.bin")
+
+
+def test_existing_file_of_other_geometry_is_refused(tmp_path):
+    path = tmp_path / "kv.bin"
+    path.write_bytes(b"\0" * 100)
+    with pytest.raises(OffloadError, match="holds 100 bytes"):
+        _cache(store="mmap", path=str(path))
+    with pytest.raises(OffloadError, match="prefix_tokens=4 needs an existing mmap file"):
+        _cache(store="memory", prefix_tokens=4)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(n_layers=0), "n_layers must be >= 1"),
+    (dict(ring=0), "ring must be >= 1"),
+    (dict(chunk_tokens=TOKENS + 1), "chunk_tokens"),
+    (dict(store="disk"), "unknown store 'disk'"),
+    (dict(kv_shape=(HEADS, 0)), "positive sizes"),
+    (dict(dtype=torch.int64), "floating point"),
+])
+def test_bad_construction(kw, match):
+    with pytest.raises(OffloadError, match=match):
+        _cache(**kw)
+
+
+@pytest.mark.parametrize("path", ["ge", "aclgraph"])
+def test_graph_paths_refuse_the_copy_stream(path):
+    with overlap.use_path(path):
+        with pytest.raises(OffloadError, match=f"not available on the '{path}' path: a copy into host memory"):
+            _cache()
+        with _cache(enabled=False) as cache:  # the documented fallback: plain copies, no side stream
+            assert not cache.asynchronous
