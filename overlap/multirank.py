@@ -13,6 +13,7 @@ import dataclasses
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import shutil
 import tempfile
@@ -100,7 +101,8 @@ def _child(fn: Callable[..., Any], rank: int, world: int, store_dir: str, timeou
                                 timeout=datetime.timedelta(seconds=timeout))
         ctx = RankContext(rank, world, dist.group.WORLD, torch.device("cpu"))
         out = fn(ctx, *args, **kwargs)
-        results.put(("ok", rank, out))
+        # plain pickle: the queue's pickler would pass tensors as shared-memory handles that die with this process
+        results.put(("ok", rank, pickle.dumps(out)))
     except BaseException:
         results.put(("error", rank, traceback.format_exc()))
     finally:
@@ -177,7 +179,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: Opti
                 continue
             if status == "error":
                 raise RankFailure(f"rank {rank} of {world_size} failed:\n{payload}")
-            outputs[rank] = payload
+            outputs[rank] = pickle.loads(payload)
     finally:
         for p in procs:
             p.join(timeout=5 if len(outputs) == world_size else 0.1)

@@ -1,0 +1,96 @@
+"""The multi-rank harness: results in rank order, failures with tracebacks, hangs named."""
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from overlap.multirank import RankFailure, RankTimeout, run_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _sum_ranks(ctx, scale):
+    t = torch.tensor([float(ctx.rank)])
+    dist.all_reduce(t, group=ctx.group)
+    return ctx.rank, ctx.world_size, t.item() * scale
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_results_in_rank_order(world):
+    out = run_ranks(_sum_ranks, world, 2.0)
+    total = sum(range(world)) * 2.0
+    assert out == [(r, world, total) for r in range(world)]
+
+
+def _fail_on_rank1(ctx):
+    if ctx.rank == 1:
+        raise ValueError("boom on purpose")
+    return ctx.rank
+
+
+def test_failure_carries_rank_and_traceback():
+    with pytest.raises(RankFailure, match=r"(?s)rank 1 of 2 failed.*ValueError: boom on purpose"):
+        run_ranks(_fail_on_rank1, 2)
+
+
+def _hang_on_rank1(ctx):
+    if ctx.rank == 1:
+        time.sleep(120)
+    return ctx.rank
+
+
+def test_hang_becomes_timeout_naming_ranks():
+    t0 = time.monotonic()
+    with pytest.raises(RankTimeout, match=r"ranks \[1\] of 2 did not finish"):
+        run_ranks(_hang_on_rank1, 2, timeout=4)
+    assert time.monotonic() - t0 < 60  # the harness must not wait for the sleeper
+
+
+def _crash_on_rank0(ctx):
+    if ctx.rank == 0:
+        os._exit(3)
+    return ctx.rank
+
+
+def test_dead_rank_is_reported():
+    with pytest.raises(RankFailure, match="rank 0 died with exit code 3"):
+        run_ranks(_crash_on_rank0, 2, timeout=30)
+
+
+def _env_probe(ctx):
+    return os.environ.get("OVERLAP_ENABLE")
+
+
+def test_env_reaches_ranks():
+    assert run_ranks(_env_probe, 2, env={"OVERLAP_ENABLE": "0"}) == ["0", "0"]
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_under_torchrun_uses_the_existing_group(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import sys; sys.path.insert(0, %r)\n"
+        "from overlap.multirank import run_ranks\n"
+        "from test_multirank import _sum_ranks\n"
+        "import torch.distributed as dist\n"
+        "two = run_ranks(_sum_ranks, 2, 1.0)\n"
+        "one = run_ranks(_sum_ranks, 1, 1.0)\n"
+        "print('RESULT', dist.get_rank(), two, one, flush=True)\n" % os.path.join(ROOT, "tests"))
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.path.join(ROOT, "tests"))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", str(_free_port()), str(probe)],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = sorted(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))
+    assert lines == ["RESULT 0 [(0, 2, 1.0)] [(0, 1, 0.0)]", "RESULT 1 [(1, 2, 1.0)] []"]
