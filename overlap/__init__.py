@@ -3,6 +3,7 @@
 One vocabulary lowers to every path (see DESIGN.md): ``stream(tag)`` places work on a tagged
 stream, ``event(tag).record() / .wait()`` orders streams, ``wait_tensor`` is an ordering edge,
 ``record_stream`` keeps memory alive across streams and ``limit_cores`` splits the cores.
+``Timeline`` records what ran where and when, ``Sanitizer`` checks that streams are ordered.
 """
 from .comm import all_reduce, all_to_all_single
 from .copy import copy_
@@ -14,13 +15,17 @@ from .paths import (ENV_ENABLE, ENV_PATH, PATHS, current_path, detect_path, enab
                     set_path, use_path)
 from .streams import (COMM, COPY, MAIN, SHARED, current_stream_tag, get_stream, launch_collective, launch_host,
                       record_stream, stream, synchronize)
+from .sanitizer import Sanitizer, StreamRaceError, enable_from_env as _sanitize_from_env
+from .timeline import Timeline
 
 __all__ = [
     "COMM", "COPY", "MAIN", "SHARED", "PATHS", "ENV_ENABLE", "ENV_PATH",
-    "CoreBudget", "CoreBudgetError", "Event", "Span",
+    "CoreBudget", "CoreBudgetError", "Event", "Sanitizer", "Span", "StreamRaceError", "Timeline",
     "add_observer", "all_reduce", "all_to_all_single", "copy_", "core_budget", "current_path",
     "current_stream_tag", "detect_path", "enabled", "event", "get_stream", "is_enabled", "launch_collective",
     "launch_host", "limit_cores", "parse_budget", "read_soc_config", "record_stream", "remove_observer",
     "reset_core_limits", "set_core_budget", "set_enabled", "set_path", "span", "stream", "stream_limits",
     "synchronize", "use_path", "wait_tensor",
 ]
+
+_sanitize_from_env()  # $OVERLAP_SANITIZE=1 or =raise checks stream ordering in this process

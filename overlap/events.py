@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from . import hooks
-from .paths import current_path, is_enabled
+from .paths import _eager_in_trace, current_path, is_enabled
 from .streams import _device_module, cpu_stream, current_stream_tag
 
 
@@ -30,13 +30,7 @@ class Event:
     def _device_event(self, path: str) -> Any:
         ev = self._device.get(path)
         if ev is None:
-            if path == "aclgraph":
-                from torchair.ops import npu_create_tagged_event
-
-                ev = npu_create_tagged_event(self.tag)
-            else:
-                ev = _device_module(path).Event()
-            self._device[path] = ev
+            ev = self._device[path] = _device_module(path).Event()
         return ev
 
     def record(self, *guarded: torch.Tensor) -> None:
@@ -51,9 +45,8 @@ class Event:
         elif path in ("cuda", "npu"):
             self._device_event(path).record()
         elif path == "aclgraph":
-            from torchair.ops import npu_tagged_event_record
-
-            npu_tagged_event_record(self._device_event(path))
+            event_tag = _tagged_event(self.tag)  # first: it registers the air ops
+            torch.ops.air.tagged_event_record(event_tag)
         hooks.event_recorded(self.tag, tag)
 
     def wait(self, *consumers: torch.Tensor) -> Any:
@@ -67,9 +60,8 @@ class Event:
             elif path in ("cuda", "npu"):
                 _device_module(path).current_stream().wait_event(self._device_event(path))
             elif path == "aclgraph":
-                from torchair.ops import npu_tagged_event_wait
-
-                npu_tagged_event_wait(self._device_event(path))
+                event_tag = _tagged_event(self.tag)
+                torch.ops.air.tagged_event_wait(event_tag)
             elif path == "ge" and out:
                 if not self._guarded:
                     raise ValueError(
@@ -89,20 +81,36 @@ class Event:
                 p.wait()
         elif path in ("cuda", "npu") and path in self._device:
             self._device[path].synchronize()
-        hooks.synchronized()
+        hooks.event_synchronized(self.tag)
 
 
 _events: Dict[str, Event] = {}
+_tagged_events: Dict[str, Any] = {}  # torchair's tagged event per tag (aclgraph)
 _lock = threading.Lock()
 
 
 def event(tag: str) -> Event:
     """The event named ``tag``, created on first use."""
+    ev = _events.get(tag)
+    if ev is None:  # setdefault is atomic, so concurrent first uses share one event (and Dynamo traces it)
+        ev = _events.setdefault(tag, Event(tag))
+    return ev
+
+
+@_eager_in_trace
+def _tagged_event(tag: str) -> str:
+    """Create torchair's tagged event for ``tag`` once, as plain Python even under Dynamo; returns the tag.
+
+    ``torchair.ops.npu_tagged_event_record/wait(event)`` map the event back to its tag and emit
+    ``air.tagged_event_record/wait(tag)``; the lowering emits those ops with the tag itself, since
+    Dynamo cannot trace torchair's lock-guarded event registry.
+    """
     with _lock:
-        ev = _events.get(tag)
-        if ev is None:
-            ev = _events[tag] = Event(tag)
-        return ev
+        if tag not in _tagged_events:
+            from torchair.ops import npu_create_tagged_event
+
+            _tagged_events[tag] = npu_create_tagged_event(tag)
+    return tag
 
 
 def wait_tensor(x: torch.Tensor, *deps: torch.Tensor) -> torch.Tensor:

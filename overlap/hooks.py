@@ -10,6 +10,7 @@ checker can follow the ordering edges. With no observer installed every call is 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import itertools
 import threading
@@ -21,6 +22,8 @@ import torch
 _observers: List[Any] = []
 _lock = threading.Lock()
 _ids = itertools.count()
+# Meta of the enclosing `span` blocks (mb, layer, ...), inherited by the launches inside them.
+_context_meta: contextvars.ContextVar[Dict[str, Any]] = contextvars.ContextVar("overlap_span_meta", default={})
 
 
 @dataclasses.dataclass
@@ -77,7 +80,8 @@ def start_span(name: str, stream: str, kind: str, *, reads: Sequence[torch.Tenso
     if not _observers:
         return None
     span = Span(name=name, stream=stream, kind=kind, rank=_rank(), start=time.perf_counter(),
-                meta=dict(meta or {}), reads=tuple(reads), writes=tuple(writes), asynchronous=asynchronous)
+                meta={**_context_meta.get(), **(meta or {})}, reads=tuple(reads), writes=tuple(writes),
+                asynchronous=asynchronous)
     _notify("on_span_start", span)
     return span
 
@@ -99,9 +103,11 @@ def span(name: str, kind: str = "compute", **meta: Any) -> Iterator[Optional[Spa
     from .streams import current_stream_tag
 
     s = start_span(name, current_stream_tag(), kind, meta=meta)
+    token = _context_meta.set({**_context_meta.get(), **meta})
     try:
         yield s
     finally:
+        _context_meta.reset(token)
         end_span(s)
 
 
@@ -116,5 +122,16 @@ def event_waited(event_name: str, stream: str) -> None:
 
 
 def synchronized() -> None:
+    """The host waited for all work on all streams."""
     if _observers:
         _notify("on_synchronize")
+
+
+def event_synchronized(event_name: str) -> None:
+    """The host waited for one event; observers without ``on_event_synchronize`` see a full synchronisation."""
+    for obs in list(_observers):
+        fn = getattr(obs, "on_event_synchronize", None)
+        if fn is not None:
+            fn(event_name)
+        elif getattr(obs, "on_synchronize", None) is not None:
+            obs.on_synchronize()

@@ -1,0 +1,331 @@
+"""A happens-before checker for the toolkit's logical streams (runs on CPU, models device semantics).
+
+In the spirit of PyTorch's CUDA sanitizer, but on the tags of `overlap.stream`, so a missing
+wait shows up on a CPU machine even when the CPU happened to run things in a safe order:
+
+- every stream has a vector clock; each operation on a stream advances the stream's own entry;
+  ``event.record`` on stream S snapshots S's clock and ``event.wait`` on stream T merges that
+  snapshot into T's; ``overlap.synchronize()`` (the host waits for everything) joins all clocks,
+  ``Event.synchronize()`` merges the event into every stream;
+- tensor accesses of compute on the host thread are seen through a ``TorchDispatchMode`` and
+  belong to ``overlap.current_stream_tag()``; collectives and copies launched through the
+  primitives declare their ``reads`` / ``writes`` and belong to the stream they were launched on,
+  at launch time (their internal ops and anything run on other threads are not looked at);
+- a read of a tensor whose last write came from another stream, or a write of a tensor last read
+  or written on another stream, without an ordering edge in between, is a race.
+
+Tensors are identified by their storage (device, ``untyped_storage().data_ptr()``). A storage
+freed and reused at the same address is forgotten conservatively: every operation that returns a
+new tensor (not a view of an input) starts a fresh history for its storage, and the ``empty``
+family only allocates, it does not count as a write.
+
+Use ``with Sanitizer():`` (raises `StreamRaceError` on the first race; ``raise_on_race=False``
+collects them in ``.races`` and logs them), or set ``OVERLAP_SANITIZE=1`` (log races) or
+``OVERLAP_SANITIZE=raise`` and call `enable_from_env` (``import overlap`` does so when the variable
+is set at import time).
+"""
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import os
+import threading
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from . import hooks
+from .hooks import Span
+
+ENV_SANITIZE = "OVERLAP_SANITIZE"
+log = logging.getLogger(__name__)
+
+_ALLOCATORS = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
+_StorageKey = Tuple[str, int]
+Clock = Dict[str, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Access:
+    """One access to a tensor: which stream, the stream's sequence number then, and which operation."""
+
+    stream: str
+    seq: int
+    op: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Race:
+    """Two unordered accesses to one tensor from different streams."""
+
+    kind: str  # "read after write", "write after read" or "write after write"
+    previous: Access
+    current: Access
+    shape: Tuple[int, ...]
+    dtype: str
+
+    def __str__(self) -> str:
+        first, then = self.kind.split(" after ")[::-1]
+        return (f"stream race ({self.kind}) on a tensor of shape {tuple(self.shape)} {self.dtype}: "
+                f"{first} by {self.previous.op!r} on stream {self.previous.stream!r}, then {then} by "
+                f"{self.current.op!r} on stream {self.current.stream!r} with no event wait (or "
+                f"synchronize) ordering them; record an event after the first and wait on it before the second")
+
+
+class StreamRaceError(RuntimeError):
+    """Raised by a `Sanitizer` in test mode on the first race."""
+
+    def __init__(self, race: Race):
+        super().__init__(str(race))
+        self.race = race
+
+
+@dataclasses.dataclass
+class _History:
+    last_write: Optional[Access] = None
+    reads: Dict[str, Access] = dataclasses.field(default_factory=dict)  # latest read per stream
+
+
+def _storage_key(t: torch.Tensor) -> Optional[_StorageKey]:
+    try:
+        if t.device.type == "meta" or t.numel() == 0:
+            return None
+        ptr = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):  # fake, sparse or functional tensors
+        return None
+    return (str(t.device), ptr) if ptr else None
+
+
+def _tensors(value: Any) -> List[torch.Tensor]:
+    return [x for x in tree_leaves(value) if isinstance(x, torch.Tensor)]
+
+
+def _merge(into: Clock, other: Clock) -> None:
+    for k, v in other.items():
+        if v > into.get(k, 0):
+            into[k] = v
+
+
+class _Mode(TorchDispatchMode):
+    def __init__(self, sanitizer: "Sanitizer"):
+        super().__init__()
+        self.sanitizer = sanitizer
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        pending = self.sanitizer._before_op(func, args, kwargs)
+        out = func(*args, **kwargs)
+        if pending is not None:
+            self.sanitizer._after_op(pending, out)
+        return out
+
+
+class Sanitizer:
+    """Context manager that checks stream ordering while active; see the module docstring."""
+
+    def __init__(self, raise_on_race: bool = True, log_races: bool = True):
+        self.raise_on_race = raise_on_race
+        self.log_races = log_races
+        self.races: List[Race] = []
+        self._seen: Set[Tuple[str, str, str, str, str]] = set()
+        self._clocks: Dict[str, Clock] = {}
+        self._host: Clock = {}  # what the host has waited for; every later launch is ordered after it
+        self._events: Dict[str, Clock] = {}
+        self._history: Dict[_StorageKey, _History] = {}
+        self._lock = threading.RLock()
+        self._local = threading.local()
+        self._mode: Optional[_Mode] = None
+        self._owner: Optional[int] = None
+
+    # lifecycle
+    def __enter__(self) -> "Sanitizer":
+        self._owner = threading.get_ident()
+        hooks.add_observer(self)
+        self._mode = _Mode(self)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            if self._mode is not None:
+                self._mode.__exit__(*exc)
+        finally:
+            self._mode = None
+            hooks.remove_observer(self)
+
+    # clocks
+    def _clock(self, stream: str) -> Clock:
+        c = self._clocks.get(stream)
+        if c is None:
+            c = self._clocks[stream] = {stream: 0}
+        _merge(c, self._host)
+        return c
+
+    def _tick(self, stream: str) -> int:
+        c = self._clock(stream)
+        c[stream] = c.get(stream, 0) + 1
+        return c[stream]
+
+    # the core check
+    def _access(self, stream: str, op: str, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor],
+                fresh: Sequence[torch.Tensor] = ()) -> None:
+        with self._lock:
+            seq = self._tick(stream)
+            now = self._clocks[stream]
+            me = Access(stream, seq, op)
+            written = {k: t for t in writes if (k := _storage_key(t)) is not None}
+            read = {k: t for t in reads if (k := _storage_key(t)) is not None and k not in written}
+            for key, t in list(read.items()) + list(written.items()):
+                h = self._history.get(key)
+                if h is None:
+                    continue
+                w = h.last_write
+                if w is not None and w.stream != stream and w.seq > now.get(w.stream, 0):
+                    self._report("write after write" if key in written else "read after write", w, me, t)
+                if key in written:
+                    for r in h.reads.values():
+                        if r.stream != stream and r.seq > now.get(r.stream, 0):
+                            self._report("write after read", r, me, t)
+            for key in read:
+                self._history.setdefault(key, _History()).reads[stream] = me
+            for key in written:
+                self._history[key] = _History(last_write=me)
+            for t in fresh:
+                key = _storage_key(t)
+                if key is not None and key not in written:
+                    self._history[key] = _History(last_write=me)
+
+    def _report(self, kind: str, previous: Access, current: Access, t: torch.Tensor) -> None:
+        race = Race(kind, previous, current, tuple(t.shape), str(t.dtype).replace("torch.", ""))
+        sig = (kind, previous.stream, previous.op, current.stream, current.op)
+        if sig not in self._seen:
+            self._seen.add(sig)
+            self.races.append(race)
+            if self.log_races and not self.raise_on_race:
+                log.warning("%s", race)
+        if self.raise_on_race:
+            raise StreamRaceError(race)
+
+    # TorchDispatchMode side
+    def _suppressed(self) -> Set[int]:
+        s = getattr(self._local, "open", None)
+        if s is None:
+            s = self._local.open = set()
+        return s
+
+    def _before_op(self, func: Any, args: Any, kwargs: Any) -> Any:
+        if threading.get_ident() != self._owner or self._suppressed():
+            return None
+        if func.namespace == "c10d":  # a collective's own ops: seen through its span instead
+            return None
+        schema = func._schema
+        name = func.overloadpacket.__name__
+        if name in _ALLOCATORS:
+            return ("alloc",)
+        if any(r.alias_info is not None for r in schema.returns) and not any(
+                a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
+            return None  # a view: metadata only, no data is touched
+        reads: List[torch.Tensor] = []
+        writes: List[torch.Tensor] = []
+        for i, arg in enumerate(schema.arguments):
+            if i < len(args):
+                value = args[i]
+            elif arg.name in kwargs:
+                value = kwargs[arg.name]
+            else:
+                continue
+            tensors = _tensors(value)
+            (writes if arg.alias_info is not None and arg.alias_info.is_write else reads).extend(tensors)
+        from .streams import current_stream_tag
+
+        stream = current_stream_tag()
+        op = str(func.overloadpacket)
+        self._access(stream, op, reads, writes)
+        return (stream, op)
+
+    def _after_op(self, pending: Any, out: Any) -> None:
+        fresh = _tensors(out)
+        if pending[0] == "alloc":
+            with self._lock:
+                for t in fresh:
+                    key = _storage_key(t)
+                    if key is not None:
+                        self._history.pop(key, None)
+            return
+        stream, op = pending
+        with self._lock:
+            seq = self._clocks[stream][stream]
+            for t in fresh:
+                key = _storage_key(t)
+                h = self._history.get(key) if key is not None else None
+                # a new tensor: forget whatever this address held before (freed and reused)
+                if key is not None and (h is None or h.last_write is None or h.last_write.seq != seq
+                                        or h.last_write.stream != stream):
+                    self._history[key] = _History(last_write=Access(stream, seq, op))
+
+    # hooks observer
+    def on_span_start(self, span: Span) -> None:
+        if not (span.reads or span.writes):
+            return
+        if not span.asynchronous:
+            self._suppressed().add(span.id)  # its inline ops (e.g. the copy itself) are this span
+        try:
+            self._access(span.stream, span.name, span.reads, span.writes)
+        except StreamRaceError:
+            self._suppressed().discard(span.id)
+            raise
+
+    def on_span_end(self, span: Span) -> None:
+        s = getattr(self._local, "open", None)
+        if s:
+            s.discard(span.id)
+
+    def on_event_record(self, name: str, stream: str) -> None:
+        with self._lock:
+            self._events[name] = dict(self._clock(stream))
+
+    def on_event_wait(self, name: str, stream: str) -> None:
+        with self._lock:
+            ev = self._events.get(name)
+            if ev is not None:
+                _merge(self._clock(stream), ev)
+
+    def on_event_synchronize(self, name: str) -> None:
+        with self._lock:
+            ev = self._events.get(name)
+            if ev is not None:
+                _merge(self._host, ev)
+
+    def on_synchronize(self) -> None:
+        with self._lock:
+            for c in self._clocks.values():
+                _merge(self._host, c)
+
+    def report(self) -> str:
+        """The races found so far, one per line ("no stream races" when clean)."""
+        return "\n".join(map(str, self.races)) or "no stream races"
+
+
+_global: Optional[Sanitizer] = None
+
+
+def enable_from_env() -> Optional[Sanitizer]:
+    """Start a process-wide sanitizer when ``$OVERLAP_SANITIZE`` asks for one (idempotent).
+
+    ``1`` / ``warn`` logs each race and prints a summary at exit; ``raise`` raises on the first.
+    The dispatch mode is entered on the calling thread, which should be the one launching work.
+    """
+    global _global
+    value = os.environ.get(ENV_SANITIZE, "").strip().lower()
+    if value in ("", "0", "false", "off", "no"):
+        return None
+    if value not in ("1", "true", "on", "yes", "warn", "raise"):
+        raise ValueError(f"${ENV_SANITIZE}={value!r}: expected 0, 1, warn or raise")
+    if _global is None:
+        _global = Sanitizer(raise_on_race=value == "raise").__enter__()
+        atexit.register(lambda: _global is not None and _global.races and log.warning(
+            "overlap sanitizer: %d stream race(s)\n%s", len(_global.races), _global.report()))
+    return _global

@@ -1,0 +1,186 @@
+"""The stream sanitizer: a missing wait is caught on CPU, the correct schedule is clean, results unchanged."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import overlap
+from overlap import COMM, COPY, MAIN, SHARED, Sanitizer, StreamRaceError
+from overlap.multirank import run_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True)
+def _cpu():
+    overlap.set_path("cpu")
+    yield
+    overlap.synchronize()
+
+
+def _offload(src: torch.Tensor, wait: bool) -> torch.Tensor:
+    """Copy on the offload stream, then use the copy on the main stream (with or without the wait)."""
+    dst = torch.empty_like(src)
+    ev = overlap.event("test_offload")
+    with overlap.stream(COPY):
+        overlap.copy_(dst, src)
+        ev.record()
+    if wait:
+        dst = ev.wait(dst)
+    return dst * 2
+
+
+def test_missing_wait_after_copy_is_caught():
+    src = torch.randn(32, 16)
+    with pytest.raises(StreamRaceError) as err:
+        with Sanitizer():
+            _offload(src, wait=False)
+    race = err.value.race
+    assert race.kind == "read after write"
+    assert (race.previous.stream, race.previous.op) == (COPY, "copy")
+    assert race.current.stream == MAIN and "mul" in race.current.op
+    assert race.shape == (32, 16)
+    for word in (COPY, MAIN, "copy", "mul", "(32, 16)"):
+        assert word in str(err.value)
+
+
+def test_correct_copy_is_clean_and_results_unchanged():
+    src = torch.randn(32, 16)
+    expected = _offload(src, wait=True)
+    with Sanitizer() as san:
+        got = _offload(src, wait=True)
+    assert san.races == []
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(got, src * 2)
+
+
+def _shared_expert(x: torch.Tensor, w: torch.Tensor, wait: bool) -> torch.Tensor:
+    """The shared expert on its own stream beside main-stream work, then summed on main."""
+    start, done = overlap.event("test_shared_in"), overlap.event("test_shared_out")
+    h = torch.relu(x)
+    start.record()
+    with overlap.stream(SHARED):
+        start.wait()
+        s = h @ w
+        done.record()
+    r = h * 3
+    if wait:
+        done.wait()
+    return r + s
+
+
+def test_inline_compute_on_side_stream_needs_its_wait():
+    x, w = torch.randn(8, 8), torch.randn(8, 8)
+    expected = _shared_expert(x, w, wait=True)
+    with Sanitizer() as san:
+        got = _shared_expert(x, w, wait=True)
+    assert san.races == []
+    torch.testing.assert_close(got, expected)
+    with Sanitizer(raise_on_race=False) as san:
+        _shared_expert(x, w, wait=False)
+    assert [(r.kind, r.previous.stream, r.current.stream) for r in san.races] == [
+        ("read after write", SHARED, MAIN)]
+    assert "mm" in san.races[0].previous.op and "add" in san.races[0].current.op
+
+
+def test_write_after_read_and_synchronize():
+    x = torch.randn(16)
+    out = torch.empty(16)
+    with Sanitizer(raise_on_race=False) as san:
+        with overlap.stream(COPY):
+            overlap.copy_(out, x)  # reads x on the copy stream
+        x.add_(1)  # overwrites x on main before the copy is known to be done
+    assert [r.kind for r in san.races] == ["write after read"]
+    assert san.races[0].previous.stream == COPY
+    with Sanitizer() as san:
+        with overlap.stream(COPY):
+            overlap.copy_(out, x)
+        overlap.synchronize()  # the host waited for everything
+        x.add_(1)
+        out.sum()
+    assert san.races == []
+
+
+def test_allocation_is_not_a_write_and_views_are_not_accesses():
+    src = torch.randn(4, 6)
+    with Sanitizer() as san:
+        buf = torch.empty(6, 4).t()  # allocated and viewed on main, filled on the copy stream
+        ev = overlap.event("test_alloc")
+        with overlap.stream(COPY):
+            overlap.copy_(buf, src)
+            ev.record()
+        ev.wait()
+        total = buf.sum()
+    assert san.races == []
+    torch.testing.assert_close(total, src.sum())
+
+
+def test_disabled_overlap_is_single_stream_and_clean():
+    src = torch.randn(5, 3)
+    with overlap.enabled(False), Sanitizer() as san:
+        got = _offload(src, wait=False)
+    assert san.races == []
+    torch.testing.assert_close(got, src * 2)
+
+
+def test_environment_variable_enables_test_mode():
+    script = ("import torch, overlap\n"
+              "overlap.set_path('cpu')\n"
+              "src = torch.randn(4); dst = torch.empty(4)\n"
+              "with overlap.stream(overlap.COPY):\n"
+              "    overlap.copy_(dst, src)\n"
+              "print((dst + 1).sum())\n")
+    env = dict(os.environ, OVERLAP_SANITIZE="raise", PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "StreamRaceError" in proc.stderr and "kv_offload" in proc.stderr
+    env["OVERLAP_SANITIZE"] = "bogus"
+    proc = subprocess.run([sys.executable, "-c", "import overlap"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode != 0 and "OVERLAP_SANITIZE" in proc.stderr
+
+
+def _dispatch(ctx, x: torch.Tensor, wait: bool) -> torch.Tensor:
+    out = torch.empty_like(x)
+    ready, sent = overlap.event("test_a2a_ready"), overlap.event("test_a2a_sent")
+    ready.record()
+    with overlap.stream(COMM):
+        ready.wait()
+        overlap.all_to_all_single(out, x, group=ctx.group, name="dispatch")
+        sent.record()
+    y = torch.ones(4, 4) @ torch.ones(4, 4)  # independent main-stream work
+    if wait:
+        out = sent.wait(out)
+    return out * 2 + y.sum()
+
+
+def _rank_body(ctx, mode: str):
+    torch.manual_seed(ctx.rank)
+    overlap.set_path("cpu")
+    x = torch.arange(8 * 3, dtype=torch.float32).reshape(8, 3) + 100 * ctx.rank
+    serial = overlap.enabled(False)
+    with serial:
+        reference = _dispatch(ctx, x, wait=True)
+    if mode == "correct":
+        with Sanitizer() as san:
+            got = _dispatch(ctx, x, wait=True)
+        overlap.synchronize()
+        return reference, got, [str(r) for r in san.races]
+    with Sanitizer(raise_on_race=False) as san:
+        got = _dispatch(ctx, x, wait=False)
+    overlap.synchronize()
+    return reference, None, [(r.kind, r.previous.stream, r.previous.op, r.current.stream, r.shape)
+                             for r in san.races]
+
+
+def test_all_to_all_schedule_clean_and_unchanged():
+    for reference, got, races in run_ranks(_rank_body, 2, "correct", timeout=60):
+        assert races == []
+        torch.testing.assert_close(got, reference)
+
+
+def test_all_to_all_missing_wait_is_caught():
+    for _, _, races in run_ranks(_rank_body, 2, "missing", timeout=60):
+        assert ("read after write", COMM, "dispatch", MAIN, (8, 3)) in races

@@ -1,0 +1,137 @@
+"""The timeline: spans for every launch, real completion times on CPU, Chrome trace, PNG and metrics."""
+import json
+
+import pytest
+import torch
+
+import overlap
+from overlap import COMM, COPY, MAIN, Span, Timeline, hooks
+from overlap.multirank import run_ranks
+from overlap.streams import cpu_stream
+from overlap.timeline import chrome_trace, find, intersects, metrics, save_png
+
+
+@pytest.fixture(autouse=True)
+def _cpu():
+    overlap.set_path("cpu")
+    yield
+    overlap.synchronize()
+
+
+def test_off_by_default():
+    assert not hooks.active()
+    assert hooks.start_span("x", MAIN, "compute") is None
+    with Timeline() as tl:
+        assert hooks.active()
+    assert not hooks.active() and not tl.active
+
+
+def test_records_launches_with_meta_and_async_completion():
+    src = torch.randn(256, 256)
+    dst = torch.empty_like(src)
+    ev = overlap.event("test_tl_copy")
+    with Timeline() as tl:
+        with overlap.span("layer", mb=1, layer=2):
+            with overlap.stream(COPY):
+                overlap.copy_(dst, src, name="offload")
+                ev.record()
+            with overlap.span("attn"):
+                y = src @ src
+            ev.wait()
+    torch.testing.assert_close(dst, src)
+    copy, = tl.find(name="offload")
+    attn, = tl.find("attn", stream=MAIN, kind="compute")
+    assert (copy.stream, copy.kind, copy.asynchronous, copy.rank) == (COPY, "copy", True, 0)
+    assert copy.meta == {"mb": 1, "layer": 2} and attn.meta == {"mb": 1, "layer": 2}
+    assert copy.reads == () and copy.writes == ()  # the timeline keeps no tensors alive
+    assert tl.find(layer=2, mb=1) == tl.spans and tl.find(layer=3) == []
+    assert all(s.end >= s.start for s in tl.spans)
+    layer, = tl.find("layer")
+    assert layer.start <= copy.start and copy.end <= layer.end
+    assert y.shape == (256, 256)
+
+
+def _span(name, stream, kind, start, end, rank=0):
+    return Span(name=name, stream=stream, kind=kind, rank=rank, start=start, end=end)
+
+
+def test_metrics_by_hand():
+    spans = [_span("a0", MAIN, "compute", 0.0, 2.0), _span("a1", MAIN, "compute", 1.0, 3.0),  # union 0..3
+             _span("d", COMM, "comm", 2.0, 5.0),  # 1 s of 3 under compute
+             _span("c", COPY, "copy", 10.0, 11.0),
+             _span("x", MAIN, "compute", 0.0, 1.0, rank=1), _span("y", COMM, "comm", 1.0, 2.0, rank=1)]
+    m = metrics(spans)
+    r0 = m.per_rank[0]
+    assert r0.busy == {MAIN: 3.0, COMM: 3.0, COPY: 1.0}
+    assert m.overlap(MAIN, COMM, rank=0) == 1.0 and m.overlap(COMM, MAIN, rank=0) == 1.0
+    assert m.ratio(MAIN, COMM, rank=0) == pytest.approx(1 / 3)
+    assert m.ratio(MAIN, COPY, rank=0) == 0.0
+    assert r0.hidden_share == pytest.approx(1 / 3)
+    assert m.per_rank[1].hidden_share == 0.0
+    assert m.hidden_share == pytest.approx(1 / 4)
+    assert r0.busiest_pair() == tuple(sorted((MAIN, COMM)))
+    assert intersects(spans[0], spans[1]) and not intersects(spans[0], spans[2])  # touching is not overlap
+    assert find(spans, stream=COMM, rank=1) == [spans[5]]
+    with pytest.raises(ValueError, match="pass rank="):
+        m.ratio(MAIN, COMM)
+
+
+def _overlapped_rank(ctx):
+    """all_to_all on the comm stream while a matmul loop runs on the main stream; returns gathered spans."""
+    overlap.set_path("cpu")
+    torch.manual_seed(ctx.rank)
+    x = torch.randn(ctx.world_size * 512, 256) + ctx.rank
+    out = torch.empty_like(x)
+    a = torch.randn(96, 96)
+    sent = overlap.event("test_tl_sent")
+    with Timeline() as tl:
+        with overlap.stream(COMM):
+            overlap.all_to_all_single(out, x, group=ctx.group, name="dispatch", mb=0, layer=0)
+            sent.record()
+        with overlap.span("experts", mb=1, layer=0):
+            for i in range(2000):  # until the exchange has completed (bounded)
+                a = torch.tanh(a @ a)
+                if i >= 3 and not cpu_stream(COMM).snapshot():
+                    break
+        out = sent.wait(out)
+    expected = [torch.empty_like(x) for _ in range(ctx.world_size)]
+    torch.distributed.all_gather(expected, x, group=ctx.group)
+    rows = x.shape[0] // ctx.world_size
+    want = torch.cat([e[ctx.rank * rows:(ctx.rank + 1) * rows] for e in expected])
+    torch.testing.assert_close(out, want)
+    return tl.gather(ctx.group)
+
+
+def test_two_ranks_comm_hidden_under_compute(tmp_path):
+    gathered = run_ranks(_overlapped_rank, 2, timeout=90)
+    assert [[(s.rank, s.name) for s in g] for g in gathered[1:]] == [[(s.rank, s.name) for s in gathered[0]]]
+    spans = gathered[0]
+    for rank in (0, 1):
+        comm, = find(spans, name="dispatch", rank=rank)
+        compute, = find(spans, name="experts", rank=rank)
+        assert (comm.stream, comm.kind, comm.asynchronous, comm.meta) == (COMM, "comm", True, {"mb": 0, "layer": 0})
+        assert compute.stream == MAIN and compute.meta == {"mb": 1, "layer": 0}
+        assert intersects(comm, compute), f"rank {rank}: the exchange did not run under the matmuls"
+        assert metrics(spans).per_rank[rank].hidden_comm_time > 0
+
+    path = tmp_path / "trace.json"
+    Timeline().save_chrome_trace(str(path), spans=spans)
+    trace = json.loads(path.read_text())
+    events = trace["traceEvents"]
+    procs = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert procs == {0: "rank 0", 1: "rank 1"}
+    assert sorted(set(threads.values())) == sorted({MAIN, COMM})
+    slices = [e for e in events if e["ph"] == "X"]
+    assert sorted((e["pid"], threads[(e["pid"], e["tid"])], e["name"], e["cat"]) for e in slices) == [
+        (0, MAIN, "experts", "compute"), (0, COMM, "dispatch", "comm"),
+        (1, MAIN, "experts", "compute"), (1, COMM, "dispatch", "comm")]
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in slices)
+    assert all(e["args"]["layer"] == 0 for e in slices)
+    assert trace["otherData"]["generator"] == "npu-overlap"
+    assert chrome_trace(spans) == trace
+
+    png = tmp_path / "timeline.png"
+    pytest.importorskip("matplotlib")
+    save_png(spans, str(png), title="two ranks")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
