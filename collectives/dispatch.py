@@ -1,0 +1,215 @@
+"""Expert-parallel dispatch and combine over uneven ``all_to_all_single``, asynchronous in DeepEP's style.
+
+``dispatch`` sends each token at most once to each rank that holds one of its experts and
+returns a `DispatchHandle`; the receiver expands rows to its local experts (`DispatchHandle.expand`).
+``combine`` reduces the expert outputs of each received row with its weights (slot order), sends
+the rows back, and `CombineHandle.wait` sums them per token in rank order: deterministic.
+
+Streams: with ``stream_tag`` (default the EP communication stream) the exchange is issued on that
+stream after ``previous_event`` (or after the work issued so far on the calling stream) and the
+handle carries an event recorded after it; ``async_finish=True`` returns at once and the caller
+must ``wait()`` on the handle before touching the received tensors. With ``stream_tag=None`` the
+exchange is issued on the current stream and ordering is the caller's job (the pipeline executor).
+
+Host synchronisation: the receiver must know how many rows it gets before it can allocate and
+issue the exchange, so ``dispatch`` first exchanges the counts and reads them on the host (it
+blocks until every rank has reached its dispatch). Callers that know the split sizes pass
+``send_splits`` and ``recv_splits`` and skip it; that is required under ``torch.compile``.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Iterator, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+import overlap
+from overlap.streams import COMM
+
+from .layout import (DispatchLayout, ExpertBatch, LayoutError, check_routing, check_splits, compute_layout, expand,
+                     pack_metadata, reduce_local, reduce_ranks)
+
+
+def group_size(group: Optional[dist.ProcessGroup]) -> int:
+    """Size of the expert-parallel group (1 without an initialised process group)."""
+    if not dist.is_available() or not dist.is_initialized():
+        if group is not None:
+            raise LayoutError("an expert-parallel group was given but torch.distributed is not initialised")
+        return 1
+    return dist.get_world_size(group)
+
+
+@contextlib.contextmanager
+def _side(stream_tag: Optional[str], previous_event: Optional[overlap.Event], event_tag: str) -> Iterator[str]:
+    """Enter ``stream_tag`` ordered after ``previous_event`` (default: after the calling stream's work)."""
+    caller = overlap.current_stream_tag()
+    if stream_tag is None or stream_tag == caller:
+        if previous_event is not None:
+            previous_event.wait()
+        yield caller
+        return
+    if previous_event is None:
+        previous_event = overlap.event(f"{event_tag}.prev")
+        previous_event.record()
+    with overlap.stream(stream_tag):
+        previous_event.wait()
+        yield caller
+
+
+def _exchange(x: torch.Tensor, out_rows: int, recv_splits: List[int], send_splits: List[int],
+              group: Optional[dist.ProcessGroup], name: str, caller: str, **meta) -> torch.Tensor:
+    out = x.new_empty((out_rows,) + tuple(x.shape[1:]))
+    if group_size(group) == 1 and not dist.is_initialized():
+        out.copy_(x)
+    else:
+        overlap.all_to_all_single(out, x, recv_splits, send_splits, group=group, name=name, **meta)
+    overlap.record_stream(x, overlap.current_stream_tag())
+    overlap.record_stream(out, caller)
+    return out
+
+
+def exchange_counts(layout: DispatchLayout, group: Optional[dist.ProcessGroup],
+                    event_tag: str = "ep_dispatch.counts") -> tuple:
+    """Tell every rank how many rows, and how many (row, expert) pairs per local expert, it gets from us.
+
+    Returns ``(recv_splits, recv_per_expert)`` as host lists. Blocks the host until the counts arrive.
+    """
+    w, epr = layout.world_size, layout.experts_per_rank
+    send = torch.cat([layout.num_tokens_per_rank.view(w, 1), layout.num_tokens_per_expert.view(w, epr)], dim=1)
+    if w == 1 and not dist.is_initialized():
+        recv = send.clone()
+    else:
+        recv = torch.empty_like(send)
+        overlap.all_to_all_single(recv, send, group=group, name="dispatch.counts")
+        ev = overlap.event(event_tag)
+        ev.record(recv)
+        ev.synchronize()
+    rows = recv.tolist()
+    recv_splits = [r[0] for r in rows]
+    per_expert = [sum(r[1 + e] for r in rows) for e in range(epr)]
+    return recv_splits, per_expert
+
+
+@dataclasses.dataclass
+class DispatchHandle:
+    """What a dispatch received, and what combine needs to send it back."""
+
+    layout: DispatchLayout
+    recv_x: torch.Tensor  # [R, H] received tokens, by source rank then source token order
+    recv_meta: torch.Tensor  # [R, 2k] float32: local expert ids (-1: elsewhere), then weights
+    recv_splits: List[int]
+    num_recv_tokens_per_expert: Optional[List[int]]  # known after the count exchange
+    group: Optional[dist.ProcessGroup]
+    dtype: torch.dtype
+    event: Optional[overlap.Event] = None
+
+    @property
+    def recv_ids(self) -> torch.Tensor:
+        return self.recv_meta[:, : self.layout.top_k].long()
+
+    @property
+    def recv_weights(self) -> torch.Tensor:
+        return self.recv_meta[:, self.layout.top_k:]
+
+    def wait(self) -> "DispatchHandle":
+        """Make the current stream wait for the exchange; then the received tensors may be read."""
+        if self.event is not None:
+            # No consumer tensors: on ge the received tensors' own data edges order their readers.
+            self.event.wait()
+            self.event = None
+        return self
+
+    def expand(self, counts: Optional[Sequence[int]] = None) -> ExpertBatch:
+        """Received rows expanded to local experts; ``counts`` (rows per local expert) avoids a host read."""
+        if self.event is not None:
+            raise RuntimeError("DispatchHandle.expand before wait(): the exchange may still be in flight")
+        if counts is None:
+            counts = self.num_recv_tokens_per_expert
+        return expand(self.recv_x, self.recv_meta, self.layout.experts_per_rank, counts)
+
+
+def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
+             group: Optional[dist.ProcessGroup] = None, *, send_splits: Optional[Sequence[int]] = None,
+             recv_splits: Optional[Sequence[int]] = None, previous_event: Optional[overlap.Event] = None,
+             async_finish: bool = False, stream_tag: Optional[str] = COMM, event_tag: str = "ep_dispatch",
+             check_ids: bool = True) -> DispatchHandle:
+    """Send tokens ``x [T, H]`` to the ranks holding their experts (once per rank); see the module docstring.
+
+    ``send_splits`` / ``recv_splits``: rows sent to / received from each rank, when known; both
+    skip the count exchange and its host synchronisation. Input is validated before any collective.
+    """
+    world = group_size(group)
+    check_routing(x, topk_idx, topk_weights, num_experts, world, check_ids)
+    if (send_splits is None) != (recv_splits is None):
+        raise LayoutError("pass both send_splits and recv_splits, or neither")
+    if recv_splits is not None:
+        recv_splits = check_splits("receive split sizes", recv_splits, world)
+    layout = compute_layout(topk_idx, num_experts, world, send_splits)
+    send_meta = pack_metadata(layout, topk_idx, topk_weights)
+    send_x = x[layout.send_token]
+    with _side(stream_tag, previous_event, event_tag) as caller:
+        per_expert = None
+        if recv_splits is None:
+            recv_splits, per_expert = exchange_counts(layout, group)
+        rows = sum(recv_splits)
+        recv_x = _exchange(send_x, rows, recv_splits, layout.send_splits, group, "dispatch", caller)
+        recv_meta = _exchange(send_meta, rows, recv_splits, layout.send_splits, group, "dispatch.meta", caller)
+        handle = DispatchHandle(layout, recv_x, recv_meta, recv_splits, per_expert, group, x.dtype)
+        if stream_tag is not None and stream_tag != caller:
+            handle.event = overlap.event(event_tag)
+            handle.event.record(recv_x, recv_meta)
+    if not async_finish:
+        handle.wait()
+    return handle
+
+
+@dataclasses.dataclass
+class CombineHandle:
+    """Rows sent back by every rank; `wait` sums them into their tokens."""
+
+    layout: DispatchLayout
+    returned: torch.Tensor  # [S, H], in the order the rows were sent
+    dtype: torch.dtype
+    event: Optional[overlap.Event] = None
+
+    def wait(self) -> torch.Tensor:
+        """Wait for the exchange on the current stream and return the combined tokens ``[T, H]``."""
+        if self.event is not None:
+            self.event.wait()
+            self.event = None
+        return reduce_ranks(self.returned, self.layout, self.returned.shape[-1]).to(self.dtype)
+
+
+def combine(expert_out: torch.Tensor, batch: ExpertBatch, handle: DispatchHandle, *,
+            previous_event: Optional[overlap.Event] = None, async_finish: bool = False,
+            stream_tag: Optional[str] = COMM, event_tag: str = "ep_combine",
+            dtype: Optional[torch.dtype] = None) -> CombineHandle:
+    """Reduce local expert outputs per received row with their weights and send the rows back.
+
+    ``expert_out`` is ``[N, H]`` in the order of ``batch`` (from `DispatchHandle.expand`). Rows
+    travel in ``dtype`` (default: the dispatched tokens' dtype, as DeepEP does; float32 avoids
+    one rounding for half-precision models).
+    """
+    if handle.event is not None:
+        raise RuntimeError("combine before the dispatch handle was waited on")
+    if expert_out.dim() != 2 or expert_out.shape[0] != batch.rows.shape[0]:
+        raise LayoutError(f"expert output must be [{batch.rows.shape[0]}, hidden] (one row per expanded token), "
+                          f"got shape {tuple(expert_out.shape)}")
+    partial = reduce_local(expert_out, batch, handle.recv_weights).to(dtype or handle.dtype)
+    layout = handle.layout
+    with _side(stream_tag, previous_event, event_tag) as caller:
+        returned = _exchange(partial, layout.num_send, layout.send_splits, handle.recv_splits, handle.group,
+                             "combine", caller)
+        result = CombineHandle(layout, returned, handle.dtype)
+        if stream_tag is not None and stream_tag != caller:
+            result.event = overlap.event(event_tag)
+            result.event.record(returned)
+    if not async_finish and result.event is not None:
+        result.event.wait()
+        result.event = None
+    return result
+
+
+__all__ = ["CombineHandle", "DispatchHandle", "combine", "dispatch", "exchange_counts", "group_size"]

@@ -1,0 +1,198 @@
+"""Dispatch / combine: exchange correctness on 1, 2 and 4 gloo ranks, deduplication, async, validation."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import overlap
+from collectives import LayoutError, combine, compute_layout, dispatch
+from collectives.dispatch import DispatchHandle
+from overlap.multirank import run_ranks
+
+H = 16
+
+
+def _routing(rank: int, tokens: int, experts: int, k: int, seed: int):
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    x = torch.randn(tokens, H, generator=g)
+    idx = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)]) if tokens else \
+        torch.empty(0, k, dtype=torch.long)
+    w = torch.rand(tokens, k, generator=g)
+    return x, idx, w
+
+
+def _scale_experts(handle: DispatchHandle, rank: int, epr: int):
+    """Expert e multiplies its tokens by (e + 1): easy to compute densely."""
+    batch = handle.expand()
+    scale = torch.cat([torch.full((n,), float(rank * epr + e + 1)) for e, n in enumerate(batch.counts)]) \
+        if batch.counts else torch.empty(0)
+    return batch.x * scale[:, None], batch
+
+
+def _dense(x, idx, w):
+    out = torch.zeros_like(x)
+    for s in range(idx.shape[1]):
+        out += x * (idx[:, s, None] + 1).float() * w[:, s, None]
+    return out
+
+
+def _cases(world: int):
+    # (tokens on this rank as a function of rank, experts, k)
+    return [(lambda r: 24, 4 * world, 2),
+            (lambda r: 0 if r == world - 1 else 9, 2 * world, 3),  # the last rank has no tokens
+            (lambda r: 7, 8, 1),
+            (lambda r: 11, 8, 8)]
+
+
+def _exchange_body(ctx):
+    results = []
+    for case, (tokens_of, experts, k) in enumerate(_cases(ctx.world_size)):
+        if experts % ctx.world_size:
+            continue
+        epr = experts // ctx.world_size
+        x, idx, w = _routing(ctx.rank, tokens_of(ctx.rank), experts, k, case)
+        outs = {}
+        for mode in ("sync", "async", "off"):
+            with overlap.enabled(mode != "off"):
+                h = dispatch(x, idx, w, experts, ctx.group, async_finish=(mode == "async"))
+                if mode == "async":
+                    h.wait()
+                y, batch = _scale_experts(h, ctx.rank, epr)
+                ch = combine(y, batch, h, async_finish=(mode == "async"))
+                outs[mode] = ch.wait()
+        # deduplication: one row per (token, destination rank), however many experts it chose there
+        pairs = len({(t, int(e) // epr) for t in range(idx.shape[0]) for e in idx[t]})
+        results.append(dict(case=case, outs=outs, dense=_dense(x, idx, w), sent=h.layout.num_send, pairs=pairs,
+                            received=h.recv_x.shape[0], recv_splits=h.recv_splits,
+                            send_splits=h.layout.send_splits))
+    return results
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_dispatch_combine_matches_dense(world):
+    per_rank = run_ranks(_exchange_body, world)
+    for rank, results in enumerate(per_rank):
+        for r in results:
+            for mode, out in r["outs"].items():
+                torch.testing.assert_close(out, r["dense"], msg=lambda m: f"rank {rank} case {r['case']} {mode}: {m}")
+            assert torch.equal(r["outs"]["sync"], r["outs"]["async"]), "async differs from sync"
+            assert torch.equal(r["outs"]["sync"], r["outs"]["off"]), "overlap off differs"
+            assert r["sent"] == r["pairs"]
+    # what rank a sends to rank b is what b receives from a
+    for case in range(len(per_rank[0])):
+        for a in range(world):
+            for b in range(world):
+                assert per_rank[a][case]["send_splits"][b] == per_rank[b][case]["recv_splits"][a]
+
+
+def _static_body(ctx):
+    """Known split sizes skip the count exchange and give the same result."""
+    w_ = ctx.world_size
+    experts, tokens = 2 * w_, 5
+    x, _, w = _routing(ctx.rank, tokens, experts, 2, 7)
+    # every token picks expert 0 and the last expert: it goes to rank 0 and to the last rank
+    idx = torch.tensor([[0, experts - 1]] * tokens)
+    send = [tokens if r in (0, w_ - 1) else 0 for r in range(w_)]
+    recv = [tokens] * w_ if ctx.rank in (0, w_ - 1) else [0] * w_
+    spans = []
+
+    class Obs:
+        def on_span_start(self, s):
+            spans.append(s.name)
+
+    overlap.add_observer(Obs())
+    h = dispatch(x, idx, w, experts, ctx.group, send_splits=send, recv_splits=recv)
+    y, batch = _scale_experts(h, ctx.rank, 2)
+    out = combine(y, batch, h).wait()
+    return out, _dense(x, idx, w), spans
+
+
+def test_static_splits_skip_count_exchange():
+    for out, dense, spans in run_ranks(_static_body, 2):
+        torch.testing.assert_close(out, dense)
+        assert "dispatch.counts" not in spans and "dispatch" in spans
+
+
+def _bad_input_body(ctx):
+    """Every bad input raises LayoutError on every rank, and no collective was issued."""
+    comm = []
+
+    class Obs:
+        def on_span_start(self, s):
+            if s.kind == "comm":
+                comm.append(s.name)
+
+    overlap.add_observer(Obs())
+    x, idx, w = _routing(ctx.rank, 6, 8, 2, 0)
+    cases = {
+        "out of range": (x, idx + 8, w, 8, {}),
+        "negative id": (x, idx - 10, w, 8, {}),
+        "weights shape": (x, idx, w[:, :1], 8, {}),
+        "tokens vs ids": (x[:5], idx, w, 8, {}),
+        "ids dtype": (x, idx.float(), w, 8, {}),
+        "weights dtype": (x, idx, (w * 10).long(), 8, {}),
+        "tokens dtype": (x.long(), idx, w, 8, {}),
+        "not divisible": (x, idx % 3, w, 3, {}),
+        "splits for another group": (x, idx, w, 8, dict(send_splits=[6] * 3, recv_splits=[6] * 3)),
+        "splits disagree": (x, idx, w, 8, dict(send_splits=[0, 0], recv_splits=[0, 0])),
+    }
+    messages = {}
+    for name, (xx, ii, ww, e, kw) in cases.items():
+        try:
+            dispatch(xx, ii, ww, e, ctx.group, **kw)
+        except LayoutError as err:
+            messages[name] = str(err)
+    return messages, comm
+
+
+def test_bad_input_rejected_before_any_collective():
+    for messages, comm in run_ranks(_bad_input_body, 2):
+        assert comm == []
+        assert len(messages) == 10, sorted(messages)
+        assert "out of range" in messages["out of range"]
+        assert "multiple of the group size" in messages["not divisible"]
+        assert "group of 2 ranks" in messages["splits for another group"]
+
+
+def test_layout_counts_and_order():
+    idx = torch.tensor([[0, 1], [3, 2], [1, 3], [0, 2]])
+    lay = compute_layout(idx, 4, 2)
+    assert lay.num_tokens_per_rank.tolist() == [3, 3]
+    assert lay.num_tokens_per_expert.tolist() == [2, 2, 2, 2]
+    assert lay.send_token.tolist() == [0, 2, 3, 1, 2, 3]  # rank-major, token order, each pair once
+    assert lay.send_rank.tolist() == [0, 0, 0, 1, 1, 1]
+
+
+def _traced(x, idx, w, send, recv, counts):
+    h = dispatch(x, idx, w, 4, None, send_splits=send, recv_splits=recv, async_finish=True)
+    h.wait()
+    batch = h.expand(counts)
+    return combine(batch.x * 2, batch, h, async_finish=True).wait()
+
+
+def _compile_body(ctx):
+    import torchair_contract as tc
+
+    tokens = 3
+    x, idx, w = torch.randn(tokens, H), torch.tensor([[0, 3]] * tokens), torch.rand(tokens, 2)
+    counts = [2 * tokens, 0] if ctx.rank == 0 else [0, 2 * tokens]
+    out = {}
+    for path in ("ge", "aclgraph"):
+        gm = tc.capture_graph(_traced, x, idx, w, [tokens, tokens], [tokens, tokens], counts, path=path)
+        streams = tc.stream_of(gm)
+        a2a = [n.name for n in gm.graph.nodes if "all_to_all" in str(n.target)]
+        out[path] = dict(a2a_streams=[streams[n] for n in a2a], ops=tc.ops_in_order(gm, air_only=True))
+    return out
+
+
+def test_traces_under_compile_fullgraph_with_static_splits():
+    import torchair_contract as tc
+
+    tc.load_torchair()  # skips when the torch_npu wheel cannot be had
+    for out in run_ranks(_compile_body, 2, timeout=240):
+        for path in ("ge", "aclgraph"):
+            assert out[path]["a2a_streams"] == [overlap.COMM] * 3, out[path]  # tokens, metadata, combine
+        acl = out["aclgraph"]["ops"]
+        for tag in ("ep_dispatch", "ep_combine"):
+            rec, wait = acl.index(f"tagged_event_record({tag})"), acl.index(f"tagged_event_wait({tag})")
+            assert rec < wait
