@@ -16,7 +16,7 @@ import os
 import threading
 from typing import Dict, Iterator, Optional, Tuple
 
-from .paths import current_path, is_enabled
+from .paths import _eager_in_trace, current_path, is_enabled
 from .streams import current_stream_tag
 
 ENV_BUDGET = "OVERLAP_CORE_BUDGET"
@@ -125,6 +125,7 @@ def stream_limits() -> Dict[str, Tuple[int, int]]:
         return dict(_limits)
 
 
+@_eager_in_trace  # reads files and the environment: plain Python even while Dynamo traces
 def _check(tag: str, aic: int, aiv: int) -> None:
     if not (isinstance(aic, int) and isinstance(aiv, int)) or aic < 1 or aiv < 0:
         raise CoreBudgetError(f"limit_cores(aic={aic!r}, aiv={aiv!r}): aic must be an int >= 1 and aiv an int >= 0")

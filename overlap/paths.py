@@ -27,6 +27,19 @@ _enable_override: contextvars.ContextVar[Optional[bool]] = contextvars.ContextVa
 _FALSE_WORDS = ("0", "false", "off", "no")
 
 
+def _eager_in_trace(fn):  # type: ignore[no-untyped-def]
+    """Run ``fn`` as plain Python while Dynamo traces; its result becomes a constant of the graph.
+
+    For the context-variable reads and writes and the lock-guarded registries behind the
+    primitives, which Dynamo cannot trace: the graph paths need them only while tracing. This is
+    ``torch.compiler.assume_constant_result`` without importing Dynamo (a second) on ``import
+    overlap``. No guard is installed, so a compiled function does not recompile when the path or
+    the switch changes: compile under the path it will run on.
+    """
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 def _check_path(path: str, source: str) -> str:
     if path not in PATHS:
         raise ValueError(f"unknown execution path {path!r} from {source}; expected one of {', '.join(PATHS)}")
@@ -59,9 +72,19 @@ def detect_path() -> str:
     return "cpu"
 
 
+@_eager_in_trace
+def _path_override_value() -> Optional[str]:
+    return _path_override.get()
+
+
+@_eager_in_trace
+def _enable_override_value() -> Optional[bool]:
+    return _enable_override.get()
+
+
 def current_path() -> str:
     """The path primitives lower to: `use_path` override, then ``$OVERLAP_PATH``, then detection."""
-    path = _path_override.get()
+    path = _path_override_value()
     if path is not None:
         return path
     env = os.environ.get(ENV_PATH)
@@ -87,7 +110,7 @@ def use_path(path: str) -> Iterator[str]:
 
 def is_enabled() -> bool:
     """Whether overlap is on; off, every primitive lowers to plain single-stream code."""
-    flag = _enable_override.get()
+    flag = _enable_override_value()
     if flag is not None:
         return flag
     return os.environ.get(ENV_ENABLE, "1").strip().lower() not in _FALSE_WORDS
