@@ -1,0 +1,282 @@
+"""The reference model: a small DeepSeek-style decoder over packed variable-length requests.
+
+Embedding, then per layer RMSNorm + causal self-attention (each request attends only to itself,
+plus its prefix when a micro-batch split cut it) and RMSNorm + MLP (dense for the first
+``n_dense_layers``, the MoE block of ``collectives.reference`` after), then a final RMSNorm.
+Serial prefill of it (`Model.forward`) is the reference for every other mode.
+
+Each decoder layer is also a list of operations (`DecoderLayer.operations`) for the pipeline
+executor. A layer's state starts with the values named in `LAYER_INPUTS`:
+
+- ``"hidden"``: [tokens, hidden] of one micro-batch;
+- ``"seq"``: its `SeqInfo` (request lengths and, for a cut request, its prefix length);
+- ``"prefix_kv"``: ``(k, v)`` of the prefix tokens at this layer, or None;
+
+and ends with `LAYER_OUTPUTS`: ``"out"`` (the layer output) and ``"k"``, ``"v"`` ([tokens, heads,
+head_dim], keys after the rotary embedding), for the next micro-batch's prefix and KV offload.
+In between: ``"attn"`` writes ``"resid"``, ``"k"``, ``"v"``; ``"ffn_norm"`` writes ``"moe_in"``;
+the MoE operations (or the dense ``"mlp"``) read ``"moe_in"`` and write ``"moe_out"``;
+``"residual"`` writes ``"out"``. Replace ``layer.moe`` (see `Model.replace_moe`) with a module that
+has ``stages()`` and its stages become the layer's MoE operations.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import overlap
+from collectives.reference import MoE, Expert
+from microbatch.operations import Operation, State, as_operation
+from microbatch.split import SeqInfo, SplitPlan, merge_outputs, micro_batches, prefix_kv, split_tokens
+
+from .presets import PRESETS, ModelConfig, preset
+
+__all__ = ["Batch", "DecoderLayer", "LAYER_INPUTS", "LAYER_OUTPUTS", "Model", "ModelConfig", "PRESETS",
+           "RMSNorm", "build_model", "init_weights", "preset"]
+
+LAYER_INPUTS = ("hidden", "seq", "prefix_kv")
+LAYER_OUTPUTS = ("out", "k", "v")
+
+KV = Tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """Token ids of packed requests ([num_tokens] int64) and their `SeqInfo`."""
+
+    tokens: torch.Tensor
+    seq: SeqInfo
+
+    def __post_init__(self) -> None:
+        if self.tokens.dim() != 1 or self.tokens.shape[0] != self.seq.num_tokens:
+            raise ValueError(f"tokens {tuple(self.tokens.shape)} do not match seq_lens {list(self.seq.seq_lens)} "
+                             f"({self.seq.num_tokens} tokens)")
+
+    @classmethod
+    def random(cls, seq_lens: Sequence[int], vocab: int, seed: int = 0, device: Any = None) -> "Batch":
+        """Random token ids for requests of ``seq_lens`` tokens, deterministic from ``seed``."""
+        seq = SeqInfo.from_lens(seq_lens)
+        gen = torch.Generator().manual_seed(seed)
+        tokens = torch.randint(0, vocab, (seq.num_tokens,), generator=gen)
+        return cls(tokens.to(device) if device is not None else tokens, seq)
+
+    @classmethod
+    def pack(cls, requests: Sequence[torch.Tensor]) -> "Batch":
+        """Pack the token ids of several requests into one batch."""
+        return cls(torch.cat(list(requests)), SeqInfo.from_lens([r.shape[0] for r in requests]))
+
+    def split(self, plan: SplitPlan) -> Tuple["Batch", "Batch"]:
+        """The two micro-batches of ``plan``."""
+        if plan.seq_lens != self.seq.seq_lens:
+            raise ValueError(f"the plan is for seq_lens {list(plan.seq_lens)}, the batch has {list(self.seq.seq_lens)}")
+        s0, s1 = micro_batches(plan)
+        t0, t1 = split_tokens(plan, self.tokens)
+        return Batch(t0, s0), Batch(t1, s1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype)
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding of ``x`` [tokens, heads, head_dim] (rotate-half layout), in float32."""
+    half = x.shape[-1] // 2
+    inv_freq = theta ** (-torch.arange(half, dtype=torch.float32, device=x.device) / half)
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+    x1, x2 = x.float()[..., :half], x.float()[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
+
+
+def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """One request: q [Lq, H, D] are the last Lq of the Lk positions in k, v [Lk, H, D]."""
+    lq, lk = q.shape[0], k.shape[0]
+    q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+    if lq == lk:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    else:  # causal mask aligned to the bottom right: query i sees keys up to lk - lq + i
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(diagonal=lk - lq)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return out.transpose(0, 1)
+
+
+class DecoderLayer(nn.Module):
+    """RMSNorm + attention + residual, RMSNorm + MLP/MoE + residual; also a list of operations."""
+
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__()
+        self.cfg, self.index = cfg, index
+        inner = cfg.n_heads * cfg.head_dim
+        self.attn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.q_proj = nn.Linear(cfg.hidden, inner, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden, inner, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden, inner, bias=False)
+        self.o_proj = nn.Linear(inner, cfg.hidden, bias=False)
+        self.ffn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.is_moe = cfg.is_moe_layer(index)
+        if self.is_moe:
+            self.moe: nn.Module = MoE(cfg.moe_config())
+        else:
+            self.mlp = Expert(cfg.hidden, cfg.dense_ffn)
+
+    def attention(self, hidden: torch.Tensor, seq: SeqInfo, prefix: Optional[KV] = None
+                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Norm, attention within each request (after its prefix), residual: ``(resid, k, v)``."""
+        if hidden.shape[0] != seq.num_tokens:
+            raise ValueError(f"layer {self.index}: hidden has {hidden.shape[0]} rows, seq has {seq.num_tokens} tokens")
+        n_prefix = seq.num_prefix_tokens
+        if n_prefix and (prefix is None or prefix[0].shape[0] != n_prefix or prefix[1].shape[0] != n_prefix):
+            got = "none" if prefix is None else f"{prefix[0].shape[0]}/{prefix[1].shape[0]} rows"
+            raise ValueError(f"layer {self.index}: seq has {n_prefix} prefix tokens but prefix_kv has {got}")
+        t, h, d = hidden.shape[0], self.cfg.n_heads, self.cfg.head_dim
+        x = self.attn_norm(hidden)
+        q, k, v = (proj(x).view(t, h, d) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        if self.cfg.rope_theta is not None:
+            pos = seq.positions(hidden.device)
+            q, k = _rope(q, pos, self.cfg.rope_theta), _rope(k, pos, self.cfg.rope_theta)
+        out = torch.empty_like(q)
+        start = pstart = 0
+        for n, p in zip(seq.seq_lens, seq.prefix_lens):
+            ki, vi = k[start:start + n], v[start:start + n]
+            if p:
+                ki = torch.cat([prefix[0][pstart:pstart + p], ki])
+                vi = torch.cat([prefix[1][pstart:pstart + p], vi])
+            if n:
+                out[start:start + n] = _causal_attention(q[start:start + n], ki, vi)
+            start, pstart = start + n, pstart + p
+        return hidden + self.o_proj(out.reshape(t, h * d)), k, v
+
+    def _ffn(self) -> nn.Module:
+        return self.moe if self.is_moe else self.mlp
+
+    def ffn_operations(self) -> List[Operation]:
+        """The operations from ``"moe_in"`` to ``"moe_out"``: the MoE's stages, or one call of it."""
+        ffn = self._ffn()
+        stages = getattr(ffn, "stages", None)
+        if callable(stages):
+            return [as_operation(s) for s in stages()]
+        return [Operation("moe" if self.is_moe else "mlp", ffn, ("moe_in",), ("moe_out",))]
+
+    def operations(self) -> List[Operation]:
+        """This layer as operations, from `LAYER_INPUTS` to `LAYER_OUTPUTS` (see the module docstring)."""
+        return ([Operation("attn", self.attention, LAYER_INPUTS, ("resid", "k", "v")),
+                 Operation("ffn_norm", self.ffn_norm, ("resid",), ("moe_in",))]
+                + self.ffn_operations()
+                + [Operation("residual", torch.add, ("resid", "moe_out"), ("out",))])
+
+    def run(self, hidden: torch.Tensor, seq: SeqInfo, prefix: Optional[KV] = None, **meta: Any
+            ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Run the operations in order on the current stream: ``(out, k, v)``; ``meta`` labels the spans."""
+        state = State(hidden=hidden, seq=seq, prefix_kv=prefix)
+        for op in self.operations():
+            with overlap.span(op.name, layer=self.index, **meta):
+                op.run(state)
+        return state["out"], state["k"], state["v"]
+
+    def forward(self, hidden: torch.Tensor, seq: SeqInfo, prefix: Optional[KV] = None) -> torch.Tensor:
+        return self.run(hidden, seq, prefix)[0]
+
+
+class Model(nn.Module):
+    """Embedding, `DecoderLayer` x n_layers, final RMSNorm; returns the final hidden states."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.cfg.vocab):
+            raise ValueError(f"token ids must be in [0, {self.cfg.vocab}), got [{int(tokens.min())}, "
+                             f"{int(tokens.max())}]")
+        return self.embed(tokens)
+
+    def moe_layers(self) -> Iterator[DecoderLayer]:
+        return (layer for layer in self.layers if layer.is_moe)
+
+    def replace_moe(self, make: Callable[[DecoderLayer], nn.Module]) -> None:
+        """Set each MoE layer's ``moe`` to ``make(layer)`` (e.g. an expert-parallel layer built from ``layer.moe``)."""
+        for layer in self.moe_layers():
+            layer.moe = make(layer)
+
+    @torch.no_grad()
+    def forward(self, batch: Batch, kv_sink: Optional[Callable[[int, torch.Tensor, torch.Tensor], None]] = None
+                ) -> torch.Tensor:
+        """Serial prefill of the whole batch: final hidden states [tokens, hidden].
+
+        ``kv_sink(layer, k, v)`` receives every layer's keys and values as they are produced.
+        """
+        hidden = self.embed_tokens(batch.tokens)
+        for layer in self.layers:
+            hidden, k, v = layer.run(hidden, batch.seq, None)
+            if kv_sink is not None:
+                kv_sink(layer.index, k, v)
+        return self.norm(hidden)
+
+    @torch.no_grad()
+    def forward_microbatches(self, batch: Batch, plan: SplitPlan) -> torch.Tensor:
+        """Prefill as two micro-batches, layer by layer (mb0 then mb1), without overlap.
+
+        Micro-batch 1 of a cut request attends to micro-batch 0's keys and values of the same
+        layer. The result equals `forward` up to rounding; a serial plan runs `forward`.
+        """
+        if plan.serial:
+            return self.forward(batch)
+        b0, b1 = batch.split(plan)
+        h0, h1 = self.embed_tokens(b0.tokens), self.embed_tokens(b1.tokens)
+        for layer in self.layers:
+            h0, k0, v0 = layer.run(h0, b0.seq, None, mb=0)
+            h1, _, _ = layer.run(h1, b1.seq, prefix_kv(plan, k0, v0), mb=1)
+        return merge_outputs(plan, self.norm(h0), self.norm(h1))
+
+
+def _param_seed(seed: int, name: str) -> int:
+    digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+@torch.no_grad()
+def init_weights(module: nn.Module, seed: int, prefix: str = "") -> None:
+    """Fill every parameter from a generator seeded by ``(seed, prefix + its name)``.
+
+    A parameter's values depend only on the seed, its full name and shape: not on the world
+    size, the device, or which other parameters exist, so a module holding only some experts
+    (named as in the dense model) gets the same values as the dense model. RMSNorm weights are
+    ones, the embedding N(0, 1), matrices N(0, 1/fan_in), biases zero; drawn in float32 on the CPU.
+    """
+    for mod_name, mod in module.named_modules():
+        for name, param in mod.named_parameters(recurse=False):
+            full = prefix + (f"{mod_name}.{name}" if mod_name else name)
+            if isinstance(mod, RMSNorm):
+                values = torch.ones(param.shape)
+            elif param.dim() == 1:
+                values = torch.zeros(param.shape)
+            else:
+                gen = torch.Generator().manual_seed(_param_seed(seed, full))
+                std = 1.0 if isinstance(mod, nn.Embedding) else param.shape[-1] ** -0.5
+                values = torch.randn(param.shape, generator=gen) * std
+            param.copy_(values)
+
+
+def build_model(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32, device: Any = "cpu") -> Model:
+    """The model of ``cfg`` with weights from ``seed`` (bitwise the same on every rank), for inference."""
+    with torch.device("meta"):
+        model = Model(cfg).to(dtype)
+    model = model.to_empty(device=device)
+    init_weights(model, seed)
+    return model.requires_grad_(False).eval()

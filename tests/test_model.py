@@ -1,0 +1,206 @@
+"""The reference model: deterministic weights, packed attention, and micro-batch-by-micro-batch prefill.
+
+Micro-batch results are compared with the whole-batch forward at a tight float32 tolerance, not
+bitwise: CPU GEMMs of one or two rows (an expert that gets one token) take other kernels than
+larger ones, so the same row can round differently in a smaller batch.
+"""
+import collections
+import dataclasses
+
+import pytest
+import torch
+
+from launch.model import LAYER_INPUTS, LAYER_OUTPUTS, PRESETS, Batch, build_model, preset
+from microbatch.operations import State
+from microbatch.split import SeqInfo, plan_split
+from overlap.multirank import run_ranks
+
+TINY = PRESETS["tiny"]
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model(TINY, seed=3)
+
+
+def _state_equal(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def test_weights_are_deterministic_from_the_seed(model):
+    assert _state_equal(model, build_model(TINY, seed=3))
+    assert not _state_equal(model, build_model(TINY, seed=4))
+    batch = Batch.random([5, 9], TINY.vocab, seed=1)
+    assert torch.equal(model(batch), build_model(TINY, seed=3)(batch))
+    # a parameter's values depend on its name, not on which other parameters exist
+    deeper = build_model(dataclasses.replace(TINY, n_layers=TINY.n_layers + 1), seed=3)
+    assert _state_equal(model.layers[1], deeper.layers[1])
+
+
+def _weights_checksum(ctx):
+    m = build_model(TINY, seed=3)
+    return [float(p.double().sum()) for p in m.parameters()]
+
+
+def test_weights_are_the_same_on_every_rank(model):
+    local = [float(p.double().sum()) for p in model.parameters()]
+    assert run_ranks(_weights_checksum, 2, timeout=60) == [local, local]
+
+
+def test_presets_and_parameter_count():
+    for name, cfg in PRESETS.items():
+        assert cfg.num_params() > 0, name
+    for cfg in (TINY, preset("small", n_layers=2)):
+        built = build_model(cfg, seed=0)
+        assert sum(p.numel() for p in built.parameters()) == cfg.num_params()
+    v3 = preset("deepseek-v3", n_layers=4)  # shapes only, never built here
+    assert v3.n_layers == 4 and v3.hidden == PRESETS["deepseek-v3"].hidden
+    with pytest.raises(ValueError, match="unknown model preset"):
+        preset("huge")
+    with pytest.raises(ValueError, match="n_dense_layers"):
+        dataclasses.replace(TINY, n_dense_layers=TINY.n_layers + 1)
+
+
+def test_build_in_another_dtype():
+    m = build_model(TINY, seed=3, dtype=torch.bfloat16)
+    assert {p.dtype for p in m.parameters()} == {torch.bfloat16}
+    out = m(Batch.random([4, 3], TINY.vocab))
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
+
+
+def test_requests_do_not_see_each_other(model):
+    gen = torch.Generator().manual_seed(0)
+    requests = [torch.randint(0, TINY.vocab, (n,), generator=gen) for n in (7, 1, 12)]
+    packed = model(Batch.pack(requests))
+    alone = torch.cat([model(Batch.pack([r])) for r in requests])
+    torch.testing.assert_close(packed, alone, **TOL)
+
+
+def test_attention_is_causal(model):
+    batch = Batch.random([10], TINY.vocab, seed=2)
+    changed = batch.tokens.clone()
+    changed[6] = (changed[6] + 1) % TINY.vocab
+    a, b = model(batch), model(Batch(changed, batch.seq))
+    torch.testing.assert_close(a[:6], b[:6], **TOL)
+    assert not torch.allclose(a[6:], b[6:])
+
+
+@pytest.mark.parametrize("lens,cut", [
+    ([6, 3, 8, 5, 7, 4, 6, 5], False),   # many short requests: split at a request boundary
+    ([41], True),                        # one long request: cut inside, mb1 attends to mb0's K/V
+    ([3, 30, 2], True),                  # boundaries too unbalanced: cut inside the middle request
+])
+def test_micro_batches_match_the_whole_batch(model, lens, cut):
+    plan = plan_split(lens, min_tokens=4)
+    assert not plan.serial and (plan.cut is not None) == cut
+    batch = Batch.random(lens, TINY.vocab, seed=5)
+    torch.testing.assert_close(model.forward_microbatches(batch, plan), model(batch), **TOL)
+
+
+def test_cut_request_needs_its_prefix(model):
+    plan = plan_split([41], min_tokens=4)
+    b0, b1 = Batch.random([41], TINY.vocab).split(plan)
+    hidden = model.embed_tokens(b1.tokens)
+    with pytest.raises(ValueError, match="prefix"):
+        model.layers[0].run(hidden, b1.seq, None)
+
+
+def test_one_token_batch_runs_serially(model, caplog):
+    from microbatch.split import agree_split
+
+    plan = plan_split([1])
+    with caplog.at_level("INFO", logger="microbatch.split"):
+        plan = agree_split(plan)
+    assert plan.serial and "1 token" in caplog.text
+    batch = Batch.random([1], TINY.vocab, seed=5)
+    assert torch.equal(model.forward_microbatches(batch, plan), model(batch))
+
+
+def test_operations_chain_from_inputs_to_outputs(model):
+    for layer in model.layers:
+        available = set(LAYER_INPUTS)
+        for op in layer.operations():
+            assert set(op.reads) <= available, f"{op.name} reads {op.reads}, only {available} exist"
+            available |= set(op.writes)
+        assert set(LAYER_OUTPUTS) <= available
+
+
+def test_kv_sink_gets_every_layer(model):
+    batch = Batch.random([4, 6], TINY.vocab, seed=1)
+    seen = collections.OrderedDict()
+    model(batch, kv_sink=lambda i, k, v: seen.__setitem__(i, (k.shape, v.shape)))
+    shape = torch.Size([10, TINY.n_heads, TINY.head_dim])
+    assert list(seen) == list(range(TINY.n_layers)) and all(s == (shape, shape) for s in seen.values())
+
+
+Stage = collections.namedtuple("Stage", "name fn reads writes stream")
+
+
+class _StagedMoE(torch.nn.Module):
+    """The dense MoE split into two stages, as the expert-parallel layer plugs in."""
+
+    def __init__(self, dense):
+        super().__init__()
+        self.dense = dense
+        self.calls = 0
+
+    def _experts(self, x, routed):
+        from collectives.reference import combine_dense
+
+        self.calls += 1
+        idx, weights = routed
+        return combine_dense(x, idx, weights, self.dense.experts) + self.dense.shared_experts(x)
+
+    def stages(self):
+        return [Stage("route", self.dense.router, ("moe_in",), ("routed",), "default"),
+                Stage("experts", self._experts, ("moe_in", "routed"), ("moe_out",), "default")]
+
+
+def test_moe_with_stages_replaces_the_moe_operation(model):
+    batch = Batch.random([5, 7, 9], TINY.vocab, seed=6)
+    expected = model(batch)
+    staged = build_model(TINY, seed=3)
+    staged.replace_moe(lambda layer: _StagedMoE(layer.moe))
+    layer = next(staged.moe_layers())
+    assert [op.name for op in layer.operations()] == ["attn", "ffn_norm", "route", "experts", "residual"]
+    torch.testing.assert_close(staged(batch), expected, rtol=0, atol=0)
+    assert all(layer.moe.calls == 1 for layer in staged.moe_layers())
+
+
+def test_layer_operations_run_by_hand_match_run(model):
+    layer = model.layers[-1]
+    seq = SeqInfo.from_lens([3, 5])
+    hidden = torch.randn(8, TINY.hidden, generator=torch.Generator().manual_seed(0))
+    state = State(hidden=hidden, seq=seq, prefix_kv=None)
+    for op in layer.operations():
+        op.run(state)
+    out, k, v = layer.run(hidden, seq)
+    assert torch.equal(state["out"], out) and torch.equal(state["k"], k) and torch.equal(state["v"], v)
+
+
+def _ep_body(ctx, per_rank_lens):
+    from collectives import wrap_expert_parallel
+    from microbatch.split import decide_split
+
+    lens = per_rank_lens[ctx.rank]
+    batch = Batch.random(lens, TINY.vocab, seed=10 + ctx.rank)
+    dense = build_model(TINY, seed=3)
+    expected = dense(batch)
+    ep = build_model(TINY, seed=3)
+    ep.replace_moe(lambda layer: wrap_expert_parallel(layer.moe, ctx.group))
+    assert "dispatch" in [op.name for op in next(ep.moe_layers()).operations()]
+    serial = ep(batch)
+    plan = decide_split(lens, ctx.group, min_tokens=4)
+    split = ep.forward_microbatches(batch, plan)
+    return expected, serial, split, plan.serial
+
+
+def test_expert_parallel_moe_plugs_in():
+    """The EP layer's stages, run serially and per micro-batch on 2 ranks, give the dense result."""
+    results = run_ranks(_ep_body, 2, [[9, 4, 11], [30]], timeout=90)
+    for expected, serial, split, was_serial in results:
+        assert not was_serial
+        torch.testing.assert_close(serial, expected, **TOL)
+        torch.testing.assert_close(split, expected, **TOL)
