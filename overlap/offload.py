@@ -221,13 +221,19 @@ class OffloadCache:
         self._alloc(self._out, slot)
         return slot
 
-    def acquire(self, layer: int, tokens: int) -> Tuple[torch.Tensor, torch.Tensor]:
-        """The next device slot, safe to write now: let attention write ``tokens`` keys and values into
-        the returned views, then pass them to `offload`. Saves the staging copy of `offload`."""
+    def acquire(self, layer: int, tokens: int, offset: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Device buffers safe to write now: let attention write ``tokens`` keys and values into the
+        returned views, then pass them to `offload` (with the same ``offset``). Saves `offload`'s
+        staging copy. With ``store="device"`` the views are the store itself, at ``offset``."""
         self._check_layer(layer)
         if not 1 <= tokens <= self.chunk_tokens:
             raise OffloadError(f"layer {layer}: {tokens} tokens requested, the device slots hold chunk_tokens="
                                f"{self.chunk_tokens}")
+        offset = self._tokens[layer] if offset is None else int(offset)
+        self._check_range(layer, offset, offset + tokens)
+        if self.store == "device":
+            self._acquired = (-1, layer, tokens)
+            return self._store.k[layer, offset:offset + tokens], self._store.v[layer, offset:offset + tokens]
         slot = self._take_out_slot()
         self._acquired = (slot, layer, tokens)
         k, v = self._out.buffers[slot]
@@ -243,8 +249,11 @@ class OffloadCache:
         """
         n, offset = self._check_kv(layer, k, v, offset)
         if self.store == "device":
-            copy_(self._store.k[layer, offset:offset + n], k, name="kv_keep", layer=layer)
-            copy_(self._store.v[layer, offset:offset + n], v, name="kv_keep", layer=layer)
+            dk, dv = self._store.k[layer, offset:offset + n], self._store.v[layer, offset:offset + n]
+            self._acquired = None
+            if not (k.data_ptr() == dk.data_ptr() and v.data_ptr() == dv.data_ptr()):
+                copy_(dk, k, name="kv_keep", layer=layer)
+                copy_(dv, v, name="kv_keep", layer=layer)
             self._tokens[layer] = max(self._tokens[layer], offset + n)
             return
         slot = self._staged_slot(layer, k, v)
@@ -314,7 +323,7 @@ class OffloadCache:
             return
         self._in.before[slot].record(dk, dv)  # after the main stream's reads of the slot's last contents
         with stream(COPY):
-            dk, dv = self._in.before[slot].wait(dk, dv)
+            dk, dv = self._wait_free(slot, dk, dv)
             copy_(dk, hk, name="kv_prefetch", layer=layer, slot=slot, start=start)
             copy_(dv, hv, name="kv_prefetch", layer=layer, slot=slot, start=start)
             self._in.after[slot].record(dk, dv)
@@ -332,8 +341,16 @@ class OffloadCache:
         n = end - start
         dk, dv = (b[:n] for b in self._in.buffers[slot])
         if self.asynchronous:
-            dk, dv = self._in.after[slot].wait(dk, dv)
+            dk, dv = self._wait_ready(slot, dk, dv)
         return dk, dv
+
+    def _wait_free(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Copy stream: the main stream has finished reading the prefetch slot's last contents."""
+        return self._in.before[slot].wait(k, v)
+
+    def _wait_ready(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Main stream: the prefetch into the slot has landed."""
+        return self._in.after[slot].wait(k, v)
 
     # ----------------------------------------------------------------- host side
     def finish(self) -> None:
@@ -354,6 +371,13 @@ class OffloadCache:
         self.finish()
         n = self._tokens[layer]
         return self._store.k[layer, :n], self._store.v[layer, :n]
+
+    def reset(self) -> None:
+        """Start a new prefill into the same store and slots (waits for the copies in flight)."""
+        self.finish()
+        self._tokens = [0] * self.n_layers
+        self._fetched.clear()
+        self._acquired = None
 
     def close(self) -> None:
         """Wait for the copies, free the slots and remove a temporary store file."""

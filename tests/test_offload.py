@@ -172,15 +172,17 @@ def test_continue_from_offloaded_prefix_in_a_file(tmp_path):
             assert torch.equal(k, ref_k[layer]) and torch.equal(v, ref_v[layer])
 
 
-def test_acquire_lets_attention_write_the_slot():
+@pytest.mark.parametrize("store", ["memory", "device"])
+def test_acquire_lets_attention_write_the_slot(store, launches):
     weights, x = _weights(), torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(6))
     _, ref_k, ref_v = _prefill(x, weights, "serial")
-    with _cache() as cache:
+    with _cache(store=store) as cache:
         for layer in range(LAYERS):
             k, v = cache.acquire(layer, TOKENS)
             k.copy_(ref_k[layer])
             v.copy_(ref_v[layer])
             cache.offload(layer, k, v)
+        assert "kv_stage" not in launches and "kv_keep" not in launches  # written in place, no staging copy
         for layer in range(LAYERS):
             hk, hv = cache.host_kv(layer)
             assert torch.equal(hk, ref_k[layer]) and torch.equal(hv, ref_v[layer])
@@ -282,3 +284,79 @@ def test_graph_paths_refuse_the_copy_stream(path):
             _cache()
         with _cache(enabled=False) as cache:  # the documented fallback: plain copies, no side stream
             assert not cache.asynchronous
+
+
+# ------------------------------------------------------------------ sanitizer and timeline
+def _offload_and_prefetch(cache, weights, x):
+    _prefill(x, weights, "two_batch", cache)  # 2 micro-batches x LAYERS offloads: every slot is reused
+    cache.prefetch(0)
+    for layer in range(LAYERS):
+        if layer + 1 < LAYERS:
+            cache.prefetch(layer + 1)
+        k, v = cache.get(layer)
+        torch.relu(k.flatten(1) @ torch.ones(HEADS * DIM, 8)) + v.sum()
+    return [cache.host_kv(layer) for layer in range(LAYERS)]
+
+
+def test_sanitizer_finds_no_race():
+    from overlap.sanitizer import Sanitizer
+
+    weights, x = _weights(), torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(7))
+    with Sanitizer() as san, _cache(ring=2) as cache:
+        _offload_and_prefetch(cache, weights, x)
+    assert san.races == []
+
+
+@pytest.mark.parametrize("wait,kind", [
+    ("_wait_written", "read after write"),  # the copy stream reads the slot before attention's write is done
+    ("_wait_copied", "write after read"),  # attention overwrites a slot still being copied out
+    ("_wait_free", "write after read"),  # a prefetch overwrites a slot the main stream still reads
+    ("_wait_ready", "read after write"),  # the main stream reads a prefetch slot before it has landed
+])
+def test_sanitizer_catches_a_removed_wait(wait, kind, monkeypatch):
+    from overlap.sanitizer import Sanitizer, StreamRaceError
+
+    weights, x = _weights(), torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(7))
+    with _cache(ring=2) as cache:
+        if wait == "_wait_copied":
+            monkeypatch.setattr(cache, wait, lambda slot: None)
+        else:
+            monkeypatch.setattr(cache, wait, lambda slot, k, v: (k, v))
+        with Sanitizer() as san, pytest.raises(StreamRaceError):
+            _offload_and_prefetch(cache, weights, x)
+    assert [r.kind for r in san.races] == [kind]
+    assert {san.races[0].previous.stream, san.races[0].current.stream} == {overlap.MAIN, overlap.COPY}
+
+
+def test_timeline_shows_copies_under_compute():
+    from overlap.timeline import Timeline, intersects
+
+    tokens, heads, dim, hidden = 256, 8, 64, 256  # copies long enough to outlast the launch gap
+    weights = _weights(LAYERS, hidden, heads, dim)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(8))
+    with _cache(max_tokens=tokens, kv_shape=(heads, dim)) as cache:
+        with Timeline() as tl:
+            for layer, w in enumerate(weights):
+                with overlap.span("attn", layer=layer):
+                    k, v, a = _attention(x, w, heads, dim)
+                cache.offload(layer, k, v)
+                with overlap.span("mlp", layer=layer):
+                    x = torch.tanh(a @ w["wo"]) + x
+            cache.finish()
+    copies = tl.find(name="kv_offload", stream=overlap.COPY, kind="copy")
+    compute = tl.find(stream=overlap.MAIN, kind="compute")
+    assert len(copies) == 2 * LAYERS and len(compute) == 2 * LAYERS
+    assert all(c.asynchronous for c in copies)
+    assert any(intersects(c, m) for c in copies for m in compute)
+
+
+def test_benchmark_runs_and_prints_both_modes():
+    from click.testing import CliRunner
+
+    from launch.bench_offload import main
+
+    res = CliRunner().invoke(main, ["--layers", "2", "--tokens", "32", "--hidden", "32", "--heads", "2",
+                                    "--head-dim", "8", "--repeats", "1"])
+    assert res.exit_code == 0, res.output
+    for line in ("keep", "offload sync", "offload overhead", "device KV memory"):
+        assert line in res.output
