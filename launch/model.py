@@ -22,6 +22,7 @@ has ``stages()`` and its stages become the layer's MoE operations.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
@@ -31,7 +32,7 @@ from torch import nn
 
 import overlap
 from collectives.reference import MoE, Expert
-from microbatch.operations import Operation, State, as_operation
+from microbatch.operations import FromMicroBatch, Operation, State, as_operation
 from microbatch.split import SeqInfo, SplitPlan, merge_outputs, micro_batches, prefix_kv, split_tokens
 
 from .presets import PRESETS, ModelConfig, preset
@@ -243,6 +244,30 @@ class Model(nn.Module):
             h0, k0, v0 = layer.run(h0, b0.seq, None, mb=0)
             h1, _, _ = layer.run(h1, b1.seq, prefix_kv(plan, k0, v0), mb=1)
         return merge_outputs(plan, self.norm(h0), self.norm(h1))
+
+    def layer_operations(self) -> List[List[Operation]]:
+        """Every layer's operations, for the pipeline executor (``microbatch.run``)."""
+        return [layer.operations() for layer in self.layers]
+
+    def pipeline_inputs(self, batch: Batch, plan: SplitPlan) -> List[dict]:
+        """The executor's initial state per micro-batch (one when ``plan`` is serial).
+
+        Micro-batch 1's ``"prefix_kv"`` reads micro-batch 0's ``"k"``, ``"v"`` of the same layer
+        (their last rows: the cut request's first part), or is None when no request was cut.
+        """
+        if plan.serial:
+            return [{"hidden": self.embed_tokens(batch.tokens), "seq": batch.seq, "prefix_kv": None}]
+        b0, b1 = batch.split(plan)
+        prefix = FromMicroBatch(0, "k", "v", fn=functools.partial(prefix_kv, plan)) if plan.cut else None
+        return [{"hidden": self.embed_tokens(b0.tokens), "seq": b0.seq, "prefix_kv": None},
+                {"hidden": self.embed_tokens(b1.tokens), "seq": b1.seq, "prefix_kv": prefix}]
+
+    def pipeline_output(self, outputs: Sequence[torch.Tensor], plan: SplitPlan) -> torch.Tensor:
+        """Final norm of the executor's per-micro-batch outputs, merged back into packed order."""
+        if plan.serial:
+            (out,) = outputs
+            return self.norm(out)
+        return merge_outputs(plan, self.norm(outputs[0]), self.norm(outputs[1]))
 
 
 def _param_seed(seed: int, name: str) -> int:

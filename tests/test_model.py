@@ -204,3 +204,18 @@ def test_expert_parallel_moe_plugs_in():
         assert not was_serial
         torch.testing.assert_close(serial, expected, **TOL)
         torch.testing.assert_close(split, expected, **TOL)
+
+
+@pytest.mark.parametrize("lens", [[41], [6, 3, 8, 5, 7, 4, 6, 5], [1]])
+def test_pipeline_executor_runs_the_layers(model, lens):
+    """The layers' operations under the two-batch schedule give the whole-batch result."""
+    from microbatch import run, serial, two_batch
+
+    plan = plan_split(lens, min_tokens=4)
+    batch = Batch.random(lens, TINY.vocab, seed=5)
+    layers = model.layer_operations()
+    schedule = serial(layers) if plan.serial else two_batch(layers)
+    with torch.no_grad():
+        outputs = run(schedule, layers, model.pipeline_inputs(batch, plan))
+        got = model.pipeline_output(outputs, plan)
+    torch.testing.assert_close(got, model(batch), **TOL)
