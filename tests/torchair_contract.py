@@ -1,0 +1,420 @@
+"""Graph-mode contract harness: torchair's own ``scope`` / ``ops`` code on a CPU machine.
+
+torchair ships inside the torch_npu wheel (``torch_npu/dynamo/torchair/``). Its Python layer
+registers the ``torch.ops.air.*`` custom ops that the ``ge`` and ``aclgraph`` lowerings emit.
+`load_torchair` downloads the wheel that matches the installed torch (``pip download``, never
+installed), unpacks only ``scope/`` and ``ops/``, replaces the native GE modules they import with
+small stand-ins and imports the rest as the module ``torchair``. `capture_graph` then compiles a
+function with ``torch.compile(fullgraph=True)`` on a chosen path and returns the FX graph Dynamo
+captured, with the real ``air.*`` nodes in it.
+
+The wheel is cached in ``$OVERLAP_WHEEL_CACHE`` (default ``~/.cache/npu-overlap/wheels``); when
+it can neither be found there nor downloaded, `load_torchair` skips the calling test with the
+reason. Loading happens once per process, and the process is left as it was: ``torchair`` is
+importable only inside `installed()` (which `capture_graph` enters), the ``torch_npu`` /
+``torch.npu`` stand-ins exist only while torchair is imported or a graph is captured, so ``import
+torch``, path detection and other tests are unaffected. Only the inert ``torch.ops.air``
+registrations remain. Where a real torchair registered its ops in this process already, loading
+fails and the tests skip with that reason.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import types
+import zipfile
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import pytest
+import torch
+
+ENV_CACHE = "OVERLAP_WHEEL_CACHE"
+DEFAULT_CACHE = os.path.join("~", ".cache", "npu-overlap", "wheels")
+_TORCHAIR_IN_WHEEL = "torch_npu/dynamo/torchair/"
+_SUBPACKAGES = ("scope", "ops")
+_state: Dict[str, Any] = {}  # "modules" once loaded, "error" once it failed (no second download)
+
+
+def cache_dir() -> str:
+    """Where wheels and the unpacked torchair sources are kept."""
+    return os.path.expanduser(os.environ.get(ENV_CACHE) or DEFAULT_CACHE)
+
+
+def _torch_release() -> str:
+    return torch.__version__.split("+")[0]
+
+
+def _wheel_tags() -> Tuple[str, str]:
+    """The python version and platform tag of this interpreter, as ``pip download`` wants them."""
+    py = f"{sys.version_info.major}.{sys.version_info.minor}"
+    machine = platform.machine().lower()
+    machine = {"amd64": "x86_64", "arm64": "aarch64"}.get(machine, machine)
+    return py, f"manylinux_2_28_{machine}"
+
+
+def _cached_wheels(directory: str, version_pattern: str) -> List[str]:
+    pat = re.compile(rf"^torch_npu-{version_pattern}-.*\.whl$")
+    return sorted(os.path.join(directory, f) for f in os.listdir(directory) if pat.match(f))
+
+
+def _pip_download(spec: str, directory: str) -> str:
+    """Download ``spec`` for this interpreter and machine into ``directory``; returns pip's error, "" if none.
+
+    pip writes into a private folder first and the wheel is moved in whole, so concurrent test
+    processes never see a partial file.
+    """
+    py, plat = _wheel_tags()
+    with tempfile.TemporaryDirectory(dir=directory, prefix=".download-") as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", py,
+               "--platform", plat, "--disable-pip-version-check", "-q", spec, "-d", tmp]
+        try:
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return f"{' '.join(cmd)}: {exc}"
+        if res.returncode != 0:
+            text = (res.stderr or res.stdout).strip()
+            errors = [line for line in text.splitlines() if line.startswith("ERROR")]
+            return " ".join(errors or [text[-600:]]) or f"pip exited with {res.returncode}"
+        for name in os.listdir(tmp):
+            if name.endswith(".whl"):
+                os.replace(os.path.join(tmp, name), os.path.join(directory, name))
+    return ""
+
+
+def find_wheel() -> str:
+    """Path of the torch_npu wheel matching the installed torch, downloaded into `cache_dir` if needed.
+
+    torch_npu X.Y.Z pins torch X.Y.Z (``.postN`` rebuilds included). When no wheel of that exact
+    release exists, a ``X.Y.*`` release is taken and a warning names it. Raises RuntimeError with
+    pip's error when neither can be had (no registry, no wheel for this interpreter or machine).
+    """
+    release = _torch_release()
+    major_minor = ".".join(release.split(".")[:2])
+    directory = cache_dir()
+    os.makedirs(directory, exist_ok=True)
+    errors = []
+    for spec, pattern in ((f"torch-npu=={release}", rf"{re.escape(release)}(\.post\d+)?"),
+                          (f"torch-npu=={major_minor}.*", rf"{re.escape(major_minor)}\.[^-]+")):
+        hits = _cached_wheels(directory, pattern)
+        if not hits:
+            errors.append(_pip_download(spec, directory))
+            hits = _cached_wheels(directory, pattern)
+        if hits:
+            if spec.endswith("*"):
+                logging.getLogger(__name__).warning("no torch_npu %s wheel; using %s", release,
+                                                    os.path.basename(hits[-1]))
+            return hits[-1]
+    raise RuntimeError(f"cannot download torch_npu {release} (nor {major_minor}.*) into {directory}: "
+                       f"{next((e for e in errors if e), 'no wheel')}")
+
+
+def _unpack(wheel: str) -> str:
+    """Unpack torchair's ``scope/`` and ``ops/`` from ``wheel`` (once); returns the folder holding ``torchair/``."""
+    root = os.path.join(os.path.dirname(wheel), os.path.basename(wheel)[:-len(".whl")] + "-torchair")
+    if os.path.isdir(root):
+        return root
+    tmp = tempfile.mkdtemp(dir=os.path.dirname(wheel), prefix=".unpack-")
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            for name in zf.namelist():
+                rel = name[len(_TORCHAIR_IN_WHEEL):] if name.startswith(_TORCHAIR_IN_WHEEL) else ""
+                if not rel.endswith(".py") or rel.split("/")[0] not in _SUBPACKAGES:
+                    continue
+                dest = os.path.join(tmp, "torchair", rel)
+                os.makedirs(os.path.dirname(dest), exist_ok=True)
+                with zf.open(name) as src, open(dest, "wb") as out:
+                    out.write(src.read())
+        missing = [p for p in _SUBPACKAGES if not os.path.exists(os.path.join(tmp, "torchair", p, "__init__.py"))]
+        if missing:
+            raise RuntimeError(f"{wheel} has no {_TORCHAIR_IN_WHEEL}{{{','.join(missing)}}}/__init__.py")
+        try:
+            os.rename(tmp, root)  # atomic: another process either finished first or sees nothing
+        except OSError:
+            if not os.path.isdir(root):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return root
+
+
+# ---- stand-ins for the native / GE modules the Python layer imports -------------------------------
+
+class _Anything:
+    """A GE graph type that is only used in converters, which never run on CPU."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self.args, self.kwargs = args, kwargs
+
+    def __getattr__(self, name: str) -> Any:
+        return _Anything()
+
+
+class _NpuEvent:
+    """Stand-in for ``torch.npu.Event``: an identity, enough for torchair's tag <-> event map."""
+
+    def record(self, stream: Any = None) -> None:
+        raise NotImplementedError("a tagged event cannot be recorded on a CPU machine")
+
+    wait = record
+
+
+def _module(name: str, **attrs: Any) -> types.ModuleType:
+    mod = types.ModuleType(name)
+    mod.__dict__.update(attrs)
+    return mod
+
+
+def _stand_ins() -> Dict[str, types.ModuleType]:
+    def register_fx_node_ge_converter(_op: Any) -> Callable[[Callable], Callable]:
+        return lambda fn: fn
+
+    ge_graph = _module("torchair.ge._ge_graph", compat_as_bytes=lambda s: s.encode() if isinstance(s, str) else s,
+                       get_default_ge_graph=lambda: _Anything(), Tensor=_Anything, ControlTensor=_Anything,
+                       TensorSpec=_Anything, DataType=_Anything, dont_prune_me=lambda *a, **k: None)
+    return {
+        "torchair.ge": _module("torchair.ge", _ge_graph=ge_graph, __path__=[]),
+        "torchair.ge._ge_graph": ge_graph,
+        "torchair.core": _module("torchair.core", __path__=[]),
+        "torchair.core.utils": _module("torchair.core.utils", logger=logging.getLogger("torchair")),
+        "torchair._ge_concrete_graph": _module("torchair._ge_concrete_graph", __path__=[]),
+        "torchair._ge_concrete_graph.fx2ge_converter": _module(
+            "torchair._ge_concrete_graph.fx2ge_converter", register_fx_node_ge_converter=register_fx_node_ge_converter),
+        "torchair._ge_concrete_graph.ge_apis": _module("torchair._ge_concrete_graph.ge_apis", Identity=_Anything),
+    }
+
+
+@contextlib.contextmanager
+def _temporary_torch_npu(module: bool = True) -> Iterator[None]:
+    """``torch.npu.Event`` (and with ``module``, ``import torch_npu``) exist only inside the block.
+
+    A real torch_npu, if one is installed, is left alone.
+    """
+    npu = _module("torch_npu.npu", Event=_NpuEvent)
+    add_module = module and "torch_npu" not in sys.modules
+    add_attr = not hasattr(torch, "npu")
+    if add_module:
+        sys.modules["torch_npu"] = _module("torch_npu", npu=npu)
+    if add_attr:
+        torch.npu = npu  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        if add_attr:
+            del torch.npu  # type: ignore[attr-defined]
+        if add_module:
+            sys.modules.pop("torch_npu", None)
+
+
+def _torchair_modules() -> Dict[str, types.ModuleType]:
+    return {n: m for n, m in sys.modules.items() if n == "torchair" or n.startswith("torchair.")}
+
+
+def _import_torchair(root: str) -> Dict[str, types.ModuleType]:
+    """Import ``torchair.scope`` / ``torchair.ops`` from ``root``; returns every ``torchair*`` module made."""
+    import importlib
+
+    pkg_dir = os.path.join(root, "torchair")
+    pkg = _module("torchair", __path__=[pkg_dir], __file__=os.path.join(pkg_dir, "__init__.py"),
+                  __doc__="torchair's scope/ops layer from the torch_npu wheel, GE modules replaced")
+    saved = _torchair_modules()
+    for name in saved:
+        del sys.modules[name]
+    sys.modules["torchair"] = pkg
+    sys.modules.update(_stand_ins())
+    try:
+        with _temporary_torch_npu():
+            for sub in _SUBPACKAGES:
+                setattr(pkg, sub, importlib.import_module(f"torchair.{sub}"))
+            # imported lazily by torchair itself; importing them now registers every air op once
+            importlib.import_module("torchair.scope._wait_tensor")
+            importlib.import_module("torchair.ops._tagged_event")
+        return _torchair_modules()
+    finally:  # the process sees no torchair outside `installed()`
+        for name in _torchair_modules():
+            del sys.modules[name]
+        sys.modules.update(saved)
+
+
+@contextlib.contextmanager
+def installed() -> Iterator[types.ModuleType]:
+    """``import torchair`` gives the loaded module inside the block (and a stand-in ``torch.npu.Event``).
+
+    Outside it the process looks as before: no ``torchair``, no ``torch_npu``, no ``torch.npu``.
+    The ``torch.ops.air`` operators stay registered (they cannot be unregistered and are inert).
+    """
+    mods = _load()
+    saved = _torchair_modules()
+    sys.modules.update(mods)
+    try:
+        with _temporary_torch_npu(module=False):
+            yield mods["torchair"]
+    finally:
+        for name in _torchair_modules():
+            del sys.modules[name]
+        sys.modules.update(saved)
+
+
+def _load() -> Dict[str, types.ModuleType]:
+    if "modules" in _state:
+        return _state["modules"]
+    if "error" not in _state:
+        try:
+            _state["modules"] = _import_torchair(_unpack(find_wheel()))
+            return _state["modules"]
+        except Exception as exc:  # no registry, no wheel for this torch, layout changed
+            _state["error"] = f"torchair graph-contract tests need the torch_npu wheel: {exc}"
+    pytest.skip(_state["error"])
+
+
+def load_torchair() -> types.ModuleType:
+    """torchair (``scope`` + ``ops`` of the matching torch_npu wheel); skips the calling test if unavailable.
+
+    Loaded once per process; use `installed` (or `capture_graph`) to make it importable.
+    """
+    return _load()["torchair"]
+
+
+# ---- capturing ------------------------------------------------------------------------------------
+
+def _capturing_backend(graphs: List[torch.fx.GraphModule]) -> Callable:
+    """A torch.compile backend that keeps the FX graph and runs it on fake tensors.
+
+    The ``air`` ops have no CPU kernels that work (``wait_tensor`` raises there); on fake tensors
+    their Meta kernels run instead, so the compiled call returns (fake) results without error.
+    """
+    def backend(gm: torch.fx.GraphModule, example_inputs: List[Any]) -> Callable:
+        graphs.append(gm)
+
+        def run(*args: Any) -> Any:
+            from torch._subclasses.fake_tensor import FakeTensorMode
+
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                return gm(*args)
+
+        return run
+
+    return backend
+
+
+def capture_graph(fn: Callable, *args: Any, path: str = "ge", **kwargs: Any) -> torch.fx.GraphModule:
+    """The FX graph Dynamo captures for ``fn(*args, **kwargs)`` with the primitives lowered on ``path``.
+
+    Compiles with ``torch.compile(fullgraph=True)``, so any graph break fails here. The overlap
+    switch (`overlap.enabled`) is taken from the caller. Dynamo's caches are reset first because
+    the path is read at trace time without a guard.
+    """
+    import overlap
+
+    graphs: List[torch.fx.GraphModule] = []
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend=_capturing_backend(graphs))
+    try:
+        with installed(), overlap.use_path(path):
+            compiled(*args, **kwargs)
+    finally:
+        torch._dynamo.reset()
+    if len(graphs) != 1:
+        raise AssertionError(f"expected one captured graph, got {len(graphs)}")
+    return graphs[0]
+
+
+# ---- reading a captured graph ---------------------------------------------------------------------
+
+_CALLS = ("call_function", "call_method")
+
+
+def air_op(node: torch.fx.Node) -> Optional[str]:
+    """``"scope_enter"`` etc. when ``node`` calls a ``torch.ops.air`` op, else None."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return None
+    name = target.name() if isinstance(target, torch._ops.OpOverload) else target._qualified_op_name
+    ns, _, op = name.partition("::")
+    return op.split(".")[0] if ns == "air" else None
+
+
+def scope_attrs(node: torch.fx.Node) -> Dict[str, str]:
+    """The attributes an ``air.scope_enter`` node sets (keys and values are its first two arguments)."""
+    keys, values = node.args[0], node.args[1]
+    return dict(zip(keys, values))
+
+
+def _label(node: torch.fx.Node) -> str:
+    op = air_op(node)
+    if op is None:
+        return node.name
+    if op == "scope_enter":
+        return "scope_enter(" + ",".join(f"{k}={v}" for k, v in scope_attrs(node).items()) + ")"
+    if op in ("tagged_event_record", "tagged_event_wait"):
+        return f"{op}({node.args[0]})"
+    if op.startswith("record_tagged_stream"):
+        return f"record_tagged_stream({node.args[0].name},{node.args[1]})"
+    if op == "wait_tensor":
+        return f"wait_tensor({node.args[0].name},{node.args[1].name})"
+    return op
+
+
+def ops_in_order(gm: torch.fx.GraphModule, air_only: bool = False) -> List[str]:
+    """The call nodes of ``gm`` in graph order (node names), ``air`` ops spelled out with their arguments."""
+    return [_label(n) for n in gm.graph.nodes
+            if n.op in _CALLS and (not air_only or air_op(n) is not None)]
+
+
+def scope_of(gm: torch.fx.GraphModule) -> Dict[str, Dict[str, str]]:
+    """For every call node but the scope markers, the merged attributes of the ``scope_enter`` blocks around it."""
+    stack: List[Dict[str, str]] = []
+    out: Dict[str, Dict[str, str]] = {}
+    for n in gm.graph.nodes:
+        op = air_op(n)
+        if op == "scope_enter":
+            stack.append(scope_attrs(n))
+        elif op == "scope_exit":
+            if not stack:
+                raise AssertionError(f"unbalanced air.scope_exit at {n.name}")
+            stack.pop()
+        elif n.op in _CALLS:
+            merged: Dict[str, str] = {}
+            for attrs in stack:
+                merged.update(attrs)
+            out[n.name] = merged
+    if stack:
+        raise AssertionError(f"air.scope_enter without scope_exit: {stack}")
+    return out
+
+
+def nodes(gm: torch.fx.GraphModule, op: str) -> List[torch.fx.Node]:
+    """The nodes calling ``torch.ops.air.<op>``, in graph order."""
+    return [n for n in gm.graph.nodes if air_op(n) == op]
+
+
+def strip_air(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of ``gm`` without ``air`` ops (``wait_tensor`` becomes its first input): runnable on CPU.
+
+    Running it checks that the lowering kept the computation: it must equal the eager result.
+    """
+    graph = torch.fx.Graph()
+    env: Dict[torch.fx.Node, Any] = {}
+    for n in gm.graph.nodes:
+        op = air_op(n)
+        if op == "wait_tensor":
+            env[n] = env[n.args[0]]
+        elif op is None:
+            env[n] = graph.node_copy(n, lambda a: env[a])
+    return torch.fx.GraphModule(gm, graph)
+
+
+def stream_of(gm: torch.fx.GraphModule, main: str = "default") -> Dict[str, str]:
+    """For every call node but the scope markers, the ``_user_stream_label`` it runs under (``main`` outside any)."""
+    return {name: attrs.get("_user_stream_label", main) for name, attrs in scope_of(gm).items()}
+
+
+def node_by_target(gm: torch.fx.GraphModule, target: Any) -> List[torch.fx.Node]:
+    """The call nodes whose target is ``target`` (``operator.mul``, ``torch.relu``, ``"sin"`` for a method), in order."""
+    return [n for n in gm.graph.nodes if n.op in _CALLS and n.target == target]
