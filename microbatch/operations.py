@@ -7,7 +7,7 @@ name in ``writes`` (a single value when there is one write, else a tuple).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Dict, Iterable, Tuple
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 from overlap.streams import MAIN
 
@@ -24,14 +24,19 @@ class Operation:
 
     def run(self, state: "State") -> None:
         out = self.fn(*[state[r] for r in self.reads])
-        if len(self.writes) == 1:
-            out = (out,)
-        elif len(self.writes) == 0:
-            return
-        if not isinstance(out, tuple) or len(out) != len(self.writes):
-            raise TypeError(f"operation {self.name!r} must return {len(self.writes)} values for {self.writes}")
-        for k, v in zip(self.writes, out):
+        for k, v in zip(self.writes, split_outputs(self.name, self.writes, out)):
             state[k] = v
+
+
+def split_outputs(name: str, writes: Tuple[str, ...], out: Any) -> Tuple[Any, ...]:
+    """What an operation returned, as one value per name in ``writes`` (checked)."""
+    if len(writes) == 0:
+        return ()
+    if len(writes) == 1:
+        return (out,)
+    if not isinstance(out, tuple) or len(out) != len(writes):
+        raise TypeError(f"operation {name!r} must return {len(writes)} values for {writes}")
+    return out
 
 
 class State(dict):
@@ -50,3 +55,40 @@ class State(dict):
 
     def pop_many(self, keys: Iterable[str]) -> Dict[str, Any]:
         return {k: self.pop(k) for k in keys}
+
+
+def as_operation(op: Any) -> Operation:
+    """An `Operation` from anything with its fields (``name, fn, reads, writes, stream``), e.g. an EP stage."""
+    if isinstance(op, Operation):
+        return op
+    missing = [f for f in ("name", "fn", "reads", "writes") if not hasattr(op, f)]
+    if missing:
+        raise TypeError(f"{op!r} is not an operation: it lacks {', '.join(missing)}")
+    reads, writes = tuple(op.reads), tuple(op.writes)
+    for what, names in (("reads", reads), ("writes", writes)):
+        if not all(isinstance(n, str) for n in names):
+            raise TypeError(f"operation {op.name!r}: {what} must be names (str), got {names!r}")
+    return Operation(str(op.name), op.fn, reads, writes, getattr(op, "stream", MAIN) or MAIN)
+
+
+@dataclasses.dataclass(frozen=True)
+class FromMicroBatch:
+    """An input of one micro-batch that is another micro-batch's value of the same layer.
+
+    Put it in a micro-batch's initial state, e.g. ``{"prefix_kv": FromMicroBatch(0, "k", "v")}``
+    for micro-batch 1 when a request is cut across the two: at every layer, reading
+    ``"prefix_kv"`` gives micro-batch 0's ``("k", "v")`` of that layer (one name gives the value
+    itself). With ``fn`` the reader gets ``fn(*values)`` instead, e.g. the prefix rows of K/V.
+    The executor orders the reader after the writers, across streams too.
+    """
+
+    mb: int
+    names: Tuple[str, ...]
+    fn: Optional[Callable[..., Any]] = None
+
+    def __init__(self, mb: int, *names: str, fn: Optional[Callable[..., Any]] = None):
+        if not names or not all(isinstance(n, str) for n in names):
+            raise TypeError(f"FromMicroBatch({mb!r}, ...) needs the names of the values to read, got {names!r}")
+        object.__setattr__(self, "mb", int(mb))
+        object.__setattr__(self, "names", tuple(names))
+        object.__setattr__(self, "fn", fn)

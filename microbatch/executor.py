@@ -1,0 +1,253 @@
+"""The executor: lowers a schedule onto the current execution path and runs it.
+
+The cross-stream edges come from the data flow, never from the schedule's author: where a value
+written on one stream is read on another, the writer's stream records the writer's event and the
+reader's stream waits for it before the read (on ``ge`` the graph's data edge already orders
+them, so nothing is added), and every tensor of the value is `record_stream` ed for the reader's
+stream. A forgotten wait is therefore impossible here. Ordering intents without data
+(``Schedule.orders``) become ``wait_tensor`` on ``ge`` and events across streams elsewhere.
+Events are named per (micro-batch, operation, stream) and reused by every layer.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+import overlap
+from overlap.streams import COMM
+
+from .operations import State, split_outputs
+from .schedules import Flow, Key, Launch, Layers, Schedule, normalize_layers, validate
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """One launch as lowered: the events its stream waits for first, the one it records after."""
+
+    index: int
+    launch: Launch
+    waits: Tuple[str, ...] = ()
+    record: Optional[str] = None
+    crossing: Tuple[Key, ...] = ()  # values read from another stream (record_stream for this one)
+    after: Tuple[int, ...] = ()  # ordering intents lowered to wait_tensor (ge)
+    frees: Tuple[Key, ...] = ()  # values no later launch reads
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A schedule lowered for one path: steps in order, the input event and the final waits."""
+
+    path: str
+    caller: str  # stream the executor was called on; inputs come from it and outputs return to it
+    steps: Tuple[Step, ...]
+    input_event: Optional[str] = None
+    final_waits: Tuple[str, ...] = ()
+
+    def events(self) -> List[str]:
+        """Tags of every event the plan records, each once."""
+        tags = [s.record for s in self.steps if s.record] + ([self.input_event] if self.input_event else [])
+        return sorted(set(tags))
+
+    def format(self) -> str:
+        lines = [f"plan on {self.path} (caller stream {self.caller})"]
+        if self.input_event:
+            lines.append(f"      record {self.input_event}")
+        for s in self.steps:
+            lines += [f"      wait {t} on {s.launch.stream}" for t in s.waits]
+            after = f"  wait_tensor after #{', #'.join(map(str, s.after))}" if s.after else ""
+            lines.append(f"{s.index:4d}  {s.launch}{after}")
+            if s.record:
+                lines.append(f"      record {s.record}")
+        lines += [f"      wait {t} on {self.caller}" for t in self.final_waits]
+        return "\n".join(lines)
+
+
+def event_tag(launch: Launch) -> str:
+    """The event recorded after ``launch``: one per (micro-batch, operation, stream), shared by all layers."""
+    return f"mb{launch.mb}.{launch.op}@{launch.stream}"
+
+
+class _Edges:
+    """Cross-stream waits, skipping those an earlier wait on the same stream pair already covers."""
+
+    def __init__(self, launches: Sequence[Launch], caller: str, input_tag: str):
+        self.launches, self.caller, self.input_tag = launches, caller, input_tag
+        self.covered: Dict[Tuple[str, str], int] = {}  # (consumer, producer stream) -> latest waited writer
+        self.recorded: set = set()
+        self.input_used = False
+
+    def stream_of(self, writer: Optional[int]) -> str:
+        return self.caller if writer is None else self.launches[writer].stream
+
+    def need(self, writer: Optional[int], consumer: str) -> Optional[str]:
+        """The event ``consumer`` must wait for to see ``writer``'s work (None if ordered already)."""
+        producer = self.stream_of(writer)
+        if producer == consumer:
+            return None
+        pos = -1 if writer is None else writer
+        if self.covered.get((consumer, producer), -2) >= pos:
+            return None
+        self.covered[(consumer, producer)] = pos
+        if writer is None:
+            self.input_used = True
+            return self.input_tag
+        self.recorded.add(writer)
+        return event_tag(self.launches[writer])
+
+
+def lower(schedule: Schedule, layers: Layers, inputs: Sequence[Mapping[str, Any]],
+          path: Optional[str] = None, caller: Optional[str] = None) -> Tuple[Plan, Flow]:
+    """Check ``schedule`` against ``layers`` and ``inputs`` and lower it for ``path`` (default: current)."""
+    flow = validate(schedule, layers, inputs)
+    path = path or overlap.current_path()
+    caller = caller or overlap.current_stream_tag()
+    launches = schedule.launches
+    graph = path == "ge"  # GE honours data edges; ordering intents need wait_tensor
+    edges = _Edges(launches, caller, f"inputs@{caller}")
+    intents: Dict[int, List[int]] = defaultdict(list)
+    for b, a in schedule.orders:
+        intents[a].append(b)
+    last_use = dict(flow.last_read)
+    if graph:
+        for b, a in schedule.orders:
+            for w in flow.ops[b].writes:
+                key = (launches[b].mb, launches[b].layer, w)
+                last_use[key] = max(last_use.get(key, -1), a)
+    frees: Dict[int, List[Key]] = defaultdict(list)
+    outputs = set(flow.outputs)
+    for key, i in flow.writer.items():
+        if key not in outputs:
+            frees[max(i, last_use.get(key, i))].append(key)
+
+    partial = []
+    for i, l in enumerate(launches):
+        waits: List[str] = []
+        crossing: List[Key] = []
+        for r in flow.reads[i]:
+            for key in r.keys:
+                writer = flow.writer.get(key)
+                if edges.stream_of(writer) != l.stream and key not in crossing:
+                    crossing.append(key)
+                if not graph:
+                    tag = edges.need(writer, l.stream)
+                    if tag and tag not in waits:
+                        waits.append(tag)
+        after: List[int] = []
+        for b in intents.get(i, ()):
+            if graph:
+                after.append(b)
+            else:
+                tag = edges.need(b, l.stream)
+                if tag and tag not in waits:
+                    waits.append(tag)
+        partial.append((i, l, tuple(waits), tuple(crossing), tuple(after), tuple(frees.get(i, ()))))
+    final_waits = []
+    if not graph:
+        for key in flow.outputs:
+            tag = edges.need(flow.writer.get(key), caller) if key[0] != "in" else None
+            if tag and tag not in final_waits:
+                final_waits.append(tag)
+    steps = tuple(Step(i, l, w, event_tag(l) if i in edges.recorded else None, c, a, f)
+                  for i, l, w, c, a, f in partial)
+    plan = Plan(path, caller, steps, edges.input_tag if edges.input_used else None, tuple(final_waits))
+    return plan, flow
+
+
+def run(schedule: Schedule, layers: Layers, inputs: Sequence[Mapping[str, Any]]) -> List[Any]:
+    """Run ``schedule`` over ``layers`` for micro-batches starting from ``inputs``; their outputs in order.
+
+    ``layers[L]`` is layer L's operation list (shared by all micro-batches); ``inputs[mb]`` holds
+    micro-batch ``mb``'s ``"hidden"`` and its context values (`FromMicroBatch` for another
+    micro-batch's values). The schedule is checked completely before the first launch, so a bad
+    schedule fails with `ScheduleError` on every rank before any collective is issued.
+    """
+    layers = normalize_layers(layers)
+    plan, flow = lower(schedule, layers, inputs)
+    return execute(plan, flow, inputs)
+
+
+def execute(plan: Plan, flow: Flow, inputs: Sequence[Mapping[str, Any]]) -> List[Any]:
+    """Run a lowered plan (see `lower`); returns each micro-batch's final value."""
+    states: Dict[Tuple[int, int], State] = defaultdict(State)
+
+    def get(key: Key) -> Any:
+        return inputs[key[1]][key[2]] if key[0] == "in" else states[key[0], key[1]][key[2]]
+
+    if plan.input_event:
+        overlap.event(plan.input_event).record()
+    for step in plan.steps:
+        l, op = step.launch, flow.ops[step.index]
+        with overlap.stream(l.stream):
+            for tag in step.waits:
+                overlap.event(tag).wait()
+            for key in step.crossing:
+                for t in _tensors(get(key)):
+                    overlap.record_stream(t, l.stream)
+            args = [_read(r, get) for r in flow.reads[step.index]]
+            if step.after:
+                deps = [t for b in step.after for w in flow.ops[b].writes
+                        for t in _tensors(get((plan.steps[b].launch.mb, plan.steps[b].launch.layer, w)))]
+                args = _wait_first_tensor(args, deps)
+            kind = "launch" if op.stream == COMM else "compute"
+            with overlap.span(l.op, kind=kind, mb=l.mb, layer=l.layer):
+                out = op.fn(*args)
+            values = split_outputs(op.name, op.writes, out)
+            state = states[l.mb, l.layer]
+            for name, v in zip(op.writes, values):
+                state[name] = v
+            if step.record:
+                overlap.event(step.record).record(*_tensors(values))
+        for key in step.frees:
+            states[key[0], key[1]].pop(key[2], None)
+    for tag in plan.final_waits:
+        overlap.event(tag).wait()
+    return [get(key) for key in flow.outputs]
+
+
+def _read(r: Any, get: Any) -> Any:
+    if r.fn is not None:
+        return r.fn(*[get(k) for k in r.keys])
+    return tuple(get(k) for k in r.keys) if r.packed else get(r.keys[0])
+
+
+def _tensors(value: Any) -> List[torch.Tensor]:
+    """The tensors inside a value: a tensor, or nested tuples, lists, dicts and dataclasses of them."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [t for f in dataclasses.fields(value) for t in _tensors(getattr(value, f.name))]
+    return []
+
+
+def _wait_first_tensor(args: List[Any], deps: Sequence[torch.Tensor]) -> List[Any]:
+    """Put ``wait_tensor(x, *deps)`` in place of the first tensor ``x`` among the arguments."""
+    if not deps:
+        return args
+    done = [False]
+
+    def visit(v: Any) -> Any:
+        if done[0]:
+            return v
+        if isinstance(v, torch.Tensor):
+            done[0] = True
+            return overlap.wait_tensor(v, *deps)
+        if isinstance(v, tuple):
+            items = [visit(x) for x in v]
+            return type(v)(*items) if hasattr(v, "_fields") else tuple(items)
+        if isinstance(v, list):
+            return [visit(x) for x in v]
+        if isinstance(v, dict):
+            return {k: visit(x) for k, x in v.items()}
+        return v
+
+    return [visit(a) for a in args]
+
+
+__all__ = ["Plan", "Step", "event_tag", "execute", "lower", "run"]

@@ -1,0 +1,353 @@
+"""Schedules as data: the ordered launches of (micro-batch, layer, operation), and their check.
+
+A `Schedule` lists `Launch` es in issue order; each names a micro-batch, a layer, an operation of
+that layer and the stream it is placed on. ``orders`` are ordering intents without a data edge
+(``(before, after)`` launch indices); the executor lowers them to ``wait_tensor`` on ``ge`` and to
+events across streams elsewhere. The generators read each layer's operation list by role:
+operations on `COMM` are communication (the compute before one is its producer), operations on
+`SHARED` are shared experts, everything else is compute.
+
+Values flow by name: a layer starts with its micro-batch's inputs (``"hidden"`` at layer 0, any
+context values at every layer) and layer ``L``'s ``"hidden"`` is layer ``L-1``'s ``"out"``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from overlap.streams import COMM, MAIN, SHARED
+
+from .operations import FromMicroBatch, Operation, as_operation
+
+HIDDEN = "hidden"  # a layer's input
+OUT = "out"  # a layer's output, the next layer's "hidden"
+
+# Where a value lives: ("in", mb, name) for an input, (mb, layer, name) for a value an operation wrote.
+Key = Tuple[Any, ...]
+
+
+class ScheduleError(ValueError):
+    """A schedule that does not fit its layers (raised before anything is launched)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One issue of an operation: micro-batch ``mb``'s operation ``op`` of layer ``layer`` on ``stream``."""
+
+    mb: int
+    layer: int
+    op: str
+    stream: str = MAIN
+
+    def __str__(self) -> str:
+        return f"mb{self.mb} L{self.layer} {self.op} @{self.stream}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """Launches in issue order plus ordering intents ``(before, after)`` between launch indices."""
+
+    name: str
+    launches: Tuple[Launch, ...]
+    orders: Tuple[Tuple[int, int], ...] = ()
+
+    def format(self) -> str:
+        """One line per launch; ordering intents are shown as ``after #i``."""
+        after: Dict[int, List[int]] = {}
+        for b, a in self.orders:
+            after.setdefault(a, []).append(b)
+        lines = [f"schedule {self.name}: {len(self.launches)} launches"]
+        for i, l in enumerate(self.launches):
+            extra = f"  (after #{', #'.join(map(str, after[i]))})" if i in after else ""
+            lines.append(f"{i:4d}  {l}{extra}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.format()
+
+
+Layers = Sequence[Sequence[Any]]
+
+
+def normalize_layers(layers: Layers) -> List[List[Operation]]:
+    """Each layer's operations as `Operation` s, checked: unique names, each value written once."""
+    out: List[List[Operation]] = []
+    for li, layer in enumerate(layers):
+        ops = [as_operation(o) for o in layer]
+        names: Dict[str, int] = {}
+        writers: Dict[str, str] = {}
+        for op in ops:
+            if op.name in names:
+                raise ScheduleError(f"layer {li} has two operations named {op.name!r}")
+            names[op.name] = 1
+            for w in op.writes:
+                if w in writers:
+                    raise ScheduleError(f"layer {li}: {writers[w]!r} and {op.name!r} both write {w!r}; "
+                                        f"a value is written once")
+                if w == HIDDEN:
+                    raise ScheduleError(f"layer {li}: {op.name!r} writes {HIDDEN!r}, the layer's input")
+                writers[w] = op.name
+        out.append(ops)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Read:
+    """Where one read of a launch comes from: the keys, and whether they are packed into a tuple."""
+
+    name: str
+    keys: Tuple[Key, ...]
+    packed: bool = False
+    fn: Optional[Callable[..., Any]] = None  # from `FromMicroBatch.fn`
+
+
+@dataclasses.dataclass
+class Flow:
+    """The data flow of a checked schedule: per launch its reads; per key its writer and last reader."""
+
+    ops: List[Operation]  # the operation of each launch
+    reads: List[List[Read]]
+    writer: Dict[Key, int]  # launch index that wrote the key
+    last_read: Dict[Key, int]
+    outputs: List[Key]  # per micro-batch, the key of its final value
+
+
+def _resolve(mb: int, layer: int, name: str, inputs: Sequence[Mapping[str, Any]]) -> Read:
+    if name == HIDDEN and layer > 0:
+        return Read(name, ((mb, layer - 1, OUT),))
+    if name in inputs[mb]:
+        v = inputs[mb][name]
+        if isinstance(v, FromMicroBatch):
+            return Read(name, tuple((v.mb, layer, n) for n in v.names), packed=len(v.names) > 1, fn=v.fn)
+        return Read(name, (("in", mb, name),))
+    return Read(name, ((mb, layer, name),))
+
+
+def _describe(key: Key) -> str:
+    if key[0] == "in":
+        return f"input {key[2]!r} of mb{key[1]}"
+    return f"mb{key[0]}'s {key[2]!r} of layer {key[1]}"
+
+
+def validate(schedule: Schedule, layers: Layers, inputs: Sequence[Mapping[str, Any]]) -> Flow:
+    """Check that ``schedule`` runs ``layers`` on micro-batches with ``inputs`` and return its data flow.
+
+    Every operation of every layer of every micro-batch is launched exactly once, each value is
+    written before it is read (also across layers and micro-batches), no operation overwrites an
+    input, and ordering intents point forward. Raises `ScheduleError` naming the first problem.
+    """
+    layers = normalize_layers(layers)
+    n_mb, n_layers = len(inputs), len(layers)
+    if n_mb == 0:
+        raise ScheduleError("no micro-batches: pass one input mapping per micro-batch")
+    by_name = [{op.name: op for op in ops} for ops in layers]
+    for mb, inp in enumerate(inputs):
+        for name, v in inp.items():
+            if isinstance(v, FromMicroBatch) and not (0 <= v.mb < n_mb and v.mb != mb):
+                raise ScheduleError(f"input {name!r} of mb{mb} refers to micro-batch {v.mb}, which is not "
+                                    f"another of the {n_mb} micro-batches")
+    seen: Dict[Tuple[int, int, str], int] = {}
+    ops: List[Operation] = []
+    for i, l in enumerate(schedule.launches):
+        if not (0 <= l.mb < n_mb and 0 <= l.layer < n_layers):
+            raise ScheduleError(f"launch #{i} ({l}) is outside {n_mb} micro-batches x {n_layers} layers")
+        op = by_name[l.layer].get(l.op)
+        if op is None:
+            raise ScheduleError(f"launch #{i} ({l}): layer {l.layer} has no operation {l.op!r} "
+                                f"(it has {', '.join(by_name[l.layer])})")
+        if (l.mb, l.layer, l.op) in seen:
+            raise ScheduleError(f"launch #{i} ({l}) repeats launch #{seen[l.mb, l.layer, l.op]}")
+        seen[l.mb, l.layer, l.op] = i
+        ops.append(op)
+    missing = [f"mb{mb} L{li} {op.name}" for li, lops in enumerate(layers) for mb in range(n_mb) for op in lops
+               if (mb, li, op.name) not in seen]
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ScheduleError(f"schedule {schedule.name!r} never launches {', '.join(missing[:5])}{more}")
+
+    writer: Dict[Key, int] = {}
+    last_read: Dict[Key, int] = {}
+    reads: List[List[Read]] = []
+    for i, (l, op) in enumerate(zip(schedule.launches, ops)):
+        rs = [_resolve(l.mb, l.layer, name, inputs) for name in op.reads]
+        for r in rs:
+            for key in r.keys:
+                if key[0] == "in" or key in writer:
+                    last_read[key] = i
+                    continue
+                producer = [o.name for o in layers[key[1]] if key[2] in o.writes]
+                if not producer:
+                    raise ScheduleError(f"launch #{i} ({l}) reads {key[2]!r}: no operation of layer {key[1]} "
+                                        f"writes it and it is not an input of mb{key[0]}")
+                raise ScheduleError(f"launch #{i} ({l}) reads {_describe(key)} before it is written, "
+                                    f"which {producer[0]!r} writes later")
+        for w in op.writes:
+            if w in inputs[l.mb]:
+                raise ScheduleError(f"launch #{i} ({l}) writes {w!r}, which is an input of mb{l.mb}")
+            writer[(l.mb, l.layer, w)] = i
+        reads.append(rs)
+    outputs = [(mb, n_layers - 1, OUT) if n_layers else ("in", mb, HIDDEN) for mb in range(n_mb)]
+    for mb, key in enumerate(outputs):
+        if key[0] == "in" and HIDDEN not in inputs[mb]:
+            raise ScheduleError(f"mb{mb} has no {HIDDEN!r} input")
+        if key[0] != "in" and key not in writer:
+            raise ScheduleError(f"the last layer writes no {OUT!r}: mb{mb} would have no output")
+    for b, a in schedule.orders:
+        if not (0 <= b < a < len(schedule.launches)):
+            raise ScheduleError(f"ordering intent ({b}, {a}) must name two launches, the first one earlier")
+    return Flow(ops, reads, writer, last_read, outputs)
+
+
+# ---- generators -------------------------------------------------------------------------------
+
+
+def _is_comm(op: Operation) -> bool:
+    return op.stream == COMM
+
+
+def _fifo_orders(launches: Sequence[Launch], comm: Sequence[bool]) -> Tuple[Tuple[int, int], ...]:
+    """Keep the communication launches of each side stream in schedule order (for graph compilers)."""
+    last: Dict[str, int] = {}
+    orders = []
+    for i, (l, c) in enumerate(zip(launches, comm)):
+        if c and l.stream != MAIN:
+            if l.stream in last:
+                orders.append((last[l.stream], i))
+            last[l.stream] = i
+    return tuple(orders)
+
+
+def _build(name: str, items: Sequence[Tuple[int, int, Operation, str]]) -> Schedule:
+    launches = tuple(Launch(mb, li, op.name, stream) for mb, li, op, stream in items)
+    return Schedule(name, launches, _fifo_orders(launches, [_is_comm(op) for _, _, op, _ in items]))
+
+
+def serial(layers: Layers, n_micro: int = 1) -> Schedule:
+    """Everything on the main stream, layer by layer, micro-batch after micro-batch: the reference."""
+    layers = normalize_layers(layers)
+    return _build("serial", [(mb, li, op, MAIN) for li, ops in enumerate(layers)
+                             for mb in range(n_micro) for op in ops])
+
+
+def _written_before(ops: Sequence[Operation], stop: int) -> set:
+    return {w for op in ops[:stop] for w in op.writes}
+
+
+def _float_shared(ops: Sequence[Operation]) -> Tuple[List[Operation], List[Operation], int]:
+    """Split off the shared-expert operations that can run right after the first communication.
+
+    Returns ``(others, floating, at)``: ``floating`` go after ``others[at - 1]`` (the first comm op).
+    A shared operation that reads a value written from the first comm op on stays where it is.
+    """
+    first = next((i for i, op in enumerate(ops) if _is_comm(op)), None)
+    if first is None:
+        return list(ops), [], 0
+    layer_writes = {w for op in ops for w in op.writes}
+    ready = _written_before(ops, first)  # not the comm output: waiting for it would serialise the exchange
+    floating = [op for op in ops if op.stream == SHARED
+                and all(r in ready or r not in layer_writes for r in op.reads)]
+    names = {op.name for op in floating}
+    others = [op for op in ops if op.name not in names]
+    at = next(i for i, op in enumerate(others) if _is_comm(op)) + 1
+    return others, floating, at
+
+
+def shared_overlap(layers: Layers, n_micro: int = 1) -> Schedule:
+    """One batch at a time; the shared experts on their side stream right after the dispatch is issued.
+
+    Communication runs on its stream and the shared experts overlap it on theirs; the rest
+    keeps the layer's order on the main stream.
+    """
+    layers = normalize_layers(layers)
+    items = []
+    for li, ops in enumerate(layers):
+        others, floating, at = _float_shared(ops)
+        order = others[:at] + floating + others[at:]
+        items += [(mb, li, op, op.stream) for mb in range(n_micro) for op in order]
+    return _build("shared_overlap", items)
+
+
+def _segments(ops: Sequence[Operation]) -> Tuple[List[List[Operation]], List[Operation]]:
+    """Cut a layer after each comm op: segments ending in communication, and the tail after the last."""
+    segments, cur = [], []
+    for op in ops:
+        cur.append(op)
+        if _is_comm(op):
+            segments.append(cur)
+            cur = []
+    return segments, cur
+
+
+def _two_batch_stream(op: Operation) -> str:
+    # Production prefill keeps all compute, shared experts included, on the main stream.
+    return op.stream if _is_comm(op) or op.stream not in (MAIN, SHARED) else MAIN
+
+
+def two_batch(layers: Layers, n_micro: int = 2, defer_tail: bool = True) -> Schedule:
+    """Two-batch prefill: compute on the main stream, communication on its side stream.
+
+    Per layer, each segment (compute up to and including a comm op) is issued for micro-batch 0,
+    then 1, so one micro-batch's dispatch / combine runs under the other's compute; the shared
+    experts follow the first dispatches. The tail after the last comm op (finalize) of the last
+    micro-batch is deferred into the next layer, behind micro-batch 0's attention, so its
+    combine is hidden too. For a MoE layer ``attn, gate, dispatch, experts, combine, shared,
+    finalize`` this is: attn0 gate0 dispatch0 attn1 gate1 dispatch1 shared0 shared1 experts0
+    combine0 experts1 combine1 finalize0 | attn0' finalize1 gate0' ...
+    """
+    layers = normalize_layers(layers)
+    if n_micro < 1:
+        raise ScheduleError(f"two_batch needs at least one micro-batch, got {n_micro}")
+    last = n_micro - 1
+    items: List[Tuple[int, int, Operation, str]] = []
+    deferred: List[Tuple[int, int, Operation, str]] = []
+
+    def emit(mb: int, li: int, ops: Sequence[Operation]) -> List[Tuple[int, int, Operation, str]]:
+        return [(mb, li, op, _two_batch_stream(op)) for op in ops]
+
+    for li, ops in enumerate(layers):
+        others, floating, at = _float_shared(ops)
+        segments, tail = _segments(others)
+        body: List[Tuple[int, int, Operation, str]] = []
+        if not segments:  # nothing to hide in this layer: micro-batch after micro-batch
+            for mb in range(n_micro):
+                body += emit(mb, li, ops)
+            anchor: Optional[str] = ops[-1].name if ops else None
+        else:
+            for k, seg in enumerate(segments):
+                for mb in range(n_micro):
+                    body += emit(mb, li, seg)
+                if k == 0:
+                    for mb in range(n_micro):
+                        body += emit(mb, li, floating)
+            for mb in range(last):
+                body += emit(mb, li, tail)
+            compute = [op for op in segments[0] if not _is_comm(op)]
+            # behind mb0's attention: its first-segment compute except the comm op's producer
+            anchor = compute[-2].name if len(compute) >= 2 else (compute[0].name if compute else None)
+        if deferred:
+            pos = next(i + 1 for i, (mb, _, op, _) in enumerate(body) if mb == 0 and op.name == anchor) \
+                if anchor is not None else 0
+            body[pos:pos] = deferred
+            deferred = []
+        if segments and defer_tail and li + 1 < len(layers) and n_micro > 1:
+            deferred = emit(last, li, tail)
+        elif segments:
+            body += emit(last, li, tail)
+        items += body
+    items += deferred
+    return _build("two_batch", items)
+
+
+SCHEDULES = {"serial": serial, "shared_overlap": shared_overlap, "two_batch": two_batch}
+
+
+def by_name(name: str) -> Any:
+    """The schedule generator called ``name`` (``serial``, ``shared_overlap`` or ``two_batch``)."""
+    try:
+        return SCHEDULES[name]
+    except KeyError:
+        raise ValueError(f"unknown schedule {name!r}; expected one of {', '.join(SCHEDULES)}") from None
+
+
+__all__ = ["HIDDEN", "OUT", "Flow", "Launch", "Read", "Schedule", "ScheduleError", "by_name", "normalize_layers",
+           "serial", "shared_overlap", "two_batch", "validate"]

@@ -1,0 +1,361 @@
+"""The pipeline executor on toy layers built from the overlap primitives (CPU, 1 / 2 / 4 gloo ranks)."""
+import sys
+import time
+import types
+
+import pytest
+import torch
+
+import overlap
+from microbatch import (FromMicroBatch, Launch, Operation, Schedule, ScheduleError, event_tag, lower, run, serial,
+                        shared_overlap, two_batch)
+from overlap.multirank import run_ranks
+
+H = 8
+SCHEDULES = {"serial": serial, "shared_overlap": shared_overlap, "two_batch": two_batch}
+
+
+def _weights(layer, n=3):
+    g = torch.Generator().manual_seed(1000 + layer)
+    return [torch.randn(H, H, generator=g) / H ** 0.5 for _ in range(n)]
+
+
+def _a2a(group):
+    def exchange(x):
+        out = torch.empty_like(x)
+        overlap.all_to_all_single(out, x, group=group, name="a2a")
+        return out
+    return exchange
+
+
+def _slow(delay):
+    """A local 'exchange' on the current stream's worker (asynchronous on a CPU side stream), slowed down."""
+    def exchange(x):
+        out = torch.zeros_like(x)
+
+        def work():
+            time.sleep(delay)
+            out.copy_(x.flip(0) * 2)
+        overlap.launch_host("slow_exchange", work, reads=(x,), writes=(out,), kind="comm")
+        return out
+    return exchange
+
+
+def moe_layer(layer, exchange, kv=None):
+    """attn, gate -> dispatch (COMM), experts -> combine (COMM), shared (SHARED), finalize.
+
+    With ``kv`` (an exchange), a first op on the COPY stream writes ``"k"`` and attention also reads
+    ``"k"`` and ``"prefix"`` (another micro-batch's ``"k"``, or None).
+    """
+    wa, we, ws = _weights(layer)
+    ops = []
+    if kv is not None:
+        ops.append(Operation("kv", kv, ("hidden",), ("k",), overlap.COPY))
+
+        def attn(h, k, prefix):
+            extra = k.sum(0) + (prefix.sum(0) if prefix is not None else 0)
+            return torch.tanh(h @ wa) + h + 0.1 * extra
+        ops.append(Operation("attn", attn, ("hidden", "k", "prefix"), ("x",)))
+    else:
+        ops.append(Operation("attn", lambda h: torch.tanh(h @ wa) + h, ("hidden",), ("x",)))
+    ops += [
+        Operation("gate", lambda x: x * 0.5 + 0.1, ("x",), ("moe_in",)),
+        Operation("dispatch", exchange, ("moe_in",), ("recv",), overlap.COMM),
+        Operation("experts", lambda r: torch.relu(r @ we), ("recv",), ("y",)),
+        Operation("combine", exchange, ("y",), ("back",), overlap.COMM),
+        Operation("shared", lambda m: m @ ws, ("moe_in",), ("sh",), overlap.SHARED),
+        Operation("finalize", lambda x, b, s: x + b + s, ("x", "back", "sh"), ("out",)),
+    ]
+    return ops
+
+
+def _inputs(rank, n_micro=2, rows=4):
+    g = torch.Generator().manual_seed(7 + rank)
+    return [{"hidden": torch.randn(rows, H, generator=g)} for _ in range(n_micro)]
+
+
+def _run_all(layers, inputs):
+    return {name: run(make(layers, len(inputs)), layers, inputs) for name, make in SCHEDULES.items()}
+
+
+def _assert_bitwise(results):
+    ref = results["serial"]
+    for name, outs in results.items():
+        assert len(outs) == len(ref)
+        for a, b in zip(outs, ref):
+            assert torch.equal(a, b), f"{name} differs from serial"
+
+
+# ---- multi-rank: overlapped schedules equal serial bitwise -------------------------------------------
+
+def _body_equal(ctx, n_layers):
+    from overlap.timeline import Timeline
+
+    layers = [moe_layer(i, _a2a(ctx.group)) for i in range(n_layers)]
+    inputs = _inputs(ctx.rank, rows=2 * ctx.world_size)
+    results = {}
+    for name, make in SCHEDULES.items():
+        with Timeline() as tl:
+            results[name] = run(make(layers, 2), layers, inputs)
+        comm = tl.find(name="a2a", kind="comm")
+        assert len(comm) == 2 * 2 * n_layers, name
+        assert all("mb" in s.meta and "layer" in s.meta for s in comm), "comm spans lack mb/layer meta"
+        if name != "serial":
+            assert {s.stream for s in comm} == {overlap.COMM}
+    overlap.synchronize()
+    return results
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_overlapped_schedules_equal_serial(world):
+    per_rank = run_ranks(_body_equal, world, 2, timeout=120)
+    for results in per_rank:
+        _assert_bitwise(results)
+    if world > 1:  # the exchange really mixed the ranks: rank 0's result depends on rank 1's input
+        assert not torch.equal(per_rank[0]["serial"][0], per_rank[1]["serial"][0])
+
+
+# ---- the wait is never forgotten ------------------------------------------------------------------
+
+def _slow_layers(n_layers, delay=0.03, kv=False):
+    ex = _slow(delay)
+    return [moe_layer(i, ex, kv=ex if kv else None) for i in range(n_layers)]
+
+
+def test_slow_side_stream_is_waited_for():
+    layers = _slow_layers(2)
+    _assert_bitwise(_run_all(layers, _inputs(0)))
+
+
+def test_without_the_executors_waits_results_break(monkeypatch):
+    """Negative control: the executor is right because of its waits, not by luck of timing."""
+    layers = _slow_layers(2, delay=0.1)
+    inputs = _inputs(0)
+    ref = run(serial(layers, 2), layers, inputs)
+    monkeypatch.setattr(overlap.Event, "wait", lambda self, *c: None)
+    try:
+        broken = run(two_batch(layers, 2), layers, inputs)
+    finally:
+        overlap.synchronize()
+    assert not all(torch.equal(a, b) for a, b in zip(broken, ref))
+
+
+def test_sanitizer_sees_no_race_in_two_batch():
+    from overlap.sanitizer import Sanitizer
+
+    layers = _slow_layers(2, delay=0.01, kv=True)
+    inputs = _inputs(0)
+    inputs[0]["prefix"] = None
+    inputs[1]["prefix"] = FromMicroBatch(0, "k", fn=lambda k: k[:2])
+    with Sanitizer(raise_on_race=True) as san:
+        run(two_batch(layers, 2), layers, inputs)
+        overlap.synchronize()
+    assert not san.races
+
+
+def test_every_cross_stream_read_has_a_wait_in_the_plan():
+    layers = _slow_layers(3)
+    inputs = _inputs(0)
+    for make in (shared_overlap, two_batch):
+        plan, flow = lower(make(layers, 2), layers, inputs)
+        waited = {}  # (consumer stream, producer stream) -> latest producer index covered
+        recorded = {s.record: s.index for s in plan.steps if s.record}
+        for step in plan.steps:
+            for tag in step.waits:
+                producer = plan.steps[recorded[tag]].launch.stream
+                waited[step.launch.stream, producer] = max(waited.get((step.launch.stream, producer), -1),
+                                                           recorded[tag])
+            for r in flow.reads[step.index]:
+                for key in r.keys:
+                    w = flow.writer.get(key)
+                    if w is not None and plan.steps[w].launch.stream != step.launch.stream:
+                        assert waited.get((step.launch.stream, plan.steps[w].launch.stream), -1) >= w, \
+                            f"{step.launch} reads {key} from #{w} without a wait"
+
+
+# ---- cross-micro-batch values --------------------------------------------------------------------
+
+def test_cross_microbatch_read_waits_for_the_other_microbatch():
+    layers = _slow_layers(2, delay=0.03, kv=True)
+    inputs = _inputs(0)
+    inputs[0]["prefix"] = None
+    inputs[1]["prefix"] = FromMicroBatch(0, "k", fn=lambda k: k[:2])
+    results = _run_all(layers, inputs)
+    _assert_bitwise(results)
+    plan, _ = lower(two_batch(layers, 2), layers, inputs)
+    attn1 = [s for s in plan.steps if s.launch.mb == 1 and s.launch.op == "attn"]
+    # a wait on the offload stream recorded after mb1's own kv, which also covers mb0's earlier kv
+    assert all(any(t.endswith("@kv_offload") for t in s.waits) for s in attn1)
+
+
+def test_cross_microbatch_read_before_write_is_rejected():
+    layers = _slow_layers(1, kv=True)
+    inputs = _inputs(0)
+    inputs[0]["prefix"] = None
+    inputs[1]["prefix"] = FromMicroBatch(0, "k")
+    names = [op.name for op in layers[0]]
+    launches = [Launch(1, 0, n) for n in names] + [Launch(0, 0, n) for n in names]
+    with pytest.raises(ScheduleError, match="mb0's 'k' of layer 0 before it is written"):
+        run(Schedule("bad", tuple(launches)), layers, inputs)
+
+
+# ---- events are created once -------------------------------------------------------------------
+
+class _EventLog:
+    def __init__(self):
+        self.records, self.waits = [], []
+
+    def on_event_record(self, name, stream):
+        self.records.append((name, stream))
+
+    def on_event_wait(self, name, stream):
+        self.waits.append((name, stream))
+
+
+def _event_log(layers, inputs, make=two_batch):
+    log = _EventLog()
+    overlap.add_observer(log)
+    try:
+        run(make(layers, len(inputs)), layers, inputs)
+    finally:
+        overlap.remove_observer(log)
+    return log
+
+
+def test_events_are_reused_across_layers():
+    inputs = _inputs(0)
+    one = _event_log(_slow_layers(1, delay=0), inputs)
+    four = _event_log(_slow_layers(4, delay=0), inputs)
+    assert len(four.records) > len(one.records)
+    assert {n for n, _ in four.records} == {n for n, _ in one.records}
+    assert all(n.startswith(("mb0.", "mb1.")) for n, _ in four.records)
+
+
+def _fake_torchair(monkeypatch, calls):
+    import contextlib
+
+    scope = types.ModuleType("torchair.scope")
+    ops = types.ModuleType("torchair.ops")
+    scope.npu_stream_switch = lambda tag, priority=0: contextlib.nullcontext()
+
+    def npu_wait_tensor(x, dep):
+        calls.append(("wait_tensor", tuple(dep.shape)))
+        return x + 0  # a new tensor, as the graph op returns
+    scope.npu_wait_tensor = npu_wait_tensor
+    ops.npu_create_tagged_event = lambda tag: calls.append(("create", tag)) or object()
+    air = types.SimpleNamespace(tagged_event_record=lambda tag: calls.append(("record", tag)),
+                                tagged_event_wait=lambda tag: calls.append(("wait", tag)))
+    # the core emits torch.ops.air.tagged_event_record/wait(tag) itself; stand in for those ops
+    monkeypatch.setattr(overlap.events, "torch", types.SimpleNamespace(ops=types.SimpleNamespace(air=air)))
+    monkeypatch.setattr(overlap.events, "_tagged_events", {})
+    ops.npu_record_tagged_stream = lambda t, tag: calls.append(("record_stream", tag))
+    pkg = types.ModuleType("torchair")
+    pkg.scope, pkg.ops = scope, ops
+    for name, mod in (("torchair", pkg), ("torchair.scope", scope), ("torchair.ops", ops)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setattr(overlap.events, "_events", {})
+
+
+def _local_layers(n_layers):
+    return [moe_layer(i, lambda x: x.flip(0) * 2) for i in range(n_layers)]
+
+
+def test_aclgraph_creates_each_tagged_event_once(monkeypatch):
+    inputs = _inputs(0)
+    counts = []
+    for n_layers in (1, 3):
+        calls = []
+        _fake_torchair(monkeypatch, calls)
+        with overlap.use_path("aclgraph"):
+            run(two_batch(_local_layers(n_layers), 2), _local_layers(n_layers), inputs)
+        created = [c[1] for c in calls if c[0] == "create"]
+        assert len(created) == len(set(created))
+        assert sum(c[0] == "wait" for c in calls) >= len(created) - 1
+        assert any(c[0] == "record_stream" for c in calls)
+        counts.append(sorted(created))
+    assert counts[0] == counts[1]
+
+
+def test_ge_adds_no_events_and_orders_comm_with_wait_tensor(monkeypatch):
+    calls = []
+    _fake_torchair(monkeypatch, calls)
+    layers, inputs = _local_layers(2), _inputs(0)
+    ref = run(serial(layers, 2), layers, inputs)
+    schedule = two_batch(layers, 2)
+    log = _EventLog()
+    overlap.add_observer(log)
+    try:
+        with overlap.use_path("ge"):
+            plan, _ = lower(schedule, layers, inputs)
+            out = run(schedule, layers, inputs)
+    finally:
+        overlap.remove_observer(log)
+    assert not log.records and not log.waits and not plan.events()
+    assert sum(c[0] == "wait_tensor" for c in calls) == len(schedule.orders) > 0
+    assert all(torch.equal(a, b) for a, b in zip(out, ref))
+
+
+# ---- bad schedules fail before anything runs -----------------------------------------------------
+
+def test_bad_schedule_fails_before_any_launch():
+    launched = []
+    layers = [[Operation("a", lambda h: launched.append("a") or h, ("hidden",), ("t",)),
+               Operation("b", lambda t: launched.append("b") or t, ("t",), ("out",), overlap.COMM)]]
+    bad = Schedule("bad", (Launch(0, 0, "b", overlap.COMM), Launch(0, 0, "a")))
+    with pytest.raises(ScheduleError, match="reads mb0's 't' of layer 0 before it is written, which 'a' writes"):
+        run(bad, layers, [{"hidden": torch.ones(2)}])
+    assert launched == []
+
+
+def test_event_tag_names_microbatch_op_and_stream():
+    assert event_tag(Launch(1, 5, "combine", overlap.COMM)) == "mb1.combine@ep_comm"
+
+
+# ---- the reference model with the expert-parallel MoE -------------------------------------------
+
+def _model_body(ctx, per_rank_lens):
+    from collectives import wrap_expert_parallel
+    from launch.model import PRESETS, Batch, build_model
+    from microbatch.split import decide_split, merge_outputs, prefix_kv
+    from overlap.sanitizer import Sanitizer
+
+    cfg = PRESETS["tiny"]
+    lens = per_rank_lens[ctx.rank]
+    batch = Batch.random(lens, cfg.vocab, seed=10 + ctx.rank)
+    model = build_model(cfg, seed=3)
+    model.replace_moe(lambda layer: wrap_expert_parallel(layer.moe, ctx.group))
+    plan = decide_split(lens, ctx.group, min_tokens=4)
+    assert not plan.serial
+    layers = [layer.operations() for layer in model.layers]
+    assert any(op.stream == overlap.COMM for ops in layers for op in ops), "no EP communication in the model"
+    results = {}
+    with torch.no_grad():
+        ref = model.forward_microbatches(batch, plan)
+        b0, b1 = batch.split(plan)
+        inputs = [{"hidden": model.embed_tokens(b0.tokens), "seq": b0.seq, "prefix_kv": None},
+                  {"hidden": model.embed_tokens(b1.tokens), "seq": b1.seq,
+                   "prefix_kv": FromMicroBatch(0, "k", "v", fn=lambda k, v: prefix_kv(plan, k, v))}]
+        for name, make in SCHEDULES.items():
+            with Sanitizer(raise_on_race=False) as san:
+                h0, h1 = run(make(layers, 2), layers, inputs)
+                overlap.synchronize()
+            results[name] = (merge_outputs(plan, model.norm(h0), model.norm(h1)), [str(r) for r in san.races])
+    return ref, results, plan.cut is not None
+
+
+def test_reference_model_two_batch_equals_serial():
+    """Tiny model, EP MoE on 2 ranks (rank 1 cuts a request across micro-batches)."""
+    per_rank = run_ranks(_model_body, 2, [[9, 4, 11], [30]], timeout=120)
+    assert any(cut for _, _, cut in per_rank)
+    for ref, results, _ in per_rank:
+        for name, (out, races) in results.items():
+            assert torch.equal(out, ref), f"{name} differs from forward_microbatches"
+            assert not races, f"{name}: {races[:3]}"
+
+
+def test_overlap_switched_off_runs_every_schedule_on_one_stream():
+    layers, inputs = _slow_layers(2, delay=0.01), _inputs(0)
+    ref = run(serial(layers, 2), layers, inputs)
+    with overlap.enabled(False):
+        out = run(two_batch(layers, 2), layers, inputs)
+    assert all(torch.equal(a, b) for a, b in zip(out, ref))

@@ -1,0 +1,207 @@
+"""Schedules as data: the generated launch orders and the checks that reject bad schedules."""
+from collections import namedtuple
+
+import pytest
+
+from microbatch import (FromMicroBatch, Launch, Operation, Schedule, ScheduleError, serial, shared_overlap,
+                        two_batch, validate)
+from overlap import COMM, MAIN, SHARED
+
+Stage = namedtuple("Stage", "name fn reads writes stream")  # the EP layer's stage shape
+
+
+def _f(*a):
+    return a[0]
+
+
+def moe_ops(prefix=""):
+    """attn, gate -> dispatch, experts -> combine, shared, finalize; names optionally prefixed."""
+    p = prefix
+    return [
+        Operation("attn", _f, ("hidden",), ("x",)),
+        Operation(p + "gate", _f, ("x",), ("moe_in",)),
+        Operation(p + "dispatch", _f, ("moe_in",), ("recv",), COMM),
+        Operation(p + "experts", _f, ("recv",), ("y",)),
+        Operation(p + "combine", _f, ("y",), ("back",), COMM),
+        Operation(p + "shared", _f, ("moe_in",), ("sh",), SHARED),
+        Operation(p + "finalize", _f, ("x", "back", "sh"), ("out",)),
+    ]
+
+
+def dense_ops():
+    return [Operation("attn", _f, ("hidden",), ("x",)), Operation("mlp", _f, ("x",), ("out",))]
+
+
+def _names(schedule, layer=None):
+    return [f"{l.op}{l.mb}" for l in schedule.launches if layer is None or l.layer == layer]
+
+
+INPUTS2 = [{"hidden": 0}, {"hidden": 1}]
+
+
+def test_two_batch_follows_production_order():
+    s = two_batch([moe_ops(), moe_ops()], 2)
+    validate(s, [moe_ops(), moe_ops()], INPUTS2)
+    assert [f"{l.op}{l.mb}" for l in s.launches[:13]] == [
+        "attn0", "gate0", "dispatch0", "attn1", "gate1", "dispatch1", "shared0", "shared1",
+        "experts0", "combine0", "experts1", "combine1", "finalize0"]
+    # mb1's finalize is deferred into the next layer, behind mb0's attention
+    assert [(l.op, l.mb, l.layer) for l in s.launches[13:16]] == [("attn", 0, 1), ("finalize", 1, 0), ("gate", 0, 1)]
+    assert (s.launches[-1].op, s.launches[-1].mb, s.launches[-1].layer) == ("finalize", 1, 1)
+    streams = {l.op: l.stream for l in s.launches}
+    assert streams == {"attn": MAIN, "gate": MAIN, "dispatch": COMM, "experts": MAIN, "combine": COMM,
+                       "shared": MAIN, "finalize": MAIN}
+
+
+def test_two_batch_keeps_communication_in_schedule_order():
+    s = two_batch([moe_ops(), moe_ops()], 2)
+    comm = [i for i, l in enumerate(s.launches) if l.stream == COMM]
+    assert list(s.orders) == list(zip(comm, comm[1:]))
+
+
+def test_generators_find_stages_by_stream_not_name():
+    ops = moe_ops("moe_")
+    s = two_batch([ops, ops], 2)
+    validate(s, [ops, ops], INPUTS2)
+    assert _names(s, 0)[:8] == ["attn0", "moe_gate0", "moe_dispatch0", "attn1", "moe_gate1", "moe_dispatch1",
+                                "moe_shared0", "moe_shared1"]
+
+
+def test_ep_stages_with_ordering_reads_validate():
+    """The EP layer's shape: shared experts in three parts, one reading the dispatch output."""
+    st = [Operation("attn", _f, ("hidden",), ("x",)), Operation("norm", _f, ("x",), ("moe_in",))] + [
+        Stage("gate", _f, ("moe_in",), ("idx", "w"), MAIN),
+        Stage("dispatch", _f, ("moe_in", "idx", "w"), ("disp",), COMM),
+        Stage("shared_gate_up", _f, ("moe_in", "idx"), ("sh_h",), SHARED),
+        Stage("experts", _f, ("disp",), ("eo", "eb"), MAIN),
+        Stage("shared_act", _f, ("sh_h", "disp"), ("sh_a",), SHARED),
+        Stage("combine", _f, ("eo", "eb", "disp"), ("comb",), COMM),
+        Stage("shared_down", _f, ("sh_a", "moe_in", "eo"), ("sh_o",), SHARED),
+        Stage("finalize", _f, ("comb", "sh_o"), ("moe_out",), MAIN),
+        Operation("residual", _f, ("x", "moe_out"), ("out",))]
+    layers = [st, st, st]
+    for make in (serial, shared_overlap, two_batch):
+        validate(make(layers, 2), layers, INPUTS2)
+    s = two_batch(layers, 2)
+    first = _names(s, 0)
+    # shared_gate_up follows the dispatches; shared_act (reads the dispatch output) stays beside the experts
+    assert first.index("shared_gate_up1") == first.index("dispatch1") + 2
+    assert first.index("experts0") < first.index("shared_act0") < first.index("combine0")
+    # behind mb0's attention and norm of layer 1 come mb1's shared_down, finalize, residual of layer 0
+    nxt = [(l.op, l.mb, l.layer) for l in s.launches if l.layer == 0 or (l.layer == 1 and l.mb == 0)]
+    i = nxt.index(("norm", 0, 1))
+    assert nxt[i + 1:i + 4] == [("shared_down", 1, 0), ("finalize", 1, 0), ("residual", 1, 0)]
+
+
+def test_shared_overlap_puts_shared_on_its_stream_after_dispatch():
+    s = shared_overlap([moe_ops()], 1)
+    assert _names(s) == ["attn0", "gate0", "dispatch0", "shared0", "experts0", "combine0", "finalize0"]
+    assert [l.stream for l in s.launches] == [MAIN, MAIN, COMM, SHARED, MAIN, COMM, MAIN]
+
+
+def test_serial_is_all_main_layer_by_layer():
+    s = serial([moe_ops(), dense_ops()], 2)
+    assert {l.stream for l in s.launches} == {MAIN} and not s.orders
+    assert [(l.layer, l.mb) for l in s.launches] == sorted((l.layer, l.mb) for l in s.launches)
+
+
+def test_dense_and_moe_layers_mix():
+    layers = [dense_ops(), moe_ops(), dense_ops(), moe_ops(), moe_ops()]
+    for make in (serial, shared_overlap, two_batch):
+        for n in (1, 2, 3):
+            s = make(layers, n)
+            validate(s, layers, [{"hidden": i} for i in range(n)])
+            assert len(s.launches) == n * sum(len(l) for l in layers)
+
+
+def test_format_lists_launches_and_intents():
+    text = two_batch([moe_ops()], 2).format()
+    assert "mb1 L0 dispatch @ep_comm  (after #2)" in text and text.startswith("schedule two_batch")
+
+
+# ---- validation errors --------------------------------------------------------------------------
+
+def _bad(launches, layers=None, inputs=None, orders=()):
+    return validate(Schedule("bad", tuple(launches), tuple(orders)), layers or [moe_ops()], inputs or [{"hidden": 0}])
+
+
+def _serial_launches(n_layers=1, mb=0):
+    return [Launch(mb, li, op.name) for li in range(n_layers) for op in moe_ops()]
+
+
+def test_missing_launch():
+    with pytest.raises(ScheduleError, match="never launches mb0 L0 finalize"):
+        _bad(_serial_launches()[:-1])
+
+
+def test_duplicate_launch():
+    with pytest.raises(ScheduleError, match=r"launch #7 \(mb0 L0 attn @default\) repeats launch #0"):
+        _bad(_serial_launches() + [Launch(0, 0, "attn")])
+
+
+def test_unknown_operation():
+    with pytest.raises(ScheduleError, match="layer 0 has no operation 'atn'"):
+        _bad([Launch(0, 0, "atn")])
+
+
+def test_out_of_range():
+    with pytest.raises(ScheduleError, match="outside 1 micro-batches x 1 layers"):
+        _bad([Launch(1, 0, "attn")])
+
+
+def test_read_before_write():
+    ls = _serial_launches()
+    ls[3], ls[4] = ls[4], ls[3]  # combine before experts
+    with pytest.raises(ScheduleError, match="reads mb0's 'y' of layer 0 before it is written, which 'experts'"):
+        _bad(ls)
+
+
+def test_next_layer_before_previous_out():
+    ls = _serial_launches(2)
+    ls.insert(0, ls.pop(7))  # layer 1's attention first
+    with pytest.raises(ScheduleError, match="reads mb0's 'out' of layer 0 before it is written"):
+        _bad(ls, [moe_ops(), moe_ops()])
+
+
+def test_missing_input():
+    with pytest.raises(ScheduleError, match="reads 'hidden': no operation of layer 0 writes it"):
+        _bad(_serial_launches(), inputs=[{}])
+
+
+def test_write_over_input():
+    with pytest.raises(ScheduleError, match="writes 'x', which is an input of mb0"):
+        _bad(_serial_launches(), inputs=[{"hidden": 0, "x": 1}])
+
+
+def test_bad_layers():
+    with pytest.raises(ScheduleError, match="two operations named 'attn'"):
+        serial([[Operation("attn", _f), Operation("attn", _f)]])
+    with pytest.raises(ScheduleError, match="'a' and 'b' both write 'y'"):
+        serial([[Operation("a", _f, (), ("y",)), Operation("b", _f, (), ("y",))]])
+    with pytest.raises(TypeError, match="is not an operation: it lacks name, fn"):
+        serial([[object()]])
+
+
+def test_last_layer_without_out():
+    layers = [[Operation("a", _f, ("hidden",), ("x",))]]
+    with pytest.raises(ScheduleError, match="writes no 'out'"):
+        validate(serial(layers), layers, [{"hidden": 0}])
+
+
+def test_backward_ordering_intent():
+    with pytest.raises(ScheduleError, match="ordering intent"):
+        _bad(_serial_launches(), orders=[(3, 1)])
+
+
+def test_cross_microbatch_reference_checks():
+    with pytest.raises(ScheduleError, match="refers to micro-batch 1, which is not another"):
+        _bad(_serial_launches(), inputs=[{"hidden": 0, "p": FromMicroBatch(1, "k")}])
+    with pytest.raises(TypeError, match="needs the names"):
+        FromMicroBatch(0)
+
+
+def test_validation_reports_flow():
+    layers = [moe_ops(), moe_ops()]
+    flow = validate(two_batch(layers, 2), layers, INPUTS2)
+    assert flow.outputs == [(0, 1, "out"), (1, 1, "out")]
+    assert all(key in flow.writer for key in flow.outputs)
