@@ -104,11 +104,7 @@ class OffloadCache:
             raise OffloadError(f"dtype must be a floating point torch.dtype (or int8), got {dtype!r}")
         path_now = current_path()
         self.asynchronous = bool(enabled) and is_enabled() and store != "device"
-        if self.asynchronous and path_now in GRAPH_PATHS:
-            raise OffloadError(
-                f"KV offload is not available on the {path_now!r} path: a copy into host memory on a separate "
-                f"copy stream cannot be expressed inside a compiled graph. Run the offload on the eager "
-                f"path (npu/cuda), or pass enabled=False for plain synchronous copies outside the graph")
+        self._check_path(path_now)
         self.n_layers, self.max_tokens, self.chunk_tokens = int(n_layers), int(max_tokens), chunk_tokens
         self.k_shape = _shape(kv_shape, "kv_shape")
         self.v_shape = self.k_shape if v_shape is None else _shape(v_shape, "v_shape")
@@ -157,11 +153,20 @@ class OffloadCache:
         return self._tokens[layer]
 
     # ----------------------------------------------------------------- validation
+    def _check_path(self, path: Optional[str] = None) -> None:
+        path = path or current_path()
+        if self.asynchronous and path in GRAPH_PATHS:
+            raise OffloadError(
+                f"KV offload is not available on the {path!r} path: a copy into host memory on a separate "
+                f"copy stream cannot be expressed inside a compiled graph. Run the offload on the eager "
+                f"path (npu/cuda), or pass enabled=False for plain synchronous copies outside the graph")
+
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.n_layers:
             raise OffloadError(f"layer {layer} out of range for a cache of {self.n_layers} layers")
 
     def _check_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, offset: Optional[int]) -> Tuple[int, int]:
+        self._check_path()
         self._check_layer(layer)
         for what, t, shape in (("keys", k, self.k_shape), ("values", v, self.v_shape)):
             if not isinstance(t, torch.Tensor):
@@ -293,6 +298,7 @@ class OffloadCache:
 
     # ----------------------------------------------------------------- prefetch
     def _resolve(self, layer: int, start: int, end: Optional[int]) -> Tuple[int, int]:
+        self._check_path()
         self._check_layer(layer)
         end = self._tokens[layer] if end is None else int(end)
         if not 0 <= start < end <= self._tokens[layer]:

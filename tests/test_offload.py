@@ -284,6 +284,10 @@ def test_graph_paths_refuse_the_copy_stream(path):
             _cache()
         with _cache(enabled=False) as cache:  # the documented fallback: plain copies, no side stream
             assert not cache.asynchronous
+    with _cache() as cache:  # made eagerly, then used inside a compiled region
+        with overlap.use_path(path), pytest.raises(OffloadError, match="cannot be expressed inside a compiled"):
+            cache.offload(0, *_kv(4))
+        assert cache.tokens(0) == 0
 
 
 # ------------------------------------------------------------------ sanitizer and timeline
@@ -360,3 +364,18 @@ def test_benchmark_runs_and_prints_both_modes():
     assert res.exit_code == 0, res.output
     for line in ("keep", "offload sync", "offload overhead", "device KV memory"):
         assert line in res.output
+
+
+def test_reference_model_kv_sink_is_offload():
+    from launch.model import Batch, build_model
+    from launch.presets import preset
+
+    cfg = preset("tiny")
+    model, batch = build_model(cfg), Batch.random([20, 12], cfg.vocab)
+    seen = {}
+    ref = model(batch, kv_sink=lambda layer, k, v: seen.setdefault(layer, (k.clone(), v.clone())))
+    with _cache(n_layers=cfg.n_layers, max_tokens=32, kv_shape=(cfg.n_heads, cfg.head_dim)) as cache:
+        assert torch.equal(model(batch, kv_sink=cache.offload), ref)
+        for layer, (k, v) in seen.items():
+            hk, hv = cache.host_kv(layer)
+            assert torch.equal(hk, k) and torch.equal(hv, v)
