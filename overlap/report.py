@@ -1,0 +1,123 @@
+"""``python -m overlap.report PATH``: per-stream busy time and overlap from a trace, with a CI gate.
+
+PATH is a Chrome trace from `overlap.timeline` or ``torch.profiler``, or a torch_npu profiler
+output folder (or one of its ``trace_view.json`` / ``kernel_details.csv`` / ``step_trace_time.csv``).
+Prints, per rank or device: busy time per stream, overlap per pair of streams, overlap / min(busy)
+with a verdict (>= 0.5 real overlap, <= 0.05 serialized) and the hidden share of communication.
+
+Exit status: 0 fine, 1 below ``--min-overlap`` / ``--min-hidden``, 2 unreadable input or bad options.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, List, Optional, Tuple
+
+import click
+
+from ._intervals import Metrics, compute_metrics, verdict
+from ._traces import Trace, TraceError, load
+
+EXIT_BELOW, EXIT_BAD_INPUT = 1, 2
+
+
+class _BadInput(click.ClickException):
+    exit_code = EXIT_BAD_INPUT
+
+
+def analyse(path: str) -> Tuple[Trace, Metrics]:
+    """Load ``path`` and compute its metrics; `TraceError` when the input is unusable."""
+    trace = load(path)
+    if not trace.items and not trace.profiler_overlap:
+        raise TraceError(f"{path}: no timed events (complete 'X' slices or task rows) found in it")
+    return trace, compute_metrics(trace.items)
+
+
+def _pct(x: Optional[float]) -> str:
+    return "n/a (no communication)" if x is None else f"{x:.1%}"
+
+
+def render(trace: Trace, m: Metrics) -> str:
+    """The report as text."""
+    lines = [f"{trace.path} ({trace.format})"]
+    for proc, rm in sorted(m.per_rank.items(), key=lambda kv: str(kv[0])):
+        lines.append(f"{proc}:")
+        for stream, busy in sorted(rm.busy.items(), key=lambda kv: -kv[1]):
+            lines.append(f"  busy  {stream:<24} {busy * 1e3:12.3f} ms")
+        for (a, b), ov in sorted(rm.overlap.items(), key=lambda kv: -kv[1]):
+            r = rm.ratio(a, b)
+            lines.append(f"  pair  {a} | {b}: overlap {ov * 1e3:.3f} ms, overlap/min(busy) {r:.2f}  {verdict(r)}")
+        lines.append(f"  hidden share of communication: {_pct(rm.hidden_share)}")
+    for proc, (comm, hidden) in sorted(trace.profiler_overlap.items()):
+        share = hidden / comm if comm > 0 else None
+        lines.append(f"{proc}: profiler's own analysis: communication {comm * 1e3:.3f} ms, "
+                     f"overlapped {hidden * 1e3:.3f} ms ({_pct(share)})")
+    if len(m.per_rank) > 1:
+        lines.append(f"all: hidden share of communication {_pct(m.hidden_share)}")
+    return "\n".join(lines)
+
+
+def gate(m: Metrics, min_overlap: Optional[float], pair: Optional[Tuple[str, str]],
+         min_hidden: Optional[float]) -> List[str]:
+    """The reasons the trace fails the thresholds (empty when it passes)."""
+    failures = []
+    if min_overlap is not None:
+        if pair is not None and not any(set(pair) <= set(rm.busy) for rm in m.per_rank.values()):
+            streams = sorted({s for rm in m.per_rank.values() for s in rm.busy})
+            raise _BadInput(f"--pair {pair[0]} {pair[1]}: no rank has both streams; streams: {', '.join(streams)}")
+        checked = 0
+        for proc, rm in sorted(m.per_rank.items(), key=lambda kv: str(kv[0])):
+            p = pair if pair is not None else rm.busiest_pair()
+            if p is None or not set(p) <= set(rm.busy):
+                continue
+            checked += 1
+            r = rm.ratio(*p)
+            if r < min_overlap:
+                failures.append(f"{proc}: overlap/min(busy) of {p[0]} | {p[1]} is {r:.2f} < {min_overlap}")
+        if not checked:
+            failures.append("no rank has two busy streams, so no overlap is proven")
+    if min_hidden is not None:
+        share = m.hidden_share
+        if share is None or share < min_hidden:
+            failures.append(f"hidden share of communication {_pct(share)} < {min_hidden:.1%}")
+    return failures
+
+
+def _as_json(trace: Trace, m: Metrics, failures: List[str]) -> Dict[str, Any]:
+    return {"path": trace.path, "format": trace.format, "hidden_share": m.hidden_share, "failures": failures,
+            "ranks": {str(p): {"busy_s": rm.busy, "hidden_share": rm.hidden_share,
+                               "pairs": [{"a": a, "b": b, "overlap_s": ov, "ratio": rm.ratio(a, b),
+                                          "verdict": verdict(rm.ratio(a, b))} for (a, b), ov in rm.overlap.items()]}
+                      for p, rm in m.per_rank.items()},
+            "profiler_overlap": {p: {"communication_s": c, "overlapped_s": h}
+                                 for p, (c, h) in trace.profiler_overlap.items()}}
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("path", type=click.Path())
+@click.option("--min-overlap", type=click.FloatRange(0, 1), default=None,
+              help="Fail (exit 1) when overlap/min(busy) of the checked pair is below this on any rank.")
+@click.option("--pair", nargs=2, type=str, default=None,
+              help="The two streams to check, as printed (default: each rank's two busiest streams).")
+@click.option("--min-hidden", type=click.FloatRange(0, 1), default=None,
+              help="Fail (exit 1) when the hidden share of communication is below this.")
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON instead of text.")
+def main(path: str, min_overlap: Optional[float], pair: Optional[Tuple[str, str]], min_hidden: Optional[float],
+         as_json: bool) -> None:
+    """Report per-stream busy time and overlap of the trace at PATH."""
+    try:
+        trace, m = analyse(path)
+    except TraceError as e:
+        raise _BadInput(str(e)) from None
+    failures = gate(m, min_overlap, pair, min_hidden)
+    if as_json:
+        click.echo(json.dumps(_as_json(trace, m, failures), indent=2))
+    else:
+        click.echo(render(trace, m))
+        for f in failures:
+            click.echo(f"FAIL: {f}", err=True)
+    if failures:
+        click.get_current_context().exit(EXIT_BELOW)
+
+
+if __name__ == "__main__":
+    main()
