@@ -20,7 +20,7 @@ import json
 import os
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from . import hooks
 from ._intervals import Metrics, compute_metrics, verdict
@@ -207,6 +207,7 @@ class Timeline:
         self._lock = threading.Lock()
         self._offset = 0.0  # wall clock minus the hooks' perf_counter
         self._device: Optional[_DeviceClock] = None
+        self._open: Set[int] = set()  # spans started while active and not finished yet
         self.active = False
 
     def start(self) -> "Timeline":
@@ -215,13 +216,17 @@ class Timeline:
         path = current_path()
         self._device = _DeviceClock(path) if self.device_timing and path in ("cuda", "npu") else None
         self._offset = time.time() - time.perf_counter()
-        self.active = True
+        with self._lock:
+            self.active = True
         hooks.add_observer(self)
         return self
 
     def stop(self) -> "Timeline":
-        hooks.remove_observer(self)
-        self.active = False
+        """Stop recording; asynchronous launches still in flight are recorded when they complete."""
+        with self._lock:
+            self.active = False
+            if not self._open:
+                hooks.remove_observer(self)
         return self
 
     def __enter__(self) -> "Timeline":
@@ -232,16 +237,25 @@ class Timeline:
 
     # hooks observer
     def on_span_start(self, span: Span) -> None:
-        if self._device is not None and not span.asynchronous:
-            self._device.start(span)
+        with self._lock:
+            if not self.active:
+                return
+            self._open.add(span.id)
+            if self._device is not None and not span.asynchronous:
+                self._device.start(span)
 
     def on_span_end(self, span: Span) -> None:
         copy = dataclasses.replace(span, reads=(), writes=(), meta=dict(span.meta),
                                    start=span.start + self._offset, end=(span.end or span.start) + self._offset)
         with self._lock:
+            if span.id not in self._open:
+                return
+            self._open.discard(span.id)
             if self._device is not None:
                 self._device.end(span, copy)
             self._spans.append(copy)
+            if not self.active and not self._open:
+                hooks.remove_observer(self)
 
     @property
     def spans(self) -> List[Span]:

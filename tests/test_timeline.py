@@ -51,6 +51,20 @@ def test_records_launches_with_meta_and_async_completion():
     assert y.shape == (256, 256)
 
 
+def test_launch_in_flight_at_stop_is_still_recorded():
+    src = torch.randn(512, 512)
+    dst = torch.empty_like(src)
+    with Timeline() as tl:
+        with overlap.stream(COPY):
+            overlap.copy_(dst, src, name="late")
+    with overlap.span("after"):  # not recorded: the timeline has stopped
+        pass
+    overlap.synchronize()
+    assert [s.name for s in tl.spans] == ["late"]
+    assert not hooks.active()
+    torch.testing.assert_close(dst, src)
+
+
 def _span(name, stream, kind, start, end, rank=0):
     return Span(name=name, stream=stream, kind=kind, rank=rank, start=start, end=end)
 
