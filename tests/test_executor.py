@@ -15,6 +15,13 @@ H = 8
 SCHEDULES = {"serial": serial, "shared_overlap": shared_overlap, "two_batch": two_batch}
 
 
+@pytest.fixture(autouse=True)
+def _on_main_stream():
+    """Run each test from the main stream, whatever an earlier test in this process left behind."""
+    with overlap.stream(overlap.MAIN):
+        yield
+
+
 def _weights(layer, n=3):
     g = torch.Generator().manual_seed(1000 + layer)
     return [torch.randn(H, H, generator=g) / H ** 0.5 for _ in range(n)]
@@ -359,3 +366,69 @@ def test_overlap_switched_off_runs_every_schedule_on_one_stream():
     with overlap.enabled(False):
         out = run(two_batch(layers, 2), layers, inputs)
     assert all(torch.equal(a, b) for a, b in zip(out, ref))
+
+
+# ---- graph mode: the executor traced by torch.compile(fullgraph=True) against torchair's own code ----
+
+def _weightless_layer():
+    """The toy MoE layer without captured weights, so a captured graph's only inputs are the hidden states."""
+    def exchange(x):
+        return x.flip(0) * 2
+    return [
+        Operation("attn", lambda h: torch.tanh(h) + h, ("hidden",), ("x",)),
+        Operation("gate", lambda x: x * 0.5 + 0.1, ("x",), ("moe_in",)),
+        Operation("dispatch", exchange, ("moe_in",), ("recv",), overlap.COMM),
+        Operation("experts", torch.relu, ("recv",), ("y",)),
+        Operation("combine", exchange, ("y",), ("back",), overlap.COMM),
+        Operation("shared", torch.sin, ("moe_in",), ("sh",), overlap.SHARED),
+        Operation("finalize", lambda x, b, s: x + b + s, ("x", "back", "sh"), ("out",)),
+    ]
+
+
+def _graph_case(n_layers=2):
+    layers = [_weightless_layer() for _ in range(n_layers)]
+    schedule = two_batch(layers, 2)
+
+    def fn(h0, h1):
+        return run(schedule, layers, [{"hidden": h0}, {"hidden": h1}])
+    return layers, schedule, fn, tuple(x["hidden"] for x in _inputs(0))
+
+
+def _serial_eager(layers, args):
+    with overlap.use_path("cpu"):
+        return run(serial(layers, 2), layers, [{"hidden": a} for a in args])
+
+
+def test_ge_graph_has_wait_tensor_per_intent_and_no_events():
+    tc = pytest.importorskip("torchair_contract")
+    tc.load_torchair()
+    layers, schedule, fn, args = _graph_case()
+    gm = tc.capture_graph(fn, *args, path="ge")
+    assert not tc.nodes(gm, "tagged_event_record") and not tc.nodes(gm, "tagged_event_wait")
+    waits = tc.nodes(gm, "wait_tensor")
+    assert len(waits) == len(schedule.orders) > 0
+    streams = tc.stream_of(gm)
+    assert all(streams[w.name] == overlap.COMM for w in waits)
+    out = tc.strip_air(gm)(*args)
+    assert all(torch.equal(a, b) for a, b in zip(out, _serial_eager(layers, args)))
+
+
+def test_aclgraph_graph_records_before_every_wait():
+    tc = pytest.importorskip("torchair_contract")
+    tc.load_torchair()
+    layers, schedule, fn, args = _graph_case()
+    gm = tc.capture_graph(fn, *args, path="aclgraph")
+    assert not tc.nodes(gm, "wait_tensor")
+    at = {n: i for i, n in enumerate(gm.graph.nodes)}
+    records = tc.nodes(gm, "tagged_event_record")
+    streams = tc.stream_of(gm)
+    for wait in tc.nodes(gm, "tagged_event_wait"):
+        tag = wait.args[0]
+        earlier = [r for r in records if r.args[0] == tag and at[r] < at[wait]]
+        assert earlier, f"wait for {tag} before any record"
+        assert streams[earlier[-1].name] == tag.split("@")[1] != streams[wait.name]
+    plan, _ = lower(schedule, layers, [{"hidden": a} for a in args], path="aclgraph")
+    assert {r.args[0] for r in records} == set(plan.events())
+    assert tc.nodes(gm, "record_tagged_stream_")
+    out = tc.strip_air(gm)(*args)
+    assert all(torch.equal(a, b) for a, b in zip(out, _serial_eager(layers, args)))
