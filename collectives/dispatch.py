@@ -65,8 +65,9 @@ def _exchange(x: torch.Tensor, out_rows: int, recv_splits: List[int], send_split
         out.copy_(x)
     else:
         overlap.all_to_all_single(out, x, recv_splits, send_splits, group=group, name=name, **meta)
-    overlap.record_stream(x, overlap.current_stream_tag())
-    overlap.record_stream(out, caller)
+    if overlap.current_path() != "cpu":  # on CPU the pending launch itself keeps x and out alive
+        overlap.record_stream(x, overlap.current_stream_tag())
+        overlap.record_stream(out, caller)
     return out
 
 
@@ -148,7 +149,7 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
         recv_splits = check_splits("receive split sizes", recv_splits, world)
     layout = compute_layout(topk_idx, num_experts, world, send_splits)
     send_meta = pack_metadata(layout, topk_idx, topk_weights)
-    send_x = x[layout.send_token]
+    send_x = x.index_select(0, layout.send_token)
     with _side(stream_tag, previous_event, event_tag) as caller:
         per_expert = None
         if recv_splits is None:

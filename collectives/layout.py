@@ -167,17 +167,27 @@ def expand(recv_x: torch.Tensor, recv_meta: torch.Tensor, num_local: int,
         raise LayoutError(f"{len(counts)} expert counts for {num_local} local experts")
     pairs = torch.argsort(key, stable=True)[: sum(counts)]
     rows, slots = torch.div(pairs, k, rounding_mode="floor"), pairs % k
-    return ExpertBatch(recv_x[rows], counts, rows, slots, rows_n, k)
+    return ExpertBatch(recv_x.index_select(0, rows), counts, rows, slots, rows_n, k)
 
 
 def reduce_local(expert_out: torch.Tensor, batch: ExpertBatch, recv_weights: torch.Tensor) -> torch.Tensor:
-    """Per received row, the weighted sum of its local experts' outputs in slot order 0..k-1, in float32."""
-    hidden = expert_out.shape[-1]
-    per_slot = torch.zeros(batch.num_rows, batch.top_k, hidden, dtype=torch.float32, device=expert_out.device)
-    per_slot[batch.rows, batch.slots] = expert_out.float()
-    out = torch.zeros(batch.num_rows, hidden, dtype=torch.float32, device=expert_out.device)
+    """Per received row, the weighted sum of its local experts' outputs in slot order 0..k-1, in float32.
+
+    Slots whose expert lives elsewhere add zero, as in `collectives.reference.combine_dense`.
+    """
+    hidden, n = expert_out.shape[-1], expert_out.shape[0]
+    if n == 0:
+        return torch.zeros(batch.num_rows, hidden, dtype=torch.float32, device=expert_out.device)
+    # where[r, s]: the expanded row holding row r's slot s (a dummy row with weight 0 when elsewhere)
+    where = torch.full((batch.num_rows, batch.top_k), n, dtype=torch.int64, device=expert_out.device)
+    where[batch.rows, batch.slots] = torch.arange(n, device=expert_out.device)
+    here = where < n
+    where = where.clamp(max=n - 1)
+    weights = torch.where(here, recv_weights, torch.zeros((), dtype=recv_weights.dtype, device=here.device))
+    out = None
     for s in range(batch.top_k):
-        out += per_slot[:, s] * recv_weights[:, s, None]
+        term = expert_out.index_select(0, where[:, s]).float().mul_(weights[:, s, None])
+        out = term if out is None else out.add_(term)  # 0 + first term is the first term: start from it
     return out
 
 
