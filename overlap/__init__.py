@@ -10,6 +10,8 @@ from .copy import copy_
 from .cores import (CoreBudget, CoreBudgetError, core_budget, limit_cores, parse_budget, read_soc_config,
                     reset_core_limits, set_core_budget, stream_limits)
 from .events import Event, event, wait_tensor
+from .link import Link, current_link, parse_link, set_link
+from .offload import OffloadCache, OffloadError
 from .hooks import Span, add_observer, remove_observer, span
 from .paths import (ENV_ENABLE, ENV_PATH, PATHS, current_path, detect_path, enabled, is_enabled, set_enabled,
                     set_path, use_path)
@@ -20,11 +22,11 @@ from .timeline import Timeline
 
 __all__ = [
     "COMM", "COPY", "MAIN", "SHARED", "PATHS", "ENV_ENABLE", "ENV_PATH",
-    "CoreBudget", "CoreBudgetError", "Event", "Sanitizer", "Span", "StreamRaceError", "Timeline",
-    "add_observer", "all_reduce", "all_to_all_single", "copy_", "core_budget", "current_path",
+    "CoreBudget", "CoreBudgetError", "Event", "Link", "OffloadCache", "OffloadError", "Sanitizer", "Span", "StreamRaceError", "Timeline",
+    "add_observer", "all_reduce", "all_to_all_single", "copy_", "core_budget", "current_link", "current_path",
     "current_stream_tag", "detect_path", "enabled", "event", "get_stream", "is_enabled", "launch_collective",
-    "launch_host", "limit_cores", "parse_budget", "read_soc_config", "record_stream", "remove_observer",
-    "reset_core_limits", "set_core_budget", "set_enabled", "set_path", "span", "stream", "stream_limits",
+    "launch_host", "limit_cores", "parse_budget", "parse_link", "read_soc_config", "record_stream", "remove_observer",
+    "reset_core_limits", "set_core_budget", "set_enabled", "set_link", "set_path", "span", "stream", "stream_limits",
     "synchronize", "use_path", "wait_tensor",
 ]
 

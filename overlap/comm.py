@@ -1,6 +1,7 @@
 """Collectives that follow the current stream: asynchronous on a CPU side stream, stream-ordered on devices."""
 from __future__ import annotations
 
+import math
 from typing import Any, List, Optional, Sequence
 
 import torch
@@ -44,7 +45,11 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
     def issue(async_op: bool) -> Any:
         return dist.all_to_all_single(output, input, out_splits, in_splits, group=group, async_op=async_op)
 
-    launch_collective(name, issue, reads=(input,), writes=(output,), **meta)
+    me = dist.get_rank(group)
+    row = math.prod(input.shape[1:]) * input.element_size()
+    sent = input.shape[0] - (in_splits[me] if in_splits else input.shape[0] // world)
+    received = output.shape[0] - (out_splits[me] if out_splits else output.shape[0] // world)
+    launch_collective(name, issue, reads=(input,), writes=(output,), nbytes=max(sent, received) * row, **meta)
 
 
 def all_reduce(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Optional[dist.ProcessGroup] = None,
@@ -54,4 +59,6 @@ def all_reduce(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Optiona
     def issue(async_op: bool) -> Any:
         return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
-    launch_collective(name, issue, reads=(tensor,), writes=(tensor,), **meta)
+    world = dist.get_world_size(group)
+    ring = 2 * (world - 1) * tensor.numel() * tensor.element_size() // world
+    launch_collective(name, issue, reads=(tensor,), writes=(tensor,), nbytes=ring, **meta)

@@ -13,11 +13,13 @@ import concurrent.futures
 import contextlib
 import contextvars
 import threading
+import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
 from . import hooks
+from .link import DelayedWork, current_link
 from .paths import _eager_in_trace, current_path, is_enabled
 
 MAIN = "default"  # torchair's name for the main stream
@@ -108,16 +110,16 @@ class CpuStream:
                 p.wait()
 
     def launch_collective(self, name: str, issue: Callable[[bool], Any], reads: Sequence[torch.Tensor],
-                          writes: Sequence[torch.Tensor], span: Optional[hooks.Span]) -> None:
+                          writes: Sequence[torch.Tensor], span: Optional[hooks.Span], delay: float = 0.0) -> None:
         with self._lock:
             self._prune()
             self._order_after_hazards(reads, writes)
             work = issue(True)
-            pending = _Pending(name, work, reads, writes)
-            self._pending.append(pending)
-        if span is not None:
-            fut = work.get_future()
-            fut.add_done_callback(lambda _f: hooks.end_span(span))
+            if delay > 0:  # a simulated link: completes after the transfer time (see overlap.link)
+                work = DelayedWork(work, delay, lambda: hooks.end_span(span))
+            elif span is not None:
+                work.get_future().add_done_callback(lambda _f: hooks.end_span(span))
+            self._pending.append(_Pending(name, work, reads, writes))
 
     def launch_host(self, name: str, fn: Callable[[], Any], reads: Sequence[torch.Tensor],
                     writes: Sequence[torch.Tensor], span: Optional[hooks.Span]) -> concurrent.futures.Future:
@@ -218,21 +220,26 @@ def _is_async_cpu() -> bool:
 
 
 def launch_collective(name: str, issue: Callable[[bool], Any], reads: Sequence[torch.Tensor] = (),
-                      writes: Sequence[torch.Tensor] = (), **meta: Any) -> None:
+                      writes: Sequence[torch.Tensor] = (), nbytes: int = 0, **meta: Any) -> None:
     """Issue a collective on the current stream; ``issue(async_op)`` calls torch.distributed.
 
     On a CPU side stream it is issued with ``async_op=True`` and completes on gloo's threads; an
     event recorded on this stream afterwards waits for it. Everywhere else it is issued in order
-    on the current (device) stream.
+    on the current (device) stream. ``nbytes`` (bytes this rank exchanges with others) sets its
+    transfer time when a simulated link is on (`overlap.link`, CPU only).
     """
     tag = current_stream_tag()
     asynchronous = _is_async_cpu()
+    link = current_link() if current_path() == "cpu" else None
+    delay = link.seconds(nbytes) if link is not None and nbytes else 0.0
     span = hooks.start_span(name, tag, "comm", reads=reads, writes=writes, asynchronous=asynchronous, meta=meta)
     if asynchronous:
-        cpu_stream(tag).launch_collective(name, issue, reads, writes, span)
+        cpu_stream(tag).launch_collective(name, issue, reads, writes, span, delay)
         return
     try:
         issue(False)
+        if delay:
+            time.sleep(delay)
     finally:
         hooks.end_span(span)
 

@@ -1,0 +1,386 @@
+"""Prefill of the reference MoE model with expert parallelism over all ranks.
+
+    torchrun --nproc-per-node 2 launch/prefill.py            # 2 CPU ranks, every mode
+    python launch/prefill.py --mode two-batch --check         # one rank
+
+Rank 0 prints one row per mode: time per prefill, tokens/s, speedup over serial, the hidden
+share of communication and the largest difference from serial. ``--out DIR`` writes the results
+as JSON, and per mode the merged Chrome trace and PNG timeline of the last iteration.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+if __package__ in (None, ""):  # run as a file: make the repository importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import datetime
+import json
+import statistics
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+import click
+import torch
+import torch.distributed as dist
+
+MODES = ("serial", "shared", "two-batch")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ConfigError(click.ClickException):
+    """An invalid configuration: reported once, by rank 0, before any collective."""
+
+    exit_code = 2
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _world() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def say(msg: str, err: bool = False) -> None:
+    """Print on rank 0 only."""
+    if _rank() == 0:
+        click.echo(msg, err=err)
+
+
+def _parse_seq_lens(text: Optional[str], batch: int, seq_len: int) -> List[int]:
+    if text:
+        try:
+            lens = [int(x) for x in text.replace(" ", "").split(",") if x]
+        except ValueError:
+            raise ConfigError(f"--seq-lens must be comma-separated integers, got {text!r}") from None
+    else:
+        lens = [seq_len] * batch
+    if not lens or any(n < 1 for n in lens):
+        raise ConfigError(f"every request needs at least one token; got seq lens {lens}")
+    return lens
+
+
+def _resolve_device(device: str, path: Optional[str]) -> str:
+    from overlap.paths import _npu_available
+
+    if device == "auto":
+        device = "npu" if _npu_available() else "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is available on this machine")
+    if device == "npu" and not _npu_available():
+        raise ConfigError("--device npu: torch_npu with an available NPU is required (install torch_npu "
+                          "matching your torch and CANN)")
+    if path in ("npu", "ge", "aclgraph") and device != "npu":
+        raise ConfigError(f"--path {path} runs on Ascend NPUs only; this run's device is {device}")
+    return device
+
+
+def _fault() -> Optional[Dict[str, Any]]:
+    """Fault injection for the dead-rank tests: ``OVERLAP_FAULT="rank=1,iter=2,kind=exit|hang|raise"``."""
+    text = os.environ.get("OVERLAP_FAULT")
+    if not text:
+        return None
+    spec = dict(kv.split("=", 1) for kv in text.split(","))
+    return {"rank": int(spec.get("rank", 1)), "iter": int(spec.get("iter", 0)), "kind": spec.get("kind", "exit")}
+
+
+def _maybe_fail(fault: Optional[Dict[str, Any]], it: int) -> None:
+    if fault is None or fault["rank"] != _rank() or fault["iter"] != it:
+        return
+    if fault["kind"] == "exit":
+        os._exit(17)
+    if fault["kind"] == "hang":
+        time.sleep(3600)
+    raise RuntimeError(f"injected fault on rank {_rank()} at iteration {it}")
+
+
+class _Peers:
+    """Heartbeats in the store, so that a rank stuck in a collective can name the rank that is gone."""
+
+    def __init__(self) -> None:
+        self.store = dist.distributed_c10d._get_default_store()
+        self.world = dist.get_world_size()
+
+    def beat(self, what: str) -> None:
+        self.store.set(f"overlap/progress/{_rank()}", f"{what}@{time.time():.3f}")
+
+    def failed(self, msg: str) -> None:
+        try:
+            self.store.set(f"overlap/failed/{_rank()}", msg[:500])
+        except Exception:
+            pass
+
+    def diagnose(self) -> str:
+        """Which ranks failed or stopped making progress, in words."""
+        try:
+            failed = [r for r in range(self.world) if self.store.check([f"overlap/failed/{r}"])]
+            if failed:
+                return "; ".join(f"rank {r} failed: {self.store.get(f'overlap/failed/{r}').decode()}" for r in failed)
+            beats = {}
+            for r in range(self.world):
+                if self.store.check([f"overlap/progress/{r}"]):
+                    what, at = self.store.get(f"overlap/progress/{r}").decode().rsplit("@", 1)
+                    beats[r] = (float(at), what)
+            if not beats:
+                return "no rank reported progress"
+            oldest = min(beats.values())[0]
+            stale = [r for r in range(self.world) if r not in beats or beats[r][0] <= oldest + 1e-3]
+            return ", ".join(f"rank {r} stopped responding (last seen at {beats[r][1] if r in beats else 'start'})"
+                             for r in stale if r != _rank()) or "peers are alive; the collective itself timed out"
+        except Exception as exc:  # the store lives on rank 0: if that is gone, say so
+            return f"the rendezvous store is unreachable ({type(exc).__name__}): rank 0 is probably gone"
+
+
+def _init_distributed(device: str, timeout: float) -> None:
+    backend = {"cuda": "nccl", "npu": "hccl"}.get(device, "gloo")
+    td = datetime.timedelta(seconds=timeout)
+    if "WORLD_SIZE" in os.environ:  # torchrun
+        if device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        elif device == "npu":
+            torch.npu.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, timeout=td)
+    else:  # one process: a group of one
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=td)
+
+
+def _device_obj(device: str) -> torch.device:
+    if device == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    if device == "npu":
+        return torch.device("npu", torch.npu.current_device())
+    return torch.device("cpu")
+
+
+def _sync(device: str) -> None:
+    import overlap
+
+    overlap.synchronize()
+
+
+def _progress(msg: str) -> None:
+    if _rank() == 0 and sys.stderr.isatty():
+        sys.stderr.write("\r" + msg.ljust(60))
+        sys.stderr.flush()
+    elif _rank() == 0:
+        pass
+
+
+def _median_ms(times: Sequence[float]) -> str:
+    ms = [t * 1e3 for t in times]
+    return f"{statistics.median(ms):.1f} [{min(ms):.1f}-{max(ms):.1f}]"
+
+
+def _table(rows: List[Dict[str, Any]]) -> str:
+    head = ("mode", "ms/prefill median [min-max]", "tokens/s", "speedup", "hidden comm", "max diff vs serial")
+    body = [(r["mode"], _median_ms(r["times_s"]), f"{r['tokens_per_s']:.0f}",
+             "-" if r["speedup"] is None else f"{r['speedup']:.2f}x",
+             "-" if r["hidden_comm_share"] is None else f"{r['hidden_comm_share']:.0%}",
+             "-" if r["max_diff"] is None else f"{r['max_diff']:.2e}") for r in rows]
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    lines = [fmt.format(*head), fmt.format(*("-" * w for w in widths))]
+    return "\n".join(lines + [fmt.format(*b) for b in body])
+
+
+def _validate(cfg: Any, seq_lens: List[int], world: int, mode: str, kv_offload: bool, path: Optional[str],
+              warmup: int, iters: int) -> None:
+    if cfg.n_experts % world:
+        raise ConfigError(f"{cfg.n_experts} experts cannot be split evenly over {world} ranks "
+                          f"(--experts must be a multiple of the number of ranks)")
+    if iters < 1 or warmup < 0:
+        raise ConfigError(f"--iters must be >= 1 and --warmup >= 0, got {iters} and {warmup}")
+    if kv_offload and path == "ge":
+        raise ConfigError("--kv-offload cannot run on the ge path: a copy to host memory on a separate stream "
+                          "cannot be expressed in a GE graph")
+
+
+def _build_config(preset_name: str, overrides: Dict[str, Any]) -> Any:
+    from launch.presets import preset
+
+    try:
+        return preset(preset_name, **{k: v for k, v in overrides.items() if v is not None})
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "npu"]), default="auto",
+              help="Where to run; auto picks npu, then cuda, then cpu.")
+@click.option("--path", "exec_path", type=click.Choice(["auto", "npu", "ge", "aclgraph"]), default="auto",
+              help="NPU execution path (auto: eager streams on the device found).")
+@click.option("--mode", type=click.Choice(list(MODES) + ["all"]), default="all", help="Schedule(s) to run.")
+@click.option("--kv-offload/--no-kv-offload", default=False, help="Offload each layer's K/V on the copy stream.")
+@click.option("--kv-store", type=click.Choice(["memory", "mmap"]), default="memory",
+              help="Host tier of the KV offload (mmap: files under --out, or a temporary folder).")
+@click.option("--preset", "preset_name", type=click.Choice(["tiny", "small", "deepseek-v3"]), default="small",
+              help="Model shapes (deepseek-v3: use with --layers on devices).")
+@click.option("--layers", type=int, help="Override: number of decoder layers.")
+@click.option("--dense-layers", type=int, help="Override: leading layers with a dense MLP instead of MoE.")
+@click.option("--hidden", type=int, help="Override: hidden size.")
+@click.option("--experts", type=int, help="Override: routed experts (a multiple of the number of ranks).")
+@click.option("--top-k", type=int, help="Override: experts per token.")
+@click.option("--shared-experts", type=int, help="Override: shared experts (0: none).")
+@click.option("--batch", type=int, default=8, help="Requests per rank (with --seq-len).")
+@click.option("--seq-len", type=int, default=128, help="Tokens per request.")
+@click.option("--seq-lens", help="Explicit comma-separated request lengths per rank; overrides --batch/--seq-len.")
+@click.option("--dtype", type=click.Choice(list(DTYPES)), default="float32")
+@click.option("--warmup", type=int, default=1, help="Untimed iterations per mode.")
+@click.option("--iters", type=int, default=3, help="Timed iterations per mode.")
+@click.option("--seed", type=int, default=0, help="Seed of the weights and the token ids.")
+@click.option("--check", is_flag=True, help="Compare every mode with serial; exit 1 if one differs.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), help="Write results.json, traces and timelines.")
+@click.option("--timeout", type=float, default=120.0, help="Seconds a rank waits for its peers before giving up.")
+def main(device: str, exec_path: str, mode: str, kv_offload: bool, kv_store: str, preset_name: str,
+         layers: Optional[int], dense_layers: Optional[int], hidden: Optional[int], experts: Optional[int],
+         top_k: Optional[int], shared_experts: Optional[int], batch: int, seq_len: int, seq_lens: Optional[str],
+         dtype: str, warmup: int, iters: int, seed: int, check: bool, out_dir: Optional[str], timeout: float) -> None:
+    """Prefill of the reference MoE model with expert parallelism over all ranks, in each mode."""
+    try:
+        path = None if exec_path == "auto" else exec_path
+        cfg = _build_config(preset_name, dict(n_layers=layers, n_dense_layers=dense_layers, hidden=hidden,
+                                              n_experts=experts, top_k=top_k, n_shared=shared_experts))
+        lens = _parse_seq_lens(seq_lens, batch, seq_len)
+        modes = list(MODES) if mode == "all" else [mode]
+        _validate(cfg, lens, _world(), mode, kv_offload, path, warmup, iters)
+        device = _resolve_device(device, path)
+        if path in ("ge", "aclgraph"):
+            raise ConfigError(f"--path {path}: the launcher runs the eager paths (npu, cuda, cpu); the graph-mode "
+                              f"lowering is checked by tests/test_graph_contract.py. Use --path npu.")
+    except ConfigError as exc:
+        if _rank() == 0:
+            exc.show()
+        sys.exit(exc.exit_code)
+    sys.exit(_run(cfg, lens, modes, device, kv_offload, kv_store, DTYPES[dtype], warmup, iters, seed, check,
+                  out_dir, timeout))
+
+
+def _run(cfg: Any, lens: List[int], modes: List[str], device: str, kv_offload: bool, kv_store: str,
+         dtype: torch.dtype, warmup: int, iters: int, seed: int, check: bool, out_dir: Optional[str],
+         timeout: float) -> int:
+    import overlap
+    from launch.model import Batch, build_model
+    from launch.runner import make_expert_parallel, plan_for, prefill
+    from overlap.timeline import Timeline, gather
+
+    overlap.set_path(device)
+    _init_distributed(device, timeout)
+    peers = _Peers()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    fault = _fault()
+    try:
+        dev = _device_obj(device)
+        model = make_expert_parallel(build_model(cfg, seed=seed, dtype=dtype, device=dev), dist.group.WORLD)
+        batch = Batch.random(lens, cfg.vocab, seed=seed * 1000 + rank + 1, device=dev)
+        cache = None
+        if kv_offload:
+            from overlap.offload import OffloadCache
+
+            store_path = os.path.join(out_dir, "kv") if (out_dir and kv_store == "mmap") else None
+            cache = OffloadCache(cfg.n_layers, batch.seq.num_tokens, (cfg.n_heads, cfg.head_dim), dtype, dev,
+                                 store=kv_store, path=store_path)
+            cache.check_capacity(batch.seq.num_tokens)
+        tokens = batch.seq.num_tokens * world
+        say(f"prefill: preset {cfg.n_layers} layers, hidden {cfg.hidden}, {cfg.n_experts} experts top-{cfg.top_k}, "
+            f"{cfg.n_shared} shared | {world} rank(s) on {device} | {len(lens)} requests / {sum(lens)} tokens per "
+            f"rank | {dtype} | kv offload {'on (' + kv_store + ')' if cache else 'off'}")
+        rows: List[Dict[str, Any]] = []
+        outputs: Dict[str, torch.Tensor] = {}
+        it = 0
+        for mode in modes:
+            plan = plan_for(mode, batch, dist.group.WORLD)
+            times = []
+            tl = Timeline()
+            for i in range(warmup + iters):
+                _progress(f"{mode}: iteration {i + 1}/{warmup + iters}")
+                _maybe_fail(fault, it)
+                it += 1
+                peers.beat(f"{mode} iteration {i + 1}")
+                if cache is not None:
+                    cache.reset()
+                dist.barrier()
+                last = i == warmup + iters - 1
+                if last:
+                    tl.start()
+                t0 = time.perf_counter()
+                out = prefill(model, batch, mode, plan, cache)
+                _sync(device)
+                dt = time.perf_counter() - t0
+                if last:
+                    tl.stop()
+                if i >= warmup:
+                    times.append(dt)
+            outputs[mode] = out.float()
+            slowest = torch.tensor(times, dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a prefill ends when its slowest rank ends
+            spans = gather(tl.spans)
+            metrics = tl.metrics(spans)
+            rows.append({"mode": mode, "times_s": slowest.tolist(), "split": plan.reason,
+                         "tokens_per_s": tokens / statistics.median(slowest.tolist()),
+                         "hidden_comm_share": metrics.hidden_share, "speedup": None, "max_diff": None})
+            if out_dir and rank == 0:
+                os.makedirs(out_dir, exist_ok=True)
+                tl.save_chrome_trace(os.path.join(out_dir, f"trace_{mode}.json"), spans)
+                try:
+                    tl.save_png(os.path.join(out_dir, f"timeline_{mode}.png"), spans,
+                                title=f"{mode}: {world} rank(s), {tokens} tokens")
+                except ImportError:
+                    say("(matplotlib is not installed: no PNG timeline; pip install 'npu-overlap[plot]')", err=True)
+        _progress("")
+        if _rank() == 0 and sys.stderr.isatty():
+            sys.stderr.write("\r")
+        failed = _finish_rows(rows, outputs, check, dtype)
+        say(_table(rows))
+        for r in rows:
+            if r["mode"] == "two-batch":
+                say(f"two-batch split: {r['split']}")
+        if out_dir and rank == 0:
+            with open(os.path.join(out_dir, "results.json"), "w") as f:
+                json.dump({"world_size": world, "device": device, "dtype": str(dtype), "seq_lens": lens,
+                           "config": dict(vars(cfg)), "kv_offload": bool(cache), "rows": rows,
+                           "check": None if not check else ("failed" if failed else "passed")}, f, indent=2)
+            say(f"wrote {out_dir}/results.json, trace_<mode>.json and timeline_<mode>.png")
+        if check:
+            say("check: " + ("FAILED: " + ", ".join(failed) if failed else "every mode matches serial"))
+        if cache is not None:
+            cache.close()
+        dist.barrier()
+        dist.destroy_process_group()
+        return 1 if failed else 0
+    except Exception as exc:
+        msg = f"{type(exc).__name__}: {exc}"
+        peers.failed(msg)
+        if "timed out" in str(exc).lower() or "timeout" in type(exc).__name__.lower() or isinstance(
+                exc, (RuntimeError, dist.DistBackendError)):
+            detail = peers.diagnose()
+            click.echo(f"rank {rank}: {msg.splitlines()[0][:300]}\nrank {rank}: {detail}", err=True)
+        else:
+            click.echo(f"rank {rank}: {msg}", err=True)
+        return 1
+
+
+def _finish_rows(rows: List[Dict[str, Any]], outputs: Dict[str, torch.Tensor], check: bool,
+                 dtype: torch.dtype) -> List[str]:
+    """Speedup and difference from serial per row (the difference is the largest over all ranks)."""
+    serial = next((r for r in rows if r["mode"] == "serial"), None)
+    failed = []
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    for r in rows:
+        if serial is not None:
+            r["speedup"] = statistics.median(serial["times_s"]) / statistics.median(r["times_s"])
+            diff = torch.tensor([(outputs[r["mode"]] - outputs["serial"]).abs().max().item()
+                                 if outputs["serial"].numel() else 0.0], dtype=torch.float64)
+            dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+            r["max_diff"] = diff.item()
+            scale = max(1.0, outputs["serial"].abs().max().item() if outputs["serial"].numel() else 1.0)
+            if check and r["max_diff"] > tol * scale:
+                failed.append(f"{r['mode']} differs from serial by {r['max_diff']:.3e} (tolerance {tol * scale:.1e})")
+    if check and serial is None:
+        failed.append("--check needs the serial mode (use --mode all)")
+    return failed
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""Prefill of the reference model in one mode, through the micro-batch executor.
+
+Modes: ``serial`` (everything on the main stream: the reference), ``shared`` (one batch, shared
+experts on their side stream beside dispatch / experts / combine on the EP stream) and
+``two-batch`` (two micro-batches: one's dispatch and combine under the other's compute). With a
+KV offload cache every layer's keys and values are offloaded right after its attention.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+import microbatch
+from collectives import wrap_expert_parallel
+from microbatch import Operation
+from microbatch.split import DEFAULT_MAX_IMBALANCE, DEFAULT_MIN_TOKENS, SplitPlan, decide_split
+
+from .model import Batch, Model
+
+MODES: Dict[str, Callable[..., microbatch.Schedule]] = {
+    "serial": microbatch.serial,
+    "shared": microbatch.shared_overlap,
+    "two-batch": microbatch.two_batch,
+}
+
+
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+    return mode
+
+
+def make_expert_parallel(model: Model, group: Optional[dist.ProcessGroup], impl: str = "auto") -> Model:
+    """Replace every MoE block of ``model`` by its expert-parallel form over ``group`` (in place)."""
+    model.replace_moe(lambda layer: wrap_expert_parallel(layer.moe, group, impl=impl))
+    return model
+
+
+def serial_plan(batch: Batch, reason: str = "mode runs one batch") -> SplitPlan:
+    return SplitPlan(tuple(batch.seq.seq_lens), None, reason)
+
+
+def _offload(cache: Any, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    cache.offload(layer, k, v)  # appends after what the layer holds: micro-batch 0 is issued first
+
+
+def layer_operations(model: Model, cache: Any = None) -> List[List[Operation]]:
+    """The model's layers as operations; with ``cache``, an offload right after each attention.
+
+    The offload operation runs on the main stream: the cache itself switches to the copy stream
+    and places the events that order the copy after attention and the next write after the copy.
+    """
+    layers = model.layer_operations()
+    if cache is None:
+        return layers
+    out = []
+    for li, ops in enumerate(layers):
+        at = next(i for i, op in enumerate(ops) if op.name == "attn") + 1
+        offload = Operation("kv_offload", functools.partial(_offload, cache, li), ("k", "v"), ())
+        out.append(ops[:at] + [offload] + ops[at:])
+    return out
+
+
+def plan_for(mode: str, batch: Batch, group: Optional[dist.ProcessGroup], *,
+             min_tokens: int = DEFAULT_MIN_TOKENS, max_imbalance: float = DEFAULT_MAX_IMBALANCE) -> SplitPlan:
+    """The micro-batch split of ``mode``: agreed by every rank of ``group`` for two-batch (one all-reduce)."""
+    if check_mode(mode) != "two-batch":
+        return serial_plan(batch)
+    return decide_split(batch.seq.seq_lens, group, min_tokens=min_tokens, max_imbalance=max_imbalance)
+
+
+@torch.no_grad()
+def prefill(model: Model, batch: Batch, mode: str, plan: SplitPlan, cache: Any = None) -> torch.Tensor:
+    """Final hidden states of ``batch`` computed with the schedule of ``mode`` (see the module docstring)."""
+    layers = layer_operations(model, cache)
+    inputs = model.pipeline_inputs(batch, plan)
+    schedule = MODES[check_mode(mode)](layers, len(inputs))
+    outputs = microbatch.run(schedule, layers, inputs)
+    if cache is not None:
+        cache.finish()
+    return model.pipeline_output(outputs, plan)
