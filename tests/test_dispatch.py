@@ -24,8 +24,8 @@ def _routing(rank: int, tokens: int, experts: int, k: int, seed: int):
 def _scale_experts(handle: DispatchHandle, rank: int, epr: int):
     """Expert e multiplies its tokens by (e + 1): easy to compute densely."""
     batch = handle.expand()
-    scale = torch.cat([torch.full((n,), float(rank * epr + e + 1)) for e, n in enumerate(batch.counts)]) \
-        if batch.counts else torch.empty(0)
+    scale = torch.cat([torch.full((n,), float(rank * epr + e + 1), device=batch.x.device)
+                       for e, n in enumerate(batch.counts)])
     return batch.x * scale[:, None], batch
 
 
@@ -50,7 +50,7 @@ def _exchange_body(ctx):
         if experts % ctx.world_size:
             continue
         epr = experts // ctx.world_size
-        x, idx, w = _routing(ctx.rank, tokens_of(ctx.rank), experts, k, case)
+        x, idx, w = (t.to(ctx.device) for t in _routing(ctx.rank, tokens_of(ctx.rank), experts, k, case))
         outs = {}
         for mode in ("sync", "async", "off"):
             with overlap.enabled(mode != "off"):
@@ -59,10 +59,10 @@ def _exchange_body(ctx):
                     h.wait()
                 y, batch = _scale_experts(h, ctx.rank, epr)
                 ch = combine(y, batch, h, async_finish=(mode == "async"))
-                outs[mode] = ch.wait()
+                outs[mode] = ch.wait().cpu()
         # deduplication: one row per (token, destination rank), however many experts it chose there
         pairs = len({(t, int(e) // epr) for t in range(idx.shape[0]) for e in idx[t]})
-        results.append(dict(case=case, outs=outs, dense=_dense(x, idx, w), sent=h.layout.num_send, pairs=pairs,
+        results.append(dict(case=case, outs=outs, dense=_dense(x, idx, w).cpu(), sent=h.layout.num_send, pairs=pairs,
                             received=h.recv_x.shape[0], recv_splits=h.recv_splits,
                             send_splits=h.layout.send_splits))
     return results

@@ -21,8 +21,8 @@ class _FixedRouter(nn.Module):
         self.cfg, self.first = cfg, first
 
     def forward(self, x):
-        t = torch.arange(x.shape[0])
-        idx = (self.first(t)[:, None] + torch.arange(self.cfg.top_k)[None]) % self.cfg.n_experts
+        t = torch.arange(x.shape[0], device=x.device)
+        idx = (self.first(t)[:, None] + torch.arange(self.cfg.top_k, device=x.device)[None]) % self.cfg.n_experts
         return idx, x[:, : self.cfg.top_k].float().softmax(-1)
 
 
@@ -54,17 +54,17 @@ def _equal_body(ctx):
     out = []
     for name, cfg, routing, tokens in _cases(ctx.world_size):
         for dtype in (torch.float32, torch.bfloat16):
-            moe = _moe(cfg, routing, dtype)
+            moe = _moe(cfg, routing, dtype).to(ctx.device)
             ep = wrap_expert_parallel(moe, ctx.group)
             torch.manual_seed(ctx.rank)
-            x = torch.randn(tokens[ctx.rank], cfg.hidden).to(dtype)
+            x = torch.randn(tokens[ctx.rank], cfg.hidden).to(ctx.device, dtype)
             dense = moe(x)
             got = ep(x)
             with overlap.enabled(False):
                 serial = ep(x)
             ep.overlap_shared = False
             no_shared_overlap = ep(x)
-            out.append((name, dtype, got, dense, serial, no_shared_overlap))
+            out.append((name, dtype) + tuple(t.cpu() for t in (got, dense, serial, no_shared_overlap)))
     return out
 
 
