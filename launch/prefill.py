@@ -115,7 +115,7 @@ class _Peers:
     def diagnose(self) -> str:
         """Which ranks failed or stopped making progress, in words."""
         try:
-            failed = [r for r in range(self.world) if self.store.check([f"overlap/failed/{r}"])]
+            failed = [r for r in range(self.world) if r != _rank() and self.store.check([f"overlap/failed/{r}"])]
             if failed:
                 return "; ".join(f"rank {r} failed: {self.store.get(f'overlap/failed/{r}').decode()}" for r in failed)
             beats = {}
@@ -185,6 +185,17 @@ def _table(rows: List[Dict[str, Any]]) -> str:
     return "\n".join(lines + [fmt.format(*b) for b in body])
 
 
+def _parse_cpu_link(text: str, device: str) -> Any:
+    from overlap.link import parse_link
+
+    if device != "cpu" or text.strip().lower() in ("off", "none", "0", ""):
+        return None
+    try:
+        return parse_link(text, "--cpu-link")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def _validate(cfg: Any, seq_lens: List[int], world: int, mode: str, kv_offload: bool, path: Optional[str],
               warmup: int, iters: int) -> None:
     if cfg.n_experts % world:
@@ -232,11 +243,15 @@ def _build_config(preset_name: str, overrides: Dict[str, Any]) -> Any:
 @click.option("--seed", type=int, default=0, help="Seed of the weights and the token ids.")
 @click.option("--check", is_flag=True, help="Compare every mode with serial; exit 1 if one differs.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), help="Write results.json, traces and timelines.")
+@click.option("--cpu-link", default="0.1",
+              help="CPU only: simulated interconnect 'GBPS[,LATENCY_US]' that collectives take at least as long "
+                   "as (a sleep, so it overlaps like a real network); 'off' for plain loopback gloo.")
 @click.option("--timeout", type=float, default=120.0, help="Seconds a rank waits for its peers before giving up.")
 def main(device: str, exec_path: str, mode: str, kv_offload: bool, kv_store: str, preset_name: str,
          layers: Optional[int], dense_layers: Optional[int], hidden: Optional[int], experts: Optional[int],
          top_k: Optional[int], shared_experts: Optional[int], batch: int, seq_len: int, seq_lens: Optional[str],
-         dtype: str, warmup: int, iters: int, seed: int, check: bool, out_dir: Optional[str], timeout: float) -> None:
+         dtype: str, warmup: int, iters: int, seed: int, check: bool, out_dir: Optional[str], cpu_link: str,
+         timeout: float) -> None:
     """Prefill of the reference MoE model with expert parallelism over all ranks, in each mode."""
     try:
         path = None if exec_path == "auto" else exec_path
@@ -246,6 +261,7 @@ def main(device: str, exec_path: str, mode: str, kv_offload: bool, kv_store: str
         modes = list(MODES) if mode == "all" else [mode]
         _validate(cfg, lens, _world(), mode, kv_offload, path, warmup, iters)
         device = _resolve_device(device, path)
+        link = _parse_cpu_link(cpu_link, device)
         if path in ("ge", "aclgraph"):
             raise ConfigError(f"--path {path}: the launcher runs the eager paths (npu, cuda, cpu); the graph-mode "
                               f"lowering is checked by tests/test_graph_contract.py. Use --path npu.")
@@ -254,18 +270,19 @@ def main(device: str, exec_path: str, mode: str, kv_offload: bool, kv_store: str
             exc.show()
         sys.exit(exc.exit_code)
     sys.exit(_run(cfg, lens, modes, device, kv_offload, kv_store, DTYPES[dtype], warmup, iters, seed, check,
-                  out_dir, timeout))
+                  out_dir, link, timeout))
 
 
 def _run(cfg: Any, lens: List[int], modes: List[str], device: str, kv_offload: bool, kv_store: str,
          dtype: torch.dtype, warmup: int, iters: int, seed: int, check: bool, out_dir: Optional[str],
-         timeout: float) -> int:
+         link: Any, timeout: float) -> int:
     import overlap
     from launch.model import Batch, build_model
     from launch.runner import make_expert_parallel, plan_for, prefill
     from overlap.timeline import Timeline, gather
 
     overlap.set_path(device)
+    overlap.set_link(link)
     _init_distributed(device, timeout)
     peers = _Peers()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -285,7 +302,8 @@ def _run(cfg: Any, lens: List[int], modes: List[str], device: str, kv_offload: b
         tokens = batch.seq.num_tokens * world
         say(f"prefill: preset {cfg.n_layers} layers, hidden {cfg.hidden}, {cfg.n_experts} experts top-{cfg.top_k}, "
             f"{cfg.n_shared} shared | {world} rank(s) on {device} | {len(lens)} requests / {sum(lens)} tokens per "
-            f"rank | {dtype} | kv offload {'on (' + kv_store + ')' if cache else 'off'}")
+            f"rank | {dtype} | kv offload {'on (' + kv_store + ')' if cache else 'off'}"
+            + (f" | simulated link {link}" if link else ""))
         rows: List[Dict[str, Any]] = []
         outputs: Dict[str, torch.Tensor] = {}
         it = 0
@@ -350,15 +368,18 @@ def _run(cfg: Any, lens: List[int], modes: List[str], device: str, kv_offload: b
         dist.destroy_process_group()
         return 1 if failed else 0
     except Exception as exc:
-        msg = f"{type(exc).__name__}: {exc}"
+        msg = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        detail = peers.diagnose() if world > 1 and _is_peer_failure(exc) else ""
         peers.failed(msg)
-        if "timed out" in str(exc).lower() or "timeout" in type(exc).__name__.lower() or isinstance(
-                exc, (RuntimeError, dist.DistBackendError)):
-            detail = peers.diagnose()
-            click.echo(f"rank {rank}: {msg.splitlines()[0][:300]}\nrank {rank}: {detail}", err=True)
-        else:
-            click.echo(f"rank {rank}: {msg}", err=True)
+        click.echo(f"rank {rank}: {msg}" + (f"\nrank {rank}: {detail}" if detail else ""), err=True)
         return 1
+
+
+def _is_peer_failure(exc: BaseException) -> bool:
+    """A collective that failed because of another rank (timeout, closed connection), not this rank's bug."""
+    text = str(exc).lower()
+    return isinstance(exc, dist.DistError) or any(
+        w in text for w in ("timed out", "timeout", "connection closed", "connection reset", "gloo", "nccl", "hccl"))
 
 
 def _finish_rows(rows: List[Dict[str, Any]], outputs: Dict[str, torch.Tensor], check: bool,

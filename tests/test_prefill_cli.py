@@ -1,0 +1,96 @@
+"""`launch/prefill.py` driven as users run it: one process, torchrun on 2 ranks, errors, a dead rank."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "launch", "prefill.py")
+TINY = ["--preset", "tiny", "--warmup", "0", "--iters", "1"]
+
+
+def _port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(args, ranks=None, env=None, timeout=180):
+    cmd = [sys.executable, SCRIPT] if ranks is None else [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+        "--master-port", str(_port()), SCRIPT]
+    full_env = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
+    full_env.pop("OVERLAP_FAULT", None)
+    full_env.update(env or {})
+    return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
+
+
+def _trace_lanes(path):
+    with open(path) as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    spans = [e for e in events if e.get("ph") == "X"]
+    return {e["pid"] for e in spans}, {names.get((e["pid"], e["tid"])) for e in spans}
+
+
+def test_single_process_all_modes_check_and_outputs(tmp_path):
+    proc = _run(TINY + ["--seq-lens", "16,9,7", "--check", "--out", str(tmp_path)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "check: every mode matches serial" in proc.stdout
+    for mode in ("serial", "shared", "two-batch"):
+        assert mode in proc.stdout
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["world_size"] == 1 and res["check"] == "passed"
+    assert [r["mode"] for r in res["rows"]] == ["serial", "shared", "two-batch"]
+    assert all(r["max_diff"] <= 1e-4 and len(r["times_s"]) == 1 for r in res["rows"])
+    ranks, lanes = _trace_lanes(tmp_path / "trace_two-batch.json")
+    assert len(ranks) == 1 and {"default", "ep_comm"} <= lanes
+    assert (tmp_path / "timeline_two-batch.png").stat().st_size > 1000
+
+
+def test_two_ranks_under_torchrun_with_kv_offload(tmp_path):
+    proc = _run(TINY + ["--seq-lens", "24,20,9", "--check", "--kv-offload", "--out", str(tmp_path)], ranks=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("check: every mode matches serial") == 1  # rank 0 alone prints
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["world_size"] == 2 and res["kv_offload"] and res["check"] == "passed"
+    ranks, lanes = _trace_lanes(tmp_path / "trace_two-batch.json")
+    assert len(ranks) == 2 and {"default", "ep_comm", "kv_offload"} <= lanes
+    two = next(r for r in res["rows"] if r["mode"] == "two-batch")
+    assert two["hidden_comm_share"] is not None and 0.0 <= two["hidden_comm_share"] <= 1.0
+
+
+@pytest.mark.parametrize("args, ranks, message", [
+    (["--experts", "5"], 2, "5 experts cannot be split evenly over 2 ranks"),
+    (["--experts", "8", "--top-k", "9"], None, "top_k=9 must be between 1 and n_experts=8"),
+    (["--device", "cuda"], None, "no CUDA device"),
+    (["--seq-lens", "4,0"], None, "at least one token"),
+    (["--seq-lens", "4,x"], None, "comma-separated integers"),
+    (["--cpu-link", "fast"], None, "--cpu-link: expected"),
+])
+def test_invalid_configuration_is_reported_once_and_every_rank_fails(args, ranks, message):
+    if args[:2] == ["--device", "cuda"]:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("this machine has CUDA")
+    proc = _run(TINY + args, ranks=ranks, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert out.count(message) == 1, out[-3000:]
+    assert 'prefill.py", line' not in out  # a clear message, no traceback from our code
+
+
+@pytest.mark.parametrize("kind, expect", [
+    ("hang", "rank 1 stopped responding"),
+    ("raise", "rank 1 failed: RuntimeError: injected fault"),
+])
+def test_a_dead_rank_is_named_and_the_others_exit(kind, expect):
+    proc = _run(TINY + ["--seq-lens", "40,9", "--iters", "2", "--timeout", "8", "--mode", "serial"], ranks=2,
+                env={"OVERLAP_FAULT": f"rank=1,iter=1,kind={kind}"}, timeout=150)
+    assert proc.returncode != 0
+    assert expect in proc.stderr, proc.stderr[-3000:]
