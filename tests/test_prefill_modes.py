@@ -1,0 +1,90 @@
+"""Prefill of the reference model in every mode equals serial, on 1, 2 and 4 CPU ranks, race-free,
+with one micro-batch's exchange running under the other's compute."""
+import pytest
+import torch
+
+import overlap
+from launch.model import Batch, build_model, preset
+from launch.runner import MODES, layer_operations, make_expert_parallel, plan_for, prefill
+from overlap.multirank import run_ranks
+from overlap.timeline import intersects
+
+CFG = preset("tiny")
+BATCHES = {
+    "many short requests": lambda r: [5 + r, 3, 9, 4, 7, 6 + 2 * r, 8, 5],
+    "one long request": lambda r: [70 + 9 * r],
+    "mixed sizes per rank": lambda r: [[40, 3], [9, 9, 9, 9], [61], [12, 30, 2]][r % 4],
+    "one-token batch": lambda r: [1] if r == 0 else [20, 20],
+}
+
+
+def _modes_equal_serial(ctx, case):
+    lens = BATCHES[case](ctx.rank)
+    batch = Batch.random(lens, CFG.vocab, seed=100 + ctx.rank)
+    model = make_expert_parallel(build_model(CFG, seed=5), ctx.group)
+    out, plans, races = {}, {}, {}
+    for mode in MODES:
+        plan = plan_for(mode, batch, ctx.group, min_tokens=8)
+        with overlap.Sanitizer(raise_on_race=False) as san:
+            out[mode] = prefill(model, batch, mode, plan)
+            overlap.synchronize()
+        plans[mode], races[mode] = plan, [str(r) for r in san.races]
+    return {m: (out[m] - out["serial"]).abs().max().item() for m in MODES}, plans["two-batch"], races
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("case", list(BATCHES))
+def test_every_mode_equals_serial(world, case):
+    per_rank = run_ranks(_modes_equal_serial, world, case, timeout=240)
+    decisions = {plan.serial for _, plan, _ in per_rank}
+    assert len(decisions) == 1, "ranks took different split decisions"
+    if case == "one-token batch":
+        assert decisions == {True}  # rank 0 cannot split, so nobody does
+        assert "rank 0" in per_rank[-1][1].reason or world == 1
+    elif case == "one long request":
+        assert decisions == {False} and all(plan.cut is not None for _, plan, _ in per_rank)
+    for diffs, _, races in per_rank:
+        # the same arithmetic per token; a 1-row matmul may use another CPU kernel than a many-row one
+        assert diffs["shared"] == 0.0
+        assert diffs["two-batch"] <= 1e-5, diffs
+        assert not any(races.values()), races
+
+
+def _microbatches_overlap(ctx):
+    # A link latency makes every exchange last long enough to be seen on a loaded machine;
+    # what is checked is only which spans run at the same time, never how long they take.
+    overlap.set_link(overlap.Link(gbps=10.0, latency_us=30_000))
+    batch = Batch.random([20, 12, 17, 15], CFG.vocab, seed=ctx.rank)
+    model = make_expert_parallel(build_model(CFG, seed=5), ctx.group)
+    plan = plan_for("two-batch", batch, ctx.group, min_tokens=8)
+    with overlap.Timeline() as tl:
+        prefill(model, batch, "two-batch", plan)
+    comm = [s for s in tl.find(kind="comm") if s.meta.get("mb") in (0, 1) and s.meta.get("layer") is not None]
+    compute = tl.find(kind="compute")
+    hidden = {}
+    for c in comm:
+        other = 1 - c.meta["mb"]
+        hidden.setdefault((c.meta["mb"], c.meta["layer"]), False)
+        if any(s.meta.get("mb") == other and intersects(c, s) for s in compute):
+            hidden[c.meta["mb"], c.meta["layer"]] = True
+    return hidden
+
+
+def test_each_microbatch_exchange_runs_under_the_other_microbatch_compute():
+    moe_layers = [i for i in range(CFG.n_layers) if CFG.is_moe_layer(i)]
+    for hidden in run_ranks(_microbatches_overlap, 2, timeout=240):
+        for mb in (0, 1):
+            layers = {layer for (m, layer), ok in hidden.items() if m == mb and ok}
+            assert layers == set(moe_layers), f"micro-batch {mb}: exchanges hidden in layers {layers}"
+
+
+def test_kv_offload_operation_follows_attention():
+    model = build_model(CFG, seed=5)
+
+    class _Cache:
+        def offload(self, layer, k, v):
+            pass
+
+    for ops in layer_operations(model, _Cache()):
+        names = [op.name for op in ops]
+        assert names[names.index("attn") + 1] == "kv_offload"
