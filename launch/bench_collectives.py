@@ -83,7 +83,7 @@ def _exchange(ctx: Any, tokens: int, hidden: int, experts: int, k: int, repeats:
             combine(b.x, b, hd).wait()
 
         raw()
-        probe = torch.tensor([_timed(raw, ctx.group)])
+        probe = torch.tensor([min(_timed(raw, ctx.group) for _ in range(2))])
         dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=ctx.group)
         if float(probe) * 1e3 >= min_ms or tokens >= (1 << 20):
             break
