@@ -15,9 +15,9 @@ import sys
 if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import dataclasses
 import datetime
 import json
-import statistics
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -154,35 +154,12 @@ def _device_obj(device: str) -> torch.device:
     return torch.device("cpu")
 
 
-def _sync(device: str) -> None:
-    import overlap
-
-    overlap.synchronize()
-
-
 def _progress(msg: str) -> None:
     if _rank() == 0 and sys.stderr.isatty():
         sys.stderr.write("\r" + msg.ljust(60))
         sys.stderr.flush()
     elif _rank() == 0:
         pass
-
-
-def _median_ms(times: Sequence[float]) -> str:
-    ms = [t * 1e3 for t in times]
-    return f"{statistics.median(ms):.1f} [{min(ms):.1f}-{max(ms):.1f}]"
-
-
-def _table(rows: List[Dict[str, Any]]) -> str:
-    head = ("mode", "ms/prefill median [min-max]", "tokens/s", "speedup", "hidden comm", "max diff vs serial")
-    body = [(r["mode"], _median_ms(r["times_s"]), f"{r['tokens_per_s']:.0f}",
-             "-" if r["speedup"] is None else f"{r['speedup']:.2f}x",
-             "-" if r["hidden_comm_share"] is None else f"{r['hidden_comm_share']:.0%}",
-             "-" if r["max_diff"] is None else f"{r['max_diff']:.2e}") for r in rows]
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    lines = [fmt.format(*head), fmt.format(*("-" * w for w in widths))]
-    return "\n".join(lines + [fmt.format(*b) for b in body])
 
 
 def _parse_cpu_link(text: str, device: str) -> Any:
@@ -278,8 +255,8 @@ def _run(cfg: Any, lens: List[int], modes: List[str], device: str, kv_offload: b
          link: Any, timeout: float) -> int:
     import overlap
     from launch.model import Batch, build_model
-    from launch.runner import make_expert_parallel, plan_for, prefill
-    from overlap.timeline import Timeline, gather
+    from launch.measure import measure, table
+    from launch.runner import make_expert_parallel
 
     overlap.set_path(device)
     overlap.set_link(link)
@@ -300,66 +277,27 @@ def _run(cfg: Any, lens: List[int], modes: List[str], device: str, kv_offload: b
                                  store=kv_store, path=store_path)
             cache.check_capacity(batch.seq.num_tokens)
         tokens = batch.seq.num_tokens * world
-        say(f"prefill: preset {cfg.n_layers} layers, hidden {cfg.hidden}, {cfg.n_experts} experts top-{cfg.top_k}, "
+        say(f"prefill: {cfg.n_layers} layers, hidden {cfg.hidden}, {cfg.n_experts} experts top-{cfg.top_k}, "
             f"{cfg.n_shared} shared | {world} rank(s) on {device} | {len(lens)} requests / {sum(lens)} tokens per "
-            f"rank | {dtype} | kv offload {'on (' + kv_store + ')' if cache else 'off'}"
+            f"rank | {str(dtype).replace('torch.', '')} | kv offload {'on (' + kv_store + ')' if cache else 'off'}"
             + (f" | simulated link {link}" if link else ""))
-        rows: List[Dict[str, Any]] = []
-        outputs: Dict[str, torch.Tensor] = {}
-        it = 0
-        for mode in modes:
-            plan = plan_for(mode, batch, dist.group.WORLD)
-            times = []
-            tl = Timeline()
-            for i in range(warmup + iters):
-                _progress(f"{mode}: iteration {i + 1}/{warmup + iters}")
-                _maybe_fail(fault, it)
-                it += 1
-                peers.beat(f"{mode} iteration {i + 1}")
-                if cache is not None:
-                    cache.reset()
-                dist.barrier()
-                last = i == warmup + iters - 1
-                if last:
-                    tl.start()
-                t0 = time.perf_counter()
-                out = prefill(model, batch, mode, plan, cache)
-                _sync(device)
-                dt = time.perf_counter() - t0
-                if last:
-                    tl.stop()
-                if i >= warmup:
-                    times.append(dt)
-            outputs[mode] = out.float()
-            slowest = torch.tensor(times, dtype=torch.float64)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a prefill ends when its slowest rank ends
-            spans = gather(tl.spans)
-            metrics = tl.metrics(spans)
-            rows.append({"mode": mode, "times_s": slowest.tolist(), "split": plan.reason,
-                         "tokens_per_s": tokens / statistics.median(slowest.tolist()),
-                         "hidden_comm_share": metrics.hidden_share, "speedup": None, "max_diff": None})
-            if out_dir and rank == 0:
-                os.makedirs(out_dir, exist_ok=True)
-                tl.save_chrome_trace(os.path.join(out_dir, f"trace_{mode}.json"), spans)
-                try:
-                    tl.save_png(os.path.join(out_dir, f"timeline_{mode}.png"), spans,
-                                title=f"{mode}: {world} rank(s), {tokens} tokens")
-                except ImportError:
-                    say("(matplotlib is not installed: no PNG timeline; pip install 'npu-overlap[plot]')", err=True)
+        counter = iter(range(1 << 30))
+
+        def before_iter(mode: str, i: int) -> None:
+            _progress(f"{mode}: iteration {i + 1}/{warmup + iters}")
+            _maybe_fail(fault, next(counter))
+            peers.beat(f"{mode} iteration {i + 1}")
+
+        results = measure(model, batch, modes, dist.group.WORLD, warmup=warmup, iters=iters, cache=cache,
+                          before_iter=before_iter)
         _progress("")
-        if _rank() == 0 and sys.stderr.isatty():
-            sys.stderr.write("\r")
-        failed = _finish_rows(rows, outputs, check, dtype)
-        say(_table(rows))
-        for r in rows:
-            if r["mode"] == "two-batch":
-                say(f"two-batch split: {r['split']}")
+        failed = _check(results, check, dtype)
+        say(table(results, tokens))
+        for r in results:
+            if r.mode == "two-batch":
+                say(f"two-batch split: {r.split}")
         if out_dir and rank == 0:
-            with open(os.path.join(out_dir, "results.json"), "w") as f:
-                json.dump({"world_size": world, "device": device, "dtype": str(dtype), "seq_lens": lens,
-                           "config": dict(vars(cfg)), "kv_offload": bool(cache), "rows": rows,
-                           "check": None if not check else ("failed" if failed else "passed")}, f, indent=2)
-            say(f"wrote {out_dir}/results.json, trace_<mode>.json and timeline_<mode>.png")
+            _write_outputs(out_dir, results, tokens, world, device, dtype, lens, cfg, cache, link, check, failed)
         if check:
             say("check: " + ("FAILED: " + ", ".join(failed) if failed else "every mode matches serial"))
         if cache is not None:
@@ -382,25 +320,37 @@ def _is_peer_failure(exc: BaseException) -> bool:
         w in text for w in ("timed out", "timeout", "connection closed", "connection reset", "gloo", "nccl", "hccl"))
 
 
-def _finish_rows(rows: List[Dict[str, Any]], outputs: Dict[str, torch.Tensor], check: bool,
-                 dtype: torch.dtype) -> List[str]:
-    """Speedup and difference from serial per row (the difference is the largest over all ranks)."""
-    serial = next((r for r in rows if r["mode"] == "serial"), None)
-    failed = []
-    tol = 1e-4 if dtype == torch.float32 else 5e-2
-    for r in rows:
-        if serial is not None:
-            r["speedup"] = statistics.median(serial["times_s"]) / statistics.median(r["times_s"])
-            diff = torch.tensor([(outputs[r["mode"]] - outputs["serial"]).abs().max().item()
-                                 if outputs["serial"].numel() else 0.0], dtype=torch.float64)
-            dist.all_reduce(diff, op=dist.ReduceOp.MAX)
-            r["max_diff"] = diff.item()
-            scale = max(1.0, outputs["serial"].abs().max().item() if outputs["serial"].numel() else 1.0)
-            if check and r["max_diff"] > tol * scale:
-                failed.append(f"{r['mode']} differs from serial by {r['max_diff']:.3e} (tolerance {tol * scale:.1e})")
-    if check and serial is None:
-        failed.append("--check needs the serial mode (use --mode all)")
-    return failed
+def _check(results: Sequence[Any], check: bool, dtype: torch.dtype) -> List[str]:
+    """The modes whose output differs from serial by more than the dtype's tolerance."""
+    if not check:
+        return []
+    serial = next((r for r in results if r.mode == "serial"), None)
+    if serial is None:
+        return ["--check needs the serial mode (use --mode all)"]
+    tol = (1e-4 if dtype == torch.float32 else 5e-2) * max(1.0, serial.output.abs().max().item()
+                                                          if serial.output.numel() else 1.0)
+    return [f"{r.mode} differs from serial by {r.max_diff:.3e} (tolerance {tol:.1e})"
+            for r in results if r.max_diff is not None and r.max_diff > tol]
+
+
+def _write_outputs(out_dir: str, results: Sequence[Any], tokens: int, world: int, device: str, dtype: torch.dtype,
+                   lens: List[int], cfg: Any, cache: Any, link: Any, check: bool, failed: List[str]) -> None:
+    from overlap.timeline import save_chrome_trace, save_png
+
+    os.makedirs(out_dir, exist_ok=True)
+    for r in results:
+        save_chrome_trace(r.spans, os.path.join(out_dir, f"trace_{r.mode}.json"))
+        try:
+            save_png(r.spans, os.path.join(out_dir, f"timeline_{r.mode}.png"),
+                     title=f"{r.mode}: {world} rank(s), {tokens} tokens")
+        except ImportError:
+            say("(matplotlib is not installed: no PNG timeline; pip install 'npu-overlap[plot]')", err=True)
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump({"world_size": world, "device": device, "dtype": str(dtype).replace("torch.", ""),
+                   "seq_lens": lens, "config": dataclasses.asdict(cfg), "kv_offload": cache is not None,
+                   "cpu_link": str(link) if link else None, "rows": [r.row(tokens) for r in results],
+                   "check": None if not check else ("failed" if failed else "passed")}, f, indent=2)
+    say(f"wrote {out_dir}/results.json, trace_<mode>.json and timeline_<mode>.png")
 
 
 if __name__ == "__main__":

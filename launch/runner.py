@@ -8,7 +8,7 @@ KV offload cache every layer's keys and values are offloaded right after its att
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist

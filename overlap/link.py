@@ -3,8 +3,9 @@
 On one host, gloo moves bytes through loopback with the same cores that compute, so a 2-core
 machine has no idle engine left to overlap with; a real interconnect moves them with its own.
 With a link set, each collective on the ``cpu`` path completes no earlier than its transfer
-time over that link; the extra wait is a sleep, so it costs no CPU and overlaps like a real
-network transfer. Off by default (tests run plain gloo); the launcher and the benchmarks turn it
+time over that link, and the link carries one transfer at a time per process (a FIFO, as a NIC
+does): two exchanges in flight share it rather than each getting the full bandwidth. The extra
+wait is a sleep, so it costs no CPU and overlaps with compute like a real network transfer. Off by default (tests run plain gloo); the launcher and the benchmarks turn it
 on and print it. Set by `set_link` or ``$OVERLAP_CPU_LINK="GBPS[,LATENCY_US]"`` (e.g. "2,20").
 """
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+import time
 from typing import Any, Callable, Optional
 
 ENV_LINK = "OVERLAP_CPU_LINK"
@@ -48,7 +50,22 @@ def parse_link(text: str, source: str = ENV_LINK) -> Link:
 
 
 _link: Optional[Link] = None
-_from_env = object()
+_busy_until = 0.0
+_busy_lock = threading.Lock()
+
+
+def reserve(seconds: float) -> float:
+    """Book the link for ``seconds`` after the transfers already booked; returns when this one ends."""
+    global _busy_until
+    with _busy_lock:
+        start = max(time.monotonic(), _busy_until)
+        _busy_until = start + seconds
+        return _busy_until
+
+
+def wait_transfer(seconds: float) -> None:
+    """Block the calling thread for a transfer of ``seconds`` on the link (a synchronous collective)."""
+    time.sleep(max(0.0, reserve(seconds) - time.monotonic()))
 
 
 def set_link(link: Optional[Link]) -> None:
@@ -77,7 +94,7 @@ class DelayedWork:
                 fut.value()
             except BaseException as exc:  # surfaced by wait()
                 self._error = exc
-            timer = threading.Timer(delay, self._finish)
+            timer = threading.Timer(max(0.0, reserve(delay) - time.monotonic()), self._finish)
             timer.daemon = True
             timer.start()
 

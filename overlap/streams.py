@@ -13,13 +13,12 @@ import concurrent.futures
 import contextlib
 import contextvars
 import threading
-import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
 from . import hooks
-from .link import DelayedWork, current_link
+from .link import DelayedWork, current_link, wait_transfer
 from .paths import _eager_in_trace, current_path, is_enabled
 
 MAIN = "default"  # torchair's name for the main stream
@@ -239,7 +238,7 @@ def launch_collective(name: str, issue: Callable[[bool], Any], reads: Sequence[t
     try:
         issue(False)
         if delay:
-            time.sleep(delay)
+            wait_transfer(delay)
     finally:
         hooks.end_span(span)
 

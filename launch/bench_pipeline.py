@@ -1,0 +1,69 @@
+"""Benchmark the prefill schedules on 2 CPU ranks: serial, shared-expert overlap and two-batch.
+
+Spawns the ranks itself (gloo), runs the three modes interleaved in one run and prints, from the
+same run: time per prefill, speedup over serial, the hidden share of communication, the share of
+communication in serial time and the ideal speedup (compute + comm) / max(compute, comm).
+The default preset with the default simulated link puts communication at roughly 25-50% of
+serial time, the share reported for prefill on NPU clusters. Example::
+
+    python -m launch.bench_pipeline --iters 5
+    python -m launch.bench_pipeline --cpu-link off      # plain loopback gloo
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from typing import Any, List, Optional
+
+import click
+
+MODES = ("serial", "shared", "two-batch")
+
+
+def _rank_body(ctx: Any, preset_name: str, seq_lens: List[int], warmup: int, iters: int, link: Optional[str],
+               seed: int) -> Optional[str]:
+    import overlap
+    from launch.measure import measure, table
+    from launch.model import Batch, build_model, preset
+    from launch.runner import make_expert_parallel
+
+    overlap.set_link(overlap.parse_link(link) if link else None)
+    cfg = preset(preset_name)
+    model = make_expert_parallel(build_model(cfg, seed=seed), ctx.group)
+    batch = Batch.random(seq_lens, cfg.vocab, seed=seed + ctx.rank + 1)
+    results = measure(model, batch, MODES, ctx.group, warmup=warmup, iters=iters)
+    if ctx.rank != 0:
+        return None
+    by = {r.mode: r for r in results}
+    verdict = "yes" if by["two-batch"].median_s <= by["serial"].median_s else "NO"
+    return (table(results, batch.seq.num_tokens * ctx.world_size)
+            + f"\ntwo-batch not slower than serial: {verdict}")
+
+
+@click.command(context_settings={"show_default": True})
+@click.option("--ranks", type=int, default=2)
+@click.option("--preset", "preset_name", default="small")
+@click.option("--batch", type=int, default=8)
+@click.option("--seq-len", type=int, default=128)
+@click.option("--warmup", type=int, default=1)
+@click.option("--iters", type=int, default=5)
+@click.option("--cpu-link", default="0.1", help="Simulated link 'GBPS[,LATENCY_US]', or 'off'.")
+@click.option("--seed", type=int, default=0)
+def main(ranks: int, preset_name: str, batch: int, seq_len: int, warmup: int, iters: int, cpu_link: str,
+         seed: int) -> None:
+    """Serial vs shared-expert overlap vs two-batch prefill, side by side in one run."""
+    from overlap.multirank import run_ranks
+
+    link = None if cpu_link.lower() in ("off", "none", "0") else cpu_link
+    click.echo(f"{ranks} CPU ranks, preset {preset_name}, {batch} x {seq_len} tokens per rank, "
+               f"simulated link {link or 'off'}")
+    out = run_ranks(_rank_body, ranks, preset_name, [seq_len] * batch, warmup, iters, link, seed, timeout=1800)
+    click.echo(out[0])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""Time prefill modes side by side in one run, with the last iteration's timeline.
+
+Used by the launcher and the benchmarks. Every figure is a ratio of times measured in the same
+run: speedup over serial, the hidden share of communication (from the timeline), the
+communication share of serial time, and the ideal speedup (compute + comm) / max(compute, comm).
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+import overlap
+from overlap.hooks import Span
+from overlap.timeline import Timeline, gather
+
+from .model import Batch, Model
+from .runner import plan_for, prefill
+
+
+@dataclasses.dataclass
+class ModeResult:
+    """One mode's measurements (times are the slowest rank's, per iteration)."""
+
+    mode: str
+    times_s: List[float]
+    split: str
+    spans: List[Span]
+    output: torch.Tensor
+    hidden_comm_share: Optional[float] = None
+    comm_share: Optional[float] = None  # serial only: communication / prefill time
+    speedup: Optional[float] = None
+    ideal_speedup: Optional[float] = None
+    max_diff: Optional[float] = None
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.times_s)
+
+    def row(self, tokens: int) -> Dict[str, Any]:
+        """A JSON-friendly summary."""
+        return {"mode": self.mode, "times_s": self.times_s, "split": self.split,
+                "tokens_per_s": tokens / self.median_s, "hidden_comm_share": self.hidden_comm_share,
+                "comm_share": self.comm_share, "speedup": self.speedup, "ideal_speedup": self.ideal_speedup,
+                "max_diff": self.max_diff}
+
+
+def _max_over_ranks(values: Sequence[float], group: Any) -> List[float]:
+    t = torch.tensor(list(values), dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
+
+
+def measure(model: Model, batch: Batch, modes: Sequence[str], group: Any, *, warmup: int = 1, iters: int = 3,
+            cache: Any = None, before_iter: Optional[Callable[[str, int], None]] = None) -> List[ModeResult]:
+    """Run each mode ``warmup + iters`` times; the last iteration is recorded on a timeline."""
+    results = []
+    for mode in modes:
+        plan = plan_for(mode, batch, group)
+        times, tl = [], Timeline()
+        for i in range(warmup + iters):
+            if before_iter is not None:
+                before_iter(mode, i)
+            if cache is not None:
+                cache.reset()
+            dist.barrier(group=group)
+            last = i == warmup + iters - 1
+            if last:
+                tl.start()
+            t0 = time.perf_counter()
+            out = prefill(model, batch, mode, plan, cache)
+            overlap.synchronize()
+            dt = time.perf_counter() - t0
+            if last:
+                tl.stop()
+            if i >= warmup:
+                times.append(dt)
+        spans = gather(tl.spans, group)
+        results.append(ModeResult(mode, _max_over_ranks(times, group), plan.reason, spans, out.float(),
+                                  hidden_comm_share=tl.metrics(spans).hidden_share))
+    _compare(results, group)
+    return results
+
+
+def _compare(results: List[ModeResult], group: Any) -> None:
+    serial = next((r for r in results if r.mode == "serial"), None)
+    if serial is None:
+        return
+    per_rank = Timeline().metrics(serial.spans).per_rank.values()
+    comm = max((m.comm_time for m in per_rank), default=0.0)
+    # the recorded iteration's own length: its spans, not the timed median, share its clock
+    length = max((s.end for s in serial.spans), default=0.0) - min((s.start for s in serial.spans), default=0.0)
+    if length > 0:
+        serial.comm_share = min(comm / length, 1.0)
+        compute = 1.0 - serial.comm_share
+        serial.ideal_speedup = 1.0 / max(compute, serial.comm_share)
+    for r in results:
+        r.speedup = serial.median_s / r.median_s
+        diff = (r.output - serial.output).abs().max().item() if serial.output.numel() else 0.0
+        r.max_diff = _max_over_ranks([diff], group)[0]
+        r.ideal_speedup = serial.ideal_speedup
+
+
+def _fmt(v: Optional[float], spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def table(results: Sequence[ModeResult], tokens: int) -> str:
+    """The results as an aligned text table."""
+    head = ("mode", "ms/prefill median [min-max]", "tokens/s", "speedup", "hidden comm", "max diff vs serial")
+    body = []
+    for r in results:
+        ms = [t * 1e3 for t in r.times_s]
+        body.append((r.mode, f"{statistics.median(ms):.1f} [{min(ms):.1f}-{max(ms):.1f}]",
+                     f"{tokens / r.median_s:.0f}", _fmt(r.speedup, ".2f") + ("x" if r.speedup else ""),
+                     _fmt(r.hidden_comm_share, ".0%"), _fmt(r.max_diff, ".2e")))
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    lines = [fmt.format(*head), fmt.format(*("-" * w for w in widths))] + [fmt.format(*b) for b in body]
+    serial = next((r for r in results if r.mode == "serial" and r.comm_share is not None), None)
+    if serial is not None:
+        lines.append(f"serial: communication {serial.comm_share:.0%} of prefill time -> ideal speedup "
+                     f"(compute + comm) / max(compute, comm) = {serial.ideal_speedup:.2f}x")
+    return "\n".join(lines)
