@@ -54,8 +54,13 @@ def _exchange_body(ctx):
         outs = {}
         for mode in ("sync", "async", "off"):
             with overlap.enabled(mode != "off"):
-                h = dispatch(x, idx, w, experts, ctx.group, async_finish=(mode == "async"))
+                prev = None
+                if mode == "async":  # ordered after an explicit event, as DeepEP's previous_event
+                    prev = overlap.event("test.before_dispatch")
+                    prev.record(x)
+                h = dispatch(x, idx, w, experts, ctx.group, async_finish=(mode == "async"), previous_event=prev)
                 if mode == "async":
+                    assert h.event is not None, "an asynchronous dispatch hands back an event to wait on"
                     h.wait()
                 y, batch = _scale_experts(h, ctx.rank, epr)
                 ch = combine(y, batch, h, async_finish=(mode == "async"))

@@ -189,6 +189,16 @@ def test_from_config_and_group_mismatch():
         ExpertParallelMoE(layer.router, LocalExperts(layer.experts.gate_up[:2], layer.experts.down[:2]), 4)
 
 
+def test_layer_with_grouped_matmul_equals_dense():
+    cfg = MoEConfig(hidden=16, ffn=8, n_experts=4, top_k=2)
+    torch.manual_seed(0)
+    moe = MoE(cfg)
+    ep = wrap_expert_parallel(moe, impl="grouped")
+    x = torch.randn(10, 16)
+    assert resolve_impl(ep.experts.impl, x, ep.experts.gate_up, ep.experts.down) == "torch_grouped"
+    torch.testing.assert_close(ep(x), moe(x), **TOL[torch.float32])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_matmul_equals_loop(dtype):
     torch.manual_seed(0)
