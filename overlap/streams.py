@@ -93,7 +93,6 @@ class CpuStream:
         self._pending: List[_Pending] = []
         self._lock = threading.Lock()
         self._worker: Optional[concurrent.futures.ThreadPoolExecutor] = None
-        self.kept: List[torch.Tensor] = []  # tensors kept alive by record_stream until synchronize
 
     def _prune(self) -> None:
         self._pending = [p for p in self._pending if not p.done()]
@@ -148,7 +147,6 @@ class CpuStream:
             p.wait()
         with self._lock:
             self._prune()
-            self.kept.clear()
 
 
 def cpu_stream(tag: str) -> CpuStream:
@@ -270,11 +268,8 @@ def record_stream(tensor: torch.Tensor, tag: str) -> None:
         from torchair.ops import npu_record_tagged_stream
 
         npu_record_tagged_stream(tensor, tag)
-    elif path == "cpu":
-        s = cpu_stream(tag)
-        if s.snapshot():  # only while work is in flight there; cleared by synchronize
-            s.kept.append(tensor)
-    # ge: the graph's memory planner sees every stream; nothing to do
+    # cpu: every asynchronous launch holds its own inputs and outputs until it completes, so there
+    # is nothing to record. ge: the graph's memory planner sees every stream.
 
 
 def synchronize() -> None:
