@@ -9,6 +9,8 @@ import torch.distributed as dist
 import overlap
 from overlap.multirank import run_ranks
 
+pytestmark = pytest.mark.cpu_only
+
 
 def _uneven_splits(rank, world, salt=0):
     return [(rank * 3 + d * 5 + salt) % 4 for d in range(world)]  # zeros included

@@ -11,6 +11,8 @@ from microbatch import (FromMicroBatch, Launch, Operation, Schedule, ScheduleErr
                         shared_overlap, two_batch)
 from overlap.multirank import run_ranks
 
+pytestmark = pytest.mark.cpu_only
+
 H = 8
 SCHEDULES = {"serial": serial, "shared_overlap": shared_overlap, "two_batch": two_batch}
 

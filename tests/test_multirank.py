@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _sum_ranks(ctx, scale):
-    t = torch.tensor([float(ctx.rank)])
+    t = torch.tensor([float(ctx.rank)], device=ctx.device)
     dist.all_reduce(t, group=ctx.group)
     return ctx.rank, ctx.world_size, t.item() * scale
 
@@ -32,6 +32,7 @@ def _fail_on_rank1(ctx):
     return ctx.rank
 
 
+@pytest.mark.spawns_ranks
 def test_failure_carries_rank_and_traceback():
     with pytest.raises(RankFailure, match=r"(?s)rank 1 of 2 failed.*ValueError: boom on purpose"):
         run_ranks(_fail_on_rank1, 2)
@@ -43,6 +44,7 @@ def _hang_on_rank1(ctx):
     return ctx.rank
 
 
+@pytest.mark.spawns_ranks
 def test_hang_becomes_timeout_naming_ranks():
     t0 = time.monotonic()
     with pytest.raises(RankTimeout, match=r"ranks \[1\] of 2 did not finish"):
@@ -56,6 +58,7 @@ def _crash_on_rank0(ctx):
     return ctx.rank
 
 
+@pytest.mark.spawns_ranks
 def test_dead_rank_is_reported():
     with pytest.raises(RankFailure, match="rank 0 died with exit code 3"):
         run_ranks(_crash_on_rank0, 2, timeout=30)
@@ -65,6 +68,7 @@ def _env_probe(ctx):
     return os.environ.get("OVERLAP_ENABLE")
 
 
+@pytest.mark.spawns_ranks
 def test_env_reaches_ranks():
     assert run_ranks(_env_probe, 2, env={"OVERLAP_ENABLE": "0"}) == ["0", "0"]
 
@@ -77,6 +81,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.spawns_ranks
 def test_under_torchrun_uses_the_existing_group(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text(

@@ -10,6 +10,8 @@ from overlap import hooks
 from overlap.multirank import run_ranks
 from overlap.offload import OffloadCache, OffloadError
 
+pytestmark = pytest.mark.cpu_only
+
 LAYERS, TOKENS, HEADS, DIM, HIDDEN = 3, 24, 2, 8, 16
 SCHEDULES = ("serial", "shared_overlap", "two_batch")
 

@@ -9,6 +9,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "launch", "prefill.py")
+pytestmark = pytest.mark.spawns_ranks
 TINY = ["--preset", "tiny", "--warmup", "0", "--iters", "1"]
 
 

@@ -20,8 +20,8 @@ BATCHES = {
 
 def _modes_equal_serial(ctx, case):
     lens = BATCHES[case](ctx.rank)
-    batch = Batch.random(lens, CFG.vocab, seed=100 + ctx.rank)
-    model = make_expert_parallel(build_model(CFG, seed=5), ctx.group)
+    batch = Batch.random(lens, CFG.vocab, seed=100 + ctx.rank, device=ctx.device)
+    model = make_expert_parallel(build_model(CFG, seed=5, device=ctx.device), ctx.group)
     out, plans, races = {}, {}, {}
     for mode in MODES:
         plan = plan_for(mode, batch, ctx.group, min_tokens=8)
@@ -70,6 +70,7 @@ def _microbatches_overlap(ctx):
     return hidden
 
 
+@pytest.mark.cpu_only  # the simulated link and host-clock spans are the CPU path's
 def test_each_microbatch_exchange_runs_under_the_other_microbatch_compute():
     moe_layers = [i for i in range(CFG.n_layers) if CFG.is_moe_layer(i)]
     for hidden in run_ranks(_microbatches_overlap, 2, timeout=240):
@@ -125,6 +126,7 @@ def _offloaded_equals_plain(ctx):
     return ok
 
 
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("world", [1, 2])
 def test_offloaded_cache_equals_the_keys_and_values_of_a_plain_run(world):
     per_rank = run_ranks(_offloaded_equals_plain, world, timeout=240)

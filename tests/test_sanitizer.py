@@ -10,6 +10,8 @@ import overlap
 from overlap import COMM, COPY, MAIN, SHARED, Sanitizer, StreamRaceError
 from overlap.multirank import run_ranks
 
+pytestmark = pytest.mark.cpu_only
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -10,6 +10,8 @@ from overlap.multirank import run_ranks
 from overlap.streams import cpu_stream
 from overlap.timeline import chrome_trace, find, intersects, metrics, save_png
 
+pytestmark = pytest.mark.cpu_only
+
 
 @pytest.fixture(autouse=True)
 def _cpu():

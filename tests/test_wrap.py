@@ -8,6 +8,8 @@ from torch import nn
 from collectives import ExpertParallelMoE, wrap_expert_parallel
 from overlap.multirank import run_ranks
 
+pytestmark = pytest.mark.cpu_only
+
 transformers = pytest.importorskip("transformers")
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
