@@ -154,12 +154,15 @@ def _device_obj(device: str) -> torch.device:
     return torch.device("cpu")
 
 
-def _progress(msg: str) -> None:
-    if _rank() == 0 and sys.stderr.isatty():
-        sys.stderr.write("\r" + msg.ljust(60))
+def _progress(msg: str, first: bool = False) -> None:
+    """Progress on rank 0: a line rewritten in place on a terminal, one line per mode in a log."""
+    if _rank() != 0:
+        return
+    if sys.stderr.isatty():
+        sys.stderr.write("\r" + msg.ljust(60) + ("\r" if not msg else ""))
         sys.stderr.flush()
-    elif _rank() == 0:
-        pass
+    elif first:
+        click.echo(f"running {msg}", err=True)
 
 
 def _parse_cpu_link(text: str, device: str) -> Any:
@@ -284,7 +287,7 @@ def _run(cfg: Any, lens: List[int], modes: List[str], device: str, kv_offload: b
         counter = iter(range(1 << 30))
 
         def before_iter(mode: str, i: int) -> None:
-            _progress(f"{mode}: iteration {i + 1}/{warmup + iters}")
+            _progress(f"{mode}: iteration {i + 1}/{warmup + iters}", first=i == 0)
             _maybe_fail(fault, next(counter))
             peers.beat(f"{mode} iteration {i + 1}")
 
