@@ -170,6 +170,13 @@ def expand(recv_x: torch.Tensor, recv_meta: torch.Tensor, num_local: int,
     return ExpertBatch(recv_x.index_select(0, rows), counts, rows, slots, rows_n, k)
 
 
+def _eager_cpu(t: torch.Tensor) -> bool:
+    """Whether the fast paths apply: they read sizes on the host (never while tracing) and write into
+    preallocated outputs (not differentiable)."""
+    return (t.device.type == "cpu" and not torch.compiler.is_compiling()
+            and not (t.requires_grad and torch.is_grad_enabled()))
+
+
 def reduce_local(expert_out: torch.Tensor, batch: ExpertBatch, recv_weights: torch.Tensor) -> torch.Tensor:
     """Per received row, the weighted sum of its local experts' outputs in slot order 0..k-1, in float32.
 
@@ -178,10 +185,12 @@ def reduce_local(expert_out: torch.Tensor, batch: ExpertBatch, recv_weights: tor
     hidden, n = expert_out.shape[-1], expert_out.shape[0]
     if n == 0:
         return torch.zeros(batch.num_rows, hidden, dtype=torch.float32, device=expert_out.device)
-    # where[r, s]: the expanded row holding row r's slot s (a dummy row with weight 0 when elsewhere)
+    # where[r, s]: the expanded row holding row r's slot s (n: the expert lives elsewhere)
     where = torch.full((batch.num_rows, batch.top_k), n, dtype=torch.int64, device=expert_out.device)
     where[batch.rows, batch.slots] = torch.arange(n, device=expert_out.device)
     here = where < n
+    if _eager_cpu(expert_out):
+        return _reduce_local_sparse(expert_out, where, here, recv_weights)
     where = where.clamp(max=n - 1)
     weights = torch.where(here, recv_weights, torch.zeros((), dtype=recv_weights.dtype, device=here.device))
     out = None
@@ -189,6 +198,44 @@ def reduce_local(expert_out: torch.Tensor, batch: ExpertBatch, recv_weights: tor
         term = expert_out.index_select(0, where[:, s]).float().mul_(weights[:, s, None])
         out = term if out is None else out.add_(term)  # 0 + first term is the first term: start from it
     return out
+
+
+def _reduce_local_sparse(expert_out: torch.Tensor, where: torch.Tensor, here: torch.Tensor,
+                         weights: torch.Tensor) -> torch.Tensor:
+    """`reduce_local` reading each expanded row once: the first local slot of a row is gathered and
+    scaled in place, later slots are added per slot (unique rows per call, so the order is fixed).
+
+    Same float32 operations as the dense form, whose absent slots add an exact zero.
+    """
+    rows_n, k = where.shape
+    first = here.to(torch.int8).argmax(dim=1)  # first local slot of each row (0 for a row with none)
+    src = where.gather(1, first[:, None]).squeeze(1)
+    has = here.any(dim=1)
+    out = torch.empty(rows_n, expert_out.shape[-1], dtype=torch.float32, device=expert_out.device)
+    w_first = weights.gather(1, first[:, None]).float()
+    if bool(has.all()):
+        _gather_into(out, expert_out, src)
+        out.mul_(w_first)
+    else:  # rows without a local expert (not produced by dispatch, but allowed) are zero
+        out.zero_()
+        sel = has.nonzero().squeeze(1)
+        out.index_copy_(0, sel, expert_out.index_select(0, src[sel]).float().mul_(w_first[sel]))
+    later = here.clone()
+    later.scatter_(1, first[:, None], False)
+    for s in range(1, k):
+        sel = later[:, s].nonzero().squeeze(1)
+        if sel.numel():
+            term = expert_out.index_select(0, where[sel, s]).float().mul_(weights[sel, s, None].float())
+            out.index_add_(0, sel, term)
+    return out
+
+
+def _gather_into(out: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> None:
+    """``out[i] = src[index[i]]`` (converted to ``out``'s dtype) without an intermediate copy when dtypes match."""
+    if src.dtype == out.dtype:
+        torch.index_select(src, 0, index, out=out)
+    else:
+        out.copy_(src.index_select(0, index))
 
 
 def reduce_ranks(returned: torch.Tensor, layout: DispatchLayout, hidden: int) -> torch.Tensor:

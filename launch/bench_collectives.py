@@ -1,6 +1,7 @@
 """Benchmark expert-parallel dispatch / combine and the MoE layer's overlap on 2 CPU (gloo) ranks.
 
-One run prints, side by side (best of ``--repeats`` interleaved runs, timed between barriers):
+One run prints, side by side (median of ``--repeats`` interleaved runs after one warmup each, timed
+between barriers):
 
 1. raw ``all_to_all_single`` of the same token bytes (there and back) vs ``dispatch`` + ``combine``
    (layout, count exchange, metadata, expansion and weighted reduction included; experts are the
@@ -19,6 +20,7 @@ Example::
 """
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any, Callable, Dict, List
 
@@ -41,14 +43,17 @@ def _timed(fn: Callable[[], Any], group: Any) -> float:
 
 
 def _best(fns: Dict[str, Callable[[], Any]], repeats: int, group: Any) -> Dict[str, float]:
-    """Best time of each function over interleaved repeats, the slowest rank's view (all ranks agree)."""
-    best = {k: float("inf") for k in fns}
+    """Median time of each function over interleaved repeats after one warmup run each, the slowest
+    rank's view of each repeat (all ranks agree)."""
+    for fn in fns.values():
+        _timed(fn, group)
+    runs: Dict[str, List[float]] = {k: [] for k in fns}
     for _ in range(repeats):
         for k, fn in fns.items():
             t = torch.tensor([_timed(fn, group)], dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-            best[k] = min(best[k], float(t))
-    return best
+            runs[k].append(float(t))
+    return {k: statistics.median(v) for k, v in runs.items()}
 
 
 def _routing(rank: int, tokens: int, hidden: int, experts: int, k: int):
