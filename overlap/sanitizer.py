@@ -34,6 +34,7 @@ import threading
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -87,6 +88,18 @@ class StreamRaceError(RuntimeError):
 class _History:
     last_write: Optional[Access] = None
     reads: Dict[str, Access] = dataclasses.field(default_factory=dict)  # latest read per stream
+    storage: Any = None  # a weak reference to the storage this history is about
+
+    def stale(self) -> bool:
+        """The storage was freed: its address may now hold an unrelated tensor (e.g. from torch.tensor)."""
+        return self.storage is not None and self.storage.expired()
+
+
+def _weak_storage(t: torch.Tensor) -> Any:
+    try:
+        return StorageWeakRef(t.untyped_storage())
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
 
 
 def _storage_key(t: torch.Tensor) -> Optional[_StorageKey]:
@@ -180,6 +193,9 @@ class Sanitizer:
             read = {k: t for t in reads if (k := _storage_key(t)) is not None and k not in written}
             for key, t in list(read.items()) + list(written.items()):
                 h = self._history.get(key)
+                if h is not None and h.stale():
+                    del self._history[key]
+                    h = None
                 if h is None:
                     continue
                 w = h.last_write
@@ -189,14 +205,14 @@ class Sanitizer:
                     for r in h.reads.values():
                         if r.stream != stream and r.seq > now.get(r.stream, 0):
                             self._report("write after read", r, me, t)
-            for key in read:
-                self._history.setdefault(key, _History()).reads[stream] = me
-            for key in written:
-                self._history[key] = _History(last_write=me)
+            for key, t in read.items():
+                self._history.setdefault(key, _History(storage=_weak_storage(t))).reads[stream] = me
+            for key, t in written.items():
+                self._history[key] = _History(last_write=me, storage=_weak_storage(t))
             for t in fresh:
                 key = _storage_key(t)
                 if key is not None and key not in written:
-                    self._history[key] = _History(last_write=me)
+                    self._history[key] = _History(last_write=me, storage=_weak_storage(t))
 
     def _report(self, kind: str, previous: Access, current: Access, t: torch.Tensor) -> None:
         race = Race(kind, previous, current, tuple(t.shape), str(t.dtype).replace("torch.", ""))
@@ -264,7 +280,7 @@ class Sanitizer:
                 # a new tensor: forget whatever this address held before (freed and reused)
                 if key is not None and (h is None or h.last_write is None or h.last_write.seq != seq
                                         or h.last_write.stream != stream):
-                    self._history[key] = _History(last_write=Access(stream, seq, op))
+                    self._history[key] = _History(last_write=Access(stream, seq, op), storage=_weak_storage(t))
 
     # hooks observer
     def on_span_start(self, span: Span) -> None:

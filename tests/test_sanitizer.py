@@ -186,3 +186,26 @@ def test_all_to_all_schedule_clean_and_unchanged():
 def test_all_to_all_missing_wait_is_caught():
     for _, _, races in run_ranks(_rank_body, 2, "missing", timeout=60):
         assert ("read after write", COMM, "dispatch", MAIN, (8, 3)) in races
+
+
+def test_a_freed_storage_does_not_leave_its_history_at_a_reused_address():
+    """torch.tensor() allocates without a dispatched op, so address reuse must be caught by the storage going away."""
+    from overlap.sanitizer import _storage_key
+
+    with Sanitizer(raise_on_race=True) as san:
+        a = torch.empty(4)  # an allocation, not a write
+        san._access(COMM, "side_write", (), (a,))
+        old = _storage_key(a)
+        b = torch.tensor([1.0, 2.0, 3.0, 4.0])
+        del a  # freed: an unrelated tensor may now get its address
+        san._history[_storage_key(b)] = san._history.pop(old)  # emulate that reuse
+        b.add_(1)  # on the main stream, without any edge to the side stream: no race, it is new memory
+    assert not san.races
+
+
+def test_a_live_storage_keeps_its_history():
+    with pytest.raises(StreamRaceError, match="read after write"):
+        with Sanitizer(raise_on_race=True) as san:
+            a = torch.empty(4)
+            san._access(COMM, "side_write", (), (a,))
+            a.sum()
