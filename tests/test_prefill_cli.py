@@ -9,7 +9,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "launch", "prefill.py")
-pytestmark = pytest.mark.spawns_ranks
+pytestmark = pytest.mark.spawns_ranks  # drives torchrun itself
 TINY = ["--preset", "tiny", "--warmup", "0", "--iters", "1"]
 
 
@@ -95,3 +95,21 @@ def test_a_dead_rank_is_named_and_the_others_exit(kind, expect):
                 env={"OVERLAP_FAULT": f"rank=1,iter=1,kind={kind}"}, timeout=150)
     assert proc.returncode != 0
     assert expect in proc.stderr, proc.stderr[-3000:]
+
+
+def test_check_verdict_fails_a_mode_that_differs_from_serial():
+    import torch
+
+    from launch.measure import ModeResult
+    from launch.prefill import _check
+
+    def result(mode, diff):
+        return ModeResult(mode, [0.1], "", [], torch.ones(3) * 10, max_diff=diff)
+
+    ok = [result("serial", 0.0), result("two-batch", 1e-4)]
+    assert _check(ok, True, torch.float32) == []  # within 1e-4 x max|serial| = 1e-3
+    bad = [result("serial", 0.0), result("shared", 0.0), result("two-batch", 2e-3)]
+    (msg,) = _check(bad, True, torch.float32)
+    assert msg.startswith("two-batch differs from serial by 2.000e-03")
+    assert _check(bad, False, torch.float32) == []
+    assert "needs the serial mode" in _check([result("shared", 0.0)], True, torch.float32)[0]
