@@ -95,6 +95,9 @@ def _torchrun_group(n: int, timeout: float) -> Optional[RankContext]:
 def _child(fn: Callable[..., Any], rank: int, world: int, store_dir: str, timeout: float, threads: int,
            env: Dict[str, str], results: Any, args: tuple, kwargs: dict) -> None:
     os.environ.update(env)
+    from .sanitizer import enable_from_env
+
+    enable_from_env()  # overlap was imported before env was applied: honour $OVERLAP_SANITIZE now
     torch.set_num_threads(threads)
     try:
         dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=rank, world_size=world,

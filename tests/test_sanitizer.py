@@ -209,3 +209,16 @@ def test_a_live_storage_keeps_its_history():
             a = torch.empty(4)
             san._access(COMM, "side_write", (), (a,))
             a.sum()
+
+
+def _racy_offload(ctx):
+    import overlap.sanitizer as sanitizer
+
+    _offload(torch.randn(8, 4), wait=False)
+    return [r.kind for r in sanitizer._global.races] if sanitizer._global is not None else None
+
+
+def test_env_switch_reaches_spawned_ranks():
+    (kinds,) = run_ranks(_racy_offload, 1, env={"OVERLAP_SANITIZE": "warn"})
+    assert kinds and set(kinds) == {"read after write"}
+    assert run_ranks(_racy_offload, 1) == [None]  # off unless asked for
