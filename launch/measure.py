@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 import overlap
+from overlap.comm import collective_device
 from overlap.hooks import Span
 from overlap.timeline import Timeline, gather
 
@@ -50,7 +51,8 @@ class ModeResult:
 
 
 def _max_over_ranks(values: Sequence[float], group: Any) -> List[float]:
-    t = torch.tensor(list(values), dtype=torch.float64)
+    # float32 on the collective's device: NCCL / HCCL take no CPU tensors, HCCL little float64
+    t = torch.tensor(list(values), dtype=torch.float32, device=collective_device(group))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return t.tolist()
 

@@ -25,7 +25,8 @@ import click
 import torch
 import torch.distributed as dist
 
-MODES = ("serial", "shared", "two-batch")
+from launch.runner import MODES
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -146,14 +147,6 @@ def _init_distributed(device: str, timeout: float) -> None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=td)
 
 
-def _device_obj(device: str) -> torch.device:
-    if device == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    if device == "npu":
-        return torch.device("npu", torch.npu.current_device())
-    return torch.device("cpu")
-
-
 def _progress(msg: str, first: bool = False) -> None:
     """Progress on rank 0: a line rewritten in place on a terminal, one line per mode in a log."""
     if _rank() != 0:
@@ -176,16 +169,12 @@ def _parse_cpu_link(text: str, device: str) -> Any:
         raise ConfigError(str(exc)) from None
 
 
-def _validate(cfg: Any, seq_lens: List[int], world: int, mode: str, kv_offload: bool, path: Optional[str],
-              warmup: int, iters: int) -> None:
+def _validate(cfg: Any, world: int, warmup: int, iters: int) -> None:
     if cfg.n_experts % world:
         raise ConfigError(f"{cfg.n_experts} experts cannot be split evenly over {world} ranks "
                           f"(--experts must be a multiple of the number of ranks)")
     if iters < 1 or warmup < 0:
         raise ConfigError(f"--iters must be >= 1 and --warmup >= 0, got {iters} and {warmup}")
-    if kv_offload and path == "ge":
-        raise ConfigError("--kv-offload cannot run on the ge path: a copy to host memory on a separate stream "
-                          "cannot be expressed in a GE graph")
 
 
 def _build_config(preset_name: str, overrides: Dict[str, Any]) -> Any:
@@ -239,7 +228,7 @@ def main(device: str, exec_path: str, mode: str, kv_offload: bool, kv_store: str
                                               n_experts=experts, top_k=top_k, n_shared=shared_experts))
         lens = _parse_seq_lens(seq_lens, batch, seq_len)
         modes = list(MODES) if mode == "all" else [mode]
-        _validate(cfg, lens, _world(), mode, kv_offload, path, warmup, iters)
+        _validate(cfg, _world(), warmup, iters)
         device = _resolve_device(device, path)
         link = _parse_cpu_link(cpu_link, device)
         if path in ("ge", "aclgraph"):
@@ -260,6 +249,7 @@ def _run(cfg: Any, lens: List[int], modes: List[str], device: str, kv_offload: b
     from launch.model import Batch, build_model
     from launch.measure import measure, table
     from launch.runner import make_expert_parallel
+    from overlap.paths import path_device
 
     overlap.set_path(device)
     overlap.set_link(link)
@@ -268,7 +258,7 @@ def _run(cfg: Any, lens: List[int], modes: List[str], device: str, kv_offload: b
     rank, world = dist.get_rank(), dist.get_world_size()
     fault = _fault()
     try:
-        dev = _device_obj(device)
+        dev = path_device(device)
         model = make_expert_parallel(build_model(cfg, seed=seed, dtype=dtype, device=dev), dist.group.WORLD)
         batch = Batch.random(lens, cfg.vocab, seed=seed * 1000 + rank + 1, device=dev)
         cache = None

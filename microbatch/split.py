@@ -21,7 +21,7 @@ import bisect
 import dataclasses
 import itertools
 import logging
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -172,13 +172,23 @@ def plan_split(seq_lens: Sequence[int], *, min_tokens: int = DEFAULT_MIN_TOKENS,
     return dataclasses.replace(plan, reason=f"{where}: {mid}/{total - mid} tokens ({found})")
 
 
-def _collective_device(group: Optional[dist.ProcessGroup]) -> torch.device:
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend:
-        return torch.device("cuda", torch.cuda.current_device())
-    if "hccl" in backend:
-        return torch.device("npu", torch.npu.current_device())  # torch_npu is loaded when hccl is in use
-    return torch.device("cpu")
+_INVALID = 2  # a vote: this rank's batch could not be planned
+
+
+def _grouped(group: Optional[dist.ProcessGroup]) -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def _vote(mine: int, group: Optional[dist.ProcessGroup], device: Optional[torch.device]) -> List[int]:
+    """Every rank's vote (0 split, 1 serial, 2 invalid) through one all-reduce."""
+    import overlap
+    from overlap.comm import collective_device
+
+    votes = torch.zeros(dist.get_world_size(group), dtype=torch.int32, device=device or collective_device(group))
+    votes[dist.get_rank(group)] = mine
+    with overlap.stream(overlap.MAIN):  # synchronous: the decision is needed right away
+        overlap.all_reduce(votes, group=group, name="agree_split")
+    return votes.tolist()
 
 
 def agree_split(plan: SplitPlan, group: Optional[dist.ProcessGroup] = None,
@@ -191,15 +201,14 @@ def agree_split(plan: SplitPlan, group: Optional[dist.ProcessGroup] = None,
     """
     if not isinstance(plan, SplitPlan):
         raise TypeError(f"agree_split needs a SplitPlan, got {type(plan).__name__}")
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        import overlap
-
+    if _grouped(group):
         world, rank = dist.get_world_size(group), dist.get_rank(group)
-        votes = torch.zeros(world, dtype=torch.int32, device=device or _collective_device(group))
-        votes[rank] = int(plan.serial)
-        with overlap.stream(overlap.MAIN):  # synchronous: the decision is needed right away
-            overlap.all_reduce(votes, group=group, name="agree_split")
-        serial_ranks = [r for r, v in enumerate(votes.tolist()) if v]
+        votes = _vote(int(plan.serial), group, device)
+        invalid = [r for r, v in enumerate(votes) if v == _INVALID]
+        if invalid:
+            raise ValueError(f"rank(s) {invalid} of {world} could not plan a split of their batch (see their "
+                             f"error); every rank stops here instead of hanging in a later collective")
+        serial_ranks = [r for r, v in enumerate(votes) if v]
         if serial_ranks and not plan.serial:
             plan = plan.as_serial(f"rank{'s' if len(serial_ranks) > 1 else ''} "
                                   f"{', '.join(map(str, serial_ranks))} of {world} cannot split its batch")
@@ -216,8 +225,18 @@ def agree_split(plan: SplitPlan, group: Optional[dist.ProcessGroup] = None,
 
 def decide_split(seq_lens: Sequence[int], group: Optional[dist.ProcessGroup] = None, *,
                  device: Optional[torch.device] = None, **plan_kwargs: Any) -> SplitPlan:
-    """`plan_split` on this rank's batch (``plan_kwargs`` go to it), then `agree_split` across ``group``."""
-    return agree_split(plan_split(seq_lens, **plan_kwargs), group, device=device)
+    """`plan_split` on this rank's batch (``plan_kwargs`` go to it), then `agree_split` across ``group``.
+
+    A batch that cannot be planned (bad lengths or arguments) still takes part in the one
+    all-reduce, so every rank raises instead of the others waiting for it forever.
+    """
+    try:
+        plan = plan_split(seq_lens, **plan_kwargs)
+    except ValueError:
+        if _grouped(group):
+            _vote(_INVALID, group, device)
+        raise
+    return agree_split(plan, group, device=device)
 
 
 def micro_batches(plan: SplitPlan) -> Tuple[SeqInfo, SeqInfo]:

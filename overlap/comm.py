@@ -10,6 +10,17 @@ import torch.distributed as dist
 from .streams import launch_collective
 
 
+def collective_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
+    """Where tensors for ``group``'s collectives must live: the current CUDA / NPU device for NCCL /
+    HCCL (which reject CPU tensors), else the CPU."""
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    if "hccl" in backend:
+        return torch.device("npu", torch.npu.current_device())  # torch_npu is loaded when hccl is in use
+    return torch.device("cpu")
+
+
 def _check_splits(what: str, tensor: torch.Tensor, splits: Optional[Sequence[int]], world: int) -> Optional[List[int]]:
     if splits is None:
         if tensor.shape[0] % world:

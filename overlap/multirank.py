@@ -56,7 +56,8 @@ def default_backend(device: torch.device) -> str:
 
 
 def default_device() -> torch.device:
-    from .paths import current_path
+    """This rank's device under torchrun: ``LOCAL_RANK`` selects it on NPU / CUDA."""
+    from .paths import current_path, path_device
 
     path = current_path()
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -64,11 +65,9 @@ def default_device() -> torch.device:
         import torch_npu  # noqa: F401
 
         torch.npu.set_device(local)
-        return torch.device("npu", local)
-    if path == "cuda":
+    elif path == "cuda":
         torch.cuda.set_device(local % torch.cuda.device_count())
-        return torch.device("cuda", local % torch.cuda.device_count())
-    return torch.device("cpu")
+    return path_device(path)
 
 
 _subgroups: Dict[int, Any] = {}

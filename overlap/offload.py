@@ -25,7 +25,7 @@ import torch
 from ._kvstore import STORES, KVStore, StoreError, open_store, store_bytes
 from .copy import copy_
 from .events import Event, event
-from .paths import GRAPH_PATHS, current_path, is_enabled
+from .paths import GRAPH_PATHS, current_path, is_enabled, path_device
 from .streams import COPY, record_stream, stream
 
 _names = itertools.count()
@@ -41,16 +41,6 @@ def _shape(s: Shape, what: str) -> Tuple[int, ...]:
     if any(d < 1 for d in out):
         raise OffloadError(f"{what} {out} must have positive sizes")
     return out
-
-
-def _default_device(path: str) -> torch.device:
-    if path == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    if path in ("npu",) + GRAPH_PATHS:
-        import torch_npu  # noqa: F401  (registers torch.npu)
-
-        return torch.device("npu", torch.npu.current_device())
-    return torch.device("cpu")
 
 
 def _nbytes(*ts: torch.Tensor) -> int:
@@ -109,7 +99,7 @@ class OffloadCache:
         self.k_shape = _shape(kv_shape, "kv_shape")
         self.v_shape = self.k_shape if v_shape is None else _shape(v_shape, "v_shape")
         self.dtype = dtype
-        self.device = torch.device(device) if device is not None else _default_device(path_now)
+        self.device = torch.device(device) if device is not None else path_device(path_now)
         self.name = name or f"kv{next(_names)}"
         pin = store == "memory" and self.device.type in ("cuda", "npu")
         try:

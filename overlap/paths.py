@@ -93,6 +93,18 @@ def current_path() -> str:
     return detect_path()
 
 
+def path_device(path: Optional[str] = None) -> torch.device:
+    """The current device of an execution path (``path`` defaults to `current_path`)."""
+    path = path or current_path()
+    if path == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    if path in ("npu",) + GRAPH_PATHS:
+        import torch_npu  # noqa: F401  (registers torch.npu)
+
+        return torch.device("npu", torch.npu.current_device())
+    return torch.device("cpu")
+
+
 def set_path(path: Optional[str]) -> None:
     """Force the execution path for this context (``None`` restores detection)."""
     _path_override.set(None if path is None else _check_path(path, "set_path()"))

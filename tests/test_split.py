@@ -174,3 +174,22 @@ def test_four_ranks_with_different_batches_agree():
         [[1], [10, 20, 30], [5] * 8, []],
     ]
     _check_agreement(cases, run_ranks(_agree_body, 4, cases, timeout=90))
+
+
+def _one_rank_has_bad_input(ctx):
+    from microbatch.split import decide_split
+
+    lens = [-3, 5] if ctx.rank == 1 else [20, 20]
+    try:
+        decide_split(lens, ctx.group)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_rank_with_bad_input_stops_every_rank_instead_of_hanging():
+    from overlap.multirank import run_ranks
+
+    r0, r1 = run_ranks(_one_rank_has_bad_input, 2, timeout=60)
+    assert "rank(s) [1] of 2 could not plan a split" in r0
+    assert "non-negative" in r1
