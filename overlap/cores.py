@@ -93,6 +93,7 @@ def find_soc_config(soc: Optional[str] = None) -> Optional[str]:
 
 _budget: Optional[CoreBudget] = None
 _limits: Dict[str, Tuple[int, int]] = {}
+_npu_active: Dict[int, Tuple[int, int]] = {}  # limit set by the innermost active limit_cores per npu stream
 _lock = threading.Lock()
 
 
@@ -142,7 +143,9 @@ def _check(tag: str, aic: int, aiv: int) -> None:
                 raise CoreBudgetError(
                     f"core limits of streams that run in parallel add up to {total_aic}|{total_aiv} "
                     f"(aic|aiv), more than the device's {budget.aic}|{budget.aiv} from {budget.source} "
-                    f"({detail}); oversubscribed parallel streams stop overlapping or hang the device")
+                    f"({detail}); oversubscribed parallel streams stop overlapping or hang the device. "
+                    f"Limits persist per stream; call overlap.reset_core_limits() between phases whose "
+                    f"streams never run in parallel")
         _limits[tag] = new[tag]
 
 
@@ -167,10 +170,17 @@ def limit_cores(aic: int, aiv: int) -> Iterator[None]:
         import torch
 
         s = torch.npu.current_stream()
+        outer = _npu_active.get(id(s))
         torch.npu.set_stream_limit(s, aic, aiv)
+        _npu_active[id(s)] = (aic, aiv)
         try:
             yield
         finally:
-            torch.npu.reset_stream_limit(s)
+            if outer is None:  # restore what an enclosing limit_cores set, or the device default
+                _npu_active.pop(id(s), None)
+                torch.npu.reset_stream_limit(s)
+            else:
+                _npu_active[id(s)] = outer
+                torch.npu.set_stream_limit(s, *outer)
     else:
         yield

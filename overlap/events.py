@@ -97,6 +97,18 @@ def event(tag: str) -> Event:
     return ev
 
 
+def release_events(prefix: str) -> int:
+    """Forget the events whose tags start with ``prefix`` (e.g. a cache's, when it is closed).
+
+    Their device events are freed with them. Tagged events already created on ``aclgraph`` stay
+    registered with torchair, which has no way to remove them. Returns how many were released.
+    """
+    tags = [t for t in list(_events) if t.startswith(prefix)]
+    for t in tags:
+        _events.pop(t, None)
+    return len(tags)
+
+
 @_eager_in_trace
 def _tagged_event(tag: str) -> str:
     """Create torchair's tagged event for ``tag`` once, as plain Python even under Dynamo; returns the tag.

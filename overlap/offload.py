@@ -24,7 +24,7 @@ import torch
 
 from ._kvstore import STORES, KVStore, StoreError, open_store, store_bytes
 from .copy import copy_
-from .events import Event, event
+from .events import Event, event, release_events
 from .paths import GRAPH_PATHS, current_path, is_enabled, path_device
 from .streams import COPY, record_stream, stream
 
@@ -382,6 +382,7 @@ class OffloadCache:
             ring.buffers = [None] * len(ring.buffers)
         self._device_bytes = 0
         self._store.close()
+        release_events(f"{self.name}.")
 
     def __enter__(self) -> "OffloadCache":
         return self

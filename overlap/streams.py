@@ -202,6 +202,9 @@ def stream(tag: str = COMM, priority: int = 0, enabled: bool = True) -> Iterator
             with _device_module(path).stream(get_stream(tag, priority, path)):
                 yield tag
         elif tag == MAIN:  # graph paths: outside any switch is the main stream already
+            if prev != MAIN:
+                raise ValueError(f"on the {path} path the main stream cannot be entered inside the {prev!r} "
+                                 f"stream scope (torchair scopes only nest); end the side-stream block first")
             yield tag
         else:
             from torchair.scope import npu_stream_switch

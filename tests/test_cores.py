@@ -65,3 +65,39 @@ def test_disabled_limits_are_not_recorded():
     with overlap.enabled(False), overlap.limit_cores(24, 48), overlap.stream("s"), overlap.limit_cores(24, 48):
         pass
     assert overlap.stream_limits() == {}
+
+
+def test_nested_npu_limits_restore_the_outer_limit(monkeypatch):
+    """On the npu path an inner limit_cores puts the outer limit back on exit (fake torch.npu)."""
+    import types
+
+    import torch
+
+    calls = []
+    stream = object()
+    fake = types.SimpleNamespace(current_stream=lambda: stream,
+                                 set_stream_limit=lambda s, a, v: calls.append(("set", a, v)),
+                                 reset_stream_limit=lambda s: calls.append(("reset",)))
+    monkeypatch.setattr(torch, "npu", fake, raising=False)
+    overlap.set_core_budget(overlap.CoreBudget(24, 48))
+    with overlap.use_path("npu"):
+        with overlap.limit_cores(16, 32):
+            with overlap.limit_cores(8, 16):
+                pass
+    assert calls == [("set", 16, 32), ("set", 8, 16), ("set", 16, 32), ("reset",)]
+
+
+def test_main_stream_inside_a_side_scope_is_refused_on_graph_paths(monkeypatch):
+    import contextlib
+    import sys
+    import types
+
+    scope = types.SimpleNamespace(npu_stream_switch=lambda tag, prio=0: contextlib.nullcontext())
+    monkeypatch.setitem(sys.modules, "torchair", types.SimpleNamespace(scope=scope))
+    monkeypatch.setitem(sys.modules, "torchair.scope", scope)
+    with overlap.use_path("ge"):
+        with overlap.stream(overlap.MAIN):  # at top level it is the main stream already
+            pass
+        with pytest.raises(ValueError, match="main stream cannot be entered inside"):
+            with overlap.stream(overlap.COMM), overlap.stream(overlap.MAIN):
+                pass

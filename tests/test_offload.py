@@ -381,3 +381,13 @@ def test_reference_model_kv_sink_is_offload():
         for layer, (k, v) in seen.items():
             hk, hv = cache.host_kv(layer)
             assert torch.equal(hk, k) and torch.equal(hv, v)
+
+
+def test_close_releases_the_cache_events():
+    from overlap.events import _events
+
+    cache = OffloadCache(2, 8, (2, 4), name="kvrelease")
+    cache.offload(0, torch.ones(8, 2, 4), torch.ones(8, 2, 4))
+    assert any(t.startswith("kvrelease.") for t in _events)
+    cache.close()
+    assert not any(t.startswith("kvrelease.") for t in _events)
