@@ -340,20 +340,24 @@ def test_timeline_shows_copies_under_compute():
     tokens, heads, dim, hidden = 256, 8, 64, 256  # copies long enough to outlast the launch gap
     weights = _weights(LAYERS, hidden, heads, dim)
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(8))
-    with _cache(max_tokens=tokens, kv_shape=(heads, dim)) as cache:
-        with Timeline() as tl:
-            for layer, w in enumerate(weights):
-                with overlap.span("attn", layer=layer):
-                    k, v, a = _attention(x, w, heads, dim)
-                cache.offload(layer, k, v)
-                with overlap.span("mlp", layer=layer):
-                    x = torch.tanh(a @ w["wo"]) + x
-            cache.finish()
-    copies = tl.find(name="kv_offload", stream=overlap.COPY, kind="copy")
-    compute = tl.find(stream=overlap.MAIN, kind="compute")
-    assert len(copies) == 2 * LAYERS and len(compute) == 2 * LAYERS
-    assert all(c.asynchronous for c in copies)
-    assert any(intersects(c, m) for c in copies for m in compute)
+    for _ in range(5):  # a loaded host may run a whole copy between two launches; then look again
+        with _cache(max_tokens=tokens, kv_shape=(heads, dim)) as cache:
+            with Timeline() as tl:
+                h = x
+                for layer, w in enumerate(weights):
+                    with overlap.span("attn", layer=layer):
+                        k, v, a = _attention(h, w, heads, dim)
+                    cache.offload(layer, k, v)
+                    with overlap.span("mlp", layer=layer):
+                        h = torch.tanh(a @ w["wo"]) + h
+                cache.finish()
+        copies = tl.find(name="kv_offload", stream=overlap.COPY, kind="copy")
+        compute = tl.find(stream=overlap.MAIN, kind="compute")
+        assert len(copies) == 2 * LAYERS and len(compute) == 2 * LAYERS
+        assert all(c.asynchronous for c in copies)
+        if any(intersects(c, m) for c in copies for m in compute):
+            return
+    pytest.fail("no offload copy ran under compute in 5 runs")
 
 
 def test_benchmark_runs_and_prints_both_modes():

@@ -72,11 +72,13 @@ def _microbatches_overlap(ctx):
 
 @pytest.mark.cpu_only  # the simulated link and host-clock spans are the CPU path's
 def test_each_microbatch_exchange_runs_under_the_other_microbatch_compute():
-    moe_layers = [i for i in range(CFG.n_layers) if CFG.is_moe_layer(i)]
-    for hidden in run_ranks(_microbatches_overlap, 2, timeout=240):
-        for mb in (0, 1):
-            layers = {layer for (m, layer), ok in hidden.items() if m == mb and ok}
-            assert layers == set(moe_layers), f"micro-batch {mb}: exchanges hidden in layers {layers}"
+    moe_layers = set(i for i in range(CFG.n_layers) if CFG.is_moe_layer(i))
+    for _ in range(3):  # a host descheduled for longer than the link latency can miss one; look again
+        found = [{mb: {layer for (m, layer), ok in hidden.items() if m == mb and ok} for mb in (0, 1)}
+                 for hidden in run_ranks(_microbatches_overlap, 2, timeout=240)]
+        if all(f[mb] == moe_layers for f in found for mb in (0, 1)):
+            return
+    pytest.fail(f"exchanges hidden under the other micro-batch's compute, per rank and micro-batch: {found}")
 
 
 def test_kv_offload_operation_follows_attention():
