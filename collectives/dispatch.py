@@ -29,7 +29,8 @@ import overlap
 from overlap.streams import COMM
 
 from .layout import (DispatchLayout, ExpertBatch, LayoutError, check_routing, check_splits, compute_layout, expand,
-                     pack_metadata, reduce_local, reduce_ranks)
+                     local_plan, pack_metadata, reduce_local, reduce_ranks, reduce_rows_into, sum_first,
+                     zero_missing)
 
 
 def group_size(group: Optional[dist.ProcessGroup]) -> int:
@@ -58,17 +59,41 @@ def _side(stream_tag: Optional[str], previous_event: Optional[overlap.Event], ev
         yield caller
 
 
-def _exchange(x: torch.Tensor, out_rows: int, recv_splits: List[int], send_splits: List[int],
-              group: Optional[dist.ProcessGroup], name: str, caller: str, **meta) -> torch.Tensor:
-    out = x.new_empty((out_rows,) + tuple(x.shape[1:]))
-    if group_size(group) == 1 and not dist.is_initialized():
-        out.copy_(x)
-    else:
-        overlap.all_to_all_single(out, x, recv_splits, send_splits, group=group, name=name, **meta)
+def _rank(group: Optional[dist.ProcessGroup]) -> int:
+    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+
+
+def _others(splits: Sequence[int], me: int) -> List[int]:
+    """Split sizes with this rank's own share set to zero: its rows never travel."""
+    return [0 if r == me else n for r, n in enumerate(splits)]
+
+
+def _exchange_into(out: torch.Tensor, x: torch.Tensor, recv_splits: List[int], send_splits: List[int],
+                   group: Optional[dist.ProcessGroup], name: str, caller: str, **meta) -> None:
+    """Rows for other ranks only (this rank's splits are zero); a no-op when nothing travels."""
+    if not dist.is_initialized() or group_size(group) == 1:
+        return
+    overlap.all_to_all_single(out, x, recv_splits, send_splits, group=group, name=name, **meta)
     if overlap.current_path() != "cpu":  # on CPU the pending launch itself keeps x and out alive
         overlap.record_stream(x, overlap.current_stream_tag())
         overlap.record_stream(out, caller)
-    return out
+
+
+def _blocks(splits: Sequence[int], me: int) -> tuple:
+    """Row ranges in the layout's send order: this rank's own ``(start, end)`` and the others' in rank order."""
+    starts, at = [], 0
+    for n in splits:
+        starts.append(at)
+        at += n
+    own = (starts[me], starts[me] + splits[me])
+    return own, [(starts[r], starts[r] + n) for r, n in enumerate(splits) if r != me]
+
+
+def _cat_rows(t: torch.Tensor, ranges: Sequence[tuple]) -> torch.Tensor:
+    parts = [t[a:b] for a, b in ranges if b > a]
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat(parts) if parts else t[:0]
 
 
 def exchange_counts(layout: DispatchLayout, group: Optional[dist.ProcessGroup],
@@ -95,16 +120,22 @@ def exchange_counts(layout: DispatchLayout, group: Optional[dist.ProcessGroup],
 
 @dataclasses.dataclass
 class DispatchHandle:
-    """What a dispatch received, and what combine needs to send it back."""
+    """What a dispatch received, and what combine needs to send it back.
+
+    Received rows: this rank's own rows first (they never travel), then the other ranks' rows by
+    source rank, each in source token order.
+    """
 
     layout: DispatchLayout
-    recv_x: torch.Tensor  # [R, H] received tokens, by source rank then source token order
+    recv_x: torch.Tensor  # [R, H] received tokens, own rows first, then by source rank
     recv_meta: torch.Tensor  # [R, 2k] float32: local expert ids (-1: elsewhere), then weights
     recv_splits: List[int]
     num_recv_tokens_per_expert: Optional[List[int]]  # known after the count exchange
     group: Optional[dist.ProcessGroup]
     dtype: torch.dtype
     event: Optional[overlap.Event] = None
+    rank: int = 0  # this rank in the group: its rows are the first recv_splits[rank]
+    spare: Optional[torch.Tensor] = None  # the dispatch's send buffer, free once waited: combine receives into it
 
     @property
     def recv_ids(self) -> torch.Tensor:
@@ -131,6 +162,14 @@ class DispatchHandle:
         return expand(self.recv_x, self.recv_meta, self.layout.experts_per_rank, counts)
 
 
+def _gather_rows(out: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> None:
+    """``out[:] = src[index]``, straight into ``out`` outside tracing."""
+    if torch.compiler.is_compiling():
+        out.copy_(src.index_select(0, index))
+    else:
+        torch.index_select(src, 0, index, out=out)
+
+
 def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
              group: Optional[dist.ProcessGroup] = None, *, send_splits: Optional[Sequence[int]] = None,
              recv_splits: Optional[Sequence[int]] = None, previous_event: Optional[overlap.Event] = None,
@@ -140,6 +179,7 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
 
     ``send_splits`` / ``recv_splits``: rows sent to / received from each rank, when known; both
     skip the count exchange and its host synchronisation. Input is validated before any collective.
+    Rows a rank keeps are gathered straight into its receive buffer, while the exchange is in flight.
     """
     world = group_size(group)
     check_routing(x, topk_idx, topk_weights, num_experts, world, check_ids)
@@ -148,19 +188,34 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     if recv_splits is not None:
         recv_splits = check_splits("receive split sizes", recv_splits, world)
     layout = compute_layout(topk_idx, num_experts, world, send_splits)
-    send_meta = pack_metadata(layout, topk_idx, topk_weights)
-    send_x = x.index_select(0, layout.send_token)
+    me = _rank(group)
+    if recv_splits is not None and recv_splits[me] != layout.send_splits[me]:
+        raise LayoutError(f"receive split sizes {recv_splits} and send split sizes {layout.send_splits} disagree on "
+                          f"the rows rank {me} keeps for itself")
+    own, others = _blocks(layout.send_splits, me)
+    n_own = own[1] - own[0]
+    meta = pack_metadata(layout, topk_idx, topk_weights)
+    send_meta = _cat_rows(meta, others)
+    send_x = x.index_select(0, _cat_rows(layout.send_token, others))
     with _side(stream_tag, previous_event, event_tag) as caller:
         per_expert = None
         if recv_splits is None:
             recv_splits, per_expert = exchange_counts(layout, group)
         rows = sum(recv_splits)
-        recv_x = _exchange(send_x, rows, recv_splits, layout.send_splits, group, "dispatch", caller)
-        recv_meta = _exchange(send_meta, rows, recv_splits, layout.send_splits, group, "dispatch.meta", caller)
-        handle = DispatchHandle(layout, recv_x, recv_meta, recv_splits, per_expert, group, x.dtype)
+        recv_x = x.new_empty(rows, x.shape[1])
+        recv_meta = meta.new_empty(rows, meta.shape[1])
+        travel_in, travel_out = _others(recv_splits, me), _others(layout.send_splits, me)
+        _exchange_into(recv_x[n_own:], send_x, travel_in, travel_out, group, "dispatch", caller)
+        _exchange_into(recv_meta[n_own:], send_meta, travel_in, travel_out, group, "dispatch.meta", caller)
+        handle = DispatchHandle(layout, recv_x, recv_meta, recv_splits, per_expert, group, x.dtype, rank=me,
+                                spare=send_x if x.device.type == "cpu" else None)
         if stream_tag is not None and stream_tag != caller:
             handle.event = overlap.event(event_tag)
             handle.event.record(recv_x, recv_meta)
+    # Own rows, on the calling stream, beside the exchange (disjoint rows of the same buffers); detached,
+    # as the rows that travel are (the exchange is not differentiable).
+    _gather_rows(recv_x[:n_own], x.detach(), layout.send_token[own[0]:own[1]])
+    recv_meta[:n_own].copy_(meta[own[0]:own[1]].detach())
     if not async_finish:
         handle.wait()
     return handle
@@ -168,19 +223,32 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
 
 @dataclasses.dataclass
 class CombineHandle:
-    """Rows sent back by every rank; `wait` sums them into their tokens."""
+    """Rows sent back by every rank; `wait` sums them into their tokens.
+
+    ``out`` (when set) already holds this rank's own contribution; ``blocks`` lists, in rank
+    order, the tokens and the rows of ``returned`` still to add. Without ``out``, ``returned`` is
+    every rank's rows in the layout's send order.
+    """
 
     layout: DispatchLayout
-    returned: torch.Tensor  # [S, H], in the order the rows were sent
+    returned: torch.Tensor  # rows sent back by the other ranks, in the order they were sent
     dtype: torch.dtype
     event: Optional[overlap.Event] = None
+    out: Optional[torch.Tensor] = None  # [T, H] float32
+    blocks: List[tuple] = dataclasses.field(default_factory=list)  # (tokens, first row, end row)
 
     def wait(self) -> torch.Tensor:
         """Wait for the exchange on the current stream and return the combined tokens ``[T, H]``."""
         if self.event is not None:
             self.event.wait()
             self.event = None
-        return reduce_ranks(self.returned, self.layout, self.returned.shape[-1]).to(self.dtype)
+        if self.out is None:
+            return reduce_ranks(self.returned, self.layout, self.returned.shape[-1]).to(self.dtype)
+        for tokens, a, b in self.blocks:
+            if b > a:
+                self.out.index_add_(0, tokens, self.returned[a:b].float())
+        self.blocks = []
+        return self.out.to(self.dtype)
 
 
 def combine(expert_out: torch.Tensor, batch: ExpertBatch, handle: DispatchHandle, *,
@@ -191,22 +259,54 @@ def combine(expert_out: torch.Tensor, batch: ExpertBatch, handle: DispatchHandle
 
     ``expert_out`` is ``[N, H]`` in the order of ``batch`` (from `DispatchHandle.expand`). Rows
     travel in ``dtype`` (default: the dispatched tokens' dtype, as DeepEP does; float32 avoids
-    one rounding for half-precision models).
+    one rounding for half-precision models). Each token's sum starts with this rank's own
+    contribution, computed while the other rows travel; the other ranks' follow in rank order.
     """
     if handle.event is not None:
         raise RuntimeError("combine before the dispatch handle was waited on")
     if expert_out.dim() != 2 or expert_out.shape[0] != batch.rows.shape[0]:
         raise LayoutError(f"expert output must be [{batch.rows.shape[0]}, hidden] (one row per expanded token), "
                           f"got shape {tuple(expert_out.shape)}")
-    partial = reduce_local(expert_out, batch, handle.recv_weights).to(dtype or handle.dtype)
-    layout = handle.layout
+    layout, me, hidden = handle.layout, handle.rank, expert_out.shape[-1]
+    own, others = _blocks(layout.send_splits, me)
+    n_own = own[1] - own[0]
+    plan = local_plan(expert_out, batch, handle.recv_weights)
+    travel = dtype or handle.dtype
+    if plan is None:
+        full = reduce_local(expert_out, batch, handle.recv_weights).to(travel)
+        partial = full[n_own:]
+    else:  # the rows that travel first; the own rows go straight into the result while they travel
+        partial = expert_out.new_empty(batch.num_rows - n_own, hidden, dtype=travel)
+        reduce_rows_into(partial, expert_out, plan, n_own, batch.num_rows)
+    spare, handle.spare = handle.spare, None  # a fresh buffer for a second combine of the same dispatch
     with _side(stream_tag, previous_event, event_tag) as caller:
-        returned = _exchange(partial, layout.num_send, layout.send_splits, handle.recv_splits, handle.group,
-                             "combine", caller)
+        rows = layout.num_send - n_own
+        if spare is not None and spare.dtype == travel and tuple(spare.shape) == (rows, hidden):
+            returned = spare
+        else:
+            returned = partial.new_empty(rows, hidden)
+        _exchange_into(returned, partial, _others(layout.send_splits, me), _others(handle.recv_splits, me),
+                       handle.group, "combine", caller)
         result = CombineHandle(layout, returned, handle.dtype)
         if stream_tag is not None and stream_tag != caller:
             result.event = overlap.event(event_tag)
             result.event.record(returned)
+    own_tokens = layout.send_token[own[0]:own[1]]
+    if plan is None:
+        result.out = sum_first(own_tokens, full[:n_own], layout.num_tokens)
+    else:
+        result.out = expert_out.new_empty(layout.num_tokens, hidden, dtype=torch.float32)
+        if travel == torch.float32:
+            reduce_rows_into(result.out, expert_out, plan, 0, n_own, dest=own_tokens)
+        else:  # round to the travel dtype as the other ranks' rows are
+            own_rows = expert_out.new_empty(n_own, hidden, dtype=travel)
+            reduce_rows_into(own_rows, expert_out, plan, 0, n_own)
+            result.out.index_copy_(0, own_tokens, own_rows.float())
+        zero_missing(result.out, own_tokens)
+    at = 0
+    for a, b in others:
+        result.blocks.append((layout.send_token[a:b], at, at + b - a))
+        at += b - a
     if not async_finish and result.event is not None:
         result.event.wait()
         result.event = None

@@ -170,27 +170,34 @@ def expand(recv_x: torch.Tensor, recv_meta: torch.Tensor, num_local: int,
     return ExpertBatch(recv_x.index_select(0, rows), counts, rows, slots, rows_n, k)
 
 
-def _eager_cpu(t: torch.Tensor) -> bool:
-    """Whether the fast paths apply: they read sizes on the host (never while tracing) and write into
-    preallocated outputs (not differentiable)."""
-    return (t.device.type == "cpu" and not torch.compiler.is_compiling()
-            and not (t.requires_grad and torch.is_grad_enabled()))
-
-
 def reduce_local(expert_out: torch.Tensor, batch: ExpertBatch, recv_weights: torch.Tensor) -> torch.Tensor:
     """Per received row, the weighted sum of its local experts' outputs in slot order 0..k-1, in float32.
 
     Slots whose expert lives elsewhere add zero, as in `collectives.reference.combine_dense`.
     """
+    plan = local_plan(expert_out, batch, recv_weights)
+    if plan is None:
+        return _reduce_local_dense(expert_out, batch, recv_weights)
+    out = torch.empty(batch.num_rows, expert_out.shape[-1], dtype=torch.float32, device=expert_out.device)
+    reduce_rows_into(out, expert_out, plan, 0, batch.num_rows)
+    return out
+
+
+def _slot_rows(expert_out: torch.Tensor, batch: ExpertBatch) -> torch.Tensor:
+    """``where[r, s]``: the expanded row holding row r's slot s (``N``: the expert lives elsewhere)."""
+    n = expert_out.shape[0]
+    where = torch.full((batch.num_rows, batch.top_k), n, dtype=torch.int64, device=expert_out.device)
+    where[batch.rows, batch.slots] = torch.arange(n, device=expert_out.device)
+    return where
+
+
+def _reduce_local_dense(expert_out: torch.Tensor, batch: ExpertBatch, recv_weights: torch.Tensor) -> torch.Tensor:
+    """Static-shape form (tracing, devices, autograd): one gather per slot over all rows."""
     hidden, n = expert_out.shape[-1], expert_out.shape[0]
     if n == 0:
         return torch.zeros(batch.num_rows, hidden, dtype=torch.float32, device=expert_out.device)
-    # where[r, s]: the expanded row holding row r's slot s (n: the expert lives elsewhere)
-    where = torch.full((batch.num_rows, batch.top_k), n, dtype=torch.int64, device=expert_out.device)
-    where[batch.rows, batch.slots] = torch.arange(n, device=expert_out.device)
+    where = _slot_rows(expert_out, batch)
     here = where < n
-    if _eager_cpu(expert_out):
-        return _reduce_local_sparse(expert_out, where, here, recv_weights)
     where = where.clamp(max=n - 1)
     weights = torch.where(here, recv_weights, torch.zeros((), dtype=recv_weights.dtype, device=here.device))
     out = None
@@ -200,42 +207,110 @@ def reduce_local(expert_out: torch.Tensor, batch: ExpertBatch, recv_weights: tor
     return out
 
 
-def _reduce_local_sparse(expert_out: torch.Tensor, where: torch.Tensor, here: torch.Tensor,
-                         weights: torch.Tensor) -> torch.Tensor:
-    """`reduce_local` reading each expanded row once: the first local slot of a row is gathered and
-    scaled in place, later slots are added per slot (unique rows per call, so the order is fixed).
+@dataclasses.dataclass
+class LocalPlan:
+    """Which expanded rows make up each received row (eager CPU form of `reduce_local`).
 
-    Same float32 operations as the dense form, whose absent slots add an exact zero.
+    Row r is ``expert_out[first[r]] * first_w[r]`` plus, for each later slot s holding a local
+    expert, ``expert_out[later_src[s][i]] * later_w[s][i]`` added at row ``later_rows[s][i]``
+    (sorted), in slot order.
     """
-    rows_n, k = where.shape
-    first = here.to(torch.int8).argmax(dim=1)  # first local slot of each row (0 for a row with none)
-    src = where.gather(1, first[:, None]).squeeze(1)
-    has = here.any(dim=1)
-    out = torch.empty(rows_n, expert_out.shape[-1], dtype=torch.float32, device=expert_out.device)
-    w_first = weights.gather(1, first[:, None]).float()
-    if bool(has.all()):
-        _gather_into(out, expert_out, src)
-        out.mul_(w_first)
-    else:  # rows without a local expert (not produced by dispatch, but allowed) are zero
-        out.zero_()
-        sel = has.nonzero().squeeze(1)
-        out.index_copy_(0, sel, expert_out.index_select(0, src[sel]).float().mul_(w_first[sel]))
+
+    first: torch.Tensor  # [R]
+    first_w: torch.Tensor  # [R, 1] float32
+    later_rows: List[torch.Tensor]
+    later_src: List[torch.Tensor]
+    later_w: List[torch.Tensor]
+
+
+def _eager_cpu(t: torch.Tensor) -> bool:
+    """Whether the fast paths apply: they read sizes on the host (never while tracing) and write into
+    preallocated outputs (not differentiable)."""
+    return (t.device.type == "cpu" and not torch.compiler.is_compiling()
+            and not (t.requires_grad and torch.is_grad_enabled()))
+
+
+def local_plan(expert_out: torch.Tensor, batch: ExpertBatch, recv_weights: torch.Tensor) -> Optional[LocalPlan]:
+    """The plan of `reduce_rows_into`, or None where the static-shape form must be used instead (not
+    eager CPU, no expanded rows, or a received row without any local expert)."""
+    if not _eager_cpu(expert_out) or expert_out.shape[0] == 0:
+        return None
+    where = _slot_rows(expert_out, batch)
+    here = where < expert_out.shape[0]
+    if not bool(here.any(dim=1).all()):  # not produced by dispatch, but allowed: the dense form zeroes them
+        return None
+    first = here.to(torch.int8).argmax(dim=1)  # first local slot of each row
+    plan = LocalPlan(where.gather(1, first[:, None]).squeeze(1), recv_weights.gather(1, first[:, None]).float(),
+                     [], [], [])
     later = here.clone()
     later.scatter_(1, first[:, None], False)
-    for s in range(1, k):
+    for s in range(1, batch.top_k):
         sel = later[:, s].nonzero().squeeze(1)
         if sel.numel():
-            term = expert_out.index_select(0, where[sel, s]).float().mul_(weights[sel, s, None].float())
-            out.index_add_(0, sel, term)
+            plan.later_rows.append(sel)
+            plan.later_src.append(where[sel, s])
+            plan.later_w.append(recv_weights[sel, s, None].float())
+    return plan
+
+
+_CHUNK_BYTES = 1 << 19
+
+
+def reduce_rows_into(out: torch.Tensor, expert_out: torch.Tensor, plan: LocalPlan, lo: int, hi: int,
+                     dest: Optional[torch.Tensor] = None) -> None:
+    """Rows ``lo:hi`` of `reduce_local` written into ``out`` (cast to its dtype): row ``r`` to ``out[r - lo]``,
+    or to ``out[dest[r - lo]]`` when ``dest`` is given.
+
+    Works through cache-sized chunks of rows, gathering, scaling and adding each chunk's slots
+    while it is in cache: one memory pass. Same float32 operations, in the same order, as the
+    static-shape form, whose absent slots add an exact zero.
+    """
+    hidden = expert_out.shape[-1]
+    step = max(16, _CHUNK_BYTES // max(1, hidden * 4))
+    bounds = list(range(lo, hi, step)) + [hi]
+    edges = torch.tensor(bounds, dtype=torch.int64)
+    cuts = [torch.searchsorted(rows, edges).tolist() for rows in plan.later_rows]
+    in_place = out.dtype == torch.float32 and dest is None
+    scratch = None if in_place else torch.empty(step, hidden, dtype=torch.float32)
+    for i in range(len(bounds) - 1):
+        a, b = bounds[i], bounds[i + 1]
+        acc = out[a - lo:b - lo] if in_place else scratch[: b - a]
+        if expert_out.dtype == torch.float32:
+            torch.index_select(expert_out, 0, plan.first[a:b], out=acc)
+        else:
+            acc.copy_(expert_out.index_select(0, plan.first[a:b]))
+        acc.mul_(plan.first_w[a:b])
+        for rows, src, w, cut in zip(plan.later_rows, plan.later_src, plan.later_w, cuts):
+            p, q = cut[i], cut[i + 1]
+            if q > p:
+                term = expert_out.index_select(0, src[p:q]).float().mul_(w[p:q])
+                acc.index_add_(0, rows[p:q] - a, term)
+        if dest is not None:
+            out.index_copy_(0, dest[a - lo:b - lo], acc.to(out.dtype))
+        elif not in_place:
+            out[a - lo:b - lo].copy_(acc)
+
+
+def zero_missing(out: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Zero the rows of ``out`` not listed in ``tokens``; returns ``out``."""
+    if tokens.numel() < out.shape[0]:
+        hit = torch.zeros(out.shape[0], dtype=torch.bool, device=out.device)
+        hit[tokens] = True
+        out.index_fill_(0, (~hit).nonzero().squeeze(1), 0.0)
     return out
 
 
-def _gather_into(out: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> None:
-    """``out[i] = src[index[i]]`` (converted to ``out``'s dtype) without an intermediate copy when dtypes match."""
-    if src.dtype == out.dtype:
-        torch.index_select(src, 0, index, out=out)
-    else:
-        out.copy_(src.index_select(0, index))
+def sum_first(tokens: torch.Tensor, rows: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """A float32 ``[num_tokens, H]`` holding ``rows`` at ``tokens`` (unique) and zero elsewhere: the
+    first term of a per-token sum, written once instead of added to zeros (same values)."""
+    hidden = rows.shape[-1]
+    if not _eager_cpu(rows):
+        out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=rows.device)
+        out.index_add_(0, tokens, rows.float())
+        return out
+    out = torch.empty(num_tokens, hidden, dtype=torch.float32, device=rows.device)
+    out.index_copy_(0, tokens, rows.float())
+    return zero_missing(out, tokens)
 
 
 def reduce_ranks(returned: torch.Tensor, layout: DispatchLayout, hidden: int) -> torch.Tensor:
