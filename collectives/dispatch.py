@@ -20,12 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 from typing import Iterator, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 import overlap
+from overlap.paths import GRAPH_PATHS
 from overlap.streams import COMM
 
 from .layout import (DispatchLayout, ExpertBatch, LayoutError, check_routing, check_splits, compute_layout, expand,
@@ -44,19 +46,36 @@ def group_size(group: Optional[dist.ProcessGroup]) -> int:
 
 @contextlib.contextmanager
 def _side(stream_tag: Optional[str], previous_event: Optional[overlap.Event], event_tag: str) -> Iterator[str]:
-    """Enter ``stream_tag`` ordered after ``previous_event`` (default: after the calling stream's work)."""
+    """Enter ``stream_tag`` after the calling stream's work so far and after ``previous_event``.
+
+    The calling stream's work includes what dispatch / combine just prepared there (the packed
+    send buffers), so the side stream always waits for it; ``previous_event`` adds an edge to
+    work on a third stream.
+    """
     caller = overlap.current_stream_tag()
     if stream_tag is None or stream_tag == caller:
         if previous_event is not None:
             previous_event.wait()
         yield caller
         return
-    if previous_event is None:
-        previous_event = overlap.event(f"{event_tag}.prev")
-        previous_event.record()
+    ready = _handle_event(f"{event_tag}.ready")
+    ready.record()
     with overlap.stream(stream_tag):
-        previous_event.wait()
+        if previous_event is not None:
+            previous_event.wait()
+        ready.wait()
         yield caller
+
+
+_handle_ids = itertools.count()
+
+
+def _handle_event(tag: str) -> overlap.Event:
+    """An event for one call: its own object on eager paths, so that two dispatches in flight are
+    waited for separately; the one tagged event per tag on graph paths, where tags are global."""
+    if overlap.current_path() in GRAPH_PATHS:
+        return overlap.event(tag)
+    return overlap.Event(f"{tag}#{next(_handle_ids)}")
 
 
 def _rank(group: Optional[dist.ProcessGroup]) -> int:
@@ -210,7 +229,7 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
         handle = DispatchHandle(layout, recv_x, recv_meta, recv_splits, per_expert, group, x.dtype, rank=me,
                                 spare=send_x if x.device.type == "cpu" else None)
         if stream_tag is not None and stream_tag != caller:
-            handle.event = overlap.event(event_tag)
+            handle.event = _handle_event(event_tag)
             handle.event.record(recv_x, recv_meta)
     # Own rows, on the calling stream, beside the exchange (disjoint rows of the same buffers); detached,
     # as the rows that travel are (the exchange is not differentiable).
@@ -289,7 +308,7 @@ def combine(expert_out: torch.Tensor, batch: ExpertBatch, handle: DispatchHandle
                        handle.group, "combine", caller)
         result = CombineHandle(layout, returned, handle.dtype)
         if stream_tag is not None and stream_tag != caller:
-            result.event = overlap.event(event_tag)
+            result.event = _handle_event(event_tag)
             result.event.record(returned)
     own_tokens = layout.send_token[own[0]:own[1]]
     if plan is None:

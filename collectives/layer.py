@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import overlap
+from overlap._tree import tensors_in
 from overlap.streams import COMM, MAIN, SHARED
 
 from .dispatch import CombineHandle, DispatchHandle, combine, dispatch, group_size
@@ -201,7 +202,10 @@ def run_stages(stages: Sequence[Stage], values: Dict[str, Any], event_prefix: st
     ``values`` seeds the inputs (produced on the main stream); returns all values.
     """
     values = dict(values)
-    made_on: Dict[str, Tuple[str, Optional[overlap.Event]]] = {k: (MAIN, None) for k in values}
+    caller = overlap.current_stream_tag()
+    seeded = overlap.event(f"{event_prefix}.inputs")
+    seeded.record(*[v for v in values.values() if isinstance(v, torch.Tensor)])
+    made_on: Dict[str, Tuple[str, overlap.Event]] = {k: (caller, seeded) for k in values}
     waited = set()
     for st in stages:
         with overlap.stream(st.stream):
@@ -209,9 +213,12 @@ def run_stages(stages: Sequence[Stage], values: Dict[str, Any], event_prefix: st
                 if r not in values:
                     raise KeyError(f"stage {st.name!r} reads {r!r} before any stage wrote it")
                 src, ev = made_on[r]
-                if src != st.stream and ev is not None and (ev, st.stream) not in waited:
-                    ev.wait()
-                    waited.add((ev, st.stream))
+                if src != st.stream:
+                    if (ev, st.stream) not in waited:
+                        ev.wait()
+                        waited.add((ev, st.stream))
+                    for t in tensors_in(values[r]):  # the allocator must not reuse it under this stream
+                        overlap.record_stream(t, st.stream)
             out = st.fn(*[values[r] for r in st.reads])
             if len(st.writes) == 1:
                 out = (out,)

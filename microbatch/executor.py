@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 import overlap
+from overlap._tree import tensors_in
 from overlap.streams import COMM
 
 from .operations import State, split_outputs
@@ -184,12 +185,12 @@ def execute(plan: Plan, flow: Flow, inputs: Sequence[Mapping[str, Any]]) -> List
             for tag in step.waits:
                 overlap.event(tag).wait()
             for key in step.crossing:
-                for t in _tensors(get(key)):
+                for t in tensors_in(get(key)):
                     overlap.record_stream(t, l.stream)
             args = [_read(r, get) for r in flow.reads[step.index]]
             if step.after:
                 deps = [t for b in step.after for w in flow.ops[b].writes
-                        for t in _tensors(get((plan.steps[b].launch.mb, plan.steps[b].launch.layer, w)))]
+                        for t in tensors_in(get((plan.steps[b].launch.mb, plan.steps[b].launch.layer, w)))]
                 args = _wait_first_tensor(args, deps)
             kind = "launch" if op.stream == COMM else "compute"
             with overlap.span(l.op, kind=kind, mb=l.mb, layer=l.layer):
@@ -199,7 +200,7 @@ def execute(plan: Plan, flow: Flow, inputs: Sequence[Mapping[str, Any]]) -> List
             for name, v in zip(op.writes, values):
                 state[name] = v
             if step.record:
-                overlap.event(step.record).record(*_tensors(values))
+                overlap.event(step.record).record(*tensors_in(values))
         for key in step.frees:
             states[key[0], key[1]].pop(key[2], None)
     for tag in plan.final_waits:
@@ -211,19 +212,6 @@ def _read(r: Any, get: Any) -> Any:
     if r.fn is not None:
         return r.fn(*[get(k) for k in r.keys])
     return tuple(get(k) for k in r.keys) if r.packed else get(r.keys[0])
-
-
-def _tensors(value: Any) -> List[torch.Tensor]:
-    """The tensors inside a value: a tensor, or nested tuples, lists, dicts and dataclasses of them."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return [t for f in dataclasses.fields(value) for t in _tensors(getattr(value, f.name))]
-    return []
 
 
 def _wait_first_tensor(args: List[Any], deps: Sequence[torch.Tensor]) -> List[Any]:

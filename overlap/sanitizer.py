@@ -51,11 +51,29 @@ Clock = Dict[str, int]
 
 @dataclasses.dataclass(frozen=True)
 class Access:
-    """One access to a tensor: which stream, the stream's sequence number then, and which operation."""
+    """One access to a tensor: which stream, the stream's sequence number then, and which operation.
+
+    ``lo``/``hi`` are the bytes of the storage it touched (for a stream's latest accesses, the union
+    of the bytes they touched), so disjoint parts of one buffer written from two streams are not a race.
+    """
 
     stream: str
     seq: int
     op: str
+    lo: int = 0
+    hi: int = 1 << 62
+
+    def overlaps(self, other: "Access") -> bool:
+        return self.lo < other.hi and other.lo < self.hi
+
+    def covers(self, other: "Access") -> bool:
+        return self.lo <= other.lo and other.hi <= self.hi
+
+    def merged(self, older: Optional["Access"]) -> "Access":
+        """This access, also covering the bytes of an older access of the same stream."""
+        if older is None:
+            return self
+        return dataclasses.replace(self, lo=min(self.lo, older.lo), hi=max(self.hi, older.hi))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +104,7 @@ class StreamRaceError(RuntimeError):
 
 @dataclasses.dataclass
 class _History:
-    last_write: Optional[Access] = None
+    writes: Dict[str, Access] = dataclasses.field(default_factory=dict)  # latest write per stream
     reads: Dict[str, Access] = dataclasses.field(default_factory=dict)  # latest read per stream
     storage: Any = None  # a weak reference to the storage this history is about
 
@@ -100,6 +118,14 @@ def _weak_storage(t: torch.Tensor) -> Any:
         return StorageWeakRef(t.untyped_storage())
     except (RuntimeError, NotImplementedError, TypeError):
         return None
+
+
+def _byte_range(t: torch.Tensor) -> Tuple[int, int]:
+    """The bytes of its storage that ``t`` spans (from its first to its last element)."""
+    size = t.element_size()
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0)
+    lo = t.storage_offset() * size
+    return lo, lo + (last + 1) * size
 
 
 def _storage_key(t: torch.Tensor) -> Optional[_StorageKey]:
@@ -188,31 +214,39 @@ class Sanitizer:
         with self._lock:
             seq = self._tick(stream)
             now = self._clocks[stream]
-            me = Access(stream, seq, op)
-            written = {k: t for t in writes if (k := _storage_key(t)) is not None}
-            read = {k: t for t in reads if (k := _storage_key(t)) is not None and k not in written}
-            for key, t in list(read.items()) + list(written.items()):
+
+            def unordered(a: Access) -> bool:
+                return a.stream != stream and a.seq > now.get(a.stream, 0)
+
+            accesses = [(t, k, True) for t in writes if (k := _storage_key(t)) is not None]
+            accesses += [(t, k, False) for t in reads if (k := _storage_key(t)) is not None]
+            for t, key, is_write in accesses:
+                me = Access(stream, seq, op, *_byte_range(t))
                 h = self._history.get(key)
                 if h is not None and h.stale():
-                    del self._history[key]
                     h = None
                 if h is None:
-                    continue
-                w = h.last_write
-                if w is not None and w.stream != stream and w.seq > now.get(w.stream, 0):
-                    self._report("write after write" if key in written else "read after write", w, me, t)
-                if key in written:
+                    h = self._history[key] = _History(storage=_weak_storage(t))
+                for w in h.writes.values():
+                    if unordered(w) and w.overlaps(me):
+                        self._report("write after write" if is_write else "read after write", w, me, t)
+                if is_write:
                     for r in h.reads.values():
-                        if r.stream != stream and r.seq > now.get(r.stream, 0):
+                        if unordered(r) and r.overlaps(me):
                             self._report("write after read", r, me, t)
-            for key, t in read.items():
-                self._history.setdefault(key, _History(storage=_weak_storage(t))).reads[stream] = me
-            for key, t in written.items():
-                self._history[key] = _History(last_write=me, storage=_weak_storage(t))
+                    # accesses this write orders after and overwrites are history
+                    for d in (h.writes, h.reads):
+                        for s_, a in list(d.items()):
+                            if s_ != stream and not unordered(a) and me.covers(a):
+                                del d[s_]
+                    h.writes[stream] = me.merged(h.writes.get(stream))
+                else:
+                    h.reads[stream] = me.merged(h.reads.get(stream))
             for t in fresh:
                 key = _storage_key(t)
-                if key is not None and key not in written:
-                    self._history[key] = _History(last_write=me, storage=_weak_storage(t))
+                if key is not None:
+                    self._history[key] = _History({stream: Access(stream, seq, op, *_byte_range(t))},
+                                                  storage=_weak_storage(t))
 
     def _report(self, kind: str, previous: Access, current: Access, t: torch.Tensor) -> None:
         race = Race(kind, previous, current, tuple(t.shape), str(t.dtype).replace("torch.", ""))
@@ -277,10 +311,11 @@ class Sanitizer:
             for t in fresh:
                 key = _storage_key(t)
                 h = self._history.get(key) if key is not None else None
+                mine = h.writes.get(stream) if h is not None else None
                 # a new tensor: forget whatever this address held before (freed and reused)
-                if key is not None and (h is None or h.last_write is None or h.last_write.seq != seq
-                                        or h.last_write.stream != stream):
-                    self._history[key] = _History(last_write=Access(stream, seq, op), storage=_weak_storage(t))
+                if key is not None and (mine is None or mine.seq != seq):
+                    self._history[key] = _History({stream: Access(stream, seq, op, *_byte_range(t))},
+                                                  storage=_weak_storage(t))
 
     # hooks observer
     def on_span_start(self, span: Span) -> None:

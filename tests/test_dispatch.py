@@ -201,3 +201,44 @@ def test_traces_under_compile_fullgraph_with_static_splits():
         for tag in ("ep_dispatch", "ep_combine"):
             rec, wait = acl.index(f"tagged_event_record({tag})"), acl.index(f"tagged_event_wait({tag})")
             assert rec < wait
+
+
+def _previous_event_does_not_skip_the_packing(ctx):
+    """With previous_event the exchange must still wait for what dispatch / combine packed on the caller's stream."""
+    from overlap.sanitizer import Sanitizer
+
+    g = torch.Generator().manual_seed(ctx.rank)
+    x = torch.randn(16, 8, generator=g)
+    idx = torch.randint(0, 4, (16, 2), generator=g)
+    w = torch.rand(16, 2, generator=g)
+    with Sanitizer(raise_on_race=False) as san:
+        x2 = x * 2
+        before = overlap.event("user_before_dispatch")
+        before.record()
+        h = dispatch(x2, idx, w, 4, ctx.group, previous_event=before, async_finish=True).wait()
+        b = h.expand()
+        before_combine = overlap.event("user_before_combine")
+        before_combine.record()
+        out = combine(b.x * 1.0, b, h, previous_event=before_combine, async_finish=True).wait()
+    return [str(r) for r in san.races], out.shape
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_previous_event_keeps_the_exchange_after_the_packing(world):
+    for races, shape in run_ranks(_previous_event_does_not_skip_the_packing, world):
+        assert not races, races
+        assert tuple(shape) == (16, 8)
+
+
+def _two_dispatches_in_flight_have_their_own_events(ctx):
+    g = torch.Generator().manual_seed(ctx.rank)
+    x = torch.randn(8, 4, generator=g)
+    idx = torch.randint(0, 4, (8, 1), generator=g)
+    w = torch.ones(8, 1)
+    h1 = dispatch(x, idx, w, 4, ctx.group, async_finish=True)
+    h2 = dispatch(x + 1, idx, w, 4, ctx.group, async_finish=True)
+    return h1.event is not h2.event and h1.event.tag != h2.event.tag
+
+
+def test_two_dispatches_in_flight_are_waited_for_separately():
+    assert run_ranks(_two_dispatches_in_flight_have_their_own_events, 2) == [True, True]

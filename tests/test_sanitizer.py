@@ -222,3 +222,13 @@ def test_env_switch_reaches_spawned_ranks():
     (kinds,) = run_ranks(_racy_offload, 1, env={"OVERLAP_SANITIZE": "warn"})
     assert kinds and set(kinds) == {"read after write"}
     assert run_ranks(_racy_offload, 1) == [None]  # off unless asked for
+
+
+def test_disjoint_parts_of_one_buffer_from_two_streams_are_not_a_race():
+    buf = torch.empty(8, 4)
+    with Sanitizer(raise_on_race=True) as san:
+        san._access(COMM, "side_fills_tail", (), (buf[4:],))
+        buf[:4].fill_(1.0)  # main stream, the other half: no edge needed
+        assert not san.races
+        with pytest.raises(StreamRaceError, match="write after write"):
+            buf[3:5].fill_(2.0)  # touches the side stream's rows without waiting for it
