@@ -148,7 +148,7 @@ def _report(rank_results: List[Dict[str, Any]], opts: Dict[str, Any]) -> str:
              f"  ... plus expansion to experts {t['expand'] * 1e3:6.1f} ms   ratio {t['expand'] / t['raw']:.2f} "
              f"(the experts' input gather, not part of the exchange)",
              "",
-             "bytes sent by each rank in one dispatch (rows to itself included)"]
+             "bytes each rank's dispatch addresses (its own rows included; those no longer travel)"]
     for r, res in enumerate(rank_results):
         e = res["exchange"]
         lines.append(f"  rank {r}: deduplicated {e['dedup_rows']:7d} rows {e['dedup_bytes'] / 2**20:8.1f} MiB "
