@@ -7,7 +7,7 @@ name in ``writes`` (a single value when there is one write, else a tuple).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Dict, Iterable, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 from overlap.streams import MAIN
 
@@ -52,9 +52,6 @@ class State(dict):
             return super().__getitem__(key)
         except KeyError:
             raise KeyError(f"value {key!r} is read before any operation wrote it (have: {sorted(self)})") from None
-
-    def pop_many(self, keys: Iterable[str]) -> Dict[str, Any]:
-        return {k: self.pop(k) for k in keys}
 
 
 def as_operation(op: Any) -> Operation:
