@@ -82,3 +82,32 @@ def prefill(model: Model, batch: Batch, mode: str, plan: SplitPlan, cache: Any =
     if cache is not None:
         cache.finish()
     return model.pipeline_output(outputs, plan)
+
+
+@torch.no_grad()
+def continue_prefill(model: Model, batch: Batch, cache: Any, offload: bool = True) -> torch.Tensor:
+    """Prefill ``batch``'s new tokens after prefixes whose keys and values ``cache`` holds.
+
+    ``batch.seq.prefix_lens`` are the tokens each request already prefilled, in the order an
+    earlier prefill offloaded them. Layer ``L + 1``'s prefix is prefetched on the copy stream
+    while layer ``L`` computes; with ``offload`` the new keys and values are appended to the cache.
+    Runs layer by layer on the main stream (the expert-parallel exchanges synchronously).
+    """
+    n_prefix = batch.seq.num_prefix_tokens
+    held = [cache.tokens(i) for i in range(len(model.layers))]
+    if any(h != n_prefix for h in held):
+        raise ValueError(f"the batch continues {n_prefix} prefix tokens, but the cache holds {held} per layer")
+    hidden = model.embed_tokens(batch.tokens)
+    n_layers = len(model.layers)
+    if n_prefix:
+        cache.prefetch(0, 0, n_prefix)
+    for layer in model.layers:
+        i = layer.index
+        if n_prefix and i + 1 < n_layers:
+            cache.prefetch(i + 1, 0, n_prefix)  # lands while this layer computes
+        prefix = cache.get(i, 0, n_prefix) if n_prefix else None
+        hidden, k, v = layer.run(hidden, batch.seq, prefix)
+        if offload:
+            cache.offload(i, k, v)
+    cache.finish()
+    return model.norm(hidden)

@@ -137,3 +137,45 @@ def test_offloaded_cache_equals_the_keys_and_values_of_a_plain_run(world):
         for mode, (same_out, same_kv, _) in ok.items():
             assert same_kv, f"{mode}: offloaded K/V differ from the run without offload"
             assert same_out, f"{mode}: offload changed the output"
+
+
+def _continue_from_offloaded_prefix(ctx):
+    from launch.model import Batch as B
+    from launch.runner import continue_prefill, serial_plan
+    from microbatch.split import SeqInfo
+    from overlap.offload import OffloadCache
+
+    full = Batch.random([30, 20], CFG.vocab, seed=7 + ctx.rank)
+    model = make_expert_parallel(build_model(CFG, seed=5), ctx.group)
+    ref = prefill(model, full, "serial", serial_plan(full))
+    t = full.tokens
+    first = B(torch.cat([t[0:18], t[30:42]]), SeqInfo((18, 12)))
+    second = B(torch.cat([t[18:30], t[42:50]]), SeqInfo((12, 8), (18, 12)))
+    with overlap.Sanitizer(raise_on_race=True):
+        cache = OffloadCache(CFG.n_layers, 50, (CFG.n_heads, CFG.head_dim), ring=2)
+        prefill(model, first, "serial", serial_plan(first), cache)
+        out = continue_prefill(model, second, cache)
+        held = cache.tokens(0)
+        cache.close()
+    want = torch.cat([ref[18:30], ref[42:50]])
+    return (out - want).abs().max().item(), held
+
+
+@pytest.mark.cpu_only
+@pytest.mark.parametrize("world", [1, 2])
+def test_continuing_a_prefill_from_an_offloaded_prefix_equals_one_prefill(world):
+    for diff, held in run_ranks(_continue_from_offloaded_prefix, world, timeout=240):
+        assert diff <= 1e-5
+        assert held == 50  # the continuation's keys and values were appended
+
+
+def test_continuing_needs_the_prefix_the_cache_holds():
+    from launch.runner import continue_prefill
+    from microbatch.split import SeqInfo
+    from overlap.offload import OffloadCache
+
+    model = build_model(CFG, seed=5)
+    cache = OffloadCache(CFG.n_layers, 16, (CFG.n_heads, CFG.head_dim))
+    batch = Batch(torch.zeros(4, dtype=torch.long), SeqInfo((4,), (6,)))
+    with pytest.raises(ValueError, match="continues 6 prefix tokens, but the cache holds"):
+        continue_prefill(model, batch, cache)
