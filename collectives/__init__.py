@@ -3,7 +3,11 @@
 Dispatch / combine (`dispatch`, `combine`) run over uneven ``all_to_all_single`` on the EP
 communication stream and return handles to wait on, in the style of DeepEP; `ExpertParallelMoE`
 exposes its stages for the micro-batch pipeline; `wrap_expert_parallel` shards an existing MoE.
+`CapacityExpertParallelMoE` is its static-shape form (a fixed per-rank capacity), which traces
+under ``torch.compile(fullgraph=True)``.
 """
+from .capacity import (CapacityCombineHandle, CapacityDispatchHandle, CapacityExpertParallelMoE,
+                       capacity_combine, capacity_dispatch)
 from .dispatch import CombineHandle, DispatchHandle, combine, dispatch, exchange_counts, group_size
 from .experts import LocalExperts, grouped_mlp, resolve_impl
 from .layer import ExpertParallelMoE, SharedExperts, Stage, run_stages
@@ -13,8 +17,10 @@ from .reference import MoE, MoEConfig, combine_dense
 from .wrap import TRANSFORMERS_BLOCKS, TransformersRouter, wrap_expert_parallel
 
 __all__ = [
-    "CombineHandle", "DispatchHandle", "DispatchLayout", "ExpertBatch", "ExpertParallelMoE", "LayoutError",
-    "LocalExperts", "MoE", "MoEConfig", "SharedExperts", "Stage", "TRANSFORMERS_BLOCKS", "TransformersRouter",
+    "CapacityCombineHandle", "CapacityDispatchHandle", "CapacityExpertParallelMoE", "capacity_combine",
+    "capacity_dispatch", "CombineHandle", "DispatchHandle", "DispatchLayout", "ExpertBatch", "ExpertParallelMoE",
+    "LayoutError", "LocalExperts", "MoE", "MoEConfig", "SharedExperts", "Stage", "TRANSFORMERS_BLOCKS",
+    "TransformersRouter",
     "check_routing", "combine", "combine_dense", "compute_layout", "dispatch", "exchange_counts", "expand",
     "group_size", "grouped_mlp", "reduce_local", "reduce_ranks", "resolve_impl", "run_stages",
     "wrap_expert_parallel",

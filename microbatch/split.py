@@ -17,7 +17,6 @@ different collectives and hang.
 """
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import itertools
 import logging
@@ -127,7 +126,7 @@ class SplitPlan:
         if self.split_at is None:
             return None
         cu = SeqInfo(self.seq_lens).cu_seqlens
-        r = bisect.bisect_right(cu, self.split_at) - 1
+        r = _request_at(cu, self.split_at)
         offset = self.split_at - cu[r]
         return (r, offset) if offset else None
 
@@ -239,12 +238,18 @@ def decide_split(seq_lens: Sequence[int], group: Optional[dist.ProcessGroup] = N
     return agree_split(plan, group, device=device)
 
 
+def _request_at(cu: Sequence[int], token: int) -> int:
+    """The request holding packed position ``token`` (``bisect_right(cu, token) - 1``), in plain Python so
+    that Dynamo traces it: a prefill compiled with its split calls it."""
+    return sum(1 for c in cu if c <= token) - 1
+
+
 def micro_batches(plan: SplitPlan) -> Tuple[SeqInfo, SeqInfo]:
     """The two micro-batches' `SeqInfo`; a cut request's second part has its first part as prefix."""
     if plan.serial:
         raise ValueError(f"the plan is serial ({plan.reason}); there are no micro-batches")
     cu = SeqInfo(plan.seq_lens).cu_seqlens
-    r = bisect.bisect_right(cu, plan.split_at) - 1
+    r = _request_at(cu, plan.split_at)
     offset = plan.split_at - cu[r]
     first = plan.seq_lens[:r] + ((offset,) if offset else ())
     rest = plan.seq_lens[r:]

@@ -1,0 +1,255 @@
+"""Static-shape ("capacity") expert parallelism: every shape is fixed by a capacity, so it traces.
+
+`collectives.dispatch` learns how many rows it receives from a count exchange read on the host,
+and groups received rows per expert with host counts: data-dependent shapes, which
+``torch.compile(fullgraph=True)`` cannot capture. Here every rank sends every rank exactly
+``capacity`` rows, so the split sizes are ``[capacity] * world`` on both sides and nothing is
+read on the host:
+
+- dispatch: a token goes at most once to each rank that holds one of its experts (as in
+  `collectives.dispatch`); the rows for rank ``r`` fill block ``r`` of the send buffer in token
+  order, and the rest of the block is padding (a zero row, expert ids -1, weights 0). Own rows
+  travel too (the all-to-all copies them locally).
+- experts: the receiver runs each local expert over all ``world * capacity`` received rows, and
+  each row keeps, in slot order, the weighted outputs of the experts it chose (a mask by expert
+  id). That costs ``experts_per_rank`` times the matmuls of grouped rows: fine for a reference
+  and for graph capture; on an NPU a grouped matmul with counts computed on the device
+  (``npu_grouped_matmul`` with a tensor group list) can replace it later.
+- combine: the reduced rows go back with the same static splits and each token sums what the
+  ranks return in rank order, with static indices: deterministic.
+
+Capacity: by default the number of tokens of the call, which can never overflow (a token goes at
+most once to each rank). The same capacity must be used on every rank (the splits must match),
+so ranks with different token counts pass an explicit one (e.g. the largest micro-batch). In
+eager mode the layer checks with one small ``all_reduce`` before the exchange that the ranks
+agree and that no rank sends more than ``capacity`` rows to one rank, and raises `LayoutError`
+on every rank otherwise (``validate=False`` skips it). While compiling nothing can be read on
+the host: the capacity must then be at least the call's token count (checked at trace time) and
+agreement across ranks is the caller's job.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import overlap
+from overlap.comm import collective_device
+
+from .dispatch import _handle_event, group_size
+from .experts import LocalExperts
+from .layer import ExpertParallelMoE, SharedExperts
+from .layout import LayoutError, check_routing
+from .wrap import wrap_expert_parallel
+
+
+@dataclasses.dataclass
+class CapacityDispatchHandle:
+    """What a capacity dispatch received (``world * capacity`` rows, block ``r`` from rank ``r``)
+    and where this rank's tokens went (for the combine)."""
+
+    recv_x: torch.Tensor  # [W*C, H]
+    recv_meta: torch.Tensor  # [W*C, 2k] float32: local expert ids (-1: elsewhere or padding), then weights
+    slot_token: torch.Tensor  # [W, C] int64: token sent in each row of block r, num_tokens for padding
+    num_tokens: int
+    capacity: int
+    group: Optional[dist.ProcessGroup]
+    dtype: torch.dtype
+
+    @property
+    def top_k(self) -> int:
+        return self.recv_meta.shape[1] // 2
+
+    @property
+    def recv_ids(self) -> torch.Tensor:
+        return self.recv_meta[:, : self.top_k].long()
+
+    @property
+    def recv_weights(self) -> torch.Tensor:
+        return self.recv_meta[:, self.top_k:]
+
+
+@dataclasses.dataclass
+class CapacityCombineHandle:
+    """Rows returned by every rank (block ``r`` from rank ``r``, in the order they were sent); `wait` sums them."""
+
+    returned: torch.Tensor  # [W*C, H]
+    slot_token: torch.Tensor  # [W, C]
+    num_tokens: int
+    dtype: torch.dtype
+
+    def wait(self) -> torch.Tensor:
+        """The combined tokens ``[T, H]``: each token's rows summed in rank order, in float32."""
+        world, cap = self.slot_token.shape
+        out = torch.zeros(self.num_tokens + 1, self.returned.shape[-1], dtype=torch.float32,
+                          device=self.returned.device)  # the last row collects the padding
+        for r in range(world):
+            out.index_add_(0, self.slot_token[r], self.returned[r * cap:(r + 1) * cap].float())
+        return out[: self.num_tokens].to(self.dtype)
+
+
+def _slots(in_rank: torch.Tensor, capacity: int) -> torch.Tensor:
+    """``[W, C]``: the token in each row of each destination's block (token order), ``T`` for padding."""
+    tokens, world = in_rank.shape
+    dev = in_rank.device
+    pos = in_rank.long().cumsum(0) - 1  # row of token t in block r, where it goes there
+    flat = torch.arange(world, device=dev)[None, :] * capacity + pos
+    spill = world * capacity  # one extra slot for every (token, rank) pair that is not sent
+    flat = torch.where(in_rank & (pos < capacity), flat, torch.full_like(flat, spill))
+    who = torch.arange(tokens, device=dev)[:, None].expand(tokens, world)
+    slots = torch.full((spill + 1,), tokens, dtype=torch.int64, device=dev)
+    slots.scatter_(0, flat.reshape(-1), who.reshape(-1))  # real slots are unique; the spill slot is dropped
+    return slots[:spill].view(world, capacity)
+
+
+def _agree(capacity: int, need: int, tokens: int, group: Optional[dist.ProcessGroup], validate: bool) -> None:
+    """Raise `LayoutError` on every rank, before the exchange, if the ranks' capacities differ or one overflows."""
+    if torch.compiler.is_compiling():
+        if capacity < tokens:
+            raise LayoutError(f"capacity {capacity} is below the {tokens} tokens of this call: under torch.compile "
+                              f"an overflow cannot be detected, so the capacity must be at least the token count")
+        return
+    if not validate:
+        return
+    if not dist.is_initialized() or group_size(group) == 1:
+        lo = hi = capacity
+        worst = need - capacity
+    else:
+        dev = collective_device(group)
+        t = torch.tensor([capacity, -capacity, need - capacity], dtype=torch.int64, device=dev)
+        overlap.all_reduce(t, op=dist.ReduceOp.MAX, group=group, name="dispatch.capacity")
+        ev = _handle_event("ep_dispatch.capacity")
+        ev.record(t)
+        ev.synchronize()
+        hi, neg_lo, worst = t.tolist()
+        lo = -neg_lo
+    if lo != hi:
+        raise LayoutError(f"the ranks use different capacities ({lo} to {hi}); static split sizes need one "
+                          f"capacity on every rank: pass the same explicit capacity everywhere")
+    if worst > 0:
+        raise LayoutError(f"a rank sends {capacity + worst} tokens to one expert-parallel rank, more than the "
+                          f"capacity {capacity}; raise the capacity (the token count per rank always suffices)")
+
+
+def _exchange(x: torch.Tensor, capacity: int, group: Optional[dist.ProcessGroup], name: str) -> torch.Tensor:
+    if not dist.is_initialized() or group_size(group) == 1:
+        return x
+    out = torch.empty_like(x)
+    splits = [capacity] * group_size(group)
+    overlap.all_to_all_single(out, x, splits, splits, group=group, name=name)
+    return out
+
+
+def capacity_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
+                      group: Optional[dist.ProcessGroup] = None, capacity: Optional[int] = None, *,
+                      validate: bool = True) -> CapacityDispatchHandle:
+    """Send tokens ``x [T, H]`` to the ranks holding their experts, ``capacity`` rows per rank (default ``T``).
+
+    Issued on the current stream; ordering with the readers is the caller's job (as for
+    `collectives.dispatch` with ``stream_tag=None``). Bad input raises before any collective.
+    """
+    world = group_size(group)
+    check_routing(x, topk_idx, topk_weights, num_experts, world)
+    tokens, k = topk_idx.shape
+    cap = tokens if capacity is None else int(capacity)
+    if cap < 0:
+        raise LayoutError(f"capacity must be >= 0, got {cap}")
+    epr = num_experts // world
+    idx = topk_idx.long()
+    dest = torch.div(idx, epr, rounding_mode="floor")
+    in_rank = torch.zeros(tokens, world, dtype=torch.bool, device=x.device).scatter_(1, dest, True)
+    need = 0 if torch.compiler.is_compiling() or not validate or tokens == 0 else int(in_rank.sum(0).max())
+    _agree(cap, need, tokens, group, validate)
+    slot_token = _slots(in_rank, cap)
+    rows = slot_token.reshape(-1)
+    ids = torch.cat([idx, idx.new_full((1, k), -1)]).index_select(0, rows).view(world, cap, k)
+    w = torch.cat([topk_weights.float(), topk_weights.new_zeros(1, k, dtype=torch.float32)]).index_select(0, rows)
+    owner = torch.arange(world, device=x.device)[:, None, None]
+    here = (ids >= 0) & (torch.div(ids, epr, rounding_mode="floor") == owner)
+    local = torch.where(here, ids - owner * epr, torch.full_like(ids, -1)).view(-1, k)
+    weights = torch.where(here.view(-1, k), w, torch.zeros((), dtype=torch.float32, device=x.device))
+    send_meta = torch.cat([local.float(), weights], dim=1)
+    send_x = torch.cat([x.detach(), x.new_zeros(1, x.shape[1])]).index_select(0, rows)
+    recv_x = _exchange(send_x, cap, group, "dispatch")
+    recv_meta = _exchange(send_meta, cap, group, "dispatch.meta")
+    return CapacityDispatchHandle(recv_x, recv_meta, slot_token, tokens, cap, group, x.dtype)
+
+
+def all_local_experts(x: torch.Tensor, experts: LocalExperts) -> torch.Tensor:
+    """Every local expert over every row: ``[E_local, R, H]`` (static shapes, see the module docstring)."""
+    h = torch.matmul(x.unsqueeze(0), experts.gate_up.transpose(1, 2))
+    g, u = h.chunk(2, dim=-1)
+    return torch.matmul(experts.act(g) * u, experts.down.transpose(1, 2))
+
+
+def reduce_slots(expert_out: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Per row, the weighted outputs of its chosen local experts summed in slot order, in float32.
+
+    ``expert_out [E_local, R, H]``; ``ids [R, k]`` local expert ids (-1: none), ``weights [R, k]``.
+    """
+    rows = torch.arange(ids.shape[0], device=ids.device)
+    w = torch.where(ids >= 0, weights.float(), torch.zeros((), dtype=torch.float32, device=ids.device))
+    out = None
+    for s in range(ids.shape[1]):
+        term = expert_out[ids[:, s].clamp(min=0), rows].float() * w[:, s, None]
+        out = term if out is None else out + term
+    return out
+
+
+def capacity_combine(expert_out: torch.Tensor, handle: CapacityDispatchHandle,
+                     dtype: Optional[torch.dtype] = None) -> CapacityCombineHandle:
+    """Reduce ``expert_out [E_local, W*C, H]`` per received row and send the rows back (static splits).
+
+    Rows travel in ``dtype`` (default: the dispatched tokens' dtype); `CapacityCombineHandle.wait` sums them.
+    """
+    rows = handle.recv_x.shape[0]
+    if expert_out.dim() != 3 or expert_out.shape[1] != rows:
+        raise LayoutError(f"expert output must be [local experts, {rows}, hidden] (every expert over every "
+                          f"received row), got shape {tuple(expert_out.shape)}")
+    partial = reduce_slots(expert_out, handle.recv_ids, handle.recv_weights).to(dtype or handle.dtype)
+    returned = _exchange(partial, handle.capacity, handle.group, "combine")
+    return CapacityCombineHandle(returned, handle.slot_token, handle.num_tokens, handle.dtype)
+
+
+class CapacityExpertParallelMoE(ExpertParallelMoE):
+    """`ExpertParallelMoE` with static shapes: traceable under ``torch.compile(fullgraph=True)``.
+
+    Same stages (names, streams, reads, writes) as `ExpertParallelMoE`; ``moe_dispatch`` is a
+    `CapacityDispatchHandle`, ``moe_expert_out`` every local expert over every received row,
+    ``moe_expert_batch`` the received expert ids and weights, ``moe_combine`` a
+    `CapacityCombineHandle`. ``capacity``: rows per destination rank (None: the call's token count).
+    """
+
+    def __init__(self, router: nn.Module, experts: LocalExperts, num_experts: int,
+                 group: Optional[dist.ProcessGroup] = None, shared: Optional[SharedExperts] = None,
+                 overlap_shared: bool = True, capacity: Optional[int] = None, validate: bool = True):
+        super().__init__(router, experts, num_experts, group, shared, overlap_shared)
+        if capacity is not None and int(capacity) < 0:
+            raise LayoutError(f"capacity must be >= 0, got {capacity}")
+        self.capacity = capacity
+        self.validate = validate
+
+    @classmethod
+    def wrap(cls, module: nn.Module, group: Optional[dist.ProcessGroup] = None, *, capacity: Optional[int] = None,
+             overlap_shared: bool = True, validate: bool = True) -> "CapacityExpertParallelMoE":
+        """The capacity layer of ``module`` (anything `wrap_expert_parallel` accepts), this rank's experts only."""
+        ep = wrap_expert_parallel(module, group, overlap_shared=overlap_shared, impl="loop")
+        return cls(ep.router, ep.experts, ep.num_experts, group, ep.shared, overlap_shared, capacity, validate)
+
+    def _dispatch(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> CapacityDispatchHandle:
+        return capacity_dispatch(x, idx, weights, self.num_experts, self.group, self.capacity, validate=self.validate)
+
+    def _experts(self, handle: CapacityDispatchHandle) -> Tuple[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+        with overlap.span("experts"):
+            return all_local_experts(handle.recv_x, self.experts), (handle.recv_ids, handle.recv_weights)
+
+    def _combine(self, y: torch.Tensor, batch: Tuple[torch.Tensor, torch.Tensor],
+                 handle: CapacityDispatchHandle) -> CapacityCombineHandle:
+        return capacity_combine(y, handle)
+
+
+__all__ = ["CapacityCombineHandle", "CapacityDispatchHandle", "CapacityExpertParallelMoE", "all_local_experts",
+           "capacity_combine", "capacity_dispatch", "reduce_slots"]

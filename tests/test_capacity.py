@@ -1,0 +1,115 @@
+"""CapacityExpertParallelMoE (static shapes) on 1, 2 and 4 gloo ranks equals the dense reference MoE, eager."""
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+
+import overlap
+from collectives import (CapacityExpertParallelMoE, ExpertParallelMoE, LayoutError, MoE, MoEConfig,
+                         capacity_dispatch, run_stages)
+from overlap.multirank import run_ranks
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def _moe(cfg: MoEConfig) -> MoE:
+    torch.manual_seed(1234)  # the same weights on every rank
+    return MoE(cfg).requires_grad_(False)
+
+
+def _cases(world: int):
+    """(name, cfg, tokens on each rank, capacity)."""
+    cases = []
+    for k in (1, 2, 3, 8):
+        cfg = MoEConfig(hidden=16, ffn=8, n_experts=8, top_k=k, n_shared=k % 2,
+                        score_func="sigmoid" if k == 3 else "softmax")
+        cases.append((f"top{k}", cfg, [6] * world, None))
+    base = MoEConfig(hidden=16, ffn=8, n_experts=4 * world, top_k=2)
+    cases.append(("uneven_tokens", base, [3 + 2 * r for r in range(world)], 3 + 2 * (world - 1)))
+    cases.append(("spare_capacity", base, [5] * world, 9))
+    cases.append(("zero_tokens", base, [0] + [4] * (world - 1), 4))
+    return cases
+
+
+def _equal_body(ctx):
+    out = []
+    for name, cfg, tokens, capacity in _cases(ctx.world_size):
+        moe = _moe(cfg)
+        layer = CapacityExpertParallelMoE.wrap(moe, ctx.group, capacity=capacity)
+        torch.manual_seed(100 + ctx.rank)
+        x = torch.randn(tokens[ctx.rank], cfg.hidden)
+        got = layer(x)
+        again = layer(x)
+        with overlap.enabled(False):
+            serial = layer(x)
+        out.append((name, got, moe(x), again, serial))
+    return out
+
+
+@pytest.mark.spawns_ranks
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_capacity_layer_equals_dense(world):
+    for rank, results in enumerate(run_ranks(_equal_body, world, timeout=120)):
+        assert len(results) == len(_cases(world))
+        for name, got, dense, again, serial in results:
+            assert got.shape == dense.shape
+            torch.testing.assert_close(got, dense, **TOL, msg=lambda m: f"rank {rank} {name}: {m}")
+            assert torch.equal(got, again), f"rank {rank} {name}: not deterministic"
+            assert torch.equal(got, serial), f"rank {rank} {name}: overlapped differs from serial"
+
+
+def _bad_capacity_body(ctx, case):
+    cfg = MoEConfig(hidden=8, ffn=4, n_experts=2 * ctx.world_size, top_k=1, n_shared=0)
+    torch.manual_seed(ctx.rank)
+    if case == "mismatch":  # default capacity = own token count, which differs between the ranks
+        layer, x = CapacityExpertParallelMoE.wrap(_moe(cfg), ctx.group), torch.randn(4 + ctx.rank, 8)
+    else:  # every token of rank 1 picks an expert on rank 0: 5 rows for a capacity of 3
+        layer, x = CapacityExpertParallelMoE.wrap(_moe(cfg), ctx.group, capacity=3), torch.randn(5, 8)
+        layer.router.weight[:] = 0
+        layer.router.weight[0, 0] = 1e4
+        x[:, 0] = 1.0
+    try:
+        layer(x)
+    except LayoutError as exc:
+        return str(exc)
+    return None
+
+
+@pytest.mark.spawns_ranks
+@pytest.mark.parametrize("case,message", [("mismatch", "different capacities"), ("overflow", "more than the capacity")])
+def test_bad_capacity_fails_on_every_rank_before_the_exchange(case, message):
+    errors = run_ranks(_bad_capacity_body, 2, case, timeout=60)
+    assert all(e is not None and message in e for e in errors), errors
+
+
+def test_overflow_cannot_be_checked_while_compiling_so_it_is_refused():
+    x, idx, w = torch.randn(5, 8), torch.zeros(5, 1, dtype=torch.long), torch.ones(5, 1)
+    with mock.patch("torch.compiler.is_compiling", return_value=True):
+        with pytest.raises(LayoutError, match="under torch.compile"):
+            capacity_dispatch(x, idx, w, 2, capacity=4)
+        assert capacity_dispatch(x, idx, w, 2).recv_x.shape == (5, 8)  # default: the token count
+
+
+def test_padding_rows_carry_no_expert_and_no_weight():
+    x = torch.randn(3, 4)
+    idx, w = torch.tensor([[1], [0], [1]]), torch.tensor([[0.5], [0.25], [0.75]])
+    h = capacity_dispatch(x, idx, w, 2, capacity=5)
+    assert h.recv_x.shape == (5, 4) and h.slot_token.tolist() == [[0, 1, 2, 3, 3]]
+    assert h.recv_ids[:, 0].tolist() == [1, 0, 1, -1, -1]
+    assert h.recv_weights[:, 0].tolist() == [0.5, 0.25, 0.75, 0.0, 0.0]
+    assert torch.equal(h.recv_x[:3], x) and not h.recv_x[3:].any()
+
+
+def test_stages_contract_is_that_of_expert_parallel_moe():
+    cfg = MoEConfig(hidden=16, ffn=8, n_experts=4, top_k=2)
+    moe = _moe(cfg)
+    for overlap_shared in (True, False):
+        cap = CapacityExpertParallelMoE.wrap(moe, overlap_shared=overlap_shared)
+        ref = ExpertParallelMoE.from_config(cfg, overlap_shared=overlap_shared)
+        assert [(s.name, s.stream, s.reads, s.writes) for s in cap.stages()] == \
+               [(s.name, s.stream, s.reads, s.writes) for s in ref.stages()]
+    x = torch.randn(7, 16)
+    values = run_stages(cap.stages(), {"moe_in": x})
+    torch.testing.assert_close(values["moe_out"], moe(x), **TOL)

@@ -1,0 +1,171 @@
+"""The reference model's whole two-micro-batch prefill, captured under torch.compile(fullgraph=True) on ge / aclgraph.
+
+Two gloo ranks each build the tiny model (both layers MoE), replace its MoE by the static-shape
+`CapacityExpertParallelMoE` over the two ranks, split a batch into two micro-batches and capture
+``embed -> microbatch.run(two_batch) -> final norm`` with torchair's own scope / ops code (see
+tests/torchair_contract.py). The captured FX graphs are checked for the lowering's contract, and
+the graph without its ``air`` nodes is run (collectives included) and compared with eager serial.
+"""
+from __future__ import annotations
+
+import collections
+import re
+from unittest import mock
+
+import pytest
+import torch
+
+import overlap
+from collectives import CapacityExpertParallelMoE
+from launch.model import Batch, build_model, preset
+from microbatch import lower, run, serial, two_batch
+from microbatch.split import plan_split
+from overlap.multirank import run_ranks
+
+pytestmark = pytest.mark.spawns_ranks
+
+SEQ_LENS = (5, 9, 4)  # cut inside request 1: micro-batch 1 reads micro-batch 0's keys and values
+N_LAYERS = 2
+SEED = 7
+
+
+def _capture(tc, fn, *args, path):
+    """``tc.capture_graph`` that also returns the real graph inputs (the inputs, then the weights Dynamo lifted)."""
+    seen = []
+    make = tc._capturing_backend
+
+    def keeping_inputs(graphs):
+        inner = make(graphs)
+
+        def backend(gm, example_inputs):
+            seen.append(list(example_inputs))
+            return inner(gm, example_inputs)
+        return backend
+
+    with mock.patch.object(tc, "_capturing_backend", keeping_inputs):
+        gm = tc.capture_graph(fn, *args, path=path)
+    return gm, seen[-1]
+
+
+def _a2a(gm):
+    return [n for n in gm.graph.nodes if n.op == "call_function" and "all_to_all" in str(n.target)]
+
+
+def _summary(tc, gm):
+    """What the tests check, as plain data (graphs do not travel between processes)."""
+    at = {n: i for i, n in enumerate(gm.graph.nodes)}
+    streams, scopes = tc.stream_of(gm), tc.scope_of(gm)
+    records = tc.nodes(gm, "tagged_event_record")
+    pairs = []
+    for wait in tc.nodes(gm, "tagged_event_wait"):
+        earlier = [r for r in records if r.args[0] == wait.args[0] and at[r] < at[wait]]
+        pairs.append((wait.args[0], streams[earlier[-1].name] if earlier else None, streams[wait.name]))
+    return dict(
+        air=tc.ops_in_order(gm, air_only=True),
+        a2a_scopes=[scopes[n.name] for n in _a2a(gm)],
+        a2a_targets=sorted({str(n.target) for n in _a2a(gm)}),
+        record_tags=[r.args[0] for r in records],
+        record_streams=[streams[r.name] for r in records],
+        event_pairs=pairs,
+        wait_tensor_streams=[streams[n.name] for n in tc.nodes(gm, "wait_tensor")],
+        record_tagged_stream=len(tc.nodes(gm, "record_tagged_stream_")),
+    )
+
+
+def _prefill_body(ctx):
+    import torchair_contract as tc
+
+    cfg = preset("tiny", n_dense_layers=0, n_layers=N_LAYERS)
+    model = build_model(cfg, seed=SEED)
+    dense = build_model(cfg, seed=SEED)  # the reference MoE, every expert on this rank
+    model.replace_moe(lambda layer: CapacityExpertParallelMoE.wrap(layer.moe, ctx.group))
+    batch = Batch.random(SEQ_LENS, cfg.vocab, seed=100 + ctx.rank)
+    plan = plan_split(batch.seq.seq_lens, min_tokens=2)
+    assert not plan.serial and plan.cut, plan
+    layers = model.layer_operations()
+    schedule = two_batch(layers, 2)
+
+    def prefill(tokens, sched=schedule):
+        b = Batch(tokens, batch.seq)
+        return model.pipeline_output(run(sched, layers, model.pipeline_inputs(b, plan)), plan)
+
+    with overlap.use_path("cpu"), overlap.enabled(False):
+        eager_serial = prefill(batch.tokens, serial(layers, 2))
+    dense_out = dense.forward_microbatches(batch, plan)
+
+    out = dict(eager_dense_diff=(eager_serial - dense_out).abs().max().item(), graphs={}, stripped_diff={})
+    for name, path, on in (("ge", "ge", True), ("aclgraph", "aclgraph", True), ("off", "ge", False)):
+        with overlap.enabled(on):
+            gm, inputs = _capture(tc, prefill, batch.tokens, path=path)
+        out["graphs"][name] = _summary(tc, gm)
+        got = tc.strip_air(gm)(*inputs)  # issues the graph's all_to_alls: every rank runs the same graphs
+        got = got[0] if isinstance(got, (tuple, list)) else got
+        out["stripped_diff"][name] = (got - eager_serial).abs().max().item()
+    with overlap.use_path("aclgraph"):
+        plan_acl, _ = lower(schedule, layers, model.pipeline_inputs(batch, plan), path="aclgraph")
+    out["plan_events"] = plan_acl.events()
+    out["orders"] = len(schedule.orders)
+    return out
+
+
+@pytest.fixture(scope="module")
+def captured():
+    import torchair_contract as tc
+
+    tc.load_torchair()  # skips when the torch_npu wheel cannot be had
+    return run_ranks(_prefill_body, 2, timeout=400)
+
+
+def test_collectives_run_in_the_comm_scope(captured):
+    for out in captured:
+        for name in ("ge", "aclgraph"):
+            scopes = out["graphs"][name]["a2a_scopes"]
+            # per micro-batch and MoE layer: tokens and metadata out, reduced rows back
+            assert len(scopes) == 3 * 2 * N_LAYERS, scopes
+            assert all(s.get("_user_stream_label") == overlap.COMM for s in scopes), scopes
+            # Dynamo rewrites dist.all_to_all_single into the functional collective: no setting needed
+            assert out["graphs"][name]["a2a_targets"] == ["_c10d_functional.all_to_all_single"]
+
+
+def test_aclgraph_records_on_the_producer_before_every_wait(captured):
+    for out in captured:
+        g = out["graphs"]["aclgraph"]
+        assert g["event_pairs"] and not g["wait_tensor_streams"]
+        for tag, recorded_on, waited_on in g["event_pairs"]:
+            assert recorded_on is not None, f"wait for {tag} before any record"
+            assert recorded_on == tag.split("@")[1] != waited_on, (tag, recorded_on, waited_on)
+        assert g["record_tagged_stream"] > 0
+
+
+def test_aclgraph_one_event_per_microbatch_and_stage_reused_across_layers(captured):
+    for out in captured:
+        g = out["graphs"]["aclgraph"]
+        tags = collections.Counter(g["record_tags"])
+        assert set(tags) == set(out["plan_events"])
+        layer_tags = [t for t in tags if re.fullmatch(r"mb[01]\.\w+@\w+", t)]
+        assert layer_tags and all(tags[t] == N_LAYERS for t in layer_tags), tags
+        assert {t.split(".")[0] for t in layer_tags} == {"mb0", "mb1"}
+        assert all(s == t.split("@")[1] for t, s in zip(g["record_tags"], g["record_streams"]) if t in layer_tags)
+
+
+def test_ge_orders_with_wait_tensor_and_has_no_events(captured):
+    for out in captured:
+        g = out["graphs"]["ge"]
+        assert not any(op.startswith("tagged_event") for op in g["air"]), g["air"]
+        assert not g["record_tagged_stream"]
+        assert len(g["wait_tensor_streams"]) >= out["orders"] > 0
+        assert any(op.startswith("scope_enter(_user_stream_label=ep_comm") for op in g["air"])
+
+
+def test_overlap_off_has_no_air_ops(captured):
+    for out in captured:
+        g = out["graphs"]["off"]
+        assert g["air"] == []
+        assert len(g["a2a_scopes"]) == 3 * 2 * N_LAYERS  # the exchange is still in the graph
+
+
+def test_stripped_graph_computes_eager_serial(captured):
+    for rank, out in enumerate(captured):
+        assert out["eager_dense_diff"] < 1e-5, f"rank {rank}: capacity EP model differs from the dense model"
+        for name, diff in out["stripped_diff"].items():
+            assert diff < 1e-5, f"rank {rank} {name}: the captured graph differs from eager serial by {diff}"
