@@ -58,11 +58,22 @@ def _max_over_ranks(values: Sequence[float], group: Any) -> List[float]:
 
 
 def measure(model: Model, batch: Batch, modes: Sequence[str], group: Any, *, warmup: int = 1, iters: int = 3,
-            cache: Any = None, before_iter: Optional[Callable[[str, int], None]] = None) -> List[ModeResult]:
-    """Run each mode ``warmup + iters`` times; the last iteration is recorded on a timeline."""
+            cache: Any = None, before_iter: Optional[Callable[[str, int], None]] = None,
+            compile_mode: Optional[Callable[[str, Any], Callable[[], torch.Tensor]]] = None) -> List[ModeResult]:
+    """Run each mode ``warmup + iters`` times; the last iteration is recorded on a timeline.
+
+    ``compile_mode(mode, plan)`` returns a compiled prefill to run instead of the eager executor
+    (the graph paths); a compiled graph's launches are not seen one by one, so it gets no timeline
+    (profile it with the device profiler and ``overlap-report``).
+    """
     results = []
     for mode in modes:
         plan = plan_for(mode, batch, group)
+        if compile_mode is not None:
+            step = compile_mode(mode, plan)
+        else:
+            def step(mode: str = mode, plan: Any = plan) -> torch.Tensor:
+                return prefill(model, batch, mode, plan, cache)
         times, tl = [], Timeline()
         for i in range(warmup + iters):
             if before_iter is not None:
@@ -70,11 +81,11 @@ def measure(model: Model, batch: Batch, modes: Sequence[str], group: Any, *, war
             if cache is not None:
                 cache.reset()
             dist.barrier(group=group)
-            last = i == warmup + iters - 1
+            last = i == warmup + iters - 1 and compile_mode is None
             if last:
                 tl.start()
             t0 = time.perf_counter()
-            out = prefill(model, batch, mode, plan, cache)
+            out = step()
             overlap.synchronize()
             dt = time.perf_counter() - t0
             if last:

@@ -17,9 +17,10 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
 
 import dataclasses
 import datetime
+import functools
 import json
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import click
 import torch
@@ -231,24 +232,25 @@ def main(device: str, exec_path: str, mode: str, kv_offload: bool, kv_store: str
         _validate(cfg, _world(), warmup, iters)
         device = _resolve_device(device, path)
         link = _parse_cpu_link(cpu_link, device)
-        if path in ("ge", "aclgraph"):
-            raise ConfigError(f"--path {path}: the launcher runs the eager paths (npu, cuda, cpu); the graph-mode "
-                              f"lowering is checked by tests/test_graph_contract.py. Use --path npu.")
+        if path in ("ge", "aclgraph") and kv_offload:
+            raise ConfigError(f"--kv-offload runs on the eager paths only: a copy to host memory on its own "
+                              f"stream cannot be expressed inside a {path} graph")
     except ConfigError as exc:
         if _rank() == 0:
             exc.show()
         sys.exit(exc.exit_code)
-    sys.exit(_run(cfg, lens, modes, device, kv_offload, kv_store, DTYPES[dtype], warmup, iters, seed, check,
-                  out_dir, link, timeout))
+    sys.exit(_run(cfg, lens, modes, device, path, kv_offload, kv_store, DTYPES[dtype], warmup, iters, seed,
+                  check, out_dir, link, timeout))
 
 
-def _run(cfg: Any, lens: List[int], modes: List[str], device: str, kv_offload: bool, kv_store: str,
+def _run(cfg: Any, lens: List[int], modes: List[str], device: str, path: Optional[str], kv_offload: bool,
+         kv_store: str,
          dtype: torch.dtype, warmup: int, iters: int, seed: int, check: bool, out_dir: Optional[str],
          link: Any, timeout: float) -> int:
     import overlap
     from launch.model import Batch, build_model
-    from launch.measure import measure, table
-    from launch.runner import make_expert_parallel
+    from launch.measure import _max_over_ranks, measure, table
+    from launch.runner import graph_prefill, make_capacity_expert_parallel, make_expert_parallel
     from overlap.paths import path_device
 
     overlap.set_path(device)
@@ -259,8 +261,15 @@ def _run(cfg: Any, lens: List[int], modes: List[str], device: str, kv_offload: b
     fault = _fault()
     try:
         dev = path_device(device)
-        model = make_expert_parallel(build_model(cfg, seed=seed, dtype=dtype, device=dev), dist.group.WORLD)
         batch = Batch.random(lens, cfg.vocab, seed=seed * 1000 + rank + 1, device=dev)
+        model = build_model(cfg, seed=seed, dtype=dtype, device=dev)
+        compile_mode: Optional[Callable[[str, Any], Any]] = None
+        if path in ("ge", "aclgraph"):  # static shapes: every rank sends each rank `capacity` rows
+            capacity = int(_max_over_ranks([batch.seq.num_tokens], dist.group.WORLD)[0])
+            make_capacity_expert_parallel(model, dist.group.WORLD, capacity)
+            compile_mode = functools.partial(graph_prefill, model, batch, path=path)
+        else:
+            make_expert_parallel(model, dist.group.WORLD)
         cache = None
         if kv_offload:
             from overlap.offload import OffloadCache
@@ -273,7 +282,7 @@ def _run(cfg: Any, lens: List[int], modes: List[str], device: str, kv_offload: b
         say(f"prefill: {cfg.n_layers} layers, hidden {cfg.hidden}, {cfg.n_experts} experts top-{cfg.top_k}, "
             f"{cfg.n_shared} shared | {world} rank(s) on {device} | {len(lens)} requests / {sum(lens)} tokens per "
             f"rank | {str(dtype).replace('torch.', '')} | kv offload {'on (' + kv_store + ')' if cache else 'off'}"
-            + (f" | simulated link {link}" if link else ""))
+            + (f" | simulated link {link}" if link else "") + (f" | {path} graph" if compile_mode else ""))
         counter = iter(range(1 << 30))
 
         def before_iter(mode: str, i: int) -> None:
@@ -282,7 +291,7 @@ def _run(cfg: Any, lens: List[int], modes: List[str], device: str, kv_offload: b
             peers.beat(f"{mode} iteration {i + 1}")
 
         results = measure(model, batch, modes, dist.group.WORLD, warmup=warmup, iters=iters, cache=cache,
-                          before_iter=before_iter)
+                          before_iter=before_iter, compile_mode=compile_mode)
         _progress("")
         failed = _check(results, check, dtype)
         say(table(results, tokens))

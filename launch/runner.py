@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 import microbatch
-from collectives import wrap_expert_parallel
+import overlap
+from collectives import CapacityExpertParallelMoE, wrap_expert_parallel
 from microbatch import Operation
 from microbatch.split import DEFAULT_MAX_IMBALANCE, DEFAULT_MIN_TOKENS, SplitPlan, decide_split
 
@@ -36,6 +37,12 @@ def check_mode(mode: str) -> str:
 def make_expert_parallel(model: Model, group: Optional[dist.ProcessGroup], impl: str = "auto") -> Model:
     """Replace every MoE block of ``model`` by its expert-parallel form over ``group`` (in place)."""
     model.replace_moe(lambda layer: wrap_expert_parallel(layer.moe, group, impl=impl))
+    return model
+
+
+def make_capacity_expert_parallel(model: Model, group: Optional[dist.ProcessGroup], capacity: int) -> Model:
+    """Replace every MoE block by its static-shape expert-parallel form (graph paths; in place)."""
+    model.replace_moe(lambda layer: CapacityExpertParallelMoE.wrap(layer.moe, group, capacity=capacity))
     return model
 
 
@@ -111,3 +118,40 @@ def continue_prefill(model: Model, batch: Batch, cache: Any, offload: bool = Tru
             cache.offload(i, k, v)
     cache.finish()
     return model.norm(hidden)
+
+
+def graph_prefill(model: Model, batch: Batch, mode: str, plan: SplitPlan, path: str,
+                  backend: Any = None) -> Callable[[], torch.Tensor]:
+    """The prefill of ``mode`` compiled as one graph on a torchair path (``ge`` or ``aclgraph``).
+
+    The model's MoE blocks must have static shapes (`make_capacity_expert_parallel`). ``backend``
+    defaults to torchair's NPU backend in max-autotune (``ge``) or reduce-overhead (``aclgraph``)
+    mode. Returns a callable; its first call traces and compiles under ``path``.
+    """
+    if path not in ("ge", "aclgraph"):
+        raise ValueError(f"graph_prefill compiles for the ge or aclgraph path, not {path!r}")
+    layers = layer_operations(model)
+    inputs_for = model.pipeline_inputs
+    schedule = MODES[check_mode(mode)](layers, 1 if plan.serial else 2)
+
+    def run(tokens: torch.Tensor) -> torch.Tensor:
+        outputs = microbatch.run(schedule, layers, inputs_for(Batch(tokens, batch.seq), plan))
+        return model.pipeline_output(outputs, plan)
+
+    compiled = torch.compile(run, backend=backend or torchair_backend(path), fullgraph=True, dynamic=False)
+
+    @torch.no_grad()
+    def call() -> torch.Tensor:
+        with overlap.use_path(path):
+            return compiled(batch.tokens)
+    return call
+
+
+def torchair_backend(path: str) -> Any:
+    """torchair's NPU backend for ``path``: GE graph (max-autotune) or ACL graph (reduce-overhead)."""
+    import torch_npu  # noqa: F401  (torchair needs it)
+    import torchair
+
+    config = torchair.CompilerConfig()
+    config.mode = "max-autotune" if path == "ge" else "reduce-overhead"
+    return torchair.get_npu_backend(compiler_config=config)

@@ -1,0 +1,57 @@
+"""The launcher's graph path (`launch.runner.graph_prefill`): every mode of the reference model
+compiles as one graph on ge / aclgraph and, without its torchair nodes, computes what eager does."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from launch.model import Batch, build_model, preset
+from launch.runner import MODES, graph_prefill, make_capacity_expert_parallel, plan_for, prefill
+from overlap.multirank import run_ranks
+
+pytestmark = pytest.mark.spawns_ranks
+
+
+def _compiled_equals_eager(ctx, path):
+    import torchair_contract as tc
+
+    cfg = preset("tiny", n_dense_layers=0, n_layers=2)
+    batch = Batch.random([5, 9, 4 + ctx.rank], cfg.vocab, seed=20 + ctx.rank)
+    capacity = torch.tensor([batch.seq.num_tokens])
+    dist.all_reduce(capacity, op=dist.ReduceOp.MAX, group=ctx.group)
+    model = make_capacity_expert_parallel(build_model(cfg, seed=3), ctx.group, int(capacity))
+    out = {}
+    for mode in MODES:
+        plan = plan_for(mode, batch, ctx.group, min_tokens=2)
+        eager = prefill(model, batch, mode, plan)
+        graphs = []
+
+        def backend(gm, example_inputs):
+            graphs.append(gm)
+            return tc.strip_air(gm)  # the real graph minus torchair's nodes, which have no CPU kernels
+
+        torch._dynamo.reset()
+        with tc.installed():
+            compiled = graph_prefill(model, batch, mode, plan, path, backend=backend)()
+        torch._dynamo.reset()
+        air = tc.ops_in_order(graphs[0], air_only=True) if graphs else []
+        out[mode] = ((compiled - eager).abs().max().item(), len(graphs), plan.serial, air)
+    return out
+
+
+@pytest.mark.parametrize("path", ["ge", "aclgraph"])
+def test_every_mode_compiles_to_one_graph_equal_to_eager(path):
+    import torchair_contract as tc
+
+    tc.load_torchair()  # skips when the torch_npu wheel cannot be had
+    for per_mode in run_ranks(_compiled_equals_eager, 2, path, timeout=400):
+        for mode, (diff, n_graphs, serial, air) in per_mode.items():
+            assert n_graphs == 1, f"{mode}: {n_graphs} graphs"
+            assert diff <= 1e-5, f"{mode}: compiled differs from eager by {diff}"
+            if mode == "serial":
+                assert not any("ep_comm" in a for a in air)  # the reference: one stream
+            else:
+                assert any("scope_enter" in a and "ep_comm" in a for a in air), air[:5]
+            if mode == "two-batch":
+                assert not serial
+                events = [a for a in air if "tagged_event" in a]
+                assert bool(events) == (path == "aclgraph")
