@@ -72,6 +72,7 @@ def test_two_ranks_under_torchrun_with_kv_offload(tmp_path):
     (["--seq-lens", "4,0"], None, "at least one token"),
     (["--seq-lens", "4,x"], None, "comma-separated integers"),
     (["--cpu-link", "fast"], None, "--cpu-link: expected"),
+    (["--path", "aclgraph"], None, "--path aclgraph runs on Ascend NPUs only"),
 ])
 def test_invalid_configuration_is_reported_once_and_every_rank_fails(args, ranks, message):
     if args[:2] == ["--device", "cuda"]:
