@@ -50,7 +50,8 @@ class ModeResult:
                 "max_diff": self.max_diff}
 
 
-def _max_over_ranks(values: Sequence[float], group: Any) -> List[float]:
+def max_over_ranks(values: Sequence[float], group: Any) -> List[float]:
+    """Element-wise maximum of ``values`` over the ranks of ``group`` (e.g. the slowest rank's times)."""
     # float32 on the collective's device: NCCL / HCCL take no CPU tensors, HCCL little float64
     t = torch.tensor(list(values), dtype=torch.float32, device=collective_device(group))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
@@ -93,7 +94,7 @@ def measure(model: Model, batch: Batch, modes: Sequence[str], group: Any, *, war
             if i >= warmup:
                 times.append(dt)
         spans = gather(tl.spans, group)
-        results.append(ModeResult(mode, _max_over_ranks(times, group), plan.reason, spans, out.float(),
+        results.append(ModeResult(mode, max_over_ranks(times, group), plan.reason, spans, out.float(),
                                   hidden_comm_share=tl.metrics(spans).hidden_share))
     _compare(results, group)
     return results
@@ -114,7 +115,7 @@ def _compare(results: List[ModeResult], group: Any) -> None:
     for r in results:
         r.speedup = serial.median_s / r.median_s
         diff = (r.output - serial.output).abs().max().item() if serial.output.numel() else 0.0
-        r.max_diff = _max_over_ranks([diff], group)[0]
+        r.max_diff = max_over_ranks([diff], group)[0]
         r.ideal_speedup = serial.ideal_speedup
 
 

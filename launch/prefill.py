@@ -249,7 +249,7 @@ def _run(cfg: Any, lens: List[int], modes: List[str], device: str, path: Optiona
          link: Any, timeout: float) -> int:
     import overlap
     from launch.model import Batch, build_model
-    from launch.measure import _max_over_ranks, measure, table
+    from launch.measure import max_over_ranks, measure, table
     from launch.runner import graph_prefill, make_capacity_expert_parallel, make_expert_parallel
     from overlap.paths import path_device
 
@@ -265,7 +265,7 @@ def _run(cfg: Any, lens: List[int], modes: List[str], device: str, path: Optiona
         model = build_model(cfg, seed=seed, dtype=dtype, device=dev)
         compile_mode: Optional[Callable[[str, Any], Any]] = None
         if path in ("ge", "aclgraph"):  # static shapes: every rank sends each rank `capacity` rows
-            capacity = int(_max_over_ranks([batch.seq.num_tokens], dist.group.WORLD)[0])
+            capacity = int(max_over_ranks([batch.seq.num_tokens], dist.group.WORLD)[0])
             make_capacity_expert_parallel(model, dist.group.WORLD, capacity)
             compile_mode = functools.partial(graph_prefill, model, batch, path=path)
         else:
