@@ -7,6 +7,7 @@ communication share of serial time, and the ideal speedup (compute + comm) / max
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -36,7 +37,8 @@ class ModeResult:
     comm_share: Optional[float] = None  # serial only: communication / prefill time
     speedup: Optional[float] = None
     ideal_speedup: Optional[float] = None
-    max_diff: Optional[float] = None
+    max_diff: Optional[float] = None  # largest |output - serial output| over all ranks (inf if not finite)
+    ref_scale: Optional[float] = None  # largest |serial output| over all ranks
 
     @property
     def median_s(self) -> float:
@@ -112,11 +114,20 @@ def _compare(results: List[ModeResult], group: Any) -> None:
         serial.comm_share = min(comm / length, 1.0)
         compute = 1.0 - serial.comm_share
         serial.ideal_speedup = 1.0 / max(compute, serial.comm_share)
+    # the reference's magnitude over all ranks, so that every rank judges with the same tolerance
+    serial.ref_scale = max_over_ranks([_finite_or_inf(serial.output.abs().max().item())
+                                       if serial.output.numel() else 0.0], group)[0]
     for r in results:
         r.speedup = serial.median_s / r.median_s
         diff = (r.output - serial.output).abs().max().item() if serial.output.numel() else 0.0
-        r.max_diff = max_over_ranks([diff], group)[0]
+        r.max_diff = max_over_ranks([_finite_or_inf(diff)], group)[0]
         r.ideal_speedup = serial.ideal_speedup
+        r.ref_scale = serial.ref_scale
+
+
+def _finite_or_inf(v: float) -> float:
+    # a NaN would vanish in a MAX all-reduce and compare False with any tolerance: make it loud
+    return v if math.isfinite(v) else float("inf")
 
 
 def _fmt(v: Optional[float], spec: str) -> str:

@@ -54,13 +54,15 @@ def test_single_process_all_modes_check_and_outputs(tmp_path):
 
 
 def test_two_ranks_under_torchrun_with_kv_offload(tmp_path):
-    proc = _run(TINY + ["--seq-lens", "24,20,9", "--check", "--kv-offload", "--out", str(tmp_path)], ranks=2)
+    proc = _run(TINY + ["--seq-lens", "24,20,9", "--check", "--kv-offload", "--kv-store", "mmap",
+                        "--out", str(tmp_path)], ranks=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("check: every mode matches serial") == 1  # rank 0 alone prints
     res = json.loads((tmp_path / "results.json").read_text())
     assert res["world_size"] == 2 and res["kv_offload"] and res["check"] == "passed"
     ranks, lanes = _trace_lanes(tmp_path / "trace_two-batch.json")
     assert len(ranks) == 2 and {"default", "ep_comm", "kv_offload"} <= lanes
+    assert sorted(p.name for p in (tmp_path / "kv").iterdir()) == ["kv-rank0.kv", "kv-rank1.kv"]
     two = next(r for r in res["rows"] if r["mode"] == "two-batch")
     assert two["hidden_comm_share"] is not None and 0.0 <= two["hidden_comm_share"] <= 1.0
 
@@ -105,7 +107,7 @@ def test_check_verdict_fails_a_mode_that_differs_from_serial():
     from launch.prefill import _check
 
     def result(mode, diff):
-        return ModeResult(mode, [0.1], "", [], torch.ones(3) * 10, max_diff=diff)
+        return ModeResult(mode, [0.1], "", [], torch.ones(3) * 10, max_diff=diff, ref_scale=10.0)
 
     ok = [result("serial", 0.0), result("two-batch", 1e-4)]
     assert _check(ok, True, torch.float32) == []  # within 1e-4 x max|serial| = 1e-3
@@ -114,3 +116,5 @@ def test_check_verdict_fails_a_mode_that_differs_from_serial():
     assert msg.startswith("two-batch differs from serial by 2.000e-03")
     assert _check(bad, False, torch.float32) == []
     assert "needs the serial mode" in _check([result("shared", 0.0)], True, torch.float32)[0]
+    for broken in (float("nan"), float("inf")):  # garbage output must fail the check, not slip through
+        assert _check([result("serial", 0.0), result("two-batch", broken)], True, torch.float32)
