@@ -105,8 +105,13 @@ def _slots(in_rank: torch.Tensor, capacity: int) -> torch.Tensor:
     return slots[:spill].view(world, capacity)
 
 
-def _agree(capacity: int, need: int, tokens: int, group: Optional[dist.ProcessGroup], validate: bool) -> None:
-    """Raise `LayoutError` on every rank, before the exchange, if the ranks' capacities differ or one overflows."""
+def _agree(capacity: int, need: int, tokens: int, group: Optional[dist.ProcessGroup], validate: bool,
+           rejected: bool = False) -> None:
+    """Raise `LayoutError` on every rank, before the exchange, if the ranks' capacities differ or one overflows.
+
+    ``rejected``: this rank's input failed its own checks; it still takes part in the one
+    all-reduce, so that the other ranks raise too instead of waiting for it.
+    """
     if torch.compiler.is_compiling():
         if capacity < tokens:
             raise LayoutError(f"capacity {capacity} is below the {tokens} tokens of this call: under torch.compile "
@@ -119,13 +124,18 @@ def _agree(capacity: int, need: int, tokens: int, group: Optional[dist.ProcessGr
         worst = need - capacity
     else:
         dev = collective_device(group)
-        t = torch.tensor([capacity, -capacity, need - capacity], dtype=torch.int64, device=dev)
+        t = torch.tensor([capacity, -capacity, need - capacity, int(rejected)], dtype=torch.int64, device=dev)
         overlap.all_reduce(t, op=dist.ReduceOp.MAX, group=group, name="dispatch.capacity")
         ev = _handle_event("ep_dispatch.capacity")
         ev.record(t)
         ev.synchronize()
-        hi, neg_lo, worst = t.tolist()
+        hi, neg_lo, worst, any_rejected = t.tolist()
         lo = -neg_lo
+        if rejected:
+            return  # the caller raises this rank's own error
+        if any_rejected:
+            raise LayoutError("another rank of the expert-parallel group rejected its input (see its error); "
+                              "every rank stops before the exchange")
     if lo != hi:
         raise LayoutError(f"the ranks use different capacities ({lo} to {hi}); static split sizes need one "
                           f"capacity on every rank: pass the same explicit capacity everywhere")
@@ -152,11 +162,16 @@ def capacity_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: tor
     `collectives.dispatch` with ``stream_tag=None``). Bad input raises before any collective.
     """
     world = group_size(group)
-    check_routing(x, topk_idx, topk_weights, num_experts, world)
-    tokens, k = topk_idx.shape
-    cap = tokens if capacity is None else int(capacity)
-    if cap < 0:
-        raise LayoutError(f"capacity must be >= 0, got {cap}")
+    try:
+        check_routing(x, topk_idx, topk_weights, num_experts, world)
+        tokens, k = topk_idx.shape
+        cap = tokens if capacity is None else int(capacity)
+        if cap < 0:
+            raise LayoutError(f"capacity must be >= 0, got {cap}")
+    except LayoutError:
+        if validate and not torch.compiler.is_compiling():
+            _agree(0, 0, 0, group, validate, rejected=True)  # the other ranks are in this all-reduce
+        raise
     epr = num_experts // world
     idx = topk_idx.long()
     dest = torch.div(idx, epr, rounding_mode="floor")

@@ -90,12 +90,13 @@ def _others(splits: Sequence[int], me: int) -> List[int]:
 def _exchange_into(out: torch.Tensor, x: torch.Tensor, recv_splits: List[int], send_splits: List[int],
                    group: Optional[dist.ProcessGroup], name: str, caller: str, **meta) -> None:
     """Rows for other ranks only (this rank's splits are zero); a no-op when nothing travels."""
+    if overlap.current_path() != "cpu":  # on CPU a pending launch itself keeps x and out alive
+        overlap.record_stream(out, caller)  # allocated on this stream, read on the caller's
     if not dist.is_initialized() or group_size(group) == 1:
         return
     overlap.all_to_all_single(out, x, recv_splits, send_splits, group=group, name=name, **meta)
-    if overlap.current_path() != "cpu":  # on CPU the pending launch itself keeps x and out alive
+    if overlap.current_path() != "cpu":
         overlap.record_stream(x, overlap.current_stream_tag())
-        overlap.record_stream(out, caller)
 
 
 def _blocks(splits: Sequence[int], me: int) -> tuple:
@@ -155,6 +156,7 @@ class DispatchHandle:
     event: Optional[overlap.Event] = None
     rank: int = 0  # this rank in the group: its rows are the first recv_splits[rank]
     spare: Optional[torch.Tensor] = None  # the dispatch's send buffer, free once waited: combine receives into it
+    own_event: Optional[overlap.Event] = None  # the own rows, gathered on the calling stream
 
     @property
     def recv_ids(self) -> torch.Tensor:
@@ -170,6 +172,9 @@ class DispatchHandle:
             # No consumer tensors: on ge the received tensors' own data edges order their readers.
             self.event.wait()
             self.event = None
+        if self.own_event is not None:  # matters when another stream than the caller's waits
+            self.own_event.wait()
+            self.own_event = None
         return self
 
     def expand(self, counts: Optional[Sequence[int]] = None) -> ExpertBatch:
@@ -235,6 +240,9 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     # as the rows that travel are (the exchange is not differentiable).
     _gather_rows(recv_x[:n_own], x.detach(), layout.send_token[own[0]:own[1]])
     recv_meta[:n_own].copy_(meta[own[0]:own[1]].detach())
+    if handle.event is not None:
+        handle.own_event = _handle_event(f"{event_tag}.own")
+        handle.own_event.record(recv_x, recv_meta)
     if not async_finish:
         handle.wait()
     return handle
@@ -255,12 +263,16 @@ class CombineHandle:
     event: Optional[overlap.Event] = None
     out: Optional[torch.Tensor] = None  # [T, H] float32
     blocks: List[tuple] = dataclasses.field(default_factory=list)  # (tokens, first row, end row)
+    own_event: Optional[overlap.Event] = None  # ``out``'s own contribution, computed on the calling stream
 
     def wait(self) -> torch.Tensor:
         """Wait for the exchange on the current stream and return the combined tokens ``[T, H]``."""
         if self.event is not None:
             self.event.wait()
             self.event = None
+        if self.own_event is not None:
+            self.own_event.wait()
+            self.own_event = None
         if self.out is None:
             return reduce_ranks(self.returned, self.layout, self.returned.shape[-1]).to(self.dtype)
         for tokens, a, b in self.blocks:
@@ -322,6 +334,9 @@ def combine(expert_out: torch.Tensor, batch: ExpertBatch, handle: DispatchHandle
             reduce_rows_into(own_rows, expert_out, plan, 0, n_own)
             result.out.index_copy_(0, own_tokens, own_rows.float())
         zero_missing(result.out, own_tokens)
+    if result.event is not None:
+        result.own_event = _handle_event(f"{event_tag}.own")
+        result.own_event.record(result.out)
     at = 0
     for a, b in others:
         result.blocks.append((layout.send_token[a:b], at, at + b - a))
@@ -329,6 +344,7 @@ def combine(expert_out: torch.Tensor, batch: ExpertBatch, handle: DispatchHandle
     if not async_finish and result.event is not None:
         result.event.wait()
         result.event = None
+        result.own_event = None  # recorded on this very stream: already ordered
     return result
 
 

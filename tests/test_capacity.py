@@ -113,3 +113,24 @@ def test_stages_contract_is_that_of_expert_parallel_moe():
     x = torch.randn(7, 16)
     values = run_stages(cap.stages(), {"moe_in": x})
     torch.testing.assert_close(values["moe_out"], moe(x), **TOL)
+
+
+def _one_rank_routes_out_of_range(ctx):
+    from collectives import LayoutError
+    from collectives.capacity import capacity_dispatch
+
+    x = torch.randn(6, 8)
+    idx = torch.randint(0, 4, (6, 2))
+    if ctx.rank == 1:
+        idx[0, 0] = 99  # an expert that does not exist
+    try:
+        capacity_dispatch(x, idx, torch.rand(6, 2), 4, ctx.group)
+    except LayoutError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_bad_input_on_one_rank_stops_every_rank_before_the_exchange():
+    r0, r1 = run_ranks(_one_rank_routes_out_of_range, 2, timeout=60)
+    assert "another rank of the expert-parallel group rejected its input" in r0
+    assert "99" in r1 or "out of range" in r1

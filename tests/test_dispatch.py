@@ -242,3 +242,24 @@ def _two_dispatches_in_flight_have_their_own_events(ctx):
 
 def test_two_dispatches_in_flight_are_waited_for_separately():
     assert run_ranks(_two_dispatches_in_flight_have_their_own_events, 2) == [True, True]
+
+
+def _wait_from_a_third_stream(ctx):
+    from overlap.sanitizer import Sanitizer
+
+    g = torch.Generator().manual_seed(ctx.rank)
+    x = torch.randn(12, 8, generator=g)
+    idx = torch.randint(0, 4, (12, 2), generator=g)
+    w = torch.rand(12, 2, generator=g)
+    with Sanitizer(raise_on_race=False) as san:
+        h = dispatch(x, idx, w, 4, ctx.group, async_finish=True)
+        with overlap.stream(overlap.SHARED):  # neither the caller's stream nor the exchange's
+            h.wait()
+            total = h.recv_x.sum()  # own rows (gathered on the caller's stream) included
+        overlap.synchronize()
+    return [str(r) for r in san.races], float(total)
+
+
+def test_a_handle_waited_on_another_stream_orders_the_own_rows_too():
+    for races, _ in run_ranks(_wait_from_a_third_stream, 2):
+        assert not races, races
