@@ -27,6 +27,7 @@ is set at import time).
 from __future__ import annotations
 
 import atexit
+import collections
 import dataclasses
 import logging
 import os
@@ -102,6 +103,9 @@ class StreamRaceError(RuntimeError):
         self.race = race
 
 
+_MAX_EVENTS = 1 << 16  # recorded events remembered; the oldest are forgotten first
+
+
 @dataclasses.dataclass
 class _History:
     writes: Dict[str, Access] = dataclasses.field(default_factory=dict)  # latest write per stream
@@ -172,7 +176,7 @@ class Sanitizer:
         self._seen: Set[Tuple[str, str, str, str, str]] = set()
         self._clocks: Dict[str, Clock] = {}
         self._host: Clock = {}  # what the host has waited for; every later launch is ordered after it
-        self._events: Dict[str, Clock] = {}
+        self._events: "collections.OrderedDict[str, Clock]" = collections.OrderedDict()
         self._history: Dict[_StorageKey, _History] = {}
         self._lock = threading.RLock()
         self._local = threading.local()
@@ -337,6 +341,9 @@ class Sanitizer:
     def on_event_record(self, name: str, stream: str) -> None:
         with self._lock:
             self._events[name] = dict(self._clock(stream))
+            self._events.move_to_end(name)
+            if len(self._events) > _MAX_EVENTS:  # per-call events (dispatch handles) never repeat a name
+                self._events.popitem(last=False)
 
     def on_event_wait(self, name: str, stream: str) -> None:
         with self._lock:
