@@ -126,6 +126,18 @@ def _context() -> Any:
     return ctx
 
 
+def _crashed(procs: List[Any], exclude: int, within: float) -> Optional[int]:
+    """A rank other than ``exclude`` whose process ended with a non-zero exit code, waiting up to ``within`` s."""
+    end = time.monotonic() + within
+    while True:
+        for r, p in enumerate(procs):
+            if r != exclude and not p.is_alive() and p.exitcode:
+                return r
+        if time.monotonic() > end:
+            return None
+        time.sleep(0.05)
+
+
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: Optional[float] = None,
               threads: int = 1, env: Optional[Dict[str, str]] = None, **kwargs: Any) -> List[Any]:
     """Run ``fn(ctx, *args, **kwargs)`` on ``world_size`` ranks and return the results in rank order.
@@ -180,6 +192,12 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: Opti
                                       f"(a hang: often a collective issued on some ranks only)")
                 continue
             if status == "error":
+                # A peer's crash often surfaces first as this rank's "connection closed": name the crash.
+                crashed = _crashed(procs, exclude=rank, within=1.0)
+                if crashed is not None:
+                    raise RankFailure(f"rank {crashed} died with exit code {procs[crashed].exitcode} without "
+                                      f"reporting (killed, or crashed in native code); then rank {rank} of "
+                                      f"{world_size} failed:\n{payload}")
                 raise RankFailure(f"rank {rank} of {world_size} failed:\n{payload}")
             outputs[rank] = pickle.loads(payload)
     finally:
