@@ -38,7 +38,7 @@ class ModeResult:
     speedup: Optional[float] = None
     ideal_speedup: Optional[float] = None
     max_diff: Optional[float] = None  # largest |output - serial output| over all ranks (inf if not finite)
-    ref_scale: Optional[float] = None  # largest |serial output| over all ranks
+    ref_scale: Optional[float] = None  # serial only: largest |output| over all ranks
 
     @property
     def median_s(self) -> float:
@@ -122,7 +122,6 @@ def _compare(results: List[ModeResult], group: Any) -> None:
         diff = (r.output - serial.output).abs().max().item() if serial.output.numel() else 0.0
         r.max_diff = max_over_ranks([_finite_or_inf(diff)], group)[0]
         r.ideal_speedup = serial.ideal_speedup
-        r.ref_scale = serial.ref_scale
 
 
 def _finite_or_inf(v: float) -> float:

@@ -65,13 +65,14 @@ def _parse_seq_lens(text: Optional[str], batch: int, seq_len: int) -> List[int]:
 
 
 def _resolve_device(device: str, path: Optional[str]) -> str:
-    from overlap.paths import _npu_available
+    from overlap.paths import detect_path
 
+    found = detect_path()  # npu if torch_npu sees one, else cuda, else cpu
     if device == "auto":
-        device = "npu" if _npu_available() else "cuda" if torch.cuda.is_available() else "cpu"
+        device = found
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is available on this machine")
-    if device == "npu" and not _npu_available():
+    if device == "npu" and found != "npu":
         raise ConfigError("--device npu: torch_npu with an available NPU is required (install torch_npu "
                           "matching your torch and CANN)")
     if path in ("npu", "ge", "aclgraph") and device != "npu":
@@ -135,17 +136,17 @@ class _Peers:
             return f"the rendezvous store is unreachable ({type(exc).__name__}): rank 0 is probably gone"
 
 
-def _init_distributed(device: str, timeout: float) -> None:
-    backend = {"cuda": "nccl", "npu": "hccl"}.get(device, "gloo")
+def _init_distributed(timeout: float) -> torch.device:
+    """Join torchrun's group, or make a group of one, on this rank's device (which it returns)."""
+    from overlap.multirank import default_backend, default_device
+
+    device = default_device()  # LOCAL_RANK picks the card on NPU / CUDA
     td = datetime.timedelta(seconds=timeout)
     if "WORLD_SIZE" in os.environ:  # torchrun
-        if device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-        elif device == "npu":
-            torch.npu.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, timeout=td)
-    else:  # one process: a group of one
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=td)
+        dist.init_process_group(default_backend(device), timeout=td)
+    else:
+        dist.init_process_group(default_backend(device), store=dist.HashStore(), rank=0, world_size=1, timeout=td)
+    return device
 
 
 def _progress(msg: str, first: bool = False) -> None:
@@ -251,16 +252,14 @@ def _run(cfg: Any, lens: List[int], modes: List[str], device: str, path: Optiona
     from launch.model import Batch, build_model
     from launch.measure import max_over_ranks, measure, table
     from launch.runner import graph_prefill, make_capacity_expert_parallel, make_expert_parallel
-    from overlap.paths import path_device
 
     overlap.set_path(device)
     overlap.set_link(link)
-    _init_distributed(device, timeout)
+    dev = _init_distributed(timeout)
     peers = _Peers()
     rank, world = dist.get_rank(), dist.get_world_size()
     fault = _fault()
     try:
-        dev = path_device(device)
         batch = Batch.random(lens, cfg.vocab, seed=seed * 1000 + rank + 1, device=dev)
         model = build_model(cfg, seed=seed, dtype=dtype, device=dev)
         compile_mode: Optional[Callable[[str, Any], Any]] = None

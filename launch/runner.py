@@ -1,4 +1,6 @@
-"""Prefill of the reference model in one mode, through the micro-batch executor.
+"""Prefill of the reference model in one mode: eagerly through the micro-batch executor, or
+compiled as one torchair graph (`graph_prefill`), or continued from an offloaded prefix
+(`continue_prefill`).
 
 Modes: ``serial`` (everything on the main stream: the reference), ``shared`` (one batch, shared
 experts on their side stream beside dispatch / experts / combine on the EP stream) and
@@ -131,11 +133,10 @@ def graph_prefill(model: Model, batch: Batch, mode: str, plan: SplitPlan, path: 
     if path not in ("ge", "aclgraph"):
         raise ValueError(f"graph_prefill compiles for the ge or aclgraph path, not {path!r}")
     layers = layer_operations(model)
-    inputs_for = model.pipeline_inputs
     schedule = MODES[check_mode(mode)](layers, 1 if plan.serial else 2)
 
     def run(tokens: torch.Tensor) -> torch.Tensor:
-        outputs = microbatch.run(schedule, layers, inputs_for(Batch(tokens, batch.seq), plan))
+        outputs = microbatch.run(schedule, layers, model.pipeline_inputs(Batch(tokens, batch.seq), plan))
         return model.pipeline_output(outputs, plan)
 
     compiled = torch.compile(run, backend=backend or torchair_backend(path), fullgraph=True, dynamic=False)

@@ -15,7 +15,7 @@ import torch
 
 from . import hooks
 from .paths import _eager_in_trace, current_path, is_enabled
-from .streams import _device_module, cpu_stream, current_stream_tag
+from .streams import _device_module, cpu_stream, current_stream_tag, join_other_streams, known_stream_tags
 
 
 class Event:
@@ -145,21 +145,7 @@ def wait_tensor(x: torch.Tensor, *deps: torch.Tensor) -> torch.Tensor:
     if path == "aclgraph":
         raise NotImplementedError("wait_tensor has no aclgraph lowering (npu_wait_tensor raises there): use event()")
     _report_join(me)
-    if path == "cpu":
-        from .streams import _cpu_streams
-
-        for tag, s in list(_cpu_streams.items()):
-            if tag != me:
-                for p in s.snapshot():
-                    p.wait()
-    elif path in ("cuda", "npu"):
-        from .streams import _device_streams
-
-        mod = _device_module(path)
-        cur = mod.current_stream()
-        for s in [mod.default_stream()] + [s for (p, _, _), s in _device_streams.items() if p == path]:
-            if s != cur:
-                cur.wait_stream(s)
+    join_other_streams(path)
     return x
 
 
@@ -167,9 +153,6 @@ def _report_join(me: str) -> None:
     """Tell observers that stream ``me`` now waits for every other stream's work so far."""
     if not hooks.active():
         return
-    from .streams import MAIN, _cpu_streams, _device_streams
-
-    tags = {MAIN} | set(_cpu_streams) | {t for (_, _, t) in _device_streams}
-    for tag in sorted(tags - {me}):
+    for tag in [t for t in known_stream_tags() if t != me]:
         hooks.event_recorded(f"join:{tag}->{me}", tag)
         hooks.event_waited(f"join:{tag}->{me}", me)

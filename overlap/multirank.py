@@ -9,6 +9,7 @@ regression suite: ``torchrun --nnodes 2 --nproc-per-node 8 -m pytest tests``.
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import datetime
 import multiprocessing as mp
@@ -77,6 +78,7 @@ def _torchrun_group(n: int, timeout: float) -> Optional[RankContext]:
     if not dist.is_initialized():
         device = default_device()
         dist.init_process_group(default_backend(device), timeout=datetime.timedelta(seconds=timeout))
+        atexit.register(_leave_together)
     world, rank = dist.get_world_size(), dist.get_rank()
     if n > world:
         raise unittest.SkipTest(f"needs {n} ranks, torchrun started {world}")
@@ -89,6 +91,17 @@ def _torchrun_group(n: int, timeout: float) -> Optional[RankContext]:
     if rank >= n:
         return None
     return RankContext(rank, n, group, default_device())
+
+
+def _leave_together() -> None:
+    """At exit, wait for the other ranks and tear the groups down: a rank that leaves while others
+    still use a subgroup, or with gloo threads alive, aborts ("terminate called ...")."""
+    try:
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+    except Exception:  # a peer is gone already: nothing left to wait for
+        pass
 
 
 def _child(fn: Callable[..., Any], rank: int, world: int, store_dir: str, timeout: float, threads: int,
@@ -180,11 +193,11 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: Opti
             try:
                 status, rank, payload = results.get(timeout=0.2)
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in outputs and not p.is_alive() and p.exitcode]
-                if dead:
+                crashed = _crashed(procs, exclude=-1, within=0.0)
+                if crashed is not None:
                     time.sleep(0.5)  # its message may still be in the pipe
                     if results.empty():
-                        raise RankFailure(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode} "
+                        raise RankFailure(f"rank {crashed} died with exit code {procs[crashed].exitcode} "
                                           f"without reporting (killed, or crashed in native code)")
                 if time.monotonic() > deadline:
                     missing = [r for r in range(world_size) if r not in outputs]

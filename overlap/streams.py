@@ -275,6 +275,27 @@ def record_stream(tensor: torch.Tensor, tag: str) -> None:
     # is nothing to record. ge: the graph's memory planner sees every stream.
 
 
+def known_stream_tags() -> List[str]:
+    """Every stream tag created so far on any path, the main stream included."""
+    return sorted({MAIN} | set(_cpu_streams) | {t for (_, _, t) in _device_streams})
+
+
+def join_other_streams(path: str) -> None:
+    """The current stream waits for the work issued so far on every other stream of ``path``."""
+    me = current_stream_tag()
+    if path == "cpu":
+        for tag, s in list(_cpu_streams.items()):
+            if tag != me:
+                for p in s.snapshot():
+                    p.wait()
+    elif path in ("cuda", "npu"):
+        mod = _device_module(path)
+        cur = mod.current_stream()
+        for s in [mod.default_stream()] + [s for (p, _, _), s in _device_streams.items() if p == path]:
+            if s != cur:
+                cur.wait_stream(s)
+
+
 def synchronize() -> None:
     """Host waits for all work on all streams of the current path."""
     path = current_path()

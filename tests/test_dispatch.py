@@ -207,10 +207,7 @@ def _previous_event_does_not_skip_the_packing(ctx):
     """With previous_event the exchange must still wait for what dispatch / combine packed on the caller's stream."""
     from overlap.sanitizer import Sanitizer
 
-    g = torch.Generator().manual_seed(ctx.rank)
-    x = torch.randn(16, 8, generator=g)
-    idx = torch.randint(0, 4, (16, 2), generator=g)
-    w = torch.rand(16, 2, generator=g)
+    x, idx, w = _routing(ctx.rank, 16, 4, 2, seed=1)
     with Sanitizer(raise_on_race=False) as san:
         x2 = x * 2
         before = overlap.event("user_before_dispatch")
@@ -227,14 +224,11 @@ def _previous_event_does_not_skip_the_packing(ctx):
 def test_previous_event_keeps_the_exchange_after_the_packing(world):
     for races, shape in run_ranks(_previous_event_does_not_skip_the_packing, world):
         assert not races, races
-        assert tuple(shape) == (16, 8)
+        assert tuple(shape) == (16, H)
 
 
 def _two_dispatches_in_flight_have_their_own_events(ctx):
-    g = torch.Generator().manual_seed(ctx.rank)
-    x = torch.randn(8, 4, generator=g)
-    idx = torch.randint(0, 4, (8, 1), generator=g)
-    w = torch.ones(8, 1)
+    x, idx, w = _routing(ctx.rank, 8, 4, 1, seed=2)
     h1 = dispatch(x, idx, w, 4, ctx.group, async_finish=True)
     h2 = dispatch(x + 1, idx, w, 4, ctx.group, async_finish=True)
     return h1.event is not h2.event and h1.event.tag != h2.event.tag
@@ -247,10 +241,7 @@ def test_two_dispatches_in_flight_are_waited_for_separately():
 def _wait_from_a_third_stream(ctx):
     from overlap.sanitizer import Sanitizer
 
-    g = torch.Generator().manual_seed(ctx.rank)
-    x = torch.randn(12, 8, generator=g)
-    idx = torch.randint(0, 4, (12, 2), generator=g)
-    w = torch.rand(12, 2, generator=g)
+    x, idx, w = _routing(ctx.rank, 12, 4, 2, seed=3)
     with Sanitizer(raise_on_race=False) as san:
         h = dispatch(x, idx, w, 4, ctx.group, async_finish=True)
         with overlap.stream(overlap.SHARED):  # neither the caller's stream nor the exchange's
