@@ -114,6 +114,9 @@ def _child(fn: Callable[..., Any], rank: int, world: int, store_dir: str, timeou
     try:
         dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=timeout))
+        # gloo's mesh is connected pair by pair: a rank that finished and left before a peer was done
+        # connecting would fail that peer's init, hiding what the body did
+        dist.barrier()
         ctx = RankContext(rank, world, dist.group.WORLD, torch.device("cpu"))
         out = fn(ctx, *args, **kwargs)
         # plain pickle: the queue's pickler would pass tensors as shared-memory handles that die with this process
