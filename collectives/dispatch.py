@@ -28,11 +28,12 @@ import torch.distributed as dist
 
 import overlap
 from overlap.paths import GRAPH_PATHS
+
+from . import _buffers
 from overlap.streams import COMM
 
 from .layout import (DispatchLayout, ExpertBatch, LayoutError, check_routing, check_splits, compute_layout, expand,
-                     local_plan, pack_metadata, reduce_local, reduce_ranks, reduce_rows_into, sum_first,
-                     zero_missing)
+                     local_plan, pack_metadata, reduce_bags, reduce_local, reduce_ranks, sum_first)
 
 
 def group_size(group: Optional[dist.ProcessGroup]) -> int:
@@ -186,6 +187,11 @@ class DispatchHandle:
         return expand(self.recv_x, self.recv_meta, self.layout.experts_per_rank, counts)
 
 
+def _reuses_buffers(t: torch.Tensor) -> bool:
+    """Whether internal send / receive buffers come from `collectives._buffers` (eager CPU)."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
 def _gather_rows(out: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> None:
     """``out[:] = src[index]``, straight into ``out`` outside tracing."""
     if torch.compiler.is_compiling():
@@ -220,7 +226,12 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     n_own = own[1] - own[0]
     meta = pack_metadata(layout, topk_idx, topk_weights)
     send_meta = _cat_rows(meta, others)
-    send_x = x.index_select(0, _cat_rows(layout.send_token, others))
+    send_rows = _cat_rows(layout.send_token, others)
+    if _reuses_buffers(x):
+        send_x = _buffers.take(send_rows.shape[0], x.shape[1], x.dtype)
+        _gather_rows(send_x, x.detach(), send_rows)
+    else:
+        send_x = x.index_select(0, send_rows)
     with _side(stream_tag, previous_event, event_tag) as caller:
         per_expert = None
         if recv_splits is None:
@@ -232,7 +243,7 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
         _exchange_into(recv_x[n_own:], send_x, travel_in, travel_out, group, "dispatch", caller)
         _exchange_into(recv_meta[n_own:], send_meta, travel_in, travel_out, group, "dispatch.meta", caller)
         handle = DispatchHandle(layout, recv_x, recv_meta, recv_splits, per_expert, group, x.dtype, rank=me,
-                                spare=send_x if x.device.type == "cpu" else None)
+                                spare=send_x if _reuses_buffers(x) else None)
         if stream_tag is not None and stream_tag != caller:
             handle.event = _handle_event(event_tag)
             handle.event.record(recv_x, recv_meta)
@@ -264,6 +275,7 @@ class CombineHandle:
     out: Optional[torch.Tensor] = None  # [T, H] float32
     blocks: List[tuple] = dataclasses.field(default_factory=list)  # (tokens, first row, end row)
     own_event: Optional[overlap.Event] = None  # ``out``'s own contribution, computed on the calling stream
+    spent: List[torch.Tensor] = dataclasses.field(default_factory=list)  # reusable once the rows are added
 
     def wait(self) -> torch.Tensor:
         """Wait for the exchange on the current stream and return the combined tokens ``[T, H]``."""
@@ -279,6 +291,9 @@ class CombineHandle:
             if b > a:
                 self.out.index_add_(0, tokens, self.returned[a:b].float())
         self.blocks = []
+        for t in self.spent:  # the exchange that used them has completed
+            _buffers.give(t)
+        self.spent = []
         return self.out.to(self.dtype)
 
 
@@ -307,18 +322,20 @@ def combine(expert_out: torch.Tensor, batch: ExpertBatch, handle: DispatchHandle
         full = reduce_local(expert_out, batch, handle.recv_weights).to(travel)
         partial = full[n_own:]
     else:  # the rows that travel first; the own rows go straight into the result while they travel
-        partial = expert_out.new_empty(batch.num_rows - n_own, hidden, dtype=travel)
-        reduce_rows_into(partial, expert_out, plan, n_own, batch.num_rows)
+        partial = reduce_bags(expert_out, plan, n_own, batch.num_rows,
+                              out=_buffers.take(batch.num_rows - n_own, hidden, travel))
     spare, handle.spare = handle.spare, None  # a fresh buffer for a second combine of the same dispatch
     with _side(stream_tag, previous_event, event_tag) as caller:
         rows = layout.num_send - n_own
         if spare is not None and spare.dtype == travel and tuple(spare.shape) == (rows, hidden):
             returned = spare
+        elif plan is not None:
+            returned = _buffers.take(rows, hidden, travel)
         else:
             returned = partial.new_empty(rows, hidden)
         _exchange_into(returned, partial, _others(layout.send_splits, me), _others(handle.recv_splits, me),
                        handle.group, "combine", caller)
-        result = CombineHandle(layout, returned, handle.dtype)
+        result = CombineHandle(layout, returned, handle.dtype, spent=[returned, partial] if plan is not None else [])
         if stream_tag is not None and stream_tag != caller:
             result.event = _handle_event(event_tag)
             result.event.record(returned)
@@ -326,14 +343,9 @@ def combine(expert_out: torch.Tensor, batch: ExpertBatch, handle: DispatchHandle
     if plan is None:
         result.out = sum_first(own_tokens, full[:n_own], layout.num_tokens)
     else:
-        result.out = expert_out.new_empty(layout.num_tokens, hidden, dtype=torch.float32)
-        if travel == torch.float32:
-            reduce_rows_into(result.out, expert_out, plan, 0, n_own, dest=own_tokens)
-        else:  # round to the travel dtype as the other ranks' rows are
-            own_rows = expert_out.new_empty(n_own, hidden, dtype=travel)
-            reduce_rows_into(own_rows, expert_out, plan, 0, n_own)
-            result.out.index_copy_(0, own_tokens, own_rows.float())
-        zero_missing(result.out, own_tokens)
+        result.out = reduce_bags(expert_out, plan, 0, n_own, tokens=own_tokens, num_tokens=layout.num_tokens)
+        if travel != torch.float32:  # round as the other ranks' rows are
+            result.out = result.out.to(travel).float()
     if result.event is not None:
         result.own_event = _handle_event(f"{event_tag}.own")
         result.own_event.record(result.out)

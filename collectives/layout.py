@@ -14,6 +14,7 @@ import dataclasses
 from typing import List, Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 
 
 class LayoutError(ValueError):
@@ -178,9 +179,7 @@ def reduce_local(expert_out: torch.Tensor, batch: ExpertBatch, recv_weights: tor
     plan = local_plan(expert_out, batch, recv_weights)
     if plan is None:
         return _reduce_local_dense(expert_out, batch, recv_weights)
-    out = torch.empty(batch.num_rows, expert_out.shape[-1], dtype=torch.float32, device=expert_out.device)
-    reduce_rows_into(out, expert_out, plan, 0, batch.num_rows)
-    return out
+    return reduce_bags(expert_out, plan, 0, batch.num_rows)
 
 
 def _slot_rows(expert_out: torch.Tensor, batch: ExpertBatch) -> torch.Tensor:
@@ -209,108 +208,85 @@ def _reduce_local_dense(expert_out: torch.Tensor, batch: ExpertBatch, recv_weigh
 
 @dataclasses.dataclass
 class LocalPlan:
-    """Which expanded rows make up each received row (eager CPU form of `reduce_local`).
+    """Each received row's local slots as a bag of expanded rows (eager CPU form of `reduce_local`).
 
-    Row r is ``expert_out[first[r]] * first_w[r]`` plus, for each later slot s holding a local
-    expert, ``expert_out[later_src[s][i]] * later_w[s][i]`` added at row ``later_rows[s][i]``
-    (sorted), in slot order.
+    Row r is the sum of ``weight[i] * expert_out[src[i]]`` for ``i`` in ``start[r]:start[r + 1]``,
+    in slot order; a row without a local slot is an empty bag (zero).
     """
 
-    first: torch.Tensor  # [R]
-    first_w: torch.Tensor  # [R, 1] float32
-    later_rows: List[torch.Tensor]
-    later_src: List[torch.Tensor]
-    later_w: List[torch.Tensor]
+    src: torch.Tensor  # [P] expanded row of each (received row, local slot) pair, row-major
+    weight: torch.Tensor  # [P] float32
+    start: torch.Tensor  # [R + 1] int64
 
 
 def _eager_cpu(t: torch.Tensor) -> bool:
-    """Whether the fast paths apply: they read sizes on the host (never while tracing) and write into
-    preallocated outputs (not differentiable)."""
+    """Whether the fast path applies: it reads sizes on the host (never while tracing) and is not
+    differentiable."""
     return (t.device.type == "cpu" and not torch.compiler.is_compiling()
             and not (t.requires_grad and torch.is_grad_enabled()))
 
 
 def local_plan(expert_out: torch.Tensor, batch: ExpertBatch, recv_weights: torch.Tensor) -> Optional[LocalPlan]:
-    """The plan of `reduce_rows_into`, or None where the static-shape form must be used instead (not
-    eager CPU, no expanded rows, or a received row without any local expert)."""
+    """The plan of `reduce_bags`, or None where the static-shape form must be used instead (not
+    eager CPU, or no expanded rows)."""
     if not _eager_cpu(expert_out) or expert_out.shape[0] == 0:
         return None
     where = _slot_rows(expert_out, batch)
     here = where < expert_out.shape[0]
-    if not bool(here.any(dim=1).all()):  # not produced by dispatch, but allowed: the dense form zeroes them
-        return None
-    first = here.to(torch.int8).argmax(dim=1)  # first local slot of each row
-    plan = LocalPlan(where.gather(1, first[:, None]).squeeze(1), recv_weights.gather(1, first[:, None]).float(),
-                     [], [], [])
-    later = here.clone()
-    later.scatter_(1, first[:, None], False)
-    for s in range(1, batch.top_k):
-        sel = later[:, s].nonzero().squeeze(1)
-        if sel.numel():
-            plan.later_rows.append(sel)
-            plan.later_src.append(where[sel, s])
-            plan.later_w.append(recv_weights[sel, s, None].float())
-    return plan
+    start = torch.zeros(batch.num_rows + 1, dtype=torch.int64)
+    torch.cumsum(here.sum(1), 0, out=start[1:])
+    pairs = here.reshape(-1)
+    return LocalPlan(where.reshape(-1)[pairs], recv_weights.reshape(-1)[pairs].float(), start)
 
 
-_CHUNK_BYTES = 1 << 19
+_CHUNK_BYTES = 1 << 20
 
 
-def reduce_rows_into(out: torch.Tensor, expert_out: torch.Tensor, plan: LocalPlan, lo: int, hi: int,
-                     dest: Optional[torch.Tensor] = None) -> None:
-    """Rows ``lo:hi`` of `reduce_local` written into ``out`` (cast to its dtype): row ``r`` to ``out[r - lo]``,
-    or to ``out[dest[r - lo]]`` when ``dest`` is given.
+def reduce_bags(expert_out: torch.Tensor, plan: LocalPlan, lo: int, hi: int,
+                tokens: Optional[torch.Tensor] = None, num_tokens: int = 0,
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Rows ``lo:hi`` of `reduce_local`, one pass over the expert outputs (``embedding_bag``).
 
-    Works through cache-sized chunks of rows, gathering, scaling and adding each chunk's slots
-    while it is in cache: one memory pass. Same float32 operations, in the same order, as the
-    static-shape form, whose absent slots add an exact zero.
+    With ``tokens`` (ascending, one per row) the result is ``[num_tokens, H]`` instead: row r lands
+    at ``tokens[r - lo]``, every other token is zero. Weights and sums are float32 at any dtype of
+    ``expert_out``; the result is float32, or written into ``out`` (rounded to its dtype).
     """
-    hidden = expert_out.shape[-1]
+    a, b = int(plan.start[lo]), int(plan.start[hi])
+    counts = plan.start[lo + 1:hi + 1] - plan.start[lo:hi]
+    if tokens is not None:
+        per_token = torch.zeros(num_tokens, dtype=torch.int64)
+        per_token[tokens] = counts
+        counts = per_token
+    offsets = torch.zeros_like(counts)
+    torch.cumsum(counts[:-1], 0, out=offsets[1:])
+    src, weight = plan.src[a:b], plan.weight[a:b]
+    if expert_out.dtype == torch.float32 and out is None:
+        return F.embedding_bag(src, expert_out, offsets, mode="sum", per_sample_weights=weight)
+    # A cache-sized chunk of bags at a time: widened to float32 where needed, summed, then stored.
+    hidden, bags = expert_out.shape[-1], counts.shape[0]
+    if out is None:
+        out = torch.empty(bags, hidden, dtype=torch.float32)
     step = max(16, _CHUNK_BYTES // max(1, hidden * 4))
-    bounds = list(range(lo, hi, step)) + [hi]
-    edges = torch.tensor(bounds, dtype=torch.int64)
-    cuts = [torch.searchsorted(rows, edges).tolist() for rows in plan.later_rows]
-    in_place = out.dtype == torch.float32 and dest is None
-    scratch = None if in_place else torch.empty(step, hidden, dtype=torch.float32)
-    for i in range(len(bounds) - 1):
-        a, b = bounds[i], bounds[i + 1]
-        acc = out[a - lo:b - lo] if in_place else scratch[: b - a]
+    edges = offsets[::step].tolist() + [b - a]
+    for i, c in enumerate(range(0, bags, step)):
+        p, q = edges[i], edges[i + 1]
         if expert_out.dtype == torch.float32:
-            torch.index_select(expert_out, 0, plan.first[a:b], out=acc)
+            part = F.embedding_bag(src[p:q], expert_out, offsets[c:c + step] - p, mode="sum",
+                                   per_sample_weights=weight[p:q])
         else:
-            acc.copy_(expert_out.index_select(0, plan.first[a:b]))
-        acc.mul_(plan.first_w[a:b])
-        for rows, src, w, cut in zip(plan.later_rows, plan.later_src, plan.later_w, cuts):
-            p, q = cut[i], cut[i + 1]
-            if q > p:
-                term = expert_out.index_select(0, src[p:q]).float().mul_(w[p:q])
-                acc.index_add_(0, rows[p:q] - a, term)
-        if dest is not None:
-            out.index_copy_(0, dest[a - lo:b - lo], acc.to(out.dtype))
-        elif not in_place:
-            out[a - lo:b - lo].copy_(acc)
-
-
-def zero_missing(out: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Zero the rows of ``out`` not listed in ``tokens``; returns ``out``."""
-    if tokens.numel() < out.shape[0]:
-        hit = torch.zeros(out.shape[0], dtype=torch.bool, device=out.device)
-        hit[tokens] = True
-        out.index_fill_(0, (~hit).nonzero().squeeze(1), 0.0)
+            rows = expert_out.index_select(0, src[p:q]).float()
+            part = F.embedding_bag(torch.arange(q - p), rows, offsets[c:c + step] - p, mode="sum",
+                                   per_sample_weights=weight[p:q])
+        out[c:c + step] = part
     return out
 
 
 def sum_first(tokens: torch.Tensor, rows: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """A float32 ``[num_tokens, H]`` holding ``rows`` at ``tokens`` (unique) and zero elsewhere: the
-    first term of a per-token sum, written once instead of added to zeros (same values)."""
-    hidden = rows.shape[-1]
-    if not _eager_cpu(rows):
-        out = torch.zeros(num_tokens, hidden, dtype=torch.float32, device=rows.device)
-        out.index_add_(0, tokens, rows.float())
-        return out
-    out = torch.empty(num_tokens, hidden, dtype=torch.float32, device=rows.device)
-    out.index_copy_(0, tokens, rows.float())
-    return zero_missing(out, tokens)
+    first term of a per-token sum."""
+    out = torch.zeros(num_tokens, rows.shape[-1], dtype=torch.float32, device=rows.device)
+    out.index_add_(0, tokens, rows.float())
+    return out
 
 
 def reduce_ranks(returned: torch.Tensor, layout: DispatchLayout, hidden: int) -> torch.Tensor:

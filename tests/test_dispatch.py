@@ -90,6 +90,37 @@ def test_dispatch_combine_matches_dense(world):
                 assert per_rank[a][case]["send_splits"][b] == per_rank[b][case]["recv_splits"][a]
 
 
+def _interleaved_body(ctx):
+    """Two dispatch / combine pairs in flight at once, finished in reverse order, three times over:
+    the reused send buffers (collectives._buffers) must never be handed out while in use."""
+    epr = 8 // ctx.world_size
+    ok = []
+    for round_ in range(3):
+        calls = [_routing(ctx.rank, 48 - 8 * i, 8, 2, 10 * round_ + i) for i in range(2)]  # 2nd fits 1st
+        handles = [dispatch(x, idx, w, 8, ctx.group, async_finish=True) for x, idx, w in calls]
+        combined = []
+        for h in handles:
+            h.wait()
+            y, batch = _scale_experts(h, ctx.rank, epr)
+            combined.append(combine(y, batch, h, async_finish=True))
+        outs = [c.wait() for c in reversed(combined)][::-1]
+        ok += [torch.allclose(o, _dense(*call), rtol=1e-5, atol=1e-5) for o, call in zip(outs, calls)]
+    return ok
+
+
+def test_interleaved_exchanges_reuse_buffers_safely():
+    from collectives import _buffers
+
+    assert all(all(r) for r in run_ranks(_interleaved_body, 2))
+    a = _buffers.take(4, 8, torch.float32)
+    _buffers.give(a)
+    b = _buffers.take(2, 8, torch.bfloat16)  # fits in a's bytes: reused
+    c = _buffers.take(2, 8, torch.float32)  # a is taken: a fresh one
+    assert b.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
+    assert c.untyped_storage().data_ptr() != a.untyped_storage().data_ptr()
+    _buffers.release()
+
+
 def _static_body(ctx):
     """Known split sizes skip the count exchange and give the same result."""
     w_ = ctx.world_size
@@ -166,6 +197,32 @@ def test_layout_counts_and_order():
     assert lay.num_tokens_per_expert.tolist() == [2, 2, 2, 2]
     assert lay.send_token.tolist() == [0, 2, 3, 1, 2, 3]  # rank-major, token order, each pair once
     assert lay.send_rank.tolist() == [0, 0, 0, 1, 1, 1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_eager_reduction_equals_the_static_form(dtype, monkeypatch):
+    """The eager CPU reduction (bags of expanded rows) against the static-shape form, over several
+    chunks, with rows that hold no local expert, and placed straight into token order."""
+    from collectives import layout as L
+
+    monkeypatch.setattr(L, "_CHUNK_BYTES", 16 * H * 4)  # 16 rows a chunk
+    g = torch.Generator().manual_seed(5)
+    rows, k, local = 100, 3, 4
+    ids = torch.randint(-1, local, (rows, k), generator=g)
+    ids[:7] = -1  # rows with no local slot (not produced by dispatch, but allowed): they sum to zero
+    meta = torch.cat([ids.float(), torch.rand(rows, k, generator=g)], dim=1)
+    batch = L.expand(torch.randn(rows, H, generator=g).to(dtype), meta, local)
+    expert_out = batch.x * 2
+    weights = meta[:, k:]
+    dense = L._reduce_local_dense(expert_out, batch, weights)
+    plan = L.local_plan(expert_out, batch, weights)
+    torch.testing.assert_close(L.reduce_bags(expert_out, plan, 0, rows), dense, rtol=1e-6, atol=1e-6)
+    assert not dense[:7].any()
+    tokens = torch.sort(torch.randperm(300, generator=g)[: rows - 40]).values
+    placed = L.reduce_bags(expert_out, plan, 40, rows, tokens=tokens, num_tokens=300)
+    expected = torch.zeros(300, H)
+    expected[tokens] = dense[40:]
+    torch.testing.assert_close(placed, expected, rtol=1e-6, atol=1e-6)
 
 
 def _traced(x, idx, w, send, recv, counts):
