@@ -6,6 +6,7 @@ exposes its stages for the micro-batch pipeline; `wrap_expert_parallel` shards a
 `CapacityExpertParallelMoE` is its static-shape form (a fixed per-rank capacity), which traces
 under ``torch.compile(fullgraph=True)``.
 """
+from ._buffers import release as release_buffers
 from .capacity import (CapacityCombineHandle, CapacityDispatchHandle, CapacityExpertParallelMoE,
                        capacity_combine, capacity_dispatch)
 from .dispatch import CombineHandle, DispatchHandle, combine, dispatch, exchange_counts, group_size
@@ -22,6 +23,6 @@ __all__ = [
     "LayoutError", "LocalExperts", "MoE", "MoEConfig", "SharedExperts", "Stage", "TRANSFORMERS_BLOCKS",
     "TransformersRouter",
     "check_routing", "combine", "combine_dense", "compute_layout", "dispatch", "exchange_counts", "expand",
-    "group_size", "grouped_mlp", "reduce_local", "reduce_ranks", "resolve_impl", "run_stages",
+    "group_size", "grouped_mlp", "reduce_local", "reduce_ranks", "release_buffers", "resolve_impl", "run_stages",
     "wrap_expert_parallel",
 ]

@@ -28,10 +28,9 @@ import torch.distributed as dist
 
 import overlap
 from overlap.paths import GRAPH_PATHS
-
-from . import _buffers
 from overlap.streams import COMM
 
+from . import _buffers
 from .layout import (DispatchLayout, ExpertBatch, LayoutError, check_routing, check_splits, compute_layout, expand,
                      local_plan, pack_metadata, reduce_bags, reduce_local, reduce_ranks, sum_first)
 

@@ -109,7 +109,7 @@ def _interleaved_body(ctx):
 
 
 def test_interleaved_exchanges_reuse_buffers_safely():
-    from collectives import _buffers
+    from collectives import _buffers, release_buffers
 
     assert all(all(r) for r in run_ranks(_interleaved_body, 2))
     a = _buffers.take(4, 8, torch.float32)
@@ -118,7 +118,9 @@ def test_interleaved_exchanges_reuse_buffers_safely():
     c = _buffers.take(2, 8, torch.float32)  # a is taken: a fresh one
     assert b.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
     assert c.untyped_storage().data_ptr() != a.untyped_storage().data_ptr()
-    _buffers.release()
+    _buffers.give(b)
+    release_buffers()
+    assert _buffers.take(2, 8, torch.float32).untyped_storage().data_ptr() != a.untyped_storage().data_ptr()
 
 
 def _static_body(ctx):
