@@ -20,7 +20,7 @@ _free: List[torch.Tensor] = []  # flat uint8 CPU tensors
 
 def take(rows: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
     """A ``[rows, hidden]`` CPU tensor of ``dtype`` with undefined contents, reused when one is free."""
-    nbytes = rows * hidden * torch.empty((), dtype=dtype).element_size()
+    nbytes = rows * hidden * dtype.itemsize
     if nbytes == 0:
         return torch.empty(rows, hidden, dtype=dtype)
     with _lock:

@@ -307,6 +307,7 @@ def _run(cfg: Any, lens: List[int], modes: List[str], device: str, path: Optiona
             say("check: " + ("FAILED: " + ", ".join(failed) if failed else "every mode matches serial"))
         if cache is not None:
             cache.close()
+        overlap.synchronize()  # no launch still in flight on a side stream (and no gloo callback) at teardown
         dist.barrier()
         dist.destroy_process_group()
         if out_dir and rank == 0:  # after the last collective: a failure here cannot stall the other ranks

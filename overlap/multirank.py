@@ -98,6 +98,9 @@ def _leave_together() -> None:
     still use a subgroup, or with gloo threads alive, aborts ("terminate called ...")."""
     try:
         if dist.is_initialized():
+            from .streams import synchronize
+
+            synchronize()  # nothing of this rank's still in flight on a side stream
             dist.barrier()
             dist.destroy_process_group()
     except Exception:  # a peer is gone already: nothing left to wait for
