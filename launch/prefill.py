@@ -20,6 +20,7 @@ import datetime
 import functools
 import json
 import time
+import traceback
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import click
@@ -114,6 +115,13 @@ class _Peers:
             self.store.set(f"overlap/failed/{_rank()}", msg[:500])
         except Exception:
             pass
+
+    def first_to_report(self) -> bool:
+        """True on the first rank to ask (the one that prints a traceback); True if the store is gone."""
+        try:
+            return self.store.add("overlap/traceback", 1) == 1
+        except Exception:
+            return True
 
     def diagnose(self) -> str:
         """Which ranks failed or stopped making progress, in words."""
@@ -315,9 +323,18 @@ def _run(cfg: Any, lens: List[int], modes: List[str], device: str, path: Optiona
         return 1 if failed else 0
     except Exception as exc:
         msg = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-        detail = peers.diagnose() if world > 1 and _is_peer_failure(exc) else ""
+        peer_failure = world > 1 and _is_peer_failure(exc)
+        detail = peers.diagnose() if peer_failure else ""
         peers.failed(msg)
         click.echo(f"rank {rank}: {msg}" + (f"\nrank {rank}: {detail}" if detail else ""), err=True)
+        if not peer_failure:  # a bug, not a peer's fault: show where it came from, once per job
+            if peers.first_to_report():
+                click.echo(f"rank {rank}: unexpected error; traceback (please include it in a report):\n"
+                           + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip(),
+                           err=True)
+            else:
+                click.echo(f"rank {rank}: (another rank printed the traceback of the first unexpected error)",
+                           err=True)
         return 1
 
 

@@ -1,6 +1,6 @@
 """Overlap communication with computation: execution paths, tagged streams, events, core limits.
 
-One vocabulary lowers to every path (see DESIGN.md): ``stream(tag)`` places work on a tagged
+One vocabulary lowers to every path (README, docs/graph-mode.md): ``stream(tag)`` places work on a tagged
 stream, ``event(tag).record() / .wait()`` orders streams, ``wait_tensor`` is an ordering edge,
 ``record_stream`` keeps memory alive across streams and ``limit_cores`` splits the cores.
 ``Timeline`` records what ran where and when, ``Sanitizer`` checks that streams are ordered.

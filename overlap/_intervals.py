@@ -48,7 +48,7 @@ def intersect(a: Sequence[Interval], b: Sequence[Interval]) -> List[Interval]:
 
 
 def verdict(ratio: float) -> str:
-    """Words for an overlap / min(busy) ratio (thresholds from the field, see npu-api.md)."""
+    """Words for an overlap / min(busy) ratio (thresholds reported from NPU profiles in the field)."""
     if ratio >= REAL_OVERLAP:
         return "real overlap"
     if ratio <= SERIALIZED:

@@ -98,6 +98,16 @@ def test_a_dead_rank_is_named_and_the_others_exit(kind, expect):
                 env={"OVERLAP_FAULT": f"rank=1,iter=1,kind={kind}"}, timeout=150)
     assert proc.returncode != 0
     assert expect in proc.stderr, proc.stderr[-3000:]
+    # an unexpected exception shows its traceback once (from the rank that hit it); a hung peer does not
+    assert proc.stderr.count("in _maybe_fail") == (1 if kind == "raise" else 0), proc.stderr[-3000:]
+
+
+def test_an_unexpected_error_prints_its_traceback_and_fails():
+    proc = _run(TINY + ["--mode", "serial"], env={"OVERLAP_FAULT": "rank=0,iter=0,kind=raise"}, timeout=120)
+    assert proc.returncode == 1
+    assert "rank 0: RuntimeError: injected fault on rank 0 at iteration 0" in proc.stderr
+    assert "Traceback (most recent call last)" in proc.stderr and 'prefill.py", line' in proc.stderr
+    assert proc.stderr.count("in _maybe_fail") == 1, proc.stderr[-3000:]
 
 
 def test_check_verdict_fails_a_mode_that_differs_from_serial():
