@@ -363,19 +363,22 @@ def _write_outputs(out_dir: str, results: Sequence[Any], tokens: int, world: int
     from overlap.timeline import save_chrome_trace, save_png
 
     os.makedirs(out_dir, exist_ok=True)
+    pngs = True
     for r in results:
         save_chrome_trace(r.spans, os.path.join(out_dir, f"trace_{r.mode}.json"))
-        try:
-            save_png(r.spans, os.path.join(out_dir, f"timeline_{r.mode}.png"),
-                     title=f"{r.mode}: {world} rank(s), {tokens} tokens")
-        except ImportError:
-            say("(matplotlib is not installed: no PNG timeline; pip install 'npu-overlap[plot]')", err=True)
+        if pngs:
+            try:
+                save_png(r.spans, os.path.join(out_dir, f"timeline_{r.mode}.png"),
+                         title=f"{r.mode}: {world} rank(s), {tokens} tokens")
+            except ImportError:
+                pngs = False
+                say("(matplotlib is not installed: no PNG timelines; pip install 'npu-overlap[plot]')", err=True)
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump({"world_size": world, "device": device, "dtype": str(dtype).replace("torch.", ""),
                    "seq_lens": lens, "config": dataclasses.asdict(cfg), "kv_offload": cache is not None,
                    "cpu_link": str(link) if link else None, "rows": [r.row(tokens) for r in results],
                    "check": None if not check else ("failed" if failed else "passed")}, f, indent=2)
-    say(f"wrote {out_dir}/results.json, trace_<mode>.json and timeline_<mode>.png")
+    say(f"wrote {out_dir}/results.json, trace_<mode>.json" + (" and timeline_<mode>.png" if pngs else ""))
 
 
 if __name__ == "__main__":
