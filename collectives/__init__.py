@@ -2,7 +2,7 @@
 
 Dispatch / combine (`dispatch`, `combine`) run over uneven ``all_to_all_single`` on the EP
 communication stream and return handles to wait on, in the style of DeepEP; `ExpertParallelMoE`
-exposes its stages for the micro-batch pipeline; `wrap_expert_parallel` shards an existing MoE.
+exposes its stages as micro-batch operations (and runs them through the micro-batch executor); `wrap_expert_parallel` shards an existing MoE.
 `CapacityExpertParallelMoE` is its static-shape form (a fixed per-rank capacity), which traces
 under ``torch.compile(fullgraph=True)``.
 """
@@ -11,7 +11,7 @@ from .capacity import (CapacityCombineHandle, CapacityDispatchHandle, CapacityEx
                        capacity_combine, capacity_dispatch)
 from .dispatch import CombineHandle, DispatchHandle, combine, dispatch, exchange_counts, group_size
 from .experts import LocalExperts, grouped_mlp, resolve_impl
-from .layer import ExpertParallelMoE, SharedExperts, Stage, run_stages
+from .layer import MOE_IN, MOE_OUT, ExpertParallelMoE, SharedExperts
 from .layout import (DispatchLayout, ExpertBatch, LayoutError, check_routing, compute_layout, expand, reduce_local,
                      reduce_ranks)
 from .reference import MoE, MoEConfig, combine_dense
@@ -20,9 +20,9 @@ from .wrap import TRANSFORMERS_BLOCKS, TransformersRouter, wrap_expert_parallel
 __all__ = [
     "CapacityCombineHandle", "CapacityDispatchHandle", "CapacityExpertParallelMoE", "capacity_combine",
     "capacity_dispatch", "CombineHandle", "DispatchHandle", "DispatchLayout", "ExpertBatch", "ExpertParallelMoE",
-    "LayoutError", "LocalExperts", "MoE", "MoEConfig", "SharedExperts", "Stage", "TRANSFORMERS_BLOCKS",
+    "LayoutError", "LocalExperts", "MOE_IN", "MOE_OUT", "MoE", "MoEConfig", "SharedExperts", "TRANSFORMERS_BLOCKS",
     "TransformersRouter",
     "check_routing", "combine", "combine_dense", "compute_layout", "dispatch", "exchange_counts", "expand",
-    "group_size", "grouped_mlp", "reduce_local", "reduce_ranks", "release_buffers", "resolve_impl", "run_stages",
+    "group_size", "grouped_mlp", "reduce_local", "reduce_ranks", "release_buffers", "resolve_impl",
     "wrap_expert_parallel",
 ]

@@ -8,14 +8,18 @@ back only once the exchange that used it has completed, and never one handed to 
 """
 from __future__ import annotations
 
-import threading
 from typing import List
 
 import torch
 
+from overlap.state import STATE
+
 _KEEP = 4  # buffers kept at most: two exchanges in flight, each with a send and a receive buffer
-_lock = threading.Lock()
-_free: List[torch.Tensor] = []  # flat uint8 CPU tensors
+
+
+def _free() -> List[torch.Tensor]:
+    """The kept buffers (flat uint8 CPU tensors), in the toolkit's process state (call with its lock)."""
+    return STATE.pools.setdefault("collectives.dispatch", [])
 
 
 def take(rows: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
@@ -23,10 +27,11 @@ def take(rows: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
     nbytes = rows * hidden * dtype.itemsize
     if nbytes == 0:
         return torch.empty(rows, hidden, dtype=dtype)
-    with _lock:
-        fits = [i for i, b in enumerate(_free) if b.numel() >= nbytes]
+    with STATE.lock:
+        free = _free()
+        fits = [i for i, b in enumerate(free) if b.numel() >= nbytes]
         if fits:
-            buf = _free.pop(min(fits, key=lambda i: _free[i].numel()))
+            buf = free.pop(min(fits, key=lambda i: free[i].numel()))
             return buf[:nbytes].view(dtype).view(rows, hidden)
     return torch.empty(rows, hidden, dtype=dtype)
 
@@ -37,15 +42,16 @@ def give(t: torch.Tensor) -> None:
         return
     storage = t.untyped_storage()
     buf = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),))
-    with _lock:
-        if any(b.untyped_storage().data_ptr() == storage.data_ptr() for b in _free):
+    with STATE.lock:
+        free = _free()
+        if any(b.untyped_storage().data_ptr() == storage.data_ptr() for b in free):
             return
-        _free.append(buf)
-        if len(_free) > _KEEP:
-            _free.pop(min(range(len(_free)), key=lambda i: _free[i].numel()))
+        free.append(buf)
+        if len(free) > _KEEP:
+            free.pop(min(range(len(free)), key=lambda i: free[i].numel()))
 
 
 def release() -> None:
     """Drop every kept buffer (their memory goes back to the allocator)."""
-    with _lock:
-        _free.clear()
+    with STATE.lock:
+        _free().clear()

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 import overlap
-from overlap.comm import collective_device
+from overlap import collective_device
 
 from .dispatch import _handle_event, group_size
 from .experts import LocalExperts
@@ -258,8 +258,7 @@ class CapacityExpertParallelMoE(ExpertParallelMoE):
         return capacity_dispatch(x, idx, weights, self.num_experts, self.group, self.capacity, validate=self.validate)
 
     def _experts(self, handle: CapacityDispatchHandle) -> Tuple[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
-        with overlap.span("experts"):
-            return all_local_experts(handle.recv_x, self.experts), (handle.recv_ids, handle.recv_weights)
+        return all_local_experts(handle.recv_x, self.experts), (handle.recv_ids, handle.recv_weights)
 
     def _combine(self, y: torch.Tensor, batch: Tuple[torch.Tensor, torch.Tensor],
                  handle: CapacityDispatchHandle) -> CapacityCombineHandle:

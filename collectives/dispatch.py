@@ -27,8 +27,7 @@ import torch
 import torch.distributed as dist
 
 import overlap
-from overlap.paths import GRAPH_PATHS
-from overlap.streams import COMM
+from overlap import EP_COMM, backends
 
 from . import _buffers
 from .layout import (DispatchLayout, ExpertBatch, LayoutError, check_routing, check_splits, compute_layout, expand,
@@ -73,7 +72,7 @@ _handle_ids = itertools.count()
 def _handle_event(tag: str) -> overlap.Event:
     """An event for one call: its own object on eager paths, so that two dispatches in flight are
     waited for separately; the one tagged event per tag on graph paths, where tags are global."""
-    if overlap.current_path() in GRAPH_PATHS:
+    if backends.current().events_are_global:
         return overlap.event(tag)
     return overlap.Event(f"{tag}#{next(_handle_ids)}")
 
@@ -90,13 +89,11 @@ def _others(splits: Sequence[int], me: int) -> List[int]:
 def _exchange_into(out: torch.Tensor, x: torch.Tensor, recv_splits: List[int], send_splits: List[int],
                    group: Optional[dist.ProcessGroup], name: str, caller: str, **meta) -> None:
     """Rows for other ranks only (this rank's splits are zero); a no-op when nothing travels."""
-    if overlap.current_path() != "cpu":  # on CPU a pending launch itself keeps x and out alive
-        overlap.record_stream(out, caller)  # allocated on this stream, read on the caller's
+    overlap.record_stream(out, caller)  # allocated on this stream, read on the caller's
     if not dist.is_initialized() or group_size(group) == 1:
         return
     overlap.all_to_all_single(out, x, recv_splits, send_splits, group=group, name=name, **meta)
-    if overlap.current_path() != "cpu":
-        overlap.record_stream(x, overlap.current_stream_tag())
+    overlap.record_stream(x, overlap.current_stream_tag())
 
 
 def _blocks(splits: Sequence[int], me: int) -> tuple:
@@ -202,7 +199,7 @@ def _gather_rows(out: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> N
 def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
              group: Optional[dist.ProcessGroup] = None, *, send_splits: Optional[Sequence[int]] = None,
              recv_splits: Optional[Sequence[int]] = None, previous_event: Optional[overlap.Event] = None,
-             async_finish: bool = False, stream_tag: Optional[str] = COMM, event_tag: str = "ep_dispatch",
+             async_finish: bool = False, stream_tag: Optional[str] = EP_COMM, event_tag: str = "ep_dispatch",
              check_ids: bool = True) -> DispatchHandle:
     """Send tokens ``x [T, H]`` to the ranks holding their experts (once per rank); see the module docstring.
 
@@ -298,7 +295,7 @@ class CombineHandle:
 
 def combine(expert_out: torch.Tensor, batch: ExpertBatch, handle: DispatchHandle, *,
             previous_event: Optional[overlap.Event] = None, async_finish: bool = False,
-            stream_tag: Optional[str] = COMM, event_tag: str = "ep_combine",
+            stream_tag: Optional[str] = EP_COMM, event_tag: str = "ep_combine",
             dtype: Optional[torch.dtype] = None) -> CombineHandle:
     """Reduce local expert outputs per received row with their weights and send the rows back.
 

@@ -19,7 +19,6 @@ from torch import nn
 import overlap
 
 IMPLS = ("auto", "loop", "grouped")
-_NPU_PATHS = ("npu", "ge", "aclgraph")
 
 
 def _loop(x: torch.Tensor, counts: List[int], gate_up: torch.Tensor, down: torch.Tensor,
@@ -71,8 +70,7 @@ def resolve_impl(impl: str, x: torch.Tensor, gate_up: torch.Tensor, down: torch.
         raise ValueError(f"expert implementation must be one of {IMPLS}, got {impl!r}")
     if impl == "loop":
         return "loop"
-    path = overlap.current_path()
-    if path in _NPU_PATHS:
+    if overlap.backends.current().has_npu_ops:
         return "npu_grouped"
     if impl == "auto" and x.device.type != "cuda":
         return "loop"

@@ -20,24 +20,25 @@ gate/up runs beside the dispatch, their activation beside the routed experts and
 projection beside the combine. Without shared experts the shared stages are left out; with
 ``overlap_shared=False`` they run on the main stream.
 
-Stage functions keep no state on the module: everything, including the in-flight exchange
-(a `DispatchHandle` / `CombineHandle`), travels as a value, so two micro-batches can interleave.
-They do not enter streams or wait: whoever runs them places each on its ``stream`` and makes a
-consumer wait for a producer on another stream (`run_stages` does that for ``forward``). The one
-host block is the dispatch's count exchange (see `collectives.dispatch`).
+The stages are `microbatch.Operation` s. Their functions keep no state on the module:
+everything, including the in-flight exchange (a `DispatchHandle` / `CombineHandle`), travels as
+a value, so two micro-batches can interleave. They do not enter streams or wait: the micro-batch
+executor places each on its ``stream`` and derives the events where a value crosses streams,
+for ``forward`` (the stages in order) as for a pipeline schedule. The one host block is the
+dispatch's count exchange (see `collectives.dispatch`).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-import overlap
-from overlap._tree import tensors_in
-from overlap.streams import COMM, MAIN, SHARED
+import microbatch
+from microbatch import Operation
+from overlap import DEFAULT, EP_COMM, SHARED_EXPERT
 
 from .dispatch import CombineHandle, DispatchHandle, combine, dispatch, group_size
 from .experts import LocalExperts
@@ -45,14 +46,8 @@ from .layout import ExpertBatch, LayoutError
 from .reference import MoEConfig, Router
 
 
-class Stage(NamedTuple):
-    """One launch of the layer: ``fn(*values_of_reads)`` returns one value per write (a tuple if several)."""
-
-    name: str
-    fn: Callable[..., Any]
-    reads: Tuple[str, ...]
-    writes: Tuple[str, ...]
-    stream: str = MAIN
+MOE_IN = "moe_in"  # the layer's input value, [tokens, hidden]
+MOE_OUT = "moe_out"  # its output value
 
 
 class SharedExperts(nn.Module):
@@ -135,98 +130,59 @@ class ExpertParallelMoE(nn.Module):
 
     # --- stage functions: pure in their arguments -------------------------------------------------
     def _gate(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        with overlap.span("gate"):
-            return self.router(x)
+        return self.router(x)
 
     def _dispatch(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> DispatchHandle:
         return dispatch(x, idx, weights, self.num_experts, self.group, stream_tag=None, async_finish=True)
 
     def _experts(self, handle: DispatchHandle) -> Tuple[torch.Tensor, ExpertBatch]:
-        with overlap.span("experts"):
-            batch = handle.expand()
-            return self.experts(batch.x, batch.counts), batch
+        batch = handle.expand()
+        return self.experts(batch.x, batch.counts), batch
 
     def _combine(self, y: torch.Tensor, batch: ExpertBatch, handle: DispatchHandle) -> CombineHandle:
         return combine(y, batch, handle, stream_tag=None, async_finish=True)
 
     def _shared_gate_up(self, x: torch.Tensor, _order: Any) -> Tuple[torch.Tensor, torch.Tensor]:
-        with overlap.span("shared_gate_up"):
-            return self.shared.gate_up(x)
+        return self.shared.gate_up(x)
 
     def _shared_act(self, h: Tuple[torch.Tensor, torch.Tensor], _order: Any) -> torch.Tensor:
-        with overlap.span("shared_act"):
-            return self.shared.activation(h)
+        return self.shared.activation(h)
 
     def _shared_down(self, a: torch.Tensor, x: torch.Tensor, _order: Any) -> torch.Tensor:
-        with overlap.span("shared_down"):
-            return self.shared.down(a, x)
+        return self.shared.down(a, x)
 
     def _finalize(self, combined: CombineHandle, shared_out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        with overlap.span("finalize"):
-            out = combined.wait()
-            return out if shared_out is None else out + shared_out
+        out = combined.wait()
+        return out if shared_out is None else out + shared_out
 
-    def stages(self) -> List[Stage]:
-        """The layer as stages for one micro-batch, in an order that is valid to run serially."""
-        side = SHARED if self.overlap_shared else MAIN
-        st = [Stage("gate", self._gate, ("moe_in",), ("moe_topk_idx", "moe_topk_weights"), MAIN),
-              Stage("dispatch", self._dispatch, ("moe_in", "moe_topk_idx", "moe_topk_weights"), ("moe_dispatch",),
-                    COMM)]
+    def stages(self) -> List[Operation]:
+        """The layer as operations for one micro-batch, in an order that is valid to run serially."""
+        side = SHARED_EXPERT if self.overlap_shared else DEFAULT
+        st = [Operation("gate", self._gate, (MOE_IN,), ("moe_topk_idx", "moe_topk_weights"), DEFAULT),
+              Operation("dispatch", self._dispatch, (MOE_IN, "moe_topk_idx", "moe_topk_weights"), ("moe_dispatch",),
+                        EP_COMM)]
         if self.shared is not None:
-            st.append(Stage("shared_gate_up", self._shared_gate_up, ("moe_in", "moe_topk_idx"), ("moe_shared_h",),
-                            side))
-        st.append(Stage("experts", self._experts, ("moe_dispatch",), ("moe_expert_out", "moe_expert_batch"), MAIN))
+            st.append(Operation("shared_gate_up", self._shared_gate_up, (MOE_IN, "moe_topk_idx"), ("moe_shared_h",),
+                                side))
+        st.append(Operation("experts", self._experts, ("moe_dispatch",), ("moe_expert_out", "moe_expert_batch"),
+                            DEFAULT))
         if self.shared is not None:
-            st.append(Stage("shared_act", self._shared_act, ("moe_shared_h", "moe_dispatch"), ("moe_shared_a",), side))
-        st.append(Stage("combine", self._combine, ("moe_expert_out", "moe_expert_batch", "moe_dispatch"),
-                        ("moe_combine",), COMM))
+            st.append(Operation("shared_act", self._shared_act, ("moe_shared_h", "moe_dispatch"), ("moe_shared_a",),
+                                side))
+        st.append(Operation("combine", self._combine, ("moe_expert_out", "moe_expert_batch", "moe_dispatch"),
+                            ("moe_combine",), EP_COMM))
         if self.shared is not None:
-            st.append(Stage("shared_down", self._shared_down, ("moe_shared_a", "moe_in", "moe_expert_out"),
-                            ("moe_shared_out",), side))
-            st.append(Stage("finalize", self._finalize, ("moe_combine", "moe_shared_out"), ("moe_out",), MAIN))
+            st.append(Operation("shared_down", self._shared_down, ("moe_shared_a", MOE_IN, "moe_expert_out"),
+                                ("moe_shared_out",), side))
+            st.append(Operation("finalize", self._finalize, ("moe_combine", "moe_shared_out"), (MOE_OUT,), DEFAULT))
         else:
-            st.append(Stage("finalize", self._finalize, ("moe_combine",), ("moe_out",), MAIN))
+            st.append(Operation("finalize", self._finalize, ("moe_combine",), (MOE_OUT,), DEFAULT))
         return st
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The stages in order, each on its stream, through the micro-batch executor."""
         shape = x.shape
-        out = run_stages(self.stages(), {"moe_in": x.reshape(-1, shape[-1])})["moe_out"]
+        ops = self.stages()
+        (out,) = microbatch.run(microbatch.as_listed([ops]), [ops], [{MOE_IN: x.reshape(-1, shape[-1])}],
+                                output=MOE_OUT)
         return out.reshape(shape)
-
-
-def run_stages(stages: Sequence[Stage], values: Dict[str, Any], event_prefix: str = "moe") -> Dict[str, Any]:
-    """Run stages in order, each on its stream, waiting where a value crosses streams.
-
-    A minimal form of the micro-batch executor's rule: after a stage, an event is recorded on its
-    stream; before a stage reads a value produced on another stream, its stream waits on it.
-    ``values`` seeds the inputs (produced on the main stream); returns all values.
-    """
-    values = dict(values)
-    caller = overlap.current_stream_tag()
-    seeded = overlap.event(f"{event_prefix}.inputs")
-    seeded.record(*[v for v in values.values() if isinstance(v, torch.Tensor)])
-    made_on: Dict[str, Tuple[str, overlap.Event]] = {k: (caller, seeded) for k in values}
-    waited = set()
-    for st in stages:
-        with overlap.stream(st.stream):
-            for r in st.reads:
-                if r not in values:
-                    raise KeyError(f"stage {st.name!r} reads {r!r} before any stage wrote it")
-                src, ev = made_on[r]
-                if src != st.stream:
-                    if (ev, st.stream) not in waited:
-                        ev.wait()
-                        waited.add((ev, st.stream))
-                    for t in tensors_in(values[r]):  # the allocator must not reuse it under this stream
-                        overlap.record_stream(t, st.stream)
-            out = st.fn(*[values[r] for r in st.reads])
-            if len(st.writes) == 1:
-                out = (out,)
-            if not isinstance(out, tuple) or len(out) != len(st.writes):
-                raise TypeError(f"stage {st.name!r} must return {len(st.writes)} values for {st.writes}")
-            ev = overlap.event(f"{event_prefix}.{st.name}")
-            ev.record(*[v for v in out if isinstance(v, torch.Tensor)])
-            for k, v in zip(st.writes, out):
-                values[k] = v
-                made_on[k] = (st.stream, ev)
-    return values

@@ -33,8 +33,8 @@ import torch.distributed as dist
 
 import overlap
 from collectives import MoE, MoEConfig, combine, dispatch, wrap_expert_parallel
+from overlap import Timeline
 from overlap.multirank import run_ranks
-from overlap.timeline import Timeline
 
 
 def _timed(fn: Callable[[], Any], group: Any) -> float:

@@ -23,7 +23,7 @@ import click
 import torch
 
 import overlap
-from overlap.offload import OffloadCache
+from overlap import OffloadCache
 
 
 def _weights(layers: int, hidden: int, kv: int, seed: int = 0) -> List[Dict[str, torch.Tensor]]:

@@ -21,11 +21,10 @@ from typing import Any, List, Optional
 
 import click
 
-MODES = ("serial", "shared", "two-batch")
-
 
 def _rank_body(ctx: Any, preset_name: str, seq_lens: List[int], warmup: int, iters: int, link: Optional[str],
                seed: int) -> Optional[str]:
+    import microbatch
     import overlap
     from launch.measure import measure, table
     from launch.model import Batch, build_model, preset
@@ -35,7 +34,7 @@ def _rank_body(ctx: Any, preset_name: str, seq_lens: List[int], warmup: int, ite
     cfg = preset(preset_name)
     model = make_expert_parallel(build_model(cfg, seed=seed), ctx.group)
     batch = Batch.random(seq_lens, cfg.vocab, seed=seed + ctx.rank + 1)
-    results = measure(model, batch, MODES, ctx.group, warmup=warmup, iters=iters)
+    results = measure(model, batch, list(microbatch.MODES), ctx.group, warmup=warmup, iters=iters)
     if ctx.rank != 0:
         return None
     by = {r.mode: r for r in results}

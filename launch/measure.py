@@ -16,9 +16,8 @@ import torch
 import torch.distributed as dist
 
 import overlap
-from overlap.comm import collective_device
-from overlap.hooks import Span
-from overlap.timeline import Timeline, gather
+from overlap import Span, Timeline, collective_device
+from overlap.observability import gather
 
 from .model import Batch, Model
 from .runner import plan_for, prefill
@@ -127,6 +126,17 @@ def _compare(results: List[ModeResult], group: Any) -> None:
 def _finite_or_inf(v: float) -> float:
     # a NaN would vanish in a MAX all-reduce and compare False with any tolerance: make it loud
     return v if math.isfinite(v) else float("inf")
+
+
+def check_against_serial(results: Sequence[ModeResult], dtype: torch.dtype) -> List[str]:
+    """The modes whose output differs from serial by more than the dtype's tolerance, in words."""
+    serial = next((r for r in results if r.mode == "serial"), None)
+    if serial is None:
+        return ["--check needs the serial mode (use --mode all)"]
+    tol = (1e-4 if dtype == torch.float32 else 5e-2) * max(1.0, serial.ref_scale or 0.0)
+    # `not <=`: a NaN or infinite difference fails too
+    return [f"{r.mode} differs from serial by {r.max_diff:.3e} (tolerance {tol:.1e})"
+            for r in results if r.max_diff is not None and not r.max_diff <= tol]
 
 
 def _fmt(v: Optional[float], spec: str) -> str:

@@ -6,23 +6,19 @@ plus its prefix when a micro-batch split cut it) and RMSNorm + MLP (dense for th
 Serial prefill of it (`Model.forward`) is the reference for every other mode.
 
 Each decoder layer is also a list of operations (`DecoderLayer.operations`) for the pipeline
-executor. A layer's state starts with the values named in `LAYER_INPUTS`:
-
-- ``"hidden"``: [tokens, hidden] of one micro-batch;
-- ``"seq"``: its `SeqInfo` (request lengths and, for a cut request, its prefix length);
-- ``"prefix_kv"``: ``(k, v)`` of the prefix tokens at this layer, or None;
-
-and ends with `LAYER_OUTPUTS`: ``"out"`` (the layer output) and ``"k"``, ``"v"`` ([tokens, heads,
-head_dim], keys after the rotary embedding), for the next micro-batch's prefix and KV offload.
-In between: ``"attn"`` writes ``"resid"``, ``"k"``, ``"v"``; ``"ffn_norm"`` writes ``"moe_in"``;
-the MoE operations (or the dense ``"mlp"``) read ``"moe_in"`` and write ``"moe_out"``;
-``"residual"`` writes ``"out"``. Replace ``layer.moe`` (see `Model.replace_moe`) with a module that
-has ``stages()`` and its stages become the layer's MoE operations.
+executor. A layer reads the executor's ``HIDDEN`` ([tokens, hidden] of one micro-batch) and two
+context values of the micro-batch: ``SEQ``, its `SeqInfo` (request lengths and, for a cut request,
+its prefix length), and ``PREFIX_KV``, ``(k, v)`` of the prefix tokens at this layer or None. It
+writes the executor's ``OUT`` (the layer output) and ``K``, ``V`` ([tokens, heads, head_dim], keys
+after the rotary embedding), for the next micro-batch's prefix and KV offload. In between:
+``"attn"`` writes ``"resid"``, ``K``, ``V``; ``"ffn_norm"`` writes the MoE's input (``MOE_IN``);
+the MoE operations (or the dense ``"mlp"``) write ``MOE_OUT``; ``"residual"`` writes ``OUT``.
+Replace ``layer.moe`` (see `Model.replace_moe`) with a module that has ``stages()`` and its
+stages become the layer's MoE operations.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
@@ -31,17 +27,18 @@ import torch.nn.functional as F
 from torch import nn
 
 import overlap
+from collectives import MOE_IN, MOE_OUT
 from collectives.reference import MoE, Expert
-from microbatch.operations import FromMicroBatch, Operation, State, as_operation
+from microbatch import HIDDEN, OUT, Operation, State, as_operation
 from microbatch.split import SeqInfo, SplitPlan, merge_outputs, micro_batches, prefix_kv, split_tokens
 
 from .presets import PRESETS, ModelConfig, preset
 
-__all__ = ["Batch", "DecoderLayer", "LAYER_INPUTS", "LAYER_OUTPUTS", "Model", "ModelConfig", "PRESETS",
-           "RMSNorm", "build_model", "init_weights", "preset"]
+__all__ = ["Batch", "DecoderLayer", "K", "Model", "ModelConfig", "PREFIX_KV", "PRESETS", "RMSNorm", "SEQ", "V",
+           "build_model", "init_weights", "preset"]
 
-LAYER_INPUTS = ("hidden", "seq", "prefix_kv")
-LAYER_OUTPUTS = ("out", "k", "v")
+SEQ, PREFIX_KV = "seq", "prefix_kv"  # a micro-batch's context values, read by attention at every layer
+K, V = "k", "v"  # a layer's keys and values, written by attention
 
 KV = Tuple[torch.Tensor, torch.Tensor]
 
@@ -164,28 +161,28 @@ class DecoderLayer(nn.Module):
         return self.moe if self.is_moe else self.mlp
 
     def ffn_operations(self) -> List[Operation]:
-        """The operations from ``"moe_in"`` to ``"moe_out"``: the MoE's stages, or one call of it."""
+        """The operations from ``MOE_IN`` to ``MOE_OUT``: the MoE's stages, or one call of it."""
         ffn = self._ffn()
         stages = getattr(ffn, "stages", None)
         if callable(stages):
             return [as_operation(s) for s in stages()]
-        return [Operation("moe" if self.is_moe else "mlp", ffn, ("moe_in",), ("moe_out",))]
+        return [Operation("moe" if self.is_moe else "mlp", ffn, (MOE_IN,), (MOE_OUT,))]
 
     def operations(self) -> List[Operation]:
-        """This layer as operations, from `LAYER_INPUTS` to `LAYER_OUTPUTS` (see the module docstring)."""
-        return ([Operation("attn", self.attention, LAYER_INPUTS, ("resid", "k", "v")),
-                 Operation("ffn_norm", self.ffn_norm, ("resid",), ("moe_in",))]
+        """This layer as operations, from ``HIDDEN``, ``SEQ``, ``PREFIX_KV`` to ``OUT``, ``K``, ``V``."""
+        return ([Operation("attn", self.attention, (HIDDEN, SEQ, PREFIX_KV), ("resid", K, V)),
+                 Operation("ffn_norm", self.ffn_norm, ("resid",), (MOE_IN,))]
                 + self.ffn_operations()
-                + [Operation("residual", torch.add, ("resid", "moe_out"), ("out",))])
+                + [Operation("residual", torch.add, ("resid", MOE_OUT), (OUT,))])
 
     def run(self, hidden: torch.Tensor, seq: SeqInfo, prefix: Optional[KV] = None, **meta: Any
             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Run the operations in order on the current stream: ``(out, k, v)``; ``meta`` labels the spans."""
-        state = State(hidden=hidden, seq=seq, prefix_kv=prefix)
+        state = State({HIDDEN: hidden, SEQ: seq, PREFIX_KV: prefix})
         for op in self.operations():
             with overlap.span(op.name, layer=self.index, **meta):
                 op.run(state)
-        return state["out"], state["k"], state["v"]
+        return state[OUT], state[K], state[V]
 
     def forward(self, hidden: torch.Tensor, seq: SeqInfo, prefix: Optional[KV] = None) -> torch.Tensor:
         return self.run(hidden, seq, prefix)[0]
@@ -250,26 +247,6 @@ class Model(nn.Module):
     def layer_operations(self) -> List[List[Operation]]:
         """Every layer's operations, for the pipeline executor (``microbatch.run``)."""
         return [layer.operations() for layer in self.layers]
-
-    def pipeline_inputs(self, batch: Batch, plan: SplitPlan) -> List[dict]:
-        """The executor's initial state per micro-batch (one when ``plan`` is serial).
-
-        Micro-batch 1's ``"prefix_kv"`` reads micro-batch 0's ``"k"``, ``"v"`` of the same layer
-        (their last rows: the cut request's first part), or is None when no request was cut.
-        """
-        if plan.serial:
-            return [{"hidden": self.embed_tokens(batch.tokens), "seq": batch.seq, "prefix_kv": None}]
-        b0, b1 = batch.split(plan)
-        prefix = FromMicroBatch(0, "k", "v", fn=functools.partial(prefix_kv, plan)) if plan.cut else None
-        return [{"hidden": self.embed_tokens(b0.tokens), "seq": b0.seq, "prefix_kv": None},
-                {"hidden": self.embed_tokens(b1.tokens), "seq": b1.seq, "prefix_kv": prefix}]
-
-    def pipeline_output(self, outputs: Sequence[torch.Tensor], plan: SplitPlan) -> torch.Tensor:
-        """Final norm of the executor's per-micro-batch outputs, merged back into packed order."""
-        if plan.serial:
-            (out,) = outputs
-            return self.norm(out)
-        return merge_outputs(plan, self.norm(outputs[0]), self.norm(outputs[1]))
 
 
 def _param_seed(seed: int, name: str) -> int:

@@ -2,10 +2,11 @@
 compiled as one torchair graph (`graph_prefill`), or continued from an offloaded prefix
 (`continue_prefill`).
 
-Modes: ``serial`` (everything on the main stream: the reference), ``shared`` (one batch, shared
-experts on their side stream beside dispatch / experts / combine on the EP stream) and
-``two-batch`` (two micro-batches: one's dispatch and combine under the other's compute). With a
-KV offload cache every layer's keys and values are offloaded right after its attention.
+Modes are `microbatch.MODES`: ``serial`` (everything on the main stream: the reference),
+``shared`` (one batch, shared experts on their side stream beside dispatch / experts / combine
+on the EP stream) and ``two-batch`` (two micro-batches: one's dispatch and combine under the
+other's compute). With a KV offload cache every layer's keys and values are offloaded right
+after its attention.
 """
 from __future__ import annotations
 
@@ -18,22 +19,10 @@ import torch.distributed as dist
 import microbatch
 import overlap
 from collectives import CapacityExpertParallelMoE, wrap_expert_parallel
-from microbatch import Operation
-from microbatch.split import DEFAULT_MAX_IMBALANCE, DEFAULT_MIN_TOKENS, SplitPlan, decide_split
+from microbatch import HIDDEN, FromMicroBatch, Operation
+from microbatch.split import DEFAULT_MAX_IMBALANCE, DEFAULT_MIN_TOKENS, SplitPlan, decide_split, merge_outputs, prefix_kv
 
-from .model import Batch, Model
-
-MODES: Dict[str, Callable[..., microbatch.Schedule]] = {
-    "serial": microbatch.serial,
-    "shared": microbatch.shared_overlap,
-    "two-batch": microbatch.two_batch,
-}
-
-
-def check_mode(mode: str) -> str:
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
-    return mode
+from .model import K, PREFIX_KV, SEQ, V, Batch, Model
 
 
 def make_expert_parallel(model: Model, group: Optional[dist.ProcessGroup], impl: str = "auto") -> Model:
@@ -68,29 +57,51 @@ def layer_operations(model: Model, cache: Any = None) -> List[List[Operation]]:
     out = []
     for li, ops in enumerate(layers):
         at = next(i for i, op in enumerate(ops) if op.name == "attn") + 1
-        offload = Operation("kv_offload", functools.partial(_offload, cache, li), ("k", "v"), ())
+        offload = Operation("kv_offload", functools.partial(_offload, cache, li), (K, V), ())
         out.append(ops[:at] + [offload] + ops[at:])
     return out
 
 
 def plan_for(mode: str, batch: Batch, group: Optional[dist.ProcessGroup], *,
              min_tokens: int = DEFAULT_MIN_TOKENS, max_imbalance: float = DEFAULT_MAX_IMBALANCE) -> SplitPlan:
-    """The micro-batch split of ``mode``: agreed by every rank of ``group`` for two-batch (one all-reduce)."""
-    if check_mode(mode) != "two-batch":
+    """The micro-batch split of ``mode``: agreed by every rank of ``group`` where it splits (one all-reduce)."""
+    if microbatch.mode(mode).micro_batches == 1:
         return serial_plan(batch)
     return decide_split(batch.seq.seq_lens, group, min_tokens=min_tokens, max_imbalance=max_imbalance)
+
+
+def micro_batch_inputs(model: Model, batch: Batch, plan: SplitPlan) -> List[Dict[str, Any]]:
+    """The executor's initial values of each micro-batch of ``plan`` (one when it is serial).
+
+    Micro-batch 1's ``PREFIX_KV`` reads micro-batch 0's ``K``, ``V`` of the same layer (their last
+    rows: the cut request's first part), or is None when no request was cut.
+    """
+    parts = [batch] if plan.serial else list(batch.split(plan))
+    prefix = FromMicroBatch(0, K, V, fn=functools.partial(prefix_kv, plan)) if plan.cut else None
+    return [{HIDDEN: model.embed_tokens(part.tokens), SEQ: part.seq, PREFIX_KV: prefix if i else None}
+            for i, part in enumerate(parts)]
+
+
+def run_schedule(model: Model, batch: Batch, plan: SplitPlan, layers: List[List[Operation]],
+                 make: Callable[[List[List[Operation]], int], microbatch.Schedule]) -> torch.Tensor:
+    """Final hidden states of ``batch`` when the schedule ``make(layers, micro-batches)`` runs ``layers``.
+
+    Split the batch as ``plan`` says, give each micro-batch its inputs, build the schedule, run
+    it, and merge the micro-batches' normed outputs back into packed order.
+    """
+    inputs = micro_batch_inputs(model, batch, plan)
+    outputs = microbatch.run(make(layers, len(inputs)), layers, inputs)
+    finals = [model.norm(h) for h in outputs]
+    return finals[0] if plan.serial else merge_outputs(plan, *finals)
 
 
 @torch.no_grad()
 def prefill(model: Model, batch: Batch, mode: str, plan: SplitPlan, cache: Any = None) -> torch.Tensor:
     """Final hidden states of ``batch`` computed with the schedule of ``mode`` (see the module docstring)."""
-    layers = layer_operations(model, cache)
-    inputs = model.pipeline_inputs(batch, plan)
-    schedule = MODES[check_mode(mode)](layers, len(inputs))
-    outputs = microbatch.run(schedule, layers, inputs)
+    out = run_schedule(model, batch, plan, layer_operations(model, cache), microbatch.mode(mode).make)
     if cache is not None:
         cache.finish()
-    return model.pipeline_output(outputs, plan)
+    return out
 
 
 @torch.no_grad()
@@ -127,19 +138,19 @@ def graph_prefill(model: Model, batch: Batch, mode: str, plan: SplitPlan, path: 
     """The prefill of ``mode`` compiled as one graph on a torchair path (``ge`` or ``aclgraph``).
 
     The model's MoE blocks must have static shapes (`make_capacity_expert_parallel`). ``backend``
-    defaults to torchair's NPU backend in max-autotune (``ge``) or reduce-overhead (``aclgraph``)
-    mode. Returns a callable; its first call traces and compiles under ``path``.
+    defaults to torchair's NPU backend in the path's mode (max-autotune for ``ge``, reduce-overhead
+    for ``aclgraph``). Returns a callable; its first call traces and compiles under ``path``.
     """
-    if path not in ("ge", "aclgraph"):
-        raise ValueError(f"graph_prefill compiles for the ge or aclgraph path, not {path!r}")
+    mode_of_path = overlap.backends.get(path).torchair_mode
+    if mode_of_path is None:
+        raise ValueError(f"graph_prefill compiles for a torchair graph path (ge or aclgraph), not {path!r}")
     layers = layer_operations(model)
-    schedule = MODES[check_mode(mode)](layers, 1 if plan.serial else 2)
+    make = microbatch.mode(mode).make
 
     def run(tokens: torch.Tensor) -> torch.Tensor:
-        outputs = microbatch.run(schedule, layers, model.pipeline_inputs(Batch(tokens, batch.seq), plan))
-        return model.pipeline_output(outputs, plan)
+        return run_schedule(model, Batch(tokens, batch.seq), plan, layers, make)
 
-    compiled = torch.compile(run, backend=backend or torchair_backend(path), fullgraph=True, dynamic=False)
+    compiled = torch.compile(run, backend=backend or torchair_backend(mode_of_path), fullgraph=True, dynamic=False)
 
     @torch.no_grad()
     def call() -> torch.Tensor:
@@ -148,11 +159,11 @@ def graph_prefill(model: Model, batch: Batch, mode: str, plan: SplitPlan, path: 
     return call
 
 
-def torchair_backend(path: str) -> Any:
-    """torchair's NPU backend for ``path``: GE graph (max-autotune) or ACL graph (reduce-overhead)."""
+def torchair_backend(mode: str) -> Any:
+    """torchair's NPU backend compiling in ``mode`` (``"max-autotune"``: GE graph; ``"reduce-overhead"``: ACL graph)."""
     import torch_npu  # noqa: F401  (torchair needs it)
     import torchair
 
     config = torchair.CompilerConfig()
-    config.mode = "max-autotune" if path == "ge" else "reduce-overhead"
+    config.mode = mode
     return torchair.get_npu_backend(compiler_config=config)

@@ -1,11 +1,16 @@
-"""Micro-batch pipelining: layers as operations, schedules as data, and the executor that runs them."""
+"""Micro-batch pipelining: layers as operations, schedules as data, and the executor that runs them.
+
+`MODES` (``serial``, ``shared``, ``two-batch``) are the schedules the launcher compares; `run`
+executes any schedule, deriving every cross-stream event from the data flow; `split` cuts a
+packed batch into two balanced micro-batches that every rank agrees on.
+"""
 from .executor import Plan, Step, event_tag, execute, lower, run
 from .operations import FromMicroBatch, Operation, State, as_operation
-from .schedules import (HIDDEN, OUT, Launch, Schedule, ScheduleError, by_name, normalize_layers, serial,
-                        shared_overlap, two_batch, validate)
+from .schedules import (HIDDEN, MODES, OUT, Mode, Schedule, ScheduledOp, ScheduleError, as_listed, mode,
+                        normalize_layers, schedule_for, serial, shared, two_batch, validate)
 
 __all__ = [
-    "HIDDEN", "OUT", "FromMicroBatch", "Launch", "Operation", "Plan", "Schedule", "ScheduleError", "State", "Step",
-    "as_operation", "by_name", "event_tag", "execute", "lower", "normalize_layers", "run", "serial",
-    "shared_overlap", "two_batch", "validate",
+    "HIDDEN", "MODES", "OUT", "FromMicroBatch", "Mode", "Operation", "Plan", "Schedule", "ScheduleError", "ScheduledOp",
+    "State", "Step", "as_listed", "as_operation", "event_tag", "execute", "lower", "mode", "normalize_layers", "run",
+    "schedule_for", "serial", "shared", "two_batch", "validate",
 ]

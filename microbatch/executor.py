@@ -1,12 +1,13 @@
 """The executor: lowers a schedule onto the current execution path and runs it.
 
-The cross-stream edges come from the data flow, never from the schedule's author: where a value
-written on one stream is read on another, the writer's stream records the writer's event and the
-reader's stream waits for it before the read (on ``ge`` the graph's data edge already orders
-them, so nothing is added), and every tensor of the value is `record_stream` ed for the reader's
-stream. A forgotten wait is therefore impossible here. Ordering intents without data
-(``Schedule.orders``) become ``wait_tensor`` on ``ge`` and events across streams elsewhere.
-Events are named per (micro-batch, operation, stream) and reused by every layer.
+This is the one place that derives cross-stream edges, and they come from the data flow, never
+from the schedule's author: where a value written on one stream is read on another, the
+writer's stream records the writer's event and the reader's stream waits for it before the read
+(where the graph compiler orders data edges itself, ``ge``, nothing is added), and every tensor
+of the value is `record_stream` ed for the reader's stream. A forgotten wait is therefore
+impossible here. Ordering intents without data (``Schedule.orders``) become ``wait_tensor``
+where data edges order and events across streams elsewhere. Events are named per (micro-batch,
+operation, stream) and reused by every layer.
 """
 from __future__ import annotations
 
@@ -17,11 +18,10 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 import overlap
-from overlap._tree import tensors_in
-from overlap.streams import COMM
+from overlap import EP_COMM, backends, tensors_in
 
 from .operations import State, split_outputs
-from .schedules import Flow, Key, Launch, Layers, Schedule, normalize_layers, validate
+from .schedules import OUT, Flow, Key, Layers, Schedule, ScheduledOp, normalize_layers, validate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +29,7 @@ class Step:
     """One launch as lowered: the events its stream waits for first, the one it records after."""
 
     index: int
-    launch: Launch
+    scheduled: ScheduledOp
     waits: Tuple[str, ...] = ()
     record: Optional[str] = None
     crossing: Tuple[Key, ...] = ()  # values read from another stream (record_stream for this one)
@@ -57,24 +57,24 @@ class Plan:
         if self.input_event:
             lines.append(f"      record {self.input_event}")
         for s in self.steps:
-            lines += [f"      wait {t} on {s.launch.stream}" for t in s.waits]
+            lines += [f"      wait {t} on {s.scheduled.stream}" for t in s.waits]
             after = f"  wait_tensor after #{', #'.join(map(str, s.after))}" if s.after else ""
-            lines.append(f"{s.index:4d}  {s.launch}{after}")
+            lines.append(f"{s.index:4d}  {s.scheduled}{after}")
             if s.record:
                 lines.append(f"      record {s.record}")
         lines += [f"      wait {t} on {self.caller}" for t in self.final_waits]
         return "\n".join(lines)
 
 
-def event_tag(launch: Launch) -> str:
-    """The event recorded after ``launch``: one per (micro-batch, operation, stream), shared by all layers."""
-    return f"mb{launch.mb}.{launch.op}@{launch.stream}"
+def event_tag(op: ScheduledOp) -> str:
+    """The event recorded after ``op``: one per (micro-batch, operation, stream), shared by all layers."""
+    return f"mb{op.mb}.{op.op}@{op.stream}"
 
 
 class _Edges:
     """Cross-stream waits, skipping those an earlier wait on the same stream pair already covers."""
 
-    def __init__(self, launches: Sequence[Launch], caller: str, input_tag: str):
+    def __init__(self, launches: Sequence[ScheduledOp], caller: str, input_tag: str):
         self.launches, self.caller, self.input_tag = launches, caller, input_tag
         self.covered: Dict[Tuple[str, str], int] = {}  # (consumer, producer stream) -> latest waited writer
         self.recorded: set = set()
@@ -100,13 +100,13 @@ class _Edges:
 
 
 def lower(schedule: Schedule, layers: Layers, inputs: Sequence[Mapping[str, Any]],
-          path: Optional[str] = None, caller: Optional[str] = None) -> Tuple[Plan, Flow]:
+          path: Optional[str] = None, caller: Optional[str] = None, output: str = OUT) -> Tuple[Plan, Flow]:
     """Check ``schedule`` against ``layers`` and ``inputs`` and lower it for ``path`` (default: current)."""
-    flow = validate(schedule, layers, inputs)
+    flow = validate(schedule, layers, inputs, output)
     path = path or overlap.current_path()
     caller = caller or overlap.current_stream_tag()
     launches = schedule.launches
-    graph = path == "ge"  # GE honours data edges; ordering intents need wait_tensor
+    graph = backends.get(path).data_edges_order_streams  # then ordering intents need wait_tensor
     edges = _Edges(launches, caller, f"inputs@{caller}")
     intents: Dict[int, List[int]] = defaultdict(list)
     for b, a in schedule.orders:
@@ -157,16 +157,17 @@ def lower(schedule: Schedule, layers: Layers, inputs: Sequence[Mapping[str, Any]
     return plan, flow
 
 
-def run(schedule: Schedule, layers: Layers, inputs: Sequence[Mapping[str, Any]]) -> List[Any]:
+def run(schedule: Schedule, layers: Layers, inputs: Sequence[Mapping[str, Any]], output: str = OUT) -> List[Any]:
     """Run ``schedule`` over ``layers`` for micro-batches starting from ``inputs``; their outputs in order.
 
     ``layers[L]`` is layer L's operation list (shared by all micro-batches); ``inputs[mb]`` holds
     micro-batch ``mb``'s ``"hidden"`` and its context values (`FromMicroBatch` for another
-    micro-batch's values). The schedule is checked completely before the first launch, so a bad
-    schedule fails with `ScheduleError` on every rank before any collective is issued.
+    micro-batch's values). Each micro-batch's result is the last layer's ``output`` value. The
+    schedule is checked completely before the first launch, so a bad schedule fails with
+    `ScheduleError` on every rank before any collective is issued.
     """
     layers = normalize_layers(layers)
-    plan, flow = lower(schedule, layers, inputs)
+    plan, flow = lower(schedule, layers, inputs, output=output)
     return execute(plan, flow, inputs)
 
 
@@ -180,7 +181,7 @@ def execute(plan: Plan, flow: Flow, inputs: Sequence[Mapping[str, Any]]) -> List
     if plan.input_event:
         overlap.event(plan.input_event).record()
     for step in plan.steps:
-        l, op = step.launch, flow.ops[step.index]
+        l, op = step.scheduled, flow.ops[step.index]
         with overlap.stream(l.stream):
             for tag in step.waits:
                 overlap.event(tag).wait()
@@ -190,9 +191,9 @@ def execute(plan: Plan, flow: Flow, inputs: Sequence[Mapping[str, Any]]) -> List
             args = [_read(r, get) for r in flow.reads[step.index]]
             if step.after:
                 deps = [t for b in step.after for w in flow.ops[b].writes
-                        for t in tensors_in(get((plan.steps[b].launch.mb, plan.steps[b].launch.layer, w)))]
+                        for t in tensors_in(get((plan.steps[b].scheduled.mb, plan.steps[b].scheduled.layer, w)))]
                 args = _wait_first_tensor(args, deps)
-            kind = "launch" if op.stream == COMM else "compute"
+            kind = "issue" if op.stream == EP_COMM else "compute"
             with overlap.span(l.op, kind=kind, mb=l.mb, layer=l.layer):
                 out = op.fn(*args)
             values = split_outputs(op.name, op.writes, out)

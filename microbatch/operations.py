@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Optional, Tuple
 
-from overlap.streams import MAIN
+from overlap import DEFAULT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,7 +20,7 @@ class Operation:
     fn: Callable[..., Any]
     reads: Tuple[str, ...] = ()
     writes: Tuple[str, ...] = ()
-    stream: str = MAIN
+    stream: str = DEFAULT
 
     def run(self, state: "State") -> None:
         out = self.fn(*[state[r] for r in self.reads])
@@ -65,7 +65,7 @@ def as_operation(op: Any) -> Operation:
     for what, names in (("reads", reads), ("writes", writes)):
         if not all(isinstance(n, str) for n in names):
             raise TypeError(f"operation {op.name!r}: {what} must be names (str), got {names!r}")
-    return Operation(str(op.name), op.fn, reads, writes, getattr(op, "stream", MAIN) or MAIN)
+    return Operation(str(op.name), op.fn, reads, writes, getattr(op, "stream", DEFAULT) or DEFAULT)
 
 
 @dataclasses.dataclass(frozen=True)

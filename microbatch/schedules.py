@@ -1,11 +1,14 @@
-"""Schedules as data: the ordered launches of (micro-batch, layer, operation), and their check.
+"""Schedules as data: the ordered launches of (micro-batch, layer, operation), their check, and the modes.
 
-A `Schedule` lists `Launch` es in issue order; each names a micro-batch, a layer, an operation of
-that layer and the stream it is placed on. ``orders`` are ordering intents without a data edge
-(``(before, after)`` launch indices); the executor lowers them to ``wait_tensor`` on ``ge`` and to
-events across streams elsewhere. The generators read each layer's operation list by role:
-operations on `COMM` are communication (the compute before one is its producer), operations on
-`SHARED` are shared experts, everything else is compute.
+A `Schedule` lists `ScheduledOp` s in issue order; each names a micro-batch, a layer, an operation
+of that layer and the stream it is placed on. ``orders`` are ordering intents without a data edge
+(``(before, after)`` indices); the executor lowers them to ``wait_tensor`` where the graph orders
+data edges itself (``ge``) and to events across streams elsewhere. The generators read each
+layer's operation list by role: operations on `EP_COMM` are communication (the compute before
+one is its producer), operations on `SHARED_EXPERT` are shared experts, everything else is compute.
+
+`MODES` names the generators once, with the names the launcher, the JSON results and the traces
+use: ``serial``, ``shared`` and ``two-batch``.
 
 Values flow by name: a layer starts with its micro-batch's inputs (``"hidden"`` at layer 0, any
 context values at every layer) and layer ``L``'s ``"hidden"`` is layer ``L-1``'s ``"out"``.
@@ -15,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from overlap.streams import COMM, MAIN, SHARED
+from overlap import DEFAULT, EP_COMM, SHARED_EXPERT
 
 from .operations import FromMicroBatch, Operation, as_operation
 
@@ -31,13 +34,13 @@ class ScheduleError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
-class Launch:
+class ScheduledOp:
     """One issue of an operation: micro-batch ``mb``'s operation ``op`` of layer ``layer`` on ``stream``."""
 
     mb: int
     layer: int
     op: str
-    stream: str = MAIN
+    stream: str = DEFAULT
 
     def __str__(self) -> str:
         return f"mb{self.mb} L{self.layer} {self.op} @{self.stream}"
@@ -45,10 +48,10 @@ class Launch:
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-    """Launches in issue order plus ordering intents ``(before, after)`` between launch indices."""
+    """Operations in issue order plus ordering intents ``(before, after)`` between their indices."""
 
     name: str
-    launches: Tuple[Launch, ...]
+    launches: Tuple[ScheduledOp, ...]
     orders: Tuple[Tuple[int, int], ...] = ()
 
     def format(self) -> str:
@@ -129,8 +132,10 @@ def _describe(key: Key) -> str:
     return f"mb{key[0]}'s {key[2]!r} of layer {key[1]}"
 
 
-def validate(schedule: Schedule, layers: Layers, inputs: Sequence[Mapping[str, Any]]) -> Flow:
+def validate(schedule: Schedule, layers: Layers, inputs: Sequence[Mapping[str, Any]], output: str = OUT) -> Flow:
     """Check that ``schedule`` runs ``layers`` on micro-batches with ``inputs`` and return its data flow.
+
+    Each micro-batch's result is the last layer's ``output`` (`OUT` by default).
 
     Every operation of every layer of every micro-batch is launched exactly once, each value is
     written before it is read (also across layers and micro-batches), no operation overwrites an
@@ -186,12 +191,12 @@ def validate(schedule: Schedule, layers: Layers, inputs: Sequence[Mapping[str, A
                 raise ScheduleError(f"launch #{i} ({l}) writes {w!r}, which is an input of mb{l.mb}")
             writer[(l.mb, l.layer, w)] = i
         reads.append(rs)
-    outputs = [(mb, n_layers - 1, OUT) if n_layers else ("in", mb, HIDDEN) for mb in range(n_mb)]
+    outputs = [(mb, n_layers - 1, output) if n_layers else ("in", mb, HIDDEN) for mb in range(n_mb)]
     for mb, key in enumerate(outputs):
         if key[0] == "in" and HIDDEN not in inputs[mb]:
             raise ScheduleError(f"mb{mb} has no {HIDDEN!r} input")
         if key[0] != "in" and key not in writer:
-            raise ScheduleError(f"the last layer writes no {OUT!r}: mb{mb} would have no output")
+            raise ScheduleError(f"the last layer writes no {output!r}: mb{mb} would have no output")
     for b, a in schedule.orders:
         if not (0 <= b < a < len(schedule.launches)):
             raise ScheduleError(f"ordering intent ({b}, {a}) must name two launches, the first one earlier")
@@ -202,15 +207,15 @@ def validate(schedule: Schedule, layers: Layers, inputs: Sequence[Mapping[str, A
 
 
 def _is_comm(op: Operation) -> bool:
-    return op.stream == COMM
+    return op.stream == EP_COMM
 
 
-def _fifo_orders(launches: Sequence[Launch], comm: Sequence[bool]) -> Tuple[Tuple[int, int], ...]:
+def _fifo_orders(launches: Sequence[ScheduledOp], comm: Sequence[bool]) -> Tuple[Tuple[int, int], ...]:
     """Keep the communication launches of each side stream in schedule order (for graph compilers)."""
     last: Dict[str, int] = {}
     orders = []
     for i, (l, c) in enumerate(zip(launches, comm)):
-        if c and l.stream != MAIN:
+        if c and l.stream != DEFAULT:
             if l.stream in last:
                 orders.append((last[l.stream], i))
             last[l.stream] = i
@@ -218,14 +223,21 @@ def _fifo_orders(launches: Sequence[Launch], comm: Sequence[bool]) -> Tuple[Tupl
 
 
 def _build(name: str, items: Sequence[Tuple[int, int, Operation, str]]) -> Schedule:
-    launches = tuple(Launch(mb, li, op.name, stream) for mb, li, op, stream in items)
+    launches = tuple(ScheduledOp(mb, li, op.name, stream) for mb, li, op, stream in items)
     return Schedule(name, launches, _fifo_orders(launches, [_is_comm(op) for _, _, op, _ in items]))
+
+
+def as_listed(layers: Layers, n_micro: int = 1) -> Schedule:
+    """Each layer's operations in their listed order, each on its own stream, micro-batch after micro-batch."""
+    layers = normalize_layers(layers)
+    return _build("as-listed", [(mb, li, op, op.stream) for li, ops in enumerate(layers)
+                                for mb in range(n_micro) for op in ops])
 
 
 def serial(layers: Layers, n_micro: int = 1) -> Schedule:
     """Everything on the main stream, layer by layer, micro-batch after micro-batch: the reference."""
     layers = normalize_layers(layers)
-    return _build("serial", [(mb, li, op, MAIN) for li, ops in enumerate(layers)
+    return _build("serial", [(mb, li, op, DEFAULT) for li, ops in enumerate(layers)
                              for mb in range(n_micro) for op in ops])
 
 
@@ -244,7 +256,7 @@ def _float_shared(ops: Sequence[Operation]) -> Tuple[List[Operation], List[Opera
         return list(ops), [], 0
     layer_writes = {w for op in ops for w in op.writes}
     ready = _written_before(ops, first)  # not the comm output: waiting for it would serialise the exchange
-    floating = [op for op in ops if op.stream == SHARED
+    floating = [op for op in ops if op.stream == SHARED_EXPERT
                 and all(r in ready or r not in layer_writes for r in op.reads)]
     names = {op.name for op in floating}
     others = [op for op in ops if op.name not in names]
@@ -252,7 +264,7 @@ def _float_shared(ops: Sequence[Operation]) -> Tuple[List[Operation], List[Opera
     return others, floating, at
 
 
-def shared_overlap(layers: Layers, n_micro: int = 1) -> Schedule:
+def shared(layers: Layers, n_micro: int = 1) -> Schedule:
     """One batch at a time; the shared experts on their side stream right after the dispatch is issued.
 
     Communication runs on its stream and the shared experts overlap it on theirs; the rest
@@ -264,7 +276,7 @@ def shared_overlap(layers: Layers, n_micro: int = 1) -> Schedule:
         others, floating, at = _float_shared(ops)
         order = others[:at] + floating + others[at:]
         items += [(mb, li, op, op.stream) for mb in range(n_micro) for op in order]
-    return _build("shared_overlap", items)
+    return _build("shared", items)
 
 
 def _segments(ops: Sequence[Operation]) -> Tuple[List[List[Operation]], List[Operation]]:
@@ -280,7 +292,7 @@ def _segments(ops: Sequence[Operation]) -> Tuple[List[List[Operation]], List[Ope
 
 def _two_batch_stream(op: Operation) -> str:
     # Production prefill keeps all compute, shared experts included, on the main stream.
-    return op.stream if _is_comm(op) or op.stream not in (MAIN, SHARED) else MAIN
+    return op.stream if _is_comm(op) or op.stream not in (DEFAULT, SHARED_EXPERT) else DEFAULT
 
 
 def two_batch(layers: Layers, n_micro: int = 2, defer_tail: bool = True) -> Schedule:
@@ -335,19 +347,34 @@ def two_batch(layers: Layers, n_micro: int = 2, defer_tail: bool = True) -> Sche
             body += emit(last, li, tail)
         items += body
     items += deferred
-    return _build("two_batch", items)
+    return _build("two-batch", items)
 
 
-SCHEDULES = {"serial": serial, "shared_overlap": shared_overlap, "two_batch": two_batch}
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """A named way to run a prefill: its schedule generator and how many micro-batches it wants."""
+
+    name: str
+    make: Callable[..., Schedule]
+    micro_batches: int
 
 
-def by_name(name: str) -> Any:
-    """The schedule generator called ``name`` (``serial``, ``shared_overlap`` or ``two_batch``)."""
+MODES: Dict[str, Mode] = {m.name: m for m in (Mode("serial", serial, 1), Mode("shared", shared, 1),
+                                               Mode("two-batch", two_batch, 2))}
+
+
+def mode(name: str) -> Mode:
+    """The `Mode` called ``name``; a ValueError listing the modes otherwise."""
     try:
-        return SCHEDULES[name]
+        return MODES[name]
     except KeyError:
-        raise ValueError(f"unknown schedule {name!r}; expected one of {', '.join(SCHEDULES)}") from None
+        raise ValueError(f"unknown mode {name!r}; expected one of {', '.join(MODES)}") from None
 
 
-__all__ = ["HIDDEN", "OUT", "Flow", "Launch", "Read", "Schedule", "ScheduleError", "by_name", "normalize_layers",
-           "serial", "shared_overlap", "two_batch", "validate"]
+def schedule_for(name: str, layers: Layers, n_micro: int) -> Schedule:
+    """The schedule of mode ``name`` for ``layers`` and ``n_micro`` micro-batches."""
+    return mode(name).make(layers, n_micro)
+
+
+__all__ = ["HIDDEN", "MODES", "OUT", "Flow", "Mode", "Read", "Schedule", "ScheduleError", "ScheduledOp", "as_listed",
+           "mode", "normalize_layers", "schedule_for", "serial", "shared", "two_batch", "validate"]

@@ -181,11 +181,11 @@ def _grouped(group: Optional[dist.ProcessGroup]) -> bool:
 def _vote(mine: int, group: Optional[dist.ProcessGroup], device: Optional[torch.device]) -> List[int]:
     """Every rank's vote (0 split, 1 serial, 2 invalid) through one all-reduce."""
     import overlap
-    from overlap.comm import collective_device
+    from overlap import collective_device
 
     votes = torch.zeros(dist.get_world_size(group), dtype=torch.int32, device=device or collective_device(group))
     votes[dist.get_rank(group)] = mine
-    with overlap.stream(overlap.MAIN):  # synchronous: the decision is needed right away
+    with overlap.stream(overlap.DEFAULT):  # synchronous: the decision is needed right away
         overlap.all_reduce(votes, group=group, name="agree_split")
     return votes.tolist()
 

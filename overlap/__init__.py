@@ -1,33 +1,38 @@
 """Overlap communication with computation: execution paths, tagged streams, events, core limits.
 
-One vocabulary lowers to every path (README, docs/graph-mode.md): ``stream(tag)`` places work on a tagged
-stream, ``event(tag).record() / .wait()`` orders streams, ``wait_tensor`` is an ordering edge,
-``record_stream`` keeps memory alive across streams and ``limit_cores`` splits the cores.
-``Timeline`` records what ran where and when, ``Sanitizer`` checks that streams are ordered.
+One vocabulary lowers to every path (one backend per path in `overlap.backends`): ``stream(tag)``
+places work on a tagged stream, ``event(tag).record() / .wait()`` orders streams, ``wait_tensor``
+is an ordering edge, ``record_stream`` keeps memory alive across streams and ``limit_cores``
+splits the cores. Beside the primitives: `overlap.observability` (``Timeline``, ``Sanitizer``,
+the overlap report), `overlap.offload` (the KV-cache offload stream) and `overlap.multirank`
+(the multi-rank harness). Importing the package has no side effect; `reset` forgets the
+process-wide state (`overlap.state`).
 """
-from .comm import all_reduce, all_to_all_single
+from ._tree import tensors_in
+from .comm import all_reduce, all_to_all_single, collective_device
+from .context import (DEFAULT, ENV_ENABLE, ENV_PATH, PATHS, current_path, current_stream_tag, detect_path, enabled,
+                      is_enabled, set_enabled, set_path, use_path)
 from .copy import copy_
 from .cores import (CoreBudget, CoreBudgetError, core_budget, limit_cores, parse_budget, read_soc_config,
                     reset_core_limits, set_core_budget, stream_limits)
 from .events import Event, event, wait_tensor
-from .link import Link, current_link, parse_link, set_link
-from .offload import OffloadCache, OffloadError
 from .hooks import Span, add_observer, remove_observer, span
-from .paths import (ENV_ENABLE, ENV_PATH, PATHS, current_path, detect_path, enabled, is_enabled, set_enabled,
-                    set_path, use_path)
-from .streams import (COMM, COPY, MAIN, SHARED, current_stream_tag, get_stream, launch_collective, launch_host,
-                      record_stream, stream, synchronize)
-from .sanitizer import Sanitizer, StreamRaceError, enable_from_env as _sanitize_from_env
-from .timeline import Timeline
+from .link import Link, current_link, parse_link, set_link
+from .observability import Sanitizer, StreamRaceError, Timeline
+from .observability import enable_from_env as sanitize_from_env
+from .offload import OffloadCache, OffloadError
+from .state import reset
+from .streams import (EP_COMM, KV_OFFLOAD, SHARED_EXPERT, get_stream, issue_collective, issue_host, record_stream,
+                      stream, synchronize)
 
 __all__ = [
-    "COMM", "COPY", "MAIN", "SHARED", "PATHS", "ENV_ENABLE", "ENV_PATH",
-    "CoreBudget", "CoreBudgetError", "Event", "Link", "OffloadCache", "OffloadError", "Sanitizer", "Span", "StreamRaceError", "Timeline",
-    "add_observer", "all_reduce", "all_to_all_single", "copy_", "core_budget", "current_link", "current_path",
-    "current_stream_tag", "detect_path", "enabled", "event", "get_stream", "is_enabled", "launch_collective",
-    "launch_host", "limit_cores", "parse_budget", "parse_link", "read_soc_config", "record_stream", "remove_observer",
-    "reset_core_limits", "set_core_budget", "set_enabled", "set_link", "set_path", "span", "stream", "stream_limits",
-    "synchronize", "use_path", "wait_tensor",
+    "DEFAULT", "EP_COMM", "KV_OFFLOAD", "SHARED_EXPERT", "PATHS", "ENV_ENABLE", "ENV_PATH",
+    "CoreBudget", "CoreBudgetError", "Event", "Link", "OffloadCache", "OffloadError", "Sanitizer", "Span",
+    "StreamRaceError", "Timeline",
+    "add_observer", "all_reduce", "all_to_all_single", "collective_device", "copy_", "core_budget", "current_link",
+    "current_path", "current_stream_tag", "detect_path", "enabled", "event", "get_stream", "is_enabled",
+    "issue_collective", "issue_host", "limit_cores", "parse_budget", "parse_link", "read_soc_config",
+    "record_stream", "remove_observer", "reset", "reset_core_limits", "sanitize_from_env", "set_core_budget",
+    "set_enabled", "set_link", "set_path", "span", "stream", "stream_limits", "synchronize", "tensors_in",
+    "use_path", "wait_tensor",
 ]
-
-_sanitize_from_env()  # $OVERLAP_SANITIZE=1 or =raise checks stream ordering in this process

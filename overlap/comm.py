@@ -7,7 +7,7 @@ from typing import Any, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .streams import launch_collective
+from .streams import issue_collective
 
 
 def collective_device(group: Optional[dist.ProcessGroup] = None) -> torch.device:
@@ -60,7 +60,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
     row = math.prod(input.shape[1:]) * input.element_size()
     sent = input.shape[0] - (in_splits[me] if in_splits else input.shape[0] // world)
     received = output.shape[0] - (out_splits[me] if out_splits else output.shape[0] // world)
-    launch_collective(name, issue, reads=(input,), writes=(output,), nbytes=max(sent, received) * row, **meta)
+    issue_collective(name, issue, reads=(input,), writes=(output,), nbytes=max(sent, received) * row, **meta)
 
 
 def all_reduce(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Optional[dist.ProcessGroup] = None,
@@ -72,4 +72,4 @@ def all_reduce(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Optiona
 
     world = dist.get_world_size(group)
     ring = 2 * (world - 1) * tensor.numel() * tensor.element_size() // world
-    launch_collective(name, issue, reads=(tensor,), writes=(tensor,), nbytes=ring, **meta)
+    issue_collective(name, issue, reads=(tensor,), writes=(tensor,), nbytes=ring, **meta)

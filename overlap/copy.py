@@ -5,7 +5,7 @@ from typing import Any
 
 import torch
 
-from .streams import launch_host
+from .streams import issue_host
 
 
 def copy_(dst: torch.Tensor, src: torch.Tensor, name: str = "copy", **meta: Any) -> torch.Tensor:
@@ -16,5 +16,5 @@ def copy_(dst: torch.Tensor, src: torch.Tensor, name: str = "copy", **meta: Any)
     """
     if dst.shape != src.shape:
         raise ValueError(f"copy_: destination shape {tuple(dst.shape)} differs from source {tuple(src.shape)}")
-    launch_host(name, lambda: dst.copy_(src, non_blocking=True), reads=(src,), writes=(dst,), **meta)
+    issue_host(name, lambda: dst.copy_(src, non_blocking=True), reads=(src,), writes=(dst,), **meta)
     return dst

@@ -13,11 +13,11 @@ import contextlib
 import dataclasses
 import glob
 import os
-import threading
 from typing import Dict, Iterator, Optional, Tuple
 
-from .paths import _eager_in_trace, current_path, is_enabled
-from .streams import current_stream_tag
+from . import backends
+from .context import current_stream_tag, eager_in_trace, is_enabled
+from .state import STATE
 
 ENV_BUDGET = "OVERLAP_CORE_BUDGET"
 ENV_SOC = "OVERLAP_SOC_VERSION"
@@ -65,17 +65,7 @@ def read_soc_config(path: str) -> CoreBudget:
 
 
 def _soc_version() -> Optional[str]:
-    soc = os.environ.get(ENV_SOC)
-    if soc:
-        return soc
-    if current_path() in ("npu", "ge", "aclgraph"):
-        try:
-            import torch
-
-            return torch.npu.get_device_name()
-        except Exception:
-            return None
-    return None
+    return os.environ.get(ENV_SOC) or backends.current().soc_version()
 
 
 def find_soc_config(soc: Optional[str] = None) -> Optional[str]:
@@ -91,22 +81,15 @@ def find_soc_config(soc: Optional[str] = None) -> Optional[str]:
     return None
 
 
-_budget: Optional[CoreBudget] = None
-_limits: Dict[str, Tuple[int, int]] = {}
-_npu_active: Dict[int, Tuple[int, int]] = {}  # limit set by the innermost active limit_cores per npu stream
-_lock = threading.Lock()
-
-
 def set_core_budget(budget: Optional[CoreBudget]) -> None:
     """Use ``budget`` for validation (None: back to the environment / SoC description)."""
-    global _budget
-    _budget = budget
+    STATE.core_budget = budget
 
 
 def core_budget() -> Optional[CoreBudget]:
     """The device's core budget, or None when it cannot be known."""
-    if _budget is not None:
-        return _budget
+    if STATE.core_budget is not None:
+        return STATE.core_budget
     env = os.environ.get(ENV_BUDGET)
     if env:
         return parse_budget(env)
@@ -116,24 +99,24 @@ def core_budget() -> Optional[CoreBudget]:
 
 def reset_core_limits() -> None:
     """Forget the limits recorded so far (e.g. between models)."""
-    with _lock:
-        _limits.clear()
+    with STATE.lock:
+        STATE.core_limits.clear()
 
 
 def stream_limits() -> Dict[str, Tuple[int, int]]:
     """The limit recorded for each stream tag."""
-    with _lock:
-        return dict(_limits)
+    with STATE.lock:
+        return dict(STATE.core_limits)
 
 
-@_eager_in_trace  # reads files and the environment: plain Python even while Dynamo traces
+@eager_in_trace  # reads files and the environment: plain Python even while Dynamo traces
 def _check(tag: str, aic: int, aiv: int) -> None:
     if not (isinstance(aic, int) and isinstance(aiv, int)) or aic < 1 or aiv < 0:
         raise CoreBudgetError(f"limit_cores(aic={aic!r}, aiv={aiv!r}): aic must be an int >= 1 and aiv an int >= 0")
     budget = core_budget()
-    with _lock:
-        old = _limits.get(tag, (0, 0))
-        new = dict(_limits)
+    with STATE.lock:
+        old = STATE.core_limits.get(tag, (0, 0))
+        new = dict(STATE.core_limits)
         new[tag] = (max(old[0], aic), max(old[1], aiv))
         if budget is not None:
             total_aic = sum(a for a, _ in new.values())
@@ -146,7 +129,7 @@ def _check(tag: str, aic: int, aiv: int) -> None:
                     f"({detail}); oversubscribed parallel streams stop overlapping or hang the device. "
                     f"Limits persist per stream; call overlap.reset_core_limits() between phases whose "
                     f"streams never run in parallel")
-        _limits[tag] = new[tag]
+        STATE.core_limits[tag] = new[tag]
 
 
 @contextlib.contextmanager
@@ -160,27 +143,9 @@ def limit_cores(aic: int, aiv: int) -> Iterator[None]:
         yield
         return
     _check(current_stream_tag(), aic, aiv)
-    path = current_path()
-    if path in ("ge", "aclgraph"):
-        from torchair.scope import limit_core_num
-
-        with limit_core_num(aic, aiv):
-            yield
-    elif path == "npu":
-        import torch
-
-        s = torch.npu.current_stream()
-        outer = _npu_active.get(id(s))
-        torch.npu.set_stream_limit(s, aic, aiv)
-        _npu_active[id(s)] = (aic, aiv)
-        try:
-            yield
-        finally:
-            if outer is None:  # restore what an enclosing limit_cores set, or the device default
-                _npu_active.pop(id(s), None)
-                torch.npu.reset_stream_limit(s)
-            else:
-                _npu_active[id(s)] = outer
-                torch.npu.set_stream_limit(s, *outer)
-    else:
+    scope = backends.current().core_scope(aic, aiv)
+    if scope is None:
         yield
+    else:
+        with scope:
+            yield

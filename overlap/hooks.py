@@ -13,14 +13,14 @@ import contextlib
 import contextvars
 import dataclasses
 import itertools
-import threading
 import time
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Dict, Iterator, Optional, Sequence
 
 import torch
 
-_observers: List[Any] = []
-_lock = threading.Lock()
+from .context import current_stream_tag
+from .state import STATE
+
 _ids = itertools.count()
 # Meta of the enclosing `span` blocks (mb, layer, ...), inherited by the launches inside them.
 _context_meta: contextvars.ContextVar[Dict[str, Any]] = contextvars.ContextVar("overlap_span_meta", default={})
@@ -45,23 +45,24 @@ class Span:
 
 def add_observer(observer: Any) -> None:
     """Install an observer; it may define any of the ``on_*`` methods called below."""
-    with _lock:
-        if observer not in _observers:
-            _observers.append(observer)
+    with STATE.lock:
+        if observer not in STATE.observers:
+            STATE.observers = STATE.observers + [observer]  # copy on write: readers iterate without the lock
 
 
 def remove_observer(observer: Any) -> None:
-    with _lock:
-        if observer in _observers:
-            _observers.remove(observer)
+    with STATE.lock:
+        if observer in STATE.observers:
+            STATE.observers = [o for o in STATE.observers if o is not observer]
 
 
 def active() -> bool:
-    return bool(_observers)
+    """Whether any observer is installed (without one, every hook is a no-op)."""
+    return bool(STATE.observers)
 
 
 def _notify(method: str, *args: Any) -> None:
-    for obs in list(_observers):
+    for obs in STATE.observers:
         fn = getattr(obs, method, None)
         if fn is not None:
             fn(*args)
@@ -77,7 +78,7 @@ def start_span(name: str, stream: str, kind: str, *, reads: Sequence[torch.Tenso
                writes: Sequence[torch.Tensor] = (), asynchronous: bool = False,
                meta: Optional[Dict[str, Any]] = None) -> Optional[Span]:
     """Open a span and tell the observers; None when nobody observes."""
-    if not _observers:
+    if not STATE.observers:
         return None
     span = Span(name=name, stream=stream, kind=kind, rank=_rank(), start=time.perf_counter(),
                 meta={**_context_meta.get(), **(meta or {})}, reads=tuple(reads), writes=tuple(writes),
@@ -97,11 +98,9 @@ def end_span(span: Optional[Span]) -> None:
 @contextlib.contextmanager
 def span(name: str, kind: str = "compute", **meta: Any) -> Iterator[Optional[Span]]:
     """Mark a block of inline work on the current stream, e.g. ``with span("attn", mb=0, layer=3)``."""
-    if not _observers:
+    if not STATE.observers:
         yield None
         return
-    from .streams import current_stream_tag
-
     s = start_span(name, current_stream_tag(), kind, meta=meta)
     token = _context_meta.set({**_context_meta.get(), **meta})
     try:
@@ -112,24 +111,24 @@ def span(name: str, kind: str = "compute", **meta: Any) -> Iterator[Optional[Spa
 
 
 def event_recorded(event_name: str, stream: str) -> None:
-    if _observers:
+    if STATE.observers:
         _notify("on_event_record", event_name, stream)
 
 
 def event_waited(event_name: str, stream: str) -> None:
-    if _observers:
+    if STATE.observers:
         _notify("on_event_wait", event_name, stream)
 
 
 def synchronized() -> None:
     """The host waited for all work on all streams."""
-    if _observers:
+    if STATE.observers:
         _notify("on_synchronize")
 
 
 def event_synchronized(event_name: str) -> None:
     """The host waited for one event; observers without ``on_event_synchronize`` see a full synchronisation."""
-    for obs in list(_observers):
+    for obs in STATE.observers:
         fn = getattr(obs, "on_event_synchronize", None)
         if fn is not None:
             fn(event_name)

@@ -5,8 +5,8 @@ machine has no idle engine left to overlap with; a real interconnect moves them 
 With a link set, each collective on the ``cpu`` path completes no earlier than its transfer
 time over that link, and the link carries one transfer at a time per process (a FIFO, as a NIC
 does): two exchanges in flight share it rather than each getting the full bandwidth. The extra
-wait is a sleep, so it costs no CPU and overlaps with compute like a real network transfer. Off by default (tests run plain gloo); the launcher and the benchmarks turn it
-on and print it. Set by `set_link` or ``$OVERLAP_CPU_LINK="GBPS[,LATENCY_US]"`` (e.g. "2,20").
+wait is a sleep, so it costs no CPU and overlaps with compute like a real network transfer.
+Off by default (tests run plain gloo); the launcher and the benchmarks turn it on and print it. Set by `set_link` or ``$OVERLAP_CPU_LINK="GBPS[,LATENCY_US]"`` (e.g. "2,20").
 """
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ import os
 import threading
 import time
 from typing import Any, Callable, Optional
+
+from .state import STATE
 
 ENV_LINK = "OVERLAP_CPU_LINK"
 
@@ -49,18 +51,12 @@ def parse_link(text: str, source: str = ENV_LINK) -> Link:
         raise ValueError(f"{source}: expected 'GBPS[,LATENCY_US]' with GBPS > 0, e.g. '2,20'; got {text!r}") from None
 
 
-_link: Optional[Link] = None
-_busy_until = 0.0
-_busy_lock = threading.Lock()
-
-
 def reserve(seconds: float) -> float:
     """Book the link for ``seconds`` after the transfers already booked; returns when this one ends."""
-    global _busy_until
-    with _busy_lock:
-        start = max(time.monotonic(), _busy_until)
-        _busy_until = start + seconds
-        return _busy_until
+    with STATE.lock:
+        start = max(time.monotonic(), STATE.link_busy_until)
+        STATE.link_busy_until = start + seconds
+        return STATE.link_busy_until
 
 
 def wait_transfer(seconds: float) -> None:
@@ -70,13 +66,13 @@ def wait_transfer(seconds: float) -> None:
 
 def set_link(link: Optional[Link]) -> None:
     """Simulate ``link`` for CPU collectives (None: plain gloo, unless ``$OVERLAP_CPU_LINK`` is set)."""
-    global _link
-    _link = link
+    STATE.link = link
 
 
 def current_link() -> Optional[Link]:
-    if _link is not None:
-        return _link
+    """The simulated link in use: `set_link`'s, else ``$OVERLAP_CPU_LINK``'s, else None."""
+    if STATE.link is not None:
+        return STATE.link
     env = os.environ.get(ENV_LINK)
     return parse_link(env) if env else None
 

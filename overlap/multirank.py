@@ -26,6 +26,11 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from . import backends
+from .observability import enable_from_env
+from .state import STATE
+from .streams import synchronize
+
 ENV_TIMEOUT = "OVERLAP_RANK_TIMEOUT"
 DEFAULT_TIMEOUT = float(os.environ.get(ENV_TIMEOUT, "90"))
 
@@ -52,32 +57,24 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("WORLD_SIZE" in os.environ and "RANK" in os.environ)
 
 
-def default_backend(device: torch.device) -> str:
-    return {"cuda": "nccl", "npu": "hccl"}.get(device.type, "gloo")
+def default_backend() -> str:
+    """The torch.distributed backend for the current path's device: gloo, nccl or hccl."""
+    return backends.current().process_group_backend
 
 
 def default_device() -> torch.device:
     """This rank's device under torchrun: ``LOCAL_RANK`` selects it on NPU / CUDA."""
-    from .paths import current_path, path_device
-
-    path = current_path()
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    if path in ("npu", "ge", "aclgraph"):
-        import torch_npu  # noqa: F401
-
-        torch.npu.set_device(local)
-    elif path == "cuda":
-        torch.cuda.set_device(local % torch.cuda.device_count())
-    return path_device(path)
+    backend = backends.current()
+    backend.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    return backend.device()
 
 
-_subgroups: Dict[int, Any] = {}
 
 
 def _torchrun_group(n: int, timeout: float) -> Optional[RankContext]:
     if not dist.is_initialized():
-        device = default_device()
-        dist.init_process_group(default_backend(device), timeout=datetime.timedelta(seconds=timeout))
+        default_device()
+        dist.init_process_group(default_backend(), timeout=datetime.timedelta(seconds=timeout))
         atexit.register(_leave_together)
     world, rank = dist.get_world_size(), dist.get_rank()
     if n > world:
@@ -85,9 +82,9 @@ def _torchrun_group(n: int, timeout: float) -> Optional[RankContext]:
     if n == world:
         group = dist.group.WORLD
     else:
-        if n not in _subgroups:  # every rank must create every subgroup, in the same order
-            _subgroups[n] = dist.new_group(list(range(n)))
-        group = _subgroups[n]
+        if n not in STATE.subgroups:  # every rank must create every subgroup, in the same order
+            STATE.subgroups[n] = dist.new_group(list(range(n)))
+        group = STATE.subgroups[n]
     if rank >= n:
         return None
     return RankContext(rank, n, group, default_device())
@@ -98,8 +95,6 @@ def _leave_together() -> None:
     still use a subgroup, or with gloo threads alive, aborts ("terminate called ...")."""
     try:
         if dist.is_initialized():
-            from .streams import synchronize
-
             synchronize()  # nothing of this rank's still in flight on a side stream
             dist.barrier()
             dist.destroy_process_group()
@@ -110,9 +105,7 @@ def _leave_together() -> None:
 def _child(fn: Callable[..., Any], rank: int, world: int, store_dir: str, timeout: float, threads: int,
            env: Dict[str, str], results: Any, args: tuple, kwargs: dict) -> None:
     os.environ.update(env)
-    from .sanitizer import enable_from_env
-
-    enable_from_env()  # overlap was imported before env was applied: honour $OVERLAP_SANITIZE now
+    enable_from_env()  # with env applied: honour $OVERLAP_SANITIZE (and OVERLAP_SANITIZE passed in env)
     torch.set_num_threads(threads)
     try:
         dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=rank, world_size=world,
@@ -129,8 +122,6 @@ def _child(fn: Callable[..., Any], rank: int, world: int, store_dir: str, timeou
     finally:
         try:
             if dist.is_initialized():
-                from .streams import synchronize
-
                 synchronize()
                 dist.destroy_process_group()
         except Exception:

@@ -8,23 +8,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 @pytest.fixture(autouse=True)
 def _clean_overlap_state(monkeypatch):
-    """Each test starts on auto-detected path with overlap on and no core limits recorded."""
+    """Each test starts from a fresh toolkit state: auto-detected path, overlap on, no streams, events or limits."""
     import overlap
 
     for var in (overlap.ENV_PATH, overlap.ENV_ENABLE, "OVERLAP_CORE_BUDGET", "OVERLAP_CPU_LINK"):
         monkeypatch.delenv(var, raising=False)
-    overlap.set_path(None)
-    overlap.set_enabled(None)
-    overlap.set_core_budget(None)
-    overlap.reset_core_limits()
-    overlap.set_link(None)
-    overlap.streams._swap_stream_tag(overlap.MAIN)  # a failed graph trace can leave a side stream current
+    overlap.reset()
     yield
-    overlap.set_core_budget(None)
-    overlap.reset_core_limits()
+    overlap.reset()
 
 
 def pytest_configure(config):
+    import overlap
+
+    overlap.sanitize_from_env()  # OVERLAP_SANITIZE=1|raise checks every test's stream ordering
     config.addinivalue_line("markers", "cpu_only: checks the CPU path (its engine model or CPU tensors); "
                                        "skipped where the tests run on NPU / CUDA ranks")
     config.addinivalue_line("markers", "spawns_ranks: starts its own processes; skipped under torchrun")

@@ -36,7 +36,7 @@ def test_parallel_limits_within_budget_pass():
         pass
     with overlap.limit_cores(16, 32):
         pass
-    assert overlap.stream_limits() == {"side": (8, 16), overlap.MAIN: (16, 32)}
+    assert overlap.stream_limits() == {"side": (8, 16), overlap.DEFAULT: (16, 32)}
 
 
 def test_oversubscription_is_a_clear_error_naming_streams(monkeypatch):
@@ -96,8 +96,8 @@ def test_main_stream_inside_a_side_scope_is_refused_on_graph_paths(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchair", types.SimpleNamespace(scope=scope))
     monkeypatch.setitem(sys.modules, "torchair.scope", scope)
     with overlap.use_path("ge"):
-        with overlap.stream(overlap.MAIN):  # at top level it is the main stream already
+        with overlap.stream(overlap.DEFAULT):  # at top level it is the main stream already
             pass
         with pytest.raises(ValueError, match="main stream cannot be entered inside"):
-            with overlap.stream(overlap.COMM), overlap.stream(overlap.MAIN):
+            with overlap.stream(overlap.EP_COMM), overlap.stream(overlap.DEFAULT):
                 pass

@@ -34,7 +34,7 @@ def _a2a_side_equals_sync(ctx, dtypes):
         dist.all_to_all_single(ref, x, recv_splits, splits, group=ctx.group)
         out = torch.full_like(ref, float("nan"))
         ev = overlap.event("a2a_done")
-        with overlap.stream(overlap.COMM):
+        with overlap.stream(overlap.EP_COMM):
             overlap.all_to_all_single(out, x, recv_splits, splits, group=ctx.group)
             ev.record(out)
         out = ev.wait(out)
@@ -56,7 +56,7 @@ def _read_before_wait_is_a_real_race(ctx):
     ev = overlap.event("race")
     if ctx.rank == 1:
         store.wait(["rank0_has_read"])  # rank 1 sends only after rank 0 looked too early
-    with overlap.stream(overlap.COMM):
+    with overlap.stream(overlap.EP_COMM):
         overlap.all_to_all_single(out, x, group=ctx.group)
         ev.record(out)
     early = None
@@ -81,13 +81,13 @@ def _layer_like(ctx):
     x = torch.randn(8 * ctx.world_size, 16, generator=g)
     ev = overlap.event("layer_a2a")
     recv = torch.empty_like(x)
-    with overlap.stream(overlap.COMM):
+    with overlap.stream(overlap.EP_COMM):
         overlap.all_to_all_single(recv, x, group=ctx.group)
         ev.record(recv)
     local = torch.tanh(x @ w)  # overlaps the exchange
     recv = ev.wait(recv)
     back = torch.empty_like(recv)
-    with overlap.stream(overlap.COMM):
+    with overlap.stream(overlap.EP_COMM):
         overlap.all_to_all_single(back, recv @ w, group=ctx.group)
         ev.record(back)
     back = ev.wait(back)
@@ -110,7 +110,7 @@ def test_enable_switch_gives_identical_results(world):
 def _env_off_is_synchronous(ctx):
     assert not overlap.is_enabled()
     out = torch.zeros(2 * ctx.world_size)
-    with overlap.stream(overlap.COMM):
+    with overlap.stream(overlap.EP_COMM):
         overlap.all_to_all_single(out, torch.ones(2 * ctx.world_size), group=ctx.group)
     return bool((out == 1).all())  # no wait: with overlap off the exchange already completed
 
@@ -125,7 +125,7 @@ def _chained_on_one_stream(ctx):
     mid = torch.empty_like(x)
     out = torch.empty_like(x)
     ev = overlap.event("chain")
-    with overlap.stream(overlap.COMM):
+    with overlap.stream(overlap.EP_COMM):
         overlap.all_to_all_single(mid, x, group=ctx.group)
         overlap.all_to_all_single(out, mid, group=ctx.group)
         ev.record(out)
@@ -143,8 +143,8 @@ def test_copy_runs_on_the_copy_thread_and_event_orders_it():
     seen = []
     release = threading.Event()
     ev = overlap.event("copy_done")
-    with overlap.stream(overlap.COPY):
-        overlap.launch_host("blocker", lambda: (seen.append(threading.current_thread().name), release.wait(30)))
+    with overlap.stream(overlap.KV_OFFLOAD):
+        overlap.issue_host("blocker", lambda: (seen.append(threading.current_thread().name), release.wait(30)))
         overlap.copy_(dst, src)
         ev.record(dst)
     assert torch.equal(dst, torch.zeros_like(src))  # queued behind the blocker on the copy thread
@@ -167,13 +167,13 @@ def test_wait_tensor_joins_side_streams_and_synchronize_drains():
     release = threading.Event()
     done = []
     with overlap.stream("side_a"):
-        overlap.launch_host("slow", lambda: (release.wait(30), done.append(1)))
+        overlap.issue_host("slow", lambda: (release.wait(30), done.append(1)))
     threading.Timer(0.05, release.set).start()
     x = torch.ones(2)
     assert overlap.wait_tensor(x, x) is x
     assert done == [1]
     with overlap.stream("side_a"):
-        overlap.launch_host("more", lambda: done.append(2))
+        overlap.issue_host("more", lambda: done.append(2))
     overlap.synchronize()
     assert done == [1, 2]
 
@@ -211,10 +211,10 @@ def _slow_link(ctx):
     out = torch.zeros_like(x)
     ev = overlap.event("link")
     with overlap.Timeline() as tl:
-        with overlap.stream(overlap.COMM):
+        with overlap.stream(overlap.EP_COMM):
             overlap.all_to_all_single(out, x, group=ctx.group)
             ev.record(out)
-        in_flight = not all(p.done() for p in overlap.get_stream(overlap.COMM).snapshot())
+        in_flight = not all(p.done() for p in overlap.get_stream(overlap.EP_COMM).snapshot())
         out = ev.wait(out)
     (s,) = tl.find(kind="comm")
     return in_flight, s.end - s.start, torch.equal(out, x)

@@ -255,7 +255,7 @@ def test_traces_under_compile_fullgraph_with_static_splits():
     tc.load_torchair()  # skips when the torch_npu wheel cannot be had
     for out in run_ranks(_compile_body, 2, timeout=240):
         for path in ("ge", "aclgraph"):
-            assert out[path]["a2a_streams"] == [overlap.COMM] * 3, out[path]  # tokens, metadata, combine
+            assert out[path]["a2a_streams"] == [overlap.EP_COMM] * 3, out[path]  # tokens, metadata, combine
         acl = out["aclgraph"]["ops"]
         for tag in ("ep_dispatch", "ep_combine"):
             rec, wait = acl.index(f"tagged_event_record({tag})"), acl.index(f"tagged_event_wait({tag})")
@@ -264,7 +264,7 @@ def test_traces_under_compile_fullgraph_with_static_splits():
 
 def _previous_event_does_not_skip_the_packing(ctx):
     """With previous_event the exchange must still wait for what dispatch / combine packed on the caller's stream."""
-    from overlap.sanitizer import Sanitizer
+    from overlap.observability.sanitizer import Sanitizer
 
     x, idx, w = _routing(ctx.rank, 16, 4, 2, seed=1)
     with Sanitizer(raise_on_race=False) as san:
@@ -298,12 +298,12 @@ def test_two_dispatches_in_flight_are_waited_for_separately():
 
 
 def _wait_from_a_third_stream(ctx):
-    from overlap.sanitizer import Sanitizer
+    from overlap.observability.sanitizer import Sanitizer
 
     x, idx, w = _routing(ctx.rank, 12, 4, 2, seed=3)
     with Sanitizer(raise_on_race=False) as san:
         h = dispatch(x, idx, w, 4, ctx.group, async_finish=True)
-        with overlap.stream(overlap.SHARED):  # neither the caller's stream nor the exchange's
+        with overlap.stream(overlap.SHARED_EXPERT):  # neither the caller's stream nor the exchange's
             h.wait()
             total = h.recv_x.sum()  # own rows (gathered on the caller's stream) included
         overlap.synchronize()

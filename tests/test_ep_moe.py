@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 import overlap
-from collectives import ExpertParallelMoE, LayoutError, MoE, MoEConfig, Stage, run_stages, wrap_expert_parallel
+import microbatch
+from collectives import ExpertParallelMoE, LayoutError, MoE, MoEConfig, wrap_expert_parallel
 from collectives.experts import LocalExperts, grouped_mlp, resolve_impl
 from overlap.multirank import run_ranks
 
@@ -80,20 +81,16 @@ def test_expert_parallel_equals_dense(world):
             assert torch.equal(got, no_shared_overlap), f"rank {rank} {name} {dtype}: shared overlap changes output"
 
 
-def _interleaved(stages, n_mb):
-    """Two micro-batches' stages interleaved stage by stage, values renamed per micro-batch."""
-    out = []
-    for i in range(len(stages)):
-        for mb in range(n_mb):
-            s = stages[i]
-            out.append(Stage(f"mb{mb}.{s.name}", s.fn, tuple(f"mb{mb}.{r}" for r in s.reads),
-                             tuple(f"mb{mb}.{w}" for w in s.writes), s.stream))
-    return out
+def _interleaved(stages, xs):
+    """Micro-batches ``xs`` through the stages interleaved stage by stage, by the executor; their outputs."""
+    schedule = microbatch.Schedule("interleaved", tuple(microbatch.ScheduledOp(mb, 0, s.name, s.stream)
+                                                        for s in stages for mb in range(len(xs))))
+    return microbatch.run(schedule, [stages], [{"moe_in": x} for x in xs], output="moe_out")
 
 
 def _overlap_body(ctx):
-    from overlap.sanitizer import Sanitizer
-    from overlap.timeline import Timeline, intersects
+    from overlap.observability.sanitizer import Sanitizer
+    from overlap.observability.timeline import Timeline, intersects
 
     cfg = MoEConfig(hidden=256, ffn=32, n_experts=2 * ctx.world_size, top_k=2, n_shared=4)
     moe = _moe(cfg, "router", torch.float32)
@@ -105,13 +102,12 @@ def _overlap_body(ctx):
         checked = ep(x)
         # two interleaved micro-batches through the same (re-entrant) stage functions
         halves = x[:900], x[900:]
-        vals = run_stages(_interleaved(ep.stages(), 2), {"mb0.moe_in": halves[0], "mb1.moe_in": halves[1]})
+        mbs = torch.cat(_interleaved(ep.stages(), halves))
     races = list(san.races)
-    mbs = torch.cat([vals["mb0.moe_out"], vals["mb1.moe_out"]])
     def timeline_hit(flag):
         with overlap.enabled(flag), Timeline() as tl:
             ep(x)
-        dispatch = [s for s in tl.spans if s.name in ("dispatch", "dispatch.meta")]
+        dispatch = [s for s in tl.spans if s.kind == "comm" and s.name in ("dispatch", "dispatch.meta")]
         shared = [s for s in tl.spans if s.name.startswith("shared_")]
         return any(intersects(a, b) for a in shared for b in dispatch), len(dispatch), shared
 
@@ -130,7 +126,7 @@ def test_overlap_is_race_free_reentrant_and_real():
         torch.testing.assert_close(r["checked"], r["dense"], **TOL[torch.float32])
         torch.testing.assert_close(r["mbs"], r["dense"], **TOL[torch.float32])
         assert r["races"] == [], r["races"]
-        assert r["n_dispatch"] == 2 and r["n_shared"] == 3 and r["shared_streams"] == {overlap.SHARED}
+        assert r["n_dispatch"] == 2 and r["n_shared"] == 3 and r["shared_streams"] == {overlap.SHARED_EXPERT}
         assert r["hit"], f"rank {rank}: no shared-expert span intersects the dispatch span"
         assert not r["serial_hit"], "with overlap off the dispatch must end before the shared experts start"
 
@@ -145,7 +141,7 @@ def _run_without_waits(stages, values):
 
 
 def _missing_wait_body(ctx):
-    from overlap.sanitizer import Sanitizer
+    from overlap.observability.sanitizer import Sanitizer
 
     cfg = MoEConfig(hidden=16, ffn=8, n_experts=2 * ctx.world_size, top_k=2)
     ep = wrap_expert_parallel(_moe(cfg, "router", torch.float32), ctx.group)
@@ -168,14 +164,14 @@ def test_stages_contract():
     assert [s.name for s in st] == ["gate", "dispatch", "shared_gate_up", "experts", "shared_act", "combine",
                                     "shared_down", "finalize"]
     assert st[0].reads == ("moe_in",) and st[-1].writes == ("moe_out",)
-    assert {s.name: s.stream for s in st}["dispatch"] == overlap.COMM
-    assert {s.name: s.stream for s in st}["shared_act"] == overlap.SHARED
+    assert {s.name: s.stream for s in st}["dispatch"] == overlap.EP_COMM
+    assert {s.name: s.stream for s in st}["shared_act"] == overlap.SHARED_EXPERT
     written = {"moe_in"}
     for s in st:
         assert set(s.reads) <= written, f"{s.name} reads a value not yet written"
         written |= set(s.writes)
     ep.overlap_shared = False
-    assert all(s.stream != overlap.SHARED for s in ep.stages())
+    assert all(s.stream != overlap.SHARED_EXPERT for s in ep.stages())
     cfg.n_shared = 0
     assert "shared_act" not in [s.name for s in wrap_expert_parallel(MoE(cfg)).stages()]
 

@@ -7,20 +7,21 @@ import pytest
 import torch
 
 import overlap
-from microbatch import (FromMicroBatch, Launch, Operation, Schedule, ScheduleError, event_tag, lower, run, serial,
-                        shared_overlap, two_batch)
+from overlap.state import STATE
+from microbatch import (FromMicroBatch, ScheduledOp, Operation, Schedule, ScheduleError, event_tag, lower, run, serial,
+                        shared, two_batch)
 from overlap.multirank import run_ranks
 
 pytestmark = pytest.mark.cpu_only
 
 H = 8
-SCHEDULES = {"serial": serial, "shared_overlap": shared_overlap, "two_batch": two_batch}
+SCHEDULES = {"serial": serial, "shared": shared, "two_batch": two_batch}
 
 
 @pytest.fixture(autouse=True)
 def _on_main_stream():
     """Run each test from the main stream, whatever an earlier test in this process left behind."""
-    with overlap.stream(overlap.MAIN):
+    with overlap.stream(overlap.DEFAULT):
         yield
 
 
@@ -45,7 +46,7 @@ def _slow(delay):
         def work():
             time.sleep(delay)
             out.copy_(x.flip(0) * 2)
-        overlap.launch_host("slow_exchange", work, reads=(x,), writes=(out,), kind="comm")
+        overlap.issue_host("slow_exchange", work, reads=(x,), writes=(out,), kind="comm")
         return out
     return exchange
 
@@ -59,7 +60,7 @@ def moe_layer(layer, exchange, kv=None):
     wa, we, ws = _weights(layer)
     ops = []
     if kv is not None:
-        ops.append(Operation("kv", kv, ("hidden",), ("k",), overlap.COPY))
+        ops.append(Operation("kv", kv, ("hidden",), ("k",), overlap.KV_OFFLOAD))
 
         def attn(h, k, prefix):
             extra = k.sum(0) + (prefix.sum(0) if prefix is not None else 0)
@@ -69,10 +70,10 @@ def moe_layer(layer, exchange, kv=None):
         ops.append(Operation("attn", lambda h: torch.tanh(h @ wa) + h, ("hidden",), ("x",)))
     ops += [
         Operation("gate", lambda x: x * 0.5 + 0.1, ("x",), ("moe_in",)),
-        Operation("dispatch", exchange, ("moe_in",), ("recv",), overlap.COMM),
+        Operation("dispatch", exchange, ("moe_in",), ("recv",), overlap.EP_COMM),
         Operation("experts", lambda r: torch.relu(r @ we), ("recv",), ("y",)),
-        Operation("combine", exchange, ("y",), ("back",), overlap.COMM),
-        Operation("shared", lambda m: m @ ws, ("moe_in",), ("sh",), overlap.SHARED),
+        Operation("combine", exchange, ("y",), ("back",), overlap.EP_COMM),
+        Operation("shared", lambda m: m @ ws, ("moe_in",), ("sh",), overlap.SHARED_EXPERT),
         Operation("finalize", lambda x, b, s: x + b + s, ("x", "back", "sh"), ("out",)),
     ]
     return ops
@@ -98,7 +99,7 @@ def _assert_bitwise(results):
 # ---- multi-rank: overlapped schedules equal serial bitwise -------------------------------------------
 
 def _body_equal(ctx, n_layers):
-    from overlap.timeline import Timeline
+    from overlap.observability.timeline import Timeline
 
     layers = [moe_layer(i, _a2a(ctx.group)) for i in range(n_layers)]
     inputs = _inputs(ctx.rank, rows=2 * ctx.world_size)
@@ -110,7 +111,7 @@ def _body_equal(ctx, n_layers):
         assert len(comm) == 2 * 2 * n_layers, name
         assert all("mb" in s.meta and "layer" in s.meta for s in comm), "comm spans lack mb/layer meta"
         if name != "serial":
-            assert {s.stream for s in comm} == {overlap.COMM}
+            assert {s.stream for s in comm} == {overlap.EP_COMM}
     overlap.synchronize()
     return results
 
@@ -150,7 +151,7 @@ def test_without_the_executors_waits_results_break(monkeypatch):
 
 
 def test_sanitizer_sees_no_race_in_two_batch():
-    from overlap.sanitizer import Sanitizer
+    from overlap.observability.sanitizer import Sanitizer
 
     layers = _slow_layers(2, delay=0.01, kv=True)
     inputs = _inputs(0)
@@ -165,21 +166,21 @@ def test_sanitizer_sees_no_race_in_two_batch():
 def test_every_cross_stream_read_has_a_wait_in_the_plan():
     layers = _slow_layers(3)
     inputs = _inputs(0)
-    for make in (shared_overlap, two_batch):
+    for make in (shared, two_batch):
         plan, flow = lower(make(layers, 2), layers, inputs)
         waited = {}  # (consumer stream, producer stream) -> latest producer index covered
         recorded = {s.record: s.index for s in plan.steps if s.record}
         for step in plan.steps:
             for tag in step.waits:
-                producer = plan.steps[recorded[tag]].launch.stream
-                waited[step.launch.stream, producer] = max(waited.get((step.launch.stream, producer), -1),
+                producer = plan.steps[recorded[tag]].scheduled.stream
+                waited[step.scheduled.stream, producer] = max(waited.get((step.scheduled.stream, producer), -1),
                                                            recorded[tag])
             for r in flow.reads[step.index]:
                 for key in r.keys:
                     w = flow.writer.get(key)
-                    if w is not None and plan.steps[w].launch.stream != step.launch.stream:
-                        assert waited.get((step.launch.stream, plan.steps[w].launch.stream), -1) >= w, \
-                            f"{step.launch} reads {key} from #{w} without a wait"
+                    if w is not None and plan.steps[w].scheduled.stream != step.scheduled.stream:
+                        assert waited.get((step.scheduled.stream, plan.steps[w].scheduled.stream), -1) >= w, \
+                            f"{step.scheduled} reads {key} from #{w} without a wait"
 
 
 # ---- cross-micro-batch values --------------------------------------------------------------------
@@ -192,7 +193,7 @@ def test_cross_microbatch_read_waits_for_the_other_microbatch():
     results = _run_all(layers, inputs)
     _assert_bitwise(results)
     plan, _ = lower(two_batch(layers, 2), layers, inputs)
-    attn1 = [s for s in plan.steps if s.launch.mb == 1 and s.launch.op == "attn"]
+    attn1 = [s for s in plan.steps if s.scheduled.mb == 1 and s.scheduled.op == "attn"]
     # a wait on the offload stream recorded after mb1's own kv, which also covers mb0's earlier kv
     assert all(any(t.endswith("@kv_offload") for t in s.waits) for s in attn1)
 
@@ -203,7 +204,7 @@ def test_cross_microbatch_read_before_write_is_rejected():
     inputs[0]["prefix"] = None
     inputs[1]["prefix"] = FromMicroBatch(0, "k")
     names = [op.name for op in layers[0]]
-    launches = [Launch(1, 0, n) for n in names] + [Launch(0, 0, n) for n in names]
+    launches = [ScheduledOp(1, 0, n) for n in names] + [ScheduledOp(0, 0, n) for n in names]
     with pytest.raises(ScheduleError, match="mb0's 'k' of layer 0 before it is written"):
         run(Schedule("bad", tuple(launches)), layers, inputs)
 
@@ -255,14 +256,14 @@ def _fake_torchair(monkeypatch, calls):
     air = types.SimpleNamespace(tagged_event_record=lambda tag: calls.append(("record", tag)),
                                 tagged_event_wait=lambda tag: calls.append(("wait", tag)))
     # the core emits torch.ops.air.tagged_event_record/wait(tag) itself; stand in for those ops
-    monkeypatch.setattr(overlap.events, "torch", types.SimpleNamespace(ops=types.SimpleNamespace(air=air)))
-    monkeypatch.setattr(overlap.events, "_tagged_events", {})
+    monkeypatch.setattr(overlap.backends.aclgraph, "torch", types.SimpleNamespace(ops=types.SimpleNamespace(air=air)))
+    monkeypatch.setattr(STATE, "tagged_events", {})
     ops.npu_record_tagged_stream = lambda t, tag: calls.append(("record_stream", tag))
     pkg = types.ModuleType("torchair")
     pkg.scope, pkg.ops = scope, ops
     for name, mod in (("torchair", pkg), ("torchair.scope", scope), ("torchair.ops", ops)):
         monkeypatch.setitem(sys.modules, name, mod)
-    monkeypatch.setattr(overlap.events, "_events", {})
+    monkeypatch.setattr(STATE, "events", {})
 
 
 def _local_layers(n_layers):
@@ -309,15 +310,15 @@ def test_ge_adds_no_events_and_orders_comm_with_wait_tensor(monkeypatch):
 def test_bad_schedule_fails_before_any_launch():
     launched = []
     layers = [[Operation("a", lambda h: launched.append("a") or h, ("hidden",), ("t",)),
-               Operation("b", lambda t: launched.append("b") or t, ("t",), ("out",), overlap.COMM)]]
-    bad = Schedule("bad", (Launch(0, 0, "b", overlap.COMM), Launch(0, 0, "a")))
+               Operation("b", lambda t: launched.append("b") or t, ("t",), ("out",), overlap.EP_COMM)]]
+    bad = Schedule("bad", (ScheduledOp(0, 0, "b", overlap.EP_COMM), ScheduledOp(0, 0, "a")))
     with pytest.raises(ScheduleError, match="reads mb0's 't' of layer 0 before it is written, which 'a' writes"):
         run(bad, layers, [{"hidden": torch.ones(2)}])
     assert launched == []
 
 
 def test_event_tag_names_microbatch_op_and_stream():
-    assert event_tag(Launch(1, 5, "combine", overlap.COMM)) == "mb1.combine@ep_comm"
+    assert event_tag(ScheduledOp(1, 5, "combine", overlap.EP_COMM)) == "mb1.combine@ep_comm"
 
 
 # ---- the reference model with the expert-parallel MoE -------------------------------------------
@@ -326,7 +327,7 @@ def _model_body(ctx, per_rank_lens):
     from collectives import wrap_expert_parallel
     from launch.model import PRESETS, Batch, build_model
     from microbatch.split import decide_split, merge_outputs, prefix_kv
-    from overlap.sanitizer import Sanitizer
+    from overlap.observability.sanitizer import Sanitizer
 
     cfg = PRESETS["tiny"]
     lens = per_rank_lens[ctx.rank]
@@ -336,7 +337,7 @@ def _model_body(ctx, per_rank_lens):
     plan = decide_split(lens, ctx.group, min_tokens=4)
     assert not plan.serial
     layers = [layer.operations() for layer in model.layers]
-    assert any(op.stream == overlap.COMM for ops in layers for op in ops), "no EP communication in the model"
+    assert any(op.stream == overlap.EP_COMM for ops in layers for op in ops), "no EP communication in the model"
     results = {}
     with torch.no_grad():
         ref = model.forward_microbatches(batch, plan)
@@ -379,10 +380,10 @@ def _weightless_layer():
     return [
         Operation("attn", lambda h: torch.tanh(h) + h, ("hidden",), ("x",)),
         Operation("gate", lambda x: x * 0.5 + 0.1, ("x",), ("moe_in",)),
-        Operation("dispatch", exchange, ("moe_in",), ("recv",), overlap.COMM),
+        Operation("dispatch", exchange, ("moe_in",), ("recv",), overlap.EP_COMM),
         Operation("experts", torch.relu, ("recv",), ("y",)),
-        Operation("combine", exchange, ("y",), ("back",), overlap.COMM),
-        Operation("shared", torch.sin, ("moe_in",), ("sh",), overlap.SHARED),
+        Operation("combine", exchange, ("y",), ("back",), overlap.EP_COMM),
+        Operation("shared", torch.sin, ("moe_in",), ("sh",), overlap.SHARED_EXPERT),
         Operation("finalize", lambda x, b, s: x + b + s, ("x", "back", "sh"), ("out",)),
     ]
 
@@ -410,7 +411,7 @@ def test_ge_graph_has_wait_tensor_per_intent_and_no_events():
     waits = tc.nodes(gm, "wait_tensor")
     assert len(waits) == len(schedule.orders) > 0
     streams = tc.stream_of(gm)
-    assert all(streams[w.name] == overlap.COMM for w in waits)
+    assert all(streams[w.name] == overlap.EP_COMM for w in waits)
     out = tc.strip_air(gm)(*args)
     assert all(torch.equal(a, b) for a, b in zip(out, _serial_eager(layers, args)))
 

@@ -26,10 +26,10 @@ def two_stream(x, w1, w2):
     """Main stream: two matmuls. Side stream (COMM, core-limited): work on the first one's output."""
     done = overlap.event(EVENT)
     h = x @ w1
-    with overlap.stream(overlap.COMM):
+    with overlap.stream(overlap.EP_COMM):
         with overlap.limit_cores(SIDE_AIC, SIDE_AIV):
             comm = h * 2  # stands for the dispatch issued on the side stream
-        overlap.record_stream(h, overlap.COMM)  # h is read on the side stream
+        overlap.record_stream(h, overlap.EP_COMM)  # h is read on the side stream
         done.record(comm)
     local = torch.relu(x @ w2)  # overlaps with the side stream
     local = done.wait(local)  # ordering edge: the sum below must see comm finished
@@ -38,7 +38,7 @@ def two_stream(x, w1, w2):
 
 def explicit_edge(x, w):
     """An ordering edge without data: ``y`` is consumed only after the shared-expert stream's ``s``."""
-    with overlap.stream(overlap.SHARED):
+    with overlap.stream(overlap.SHARED_EXPERT):
         s = x @ w
     y = overlap.wait_tensor(x.sin(), s)
     return y * 3
@@ -65,11 +65,11 @@ def _check_side_scope(gm):
     enters = tc.nodes(gm, "scope_enter")
     assert len(enters) == len(tc.nodes(gm, "scope_exit")) == 2, tc.ops_in_order(gm, air_only=True)
     labels = [tc.scope_attrs(n) for n in enters]
-    assert labels[0]["_user_stream_label"] == overlap.COMM
+    assert labels[0]["_user_stream_label"] == overlap.EP_COMM
     assert labels[0]["_user_stream_priority"] == "0"
     assert labels[1] == {"_op_aicore_num": str(SIDE_AIC), "_op_vectorcore_num": str(SIDE_AIV)}
     mul = _one(gm, operator.mul)
-    assert scopes[mul.name]["_user_stream_label"] == overlap.COMM
+    assert scopes[mul.name]["_user_stream_label"] == overlap.EP_COMM
     assert (scopes[mul.name]["_op_aicore_num"], scopes[mul.name]["_op_vectorcore_num"]) == ("8", "16")
     for mm in tc.node_by_target(gm, operator.matmul) + [_one(gm, torch.relu), _one(gm, operator.add)]:
         assert "_user_stream_label" not in scopes[mm.name] and "_op_aicore_num" not in scopes[mm.name], mm.name
@@ -85,7 +85,7 @@ def test_ge_stream_scope_core_limit_and_wait_tensor():
     relu, add = _one(gm, torch.relu), _one(gm, operator.add)
     assert wait.args == (relu, mul), "event wait on ge: wait_tensor(consumer, guarded)"
     assert add.args == (mul, wait), "the consumer must use the tensor wait_tensor returns"
-    assert tc.stream_of(gm)[wait.name] == overlap.MAIN
+    assert tc.stream_of(gm)[wait.name] == overlap.DEFAULT
 
 
 def test_ge_explicit_wait_tensor_is_a_control_edge():
@@ -94,7 +94,7 @@ def test_ge_explicit_wait_tensor_is_a_control_edge():
     mm, sin = _one(gm, operator.matmul), _one(gm, "sin")
     assert wait.args == (sin, mm)
     streams = tc.stream_of(gm)
-    assert streams[mm.name] == overlap.SHARED and streams[sin.name] == overlap.MAIN
+    assert streams[mm.name] == overlap.SHARED_EXPERT and streams[sin.name] == overlap.DEFAULT
     assert _one(gm, operator.mul).args[0] is wait
 
 
@@ -106,10 +106,10 @@ def test_aclgraph_tagged_events_in_order():
     (keep,) = tc.nodes(gm, "record_tagged_stream_")
     assert rec.args[0] == wait.args[0] == EVENT
     h = tc.node_by_target(gm, operator.matmul)[0]
-    assert keep.args == (h, overlap.COMM)
+    assert keep.args == (h, overlap.EP_COMM)
     streams, at = tc.stream_of(gm), _index(gm)
-    assert streams[rec.name] == streams[keep.name] == overlap.COMM, "record on the side stream"
-    assert streams[wait.name] == overlap.MAIN, "wait on the consuming (main) stream"
+    assert streams[rec.name] == streams[keep.name] == overlap.EP_COMM, "record on the side stream"
+    assert streams[wait.name] == overlap.DEFAULT, "wait on the consuming (main) stream"
     relu, add = _one(gm, torch.relu), _one(gm, operator.add)
     assert at[mul] < at[rec] < at[wait] < at[add], tc.ops_in_order(gm)
     assert at[relu] < at[wait], "main-stream work between record and wait is what overlaps"

@@ -18,6 +18,7 @@ import torch
 import overlap
 from collectives import CapacityExpertParallelMoE
 from launch.model import Batch, build_model, preset
+from launch.runner import micro_batch_inputs, run_schedule
 from microbatch import lower, run, serial, two_batch
 from microbatch.split import plan_split
 from overlap.multirank import run_ranks
@@ -86,8 +87,7 @@ def _prefill_body(ctx):
     schedule = two_batch(layers, 2)
 
     def prefill(tokens, sched=schedule):
-        b = Batch(tokens, batch.seq)
-        return model.pipeline_output(run(sched, layers, model.pipeline_inputs(b, plan)), plan)
+        return run_schedule(model, Batch(tokens, batch.seq), plan, layers, lambda _layers, _n: sched)
 
     with overlap.use_path("cpu"), overlap.enabled(False):
         eager_serial = prefill(batch.tokens, serial(layers, 2))
@@ -102,7 +102,7 @@ def _prefill_body(ctx):
         got = got[0] if isinstance(got, (tuple, list)) else got
         out["stripped_diff"][name] = (got - eager_serial).abs().max().item()
     with overlap.use_path("aclgraph"):
-        plan_acl, _ = lower(schedule, layers, model.pipeline_inputs(batch, plan), path="aclgraph")
+        plan_acl, _ = lower(schedule, layers, micro_batch_inputs(model, batch, plan), path="aclgraph")
     out["plan_events"] = plan_acl.events()
     out["orders"] = len(schedule.orders)
     return out
@@ -122,7 +122,7 @@ def test_collectives_run_in_the_comm_scope(captured):
             scopes = out["graphs"][name]["a2a_scopes"]
             # per micro-batch and MoE layer: tokens and metadata out, reduced rows back
             assert len(scopes) == 3 * 2 * N_LAYERS, scopes
-            assert all(s.get("_user_stream_label") == overlap.COMM for s in scopes), scopes
+            assert all(s.get("_user_stream_label") == overlap.EP_COMM for s in scopes), scopes
             # Dynamo rewrites dist.all_to_all_single into the functional collective: no setting needed
             assert out["graphs"][name]["a2a_targets"] == ["_c10d_functional.all_to_all_single"]
 

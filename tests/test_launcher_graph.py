@@ -5,7 +5,8 @@ import torch
 import torch.distributed as dist
 
 from launch.model import Batch, build_model, preset
-from launch.runner import MODES, graph_prefill, make_capacity_expert_parallel, plan_for, prefill
+from microbatch import MODES
+from launch.runner import graph_prefill, make_capacity_expert_parallel, plan_for, prefill
 from overlap.multirank import run_ranks
 
 pytestmark = pytest.mark.spawns_ranks

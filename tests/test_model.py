@@ -10,7 +10,8 @@ import dataclasses
 import pytest
 import torch
 
-from launch.model import LAYER_INPUTS, LAYER_OUTPUTS, PRESETS, Batch, build_model, preset
+from launch.model import K, PREFIX_KV, PRESETS, SEQ, V, Batch, build_model, preset
+from microbatch import HIDDEN, OUT
 from microbatch.operations import State
 from microbatch.split import SeqInfo, plan_split
 from overlap.multirank import run_ranks
@@ -120,11 +121,11 @@ def test_one_token_batch_runs_serially(model, caplog):
 
 def test_operations_chain_from_inputs_to_outputs(model):
     for layer in model.layers:
-        available = set(LAYER_INPUTS)
+        available = {HIDDEN, SEQ, PREFIX_KV}
         for op in layer.operations():
             assert set(op.reads) <= available, f"{op.name} reads {op.reads}, only {available} exist"
             available |= set(op.writes)
-        assert set(LAYER_OUTPUTS) <= available
+        assert {OUT, K, V} <= available
 
 
 def test_kv_sink_gets_every_layer(model):
@@ -209,13 +210,11 @@ def test_expert_parallel_moe_plugs_in():
 @pytest.mark.parametrize("lens", [[41], [6, 3, 8, 5, 7, 4, 6, 5], [1]])
 def test_pipeline_executor_runs_the_layers(model, lens):
     """The layers' operations under the two-batch schedule give the whole-batch result."""
-    from microbatch import run, serial, two_batch
+    from launch.runner import run_schedule
+    from microbatch import serial, two_batch
 
     plan = plan_split(lens, min_tokens=4)
     batch = Batch.random(lens, TINY.vocab, seed=5)
-    layers = model.layer_operations()
-    schedule = serial(layers) if plan.serial else two_batch(layers)
     with torch.no_grad():
-        outputs = run(schedule, layers, model.pipeline_inputs(batch, plan))
-        got = model.pipeline_output(outputs, plan)
+        got = run_schedule(model, batch, plan, model.layer_operations(), serial if plan.serial else two_batch)
     torch.testing.assert_close(got, model(batch), **TOL)

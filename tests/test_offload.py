@@ -8,12 +8,12 @@ import torch
 import overlap
 from overlap import hooks
 from overlap.multirank import run_ranks
-from overlap.offload import OffloadCache, OffloadError
+from overlap import OffloadCache, OffloadError
 
 pytestmark = pytest.mark.cpu_only
 
 LAYERS, TOKENS, HEADS, DIM, HIDDEN = 3, 24, 2, 8, 16
-SCHEDULES = ("serial", "shared_overlap", "two_batch")
+SCHEDULES = ("serial", "shared", "two_batch")
 
 
 def _weights(layers=LAYERS, hidden=HIDDEN, heads=HEADS, dim=DIM):
@@ -36,7 +36,7 @@ def _attention(h, w, heads=HEADS, dim=DIM):
 def _prefill(x, weights, schedule, cache=None, group=None):
     """A synthetic layer loop shaped like the three schedules; returns (output, per-layer K, per-layer V).
 
-    serial: one chunk per layer. shared_overlap: one chunk, a shared branch on the SHARED stream
+    serial: one chunk per layer. shared: one chunk, a shared branch on the SHARED stream
     and (multi-rank) an all_reduce on the COMM stream. two_batch: two micro-batches per layer,
     attention of mb1 issued while mb0's keys and values are still being copied.
     """
@@ -52,13 +52,13 @@ def _prefill(x, weights, schedule, cache=None, group=None):
             vs[layer].append(v)
             with overlap.span("mlp", layer=layer, mb=mb):
                 h = torch.tanh(a @ w["wo"]) + h
-            if schedule == "shared_overlap":
-                with overlap.stream(overlap.SHARED):
+            if schedule == "shared":
+                with overlap.stream(overlap.SHARED_EXPERT):
                     s = torch.relu(h @ w["ws"])
                 h = h + s
             if group is not None:
                 ev = overlap.event("test_offload.combine")
-                with overlap.stream(overlap.COMM):
+                with overlap.stream(overlap.EP_COMM):
                     overlap.all_reduce(h, group=group)
                     ev.record(h)
                 h = ev.wait(h)
@@ -80,7 +80,7 @@ def _schedules_match(ctx, store, path=None):
     report = {}
     for schedule in SCHEDULES:
         ref_out, ref_k, ref_v = _prefill(x, weights, schedule, None, group)
-        with _cache(store=store, path=path) as cache:
+        with _cache(store=store, file=path) as cache:
             out, _, _ = _prefill(x, weights, schedule, cache, group)
             stored = [cache.host_kv(layer) for layer in range(LAYERS)]
         report[schedule] = (torch.equal(out, ref_out),
@@ -101,9 +101,9 @@ def test_mmap_store_per_rank_files(tmp_path):
 
 
 def test_mmap_store_folder_gives_one_file_per_rank(tmp_path):
-    with _cache(store="mmap", path=str(tmp_path)) as cache:
-        assert os.path.dirname(cache.path) == str(tmp_path) and cache.path.endswith("-rank0.kv")
-        assert os.path.getsize(cache.path) == cache.host_bytes
+    with _cache(store="mmap", file=str(tmp_path)) as cache:
+        assert os.path.dirname(cache.file) == str(tmp_path) and cache.file.endswith("-rank0.kv")
+        assert os.path.getsize(cache.file) == cache.host_bytes
 
 
 @pytest.mark.parametrize("store", ["memory", "mmap"])
@@ -165,10 +165,10 @@ def test_prefetch_round_trip_is_exact(store, ring):
 
 def test_continue_from_offloaded_prefix_in_a_file(tmp_path):
     path = str(tmp_path / "prefix.kv")
-    cache, ref_k, ref_v = _offloaded("mmap", path=path)
+    cache, ref_k, ref_v = _offloaded("mmap", file=path)
     cache.close()
     assert os.path.exists(path)  # a named file outlives the cache
-    with _cache(store="mmap", path=path, prefix_tokens=TOKENS) as resumed:
+    with _cache(store="mmap", file=path, prefix_tokens=TOKENS) as resumed:
         for layer in range(LAYERS):
             k, v = resumed.get(layer)
             assert torch.equal(k, ref_k[layer]) and torch.equal(v, ref_v[layer])
@@ -246,14 +246,14 @@ def test_capacity_check_names_the_numbers():
 
 
 def test_store_too_small_for_host_memory_or_disk(monkeypatch, tmp_path):
-    import overlap._kvstore as kvstore
+    import overlap.offload._stores as kvstore
 
     monkeypatch.setattr(kvstore, "_available_memory", lambda: 1024)
     with pytest.raises(OffloadError, match="host store too small.*GiB of host memory"):
         _cache(store="memory")
     monkeypatch.setattr(kvstore.shutil, "disk_usage", lambda p: type("U", (), {"free": 1024})())
     with pytest.raises(OffloadError, match="host store too small.*free in"):
-        _cache(store="mmap", path=str(tmp_path / "kv.bin"))
+        _cache(store="mmap", file=str(tmp_path / "kv.bin"))
     assert not os.path.exists(tmp_path / "kv.bin")
 
 
@@ -261,7 +261,7 @@ def test_existing_file_of_other_geometry_is_refused(tmp_path):
     path = tmp_path / "kv.bin"
     path.write_bytes(b"\0" * 100)
     with pytest.raises(OffloadError, match="holds 100 bytes"):
-        _cache(store="mmap", path=str(path))
+        _cache(store="mmap", file=str(path))
     with pytest.raises(OffloadError, match="prefix_tokens=4 needs an existing mmap file"):
         _cache(store="memory", prefix_tokens=4)
 
@@ -305,7 +305,7 @@ def _offload_and_prefetch(cache, weights, x):
 
 
 def test_sanitizer_finds_no_race():
-    from overlap.sanitizer import Sanitizer
+    from overlap.observability.sanitizer import Sanitizer
 
     weights, x = _weights(), torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(7))
     with Sanitizer() as san, _cache(ring=2) as cache:
@@ -320,7 +320,7 @@ def test_sanitizer_finds_no_race():
     ("_wait_ready", "read after write"),  # the main stream reads a prefetch slot before it has landed
 ])
 def test_sanitizer_catches_a_removed_wait(wait, kind, monkeypatch):
-    from overlap.sanitizer import Sanitizer, StreamRaceError
+    from overlap.observability.sanitizer import Sanitizer, StreamRaceError
 
     weights, x = _weights(), torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(7))
     with _cache(ring=2) as cache:
@@ -331,11 +331,11 @@ def test_sanitizer_catches_a_removed_wait(wait, kind, monkeypatch):
         with Sanitizer() as san, pytest.raises(StreamRaceError):
             _offload_and_prefetch(cache, weights, x)
     assert [r.kind for r in san.races] == [kind]
-    assert {san.races[0].previous.stream, san.races[0].current.stream} == {overlap.MAIN, overlap.COPY}
+    assert {san.races[0].previous.stream, san.races[0].current.stream} == {overlap.DEFAULT, overlap.KV_OFFLOAD}
 
 
 def test_timeline_shows_copies_under_compute():
-    from overlap.timeline import Timeline, intersects
+    from overlap.observability.timeline import Timeline, intersects
 
     tokens, heads, dim, hidden = 256, 8, 64, 256  # copies long enough to outlast the launch gap
     weights = _weights(LAYERS, hidden, heads, dim)
@@ -351,8 +351,8 @@ def test_timeline_shows_copies_under_compute():
                     with overlap.span("mlp", layer=layer):
                         h = torch.tanh(a @ w["wo"]) + h
                 cache.finish()
-        copies = tl.find(name="kv_offload", stream=overlap.COPY, kind="copy")
-        compute = tl.find(stream=overlap.MAIN, kind="compute")
+        copies = tl.find(name="kv_offload", stream=overlap.KV_OFFLOAD, kind="copy")
+        compute = tl.find(stream=overlap.DEFAULT, kind="compute")
         assert len(copies) == 2 * LAYERS and len(compute) == 2 * LAYERS
         assert all(c.asynchronous for c in copies)
         if any(intersects(c, m) for c in copies for m in compute):
@@ -388,10 +388,10 @@ def test_reference_model_kv_sink_is_offload():
 
 
 def test_close_releases_the_cache_events():
-    from overlap.events import _events
+    from overlap.state import STATE
 
     cache = OffloadCache(2, 8, (2, 4), name="kvrelease")
     cache.offload(0, torch.ones(8, 2, 4), torch.ones(8, 2, 4))
-    assert any(t.startswith("kvrelease.") for t in _events)
+    assert any(t.startswith("kvrelease.") for t in STATE.events)
     cache.close()
-    assert not any(t.startswith("kvrelease.") for t in _events)
+    assert not any(t.startswith("kvrelease.") for t in STATE.events)

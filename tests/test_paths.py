@@ -46,16 +46,16 @@ def test_enable_switch_env_and_context(monkeypatch):
 
 def test_disabled_stream_is_the_current_stream():
     with overlap.enabled(False):
-        with overlap.stream(overlap.COMM) as tag:
-            assert tag == overlap.MAIN
-            assert overlap.current_stream_tag() == overlap.MAIN
-    with overlap.stream(overlap.COMM, enabled=False):
-        assert overlap.current_stream_tag() == overlap.MAIN
-    with overlap.stream(overlap.COMM):
-        assert overlap.current_stream_tag() == overlap.COMM
-        with overlap.stream(overlap.MAIN):
-            assert overlap.current_stream_tag() == overlap.MAIN
-    assert overlap.current_stream_tag() == overlap.MAIN
+        with overlap.stream(overlap.EP_COMM) as tag:
+            assert tag == overlap.DEFAULT
+            assert overlap.current_stream_tag() == overlap.DEFAULT
+    with overlap.stream(overlap.EP_COMM, enabled=False):
+        assert overlap.current_stream_tag() == overlap.DEFAULT
+    with overlap.stream(overlap.EP_COMM):
+        assert overlap.current_stream_tag() == overlap.EP_COMM
+        with overlap.stream(overlap.DEFAULT):
+            assert overlap.current_stream_tag() == overlap.DEFAULT
+    assert overlap.current_stream_tag() == overlap.DEFAULT
 
 
 def test_one_stream_object_per_tag():

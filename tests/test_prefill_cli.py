@@ -99,7 +99,7 @@ def test_a_dead_rank_is_named_and_the_others_exit(kind, expect):
     assert proc.returncode != 0
     assert expect in proc.stderr, proc.stderr[-3000:]
     # an unexpected exception shows its traceback once (from the rank that hit it); a hung peer does not
-    assert proc.stderr.count("in _maybe_fail") == (1 if kind == "raise" else 0), proc.stderr[-3000:]
+    assert proc.stderr.count("in maybe_fail") == (1 if kind == "raise" else 0), proc.stderr[-3000:]
 
 
 def test_an_unexpected_error_prints_its_traceback_and_fails():
@@ -107,24 +107,23 @@ def test_an_unexpected_error_prints_its_traceback_and_fails():
     assert proc.returncode == 1
     assert "rank 0: RuntimeError: injected fault on rank 0 at iteration 0" in proc.stderr
     assert "Traceback (most recent call last)" in proc.stderr and 'prefill.py", line' in proc.stderr
-    assert proc.stderr.count("in _maybe_fail") == 1, proc.stderr[-3000:]
+    assert proc.stderr.count("in maybe_fail") == 1, proc.stderr[-3000:]
 
 
 def test_check_verdict_fails_a_mode_that_differs_from_serial():
     import torch
 
     from launch.measure import ModeResult
-    from launch.prefill import _check
+    from launch.measure import check_against_serial as _check
 
     def result(mode, diff):
         return ModeResult(mode, [0.1], "", [], torch.ones(3) * 10, max_diff=diff, ref_scale=10.0)
 
     ok = [result("serial", 0.0), result("two-batch", 1e-4)]
-    assert _check(ok, True, torch.float32) == []  # within 1e-4 x max|serial| = 1e-3
+    assert _check(ok, torch.float32) == []  # within 1e-4 x max|serial| = 1e-3
     bad = [result("serial", 0.0), result("shared", 0.0), result("two-batch", 2e-3)]
-    (msg,) = _check(bad, True, torch.float32)
+    (msg,) = _check(bad, torch.float32)
     assert msg.startswith("two-batch differs from serial by 2.000e-03")
-    assert _check(bad, False, torch.float32) == []
-    assert "needs the serial mode" in _check([result("shared", 0.0)], True, torch.float32)[0]
+    assert "needs the serial mode" in _check([result("shared", 0.0)], torch.float32)[0]
     for broken in (float("nan"), float("inf")):  # garbage output must fail the check, not slip through
-        assert _check([result("serial", 0.0), result("two-batch", broken)], True, torch.float32)
+        assert _check([result("serial", 0.0), result("two-batch", broken)], torch.float32)

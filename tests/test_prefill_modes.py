@@ -5,9 +5,10 @@ import torch
 
 import overlap
 from launch.model import Batch, build_model, preset
-from launch.runner import MODES, layer_operations, make_expert_parallel, plan_for, prefill
+from microbatch import MODES
+from launch.runner import layer_operations, make_expert_parallel, plan_for, prefill
 from overlap.multirank import run_ranks
-from overlap.timeline import intersects
+from overlap.observability.timeline import intersects
 
 CFG = preset("tiny")
 BATCHES = {
@@ -110,7 +111,7 @@ class _Recorder:
 
 
 def _offloaded_equals_plain(ctx):
-    from overlap.offload import OffloadCache
+    from overlap import OffloadCache
 
     batch = Batch.random([30, 7, 19][: 2 + ctx.rank], CFG.vocab, seed=40 + ctx.rank)
     model = make_expert_parallel(build_model(CFG, seed=5), ctx.group)
@@ -143,7 +144,7 @@ def _continue_from_offloaded_prefix(ctx):
     from launch.model import Batch as B
     from launch.runner import continue_prefill, serial_plan
     from microbatch.split import SeqInfo
-    from overlap.offload import OffloadCache
+    from overlap import OffloadCache
 
     full = Batch.random([30, 20], CFG.vocab, seed=7 + ctx.rank)
     model = make_expert_parallel(build_model(CFG, seed=5), ctx.group)
@@ -172,7 +173,7 @@ def test_continuing_a_prefill_from_an_offloaded_prefix_equals_one_prefill(world)
 def test_continuing_needs_the_prefix_the_cache_holds():
     from launch.runner import continue_prefill
     from microbatch.split import SeqInfo
-    from overlap.offload import OffloadCache
+    from overlap import OffloadCache
 
     model = build_model(CFG, seed=5)
     cache = OffloadCache(CFG.n_layers, 16, (CFG.n_heads, CFG.head_dim))

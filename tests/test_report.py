@@ -9,8 +9,8 @@ import pytest
 from click.testing import CliRunner
 
 from overlap import Span
-from overlap.report import EXIT_BAD_INPUT, EXIT_BELOW, analyse, main
-from overlap.timeline import save_chrome_trace
+from overlap.observability.report import EXIT_BAD_INPUT, EXIT_BELOW, analyse, main
+from overlap.observability.timeline import save_chrome_trace
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,7 +31,7 @@ def _toolkit_trace(tmp_path, comm_start):
 
 
 def test_toolkit_trace_matches_timeline_metrics(tmp_path):
-    from overlap.timeline import metrics
+    from overlap.observability.timeline import metrics
 
     path, spans = _toolkit_trace(tmp_path, comm_start=0.0025)  # 0.5 ms of 2 ms under compute
     trace, m = analyse(path)
@@ -140,7 +140,7 @@ def test_bad_inputs_name_file_and_problem(tmp_path):
 def test_module_entry_point(tmp_path):
     path, _ = _toolkit_trace(tmp_path, comm_start=0.003)
     env = dict(os.environ, PYTHONPATH=ROOT)
-    proc = subprocess.run([sys.executable, "-m", "overlap.report", path, "--min-overlap", "0.5"], env=env,
+    proc = subprocess.run([sys.executable, "-m", "overlap.observability.report", path, "--min-overlap", "0.5"], env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == EXIT_BELOW, proc.stderr
     assert "busy" in proc.stdout and "FAIL" in proc.stderr

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import overlap
-from overlap import COMM, COPY, MAIN, SHARED, Sanitizer, StreamRaceError
+from overlap import EP_COMM, KV_OFFLOAD, DEFAULT, SHARED_EXPERT, Sanitizer, StreamRaceError
 from overlap.multirank import run_ranks
 
 pytestmark = pytest.mark.cpu_only
@@ -26,7 +26,7 @@ def _offload(src: torch.Tensor, wait: bool) -> torch.Tensor:
     """Copy on the offload stream, then use the copy on the main stream (with or without the wait)."""
     dst = torch.empty_like(src)
     ev = overlap.event("test_offload")
-    with overlap.stream(COPY):
+    with overlap.stream(KV_OFFLOAD):
         overlap.copy_(dst, src)
         ev.record()
     if wait:
@@ -41,10 +41,10 @@ def test_missing_wait_after_copy_is_caught():
             _offload(src, wait=False)
     race = err.value.race
     assert race.kind == "read after write"
-    assert (race.previous.stream, race.previous.op) == (COPY, "copy")
-    assert race.current.stream == MAIN and "mul" in race.current.op
+    assert (race.previous.stream, race.previous.op) == (KV_OFFLOAD, "copy")
+    assert race.current.stream == DEFAULT and "mul" in race.current.op
     assert race.shape == (32, 16)
-    for word in (COPY, MAIN, "copy", "mul", "(32, 16)"):
+    for word in (KV_OFFLOAD, DEFAULT, "copy", "mul", "(32, 16)"):
         assert word in str(err.value)
 
 
@@ -63,7 +63,7 @@ def _shared_expert(x: torch.Tensor, w: torch.Tensor, wait: bool) -> torch.Tensor
     start, done = overlap.event("test_shared_in"), overlap.event("test_shared_out")
     h = torch.relu(x)
     start.record()
-    with overlap.stream(SHARED):
+    with overlap.stream(SHARED_EXPERT):
         start.wait()
         s = h @ w
         done.record()
@@ -83,7 +83,7 @@ def test_inline_compute_on_side_stream_needs_its_wait():
     with Sanitizer(raise_on_race=False) as san:
         _shared_expert(x, w, wait=False)
     assert [(r.kind, r.previous.stream, r.current.stream) for r in san.races] == [
-        ("read after write", SHARED, MAIN)]
+        ("read after write", SHARED_EXPERT, DEFAULT)]
     assert "mm" in san.races[0].previous.op and "add" in san.races[0].current.op
 
 
@@ -91,13 +91,13 @@ def test_write_after_read_and_synchronize():
     x = torch.randn(16)
     out = torch.empty(16)
     with Sanitizer(raise_on_race=False) as san:
-        with overlap.stream(COPY):
+        with overlap.stream(KV_OFFLOAD):
             overlap.copy_(out, x)  # reads x on the copy stream
         x.add_(1)  # overwrites x on main before the copy is known to be done
     assert [r.kind for r in san.races] == ["write after read"]
-    assert san.races[0].previous.stream == COPY
+    assert san.races[0].previous.stream == KV_OFFLOAD
     with Sanitizer() as san:
-        with overlap.stream(COPY):
+        with overlap.stream(KV_OFFLOAD):
             overlap.copy_(out, x)
         overlap.synchronize()  # the host waited for everything
         x.add_(1)
@@ -110,7 +110,7 @@ def test_allocation_is_not_a_write_and_views_are_not_accesses():
     with Sanitizer() as san:
         buf = torch.empty(6, 4).t()  # allocated and viewed on main, filled on the copy stream
         ev = overlap.event("test_alloc")
-        with overlap.stream(COPY):
+        with overlap.stream(KV_OFFLOAD):
             overlap.copy_(buf, src)
             ev.record()
         ev.wait()
@@ -129,9 +129,10 @@ def test_disabled_overlap_is_single_stream_and_clean():
 
 def test_environment_variable_enables_test_mode():
     script = ("import torch, overlap\n"
+              "overlap.sanitize_from_env()\n"  # a program opts in once; importing overlap does nothing
               "overlap.set_path('cpu')\n"
               "src = torch.randn(4); dst = torch.empty(4)\n"
-              "with overlap.stream(overlap.COPY):\n"
+              "with overlap.stream(overlap.KV_OFFLOAD):\n"
               "    overlap.copy_(dst, src)\n"
               "print((dst + 1).sum())\n")
     env = dict(os.environ, OVERLAP_SANITIZE="raise", PYTHONPATH=ROOT)
@@ -141,6 +142,9 @@ def test_environment_variable_enables_test_mode():
     env["OVERLAP_SANITIZE"] = "bogus"
     proc = subprocess.run([sys.executable, "-c", "import overlap"], env=env, capture_output=True, text=True,
                           timeout=120)
+    assert proc.returncode == 0  # no side effect at import
+    proc = subprocess.run([sys.executable, "-c", "import overlap; overlap.sanitize_from_env()"], env=env,
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "OVERLAP_SANITIZE" in proc.stderr
 
 
@@ -148,7 +152,7 @@ def _dispatch(ctx, x: torch.Tensor, wait: bool) -> torch.Tensor:
     out = torch.empty_like(x)
     ready, sent = overlap.event("test_a2a_ready"), overlap.event("test_a2a_sent")
     ready.record()
-    with overlap.stream(COMM):
+    with overlap.stream(EP_COMM):
         ready.wait()
         overlap.all_to_all_single(out, x, group=ctx.group, name="dispatch")
         sent.record()
@@ -185,16 +189,16 @@ def test_all_to_all_schedule_clean_and_unchanged():
 
 def test_all_to_all_missing_wait_is_caught():
     for _, _, races in run_ranks(_rank_body, 2, "missing", timeout=60):
-        assert ("read after write", COMM, "dispatch", MAIN, (8, 3)) in races
+        assert ("read after write", EP_COMM, "dispatch", DEFAULT, (8, 3)) in races
 
 
 def test_a_freed_storage_does_not_leave_its_history_at_a_reused_address():
     """torch.tensor() allocates without a dispatched op, so address reuse must be caught by the storage going away."""
-    from overlap.sanitizer import _storage_key
+    from overlap.observability.sanitizer import _storage_key
 
     with Sanitizer(raise_on_race=True) as san:
         a = torch.empty(4)  # an allocation, not a write
-        san._access(COMM, "side_write", (), (a,))
+        san._access(EP_COMM, "side_write", (), (a,))
         old = _storage_key(a)
         b = torch.tensor([1.0, 2.0, 3.0, 4.0])
         del a  # freed: an unrelated tensor may now get its address
@@ -207,15 +211,15 @@ def test_a_live_storage_keeps_its_history():
     with pytest.raises(StreamRaceError, match="read after write"):
         with Sanitizer(raise_on_race=True) as san:
             a = torch.empty(4)
-            san._access(COMM, "side_write", (), (a,))
+            san._access(EP_COMM, "side_write", (), (a,))
             a.sum()
 
 
 def _racy_offload(ctx):
-    import overlap.sanitizer as sanitizer
+    from overlap.state import STATE
 
     _offload(torch.randn(8, 4), wait=False)
-    return [r.kind for r in sanitizer._global.races] if sanitizer._global is not None else None
+    return [r.kind for r in STATE.sanitizer.races] if STATE.sanitizer is not None else None
 
 
 def test_env_switch_reaches_spawned_ranks():
@@ -227,7 +231,7 @@ def test_env_switch_reaches_spawned_ranks():
 def test_disjoint_parts_of_one_buffer_from_two_streams_are_not_a_race():
     buf = torch.empty(8, 4)
     with Sanitizer(raise_on_race=True) as san:
-        san._access(COMM, "side_fills_tail", (), (buf[4:],))
+        san._access(EP_COMM, "side_fills_tail", (), (buf[4:],))
         buf[:4].fill_(1.0)  # main stream, the other half: no edge needed
         assert not san.races
         with pytest.raises(StreamRaceError, match="write after write"):

@@ -3,9 +3,9 @@ from collections import namedtuple
 
 import pytest
 
-from microbatch import (FromMicroBatch, Launch, Operation, Schedule, ScheduleError, serial, shared_overlap,
+from microbatch import (FromMicroBatch, ScheduledOp, Operation, Schedule, ScheduleError, serial, shared,
                         two_batch, validate)
-from overlap import COMM, MAIN, SHARED
+from overlap import EP_COMM, DEFAULT, SHARED_EXPERT
 
 Stage = namedtuple("Stage", "name fn reads writes stream")  # the EP layer's stage shape
 
@@ -20,10 +20,10 @@ def moe_ops(prefix=""):
     return [
         Operation("attn", _f, ("hidden",), ("x",)),
         Operation(p + "gate", _f, ("x",), ("moe_in",)),
-        Operation(p + "dispatch", _f, ("moe_in",), ("recv",), COMM),
+        Operation(p + "dispatch", _f, ("moe_in",), ("recv",), EP_COMM),
         Operation(p + "experts", _f, ("recv",), ("y",)),
-        Operation(p + "combine", _f, ("y",), ("back",), COMM),
-        Operation(p + "shared", _f, ("moe_in",), ("sh",), SHARED),
+        Operation(p + "combine", _f, ("y",), ("back",), EP_COMM),
+        Operation(p + "shared", _f, ("moe_in",), ("sh",), SHARED_EXPERT),
         Operation(p + "finalize", _f, ("x", "back", "sh"), ("out",)),
     ]
 
@@ -49,13 +49,13 @@ def test_two_batch_follows_production_order():
     assert [(l.op, l.mb, l.layer) for l in s.launches[13:16]] == [("attn", 0, 1), ("finalize", 1, 0), ("gate", 0, 1)]
     assert (s.launches[-1].op, s.launches[-1].mb, s.launches[-1].layer) == ("finalize", 1, 1)
     streams = {l.op: l.stream for l in s.launches}
-    assert streams == {"attn": MAIN, "gate": MAIN, "dispatch": COMM, "experts": MAIN, "combine": COMM,
-                       "shared": MAIN, "finalize": MAIN}
+    assert streams == {"attn": DEFAULT, "gate": DEFAULT, "dispatch": EP_COMM, "experts": DEFAULT, "combine": EP_COMM,
+                       "shared": DEFAULT, "finalize": DEFAULT}
 
 
 def test_two_batch_keeps_communication_in_schedule_order():
     s = two_batch([moe_ops(), moe_ops()], 2)
-    comm = [i for i, l in enumerate(s.launches) if l.stream == COMM]
+    comm = [i for i, l in enumerate(s.launches) if l.stream == EP_COMM]
     assert list(s.orders) == list(zip(comm, comm[1:]))
 
 
@@ -70,17 +70,17 @@ def test_generators_find_stages_by_stream_not_name():
 def test_ep_stages_with_ordering_reads_validate():
     """The EP layer's shape: shared experts in three parts, one reading the dispatch output."""
     st = [Operation("attn", _f, ("hidden",), ("x",)), Operation("norm", _f, ("x",), ("moe_in",))] + [
-        Stage("gate", _f, ("moe_in",), ("idx", "w"), MAIN),
-        Stage("dispatch", _f, ("moe_in", "idx", "w"), ("disp",), COMM),
-        Stage("shared_gate_up", _f, ("moe_in", "idx"), ("sh_h",), SHARED),
-        Stage("experts", _f, ("disp",), ("eo", "eb"), MAIN),
-        Stage("shared_act", _f, ("sh_h", "disp"), ("sh_a",), SHARED),
-        Stage("combine", _f, ("eo", "eb", "disp"), ("comb",), COMM),
-        Stage("shared_down", _f, ("sh_a", "moe_in", "eo"), ("sh_o",), SHARED),
-        Stage("finalize", _f, ("comb", "sh_o"), ("moe_out",), MAIN),
+        Stage("gate", _f, ("moe_in",), ("idx", "w"), DEFAULT),
+        Stage("dispatch", _f, ("moe_in", "idx", "w"), ("disp",), EP_COMM),
+        Stage("shared_gate_up", _f, ("moe_in", "idx"), ("sh_h",), SHARED_EXPERT),
+        Stage("experts", _f, ("disp",), ("eo", "eb"), DEFAULT),
+        Stage("shared_act", _f, ("sh_h", "disp"), ("sh_a",), SHARED_EXPERT),
+        Stage("combine", _f, ("eo", "eb", "disp"), ("comb",), EP_COMM),
+        Stage("shared_down", _f, ("sh_a", "moe_in", "eo"), ("sh_o",), SHARED_EXPERT),
+        Stage("finalize", _f, ("comb", "sh_o"), ("moe_out",), DEFAULT),
         Operation("residual", _f, ("x", "moe_out"), ("out",))]
     layers = [st, st, st]
-    for make in (serial, shared_overlap, two_batch):
+    for make in (serial, shared, two_batch):
         validate(make(layers, 2), layers, INPUTS2)
     s = two_batch(layers, 2)
     first = _names(s, 0)
@@ -94,20 +94,20 @@ def test_ep_stages_with_ordering_reads_validate():
 
 
 def test_shared_overlap_puts_shared_on_its_stream_after_dispatch():
-    s = shared_overlap([moe_ops()], 1)
+    s = shared([moe_ops()], 1)
     assert _names(s) == ["attn0", "gate0", "dispatch0", "shared0", "experts0", "combine0", "finalize0"]
-    assert [l.stream for l in s.launches] == [MAIN, MAIN, COMM, SHARED, MAIN, COMM, MAIN]
+    assert [l.stream for l in s.launches] == [DEFAULT, DEFAULT, EP_COMM, SHARED_EXPERT, DEFAULT, EP_COMM, DEFAULT]
 
 
 def test_serial_is_all_main_layer_by_layer():
     s = serial([moe_ops(), dense_ops()], 2)
-    assert {l.stream for l in s.launches} == {MAIN} and not s.orders
+    assert {l.stream for l in s.launches} == {DEFAULT} and not s.orders
     assert [(l.layer, l.mb) for l in s.launches] == sorted((l.layer, l.mb) for l in s.launches)
 
 
 def test_dense_and_moe_layers_mix():
     layers = [dense_ops(), moe_ops(), dense_ops(), moe_ops(), moe_ops()]
-    for make in (serial, shared_overlap, two_batch):
+    for make in (serial, shared, two_batch):
         for n in (1, 2, 3):
             s = make(layers, n)
             validate(s, layers, [{"hidden": i} for i in range(n)])
@@ -116,7 +116,7 @@ def test_dense_and_moe_layers_mix():
 
 def test_format_lists_launches_and_intents():
     text = two_batch([moe_ops()], 2).format()
-    assert "mb1 L0 dispatch @ep_comm  (after #2)" in text and text.startswith("schedule two_batch")
+    assert "mb1 L0 dispatch @ep_comm  (after #2)" in text and text.startswith("schedule two-batch")
 
 
 # ---- validation errors --------------------------------------------------------------------------
@@ -126,7 +126,7 @@ def _bad(launches, layers=None, inputs=None, orders=()):
 
 
 def _serial_launches(n_layers=1, mb=0):
-    return [Launch(mb, li, op.name) for li in range(n_layers) for op in moe_ops()]
+    return [ScheduledOp(mb, li, op.name) for li in range(n_layers) for op in moe_ops()]
 
 
 def test_missing_launch():
@@ -136,17 +136,17 @@ def test_missing_launch():
 
 def test_duplicate_launch():
     with pytest.raises(ScheduleError, match=r"launch #7 \(mb0 L0 attn @default\) repeats launch #0"):
-        _bad(_serial_launches() + [Launch(0, 0, "attn")])
+        _bad(_serial_launches() + [ScheduledOp(0, 0, "attn")])
 
 
 def test_unknown_operation():
     with pytest.raises(ScheduleError, match="layer 0 has no operation 'atn'"):
-        _bad([Launch(0, 0, "atn")])
+        _bad([ScheduledOp(0, 0, "atn")])
 
 
 def test_out_of_range():
     with pytest.raises(ScheduleError, match="outside 1 micro-batches x 1 layers"):
-        _bad([Launch(1, 0, "attn")])
+        _bad([ScheduledOp(1, 0, "attn")])
 
 
 def test_read_before_write():

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 import overlap
-from overlap import COMM, COPY, MAIN, Span, Timeline, hooks
+from overlap import EP_COMM, KV_OFFLOAD, DEFAULT, Span, Timeline, hooks
 from overlap.multirank import run_ranks
-from overlap.streams import cpu_stream
-from overlap.timeline import chrome_trace, find, intersects, metrics, save_png
+from overlap.backends.cpu import cpu_stream
+from overlap.observability.timeline import chrome_trace, find, intersects, metrics, save_png
 
 pytestmark = pytest.mark.cpu_only
 
@@ -22,7 +22,7 @@ def _cpu():
 
 def test_off_by_default():
     assert not hooks.active()
-    assert hooks.start_span("x", MAIN, "compute") is None
+    assert hooks.start_span("x", DEFAULT, "compute") is None
     with Timeline() as tl:
         assert hooks.active()
     assert not hooks.active() and not tl.active
@@ -34,7 +34,7 @@ def test_records_launches_with_meta_and_async_completion():
     ev = overlap.event("test_tl_copy")
     with Timeline() as tl:
         with overlap.span("layer", mb=1, layer=2):
-            with overlap.stream(COPY):
+            with overlap.stream(KV_OFFLOAD):
                 overlap.copy_(dst, src, name="offload")
                 ev.record()
             with overlap.span("attn"):
@@ -42,8 +42,8 @@ def test_records_launches_with_meta_and_async_completion():
             ev.wait()
     torch.testing.assert_close(dst, src)
     copy, = tl.find(name="offload")
-    attn, = tl.find("attn", stream=MAIN, kind="compute")
-    assert (copy.stream, copy.kind, copy.asynchronous, copy.rank) == (COPY, "copy", True, 0)
+    attn, = tl.find("attn", stream=DEFAULT, kind="compute")
+    assert (copy.stream, copy.kind, copy.asynchronous, copy.rank) == (KV_OFFLOAD, "copy", True, 0)
     assert copy.meta == {"mb": 1, "layer": 2} and attn.meta == {"mb": 1, "layer": 2}
     assert copy.reads == () and copy.writes == ()  # the timeline keeps no tensors alive
     assert tl.find(layer=2, mb=1) == tl.spans and tl.find(layer=3) == []
@@ -57,7 +57,7 @@ def test_launch_in_flight_at_stop_is_still_recorded():
     src = torch.randn(512, 512)
     dst = torch.empty_like(src)
     with Timeline() as tl:
-        with overlap.stream(COPY):
+        with overlap.stream(KV_OFFLOAD):
             overlap.copy_(dst, src, name="late")
     with overlap.span("after"):  # not recorded: the timeline has stopped
         pass
@@ -72,24 +72,24 @@ def _span(name, stream, kind, start, end, rank=0):
 
 
 def test_metrics_by_hand():
-    spans = [_span("a0", MAIN, "compute", 0.0, 2.0), _span("a1", MAIN, "compute", 1.0, 3.0),  # union 0..3
-             _span("d", COMM, "comm", 2.0, 5.0),  # 1 s of 3 under compute
-             _span("c", COPY, "copy", 10.0, 11.0),
-             _span("x", MAIN, "compute", 0.0, 1.0, rank=1), _span("y", COMM, "comm", 1.0, 2.0, rank=1)]
+    spans = [_span("a0", DEFAULT, "compute", 0.0, 2.0), _span("a1", DEFAULT, "compute", 1.0, 3.0),  # union 0..3
+             _span("d", EP_COMM, "comm", 2.0, 5.0),  # 1 s of 3 under compute
+             _span("c", KV_OFFLOAD, "copy", 10.0, 11.0),
+             _span("x", DEFAULT, "compute", 0.0, 1.0, rank=1), _span("y", EP_COMM, "comm", 1.0, 2.0, rank=1)]
     m = metrics(spans)
     r0 = m.per_rank[0]
-    assert r0.busy == {MAIN: 3.0, COMM: 3.0, COPY: 1.0}
-    assert m.overlap(MAIN, COMM, rank=0) == 1.0 and m.overlap(COMM, MAIN, rank=0) == 1.0
-    assert m.ratio(MAIN, COMM, rank=0) == pytest.approx(1 / 3)
-    assert m.ratio(MAIN, COPY, rank=0) == 0.0
+    assert r0.busy == {DEFAULT: 3.0, EP_COMM: 3.0, KV_OFFLOAD: 1.0}
+    assert m.overlap(DEFAULT, EP_COMM, rank=0) == 1.0 and m.overlap(EP_COMM, DEFAULT, rank=0) == 1.0
+    assert m.ratio(DEFAULT, EP_COMM, rank=0) == pytest.approx(1 / 3)
+    assert m.ratio(DEFAULT, KV_OFFLOAD, rank=0) == 0.0
     assert r0.hidden_share == pytest.approx(1 / 3)
     assert m.per_rank[1].hidden_share == 0.0
     assert m.hidden_share == pytest.approx(1 / 4)
-    assert r0.busiest_pair() == tuple(sorted((MAIN, COMM)))
+    assert r0.busiest_pair() == tuple(sorted((DEFAULT, EP_COMM)))
     assert intersects(spans[0], spans[1]) and not intersects(spans[0], spans[2])  # touching is not overlap
-    assert find(spans, stream=COMM, rank=1) == [spans[5]]
+    assert find(spans, stream=EP_COMM, rank=1) == [spans[5]]
     with pytest.raises(ValueError, match="pass rank="):
-        m.ratio(MAIN, COMM)
+        m.ratio(DEFAULT, EP_COMM)
 
 
 def _exchange_under_compute(ctx, x, a):
@@ -97,14 +97,14 @@ def _exchange_under_compute(ctx, x, a):
     out = torch.empty_like(x)
     sent = overlap.event("test_tl_sent")
     with Timeline() as tl:
-        with overlap.stream(COMM):
+        with overlap.stream(EP_COMM):
             overlap.all_to_all_single(out, x, group=ctx.group, name="dispatch", mb=0, layer=0)
             sent.record()
         with overlap.span("experts", mb=1, layer=0):
-            in_flight = bool(cpu_stream(COMM).snapshot())
+            in_flight = bool(cpu_stream(EP_COMM).snapshot())
             for i in range(2000):  # until the exchange has completed (bounded)
                 a = torch.tanh(a @ a)
-                if i >= 3 and not cpu_stream(COMM).snapshot():
+                if i >= 3 and not cpu_stream(EP_COMM).snapshot():
                     break
         out = sent.wait(out)
     return tl, out, in_flight
@@ -139,8 +139,8 @@ def test_two_ranks_comm_hidden_under_compute(tmp_path):
     for rank in (0, 1):
         comm, = find(spans, name="dispatch", rank=rank)
         compute, = find(spans, name="experts", rank=rank)
-        assert (comm.stream, comm.kind, comm.asynchronous, comm.meta) == (COMM, "comm", True, {"mb": 0, "layer": 0})
-        assert compute.stream == MAIN and compute.meta == {"mb": 1, "layer": 0}
+        assert (comm.stream, comm.kind, comm.asynchronous, comm.meta) == (EP_COMM, "comm", True, {"mb": 0, "layer": 0})
+        assert compute.stream == DEFAULT and compute.meta == {"mb": 1, "layer": 0}
         assert intersects(comm, compute), f"rank {rank}: the exchange did not run under the matmuls"
         assert metrics(spans).per_rank[rank].hidden_comm_time > 0
 
@@ -151,11 +151,11 @@ def test_two_ranks_comm_hidden_under_compute(tmp_path):
     procs = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
     threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"}
     assert procs == {0: "rank 0", 1: "rank 1"}
-    assert sorted(set(threads.values())) == sorted({MAIN, COMM})
+    assert sorted(set(threads.values())) == sorted({DEFAULT, EP_COMM})
     slices = [e for e in events if e["ph"] == "X"]
     assert sorted((e["pid"], threads[(e["pid"], e["tid"])], e["name"], e["cat"]) for e in slices) == [
-        (0, MAIN, "experts", "compute"), (0, COMM, "dispatch", "comm"),
-        (1, MAIN, "experts", "compute"), (1, COMM, "dispatch", "comm")]
+        (0, DEFAULT, "experts", "compute"), (0, EP_COMM, "dispatch", "comm"),
+        (1, DEFAULT, "experts", "compute"), (1, EP_COMM, "dispatch", "comm")]
     assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in slices)
     assert all(e["args"]["layer"] == 0 for e in slices)
     assert trace["otherData"]["generator"] == "npu-overlap"

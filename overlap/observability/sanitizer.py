@@ -21,8 +21,8 @@ family only allocates, it does not count as a write.
 
 Use ``with Sanitizer():`` (raises `StreamRaceError` on the first race; ``raise_on_race=False``
 collects them in ``.races`` and logs them), or set ``OVERLAP_SANITIZE=1`` (log races) or
-``OVERLAP_SANITIZE=raise`` and call `enable_from_env` (``import overlap`` does so when the variable
-is set at import time).
+``OVERLAP_SANITIZE=raise`` and call `enable_from_env` (``overlap.sanitize_from_env()``; the launcher,
+the benchmarks, `overlap.multirank.run_ranks` and the test suite do).
 """
 from __future__ import annotations
 
@@ -39,8 +39,10 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from . import hooks
-from .hooks import Span
+from .. import hooks
+from ..context import current_stream_tag
+from ..hooks import Span
+from ..state import STATE
 
 ENV_SANITIZE = "OVERLAP_SANITIZE"
 log = logging.getLogger(__name__)
@@ -293,8 +295,6 @@ class Sanitizer:
                 continue
             tensors = _tensors(value)
             (writes if arg.alias_info is not None and arg.alias_info.is_write else reads).extend(tensors)
-        from .streams import current_stream_tag
-
         stream = current_stream_tag()
         op = str(func.overloadpacket)
         self._access(stream, op, reads, writes)
@@ -367,23 +367,20 @@ class Sanitizer:
         return "\n".join(map(str, self.races)) or "no stream races"
 
 
-_global: Optional[Sanitizer] = None
-
-
 def enable_from_env() -> Optional[Sanitizer]:
     """Start a process-wide sanitizer when ``$OVERLAP_SANITIZE`` asks for one (idempotent).
 
     ``1`` / ``warn`` logs each race and prints a summary at exit; ``raise`` raises on the first.
     The dispatch mode is entered on the calling thread, which should be the one launching work.
     """
-    global _global
     value = os.environ.get(ENV_SANITIZE, "").strip().lower()
     if value in ("", "0", "false", "off", "no"):
         return None
     if value not in ("1", "true", "on", "yes", "warn", "raise"):
         raise ValueError(f"${ENV_SANITIZE}={value!r}: expected 0, 1, warn or raise")
-    if _global is None:
-        _global = Sanitizer(raise_on_race=value == "raise").__enter__()
-        atexit.register(lambda: _global is not None and _global.races and log.warning(
-            "overlap sanitizer: %d stream race(s)\n%s", len(_global.races), _global.report()))
-    return _global
+    with STATE.lock:
+        if STATE.sanitizer is None:
+            san = STATE.sanitizer = Sanitizer(raise_on_race=value == "raise").__enter__()
+            atexit.register(lambda: san.races and log.warning(
+                "overlap sanitizer: %d stream race(s)\n%s", len(san.races), san.report()))
+        return STATE.sanitizer

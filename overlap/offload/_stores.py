@@ -29,7 +29,7 @@ class KVStore:
     kind: str
     k: torch.Tensor
     v: torch.Tensor
-    path: Optional[str] = None
+    file: Optional[str] = None
     owns_file: bool = False
     existed: bool = False  # an mmap file opened with its contents kept (resuming an offloaded prefix)
 
@@ -39,8 +39,8 @@ class KVStore:
 
     def close(self) -> None:
         self.k = self.v = torch.empty(0)
-        if self.owns_file and self.path and os.path.exists(self.path):
-            os.remove(self.path)
+        if self.owns_file and self.file and os.path.exists(self.file):
+            os.remove(self.file)
 
 
 def store_bytes(n_layers: int, max_tokens: int, k_shape: Tuple[int, ...], v_shape: Tuple[int, ...],
@@ -61,23 +61,23 @@ def _available_memory() -> Optional[int]:
     return None
 
 
-def _file_path(path: Optional[str], name: str) -> Tuple[str, bool]:
-    """The store file: a temporary one (removed on close), one inside a folder (per rank), or ``path``."""
-    if path is None:
+def _file_path(file: Optional[str], name: str) -> Tuple[str, bool]:
+    """The store file: a temporary one (removed on close), one inside a folder (per rank), or ``file``."""
+    if file is None:
         fd, tmp = tempfile.mkstemp(prefix=f"{name}-", suffix=".kv")
         os.close(fd)
         os.remove(tmp)  # created again, at its full size, by from_file
         return tmp, True
-    if os.path.isdir(path):
+    if os.path.isdir(file):
         import torch.distributed as dist
 
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        return os.path.join(path, f"{name}-rank{rank}.kv"), False
-    return path, False
+        return os.path.join(file, f"{name}-rank{rank}.kv"), False
+    return file, False
 
 
 def open_store(kind: str, n_layers: int, max_tokens: int, k_shape: Tuple[int, ...], v_shape: Tuple[int, ...],
-               dtype: torch.dtype, device: torch.device, path: Optional[str] = None, name: str = "kv",
+               dtype: torch.dtype, device: torch.device, file: Optional[str] = None, name: str = "kv",
                pin: bool = False) -> KVStore:
     """Allocate (or open) a store; raises `StoreError` naming the shortfall before allocating."""
     if kind not in STORES:
@@ -95,23 +95,23 @@ def open_store(kind: str, n_layers: int, max_tokens: int, k_shape: Tuple[int, ..
                              f"lower max_tokens or use store='mmap'")
         flat = torch.empty(need // torch.empty((), dtype=dtype).element_size(), dtype=dtype, pin_memory=pin)
         return _split(kind, flat, k_numel, n_layers, max_tokens, k_shape, v_shape)
-    file, owns = _file_path(path, name)
-    existed = os.path.exists(file)
+    target, owns = _file_path(file, name)
+    existed = os.path.exists(target)
     if existed:
-        have = os.path.getsize(file)
+        have = os.path.getsize(target)
         if have != need:
-            raise StoreError(f"host store file {file} holds {have} bytes but {n_layers} layers x {max_tokens} tokens "
-                             f"of keys and values need {need}; remove it or open it with the geometry it was "
+            raise StoreError(f"host store file {target} holds {have} bytes but {n_layers} layers x {max_tokens} "
+                             f"tokens of keys and values need {need}; remove it or open it with the geometry it was "
                              f"written with")
     else:
-        folder = os.path.dirname(os.path.abspath(file))
+        folder = os.path.dirname(os.path.abspath(target))
         free = shutil.disk_usage(folder).free
         if need > free:
             raise StoreError(f"host store too small: {n_layers} layers x {max_tokens} tokens of keys and values need "
                              f"{need / 2**30:.2f} GiB, only {free / 2**30:.2f} GiB free in {folder}")
-    flat = torch.from_file(file, shared=True, size=need // torch.empty((), dtype=dtype).element_size(), dtype=dtype)
+    flat = torch.from_file(target, shared=True, size=need // torch.empty((), dtype=dtype).element_size(), dtype=dtype)
     store = _split(kind, flat, k_numel, n_layers, max_tokens, k_shape, v_shape)
-    store.path, store.owns_file, store.existed = file, owns, existed
+    store.file, store.owns_file, store.existed = target, owns, existed
     return store
 
 

@@ -22,11 +22,12 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ._kvstore import STORES, KVStore, StoreError, open_store, store_bytes
-from .copy import copy_
-from .events import Event, event, release_events
-from .paths import GRAPH_PATHS, current_path, is_enabled, path_device
-from .streams import COPY, record_stream, stream
+from .. import backends
+from ..context import is_enabled
+from ..copy import copy_
+from ..events import Event, event, release_events
+from ..streams import KV_OFFLOAD, record_stream, stream, synchronize
+from ._stores import STORES, KVStore, StoreError, open_store, store_bytes
 
 _names = itertools.count()
 Shape = Union[int, Sequence[int]]
@@ -69,7 +70,7 @@ class OffloadCache:
 
     ``kv_shape`` is the per-token shape of the keys (e.g. ``(heads, head_dim)``); ``v_shape``
     that of the values when it differs. ``store`` is ``"memory"`` (pinned on a device),
-    ``"mmap"`` (a file: ``path``, a folder for one file per rank, or a temporary file) or
+    ``"mmap"`` (a file: ``file``, a folder for one file per rank, or a temporary file) or
     ``"device"`` (no offload: every layer stays on the device, the baseline to compare with).
     ``enabled=False`` keeps the same data placement but copies synchronously on the current
     stream. ``chunk_tokens`` is the most tokens one `offload` call carries (default ``max_tokens``);
@@ -78,7 +79,7 @@ class OffloadCache:
 
     def __init__(self, n_layers: int, max_tokens: int, kv_shape: Shape, dtype: torch.dtype = torch.float32,
                  device: Union[str, torch.device, None] = None, *, v_shape: Optional[Shape] = None, ring: int = 2,
-                 chunk_tokens: Optional[int] = None, store: str = "memory", path: Optional[str] = None,
+                 chunk_tokens: Optional[int] = None, store: str = "memory", file: Optional[str] = None,
                  prefix_tokens: int = 0, enabled: bool = True, name: Optional[str] = None):
         for what, val in (("n_layers", n_layers), ("max_tokens", max_tokens), ("ring", ring)):
             if int(val) < 1:
@@ -92,19 +93,19 @@ class OffloadCache:
             raise OffloadError(f"unknown store {store!r}; expected one of {', '.join(STORES)}")
         if not (isinstance(dtype, torch.dtype) and (dtype.is_floating_point or dtype == torch.int8)):
             raise OffloadError(f"dtype must be a floating point torch.dtype (or int8), got {dtype!r}")
-        path_now = current_path()
+        backend = backends.current()
         self.asynchronous = bool(enabled) and is_enabled() and store != "device"
-        self._check_path(path_now)
+        self._check_path(backend)
         self.n_layers, self.max_tokens, self.chunk_tokens = int(n_layers), int(max_tokens), chunk_tokens
         self.k_shape = _shape(kv_shape, "kv_shape")
         self.v_shape = self.k_shape if v_shape is None else _shape(v_shape, "v_shape")
         self.dtype = dtype
-        self.device = torch.device(device) if device is not None else path_device(path_now)
+        self.device = torch.device(device) if device is not None else backend.device()
         self.name = name or f"kv{next(_names)}"
         pin = store == "memory" and self.device.type in ("cuda", "npu")
         try:
             self._store: KVStore = open_store(store, self.n_layers, self.max_tokens, self.k_shape, self.v_shape,
-                                              dtype, self.device, path, self.name, pin)
+                                              dtype, self.device, file, self.name, pin)
         except StoreError as e:
             raise OffloadError(str(e)) from None
         if prefix_tokens and not self._store.existed:
@@ -123,9 +124,9 @@ class OffloadCache:
         return self._store.kind
 
     @property
-    def path(self) -> Optional[str]:
+    def file(self) -> Optional[str]:
         """The file behind an mmap store."""
-        return self._store.path
+        return self._store.file
 
     @property
     def host_bytes(self) -> int:
@@ -143,11 +144,11 @@ class OffloadCache:
         return self._tokens[layer]
 
     # ----------------------------------------------------------------- validation
-    def _check_path(self, path: Optional[str] = None) -> None:
-        path = path or current_path()
-        if self.asynchronous and path in GRAPH_PATHS:
+    def _check_path(self, backend: Optional[backends.Backend] = None) -> None:
+        backend = backend or backends.current()
+        if self.asynchronous and backend.is_graph:
             raise OffloadError(
-                f"KV offload is not available on the {path!r} path: a copy into host memory on a separate "
+                f"KV offload is not available on the {backend.name!r} path: a copy into host memory on a separate "
                 f"copy stream cannot be expressed inside a compiled graph. Run the offload on the eager "
                 f"path (npu/cuda), or pass enabled=False for plain synchronous copies outside the graph")
 
@@ -258,13 +259,13 @@ class OffloadCache:
         self._out.used[slot] = True
         if self.asynchronous:
             self._out.before[slot].record(sk, sv)
-            with stream(COPY):
+            with stream(KV_OFFLOAD):
                 sk, sv = self._wait_written(slot, sk, sv)
                 copy_(hk, sk, name="kv_offload", layer=layer, slot=slot, offset=offset)
                 copy_(hv, sv, name="kv_offload", layer=layer, slot=slot, offset=offset)
                 self._out.after[slot].record(hk, hv)
-            record_stream(self._out.buffers[slot][0], COPY)
-            record_stream(self._out.buffers[slot][1], COPY)
+            record_stream(self._out.buffers[slot][0], KV_OFFLOAD)
+            record_stream(self._out.buffers[slot][1], KV_OFFLOAD)
         else:
             copy_(hk, sk, name="kv_offload", layer=layer, offset=offset)
             copy_(hv, sv, name="kv_offload", layer=layer, offset=offset)
@@ -318,7 +319,7 @@ class OffloadCache:
             copy_(dv, hv, name="kv_prefetch", layer=layer)
             return
         self._in.before[slot].record(dk, dv)  # after the main stream's reads of the slot's last contents
-        with stream(COPY):
+        with stream(KV_OFFLOAD):
             dk, dv = self._wait_free(slot, dk, dv)
             copy_(dk, hk, name="kv_prefetch", layer=layer, slot=slot, start=start)
             copy_(dv, hv, name="kv_prefetch", layer=layer, slot=slot, start=start)
@@ -356,9 +357,7 @@ class OffloadCache:
                 for slot, used in enumerate(ring.used):
                     if used:
                         ring.after[slot].synchronize()
-        elif self.device.type in ("cuda", "npu"):
-            from .streams import synchronize
-
+        elif self.device.type != "cpu":
             synchronize()
 
     def host_kv(self, layer: int) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -1,6 +1,6 @@
-"""``python -m overlap.report PATH``: per-stream busy time and overlap from a trace, with a CI gate.
+"""``overlap-report PATH``: per-stream busy time and overlap from a trace, with a CI gate.
 
-PATH is a Chrome trace from `overlap.timeline` or ``torch.profiler``, or a torch_npu profiler
+PATH is a Chrome trace from `overlap.Timeline` or ``torch.profiler``, or a torch_npu profiler
 output folder (or one of its ``trace_view.json`` / ``kernel_details.csv`` / ``step_trace_time.csv``).
 Prints, per rank or device: busy time per stream, overlap per pair of streams, overlap / min(busy)
 with a verdict (>= 0.5 real overlap, <= 0.05 serialized) and the hidden share of communication.

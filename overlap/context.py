@@ -1,8 +1,10 @@
-"""Execution-path detection and the global enable switch.
+"""What the primitives lower to right now: the execution path, the enable switch and the current stream.
 
-A path names how a schedule is lowered: ``ge`` (torchair max-autotune), ``aclgraph``
-(torchair reduce-overhead / npugraph_ex), ``npu`` / ``cuda`` (eager streams) and ``cpu``
-(logical streams: compute inline, collectives and copies asynchronous on host threads).
+A path names how a schedule is lowered: ``ge`` (torchair max-autotune), ``aclgraph`` (torchair
+reduce-overhead / npugraph_ex), ``npu`` / ``cuda`` (eager streams) and ``cpu`` (logical streams:
+compute inline, collectives and copies asynchronous on host threads). Each has one backend in
+`overlap.backends`. The three settings here are context variables, so a thread or an asyncio
+task can lower on its own path; this module imports nothing else of the toolkit.
 """
 from __future__ import annotations
 
@@ -17,17 +19,18 @@ from typing import Iterator, Optional
 import torch
 
 PATHS = ("ge", "aclgraph", "npu", "cuda", "cpu")
-GRAPH_PATHS = ("ge", "aclgraph")
 ENV_PATH = "OVERLAP_PATH"
 ENV_GRAPH_PATH = "OVERLAP_GRAPH_PATH"
 ENV_ENABLE = "OVERLAP_ENABLE"
+DEFAULT = "default"  # the main stream's tag (torchair's name for it)
 
 _path_override: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("overlap_path", default=None)
 _enable_override: contextvars.ContextVar[Optional[bool]] = contextvars.ContextVar("overlap_enable", default=None)
+_stream_tag: contextvars.ContextVar[str] = contextvars.ContextVar("overlap_stream", default=DEFAULT)
 _FALSE_WORDS = ("0", "false", "off", "no")
 
 
-def _eager_in_trace(fn):  # type: ignore[no-untyped-def]
+def eager_in_trace(fn):  # type: ignore[no-untyped-def]
     """Run ``fn`` as plain Python while Dynamo traces; its result becomes a constant of the graph.
 
     For the context-variable reads and writes and the lock-guarded registries behind the
@@ -40,7 +43,8 @@ def _eager_in_trace(fn):  # type: ignore[no-untyped-def]
     return fn
 
 
-def _check_path(path: str, source: str) -> str:
+def check_path(path: str, source: str) -> str:
+    """``path`` if it names an execution path, else a ValueError naming where it came from."""
     if path not in PATHS:
         raise ValueError(f"unknown execution path {path!r} from {source}; expected one of {', '.join(PATHS)}")
     return path
@@ -57,14 +61,10 @@ def _npu_available() -> bool:
         return False
 
 
-def _graph_path() -> str:
-    return _check_path(os.environ.get(ENV_GRAPH_PATH, "ge"), f"${ENV_GRAPH_PATH}")
-
-
 def detect_path() -> str:
     """The execution path without overrides: compiled region, NPU, CUDA or CPU."""
     if torch.compiler.is_compiling() and "torch_npu" in sys.modules:
-        return _graph_path()
+        return check_path(os.environ.get(ENV_GRAPH_PATH, "ge"), f"${ENV_GRAPH_PATH}")
     if _npu_available():
         return "npu"
     if torch.cuda.is_available():
@@ -72,12 +72,12 @@ def detect_path() -> str:
     return "cpu"
 
 
-@_eager_in_trace
+@eager_in_trace
 def _path_override_value() -> Optional[str]:
     return _path_override.get()
 
 
-@_eager_in_trace
+@eager_in_trace
 def _enable_override_value() -> Optional[bool]:
     return _enable_override.get()
 
@@ -89,31 +89,19 @@ def current_path() -> str:
         return path
     env = os.environ.get(ENV_PATH)
     if env:
-        return _check_path(env.strip().lower(), f"${ENV_PATH}")
+        return check_path(env.strip().lower(), f"${ENV_PATH}")
     return detect_path()
-
-
-def path_device(path: Optional[str] = None) -> torch.device:
-    """The current device of an execution path (``path`` defaults to `current_path`)."""
-    path = path or current_path()
-    if path == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    if path in ("npu",) + GRAPH_PATHS:
-        import torch_npu  # noqa: F401  (registers torch.npu)
-
-        return torch.device("npu", torch.npu.current_device())
-    return torch.device("cpu")
 
 
 def set_path(path: Optional[str]) -> None:
     """Force the execution path for this context (``None`` restores detection)."""
-    _path_override.set(None if path is None else _check_path(path, "set_path()"))
+    _path_override.set(None if path is None else check_path(path, "set_path()"))
 
 
 @contextlib.contextmanager
 def use_path(path: str) -> Iterator[str]:
     """Lower every primitive inside the block on ``path``."""
-    token = _path_override.set(_check_path(path, "use_path()"))
+    token = _path_override.set(check_path(path, "use_path()"))
     try:
         yield path
     finally:
@@ -141,3 +129,17 @@ def enabled(flag: bool = True) -> Iterator[bool]:
         yield bool(flag)
     finally:
         _enable_override.reset(token)
+
+
+@eager_in_trace
+def current_stream_tag() -> str:
+    """The tag of the stream work is placed on now (``"default"`` outside any `stream` block)."""
+    return _stream_tag.get()
+
+
+@eager_in_trace
+def swap_stream_tag(tag: str) -> str:
+    """Make ``tag`` the current stream tag; returns the previous one (a constant while tracing)."""
+    prev = _stream_tag.get()
+    _stream_tag.set(tag)
+    return prev

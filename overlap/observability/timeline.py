@@ -20,11 +20,11 @@ import json
 import os
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set
 
-from . import hooks
+from .. import backends, hooks
+from ..hooks import Span
 from ._intervals import Metrics, compute_metrics, verdict
-from .hooks import Span
 
 _STREAM_ORDER = ("default", "ep_comm", "shared_expert", "kv_offload")
 _COLOURS = {"compute": "#4C72B0", "comm": "#DD8452", "copy": "#55A868"}
@@ -161,43 +161,6 @@ def summary(spans: Sequence[Span]) -> str:
     return "\n".join(lines)
 
 
-class _DeviceClock:
-    """Device events with timing around each launch, converted to host seconds on demand."""
-
-    def __init__(self, path: str):
-        from .streams import _device_module
-
-        self.mod = _device_module(path)
-        self.mod.synchronize()
-        self.ref = self.mod.Event(enable_timing=True)
-        self.ref.record()
-        self.mod.synchronize()
-        self.ref_time = time.time()
-        self.open: Dict[int, Any] = {}
-        self.closed: List[Tuple[Span, Any, Any]] = []
-
-    def start(self, span: Span) -> None:
-        ev = self.mod.Event(enable_timing=True)
-        ev.record()
-        self.open[span.id] = ev
-
-    def end(self, span: Span, copy: Span) -> bool:
-        ev0 = self.open.pop(span.id, None)
-        if ev0 is None:
-            return False
-        ev1 = self.mod.Event(enable_timing=True)
-        ev1.record()
-        self.closed.append((copy, ev0, ev1))
-        return True
-
-    def resolve(self) -> None:
-        for span, ev0, ev1 in self.closed:
-            ev1.synchronize()
-            span.start = self.ref_time + self.ref.elapsed_time(ev0) / 1e3
-            span.end = self.ref_time + self.ref.elapsed_time(ev1) / 1e3
-        self.closed.clear()
-
-
 class Timeline:
     """Records a span for every launch while active: ``with Timeline() as tl: ...; tl.spans``."""
 
@@ -206,15 +169,12 @@ class Timeline:
         self._spans: List[Span] = []
         self._lock = threading.Lock()
         self._offset = 0.0  # wall clock minus the hooks' perf_counter
-        self._device: Optional[_DeviceClock] = None
+        self._device: Any = None  # the backend's device clock (cuda / npu), or None
         self._open: Set[int] = set()  # spans started while active and not finished yet
         self.active = False
 
     def start(self) -> "Timeline":
-        from .paths import current_path
-
-        path = current_path()
-        self._device = _DeviceClock(path) if self.device_timing and path in ("cuda", "npu") else None
+        self._device = backends.current().clock() if self.device_timing else None
         self._offset = time.time() - time.perf_counter()
         with self._lock:
             self.active = True

@@ -1,0 +1,97 @@
+"""Rank health in a multi-rank job: heartbeats, naming the rank that died or hung, fault injection.
+
+Each rank writes its progress into the job's rendezvous store (`Peers.beat`). A rank whose
+collective fails or times out reads the others' beats and failures to say which rank is to
+blame (`Peers.diagnose`), so a dead or hung peer becomes one clear line instead of a gloo /
+HCCL trace. The first rank to hit an unexpected error prints its traceback (`Peers.first_to_report`).
+``$OVERLAP_FAULT`` injects a fault for the tests that check all this.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Optional
+
+import torch.distributed as dist
+
+ENV_FAULT = "OVERLAP_FAULT"
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """A collective that failed because of another rank (timeout, closed connection), not this rank's bug."""
+    text = str(exc).lower()
+    return isinstance(exc, dist.DistError) or any(
+        w in text for w in ("timed out", "timeout", "connection closed", "connection reset", "gloo", "nccl", "hccl"))
+
+
+class Peers:
+    """Heartbeats in the store, so that a rank stuck in a collective can name the rank that is gone."""
+
+    def __init__(self) -> None:
+        self.store = dist.distributed_c10d._get_default_store()
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+
+    def beat(self, what: str) -> None:
+        self.store.set(f"overlap/progress/{self.rank}", f"{what}@{time.time():.3f}")
+
+    def failed(self, msg: str) -> None:
+        try:
+            self.store.set(f"overlap/failed/{self.rank}", msg[:500])
+        except Exception:
+            pass
+
+    def first_to_report(self) -> bool:
+        """True on the first rank to ask (the one that prints a traceback); True if the store is gone."""
+        try:
+            return self.store.add("overlap/traceback", 1) == 1
+        except Exception:
+            return True
+
+    def diagnose(self) -> str:
+        """Which ranks failed or stopped making progress, in words."""
+        try:
+            others = [r for r in range(self.world) if r != self.rank]
+            failed = [r for r in others if self.store.check([f"overlap/failed/{r}"])]
+            if failed:
+                return "; ".join(f"rank {r} failed: {self.store.get(f'overlap/failed/{r}').decode()}" for r in failed)
+            beats = {}
+            for r in range(self.world):
+                if self.store.check([f"overlap/progress/{r}"]):
+                    what, at = self.store.get(f"overlap/progress/{r}").decode().rsplit("@", 1)
+                    beats[r] = (float(at), what)
+            if not beats:
+                return "no rank reported progress"
+            oldest = min(beats.values())[0]
+            stale = [r for r in range(self.world) if r not in beats or beats[r][0] <= oldest + 1e-3]
+            return ", ".join(f"rank {r} stopped responding (last seen at {beats[r][1] if r in beats else 'start'})"
+                             for r in stale if r != self.rank) or "peers are alive; the collective itself timed out"
+        except Exception as exc:  # the store lives on rank 0: if that is gone, say so
+            return f"the rendezvous store is unreachable ({type(exc).__name__}): rank 0 is probably gone"
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    """An injected fault: ``rank`` does ``kind`` (exit, hang or raise) before its ``at``-th iteration."""
+
+    rank: int = 1
+    at: int = 0
+    kind: str = "exit"
+
+    @classmethod
+    def from_env(cls) -> Optional["Fault"]:
+        """``$OVERLAP_FAULT="rank=1,iter=2,kind=exit|hang|raise"``, or None."""
+        text = os.environ.get(ENV_FAULT)
+        if not text:
+            return None
+        spec = dict(kv.split("=", 1) for kv in text.split(","))
+        return cls(int(spec.get("rank", 1)), int(spec.get("iter", 0)), spec.get("kind", "exit"))
+
+    def maybe_fail(self, rank: int, iteration: int) -> None:
+        if rank != self.rank or iteration != self.at:
+            return
+        if self.kind == "exit":
+            os._exit(17)
+        if self.kind == "hang":
+            time.sleep(3600)
+        raise RuntimeError(f"injected fault on rank {rank} at iteration {iteration}")

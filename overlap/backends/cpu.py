@@ -1,0 +1,195 @@
+"""The ``cpu`` path: logical streams, with real asynchrony where a device would have an engine.
+
+Compute runs inline on the host thread whatever its stream. A collective issued on a side
+stream runs asynchronously on gloo's threads (``async_op=True``), and host work (a copy) on the
+stream's own worker thread, in launch order. The work pending on a `CpuStream` is what an event
+recorded there waits for, so reading a side stream's output before the wait is a real race.
+With a simulated link (`overlap.link`) a collective completes no earlier than its transfer time.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from typing import Any, Callable, List, Optional, Sequence
+
+import torch
+
+from .. import hooks
+from ..context import DEFAULT, current_stream_tag, is_enabled
+from ..hooks import Span
+from ..link import DelayedWork, current_link, wait_transfer
+from ..state import STATE
+from .base import Backend
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    try:
+        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.device == b.device
+    except (RuntimeError, NotImplementedError):  # e.g. fake or sparse tensors
+        return False
+
+
+def _intersects(xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor]) -> bool:
+    return any(_same_storage(x, y) for x in xs for y in ys)
+
+
+class _Pending:
+    """One asynchronous launch on a CPU stream: a gloo work or a worker-thread future."""
+
+    def __init__(self, name: str, waitable: Any, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor]):
+        self.name = name
+        self.waitable = waitable
+        self.reads = tuple(reads)  # keeping references is also the CPU form of record_stream
+        self.writes = tuple(writes)
+        self._done = False
+
+    def done(self) -> bool:
+        if self._done:
+            return True
+        w = self.waitable
+        return w.done() if isinstance(w, concurrent.futures.Future) else w.is_completed()
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        w = self.waitable
+        if isinstance(w, concurrent.futures.Future):
+            w.result()
+        else:
+            w.wait()
+        self._done = True
+
+
+class CpuStream:
+    """A logical stream on the CPU path: the asynchronous work launched on it, in order."""
+
+    def __init__(self, tag: str):
+        self.tag = tag
+        self._pending: List[_Pending] = []
+        self._lock = threading.Lock()
+        self._worker: Optional[concurrent.futures.ThreadPoolExecutor] = None
+
+    def _prune(self) -> None:
+        self._pending = [p for p in self._pending if not p.done()]
+
+    def _order_after_hazards(self, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor],
+                             host: bool = False) -> None:
+        # Stream order on a device serialises a launch after earlier launches on the same stream.
+        # Async CPU work is only ordered when it touches the same memory, so wait for those.
+        for p in list(self._pending):
+            if host and isinstance(p.waitable, concurrent.futures.Future):
+                continue  # the stream's one worker thread runs host launches in launch order already
+            if _intersects(p.writes, list(reads) + list(writes)) or _intersects(p.reads, writes):
+                p.wait()
+
+    def launch_collective(self, name: str, issue: Callable[[bool], Any], reads: Sequence[torch.Tensor],
+                          writes: Sequence[torch.Tensor], span: Optional[Span], delay: float = 0.0) -> None:
+        with self._lock:
+            self._prune()
+            self._order_after_hazards(reads, writes)
+            work = issue(True)
+            if delay > 0:  # a simulated link: completes after the transfer time (see overlap.link)
+                work = DelayedWork(work, delay, lambda: hooks.end_span(span))
+            elif span is not None:
+                work.get_future().add_done_callback(lambda _f: hooks.end_span(span))
+            self._pending.append(_Pending(name, work, reads, writes))
+
+    def launch_host(self, name: str, fn: Callable[[], Any], reads: Sequence[torch.Tensor],
+                    writes: Sequence[torch.Tensor], span: Optional[Span]) -> concurrent.futures.Future:
+        def run() -> Any:
+            try:
+                return fn()
+            finally:
+                hooks.end_span(span)
+
+        with self._lock:
+            self._prune()
+            self._order_after_hazards(reads, writes, host=True)
+            if self._worker is None:
+                self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"overlap-{self.tag}")
+            fut = self._worker.submit(run)
+            self._pending.append(_Pending(name, fut, reads, writes))
+        return fut
+
+    def snapshot(self) -> List[_Pending]:
+        """The launches an event recorded now must wait for."""
+        with self._lock:
+            self._prune()
+            return list(self._pending)
+
+    def synchronize(self) -> None:
+        for p in self.snapshot():
+            p.wait()
+        with self._lock:
+            self._prune()
+
+
+def cpu_stream(tag: str) -> CpuStream:
+    """The logical stream named ``tag`` (created on first use)."""
+    with STATE.lock:
+        s = STATE.cpu_streams.get(tag)
+        if s is None:
+            s = STATE.cpu_streams[tag] = CpuStream(tag)
+        return s
+
+
+class CpuBackend(Backend):
+    name = "cpu"
+
+    def get_stream(self, tag: str, priority: int = 0) -> CpuStream:
+        return cpu_stream(tag)
+
+    def stream_tags(self) -> List[str]:
+        with STATE.lock:
+            return sorted({DEFAULT} | set(STATE.cpu_streams))
+
+    def record(self, event: Any) -> None:
+        event.payload["cpu"] = cpu_stream(current_stream_tag()).snapshot()
+
+    def wait(self, event: Any, consumers: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+        self.synchronize_event(event)
+        return consumers
+
+    def synchronize_event(self, event: Any) -> None:
+        for p in event.payload.get("cpu", ()):
+            p.wait()
+
+    def join_other_streams(self) -> None:
+        me = current_stream_tag()
+        with STATE.lock:
+            others = [s for tag, s in STATE.cpu_streams.items() if tag != me]
+        for s in others:
+            for p in s.snapshot():
+                p.wait()
+
+    def is_asynchronous(self, tag: str) -> bool:
+        return is_enabled() and tag != DEFAULT
+
+    def issue_collective(self, name: str, issue: Callable[[bool], Any], reads: Sequence[torch.Tensor],
+                         writes: Sequence[torch.Tensor], span: Optional[Span], nbytes: int) -> None:
+        tag = current_stream_tag()
+        link = current_link()
+        delay = link.seconds(nbytes) if link is not None and nbytes else 0.0
+        if self.is_asynchronous(tag):
+            cpu_stream(tag).launch_collective(name, issue, reads, writes, span, delay)
+            return
+        try:
+            issue(False)
+            if delay:
+                wait_transfer(delay)
+        finally:
+            hooks.end_span(span)
+
+    def issue_host(self, name: str, fn: Callable[[], Any], reads: Sequence[torch.Tensor],
+                   writes: Sequence[torch.Tensor], span: Optional[Span]) -> None:
+        tag = current_stream_tag()
+        if self.is_asynchronous(tag):
+            cpu_stream(tag).launch_host(name, fn, reads, writes, span)
+            return
+        super().issue_host(name, fn, reads, writes, span)
+
+    def synchronize(self) -> None:
+        with STATE.lock:
+            streams = list(STATE.cpu_streams.values())
+        for s in streams:
+            s.synchronize()

@@ -1,0 +1,36 @@
+"""The ``ge`` path: torchair's GE graph (``mode="max-autotune"``).
+
+GE honours data edges across streams, so a value read on another stream needs nothing; an
+ordering edge without data is ``torchair.scope.npu_wait_tensor(consumer, dependency)``, whose
+result the consumer must use. GE has no events: an event's wait becomes that edge from every
+tensor its record guarded to every consumer. Tagged streams need no ``record_stream`` (GE plans
+memory across streams).
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from ._torchair import TorchairBackend
+
+
+class GeBackend(TorchairBackend):
+    name = "ge"
+    data_edges_order_streams = True
+    torchair_mode = "max-autotune"
+
+    def wait(self, event: Any, consumers: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+        if not consumers:
+            return consumers
+        if not event.guarded:
+            raise ValueError(f"event {event.tag!r} was recorded without the tensors it guards; on the ge path an "
+                             f"ordering edge is npu_wait_tensor(consumer, guarded): call ev.record(tensor, ...)")
+        return tuple(self.wait_tensor(c, event.guarded) for c in consumers)
+
+    def wait_tensor(self, x: torch.Tensor, deps: Sequence[torch.Tensor]) -> torch.Tensor:
+        from torchair.scope import npu_wait_tensor
+
+        for d in deps:
+            x = npu_wait_tensor(x, d)
+        return x

@@ -1,0 +1,12 @@
+"""Seeing what ran where: the timeline (Chrome trace, PNG, metrics), the stream sanitizer, the overlap report.
+
+`Timeline` records every launch through the primitives as a span; `Sanitizer` checks that
+streams are ordered (vector clocks on the logical streams, so it runs on CPU); `report` reads a
+trace of this toolkit, torch.profiler or torch_npu's profiler and measures the overlap
+(``overlap-report``).
+"""
+from .sanitizer import Sanitizer, StreamRaceError, enable_from_env
+from .timeline import Timeline, chrome_trace, find, gather, intersects, metrics, save_chrome_trace, save_png, summary
+
+__all__ = ["Sanitizer", "StreamRaceError", "Timeline", "chrome_trace", "enable_from_env", "find", "gather",
+           "intersects", "metrics", "save_chrome_trace", "save_png", "summary"]
