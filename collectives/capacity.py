@@ -39,15 +39,15 @@ from torch import nn
 import overlap
 from overlap import collective_device
 
-from .dispatch import _handle_event, group_size
+from .dispatch import _handle_event, _host_read, _peers, group_size
 from .experts import LocalExperts
 from .layer import ExpertParallelMoE, SharedExperts
-from .layout import LayoutError, check_routing
+from .layout import LayoutError, ReceivedMetadata, check_routing, local_metadata, token_in_rank
 from .wrap import wrap_expert_parallel
 
 
 @dataclasses.dataclass
-class CapacityDispatchHandle:
+class CapacityDispatchHandle(ReceivedMetadata):
     """What a capacity dispatch received (``world * capacity`` rows, block ``r`` from rank ``r``)
     and where this rank's tokens went (for the combine)."""
 
@@ -63,13 +63,6 @@ class CapacityDispatchHandle:
     def top_k(self) -> int:
         return self.recv_meta.shape[1] // 2
 
-    @property
-    def recv_ids(self) -> torch.Tensor:
-        return self.recv_meta[:, : self.top_k].long()
-
-    @property
-    def recv_weights(self) -> torch.Tensor:
-        return self.recv_meta[:, self.top_k:]
 
 
 @dataclasses.dataclass
@@ -119,17 +112,14 @@ def _agree(capacity: int, need: int, tokens: int, group: Optional[dist.ProcessGr
         return
     if not validate:
         return
-    if not dist.is_initialized() or group_size(group) == 1:
+    if not _peers(group):
         lo = hi = capacity
         worst = need - capacity
     else:
         dev = collective_device(group)
         t = torch.tensor([capacity, -capacity, need - capacity, int(rejected)], dtype=torch.int64, device=dev)
         overlap.all_reduce(t, op=dist.ReduceOp.MAX, group=group, name="dispatch.capacity")
-        ev = _handle_event("ep_dispatch.capacity")
-        ev.record(t)
-        ev.synchronize()
-        hi, neg_lo, worst, any_rejected = t.tolist()
+        hi, neg_lo, worst, any_rejected = _host_read(t, _handle_event("ep_dispatch.capacity"))
         lo = -neg_lo
         if rejected:
             return  # the caller raises this rank's own error
@@ -145,12 +135,29 @@ def _agree(capacity: int, need: int, tokens: int, group: Optional[dist.ProcessGr
 
 
 def _exchange(x: torch.Tensor, capacity: int, group: Optional[dist.ProcessGroup], name: str) -> torch.Tensor:
-    if not dist.is_initialized() or group_size(group) == 1:
+    """Block ``r`` of ``x`` to rank ``r``, and rank ``r``'s block for us into block ``r`` of the result."""
+    if not _peers(group):
         return x
     out = torch.empty_like(x)
     splits = [capacity] * group_size(group)
     overlap.all_to_all_single(out, x, splits, splits, group=group, name=name)
     return out
+
+
+def _pack_blocks(x: torch.Tensor, idx: torch.Tensor, topk_weights: torch.Tensor, slot_token: torch.Tensor,
+                 experts_per_rank: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The send buffers ``[W*C, H]`` and ``[W*C, 2k]`` (`collectives.layout.pack_metadata` rows): block
+    ``r`` holds the tokens of ``slot_token[r]``, the padding slot (token ``T``) a zero row with no expert."""
+    world, cap = slot_token.shape
+    k = idx.shape[1]
+    rows = slot_token.reshape(-1)
+    ids = torch.cat([idx, idx.new_full((1, k), -1)]).index_select(0, rows).view(world, cap, k)
+    w = torch.cat([topk_weights.float(), topk_weights.new_zeros(1, k, dtype=torch.float32)]).index_select(0, rows)
+    owner = torch.arange(world, device=x.device)[:, None, None]  # the destination of every row of block r
+    # Padding ids (-1) lie on rank -1, never an owner: their metadata is id -1, weight 0.
+    send_meta = local_metadata(ids, w.view(world, cap, k), owner, experts_per_rank).view(world * cap, 2 * k)
+    send_x = torch.cat([x.detach(), x.new_zeros(1, x.shape[1])]).index_select(0, rows)
+    return send_x, send_meta
 
 
 def capacity_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
@@ -164,7 +171,7 @@ def capacity_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: tor
     world = group_size(group)
     try:
         check_routing(x, topk_idx, topk_weights, num_experts, world)
-        tokens, k = topk_idx.shape
+        tokens = topk_idx.shape[0]
         cap = tokens if capacity is None else int(capacity)
         if cap < 0:
             raise LayoutError(f"capacity must be >= 0, got {cap}")
@@ -174,20 +181,11 @@ def capacity_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: tor
         raise
     epr = num_experts // world
     idx = topk_idx.long()
-    dest = torch.div(idx, epr, rounding_mode="floor")
-    in_rank = torch.zeros(tokens, world, dtype=torch.bool, device=x.device).scatter_(1, dest, True)
+    in_rank = token_in_rank(idx, epr, world)
     need = 0 if torch.compiler.is_compiling() or not validate or tokens == 0 else int(in_rank.sum(0).max())
     _agree(cap, need, tokens, group, validate)
     slot_token = _slots(in_rank, cap)
-    rows = slot_token.reshape(-1)
-    ids = torch.cat([idx, idx.new_full((1, k), -1)]).index_select(0, rows).view(world, cap, k)
-    w = torch.cat([topk_weights.float(), topk_weights.new_zeros(1, k, dtype=torch.float32)]).index_select(0, rows)
-    owner = torch.arange(world, device=x.device)[:, None, None]
-    here = (ids >= 0) & (torch.div(ids, epr, rounding_mode="floor") == owner)
-    local = torch.where(here, ids - owner * epr, torch.full_like(ids, -1)).view(-1, k)
-    weights = torch.where(here.view(-1, k), w, torch.zeros((), dtype=torch.float32, device=x.device))
-    send_meta = torch.cat([local.float(), weights], dim=1)
-    send_x = torch.cat([x.detach(), x.new_zeros(1, x.shape[1])]).index_select(0, rows)
+    send_x, send_meta = _pack_blocks(x, idx, topk_weights, slot_token, epr)
     recv_x = _exchange(send_x, cap, group, "dispatch")
     recv_meta = _exchange(send_meta, cap, group, "dispatch.meta")
     return CapacityDispatchHandle(recv_x, recv_meta, slot_token, tokens, cap, group, x.dtype)

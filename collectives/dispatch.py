@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-from typing import Iterator, List, Optional, Sequence
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -30,8 +30,9 @@ import overlap
 from overlap import EP_COMM, backends
 
 from . import _buffers
-from .layout import (DispatchLayout, ExpertBatch, LayoutError, check_routing, check_splits, compute_layout, expand,
-                     local_plan, pack_metadata, reduce_bags, reduce_local, reduce_ranks, sum_first)
+from .layout import (DispatchLayout, ExpertBatch, LayoutError, LocalPlan, ReceivedMetadata, check_routing,
+                     check_splits, compute_layout, expand, local_plan, pack_metadata, reduce_bags, reduce_local,
+                     reduce_ranks, sum_first)
 
 
 def group_size(group: Optional[dist.ProcessGroup]) -> int:
@@ -86,14 +87,47 @@ def _others(splits: Sequence[int], me: int) -> List[int]:
     return [0 if r == me else n for r, n in enumerate(splits)]
 
 
+def _peers(group: Optional[dist.ProcessGroup]) -> bool:
+    """Whether there is another rank to exchange with (False without a process group, or in a group of one)."""
+    return dist.is_initialized() and group_size(group) > 1
+
+
+def _host_read(t: torch.Tensor, ev: overlap.Event) -> list:
+    """``t.tolist()`` once the work issued so far on the current stream (the collective that fills ``t``) is done."""
+    ev.record(t)
+    ev.synchronize()
+    return t.tolist()
+
+
 def _exchange_into(out: torch.Tensor, x: torch.Tensor, recv_splits: List[int], send_splits: List[int],
                    group: Optional[dist.ProcessGroup], name: str, caller: str, **meta) -> None:
     """Rows for other ranks only (this rank's splits are zero); a no-op when nothing travels."""
     overlap.record_stream(out, caller)  # allocated on this stream, read on the caller's
-    if not dist.is_initialized() or group_size(group) == 1:
+    if not _peers(group):
         return
     overlap.all_to_all_single(out, x, recv_splits, send_splits, group=group, name=name, **meta)
     overlap.record_stream(x, overlap.current_stream_tag())
+
+
+def _exchange_event(stream_tag: Optional[str], caller: str, event_tag: str,
+                    *guarded: torch.Tensor) -> Optional[overlap.Event]:
+    """An event recorded after the exchange where it runs on a side stream (`_side`); None on the caller's."""
+    if stream_tag is None or stream_tag == caller:
+        return None
+    ev = _handle_event(event_tag)
+    ev.record(*guarded)
+    return ev
+
+
+def _own_event(exchange_event: Optional[overlap.Event], event_tag: str,
+               *guarded: torch.Tensor) -> Optional[overlap.Event]:
+    """An event after the own rows (on the calling stream), for a waiter on a third stream; only where
+    the exchange has its own event."""
+    if exchange_event is None:
+        return None
+    ev = _handle_event(f"{event_tag}.own")
+    ev.record(*guarded)
+    return ev
 
 
 def _blocks(splits: Sequence[int], me: int) -> tuple:
@@ -122,21 +156,18 @@ def exchange_counts(layout: DispatchLayout, group: Optional[dist.ProcessGroup],
     w, epr = layout.world_size, layout.experts_per_rank
     send = torch.cat([layout.num_tokens_per_rank.view(w, 1), layout.num_tokens_per_expert.view(w, epr)], dim=1)
     if w == 1 and not dist.is_initialized():
-        recv = send.clone()
+        rows = send.tolist()
     else:
         recv = torch.empty_like(send)
         overlap.all_to_all_single(recv, send, group=group, name="dispatch.counts")
-        ev = overlap.event(event_tag)
-        ev.record(recv)
-        ev.synchronize()
-    rows = recv.tolist()
+        rows = _host_read(recv, overlap.event(event_tag))
     recv_splits = [r[0] for r in rows]
     per_expert = [sum(r[1 + e] for r in rows) for e in range(epr)]
     return recv_splits, per_expert
 
 
 @dataclasses.dataclass
-class DispatchHandle:
+class DispatchHandle(ReceivedMetadata):
     """What a dispatch received, and what combine needs to send it back.
 
     Received rows: this rank's own rows first (they never travel), then the other ranks' rows by
@@ -155,13 +186,6 @@ class DispatchHandle:
     spare: Optional[torch.Tensor] = None  # the dispatch's send buffer, free once waited: combine receives into it
     own_event: Optional[overlap.Event] = None  # the own rows, gathered on the calling stream
 
-    @property
-    def recv_ids(self) -> torch.Tensor:
-        return self.recv_meta[:, : self.layout.top_k].long()
-
-    @property
-    def recv_weights(self) -> torch.Tensor:
-        return self.recv_meta[:, self.layout.top_k:]
 
     def wait(self) -> "DispatchHandle":
         """Make the current stream wait for the exchange; then the received tensors may be read."""
@@ -196,17 +220,29 @@ def _gather_rows(out: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> N
         torch.index_select(src, 0, index, out=out)
 
 
-def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
-             group: Optional[dist.ProcessGroup] = None, *, send_splits: Optional[Sequence[int]] = None,
-             recv_splits: Optional[Sequence[int]] = None, previous_event: Optional[overlap.Event] = None,
-             async_finish: bool = False, stream_tag: Optional[str] = EP_COMM, event_tag: str = "ep_dispatch",
-             check_ids: bool = True) -> DispatchHandle:
-    """Send tokens ``x [T, H]`` to the ranks holding their experts (once per rank); see the module docstring.
+@dataclasses.dataclass
+class _DispatchPlan:
+    """The send side of one dispatch, prepared on the calling stream before anything is exchanged."""
 
-    ``send_splits`` / ``recv_splits``: rows sent to / received from each rank, when known; both
-    skip the count exchange and its host synchronisation. Input is validated before any collective.
-    Rows a rank keeps are gathered straight into its receive buffer, while the exchange is in flight.
-    """
+    layout: DispatchLayout
+    rank: int
+    own: Tuple[int, int]  # this rank's rows in the layout's send order: they never travel
+    others: List[Tuple[int, int]]  # the other ranks' rows, in rank order
+    meta: torch.Tensor  # [S, 2k] metadata of every row, own rows included
+    send_x: torch.Tensor  # the rows that travel, in rank order
+    send_meta: torch.Tensor
+    recv_splits: Optional[List[int]]  # None: learnt from the count exchange
+    pooled: bool  # send_x is a `_buffers` buffer: combine may receive into it
+
+    @property
+    def n_own(self) -> int:
+        return self.own[1] - self.own[0]
+
+
+def _plan_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
+                   group: Optional[dist.ProcessGroup], send_splits: Optional[Sequence[int]],
+                   recv_splits: Optional[Sequence[int]], check_ids: bool) -> _DispatchPlan:
+    """Validate, lay out and pack what travels; raises `LayoutError` before any collective."""
     world = group_size(group)
     check_routing(x, topk_idx, topk_weights, num_experts, world, check_ids)
     if (send_splits is None) != (recv_splits is None):
@@ -219,37 +255,64 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
         raise LayoutError(f"receive split sizes {recv_splits} and send split sizes {layout.send_splits} disagree on "
                           f"the rows rank {me} keeps for itself")
     own, others = _blocks(layout.send_splits, me)
-    n_own = own[1] - own[0]
     meta = pack_metadata(layout, topk_idx, topk_weights)
     send_meta = _cat_rows(meta, others)
     send_rows = _cat_rows(layout.send_token, others)
-    if _reuses_buffers(x):
+    pooled = _reuses_buffers(x)
+    if pooled:
         send_x = _buffers.take(send_rows.shape[0], x.shape[1], x.dtype)
         _gather_rows(send_x, x.detach(), send_rows)
     else:
         send_x = x.index_select(0, send_rows)
+    return _DispatchPlan(layout, me, own, others, meta, send_x, send_meta, recv_splits, pooled)
+
+
+def _issue_dispatch(plan: _DispatchPlan, x: torch.Tensor, group: Optional[dist.ProcessGroup],
+                    previous_event: Optional[overlap.Event], stream_tag: Optional[str],
+                    event_tag: str) -> DispatchHandle:
+    """On ``stream_tag``: the count exchange (unless the splits are known), the receive buffers and the
+    two exchanges (tokens, metadata) into all but their first ``n_own`` rows."""
+    layout, me, n_own = plan.layout, plan.rank, plan.n_own
     with _side(stream_tag, previous_event, event_tag) as caller:
-        per_expert = None
+        recv_splits, per_expert = plan.recv_splits, None
         if recv_splits is None:
             recv_splits, per_expert = exchange_counts(layout, group)
         rows = sum(recv_splits)
         recv_x = x.new_empty(rows, x.shape[1])
-        recv_meta = meta.new_empty(rows, meta.shape[1])
+        recv_meta = plan.meta.new_empty(rows, plan.meta.shape[1])
         travel_in, travel_out = _others(recv_splits, me), _others(layout.send_splits, me)
-        _exchange_into(recv_x[n_own:], send_x, travel_in, travel_out, group, "dispatch", caller)
-        _exchange_into(recv_meta[n_own:], send_meta, travel_in, travel_out, group, "dispatch.meta", caller)
+        _exchange_into(recv_x[n_own:], plan.send_x, travel_in, travel_out, group, "dispatch", caller)
+        _exchange_into(recv_meta[n_own:], plan.send_meta, travel_in, travel_out, group, "dispatch.meta", caller)
         handle = DispatchHandle(layout, recv_x, recv_meta, recv_splits, per_expert, group, x.dtype, rank=me,
-                                spare=send_x if _reuses_buffers(x) else None)
-        if stream_tag is not None and stream_tag != caller:
-            handle.event = _handle_event(event_tag)
-            handle.event.record(recv_x, recv_meta)
-    # Own rows, on the calling stream, beside the exchange (disjoint rows of the same buffers); detached,
-    # as the rows that travel are (the exchange is not differentiable).
-    _gather_rows(recv_x[:n_own], x.detach(), layout.send_token[own[0]:own[1]])
-    recv_meta[:n_own].copy_(meta[own[0]:own[1]].detach())
-    if handle.event is not None:
-        handle.own_event = _handle_event(f"{event_tag}.own")
-        handle.own_event.record(recv_x, recv_meta)
+                                spare=plan.send_x if plan.pooled else None)
+        handle.event = _exchange_event(stream_tag, caller, event_tag, recv_x, recv_meta)
+    return handle
+
+
+def _keep_own_rows(plan: _DispatchPlan, x: torch.Tensor, handle: DispatchHandle, event_tag: str) -> None:
+    """The rows this rank keeps, into the first rows of the receive buffers on the calling stream, beside
+    the exchange (disjoint rows of the same buffers); detached, as the rows that travel are (the
+    exchange is not differentiable)."""
+    a, b = plan.own
+    _gather_rows(handle.recv_x[:plan.n_own], x.detach(), plan.layout.send_token[a:b])
+    handle.recv_meta[:plan.n_own].copy_(plan.meta[a:b].detach())
+    handle.own_event = _own_event(handle.event, event_tag, handle.recv_x, handle.recv_meta)
+
+
+def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
+             group: Optional[dist.ProcessGroup] = None, *, send_splits: Optional[Sequence[int]] = None,
+             recv_splits: Optional[Sequence[int]] = None, previous_event: Optional[overlap.Event] = None,
+             async_finish: bool = False, stream_tag: Optional[str] = EP_COMM, event_tag: str = "ep_dispatch",
+             check_ids: bool = True) -> DispatchHandle:
+    """Send tokens ``x [T, H]`` to the ranks holding their experts (once per rank); see the module docstring.
+
+    ``send_splits`` / ``recv_splits``: rows sent to / received from each rank, when known; both
+    skip the count exchange and its host synchronisation. Input is validated before any collective.
+    Rows a rank keeps are gathered straight into its receive buffer, while the exchange is in flight.
+    """
+    plan = _plan_dispatch(x, topk_idx, topk_weights, num_experts, group, send_splits, recv_splits, check_ids)
+    handle = _issue_dispatch(plan, x, group, previous_event, stream_tag, event_tag)
+    _keep_own_rows(plan, x, handle, event_tag)
     if not async_finish:
         handle.wait()
     return handle
@@ -293,6 +356,99 @@ class CombineHandle:
         return self.out.to(self.dtype)
 
 
+@dataclasses.dataclass
+class _CombinePlan:
+    """The send side of one combine: the reduced rows that travel back, and how to reduce the own rows."""
+
+    layout: DispatchLayout
+    rank: int
+    own: Tuple[int, int]  # the own rows, first in the received rows and in the layout's send order
+    others: List[Tuple[int, int]]
+    hidden: int
+    travel: torch.dtype  # the dtype rows travel in
+    local: Optional[LocalPlan]  # None: the static-shape reduction (``full``)
+    partial: torch.Tensor  # the reduced rows that travel back, in the order they were received
+    full: Optional[torch.Tensor]  # static form: every received row reduced, own rows first
+    spare: Optional[torch.Tensor]  # the dispatch's send buffer, to receive into
+
+    @property
+    def n_own(self) -> int:
+        return self.own[1] - self.own[0]
+
+
+def _plan_combine(expert_out: torch.Tensor, batch: ExpertBatch, handle: DispatchHandle,
+                  dtype: Optional[torch.dtype]) -> _CombinePlan:
+    """Validate, and reduce the rows that travel back (the own rows wait for `_reduce_own_rows`)."""
+    if handle.event is not None:
+        raise RuntimeError("combine before the dispatch handle was waited on")
+    if expert_out.dim() != 2 or expert_out.shape[0] != batch.rows.shape[0]:
+        raise LayoutError(f"expert output must be [{batch.rows.shape[0]}, hidden] (one row per expanded token), "
+                          f"got shape {tuple(expert_out.shape)}")
+    layout, me, hidden = handle.layout, handle.rank, expert_out.shape[-1]
+    own, others = _blocks(layout.send_splits, me)
+    n_own = own[1] - own[0]
+    local = local_plan(expert_out, batch, handle.recv_weights)
+    travel = dtype or handle.dtype
+    full = None
+    if local is None:
+        full = reduce_local(expert_out, batch, handle.recv_weights).to(travel)
+        partial = full[n_own:]
+    else:  # the rows that travel first; the own rows go straight into the result while they travel
+        partial = reduce_bags(expert_out, local, n_own, batch.num_rows,
+                              out=_buffers.take(batch.num_rows - n_own, hidden, travel))
+    spare, handle.spare = handle.spare, None  # a fresh buffer for a second combine of the same dispatch
+    return _CombinePlan(layout, me, own, others, hidden, travel, local, partial, full, spare)
+
+
+def _combine_receive_buffer(plan: _CombinePlan) -> torch.Tensor:
+    """Where the other ranks' rows come back: the dispatch's send buffer when it fits, else a pooled or fresh one."""
+    rows, hidden = plan.layout.num_send - plan.n_own, plan.hidden
+    spare = plan.spare
+    if spare is not None and spare.dtype == plan.travel and tuple(spare.shape) == (rows, hidden):
+        return spare
+    if plan.local is not None:
+        return _buffers.take(rows, hidden, plan.travel)
+    return plan.partial.new_empty(rows, hidden)
+
+
+def _issue_combine(plan: _CombinePlan, handle: DispatchHandle, previous_event: Optional[overlap.Event],
+                   stream_tag: Optional[str], event_tag: str) -> CombineHandle:
+    """On ``stream_tag``: send the reduced rows back (the reverse of the dispatch's splits)."""
+    me = plan.rank
+    with _side(stream_tag, previous_event, event_tag) as caller:
+        returned = _combine_receive_buffer(plan)
+        _exchange_into(returned, plan.partial, _others(plan.layout.send_splits, me), _others(handle.recv_splits, me),
+                       handle.group, "combine", caller)
+        result = CombineHandle(plan.layout, returned, handle.dtype,
+                               spent=[returned, plan.partial] if plan.local is not None else [])
+        result.event = _exchange_event(stream_tag, caller, event_tag, returned)
+    return result
+
+
+def _reduce_own_rows(plan: _CombinePlan, expert_out: torch.Tensor, result: CombineHandle, event_tag: str) -> None:
+    """The own rows' contribution, straight into token order on the calling stream, beside the exchange:
+    the first term of every token's sum (``result.out``)."""
+    layout, (a, b) = plan.layout, plan.own
+    own_tokens = layout.send_token[a:b]
+    if plan.local is None:
+        result.out = sum_first(own_tokens, plan.full[:plan.n_own], layout.num_tokens)
+    else:
+        result.out = reduce_bags(expert_out, plan.local, 0, plan.n_own, tokens=own_tokens,
+                                 num_tokens=layout.num_tokens)
+        if plan.travel != torch.float32:  # round as the other ranks' rows are
+            result.out = result.out.to(plan.travel).float()
+    result.own_event = _own_event(result.event, event_tag, result.out)
+
+
+def _returned_blocks(plan: _CombinePlan) -> List[tuple]:
+    """Per other rank, in rank order: its tokens and its rows of ``returned`` (``CombineHandle.blocks``)."""
+    blocks, at = [], 0
+    for a, b in plan.others:
+        blocks.append((plan.layout.send_token[a:b], at, at + b - a))
+        at += b - a
+    return blocks
+
+
 def combine(expert_out: torch.Tensor, batch: ExpertBatch, handle: DispatchHandle, *,
             previous_event: Optional[overlap.Event] = None, async_finish: bool = False,
             stream_tag: Optional[str] = EP_COMM, event_tag: str = "ep_combine",
@@ -304,51 +460,10 @@ def combine(expert_out: torch.Tensor, batch: ExpertBatch, handle: DispatchHandle
     one rounding for half-precision models). Each token's sum starts with this rank's own
     contribution, computed while the other rows travel; the other ranks' follow in rank order.
     """
-    if handle.event is not None:
-        raise RuntimeError("combine before the dispatch handle was waited on")
-    if expert_out.dim() != 2 or expert_out.shape[0] != batch.rows.shape[0]:
-        raise LayoutError(f"expert output must be [{batch.rows.shape[0]}, hidden] (one row per expanded token), "
-                          f"got shape {tuple(expert_out.shape)}")
-    layout, me, hidden = handle.layout, handle.rank, expert_out.shape[-1]
-    own, others = _blocks(layout.send_splits, me)
-    n_own = own[1] - own[0]
-    plan = local_plan(expert_out, batch, handle.recv_weights)
-    travel = dtype or handle.dtype
-    if plan is None:
-        full = reduce_local(expert_out, batch, handle.recv_weights).to(travel)
-        partial = full[n_own:]
-    else:  # the rows that travel first; the own rows go straight into the result while they travel
-        partial = reduce_bags(expert_out, plan, n_own, batch.num_rows,
-                              out=_buffers.take(batch.num_rows - n_own, hidden, travel))
-    spare, handle.spare = handle.spare, None  # a fresh buffer for a second combine of the same dispatch
-    with _side(stream_tag, previous_event, event_tag) as caller:
-        rows = layout.num_send - n_own
-        if spare is not None and spare.dtype == travel and tuple(spare.shape) == (rows, hidden):
-            returned = spare
-        elif plan is not None:
-            returned = _buffers.take(rows, hidden, travel)
-        else:
-            returned = partial.new_empty(rows, hidden)
-        _exchange_into(returned, partial, _others(layout.send_splits, me), _others(handle.recv_splits, me),
-                       handle.group, "combine", caller)
-        result = CombineHandle(layout, returned, handle.dtype, spent=[returned, partial] if plan is not None else [])
-        if stream_tag is not None and stream_tag != caller:
-            result.event = _handle_event(event_tag)
-            result.event.record(returned)
-    own_tokens = layout.send_token[own[0]:own[1]]
-    if plan is None:
-        result.out = sum_first(own_tokens, full[:n_own], layout.num_tokens)
-    else:
-        result.out = reduce_bags(expert_out, plan, 0, n_own, tokens=own_tokens, num_tokens=layout.num_tokens)
-        if travel != torch.float32:  # round as the other ranks' rows are
-            result.out = result.out.to(travel).float()
-    if result.event is not None:
-        result.own_event = _handle_event(f"{event_tag}.own")
-        result.own_event.record(result.out)
-    at = 0
-    for a, b in others:
-        result.blocks.append((layout.send_token[a:b], at, at + b - a))
-        at += b - a
+    plan = _plan_combine(expert_out, batch, handle, dtype)
+    result = _issue_combine(plan, handle, previous_event, stream_tag, event_tag)
+    _reduce_own_rows(plan, expert_out, result, event_tag)
+    result.blocks = _returned_blocks(plan)
     if not async_finish and result.event is not None:
         result.event.wait()
         result.event = None

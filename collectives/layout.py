@@ -90,6 +90,17 @@ def check_splits(what: str, splits: Sequence[int], world_size: int) -> List[int]
     return out
 
 
+def expert_rank(ids: torch.Tensor, experts_per_rank: int) -> torch.Tensor:
+    """The rank holding each expert id (contiguous placement); the padding id -1 maps to rank -1."""
+    return torch.div(ids, experts_per_rank, rounding_mode="floor")
+
+
+def token_in_rank(idx: torch.Tensor, experts_per_rank: int, world_size: int) -> torch.Tensor:
+    """``[T, W]`` bool: whether token t chose an expert on rank r (it is sent there once). ``idx`` is int64."""
+    in_rank = torch.zeros(idx.shape[0], world_size, dtype=torch.bool, device=idx.device)
+    return in_rank.scatter_(1, expert_rank(idx, experts_per_rank), True)
+
+
 def compute_layout(topk_idx: torch.Tensor, num_experts: int, world_size: int,
                    send_splits: Optional[Sequence[int]] = None) -> DispatchLayout:
     """Tokens per destination rank and per expert, and the order rows are sent in.
@@ -99,11 +110,8 @@ def compute_layout(topk_idx: torch.Tensor, num_experts: int, world_size: int,
     the routing, since a wrong split would corrupt or hang the exchange.
     """
     tokens, k = topk_idx.shape
-    epr = num_experts // world_size
     idx = topk_idx.long()
-    dest = torch.div(idx, epr, rounding_mode="floor")
-    in_rank = torch.zeros(tokens, world_size, dtype=torch.bool, device=idx.device)
-    in_rank.scatter_(1, dest, True)
+    in_rank = token_in_rank(idx, num_experts // world_size, world_size)
     per_rank = in_rank.sum(0)
     per_expert = torch.zeros(num_experts, dtype=torch.int64, device=idx.device)
     per_expert.scatter_add_(0, idx.reshape(-1), torch.ones_like(idx.reshape(-1)))
@@ -131,14 +139,42 @@ def pack_metadata(layout: DispatchLayout, topk_idx: torch.Tensor, topk_weights: 
     Ids travel as float32, exact below 2**24 experts; one metadata tensor keeps the dispatch at
     two exchanges (tokens, metadata).
     """
-    epr = layout.experts_per_rank
-    ids = topk_idx.long()[layout.send_token]
-    dest = layout.send_rank[:, None]
-    here = torch.div(ids, epr, rounding_mode="floor") == dest
-    local = torch.where(here, ids - dest * epr, torch.full_like(ids, -1))
-    weights = torch.where(here, topk_weights[layout.send_token].float(), torch.zeros((), dtype=torch.float32,
-                                                                                  device=ids.device))
-    return torch.cat([local.float(), weights], dim=1)
+    return local_metadata(topk_idx.long()[layout.send_token], topk_weights[layout.send_token],
+                          layout.send_rank[:, None], layout.experts_per_rank)
+
+
+def local_metadata(ids: torch.Tensor, weights: torch.Tensor, dest: torch.Tensor,
+                   experts_per_rank: int) -> torch.Tensor:
+    """Metadata rows (see `pack_metadata`) for rows with expert ids ``ids [..., k]`` (int64; -1 for none)
+    and ``weights [..., k]`` sent to rank ``dest`` (broadcast against them): ``[..., 2k]`` float32."""
+    here = expert_rank(ids, experts_per_rank) == dest
+    local = torch.where(here, ids - dest * experts_per_rank, torch.full_like(ids, -1))
+    weights = torch.where(here, weights.float(), torch.zeros((), dtype=torch.float32, device=ids.device))
+    return torch.cat([local.float(), weights], dim=-1)
+
+
+def metadata_ids(meta: torch.Tensor) -> torch.Tensor:
+    """The local expert ids ``[R, k]`` (int64, -1: not on this rank) of metadata rows ``[R, 2k]``."""
+    return meta[:, : meta.shape[1] // 2].long()
+
+
+def metadata_weights(meta: torch.Tensor) -> torch.Tensor:
+    """The weights ``[R, k]`` (float32, 0 where the expert is not on this rank) of metadata rows ``[R, 2k]``."""
+    return meta[:, meta.shape[1] // 2:]
+
+
+class ReceivedMetadata:
+    """For dispatch handles: the local expert ids and weights of the received rows (``self.recv_meta``)."""
+
+    recv_meta: torch.Tensor
+
+    @property
+    def recv_ids(self) -> torch.Tensor:
+        return metadata_ids(self.recv_meta)
+
+    @property
+    def recv_weights(self) -> torch.Tensor:
+        return metadata_weights(self.recv_meta)
 
 
 @dataclasses.dataclass
@@ -157,7 +193,7 @@ def expand(recv_x: torch.Tensor, recv_meta: torch.Tensor, num_local: int,
            counts: Optional[Sequence[int]] = None) -> ExpertBatch:
     """Expand each received row to the local experts it chose (static shapes when ``counts`` is given)."""
     rows_n, k = recv_meta.shape[0], recv_meta.shape[1] // 2
-    ids = recv_meta[:, :k].long().reshape(-1)
+    ids = metadata_ids(recv_meta).reshape(-1)
     key = torch.where(ids >= 0, ids, torch.full_like(ids, num_local))
     if counts is None:
         per = torch.zeros(num_local + 1, dtype=torch.int64, device=ids.device)

@@ -1,7 +1,7 @@
 """The launcher's job configuration: parsed and checked from the command line before anything runs.
 
 Every check here runs on each rank before the process group exists, so an invalid configuration
-is reported once (by rank 0) and every rank exits with status 2 before any collective.
+is reported once (per node) and every rank exits with status 2 before any collective.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 class ConfigError(click.ClickException):
-    """An invalid configuration: reported once, by rank 0, before any collective."""
+    """An invalid configuration: reported once per node, before any collective."""
 
     exit_code = 2
 

@@ -21,6 +21,7 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
 
 import datetime
 import functools
+import tempfile
 import traceback
 from typing import Any, Optional
 
@@ -92,10 +93,26 @@ def main(layers: Optional[int], dense_layers: Optional[int], hidden: Optional[in
     try:
         job = job_config(world=int(os.environ.get("WORLD_SIZE", "1")), overrides=overrides, **options)
     except ConfigError as exc:
-        if _rank() == 0:
+        if _first_to_report_on_this_node():
             exc.show()
         sys.exit(exc.exit_code)
     sys.exit(run_job(job))
+
+
+def _first_to_report_on_this_node() -> bool:
+    """True on the first rank of this node to ask: a configuration error is printed once, by whichever
+    rank finds it first (there is no process group yet, and torchrun stops the other ranks as soon as
+    one exits). The ranks of a node share their torchrun agent, so its pid names the job."""
+    if "LOCAL_RANK" not in os.environ:
+        return True
+    marker = os.path.join(tempfile.gettempdir(), f"overlap-config-error-{os.getppid()}")
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    except OSError:  # no writable temporary folder: rank 0 speaks
+        return _rank() == 0
+    return True
 
 
 def run_job(job: JobConfig) -> int:

@@ -50,18 +50,18 @@ def parse_budget(text: str, source: str = ENV_BUDGET) -> CoreBudget:
     return CoreBudget(aic, aiv, source)
 
 
-def read_soc_config(path: str) -> CoreBudget:
+def read_soc_config(file: str) -> CoreBudget:
     """Read ``[SoCInfo]`` ``cube_core_cnt`` (or ``ai_core_cnt``) and ``vector_core_cnt`` from a CANN ini."""
     cfg = configparser.ConfigParser()
-    if not cfg.read(path):
-        raise CoreBudgetError(f"cannot read SoC description {path}")
+    if not cfg.read(file):
+        raise CoreBudgetError(f"cannot read SoC description {file}")
     if not cfg.has_section("SoCInfo"):
-        raise CoreBudgetError(f"{path}: no [SoCInfo] section")
+        raise CoreBudgetError(f"{file}: no [SoCInfo] section")
     info = cfg["SoCInfo"]
     aic = info.get("cube_core_cnt") or info.get("ai_core_cnt")
     if aic is None:
-        raise CoreBudgetError(f"{path}: [SoCInfo] has neither cube_core_cnt nor ai_core_cnt")
-    return CoreBudget(int(aic), int(info.get("vector_core_cnt", "0") or 0), path)
+        raise CoreBudgetError(f"{file}: [SoCInfo] has neither cube_core_cnt nor ai_core_cnt")
+    return CoreBudget(int(aic), int(info.get("vector_core_cnt", "0") or 0), file)
 
 
 def _soc_version() -> Optional[str]:
@@ -93,8 +93,8 @@ def core_budget() -> Optional[CoreBudget]:
     env = os.environ.get(ENV_BUDGET)
     if env:
         return parse_budget(env)
-    path = find_soc_config()
-    return read_soc_config(path) if path else None
+    ini = find_soc_config()
+    return read_soc_config(ini) if ini else None
 
 
 def reset_core_limits() -> None:

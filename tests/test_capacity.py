@@ -133,3 +133,25 @@ def test_bad_input_on_one_rank_stops_every_rank_before_the_exchange():
     r0, r1 = run_ranks(_one_rank_routes_out_of_range, 2, timeout=60)
     assert "another rank of the expert-parallel group rejected its input" in r0
     assert "99" in r1 or "out of range" in r1
+
+
+def test_capacity_blocks_are_the_layouts_rows_padded():
+    """The capacity send buffers hold exactly `compute_layout`'s rows and `pack_metadata`'s rows, in the
+    same order, each block padded with zero rows that carry no expert and no weight."""
+    from collectives.capacity import _pack_blocks, _slots
+    from collectives.layout import compute_layout, pack_metadata, token_in_rank
+
+    g = torch.Generator().manual_seed(3)
+    world, experts, tokens, k = 4, 8, 10, 3
+    x = torch.randn(tokens, 4, generator=g)
+    idx = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
+    w = torch.rand(tokens, k, generator=g)
+    layout = compute_layout(idx, experts, world)
+    slot_token = _slots(token_in_rank(idx, experts // world, world), tokens)
+    send_x, send_meta = _pack_blocks(x, idx, w, slot_token, experts // world)
+    real = slot_token.reshape(-1) < tokens
+    assert (slot_token < tokens).sum(1).tolist() == layout.send_splits
+    assert torch.equal(slot_token.reshape(-1)[real], layout.send_token)
+    assert torch.equal(send_meta[real], pack_metadata(layout, idx, w))
+    assert torch.equal(send_x[real], x[layout.send_token])
+    assert (send_meta[~real, :k] == -1).all() and not send_meta[~real, k:].any() and not send_x[~real].any()

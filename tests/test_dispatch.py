@@ -313,3 +313,35 @@ def _wait_from_a_third_stream(ctx):
 def test_a_handle_waited_on_another_stream_orders_the_own_rows_too():
     for races, _ in run_ranks(_wait_from_a_third_stream, 2):
         assert not races, races
+
+
+def _events_and_buffers(ctx):
+    """Which events a handle carries in each mode, and the send buffer handed from dispatch to combine."""
+    x, idx, w = _routing(ctx.rank, 12, 4, 2, seed=4)
+    seen = {}
+    for mode, kw in (("async", dict(async_finish=True)), ("sync", {}),
+                     ("caller", dict(async_finish=True, stream_tag=None))):
+        h = dispatch(x, idx, w, 4, ctx.group, **kw)
+        seen[f"dispatch {mode}"] = (h.event is not None, h.own_event is not None)
+        h.wait()
+        seen[f"dispatch {mode} waited"] = (h.event is not None, h.own_event is not None)
+        spare = h.spare is not None
+        y, batch = _scale_experts(h, ctx.rank, 2)
+        c = combine(y, batch, h, **kw)
+        seen[f"combine {mode}"] = (c.event is not None, c.own_event is not None)
+        seen[f"spare {mode}"] = (spare, h.spare is not None)
+        ok = torch.allclose(c.wait(), _dense(x, idx, w), rtol=1e-5, atol=1e-5)
+        seen[f"combine {mode} waited"] = (c.event is not None, c.own_event is not None, ok, c.spent == [])
+    return seen
+
+
+def test_handles_carry_events_only_for_a_side_stream_exchange():
+    for seen in run_ranks(_events_and_buffers, 2):
+        assert seen["dispatch async"] == (True, True)
+        assert seen["dispatch sync"] == seen["dispatch caller"] == (False, False)
+        for mode in ("async", "sync", "caller"):
+            assert seen[f"dispatch {mode} waited"] == (False, False)
+            assert seen[f"spare {mode}"] == (True, False)  # pooled on CPU, taken over by the combine
+            assert seen[f"combine {mode} waited"] == (False, False, True, True)
+        assert seen["combine async"] == (True, True)
+        assert seen["combine sync"] == seen["combine caller"] == (False, False)

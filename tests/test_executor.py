@@ -52,9 +52,9 @@ def _slow(delay):
 
 
 def moe_layer(layer, exchange, kv=None):
-    """attn, gate -> dispatch (COMM), experts -> combine (COMM), shared (SHARED), finalize.
+    """attn, gate -> dispatch (EP_COMM), experts -> combine (EP_COMM), shared (SHARED_EXPERT), finalize.
 
-    With ``kv`` (an exchange), a first op on the COPY stream writes ``"k"`` and attention also reads
+    With ``kv`` (an exchange), a first op on the KV_OFFLOAD stream writes ``"k"`` and attention also reads
     ``"k"`` and ``"prefix"`` (another micro-batch's ``"k"``, or None).
     """
     wa, we, ws = _weights(layer)

@@ -23,7 +23,7 @@ def torchair():
 
 
 def two_stream(x, w1, w2):
-    """Main stream: two matmuls. Side stream (COMM, core-limited): work on the first one's output."""
+    """Main stream: two matmuls. Side stream (EP_COMM, core-limited): work on the first one's output."""
     done = overlap.event(EVENT)
     h = x @ w1
     with overlap.stream(overlap.EP_COMM):

@@ -13,13 +13,12 @@ import re
 from unittest import mock
 
 import pytest
-import torch
 
 import overlap
 from collectives import CapacityExpertParallelMoE
 from launch.model import Batch, build_model, preset
 from launch.runner import micro_batch_inputs, run_schedule
-from microbatch import lower, run, serial, two_batch
+from microbatch import lower, serial, two_batch
 from microbatch.split import plan_split
 from overlap.multirank import run_ranks
 

@@ -313,21 +313,22 @@ def test_sanitizer_finds_no_race():
     assert san.races == []
 
 
-@pytest.mark.parametrize("wait,kind", [
-    ("_wait_written", "read after write"),  # the copy stream reads the slot before attention's write is done
-    ("_wait_copied", "write after read"),  # attention overwrites a slot still being copied out
-    ("_wait_free", "write after read"),  # a prefetch overwrites a slot the main stream still reads
-    ("_wait_ready", "read after write"),  # the main stream reads a prefetch slot before it has landed
+@pytest.mark.parametrize("direction,wait,kind", [
+    ("_out", "_wait_written", "read after write"),  # the copy stream reads the slot before attention's write is done
+    ("_out", "_wait_copied", "write after read"),  # attention overwrites a slot still being copied out
+    ("_in", "_wait_free", "write after read"),  # a prefetch overwrites a slot the main stream still reads
+    ("_in", "_wait_ready", "read after write"),  # the main stream reads a prefetch slot before it has landed
 ])
-def test_sanitizer_catches_a_removed_wait(wait, kind, monkeypatch):
+def test_sanitizer_catches_a_removed_wait(direction, wait, kind, monkeypatch):
     from overlap.observability.sanitizer import Sanitizer, StreamRaceError
 
     weights, x = _weights(), torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(7))
     with _cache(ring=2) as cache:
+        unit = getattr(cache, direction)  # the offload or prefetch direction, which owns the wait
         if wait == "_wait_copied":
-            monkeypatch.setattr(cache, wait, lambda slot: None)
+            monkeypatch.setattr(unit, wait, lambda slot: None)
         else:
-            monkeypatch.setattr(cache, wait, lambda slot, k, v: (k, v))
+            monkeypatch.setattr(unit, wait, lambda slot, k, v: (k, v))
         with Sanitizer() as san, pytest.raises(StreamRaceError):
             _offload_and_prefetch(cache, weights, x)
     assert [r.kind for r in san.races] == [kind]
@@ -395,3 +396,28 @@ def test_close_releases_the_cache_events():
     assert any(t.startswith("kvrelease.") for t in STATE.events)
     cache.close()
     assert not any(t.startswith("kvrelease.") for t in STATE.events)
+
+
+def test_event_tags_per_slot_and_reset():
+    from overlap.state import STATE
+
+    with OffloadCache(2, 8, (2, 4), ring=2, name="kvtags") as cache:
+        assert repr(cache) == ("OffloadCache(kvtags: 2 layers x 8 tokens, k(2, 4) v(2, 4) torch.float32, store=memory, "
+                               "ring=2, asynchronous=True)")
+        cache.offload(0, torch.ones(8, 2, 4), torch.ones(8, 2, 4))
+        k, _ = cache.get(0)
+        assert torch.equal(k, torch.ones(8, 2, 4))
+        tags = {t for t in STATE.events if t.startswith("kvtags.")}
+        assert tags == {f"kvtags.{d}.{e}{i}" for d, pair in (("offload", ("written", "copied")),
+                                                            ("prefetch", ("free", "ready")))
+                        for e in pair for i in range(2)}
+        cache.reset()
+        assert cache.tokens(0) == 0
+        with pytest.raises(OffloadError, match="the store holds 0 tokens"):
+            cache.get(0)
+        cache.offload(0, torch.full((4, 2, 4), 2.0), torch.full((4, 2, 4), 3.0))
+        hk, hv = cache.host_kv(0)
+        assert torch.equal(hk, torch.full((4, 2, 4), 2.0)) and torch.equal(hv, torch.full((4, 2, 4), 3.0))
+        slot_bytes = 2 * 8 * 2 * 4 * 4  # K and V of 8 tokens
+        assert cache.device_bytes == cache.peak_device_bytes == 3 * slot_bytes  # both offload slots, one prefetch slot
+    assert cache.device_bytes == 0

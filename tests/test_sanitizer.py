@@ -236,3 +236,67 @@ def test_disjoint_parts_of_one_buffer_from_two_streams_are_not_a_race():
         assert not san.races
         with pytest.raises(StreamRaceError, match="write after write"):
             buf[3:5].fill_(2.0)  # touches the side stream's rows without waiting for it
+
+
+def _copy_in_on_side_stream(dst: torch.Tensor, src: torch.Tensor) -> None:
+    with overlap.stream(KV_OFFLOAD):
+        overlap.copy_(dst, src)  # the write
+
+
+def _read_on_main(t: torch.Tensor) -> torch.Tensor:
+    return t.sum()  # the read
+
+
+def _fill_on_side_stream(t: torch.Tensor) -> None:
+    with overlap.stream(SHARED_EXPERT):
+        t.mul_(2)  # the first write
+
+
+def _fill_on_main(t: torch.Tensor) -> None:
+    t.add_(1)  # the second write
+
+
+def _frames(access, name):
+    return [f for f in access.stack if f.name == name and os.path.samefile(f.filename, __file__)]
+
+
+def test_a_race_names_the_python_stack_of_both_accesses():
+    src, dst = torch.randn(6), torch.empty(6)
+    with pytest.raises(StreamRaceError, match=r"^stream race \(read after write\)") as err:
+        with Sanitizer():
+            _copy_in_on_side_stream(dst, src)  # a span's access: seen through the hooks
+            _read_on_main(dst)  # a dispatched op's access: seen through the dispatch mode
+    race, text = err.value.race, str(err.value)
+    assert _frames(race.previous, "_copy_in_on_side_stream") and not _frames(race.previous, "_read_on_main")
+    assert _frames(race.current, "_read_on_main") and not _frames(race.current, "_copy_in_on_side_stream")
+    assert race.current.stack[-1].name == "_read_on_main"  # innermost last, torch's own frames left out
+    assert _frames(race.current, "test_a_race_names_the_python_stack_of_both_accesses")
+    # both stacks are printed, the first access's before the second's, with their source lines
+    assert os.path.basename(__file__) in text
+    first, second = text.index("overlap.copy_(dst, src)  # the write"), text.index("return t.sum()  # the read")
+    assert text.index("_copy_in_on_side_stream") < first < text.index("_read_on_main") < second
+    assert f"write by 'copy' on stream {KV_OFFLOAD!r} at:" in text
+    assert f"read by 'aten.sum' on stream {DEFAULT!r} at:" in text
+
+
+def test_both_stacks_of_a_race_between_dispatched_ops():
+    from overlap.observability import sanitizer
+
+    t = torch.zeros(4)
+    with Sanitizer(raise_on_race=False, log_races=False) as san:
+        _fill_on_side_stream(t)
+        _fill_on_main(t)
+    (race,) = san.races
+    assert race.kind == "write after write"
+    assert race.previous.stack[-1].name == "_fill_on_side_stream"
+    assert race.current.stack[-1].name == "_fill_on_main"
+    report = san.report()
+    assert report.splitlines()[0] == str(race).splitlines()[0]
+    for line in ("t.mul_(2)  # the first write", "t.add_(1)  # the second write", "_fill_on_side_stream",
+                 "_fill_on_main"):
+        assert line in report
+    for access in (race.previous, race.current):
+        assert 0 < len(access.stack) <= 5
+        own = {os.path.abspath(sanitizer.__file__), os.path.abspath(overlap.hooks.__file__)}
+        assert not [f for f in access.stack if os.path.abspath(f.filename) in own
+                    or os.path.abspath(f.filename).startswith(os.path.dirname(torch.__file__) + os.sep)]

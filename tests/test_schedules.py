@@ -7,7 +7,7 @@ from microbatch import (FromMicroBatch, ScheduledOp, Operation, Schedule, Schedu
                         two_batch, validate)
 from overlap import EP_COMM, DEFAULT, SHARED_EXPERT
 
-Stage = namedtuple("Stage", "name fn reads writes stream")  # the EP layer's stage shape
+Stage = namedtuple("Stage", "name fn reads writes stream")  # any object with the five fields is an operation
 
 
 def _f(*a):
@@ -93,7 +93,7 @@ def test_ep_stages_with_ordering_reads_validate():
     assert nxt[i + 1:i + 4] == [("shared_down", 1, 0), ("finalize", 1, 0), ("residual", 1, 0)]
 
 
-def test_shared_overlap_puts_shared_on_its_stream_after_dispatch():
+def test_shared_mode_puts_shared_on_its_stream_after_dispatch():
     s = shared([moe_ops()], 1)
     assert _names(s) == ["attn0", "gate0", "dispatch0", "shared0", "experts0", "combine0", "finalize0"]
     assert [l.stream for l in s.launches] == [DEFAULT, DEFAULT, EP_COMM, SHARED_EXPERT, DEFAULT, EP_COMM, DEFAULT]

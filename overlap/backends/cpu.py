@@ -82,7 +82,7 @@ class CpuStream:
             if _intersects(p.writes, list(reads) + list(writes)) or _intersects(p.reads, writes):
                 p.wait()
 
-    def launch_collective(self, name: str, issue: Callable[[bool], Any], reads: Sequence[torch.Tensor],
+    def issue_collective(self, name: str, issue: Callable[[bool], Any], reads: Sequence[torch.Tensor],
                           writes: Sequence[torch.Tensor], span: Optional[Span], delay: float = 0.0) -> None:
         with self._lock:
             self._prune()
@@ -94,7 +94,7 @@ class CpuStream:
                 work.get_future().add_done_callback(lambda _f: hooks.end_span(span))
             self._pending.append(_Pending(name, work, reads, writes))
 
-    def launch_host(self, name: str, fn: Callable[[], Any], reads: Sequence[torch.Tensor],
+    def issue_host(self, name: str, fn: Callable[[], Any], reads: Sequence[torch.Tensor],
                     writes: Sequence[torch.Tensor], span: Optional[Span]) -> concurrent.futures.Future:
         def run() -> Any:
             try:
@@ -171,7 +171,7 @@ class CpuBackend(Backend):
         link = current_link()
         delay = link.seconds(nbytes) if link is not None and nbytes else 0.0
         if self.is_asynchronous(tag):
-            cpu_stream(tag).launch_collective(name, issue, reads, writes, span, delay)
+            cpu_stream(tag).issue_collective(name, issue, reads, writes, span, delay)
             return
         try:
             issue(False)
@@ -184,7 +184,7 @@ class CpuBackend(Backend):
                    writes: Sequence[torch.Tensor], span: Optional[Span]) -> None:
         tag = current_stream_tag()
         if self.is_asynchronous(tag):
-            cpu_stream(tag).launch_host(name, fn, reads, writes, span)
+            cpu_stream(tag).issue_host(name, fn, reads, writes, span)
             return
         super().issue_host(name, fn, reads, writes, span)
 

@@ -73,10 +73,6 @@ class RankMetrics:
         return self.overlap.get(key, 0.0) / low if low > 0 else 0.0  # type: ignore[arg-type]
 
     @property
-    def ratios(self) -> Dict[Tuple[str, str], float]:
-        return {k: self.ratio(*k) for k in self.overlap}
-
-    @property
     def hidden_share(self) -> Optional[float]:
         """Share of communication time during which compute ran on this rank; None without communication."""
         return self.hidden_comm_time / self.comm_time if self.comm_time > 0 else None

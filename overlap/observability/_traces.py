@@ -1,6 +1,6 @@
 """Readers for the traces the overlap report understands, all turned into per-stream intervals.
 
-- a Chrome trace written by `overlap.timeline` (one process per rank, one thread per stream);
+- a Chrome trace written by `overlap.Timeline` (one process per rank, one thread per stream);
 - a Chrome trace from ``torch.profiler`` (device kernels per stream when there are any, else host
   ops per thread);
 - a torch_npu profiler output folder: ``trace_view.json`` ("Ascend Hardware" lanes per Stream Id),
@@ -37,7 +37,7 @@ class TraceError(ValueError):
 class Trace:
     """What a report is computed from."""
 
-    path: str
+    source: str
     format: str
     items: List[Item] = dataclasses.field(default_factory=list)
     # torch_npu's own figures per process: communication and its overlapped part, seconds
@@ -48,31 +48,31 @@ def classify(name: str) -> str:
     return "comm" if COMM_PATTERN.search(name) else "compute"
 
 
-def _num(value: Any, path: str, what: str) -> float:
+def _num(value: Any, source: str, what: str) -> float:
     try:
         return float(str(value).strip())
     except (TypeError, ValueError):
-        raise TraceError(f"{path}: {what} is {value!r}, not a number") from None
+        raise TraceError(f"{source}: {what} is {value!r}, not a number") from None
 
 
-def _load_json(path: str) -> Any:
+def _load_json(source: str) -> Any:
     try:
-        with open(path) as f:
+        with open(source) as f:
             return json.load(f)
     except json.JSONDecodeError as e:
-        raise TraceError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); is the file truncated?") from None
+        raise TraceError(f"{source}: not valid JSON ({e.msg} at line {e.lineno}); is the file truncated?") from None
     except OSError as e:
-        raise TraceError(f"{path}: cannot read it ({e.strerror})") from None
+        raise TraceError(f"{source}: cannot read it ({e.strerror})") from None
 
 
-def _events(data: Any, path: str) -> List[Dict[str, Any]]:
+def _events(data: Any, source: str) -> List[Dict[str, Any]]:
     events = data.get("traceEvents") if isinstance(data, dict) else data
     if not isinstance(events, list):
-        raise TraceError(f"{path}: no 'traceEvents' list: not a Chrome trace")
+        raise TraceError(f"{source}: no 'traceEvents' list: not a Chrome trace")
     return [e for e in events if isinstance(e, dict)]
 
 
-def _slices(events: List[Dict[str, Any]], path: str) -> List[Tuple[Dict[str, Any], float, float]]:
+def _slices(events: List[Dict[str, Any]], source: str) -> List[Tuple[Dict[str, Any], float, float]]:
     """Complete ("X") events with start and end in seconds since the file's first event."""
     raw = []
     for i, e in enumerate(events):
@@ -80,8 +80,8 @@ def _slices(events: List[Dict[str, Any]], path: str) -> List[Tuple[Dict[str, Any
             continue
         for field in ("ts", "dur"):
             if field not in e:
-                raise TraceError(f"{path}: event {i} ({e.get('name')!r}) has no {field!r} field")
-        raw.append((e, _num(e["ts"], path, f"'ts' of event {i}"), _num(e["dur"], path, f"'dur' of event {i}")))
+                raise TraceError(f"{source}: event {i} ({e.get('name')!r}) has no {field!r} field")
+        raw.append((e, _num(e["ts"], source, f"'ts' of event {i}"), _num(e["dur"], source, f"'dur' of event {i}")))
     return _relative(raw)
 
 
@@ -96,18 +96,18 @@ def _names(events: List[Dict[str, Any]], kind: str) -> Dict[Any, str]:
     return {key(e): str(e.get("args", {}).get("name")) for e in events if e.get("ph") == "M" and e.get("name") == kind}
 
 
-def _toolkit(events: List[Dict[str, Any]], path: str) -> List[Item]:
+def _toolkit(events: List[Dict[str, Any]], source: str) -> List[Item]:
     procs, threads = _names(events, "process_name"), _names(events, "thread_name")
     return [(procs.get(e.get("pid"), f"rank {e.get('pid')}"),
              threads.get((e.get("pid"), e.get("tid")), str(e.get("tid"))),
              str(e.get("cat") or classify(str(e.get("name", "")))), s, t)
-            for e, s, t in _slices(events, path)]
+            for e, s, t in _slices(events, source)]
 
 
-def _torch_profiler(data: Any, events: List[Dict[str, Any]], path: str) -> List[Item]:
+def _torch_profiler(data: Any, events: List[Dict[str, Any]], source: str) -> List[Item]:
     rank = data.get("distributedInfo", {}).get("rank") if isinstance(data, dict) else None
     prefix = "" if rank is None else f"rank {rank} "
-    slices = _slices(events, path)
+    slices = _slices(events, source)
     device = [x for x in slices if x[0].get("cat") in _DEVICE_CATS]
     items: List[Item] = []
     if device:
@@ -124,17 +124,17 @@ def _torch_profiler(data: Any, events: List[Dict[str, Any]], path: str) -> List[
     return items
 
 
-def _ascend_hardware(events: List[Dict[str, Any]], path: str, process: str) -> Tuple[List[Item], Optional[Tuple]]:
+def _ascend_hardware(events: List[Dict[str, Any]], source: str, process: str) -> Tuple[List[Item], Optional[Tuple]]:
     procs = _names(events, "process_name")
     hw = {pid for pid, name in procs.items() if name == "Ascend Hardware"}
     if not hw:
-        raise TraceError(f"{path}: no 'Ascend Hardware' process (no process_name metadata event with that name)")
+        raise TraceError(f"{source}: no 'Ascend Hardware' process (no process_name metadata event with that name)")
     threads = _names(events, "thread_name")
     items: List[Item] = []
     comm: List[Tuple[float, float]] = []
     not_overlapped: List[Tuple[float, float]] = []
     analysis = {pid for pid, name in procs.items() if name == "Overlap Analysis"}
-    for e, s, t in _slices(events, path):
+    for e, s, t in _slices(events, source):
         name = str(e.get("name", ""))
         if e.get("pid") in hw:
             args = e.get("args", {})
@@ -152,7 +152,7 @@ def _ascend_hardware(events: List[Dict[str, Any]], path: str, process: str) -> T
             elif name == "Communication(Not Overlapped)":
                 not_overlapped.append((s, t))
     if not items:
-        raise TraceError(f"{path}: the 'Ascend Hardware' process has no complete ('X') task events")
+        raise TraceError(f"{source}: the 'Ascend Hardware' process has no complete ('X') task events")
     summary = None
     if comm:
         from ._intervals import length, union
@@ -162,26 +162,26 @@ def _ascend_hardware(events: List[Dict[str, Any]], path: str, process: str) -> T
     return items, summary
 
 
-def _read_csv(path: str, required: Tuple[str, ...], hint: str = "") -> List[Dict[str, str]]:
+def _read_csv(source: str, required: Tuple[str, ...], hint: str = "") -> List[Dict[str, str]]:
     try:
-        with open(path, newline="", encoding="utf-8-sig") as f:
+        with open(source, newline="", encoding="utf-8-sig") as f:
             reader = csv.DictReader(f)
             header = [h.strip() for h in (reader.fieldnames or [])]
             missing = [c for c in required if c not in header]
             if missing:
-                raise TraceError(f"{path}: missing column(s) {', '.join(map(repr, missing))}{hint}")
+                raise TraceError(f"{source}: missing column(s) {', '.join(map(repr, missing))}{hint}")
             rows = [{(k or "").strip(): (v or "").strip() for k, v in row.items()} for row in reader]
     except OSError as e:
-        raise TraceError(f"{path}: cannot read it ({e.strerror})") from None
+        raise TraceError(f"{source}: cannot read it ({e.strerror})") from None
     except csv.Error as e:
-        raise TraceError(f"{path}: malformed CSV ({e})") from None
+        raise TraceError(f"{source}: malformed CSV ({e})") from None
     if not rows:
-        raise TraceError(f"{path}: no data rows")
+        raise TraceError(f"{source}: no data rows")
     return rows
 
 
-def _kernel_details(path: str, process: str) -> List[Item]:
-    rows = _read_csv(path, ("Stream ID", "Start Time(us)", "Duration(us)"),
+def _kernel_details(source: str, process: str) -> List[Item]:
+    rows = _read_csv(source, ("Stream ID", "Start Time(us)", "Duration(us)"),
                      " (at profiler Level0 there is no 'Stream ID': profile with profiler_level=Level1 or higher)")
     raw = []
     for i, r in enumerate(rows, start=2):
@@ -192,15 +192,15 @@ def _kernel_details(path: str, process: str) -> List[Item]:
             continue
         kind = "comm" if "HCCL" in task.upper() or "COMMUNICATION" in task.upper() else classify(name)
         raw.append(((f"Stream {r['Stream ID']}", kind),
-                    _num(r["Start Time(us)"], path, f"'Start Time(us)' on line {i}"),
-                    _num(r["Duration(us)"], path, f"'Duration(us)' on line {i}")))
+                    _num(r["Start Time(us)"], source, f"'Start Time(us)' on line {i}"),
+                    _num(r["Duration(us)"], source, f"'Duration(us)' on line {i}")))
     return [(process, stream, kind, s, t) for (stream, kind), s, t in _relative(raw)]
 
 
-def _step_trace(path: str) -> Tuple[float, float]:
-    rows = _read_csv(path, ("Communication", "Communication(Not Overlapped)"))
-    comm = sum(_num(r["Communication"], path, "'Communication'") for r in rows)
-    exposed = sum(_num(r["Communication(Not Overlapped)"], path, "'Communication(Not Overlapped)'") for r in rows)
+def _step_trace(source: str) -> Tuple[float, float]:
+    rows = _read_csv(source, ("Communication", "Communication(Not Overlapped)"))
+    comm = sum(_num(r["Communication"], source, "'Communication'") for r in rows)
+    exposed = sum(_num(r["Communication(Not Overlapped)"], source, "'Communication(Not Overlapped)'") for r in rows)
     return comm * 1e-6, (comm - exposed) * 1e-6
 
 
@@ -243,22 +243,22 @@ def _load_npu_folder(root: str) -> Trace:
     return trace
 
 
-def load(path: str) -> Trace:
+def load(source: str) -> Trace:
     """Read any supported trace file or folder; `TraceError` when it cannot."""
-    if os.path.isdir(path):
-        return _load_npu_folder(path)
-    if not os.path.exists(path):
-        raise TraceError(f"{path}: no such file or folder")
-    base = os.path.basename(path)
+    if os.path.isdir(source):
+        return _load_npu_folder(source)
+    if not os.path.exists(source):
+        raise TraceError(f"{source}: no such file or folder")
+    base = os.path.basename(source)
     if base.endswith(".csv"):
         if base == STEP_TRACE or "step_trace" in base:
-            return Trace(path, "torch_npu step_trace_time.csv", profiler_overlap={base: _step_trace(path)})
-        return Trace(path, "torch_npu kernel_details.csv", _kernel_details(path, base))
-    data = _load_json(path)
-    events = _events(data, path)
+            return Trace(source, "torch_npu step_trace_time.csv", profiler_overlap={base: _step_trace(source)})
+        return Trace(source, "torch_npu kernel_details.csv", _kernel_details(source, base))
+    data = _load_json(source)
+    events = _events(data, source)
     if isinstance(data, dict) and data.get("otherData", {}).get("generator") == "npu-overlap":
-        return Trace(path, "overlap timeline", _toolkit(events, path))
+        return Trace(source, "overlap timeline", _toolkit(events, source))
     if "Ascend Hardware" in _names(events, "process_name").values():
-        items, summary = _ascend_hardware(events, path, base)
-        return Trace(path, "torch_npu trace_view.json", items, {base: summary} if summary else {})
-    return Trace(path, "torch.profiler Chrome trace", _torch_profiler(data, events, path))
+        items, summary = _ascend_hardware(events, source, base)
+        return Trace(source, "torch_npu trace_view.json", items, {base: summary} if summary else {})
+    return Trace(source, "torch.profiler Chrome trace", _torch_profiler(data, events, source))

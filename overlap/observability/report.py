@@ -1,6 +1,6 @@
-"""``overlap-report PATH``: per-stream busy time and overlap from a trace, with a CI gate.
+"""``overlap-report SOURCE``: per-stream busy time and overlap from a trace, with a CI gate.
 
-PATH is a Chrome trace from `overlap.Timeline` or ``torch.profiler``, or a torch_npu profiler
+SOURCE is a Chrome trace from `overlap.Timeline` or ``torch.profiler``, or a torch_npu profiler
 output folder (or one of its ``trace_view.json`` / ``kernel_details.csv`` / ``step_trace_time.csv``).
 Prints, per rank or device: busy time per stream, overlap per pair of streams, overlap / min(busy)
 with a verdict (>= 0.5 real overlap, <= 0.05 serialized) and the hidden share of communication.
@@ -24,11 +24,11 @@ class _BadInput(click.ClickException):
     exit_code = EXIT_BAD_INPUT
 
 
-def analyse(path: str) -> Tuple[Trace, Metrics]:
-    """Load ``path`` and compute its metrics; `TraceError` when the input is unusable."""
-    trace = load(path)
+def analyse(source: str) -> Tuple[Trace, Metrics]:
+    """Load ``source`` and compute its metrics; `TraceError` when the input is unusable."""
+    trace = load(source)
     if not trace.items and not trace.profiler_overlap:
-        raise TraceError(f"{path}: no timed events (complete 'X' slices or task rows) found in it")
+        raise TraceError(f"{source}: no timed events (complete 'X' slices or task rows) found in it")
     return trace, compute_metrics(trace.items)
 
 
@@ -38,7 +38,7 @@ def _pct(x: Optional[float]) -> str:
 
 def render(trace: Trace, m: Metrics) -> str:
     """The report as text."""
-    lines = [f"{trace.path} ({trace.format})"]
+    lines = [f"{trace.source} ({trace.format})"]
     for proc, rm in sorted(m.per_rank.items(), key=lambda kv: str(kv[0])):
         lines.append(f"{proc}:")
         for stream, busy in sorted(rm.busy.items(), key=lambda kv: -kv[1]):
@@ -83,7 +83,7 @@ def gate(m: Metrics, min_overlap: Optional[float], pair: Optional[Tuple[str, str
 
 
 def _as_json(trace: Trace, m: Metrics, failures: List[str]) -> Dict[str, Any]:
-    return {"path": trace.path, "format": trace.format, "hidden_share": m.hidden_share, "failures": failures,
+    return {"source": trace.source, "format": trace.format, "hidden_share": m.hidden_share, "failures": failures,
             "ranks": {str(p): {"busy_s": rm.busy, "hidden_share": rm.hidden_share,
                                "pairs": [{"a": a, "b": b, "overlap_s": ov, "ratio": rm.ratio(a, b),
                                           "verdict": verdict(rm.ratio(a, b))} for (a, b), ov in rm.overlap.items()]}
@@ -93,7 +93,7 @@ def _as_json(trace: Trace, m: Metrics, failures: List[str]) -> Dict[str, Any]:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("path", type=click.Path())
+@click.argument("source", type=click.Path())
 @click.option("--min-overlap", type=click.FloatRange(0, 1), default=None,
               help="Fail (exit 1) when overlap/min(busy) of the checked pair is below this on any rank.")
 @click.option("--pair", nargs=2, type=str, default=None,
@@ -101,11 +101,11 @@ def _as_json(trace: Trace, m: Metrics, failures: List[str]) -> Dict[str, Any]:
 @click.option("--min-hidden", type=click.FloatRange(0, 1), default=None,
               help="Fail (exit 1) when the hidden share of communication is below this.")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON instead of text.")
-def main(path: str, min_overlap: Optional[float], pair: Optional[Tuple[str, str]], min_hidden: Optional[float],
+def main(source: str, min_overlap: Optional[float], pair: Optional[Tuple[str, str]], min_hidden: Optional[float],
          as_json: bool) -> None:
-    """Report per-stream busy time and overlap of the trace at PATH."""
+    """Report per-stream busy time and overlap of the trace at SOURCE."""
     try:
-        trace, m = analyse(path)
+        trace, m = analyse(source)
     except TraceError as e:
         raise _BadInput(str(e)) from None
     failures = gate(m, min_overlap, pair, min_hidden)

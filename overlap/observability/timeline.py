@@ -11,7 +11,7 @@ Where the time comes from:
 - ``cuda`` / ``npu``: device events with timing recorded around each launch on its stream,
   converted to host time against a reference event recorded when the timeline started.
 - ``ge`` / ``aclgraph``: launches inside a compiled graph are not seen one by one; use the
-  torch_npu profiler and ``python -m overlap.report`` there.
+  torch_npu profiler and ``overlap-report`` there.
 """
 from __future__ import annotations
 
@@ -85,19 +85,19 @@ def chrome_trace(spans: Sequence[Span]) -> Dict[str, Any]:
             "otherData": {"generator": GENERATOR, "origin_epoch_s": origin}}
 
 
-def save_chrome_trace(spans: Sequence[Span], path: str) -> str:
-    """Write `chrome_trace` to ``path`` (opens in Perfetto, chrome://tracing, MindStudio Insight)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
+def save_chrome_trace(spans: Sequence[Span], file: str) -> str:
+    """Write `chrome_trace` to ``file`` (opens in Perfetto, chrome://tracing, MindStudio Insight)."""
+    os.makedirs(os.path.dirname(os.path.abspath(file)), exist_ok=True)
+    with open(file, "w") as f:
         json.dump(chrome_trace(spans), f)
-    return path
+    return file
 
 
 def _fmt_share(share: Optional[float]) -> str:
     return "no communication" if share is None else f"{share:.0%} of communication hidden"
 
 
-def save_png(spans: Sequence[Span], path: str, title: Optional[str] = None) -> str:
+def save_png(spans: Sequence[Span], file: str, title: Optional[str] = None) -> str:
     """Draw one lane per rank and stream, kinds in distinct colours, the hidden share in the title.
 
     Needs matplotlib (the ``plot`` extra).
@@ -131,10 +131,10 @@ def save_png(spans: Sequence[Span], path: str, title: Optional[str] = None) -> s
     ax.legend(handles=[Patch(color=_COLOURS.get(k, "#8172B3"), label=k) for k in kinds], loc="upper right",
               fontsize=8)
     fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=100)
+    os.makedirs(os.path.dirname(os.path.abspath(file)), exist_ok=True)
+    fig.savefig(file, dpi=100)
     plt.close(fig)
-    return path
+    return file
 
 
 def gather(spans: Sequence[Span], group: Any = None) -> List[Span]:
@@ -245,10 +245,10 @@ class Timeline:
     def summary(self, spans: Optional[Sequence[Span]] = None) -> str:
         return summary(self.spans if spans is None else spans)
 
-    def save_chrome_trace(self, path: str, spans: Optional[Sequence[Span]] = None) -> str:
+    def save_chrome_trace(self, file: str, spans: Optional[Sequence[Span]] = None) -> str:
         """Write this rank's spans (or ``spans``, e.g. from `gather`) as a Chrome trace."""
-        return save_chrome_trace(self.spans if spans is None else spans, path)
+        return save_chrome_trace(self.spans if spans is None else spans, file)
 
-    def save_png(self, path: str, spans: Optional[Sequence[Span]] = None, title: Optional[str] = None) -> str:
+    def save_png(self, file: str, spans: Optional[Sequence[Span]] = None, title: Optional[str] = None) -> str:
         """Draw this rank's spans (or ``spans``) as a PNG; needs matplotlib."""
-        return save_png(self.spans if spans is None else spans, path, title)
+        return save_png(self.spans if spans is None else spans, file, title)

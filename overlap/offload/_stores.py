@@ -37,6 +37,10 @@ class KVStore:
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
 
+    def rows(self, layer: int, start: int, end: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of tokens ``[start, end)`` of ``layer`` (views into the store)."""
+        return self.k[layer, start:end], self.v[layer, start:end]
+
     def close(self) -> None:
         self.k = self.v = torch.empty(0)
         if self.owns_file and self.file and os.path.exists(self.file):
