@@ -22,27 +22,31 @@ Capacity: by default the number of tokens of the call, which can never overflow 
 most once to each rank). The same capacity must be used on every rank (the splits must match),
 so ranks with different token counts pass an explicit one (e.g. the largest micro-batch). In
 eager mode the layer checks with one small ``all_reduce`` before the exchange that the ranks
-agree and that no rank sends more than ``capacity`` rows to one rank, and raises `LayoutError`
-on every rank otherwise (``validate=False`` skips it). While compiling nothing can be read on
-the host: the capacity must then be at least the call's token count (checked at trace time) and
-agreement across ranks is the caller's job.
+agree on it and on the hidden size, expert count, top-k and dtype, that none rejected its input and
+that no rank sends more than ``capacity`` rows to one rank, and raises `LayoutError` on every rank
+otherwise (``validate=False`` skips it; the layer then checks the shapes once, on its first call).
+While compiling nothing can be read on the host: the capacity must then be at least the call's
+token count (checked at trace time) and agreement across ranks is the caller's job.
+
+A masked slot (an expert elsewhere, a padding row) contributes an exact zero, selected rather than
+multiplied by a zero weight, so a non-finite expert output spoils only the rows that chose it.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import overlap
-from overlap import collective_device
 
-from .dispatch import _handle_event, _host_read, _peers, group_size
+from .dispatch import _all_max, _peers, group_size, raise_unless_agreed, spread
 from .experts import LocalExperts
 from .layer import ExpertParallelMoE, SharedExperts
-from .layout import LayoutError, ReceivedMetadata, check_routing, local_metadata, token_in_rank
+from .layout import AGREED_FIELDS, LayoutError, ReceivedMetadata, check_routing, layer_fields, local_metadata, \
+    token_in_rank
 from .wrap import wrap_expert_parallel
 
 
@@ -99,11 +103,12 @@ def _slots(in_rank: torch.Tensor, capacity: int) -> torch.Tensor:
 
 
 def _agree(capacity: int, need: int, tokens: int, group: Optional[dist.ProcessGroup], validate: bool,
-           rejected: bool = False) -> None:
-    """Raise `LayoutError` on every rank, before the exchange, if the ranks' capacities differ or one overflows.
+           fields: Sequence[int] = (), rejected: Optional[LayoutError] = None) -> None:
+    """Raise `LayoutError` on every rank, before the exchange, if the ranks' capacities or ``fields``
+    (`collectives.layout.layer_fields`) differ, one rejected its input or one overflows.
 
-    ``rejected``: this rank's input failed its own checks; it still takes part in the one
-    all-reduce, so that the other ranks raise too instead of waiting for it.
+    ``rejected``: this rank's own error; it still takes part in the one all-reduce, so that the
+    other ranks raise too instead of waiting for it, then raises it.
     """
     if torch.compiler.is_compiling():
         if capacity < tokens:
@@ -113,19 +118,16 @@ def _agree(capacity: int, need: int, tokens: int, group: Optional[dist.ProcessGr
     if not validate:
         return
     if not _peers(group):
+        if rejected is not None:
+            raise rejected
         lo = hi = capacity
         worst = need - capacity
     else:
-        dev = collective_device(group)
-        t = torch.tensor([capacity, -capacity, need - capacity, int(rejected)], dtype=torch.int64, device=dev)
-        overlap.all_reduce(t, op=dist.ReduceOp.MAX, group=group, name="dispatch.capacity")
-        hi, neg_lo, worst, any_rejected = _host_read(t, _handle_event("ep_dispatch.capacity"))
-        lo = -neg_lo
-        if rejected:
-            return  # the caller raises this rank's own error
-        if any_rejected:
-            raise LayoutError("another rank of the expert-parallel group rejected its input (see its error); "
-                              "every rank stops before the exchange")
+        fields = list(fields) or [0] * len(AGREED_FIELDS)
+        got = _all_max([capacity, -capacity, need - capacity] + spread(fields) + [int(rejected is not None)],
+                       group, "dispatch.capacity", "ep_dispatch.capacity")
+        hi, lo, worst, agreed = got[0], -got[1], got[2], got[3:-1]
+        raise_unless_agreed([-v for v in agreed[1::2]], agreed[0::2], bool(got[-1]), rejected)
     if lo != hi:
         raise LayoutError(f"the ranks use different capacities ({lo} to {hi}); static split sizes need one "
                           f"capacity on every rank: pass the same explicit capacity everywhere")
@@ -166,24 +168,35 @@ def capacity_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: tor
     """Send tokens ``x [T, H]`` to the ranks holding their experts, ``capacity`` rows per rank (default ``T``).
 
     Issued on the current stream; ordering with the readers is the caller's job (as for
-    `collectives.dispatch` with ``stream_tag=None``). Bad input raises before any collective.
+    `collectives.dispatch` with ``stream_tag=None``). Bad input raises before any tokens travel, on
+    every rank when ``validate`` (see the module docstring).
     """
+    return _capacity_dispatch(x, topk_idx, topk_weights, num_experts, group, capacity, validate)
+
+
+def _capacity_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
+                       group: Optional[dist.ProcessGroup], capacity: Optional[int], validate: bool,
+                       precheck: Optional[Callable[[], None]] = None) -> CapacityDispatchHandle:
+    """`capacity_dispatch`; ``precheck`` (the layer's own checks) raises `LayoutError` like bad routing does."""
     world = group_size(group)
+    fields = layer_fields(x, topk_idx, num_experts)
     try:
         check_routing(x, topk_idx, topk_weights, num_experts, world)
         tokens = topk_idx.shape[0]
         cap = tokens if capacity is None else int(capacity)
         if cap < 0:
             raise LayoutError(f"capacity must be >= 0, got {cap}")
-    except LayoutError:
+        if precheck is not None:
+            precheck()
+    except LayoutError as err:
         if validate and not torch.compiler.is_compiling():
-            _agree(0, 0, 0, group, validate, rejected=True)  # the other ranks are in this all-reduce
+            _agree(0, 0, 0, group, validate, fields, rejected=err)  # the other ranks are in this all-reduce
         raise
     epr = num_experts // world
     idx = topk_idx.long()
     in_rank = token_in_rank(idx, epr, world)
     need = 0 if torch.compiler.is_compiling() or not validate or tokens == 0 else int(in_rank.sum(0).max())
-    _agree(cap, need, tokens, group, validate)
+    _agree(cap, need, tokens, group, validate, fields)
     slot_token = _slots(in_rank, cap)
     send_x, send_meta = _pack_blocks(x, idx, topk_weights, slot_token, epr)
     recv_x = _exchange(send_x, cap, group, "dispatch")
@@ -202,12 +215,15 @@ def reduce_slots(expert_out: torch.Tensor, ids: torch.Tensor, weights: torch.Ten
     """Per row, the weighted outputs of its chosen local experts summed in slot order, in float32.
 
     ``expert_out [E_local, R, H]``; ``ids [R, k]`` local expert ids (-1: none), ``weights [R, k]``.
+    A slot without a local expert adds an exact zero (selected, not multiplied by 0: NaN * 0 is NaN).
     """
     rows = torch.arange(ids.shape[0], device=ids.device)
-    w = torch.where(ids >= 0, weights.float(), torch.zeros((), dtype=torch.float32, device=ids.device))
+    here = ids >= 0
+    zero = torch.zeros((), dtype=torch.float32, device=ids.device)
     out = None
     for s in range(ids.shape[1]):
-        term = expert_out[ids[:, s].clamp(min=0), rows].float() * w[:, s, None]
+        term = expert_out[ids[:, s].clamp(min=0), rows].float() * weights[:, s, None].float()
+        term = torch.where(here[:, s, None], term, zero)
         out = term if out is None else out + term
     return out
 
@@ -253,7 +269,15 @@ class CapacityExpertParallelMoE(ExpertParallelMoE):
         return cls(ep.router, ep.experts, ep.num_experts, group, ep.shared, overlap_shared, capacity, validate)
 
     def _dispatch(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> CapacityDispatchHandle:
-        return capacity_dispatch(x, idx, weights, self.num_experts, self.group, self.capacity, validate=self.validate)
+        if not self.validate:  # else the shapes are checked in the capacity all-reduce, at no extra collective
+            self._agree_once(x, idx)
+            return capacity_dispatch(x, idx, weights, self.num_experts, self.group, self.capacity, validate=False)
+        first = self._needs_agreement()
+        check = (lambda: self._check_experts(x)) if first else None
+        handle = _capacity_dispatch(x, idx, weights, self.num_experts, self.group, self.capacity, True, check)
+        if first:
+            self._agreed = True
+        return handle
 
     def _experts(self, handle: CapacityDispatchHandle) -> Tuple[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
         return all_local_experts(handle.recv_x, self.experts), (handle.recv_ids, handle.recv_weights)

@@ -15,6 +15,10 @@ Host synchronisation: the receiver must know how many rows it gets before it can
 issue the exchange, so ``dispatch`` first exchanges the counts and reads them on the host (it
 blocks until every rank has reached its dispatch). Callers that know the split sizes pass
 ``send_splits`` and ``recv_splits`` and skip it; that is required under ``torch.compile``.
+
+The count exchange also carries each rank's hidden size, top-k, dtype and whether it rejected its
+input, so that a mismatch or a bad input on one rank raises `LayoutError` on every rank before any
+tokens travel, instead of a hang or a native abort. With given split sizes agreement is the caller's job.
 """
 from __future__ import annotations
 
@@ -27,12 +31,12 @@ import torch
 import torch.distributed as dist
 
 import overlap
-from overlap import EP_COMM, backends
+from overlap import EP_COMM, backends, collective_device
 
 from . import _buffers
-from .layout import (DispatchLayout, ExpertBatch, LayoutError, LocalPlan, ReceivedMetadata, check_routing,
-                     check_splits, compute_layout, expand, local_plan, pack_metadata, reduce_bags, reduce_local,
-                     reduce_ranks, sum_first)
+from .layout import (AGREED_FIELDS, DispatchLayout, ExpertBatch, LayoutError, LocalPlan, ReceivedMetadata,
+                     check_routing, check_splits, compute_layout, disagreement, expand, layer_fields, local_plan,
+                     pack_metadata, reduce_bags, reduce_local, reduce_ranks, sum_first)
 
 
 def group_size(group: Optional[dist.ProcessGroup]) -> int:
@@ -147,22 +151,81 @@ def _cat_rows(t: torch.Tensor, ranges: Sequence[tuple]) -> torch.Tensor:
     return torch.cat(parts) if parts else t[:0]
 
 
+_N_FIELDS = len(AGREED_FIELDS)
+_REJECTED = "another rank of the expert-parallel group rejected its input (see its error); every rank stops " \
+            "before the exchange"
+
+
+def _all_max(values: Sequence[int], group: Optional[dist.ProcessGroup], name: str, event_tag: str) -> List[int]:
+    """The element-wise MAX of ``values`` over the group: one small all-reduce, read on the host."""
+    t = torch.tensor(list(values), dtype=torch.int64, device=collective_device(group))
+    overlap.all_reduce(t, op=dist.ReduceOp.MAX, group=group, name=name)
+    return _host_read(t, _handle_event(event_tag))
+
+
+def spread(fields: Sequence[int]) -> List[int]:
+    """``[v, -v]`` per field: a MAX all-reduce of it gives every rank the largest and smallest value."""
+    return [s for v in fields for s in (int(v), -int(v))]
+
+
+def raise_unless_agreed(lo: Sequence[int], hi: Sequence[int], any_rejected: bool,
+                        rejected: Optional[BaseException] = None) -> None:
+    """After an exchange of the `AGREED_FIELDS` (smallest ``lo`` and largest ``hi`` over the ranks) and
+    of the ranks' rejections: raise this rank's own ``rejected`` error, the disagreement, or the
+    other rank's rejection, so that every rank stops at the same point."""
+    if rejected is not None:
+        raise rejected
+    message = disagreement(lo, hi)
+    if message is not None:
+        raise LayoutError(message)
+    if any_rejected:
+        raise LayoutError(_REJECTED)
+
+
+def check_agreement(fields: Sequence[int], group: Optional[dist.ProcessGroup],
+                    rejected: Optional[BaseException] = None, name: str = "moe.agree") -> None:
+    """One fixed-shape all-reduce: every rank of ``group`` raises `LayoutError` unless all ranks pass the
+    same `AGREED_FIELDS` (`collectives.layout.layer_fields`) and none rejected its input (``rejected``:
+    this rank's error, raised here after taking part). Reads on the host: not while compiling."""
+    got = _all_max(spread(fields) + [int(rejected is not None)], group, name, f"ep_{name}")
+    raise_unless_agreed([-v for v in got[1:2 * _N_FIELDS:2]], got[0:2 * _N_FIELDS:2], bool(got[-1]), rejected)
+
+
+def _count_rows(layout: DispatchLayout, fields: Sequence[int], rejected: bool) -> torch.Tensor:
+    """The count exchange's send tensor ``[W, 1 + fields + 1 + E/W]``: per destination the rows, this
+    rank's fields and rejection, then the pairs per expert of that rank."""
+    w, epr = layout.world_size, layout.experts_per_rank
+    dev = layout.num_tokens_per_rank.device
+    head = torch.tensor(list(fields) + [int(rejected)], dtype=torch.int64, device=dev).expand(w, _N_FIELDS + 1)
+    return torch.cat([layout.num_tokens_per_rank.view(w, 1), head, layout.num_tokens_per_expert.view(w, epr)], dim=1)
+
+
 def exchange_counts(layout: DispatchLayout, group: Optional[dist.ProcessGroup],
-                    event_tag: str = "ep_dispatch.counts") -> tuple:
+                    event_tag: str = "ep_dispatch.counts", fields: Optional[Sequence[int]] = None,
+                    rejected: Optional[BaseException] = None) -> tuple:
     """Tell every rank how many rows, and how many (row, expert) pairs per local expert, it gets from us.
 
     Returns ``(recv_splits, recv_per_expert)`` as host lists. Blocks the host until the counts arrive.
+    ``fields`` (`collectives.layout.layer_fields`; default: only the expert count and top-k) travel
+    along: every rank raises `LayoutError` if they differ between ranks or if a rank passed its
+    ``rejected`` error (a rank whose input failed its checks still takes part, then raises it).
     """
     w, epr = layout.world_size, layout.experts_per_rank
-    send = torch.cat([layout.num_tokens_per_rank.view(w, 1), layout.num_tokens_per_expert.view(w, epr)], dim=1)
+    if fields is None:
+        fields = [0, layout.num_experts, layout.top_k, 0]
+    send = _count_rows(layout, fields, rejected is not None)
     if w == 1 and not dist.is_initialized():
         rows = send.tolist()
     else:
         recv = torch.empty_like(send)
         overlap.all_to_all_single(recv, send, group=group, name="dispatch.counts")
         rows = _host_read(recv, overlap.event(event_tag))
+    got = [r[1:2 + _N_FIELDS] for r in rows]
+    lo, hi = ([f(r[i] for r in got) for i in range(_N_FIELDS)] for f in (min, max))
+    raise_unless_agreed(lo, hi, any(r[-1] for r in got), rejected)
     recv_splits = [r[0] for r in rows]
-    per_expert = [sum(r[1 + e] for r in rows) for e in range(epr)]
+    first = 2 + _N_FIELDS
+    per_expert = [sum(r[first + e] for r in rows) for e in range(epr)]
     return recv_splits, per_expert
 
 
@@ -202,9 +265,10 @@ class DispatchHandle(ReceivedMetadata):
         """Received rows expanded to local experts; ``counts`` (rows per local expert) avoids a host read."""
         if self.event is not None:
             raise RuntimeError("DispatchHandle.expand before wait(): the exchange may still be in flight")
-        if counts is None:
+        given = counts is not None
+        if not given:
             counts = self.num_recv_tokens_per_expert
-        return expand(self.recv_x, self.recv_meta, self.layout.experts_per_rank, counts)
+        return expand(self.recv_x, self.recv_meta, self.layout.experts_per_rank, counts, verify=given)
 
 
 def _reuses_buffers(t: torch.Tensor) -> bool:
@@ -233,6 +297,7 @@ class _DispatchPlan:
     send_meta: torch.Tensor
     recv_splits: Optional[List[int]]  # None: learnt from the count exchange
     pooled: bool  # send_x is a `_buffers` buffer: combine may receive into it
+    fields: List[int]  # `collectives.layout.layer_fields`, checked in the count exchange
 
     @property
     def n_own(self) -> int:
@@ -264,7 +329,8 @@ def _plan_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.
         _gather_rows(send_x, x.detach(), send_rows)
     else:
         send_x = x.index_select(0, send_rows)
-    return _DispatchPlan(layout, me, own, others, meta, send_x, send_meta, recv_splits, pooled)
+    return _DispatchPlan(layout, me, own, others, meta, send_x, send_meta, recv_splits, pooled,
+                         layer_fields(x, topk_idx, num_experts))
 
 
 def _issue_dispatch(plan: _DispatchPlan, x: torch.Tensor, group: Optional[dist.ProcessGroup],
@@ -276,7 +342,7 @@ def _issue_dispatch(plan: _DispatchPlan, x: torch.Tensor, group: Optional[dist.P
     with _side(stream_tag, previous_event, event_tag) as caller:
         recv_splits, per_expert = plan.recv_splits, None
         if recv_splits is None:
-            recv_splits, per_expert = exchange_counts(layout, group)
+            recv_splits, per_expert = exchange_counts(layout, group, fields=plan.fields)
         rows = sum(recv_splits)
         recv_x = x.new_empty(rows, x.shape[1])
         recv_meta = plan.meta.new_empty(rows, plan.meta.shape[1])
@@ -299,6 +365,22 @@ def _keep_own_rows(plan: _DispatchPlan, x: torch.Tensor, handle: DispatchHandle,
     handle.own_event = _own_event(handle.event, event_tag, handle.recv_x, handle.recv_meta)
 
 
+def _join_as_rejected(err: LayoutError, x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int,
+                      group: Optional[dist.ProcessGroup], previous_event: Optional[overlap.Event],
+                      stream_tag: Optional[str], event_tag: str) -> None:
+    """Take part in the count exchange the other ranks are in, flagged as rejected, then raise ``err``:
+    they raise too instead of waiting for this rank. Nothing to join where the expert count cannot
+    be laid out over the group (the count rows would not match the others')."""
+    if not _peers(group) or torch.compiler.is_compiling():
+        return
+    world = group_size(group)
+    if num_experts < 1 or num_experts % world:
+        return
+    nobody = compute_layout(torch.empty(0, 1, dtype=torch.int64, device=x.device), num_experts, world)
+    with _side(stream_tag, previous_event, event_tag):
+        exchange_counts(nobody, group, fields=layer_fields(x, topk_idx, num_experts), rejected=err)
+
+
 def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
              group: Optional[dist.ProcessGroup] = None, *, send_splits: Optional[Sequence[int]] = None,
              recv_splits: Optional[Sequence[int]] = None, previous_event: Optional[overlap.Event] = None,
@@ -307,10 +389,16 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     """Send tokens ``x [T, H]`` to the ranks holding their experts (once per rank); see the module docstring.
 
     ``send_splits`` / ``recv_splits``: rows sent to / received from each rank, when known; both
-    skip the count exchange and its host synchronisation. Input is validated before any collective.
+    skip the count exchange and its host synchronisation. Input is validated before any tokens travel;
+    a rank that rejects its input still takes part in the count exchange, so that every rank raises.
     Rows a rank keeps are gathered straight into its receive buffer, while the exchange is in flight.
     """
-    plan = _plan_dispatch(x, topk_idx, topk_weights, num_experts, group, send_splits, recv_splits, check_ids)
+    try:
+        plan = _plan_dispatch(x, topk_idx, topk_weights, num_experts, group, send_splits, recv_splits, check_ids)
+    except LayoutError as err:
+        if send_splits is None and recv_splits is None:
+            _join_as_rejected(err, x, topk_idx, num_experts, group, previous_event, stream_tag, event_tag)
+        raise
     handle = _issue_dispatch(plan, x, group, previous_event, stream_tag, event_tag)
     _keep_own_rows(plan, x, handle, event_tag)
     if not async_finish:

@@ -26,6 +26,12 @@ a value, so two micro-batches can interleave. They do not enter streams or wait:
 executor places each on its ``stream`` and derives the events where a value crosses streams,
 for ``forward`` (the stages in order) as for a pipeline schedule. The one host block is the
 dispatch's count exchange (see `collectives.dispatch`).
+
+On its first dispatch over more than one rank the layer checks, with one small all-reduce before
+any exchange, that every rank agrees on the hidden size, expert count, top-k and tokens' dtype,
+and that every rank's experts take tokens of that hidden size; otherwise every rank raises
+`LayoutError` naming the field instead of hanging or aborting in the exchange. Skipped while
+compiling (nothing can be read on the host there): agreement is then the caller's job.
 """
 from __future__ import annotations
 
@@ -40,9 +46,9 @@ import microbatch
 from microbatch import Operation
 from overlap import DEFAULT, EP_COMM, SHARED_EXPERT
 
-from .dispatch import CombineHandle, DispatchHandle, combine, dispatch, group_size
+from .dispatch import CombineHandle, DispatchHandle, _peers, check_agreement, combine, dispatch, group_size
 from .experts import LocalExperts
-from .layout import ExpertBatch, LayoutError
+from .layout import ExpertBatch, LayoutError, layer_fields
 from .reference import MoEConfig, Router
 
 
@@ -107,6 +113,7 @@ class ExpertParallelMoE(nn.Module):
         self.num_experts = num_experts
         self.group = group
         self.overlap_shared = overlap_shared
+        self._agreed = False  # set once the ranks agreed on the layer's shapes (see the module docstring)
 
     @classmethod
     def from_config(cls, cfg: MoEConfig, group: Optional[dist.ProcessGroup] = None, *, rank: Optional[int] = None,
@@ -132,7 +139,32 @@ class ExpertParallelMoE(nn.Module):
     def _gate(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         return self.router(x)
 
+    def _check_experts(self, x: torch.Tensor) -> None:
+        """This rank's experts must take the tokens' hidden size (else they fail on this rank only, mid-layer)."""
+        weights = getattr(self.experts, "gate_up", None)
+        hidden = weights.shape[-1] if isinstance(weights, torch.Tensor) else None
+        if hidden is not None and (x.dim() != 2 or x.shape[1] != hidden):
+            raise LayoutError(f"this rank's experts take hidden size {hidden}, but the tokens are "
+                              f"{tuple(x.shape)}")
+
+    def _needs_agreement(self) -> bool:
+        return not self._agreed and not torch.compiler.is_compiling() and _peers(self.group)
+
+    def _agree_once(self, x: torch.Tensor, idx: torch.Tensor) -> None:
+        """On the first dispatch over more than one rank: one all-reduce, `LayoutError` on every rank
+        unless they agree (see the module docstring)."""
+        if not self._needs_agreement():
+            return
+        try:
+            self._check_experts(x)
+            problem = None
+        except LayoutError as err:
+            problem = err
+        check_agreement(layer_fields(x, idx, self.num_experts), self.group, problem)
+        self._agreed = True
+
     def _dispatch(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> DispatchHandle:
+        self._agree_once(x, idx)
         return dispatch(x, idx, weights, self.num_experts, self.group, stream_tag=None, async_finish=True)
 
     def _experts(self, handle: DispatchHandle) -> Tuple[torch.Tensor, ExpertBatch]:

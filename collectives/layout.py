@@ -18,7 +18,39 @@ import torch.nn.functional as F
 
 
 class LayoutError(ValueError):
-    """Input that would make the expert-parallel exchange wrong or hang; raised before any collective."""
+    """Input that would make the expert-parallel exchange wrong or hang; raised before any tokens are exchanged."""
+
+
+# What every rank of an expert-parallel group must agree on, in the order `layer_fields` lists them.
+AGREED_FIELDS = ("hidden size", "number of experts", "top-k", "dtype of the tokens")
+# Every dtype of this torch, in a fixed order, so that ranks can compare dtypes as integers.
+_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
+# Local expert ids travel as float32 in the metadata rows: exact below 2**24.
+_MAX_LOCAL_EXPERTS = 1 << 24
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """``dtype`` as a positive integer, the same on every rank running the same torch."""
+    return _DTYPES.index(dtype) + 1 if dtype in _DTYPES else len(_DTYPES) + 1
+
+
+def layer_fields(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int) -> List[int]:
+    """The `AGREED_FIELDS` of one call, as integers (0 where a shape is too malformed to tell)."""
+    hidden = x.shape[-1] if x.dim() else 0
+    k = topk_idx.shape[-1] if topk_idx.dim() else 0
+    return [int(hidden), int(num_experts), int(k), dtype_code(x.dtype)]
+
+
+def disagreement(lo: Sequence[int], hi: Sequence[int]) -> Optional[str]:
+    """The message for the first of the `AGREED_FIELDS` whose smallest and largest value over the
+    ranks (``lo``, ``hi``) differ; None when they all agree."""
+    for name, a, b in zip(AGREED_FIELDS, lo, hi):
+        if a != b:
+            if name == AGREED_FIELDS[3]:
+                a, b = (_DTYPES[c - 1] if 0 < c <= len(_DTYPES) else "another dtype" for c in (a, b))
+            return (f"ranks disagree on the {name}: {a} to {b}; every rank of the expert-parallel group must "
+                    f"build the same layer and pass tokens of the same hidden size and dtype")
+    return None
 
 
 @dataclasses.dataclass
@@ -68,11 +100,17 @@ def check_routing(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.T
                           f"shape {tuple(topk_idx.shape)}")
     if not topk_weights.is_floating_point():
         raise LayoutError(f"topk_weights must be floating point, got {topk_weights.dtype}")
+    if topk_idx.device != x.device or topk_weights.device != x.device:
+        raise LayoutError(f"tokens, topk_idx and topk_weights must be on one device, got {x.device}, "
+                          f"{topk_idx.device} and {topk_weights.device}")
     if topk_idx.shape[1] < 1:
         raise LayoutError("topk_idx has k = 0 experts per token")
     if num_experts < 1 or world_size < 1 or num_experts % world_size:
         raise LayoutError(f"{num_experts} experts cannot be placed contiguously over an expert-parallel group "
                           f"of {world_size} ranks: the expert count must be a positive multiple of the group size")
+    if num_experts // world_size > _MAX_LOCAL_EXPERTS:
+        raise LayoutError(f"{num_experts // world_size} experts per rank: local expert ids travel as float32, "
+                          f"exact only up to {_MAX_LOCAL_EXPERTS}")
     if check_ids and topk_idx.numel() and not torch.compiler.is_compiling():
         lo, hi = int(topk_idx.min()), int(topk_idx.max())
         if lo < 0 or hi >= num_experts:
@@ -190,18 +228,28 @@ class ExpertBatch:
 
 
 def expand(recv_x: torch.Tensor, recv_meta: torch.Tensor, num_local: int,
-           counts: Optional[Sequence[int]] = None) -> ExpertBatch:
-    """Expand each received row to the local experts it chose (static shapes when ``counts`` is given)."""
+           counts: Optional[Sequence[int]] = None, verify: bool = True) -> ExpertBatch:
+    """Expand each received row to the local experts it chose (static shapes when ``counts`` is given).
+
+    Given ``counts`` are checked against the metadata on eager CPU tensors (``verify=False``: they
+    are known to be right, e.g. from the count exchange).
+    """
     rows_n, k = recv_meta.shape[0], recv_meta.shape[1] // 2
     ids = metadata_ids(recv_meta).reshape(-1)
     key = torch.where(ids >= 0, ids, torch.full_like(ids, num_local))
-    if counts is None:
+    given = counts is not None
+    if given:
+        counts = [int(c) for c in counts]
+        if len(counts) != num_local:
+            raise LayoutError(f"{len(counts)} expert counts for {num_local} local experts")
+    if not given or (verify and ids.device.type == "cpu" and not torch.compiler.is_compiling()):
         per = torch.zeros(num_local + 1, dtype=torch.int64, device=ids.device)
         per.scatter_add_(0, key, torch.ones_like(key))
-        counts = per[:num_local].tolist()
-    counts = [int(c) for c in counts]
-    if len(counts) != num_local:
-        raise LayoutError(f"{len(counts)} expert counts for {num_local} local experts")
+        actual = per[:num_local].tolist()
+        if given and counts != actual:  # a wrong count would silently drop or misassign rows
+            raise LayoutError(f"expert counts {counts} disagree with the received rows, which hold {actual} "
+                              f"rows per local expert")
+        counts = actual
     pairs = torch.argsort(key, stable=True)[: sum(counts)]
     rows, slots = torch.div(pairs, k, rounding_mode="floor"), pairs % k
     return ExpertBatch(recv_x.index_select(0, rows), counts, rows, slots, rows_n, k)
@@ -210,7 +258,8 @@ def expand(recv_x: torch.Tensor, recv_meta: torch.Tensor, num_local: int,
 def reduce_local(expert_out: torch.Tensor, batch: ExpertBatch, recv_weights: torch.Tensor) -> torch.Tensor:
     """Per received row, the weighted sum of its local experts' outputs in slot order 0..k-1, in float32.
 
-    Slots whose expert lives elsewhere add zero, as in `collectives.reference.combine_dense`.
+    Slots whose expert lives elsewhere add an exact zero, as in `collectives.reference.combine_dense`:
+    a non-finite expert output spoils only the rows that chose that expert.
     """
     plan = local_plan(expert_out, batch, recv_weights)
     if plan is None:
@@ -233,11 +282,12 @@ def _reduce_local_dense(expert_out: torch.Tensor, batch: ExpertBatch, recv_weigh
         return torch.zeros(batch.num_rows, hidden, dtype=torch.float32, device=expert_out.device)
     where = _slot_rows(expert_out, batch)
     here = where < n
-    where = where.clamp(max=n - 1)
-    weights = torch.where(here, recv_weights, torch.zeros((), dtype=recv_weights.dtype, device=here.device))
+    where = where.clamp(max=n - 1)  # slots elsewhere read some row: selected away below, never multiplied by 0
+    zero = torch.zeros((), dtype=torch.float32, device=expert_out.device)
     out = None
     for s in range(batch.top_k):
-        term = expert_out.index_select(0, where[:, s]).float().mul_(weights[:, s, None])
+        term = expert_out.index_select(0, where[:, s]).float().mul_(recv_weights[:, s, None])
+        term = torch.where(here[:, s, None], term, zero)  # NaN * 0 is NaN: select instead
         out = term if out is None else out.add_(term)  # 0 + first term is the first term: start from it
     return out
 

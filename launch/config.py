@@ -6,6 +6,7 @@ is reported once (per node) and every rank exits with status 2 before any collec
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Dict, List, Optional, Tuple
 
 import click
@@ -50,7 +51,9 @@ class JobConfig:
 
 
 def parse_seq_lens(text: Optional[str], batch: int, seq_len: int) -> List[int]:
-    if text:
+    if text is not None:
+        if not text.strip(" ,"):
+            raise ConfigError("--seq-lens is empty: give comma-separated request lengths, e.g. 512,128")
         try:
             lens = [int(x) for x in text.replace(" ", "").split(",") if x]
         except ValueError:
@@ -108,6 +111,11 @@ def job_config(*, world: int, device: str, exec_path: str, mode: str, kv_offload
                           f"(--experts must be a multiple of the number of ranks)")
     if iters < 1 or warmup < 0:
         raise ConfigError(f"--iters must be >= 1 and --warmup >= 0, got {iters} and {warmup}")
+    if not (math.isfinite(timeout) and timeout > 0):
+        raise ConfigError(f"--timeout must be a positive number of seconds, got {timeout}")
+    if check and mode not in ("all", "serial"):
+        raise ConfigError(f"--check compares every mode with serial, but --mode {mode} does not run serial: "
+                          f"use --mode all (or leave --check out)")
     device = resolve_device(device, path)
     link = parse_cpu_link(cpu_link, device)
     job = JobConfig(model, tuple(lens), tuple(microbatch.MODES) if mode == "all" else (mode,), device, path,

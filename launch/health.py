@@ -9,13 +9,58 @@ HCCL trace. The first rank to hit an unexpected error prints its traceback (`Pee
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import os
 import time
-from typing import Optional
+from typing import Any, Optional
 
+import torch
 import torch.distributed as dist
 
 ENV_FAULT = "OVERLAP_FAULT"
+BEFORE_JOINING = -1  # Fault.at: before the rank joins the process group
+
+
+class StartError(RuntimeError):
+    """Not every rank joined the job's process group in time."""
+
+
+def _agent_store(timeout: float) -> Any:
+    """A client of torchrun's own store (there before any rank joins the group), or None outside torchrun."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return None
+    try:
+        return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                             timeout=datetime.timedelta(seconds=timeout))
+    except Exception:  # no agent store to talk to: the plain message will do
+        return None
+
+
+def join_group(timeout: float) -> torch.device:
+    """Join torchrun's process group (or make a group of one) on this rank's device, which it returns.
+
+    Under torchrun each rank first marks itself started in torchrun's own store, so a rank that
+    never arrives is named when the others give up after ``timeout`` seconds (`StartError`).
+    """
+    from overlap.multirank import default_backend, default_device
+
+    device = default_device()  # LOCAL_RANK picks the card on NPU / CUDA
+    td = datetime.timedelta(seconds=timeout)
+    if "WORLD_SIZE" not in os.environ:
+        dist.init_process_group(default_backend(), store=dist.HashStore(), rank=0, world_size=1, timeout=td)
+        return device
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = _agent_store(timeout)
+    if store is not None:
+        store.set(f"overlap/started/{rank}", "1")
+    try:
+        dist.init_process_group(default_backend(), timeout=td)
+    except Exception as exc:
+        missing = [r for r in range(world) if not store.check([f"overlap/started/{r}"])] if store else []
+        who = (f": rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} never started" if missing
+               else f" ({type(exc).__name__}: {str(exc).splitlines()[0][:200]})")
+        raise StartError(f"not every rank joined the job within --timeout {timeout:g} s{who}") from None
+    return device
 
 
 def is_peer_failure(exc: BaseException) -> bool:
@@ -41,10 +86,10 @@ class Peers:
         except Exception:
             pass
 
-    def first_to_report(self) -> bool:
-        """True on the first rank to ask (the one that prints a traceback); True if the store is gone."""
+    def first_to_report(self, what: str = "traceback") -> bool:
+        """True on the first rank to ask about ``what`` (the one that prints it); True if the store is gone."""
         try:
-            return self.store.add("overlap/traceback", 1) == 1
+            return self.store.add(f"overlap/report/{what}", 1) == 1
         except Exception:
             return True
 
@@ -72,7 +117,8 @@ class Peers:
 
 @dataclasses.dataclass(frozen=True)
 class Fault:
-    """An injected fault: ``rank`` does ``kind`` (exit, hang or raise) before its ``at``-th iteration."""
+    """An injected fault: ``rank`` does ``kind`` (exit, hang or raise) before its ``at``-th iteration
+    (``at=-1``: before it joins the process group), or (``nan``, ``inf``) holds a non-finite weight."""
 
     rank: int = 1
     at: int = 0
@@ -80,12 +126,18 @@ class Fault:
 
     @classmethod
     def from_env(cls) -> Optional["Fault"]:
-        """``$OVERLAP_FAULT="rank=1,iter=2,kind=exit|hang|raise"``, or None."""
+        """``$OVERLAP_FAULT="rank=1,iter=2,kind=exit|hang|raise|nan|inf"``, or None."""
         text = os.environ.get(ENV_FAULT)
         if not text:
             return None
         spec = dict(kv.split("=", 1) for kv in text.split(","))
         return cls(int(spec.get("rank", 1)), int(spec.get("iter", 0)), spec.get("kind", "exit"))
+
+    def poison(self, rank: int, model: Any) -> None:
+        """Kinds ``nan`` / ``inf``: this rank's model gets a non-finite weight (every output row reads it)."""
+        if rank == self.rank and self.kind in ("nan", "inf"):
+            with torch.no_grad():
+                model.norm.weight[0] = float(self.kind)
 
     def maybe_fail(self, rank: int, iteration: int) -> None:
         if rank != self.rank or iteration != self.at:
@@ -94,4 +146,6 @@ class Fault:
             os._exit(17)
         if self.kind == "hang":
             time.sleep(3600)
+        if self.kind in ("nan", "inf"):
+            return
         raise RuntimeError(f"injected fault on rank {rank} at iteration {iteration}")

@@ -38,6 +38,7 @@ class ModeResult:
     ideal_speedup: Optional[float] = None
     max_diff: Optional[float] = None  # largest |output - serial output| over all ranks (inf if not finite)
     ref_scale: Optional[float] = None  # serial only: largest |output| over all ranks
+    finite: bool = True  # no NaN or inf in the output on any rank
 
     @property
     def median_s(self) -> float:
@@ -95,8 +96,10 @@ def measure(model: Model, batch: Batch, modes: Sequence[str], group: Any, *, war
             if i >= warmup:
                 times.append(dt)
         spans = gather(tl.spans, group)
-        results.append(ModeResult(mode, max_over_ranks(times, group), plan.reason, spans, out.float(),
-                                  hidden_comm_share=tl.metrics(spans).hidden_share))
+        # one all-reduce: the slowest rank's times, and whether any rank's output is not finite
+        *slowest, bad = max_over_ranks(times + [0.0 if bool(torch.isfinite(out).all()) else 1.0], group)
+        results.append(ModeResult(mode, slowest, plan.reason, spans, out.float(),
+                                  hidden_comm_share=tl.metrics(spans).hidden_share, finite=bad == 0.0))
     _compare(results, group)
     return results
 
@@ -128,11 +131,22 @@ def _finite_or_inf(v: float) -> float:
     return v if math.isfinite(v) else float("inf")
 
 
+def not_finite(results: Sequence[ModeResult]) -> List[str]:
+    """The modes whose output holds NaN or inf on some rank, in words (a wrong answer, whatever --check says)."""
+    return [f"{r.mode}'s output holds NaN or inf on some rank" for r in results if not r.finite]
+
+
 def check_against_serial(results: Sequence[ModeResult], dtype: torch.dtype) -> List[str]:
-    """The modes whose output differs from serial by more than the dtype's tolerance, in words."""
+    """The modes whose output differs from serial by more than the dtype's tolerance, or is not finite, in words.
+
+    A serial output that is not finite fails every mode: with an infinite reference any
+    difference would be within a tolerance scaled by it.
+    """
     serial = next((r for r in results if r.mode == "serial"), None)
     if serial is None:
         return ["--check needs the serial mode (use --mode all)"]
+    if not serial.finite or not math.isfinite(serial.ref_scale or 0.0):
+        return ["serial's output holds NaN or inf on some rank: there is no reference to compare with"]
     tol = (1e-4 if dtype == torch.float32 else 5e-2) * max(1.0, serial.ref_scale or 0.0)
     # `not <=`: a NaN or infinite difference fails too
     return [f"{r.mode} differs from serial by {r.max_diff:.3e} (tolerance {tol:.1e})"

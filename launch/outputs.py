@@ -1,12 +1,48 @@
-"""What the launcher writes under ``--out``: results.json, and per mode a Chrome trace and a PNG timeline."""
+"""What the launcher writes under ``--out``: results.json, and per mode a Chrome trace and a PNG timeline.
+
+The folder is checked before the run (`check_out_dir`), so an unwritable ``--out`` fails in a
+second, not after the whole run; each file is written to a temporary name and renamed, so a full
+disk never leaves a truncated ``results.json``, and a failure names the file (`OutputError`).
+"""
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
-from typing import Any, List, Sequence
+import tempfile
+from typing import Any, Callable, List, Optional, Sequence
 
 from overlap.observability import save_chrome_trace, save_png
+
+
+class OutputError(OSError):
+    """A file under ``--out`` that could not be written; the message names it."""
+
+
+def check_out_dir(out_dir: str) -> Optional[str]:
+    """None when ``out_dir`` can be created and written to, else the problem in words."""
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out_dir, prefix=".write-test-"):
+            pass
+    except OSError as exc:
+        return f"--out {out_dir} is not writable ({exc.strerror or exc})"
+    return None
+
+
+def _atomic(file: str, write: Callable[[str], Any]) -> None:
+    """``write(name)`` to a temporary name beside ``file`` (same extension), then rename it to ``file``."""
+    folder, base = os.path.split(file)
+    tmp = os.path.join(folder, f".partial-{base}")
+    try:
+        write(tmp)
+        os.replace(tmp, file)
+    except OSError as exc:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        raise OutputError(exc.errno, f"cannot write {file}: {exc.strerror or exc}") from None
 
 
 def write_outputs(out_dir: str, job: Any, results: Sequence[Any], tokens: int, world: int, failed: List[str],
@@ -14,23 +50,27 @@ def write_outputs(out_dir: str, job: Any, results: Sequence[Any], tokens: int, w
     """Write ``out_dir``/results.json and each mode's ``trace_<mode>.json`` / ``timeline_<mode>.png``.
 
     ``job`` is the `launch.config.JobConfig`; ``failed`` the modes ``--check`` rejected; ``say``
-    prints a line for the user.
+    prints a line for the user. Raises `OutputError` naming the file that could not be written.
     """
     os.makedirs(out_dir, exist_ok=True)
+
+    def results_json(name: str) -> None:
+        with open(name, "w") as f:
+            json.dump({"world_size": world, "device": job.device, "dtype": str(job.dtype).replace("torch.", ""),
+                       "seq_lens": list(job.seq_lens), "tokens": tokens, "config": dataclasses.asdict(job.model),
+                       "kv_offload": job.kv_offload, "cpu_link": str(job.link) if job.link else None,
+                       "rows": [r.row(tokens) for r in results],
+                       "check": None if not job.check else ("failed" if failed else "passed")}, f, indent=2)
+
+    _atomic(os.path.join(out_dir, "results.json"), results_json)
     pngs = True
     for r in results:
-        save_chrome_trace(r.spans, os.path.join(out_dir, f"trace_{r.mode}.json"))
+        _atomic(os.path.join(out_dir, f"trace_{r.mode}.json"), lambda name, r=r: save_chrome_trace(r.spans, name))
         if pngs:
             try:
-                save_png(r.spans, os.path.join(out_dir, f"timeline_{r.mode}.png"),
-                         title=f"{r.mode}: {world} rank(s), {tokens} tokens")
+                _atomic(os.path.join(out_dir, f"timeline_{r.mode}.png"),
+                        lambda name, r=r: save_png(r.spans, name, title=f"{r.mode}: {world} rank(s), {tokens} tokens"))
             except ImportError:
                 pngs = False
                 say("(matplotlib is not installed: no PNG timelines; pip install 'npu-overlap[plot]')")
-    with open(os.path.join(out_dir, "results.json"), "w") as f:
-        json.dump({"world_size": world, "device": job.device, "dtype": str(job.dtype).replace("torch.", ""),
-                   "seq_lens": list(job.seq_lens), "config": dataclasses.asdict(job.model),
-                   "kv_offload": job.kv_offload, "cpu_link": str(job.link) if job.link else None,
-                   "rows": [r.row(tokens) for r in results],
-                   "check": None if not job.check else ("failed" if failed else "passed")}, f, indent=2)
     say(f"wrote {out_dir}/results.json, trace_<mode>.json" + (" and timeline_<mode>.png" if pngs else ""))

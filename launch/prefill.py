@@ -19,18 +19,19 @@ import sys
 if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import datetime
 import functools
+import signal
 import tempfile
+import time
 import traceback
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 import click
 import torch
 import torch.distributed as dist
 
 import microbatch
-from launch.config import DTYPES, ConfigError, JobConfig, job_config
+from launch.config import DTYPES, JobConfig, job_config
 
 
 def _rank() -> int:
@@ -54,7 +55,7 @@ def _progress(msg: str, first: bool = False) -> None:
         click.echo(f"running {msg}", err=True)
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.command("prefill", context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "npu"]), default="auto",
               help="Where to run; auto picks npu, then cuda, then cpu.")
 @click.option("--path", "exec_path", type=click.Choice(["auto", "npu", "ge", "aclgraph"]), default="auto",
@@ -85,28 +86,51 @@ def _progress(msg: str, first: bool = False) -> None:
               help="CPU only: simulated interconnect 'GBPS[,LATENCY_US]' that collectives take at least as long "
                    "as (a sleep, so it overlaps like a real network); 'off' for plain loopback gloo.")
 @click.option("--timeout", type=float, default=120.0, help="Seconds a rank waits for its peers before giving up.")
-def main(layers: Optional[int], dense_layers: Optional[int], hidden: Optional[int], experts: Optional[int],
-         top_k: Optional[int], shared_experts: Optional[int], **options: Any) -> None:
+def cli(layers: Optional[int], dense_layers: Optional[int], hidden: Optional[int], experts: Optional[int],
+        top_k: Optional[int], shared_experts: Optional[int], **options: Any) -> None:
     """Prefill of the reference MoE model with expert parallelism over all ranks, in each mode."""
     overrides = dict(n_layers=layers, n_dense_layers=dense_layers, hidden=hidden, n_experts=experts, top_k=top_k,
                      n_shared=shared_experts)
+    job = job_config(world=int(os.environ.get("WORLD_SIZE", "1")), overrides=overrides, **options)
+    sys.exit(run_job(job))
+
+
+def main(args: Optional[List[str]] = None) -> None:
+    """The command: a bad option or configuration is printed once per node, before any rank joins a
+    group; Ctrl-C and torchrun's SIGTERM end the run through its clean-up (exit 130 / 143)."""
+    signal.signal(signal.SIGTERM, _terminated)
     try:
-        job = job_config(world=int(os.environ.get("WORLD_SIZE", "1")), overrides=overrides, **options)
-    except ConfigError as exc:
+        cli.main(args=args, prog_name="launch/prefill.py", standalone_mode=False)
+    except click.ClickException as exc:  # ConfigError and click's usage errors
         if _first_to_report_on_this_node():
             exc.show()
         sys.exit(exc.exit_code)
-    sys.exit(run_job(job))
+    except (KeyboardInterrupt, click.exceptions.Abort):
+        click.echo(f"rank {_rank()}: interrupted", err=True)
+        sys.exit(130)
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _first_to_report_on_this_node() -> bool:
     """True on the first rank of this node to ask: a configuration error is printed once, by whichever
     rank finds it first (there is no process group yet, and torchrun stops the other ranks as soon as
-    one exits). The ranks of a node share their torchrun agent, so its pid names the job."""
+    one exits). The ranks of a node share their parent (torchrun's agent) and the job's port."""
     if "LOCAL_RANK" not in os.environ:
         return True
-    marker = os.path.join(tempfile.gettempdir(), f"overlap-config-error-{os.getppid()}")
+    folder = os.path.join(tempfile.gettempdir(), "overlap-config-errors")
     try:
+        started = open(f"/proc/{os.getppid()}/stat").read().rsplit(")", 1)[1].split()[19]  # the parent's start
+    except (OSError, IndexError):
+        started = "0"
+    marker = os.path.join(folder, f"{os.getppid()}-{started}-{os.environ.get('MASTER_PORT', '')}")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        for old in os.listdir(folder):  # markers of jobs long gone
+            if time.time() - os.path.getmtime(os.path.join(folder, old)) > 3600:
+                os.remove(os.path.join(folder, old))
         os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
     except FileExistsError:
         return False
@@ -116,22 +140,41 @@ def _first_to_report_on_this_node() -> bool:
 
 
 def run_job(job: JobConfig) -> int:
-    """Join the group, build the model and batch, measure every mode, check, print and write; the exit status."""
+    """Join the group, agree on the job, build the model and batch, measure every mode, check, print
+    and write; the exit status (0 fine, 1 a failure or a wrong answer, 2 a job the ranks cannot run)."""
     import overlap
-    from launch.health import Fault, Peers, is_peer_failure
-    from launch.measure import check_against_serial, max_over_ranks, measure, table
+    from launch.agreement import JobMismatch, agree
+    from launch.health import BEFORE_JOINING, Fault, Peers, StartError, is_peer_failure, join_group
+    from launch.measure import check_against_serial, max_over_ranks, measure, not_finite, table
+    from launch.memory import check as check_memory
     from launch.model import Batch, build_model
+    from launch.outputs import OutputError, check_out_dir, write_outputs
     from launch.runner import graph_prefill, make_capacity_expert_parallel, make_expert_parallel
 
     overlap.set_path(job.device)
     overlap.set_link(job.link)
+    overlap.set_wait_timeout(job.timeout)  # every wait of the toolkit, as the collectives' own timeout
     overlap.sanitize_from_env()
-    dev = _init_distributed(job.timeout)
-    peers, fault = Peers(), Fault.from_env()
-    rank, world = dist.get_rank(), dist.get_world_size()
+    fault = Fault.from_env()
+    if fault is not None:
+        fault.maybe_fail(_rank(), BEFORE_JOINING)
     try:
+        dev = join_group(job.timeout)
+    except StartError as exc:
+        click.echo(f"rank {_rank()}: {exc}", err=True)
+        return 1
+    peers = Peers()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cache = None
+    try:
+        # before the first collective: every rank runs the same job, and each can
+        problems = [p for p in (check_memory(job, world, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), dev),
+                                check_out_dir(job.out_dir) if job.out_dir and rank == 0 else None) if p]
+        tokens = sum(agree(job, sum(job.seq_lens), problems, job.timeout))
         batch = Batch.random(job.seq_lens, job.model.vocab, seed=job.seed * 1000 + rank + 1, device=dev)
         model = build_model(job.model, seed=job.seed, dtype=job.dtype, device=dev)
+        if fault is not None:
+            fault.poison(rank, model)
         compile_mode = None
         if job.graph:  # static shapes: every rank sends each rank `capacity` rows
             capacity = int(max_over_ranks([batch.seq.num_tokens], dist.group.WORLD)[0])
@@ -140,7 +183,6 @@ def run_job(job: JobConfig) -> int:
         else:
             make_expert_parallel(model, dist.group.WORLD)
         cache = _offload_cache(job, batch, dev, rank) if job.kv_offload else None
-        tokens = batch.seq.num_tokens * world
         say(_headline(job, world, cache))
         counter = iter(range(1 << 30))
 
@@ -153,30 +195,38 @@ def run_job(job: JobConfig) -> int:
         results = measure(model, batch, job.modes, dist.group.WORLD, warmup=job.warmup, iters=job.iters,
                           cache=cache, before_iter=before_iter, compile_mode=compile_mode)
         _progress("")
-        failed = check_against_serial(results, job.dtype) if job.check else []
+        failed = not_finite(results)  # a wrong answer whatever --check says
+        if job.check and not failed:
+            failed = check_against_serial(results, job.dtype)
         say(table(results, tokens))
         for r in results:
             if microbatch.mode(r.mode).micro_batches > 1:
                 say(f"{r.mode} split: {r.split}")
-        if job.check:
-            say("check: " + ("FAILED: " + ", ".join(failed) if failed else "every mode matches serial"))
+        if job.check or failed:
+            say(("check: " if job.check else "") + ("FAILED: " + ", ".join(failed) if failed
+                                                      else "every mode matches serial"))
         if cache is not None:
             cache.close()
         overlap.synchronize()  # no launch still in flight on a side stream (and no gloo callback) at teardown
         dist.barrier()
         dist.destroy_process_group()
         if job.out_dir and rank == 0:  # after the last collective: a failure here cannot stall the other ranks
-            from launch.outputs import write_outputs
-
             write_outputs(job.out_dir, job, results, tokens, world, failed, lambda m: say(m, err=True))
         return 1 if failed else 0
+    except JobMismatch as exc:  # every rank has the same message: the first to get here prints it
+        if peers.first_to_report("job"):
+            click.echo(f"Error: {exc}", err=True)
+        return exc.exit_code
+    except OutputError as exc:
+        click.echo(f"rank {rank}: {exc.strerror}", err=True)
+        return 1
     except Exception as exc:
         msg = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
         peer_failure = world > 1 and is_peer_failure(exc)
         detail = peers.diagnose() if peer_failure else ""
         peers.failed(msg)
         click.echo(f"rank {rank}: {msg}" + (f"\nrank {rank}: {detail}" if detail else ""), err=True)
-        if not peer_failure:  # a bug, not a peer's fault: show where it came from, once per job
+        if not (peer_failure or isinstance(exc, overlap.WaitTimeout)):  # a bug: show where it came from, once
             if peers.first_to_report():
                 click.echo(f"rank {rank}: unexpected error; traceback (please include it in a report):\n"
                            + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip(),
@@ -185,19 +235,9 @@ def run_job(job: JobConfig) -> int:
                 click.echo(f"rank {rank}: (another rank printed the traceback of the first unexpected error)",
                            err=True)
         return 1
-
-
-def _init_distributed(timeout: float) -> torch.device:
-    """Join torchrun's group, or make a group of one, on this rank's device (which it returns)."""
-    from overlap.multirank import default_backend, default_device
-
-    device = default_device()  # LOCAL_RANK picks the card on NPU / CUDA
-    td = datetime.timedelta(seconds=timeout)
-    if "WORLD_SIZE" in os.environ:  # torchrun
-        dist.init_process_group(default_backend(), timeout=td)
-    else:
-        dist.init_process_group(default_backend(), store=dist.HashStore(), rank=0, world_size=1, timeout=td)
-    return device
+    finally:
+        if cache is not None:
+            cache.close()  # on every way out: its files and device slots go
 
 
 def _offload_cache(job: JobConfig, batch: Any, dev: torch.device, rank: int) -> Any:

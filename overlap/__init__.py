@@ -21,18 +21,18 @@ from .link import Link, current_link, parse_link, set_link
 from .observability import Sanitizer, StreamRaceError, Timeline
 from .observability import enable_from_env as sanitize_from_env
 from .offload import OffloadCache, OffloadError
-from .state import reset
+from .state import WaitTimeout, reset, set_wait_timeout, wait_timeout
 from .streams import (EP_COMM, KV_OFFLOAD, SHARED_EXPERT, get_stream, issue_collective, issue_host, record_stream,
                       stream, synchronize)
 
 __all__ = [
     "DEFAULT", "EP_COMM", "KV_OFFLOAD", "SHARED_EXPERT", "PATHS", "ENV_ENABLE", "ENV_PATH",
     "CoreBudget", "CoreBudgetError", "Event", "Link", "OffloadCache", "OffloadError", "Sanitizer", "Span",
-    "StreamRaceError", "Timeline",
+    "StreamRaceError", "Timeline", "WaitTimeout",
     "add_observer", "all_reduce", "all_to_all_single", "collective_device", "copy_", "core_budget", "current_link",
     "current_path", "current_stream_tag", "detect_path", "enabled", "event", "get_stream", "is_enabled",
     "issue_collective", "issue_host", "limit_cores", "parse_budget", "parse_link", "read_soc_config",
     "record_stream", "remove_observer", "reset", "reset_core_limits", "sanitize_from_env", "set_core_budget",
-    "set_enabled", "set_link", "set_path", "span", "stream", "stream_limits", "synchronize", "tensors_in",
-    "use_path", "wait_tensor",
+    "set_enabled", "set_link", "set_path", "set_wait_timeout", "span", "stream", "stream_limits", "synchronize",
+    "tensors_in", "use_path", "wait_tensor", "wait_timeout",
 ]

@@ -6,17 +6,19 @@ With a link set, each collective on the ``cpu`` path completes no earlier than i
 time over that link, and the link carries one transfer at a time per process (a FIFO, as a NIC
 does): two exchanges in flight share it rather than each getting the full bandwidth. The extra
 wait is a sleep, so it costs no CPU and overlaps with compute like a real network transfer.
+A transfer longer than the wait bound (`overlap.set_wait_timeout`) is refused when it is issued.
 Off by default (tests run plain gloo); the launcher and the benchmarks turn it on and print it. Set by `set_link` or ``$OVERLAP_CPU_LINK="GBPS[,LATENCY_US]"`` (e.g. "2,20").
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import threading
 import time
 from typing import Any, Callable, Optional
 
-from .state import STATE
+from .state import STATE, WaitTimeout, wait_timeout
 
 ENV_LINK = "OVERLAP_CPU_LINK"
 
@@ -29,8 +31,10 @@ class Link:
     latency_us: float = 0.0
 
     def __post_init__(self) -> None:
-        if not self.gbps > 0 or self.latency_us < 0:
-            raise ValueError(f"a link needs gbps > 0 and latency_us >= 0, got {self.gbps} and {self.latency_us}")
+        if not (math.isfinite(self.gbps) and self.gbps > 0):
+            raise ValueError(f"a link needs a finite gbps > 0, got {self.gbps}")
+        if not (math.isfinite(self.latency_us) and self.latency_us >= 0):
+            raise ValueError(f"a link needs a finite latency_us >= 0, got {self.latency_us}")
 
     def seconds(self, nbytes: int) -> float:
         """Transfer time of ``nbytes`` over this link."""
@@ -48,20 +52,55 @@ def parse_link(text: str, source: str = ENV_LINK) -> Link:
             raise ValueError
         return Link(*parts)
     except (TypeError, ValueError):
-        raise ValueError(f"{source}: expected 'GBPS[,LATENCY_US]' with GBPS > 0, e.g. '2,20'; got {text!r}") from None
+        raise ValueError(f"{source}: expected 'GBPS[,LATENCY_US]' with a finite GBPS > 0 and a finite "
+                         f"LATENCY_US >= 0, e.g. '2,20'; got {text!r}") from None
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes} B"
+
+
+def transfer_seconds(link: Link, nbytes: int) -> float:
+    """The simulated time of ``nbytes`` over ``link``; `WaitTimeout` if that exceeds the wait bound.
+
+    Called before the collective is issued, so a link too slow for the bound fails at once
+    instead of sleeping until the bound.
+    """
+    seconds = link.seconds(nbytes)
+    bound = wait_timeout()
+    if not seconds <= bound:  # NaN fails too
+        # no "timeout" in the text: launch.health would take it for a peer that stopped
+        raise WaitTimeout(f"the simulated link {link} needs {seconds:.2g} s for this {_size(nbytes)} transfer, "
+                          f"more than the {bound:g} s wait bound: use a faster --cpu-link (overlap.set_link), "
+                          f"or raise the wait bound")
+    return seconds
 
 
 def reserve(seconds: float) -> float:
     """Book the link for ``seconds`` after the transfers already booked; returns when this one ends."""
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise ValueError(f"a link booking needs a finite number of seconds >= 0, got {seconds}")
     with STATE.lock:
         start = max(time.monotonic(), STATE.link_busy_until)
-        STATE.link_busy_until = start + seconds
-        return STATE.link_busy_until
+        end = start + seconds
+        if not math.isfinite(end):
+            raise ValueError(f"a link booking of {seconds:g} s after {start:g} s is out of range")
+        STATE.link_busy_until = end
+        return end
 
 
 def wait_transfer(seconds: float) -> None:
     """Block the calling thread for a transfer of ``seconds`` on the link (a synchronous collective)."""
-    time.sleep(max(0.0, reserve(seconds) - time.monotonic()))
+    left = reserve(seconds) - time.monotonic()
+    bound = wait_timeout()
+    if left > bound:  # transfers booked before this one hold the link that long
+        raise WaitTimeout(f"the simulated link is busy for another {left:.2g} s with the transfers queued before "
+                          f"this {seconds:.2g} s one, more than the {bound:g} s wait bound: use a faster --cpu-link, "
+                          f"or raise the wait bound")
+    time.sleep(max(0.0, left))
 
 
 def set_link(link: Optional[Link]) -> None:
@@ -90,7 +129,12 @@ class DelayedWork:
                 fut.value()
             except BaseException as exc:  # surfaced by wait()
                 self._error = exc
-            timer = threading.Timer(max(0.0, reserve(delay) - time.monotonic()), self._finish)
+            try:
+                left = reserve(delay) - time.monotonic()
+            except ValueError as exc:  # on gloo's thread: surface it in wait() rather than lose it
+                self._error = self._error or exc
+                left = 0.0
+            timer = threading.Timer(min(max(0.0, left), threading.TIMEOUT_MAX), self._finish)
             timer.daemon = True
             timer.start()
 
@@ -105,7 +149,10 @@ class DelayedWork:
     def is_completed(self) -> bool:
         return self._done.is_set()
 
-    def wait(self) -> None:
-        self._done.wait()
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Wait at most ``timeout`` seconds (None: the wait bound); False if it has not completed by then."""
+        if not self._done.wait(wait_timeout() if timeout is None else timeout):
+            return False
         if self._error is not None:
             raise self._error
+        return True

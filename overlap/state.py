@@ -2,9 +2,10 @@
 
 Streams and events are created once per tag and reused (torchair's tagged events are unique per
 process, and so are a device's streams), core limits persist per stream, and the simulated link
-books its transfers in order: all of that lives in `STATE`. `reset` forgets it, as a test does
-between cases. Packages built on the toolkit keep their process-wide state here too
-(``pools``: the dispatch's reused buffers).
+books its transfers in order: all of that lives in `STATE`, with the bound on every wait of the
+CPU path (`set_wait_timeout`; a wait that runs past it raises `WaitTimeout`). `reset` forgets it
+all, as a test does between cases. Packages built on the toolkit keep their process-wide state
+here too (``pools``: the dispatch's reused buffers).
 
 Not reset: observers (a `Timeline` or `Sanitizer` is scoped by its own ``with`` block, the one
 enabled from ``$OVERLAP_SANITIZE`` lives as long as the process), and torchair's tagged events,
@@ -12,10 +13,17 @@ which torchair itself cannot forget.
 """
 from __future__ import annotations
 
+import math
 import threading
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from .context import DEFAULT, set_enabled, set_path, swap_stream_tag
+
+DEFAULT_WAIT_TIMEOUT = 300.0  # seconds
+
+
+class WaitTimeout(RuntimeError):
+    """A wait ran past the wait bound (`set_wait_timeout`); the message names what it waited for."""
 
 
 class ProcessState:
@@ -39,6 +47,7 @@ class ProcessState:
         self.link: Any = None  # set_link override
         self.link_busy_until = 0.0  # monotonic time the simulated link is booked until
         self.pools: Dict[str, List[Any]] = {}  # reusable buffers other packages keep, by name
+        self.wait_timeout = DEFAULT_WAIT_TIMEOUT  # seconds any one wait may block (set_wait_timeout)
 
     def reset(self) -> None:
         with self.lock:
@@ -48,8 +57,36 @@ class ProcessState:
 STATE = ProcessState()
 
 
+def set_wait_timeout(seconds: Optional[float]) -> None:
+    """Bound every wait of the CPU path to ``seconds`` (None: the default, 300 s).
+
+    A wait that runs past it raises `WaitTimeout` instead of hanging the job; a simulated link
+    transfer longer than it is refused when issued.
+    """
+    if seconds is None:
+        STATE.wait_timeout = DEFAULT_WAIT_TIMEOUT
+        return
+    value = float(seconds)
+    # threading's waits overflow past TIMEOUT_MAX (about 292 years)
+    if not (math.isfinite(value) and 0 < value <= threading.TIMEOUT_MAX):
+        raise ValueError(f"the wait bound must be a finite number of seconds > 0 (at most "
+                         f"{threading.TIMEOUT_MAX:.3g}), got {seconds!r}")
+    STATE.wait_timeout = value
+
+
+def wait_timeout() -> float:
+    """The wait bound in seconds (see `set_wait_timeout`)."""
+    return STATE.wait_timeout
+
+
+def raise_hint() -> str:
+    """How to raise the wait bound, for the messages of `WaitTimeout`."""
+    return "raise the bound with overlap.set_wait_timeout(seconds) (the launcher's --timeout)"
+
+
 def reset() -> None:
-    """Forget streams, events, core limits and budget, the link, and this context's path, switch and stream.
+    """Forget streams, events, core limits and budget, the link, the wait bound, and this context's
+    path, switch and stream.
 
     Work still in flight on a CPU stream completes on its own; nothing here waits for it.
     """

@@ -1,6 +1,13 @@
 """KV-cache offload: the store equals the keys and values of a run without offload, on every
 schedule and 1-2 ranks; prefetch round trips exactly; bad input is refused before any work."""
+import errno
+import json
 import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
 
 import pytest
 import torch
@@ -249,7 +256,7 @@ def test_store_too_small_for_host_memory_or_disk(monkeypatch, tmp_path):
     import overlap.offload._stores as kvstore
 
     monkeypatch.setattr(kvstore, "_available_memory", lambda: 1024)
-    with pytest.raises(OffloadError, match="host store too small.*GiB of host memory"):
+    with pytest.raises(OffloadError, match="host store too small.*need 9.00 KiB, only 1.00 KiB of host memory"):
         _cache(store="memory")
     monkeypatch.setattr(kvstore.shutil, "disk_usage", lambda p: type("U", (), {"free": 1024})())
     with pytest.raises(OffloadError, match="host store too small.*free in"):
@@ -260,8 +267,9 @@ def test_store_too_small_for_host_memory_or_disk(monkeypatch, tmp_path):
 def test_existing_file_of_other_geometry_is_refused(tmp_path):
     path = tmp_path / "kv.bin"
     path.write_bytes(b"\0" * 100)
-    with pytest.raises(OffloadError, match="holds 100 bytes"):
+    with pytest.raises(OffloadError, match=r"holds 100 B \(100 bytes\) but 3 layers x 24 tokens .* need 9.00 KiB"):
         _cache(store="mmap", file=str(path))
+    assert path.read_bytes() == b"\0" * 100  # not ours: left as it was
     with pytest.raises(OffloadError, match="prefix_tokens=4 needs an existing mmap file"):
         _cache(store="memory", prefix_tokens=4)
 
@@ -273,10 +281,268 @@ def test_existing_file_of_other_geometry_is_refused(tmp_path):
     (dict(store="disk"), "unknown store 'disk'"),
     (dict(kv_shape=(HEADS, 0)), "positive sizes"),
     (dict(dtype=torch.int64), "floating point"),
+    (dict(max_tokens=0), "max_tokens must be >= 1, got 0"),
+    (dict(max_tokens=-3), "max_tokens must be >= 1, got -3"),
+    (dict(ring=-1), "ring must be >= 1"),
+    (dict(n_layers=2.5), "n_layers must be an integer, got 2.5"),
+    (dict(max_tokens=None), "max_tokens must be an integer, got None"),
+    (dict(kv_shape=()), "positive sizes"),
+    (dict(kv_shape=(HEADS, 2.5)), "kv_shape must be an integer"),
+    (dict(prefix_tokens=TOKENS + 1), "prefix_tokens=25 must lie in"),
+    (dict(store=None), "unknown store None"),
+    (dict(device="meta"), "device meta holds no data"),
+    (dict(name=3), "name must be a string"),
 ])
 def test_bad_construction(kw, match):
     with pytest.raises(OffloadError, match=match):
         _cache(**kw)
+
+
+def test_sizes_read_in_units_that_never_round_to_zero():
+    from overlap.offload._stores import human_bytes
+
+    assert [human_bytes(n) for n in (0, 512, 1024, 12 * 1024, int(3.4 * 2**20), int(1.2 * 2**30), 2**20 - 1)] == [
+        "0 B", "512 B", "1.00 KiB", "12.0 KiB", "3.40 MiB", "1.20 GiB", "1.00 MiB"]
+    with _cache() as cache, pytest.raises(OffloadError, match=r"\(9.00 KiB; 9.38 KiB needed\)"):
+        cache.check_capacity(TOKENS + 1)
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda c: c.offload(0.5, *_kv(4)), "layer must be an integer, got 0.5"),
+    (lambda c: c.offload(0, *_kv(4), offset="3"), "offset must be an integer"),
+    (lambda c: c.acquire(0, 2.5), "tokens must be an integer, got 2.5"),
+    (lambda c: c.get(0, None), "start must be an integer, got None"),
+    (lambda c: c.prefetch(0, -1, 2), r"tokens \[-1, 2\) requested"),
+    (lambda c: c.tokens("0"), "layer must be an integer"),
+])
+def test_bad_numbers_are_refused_before_any_copy(call, match, launches):
+    with _cache() as cache:
+        with pytest.raises(OffloadError, match=match):
+            call(cache)
+        assert launches == [] and cache.tokens(0) == 0
+
+
+class _Elsewhere(torch.Tensor):
+    """A tensor that reports another device than the one its data is on."""
+
+    @property
+    def device(self):
+        return torch.device("cuda", 1)
+
+
+@pytest.mark.parametrize("store", ["memory", "device"])
+def test_keys_or_values_on_another_device_are_refused_naming_both(store, launches):
+    meta = torch.empty(4, HEADS, DIM, device="meta")
+    elsewhere = _kv(4)[0].as_subclass(_Elsewhere)
+    with _cache(store=store) as cache:
+        for k, v, match in ((meta, _kv(4)[1], "keys of layer 0 are on meta, the cache works on cpu"),
+                            (_kv(4)[0], meta, "values of layer 0 are on meta, the cache works on cpu"),
+                            (meta.half(), _kv(4)[1], "keys of layer 0 are on meta"),  # the device is named first
+                            (elsewhere, _kv(4)[1], "keys of layer 0 are on cuda:1, the cache works on cpu")):
+            with pytest.raises(OffloadError, match=match):
+                cache.offload(0, k, v)
+        assert launches == [] and cache.tokens(0) == 0
+
+
+def test_device_without_an_index_matches_its_tensors():
+    with _cache(device="cpu:0") as cache:  # the index tensors report, as "cuda" must match cuda:0 tensors
+        cache.offload(0, *_kv(4))
+        assert cache.device == torch.device("cpu") and cache.tokens(0) == 4
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_unavailable_device_is_refused():
+    with pytest.raises(OffloadError, match="device cuda is not available"):
+        _cache(device="cuda")
+
+
+def test_store_that_cannot_be_allocated_is_refused(monkeypatch):
+    import overlap.offload._stores as kvstore
+
+    monkeypatch.setattr(kvstore, "_available_memory", lambda: None)
+    for store, where in (("memory", "of host memory"), ("device", "on cpu")):
+        with pytest.raises(OffloadError, match=f"cannot allocate the {store} store: .* need 4096 PiB {where}"):
+            _cache(n_layers=1, max_tokens=2**58, kv_shape=2, store=store)
+
+
+@pytest.mark.parametrize("store", ["memory", "mmap", "device"])
+def test_closed_cache_refuses_every_call(store):
+    cache = _cache(store=store)
+    cache.offload(0, *_kv(4))
+    cache.close()
+    cache.close()  # twice is fine
+    cache.finish()  # nothing to wait for
+    calls = (lambda: cache.offload(0, *_kv(4)), lambda: cache.acquire(0, 4), lambda: cache.prefetch(0),
+             lambda: cache.get(0), lambda: cache.host_kv(0), cache.reset, lambda: cache.tokens(0),
+             lambda: cache.check_capacity(4), cache.__enter__)
+    for call in calls:
+        with pytest.raises(OffloadError, match=f"OffloadCache '{cache.name}' is closed"):
+            call()
+    assert cache.closed and cache.device_bytes == 0
+
+
+def test_two_open_caches_cannot_share_a_name():
+    with _cache(name="kvsame"):  # they would share events: one cache's copies would wait on the other's
+        with pytest.raises(OffloadError, match="a cache named 'kvsame' is open already"):
+            _cache(name="kvsame")
+    with _cache(name="kvsame"):
+        pass
+
+
+# ------------------------------------------------------------------ mmap files: disk full, paths, leftovers
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _python(code, *args, tmpdir=None, **kw):
+    """``code`` in a fresh interpreter at the repository root (TMPDIR=``tmpdir``)."""
+    env = dict(os.environ, **({"TMPDIR": str(tmpdir)} if tmpdir else {}))
+    return subprocess.Popen([sys.executable, "-c", code, *map(str, args)], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+
+
+_OVER_THE_LIMIT = """
+import json, resource, signal, sys
+from overlap import OffloadCache, OffloadError
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, no signal
+resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+out = {}
+for file in (sys.argv[1], None):  # 4 x 4096 x 32 floats = 2 MiB, over the 64 KiB limit
+    try:
+        cache = OffloadCache(4, 4096, (2, 8), device="cpu", store="mmap", file=file, name="kv")
+        cache.offload(0, *[__import__("torch").ones(4096, 2, 8)] * 2)
+        cache.finish()
+        out[str(file)] = "no error"
+    except OffloadError as e:
+        out[str(file)] = "OffloadError: " + str(e)
+    except Exception as e:
+        out[str(file)] = type(e).__name__ + ": " + str(e)
+print(json.dumps(out))
+"""
+
+
+def test_mmap_store_that_cannot_grow_is_refused_before_the_first_write(tmp_path):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    path = tmp_path / "kv.bin"
+    proc = _python(_OVER_THE_LIMIT, path, tmpdir=tmp)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err  # never a SIGBUS / SIGXFSZ
+    res = json.loads(out)
+    assert res[str(path)].startswith(f"OffloadError: host store file {path} cannot grow to 2.00 MiB (2097152 bytes)")
+    assert res["None"].startswith("OffloadError: host store file ") and "cannot grow to 2.00 MiB" in res["None"]
+    assert not path.exists() and list(tmp.iterdir()) == []  # nothing left behind
+
+
+def test_full_disk_is_refused_naming_the_file_the_bytes_needed_and_free(monkeypatch, tmp_path):
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    path = tmp_path / "kv.bin"
+    with pytest.raises(OffloadError, match=(rf"host store too small: 3 layers x 24 tokens of keys and values need "
+                                            rf"9.00 KiB \(9216 bytes\) in {re.escape(str(path))}, only "
+                                            rf"\d[\d.]* [KMGTP]?i?B free in {re.escape(str(tmp_path))}")):
+        _cache(store="mmap", file=str(path))
+    with pytest.raises(OffloadError, match="host store too small: .* need 9.00 KiB"):
+        _cache(store="mmap")  # a temporary file
+    assert list(tmp_path.iterdir()) == []  # the files it created are gone
+    path.write_bytes(bytes(9216))  # a file written earlier (e.g. a prefix) is reported and kept
+    with pytest.raises(OffloadError, match="host store too small"):
+        _cache(store="mmap", file=str(path), prefix_tokens=4)
+    assert path.stat().st_size == 9216
+
+
+def test_mmap_store_reserves_its_blocks(tmp_path):
+    path = tmp_path / "kv.bin"
+    with _cache(store="mmap", file=str(path)):
+        assert path.stat().st_blocks * 512 >= 9216  # allocated, not a sparse file
+
+
+_HOLD = """
+import sys, time, torch
+from overlap import OffloadCache
+cache = OffloadCache(2, 64, (2, 8), device="cpu", store="mmap", file=sys.argv[1] if len(sys.argv) > 1 else None,
+                     name="kv")
+cache.offload(0, torch.ones(64, 2, 8), torch.ones(64, 2, 8))
+cache.finish()
+print(cache.file, flush=True)
+time.sleep(120)
+"""
+
+
+def test_temporary_store_leaves_nothing_even_when_killed(tmp_path):
+    proc = _python(_HOLD, tmpdir=tmp_path)
+    try:
+        assert proc.stdout.readline(), proc.stderr.read()  # the store is open and written
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=60)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_temporary_store_has_no_name_and_works(monkeypatch, tmp_path):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    cache, ref_k, ref_v = _offloaded("mmap")
+    with cache:
+        assert cache.file is None and list(tmp_path.iterdir()) == []
+        assert all(torch.equal(cache.get(layer)[0], ref_k[layer]) for layer in range(LAYERS))
+    with pytest.raises(KeyboardInterrupt), _cache(store="mmap"):
+        raise KeyboardInterrupt  # Ctrl-C inside the with block
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_file_another_cache_holds_is_refused(tmp_path):
+    path = str(tmp_path / "kv.bin")
+    with _cache(store="mmap", file=path):
+        with pytest.raises(OffloadError, match="kv.bin is in use by another open cache"):
+            _cache(store="mmap", file=path)
+    with _cache(store="mmap", file=path):  # free again once closed
+        pass
+    # another process (a rank sharing the folder without torch.distributed) holds kv-rank0.kv
+    proc = _python(_HOLD, tmp_path)
+    try:
+        assert proc.stdout.readline().strip() == str(tmp_path / "kv-rank0.kv")
+        with pytest.raises(OffloadError, match="kv-rank0.kv is in use by another open cache"):
+            _cache(store="mmap", file=str(tmp_path), name="kv")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=60)
+    assert os.path.getsize(tmp_path / "kv-rank0.kv") == 2 * 64 * 2 * 8 * 4 * 2  # the other's file is untouched
+
+
+@pytest.mark.parametrize("where,kw,match", [
+    (lambda t: t / "missing" / "kv.bin", {}, r"cannot create the host store file .*kv.bin: folder .*missing does not"),
+    (lambda t: "/proc/overlap-kv.bin", {}, "cannot create the host store file /proc/overlap-kv.bin: "),
+    (lambda t: "/dev/null", {}, "host store file /dev/null is not a regular file"),
+    (lambda t: t / "prefix.kv", dict(prefix_tokens=4), "prefix_tokens=4 needs an existing mmap file holding that "
+                                                      r"prefix; .*prefix.kv does not exist"),
+    (lambda t: None, dict(prefix_tokens=4), "prefix_tokens=4 needs an existing mmap file"),
+    (lambda t: t, dict(name="a/b"), "cache name 'a/b' cannot name a file in .*: it holds a path separator"),
+])
+def test_bad_mmap_file_is_refused_and_nothing_is_created(where, kw, match, tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    target = where(tmp_path)
+    with pytest.raises(OffloadError, match=match):
+        _cache(store="mmap", file=None if target is None else str(target), **kw)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
+def test_folder_or_file_without_write_permission_is_refused(tmp_path):
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    folder.chmod(0o500)
+    try:
+        with pytest.raises(OffloadError, match="cannot create the host store file .*: Permission denied"):
+            _cache(store="mmap", file=str(folder / "kv.bin"))
+    finally:
+        folder.chmod(0o700)
+    path = tmp_path / "kv.bin"
+    path.write_bytes(bytes(9216))
+    path.chmod(0o400)
+    with pytest.raises(OffloadError, match="cannot open the host store file .* for reading and writing: Permission"):
+        _cache(store="mmap", file=str(path), prefix_tokens=4)
 
 
 @pytest.mark.parametrize("path", ["ge", "aclgraph"])

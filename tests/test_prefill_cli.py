@@ -75,6 +75,12 @@ def test_two_ranks_under_torchrun_with_kv_offload(tmp_path):
     (["--seq-lens", "4,x"], None, "comma-separated integers"),
     (["--cpu-link", "fast"], None, "--cpu-link: expected"),
     (["--path", "aclgraph"], None, "--path aclgraph runs on Ascend NPUs only"),
+    (["--timeout", "0"], 2, "--timeout must be a positive number of seconds"),
+    (["--timeout", "nan"], None, "--timeout must be a positive number of seconds"),
+    (["--seq-lens", ""], None, "--seq-lens is empty"),
+    (["--check", "--mode", "two-batch"], 2, "--check compares every mode with serial"),
+    (["--cpu-link", "1,nan"], None, "--cpu-link"),
+    (["--cpu-link", "1,inf"], None, "--cpu-link"),
 ])
 def test_invalid_configuration_is_reported_once_and_every_rank_fails(args, ranks, message):
     if args[:2] == ["--device", "cuda"]:

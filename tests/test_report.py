@@ -1,4 +1,5 @@
 """The overlap report CLI on small traces in every supported format, its gate and its errors."""
+import gzip
 import json
 import os
 import shutil
@@ -103,10 +104,12 @@ def test_npu_files_directly():
     assert trace.profiler_overlap
 
 
-def _bad(path, *words):
-    result = _run(path)
+def _bad(path, *words, args=(), names_file=True):
+    """``overlap-report path *args`` exits 2 with one line naming the file and holding ``words``."""
+    result = _run(path, *args)
     assert result.exit_code == EXIT_BAD_INPUT, result.output
-    for w in (os.path.basename(str(path)),) + words:
+    assert len(result.output.strip().splitlines()) == 1, result.output
+    for w in (os.path.basename(os.path.normpath(str(path))),) * names_file + words:
         assert w in result.output, (w, result.output)
 
 
@@ -144,3 +147,211 @@ def test_module_entry_point(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == EXIT_BELOW, proc.stderr
     assert "busy" in proc.stdout and "FAIL" in proc.stderr
+
+
+def _kernel(name, tid, ts, dur, **extra):
+    return dict({"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": tid, "ts": ts, "dur": dur,
+                 "args": {"stream": tid}}, **extra)
+
+
+GOOD = [_kernel("gemm", 7, 0, 100), _kernel("ncclAllToAll", 13, 50, 100)]
+
+
+def _trace(events, **top):
+    return json.dumps(dict({"traceEvents": events}, **top)).encode()
+
+
+@pytest.mark.parametrize("content, words", [
+    (bytes(range(256)) * 4, ["not a trace", "binary"]),
+    (_trace(GOOD) + b"\x00\x00", ["binary", "NUL"]),
+    (gzip.compress(_trace(GOOD)), ["not a trace", "gzip"]),
+    (b"", ["empty file"]),
+    (b" \n\t\n", ["empty file"]),
+    (b"[1, 2, 3]", ["not a trace", "event 0", "not an object"]),
+    (b'"a trace"', ["not a trace", "traceEvents", "a string"]),
+    (b"42", ["not a trace", "a number"]),
+    (b"null", ["not a trace", "null"]),
+    (b'{"events": []}', ["not a trace", "traceEvents", "'events'"]),
+    (b'{"traceEvents": {"ph": "X"}}', ["not a trace", "traceEvents"]),
+    (_trace(GOOD + ["X"]), ["not a trace", "event 2", "not an object"]),
+    (_trace(GOOD + [None]), ["not a trace", "event 2", "not an object"]),
+    (_trace([{"ph": "M", "name": "process_name", "pid": 0, "args": "gpu"}] + GOOD), ["'args' of event 0", "'gpu'"]),
+    (_trace([{"ph": "M", "name": "thread_name", "pid": 0, "tid": 7, "args": None}] + GOOD), ["'args' of event 0"]),
+    (_trace([GOOD[0], dict(GOOD[1], args=[13])]), ["'args' of event 1", "not an object"]),
+    (_trace([GOOD[0], dict(GOOD[1], pid=[0])]), ["'pid' of event 1"]),
+    (_trace([dict(GOOD[0], tid={"id": 7}), GOOD[1]]), ["'tid' of event 0"]),
+    (b"[" * 100000 + b"]" * 100000, ["not a trace", "nested too deeply"]),
+    (b'{"traceEvents": [{"ph": "X", "ts": ' + b"1" * 5000 + b', "dur": 1}]}', ["not valid JSON", "digits"]),
+], ids=["binary", "nul-bytes", "gzip", "empty", "blank", "list-of-numbers", "string", "number", "null",
+        "no-traceEvents", "traceEvents-object", "event-string", "event-null", "args-string", "args-null", "args-list",
+        "pid-list", "tid-object", "deeply-nested", "huge-integer"])
+def test_not_a_trace(tmp_path, content, words):
+    (tmp_path / "trace.json").write_bytes(content)
+    _bad(tmp_path / "trace.json", *words)
+
+
+def test_odd_optional_metadata_is_ignored(tmp_path):
+    (tmp_path / "trace.json").write_bytes(_trace(GOOD, otherData=3, distributedInfo="rank 0"))
+    result = _run(tmp_path / "trace.json")
+    assert result.exit_code == 0 and "stream 13 | stream 7: overlap 0.050 ms" in result.output, result.output
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("first, second, words", [
+    (dict(ts=NAN), {}, ["'ts' of event 0", "not a finite number"]),
+    (dict(ts=INF), {}, ["'ts' of event 0", "not a finite number"]),
+    ({}, dict(ts=-INF), ["'ts' of event 1", "not a finite number"]),
+    (dict(ts="nan"), {}, ["'ts' of event 0", "not a finite number"]),
+    (dict(dur=-5), {}, ["'dur' of event 0", "negative"]),
+    ({}, dict(dur=NAN), ["'dur' of event 1", "not a finite number"]),
+    ({}, dict(dur=INF), ["'dur' of event 1", "not a finite number"]),
+    (dict(dur=1e20), {}, ["'dur' of event 0", "2**53"]),
+    (dict(dur=1e308), dict(dur=1e308), ["'dur' of event 0", "2**53"]),
+    ({}, dict(ts=1e16), ["'ts' of event 1", "2**53"]),
+    (dict(ts=-1e308), dict(ts=1e308), ["'ts' of event 1", "2**53"]),
+], ids=["ts-nan", "ts-inf", "ts-minus-inf", "ts-nan-string", "dur-negative", "dur-nan", "dur-inf", "dur-huge",
+        "dur-overflow", "ts-far", "ts-overflow"])
+def test_bad_times_in_json(tmp_path, first, second, words):
+    (tmp_path / "trace.json").write_bytes(_trace([dict(GOOD[0], **first), dict(GOOD[1], **second)]))
+    _bad(tmp_path / "trace.json", *words)
+
+
+def test_bad_times_in_every_json_reader(tmp_path):
+    path, _ = _toolkit_trace(tmp_path, comm_start=0.0025)
+    data = json.load(open(path))
+    x = [i for i, e in enumerate(data["traceEvents"]) if e["ph"] == "X"][1]
+    data["traceEvents"][x]["ts"] = NAN
+    (tmp_path / "toolkit.json").write_text(json.dumps(data))
+    _bad(tmp_path / "toolkit.json", f"'ts' of event {x}", "not a finite number")
+    view = json.load(open(os.path.join(RANK0, "ASCEND_PROFILER_OUTPUT", "trace_view.json")))
+    x = [i for i, e in enumerate(view) if e.get("ph") == "X"][0]
+    view[x]["dur"] = -1
+    (tmp_path / "trace_view.json").write_text(json.dumps(view))
+    _bad(tmp_path / "trace_view.json", f"'dur' of event {x}", "negative")
+
+
+KERNEL_HEADER = "Step Id,Name,Type,Stream ID,Start Time(us),Duration(us)\n"
+
+
+@pytest.mark.parametrize("name, text, words", [
+    ("kernel_details.csv", KERNEL_HEADER + "0,Mm,AI_CORE,2,1,2\n0,Add,AI_CORE,2,nan,2\n",
+     ["'Start Time(us)' on line 3", "not a finite number"]),
+    ("kernel_details.csv", KERNEL_HEADER + "0,Mm,AI_CORE,2,inf,2\n", ["'Start Time(us)' on line 2", "finite"]),
+    ("kernel_details.csv", KERNEL_HEADER + "0,Mm,AI_CORE,2,1,-2\n", ["'Duration(us)' on line 2", "negative"]),
+    ("kernel_details.csv", KERNEL_HEADER + "0,Mm,AI_CORE,2,1,Infinity\n", ["'Duration(us)' on line 2", "finite"]),
+    ("kernel_details.csv", KERNEL_HEADER + "0,Mm,AI_CORE,2,0,2\n0,Add,AI_CORE,5,1e16,2\n",
+     ["'Start Time(us)' on line 3", "2**53"]),
+    ("kernel_details.csv", KERNEL_HEADER + "0,Mm,AI_CORE,2,1,2,oops\n", ["line 2", "7 cells",
+     "malformed CSV"]),
+    ("kernel_details.csv", "", ["empty file"]),
+    ("kernel_details.csv", "\x00" * 8 + KERNEL_HEADER, ["binary", "NUL"]),
+    ("step_trace_time.csv", "Step,Communication,Communication(Not Overlapped)\n0,nan,1\n",
+     ["'Communication' on line 2", "not a finite number"]),
+    ("step_trace_time.csv", "Step,Communication,Communication(Not Overlapped)\n0,5,-1\n",
+     ["'Communication(Not Overlapped)' on line 2", "negative"]),
+    ("step_trace_time.csv", "Step,Communication,Communication(Not Overlapped)\n0,5,1\n1,5,7\n",
+     ["'Communication(Not Overlapped)' on line 3", "more than 'Communication'"]),
+    ("step_trace_time.csv", "", ["empty file"]),
+], ids=["start-nan", "start-inf", "duration-negative", "duration-inf", "start-far", "extra-cell", "empty",
+        "nul-bytes", "step-nan", "step-negative", "step-exposed-over-total", "step-empty"])
+def test_bad_csv(tmp_path, name, text, words):
+    (tmp_path / name).write_text(text)
+    _bad(tmp_path / name, *words)
+
+
+def test_binary_csv(tmp_path):
+    (tmp_path / "kernel_details.csv").write_bytes(bytes(range(128, 256)) * 8)
+    _bad(tmp_path / "kernel_details.csv", "not a trace", "binary")
+
+
+def test_trailing_empty_csv_cells_are_fine(tmp_path):
+    (tmp_path / "kernel_details.csv").write_text(KERNEL_HEADER + "0,Mm,AI_CORE,2,1,2,,\n")
+    assert _run(tmp_path / "kernel_details.csv").exit_code == 0
+
+
+def _npu_copy(tmp_path):
+    root = tmp_path / "prof"
+    shutil.copytree(NPU, root)
+    return root
+
+
+def test_npu_folder_with_a_rank_missing_its_files(tmp_path):
+    root = _npu_copy(tmp_path)
+    (root / "rank2_ascend_pt" / "ASCEND_PROFILER_OUTPUT").mkdir(parents=True)
+    _bad(root, "rank2_ascend_pt", "ASCEND_PROFILER_OUTPUT", "trace_view.json")
+    (root / "rank2_ascend_pt" / "ASCEND_PROFILER_OUTPUT" / "ascend_pytorch_profiler_2.db").write_bytes(b"SQLite")
+    _bad(root, "rank2_ascend_pt", ".db")
+    shutil.rmtree(root / "rank2_ascend_pt" / "ASCEND_PROFILER_OUTPUT")
+    (root / "rank2_ascend_pt" / "PROF_000001").mkdir()
+    _bad(root, "rank2_ascend_pt", "without an ASCEND_PROFILER_OUTPUT", "not parsed")
+    empty = tmp_path / "ASCEND_PROFILER_OUTPUT"
+    empty.mkdir()
+    _bad(empty, "ASCEND_PROFILER_OUTPUT", "kernel_details.csv")
+
+
+def test_npu_folder_with_a_binary_trace_view(tmp_path):
+    root = _npu_copy(tmp_path)
+    (root / "rank0_ascend_pt" / "ASCEND_PROFILER_OUTPUT" / "trace_view.json").write_bytes(bytes(range(128, 256)))
+    _bad(root, "trace_view.json", "binary")
+
+
+def test_npu_folder_that_cannot_be_listed(tmp_path, monkeypatch):
+    root = _npu_copy(tmp_path)
+    locked = str(root / "rank1_ascend_pt")
+    if os.geteuid() == 0:  # root reads anything: make listing that folder fail as it would for a user
+        scandir = os.scandir
+
+        def denied(path="."):
+            if os.path.abspath(path) == locked:
+                raise PermissionError(13, "Permission denied", path)
+            return scandir(path)
+
+        monkeypatch.setattr(os, "scandir", denied)
+    else:
+        os.chmod(locked, 0)
+    try:
+        _bad(root, "rank1_ascend_pt", "cannot read it", "Permission denied")
+    finally:
+        os.chmod(locked, 0o755)
+
+
+def test_only_zero_length_spans(tmp_path):
+    (tmp_path / "trace.json").write_bytes(_trace([dict(GOOD[0], dur=0), dict(GOOD[1], dur=0)]))
+    _bad(tmp_path / "trace.json", "zero duration")
+    _bad(tmp_path / "trace.json", "zero duration", args=("--min-overlap", 0.5))
+
+
+def test_bad_gate_options(tmp_path):
+    path = os.path.join(DATA, "torch_profiler_cuda.json")
+    for option in ("--min-overlap", "--min-hidden"):
+        result = _run(path, option, "nan")
+        assert result.exit_code == EXIT_BAD_INPUT and "nan" in result.output, result.output
+    _bad(path, "--pair", "twice", args=("--min-overlap", 0.5, "--pair", "stream 7", "stream 7"), names_file=False)
+    _bad(path, "--pair", "--min-overlap", args=("--pair", "stream 7", "stream 99"), names_file=False)
+    _bad(path, "stream 99", "stream 13", args=("--min-overlap", 0.5, "--pair", "stream 7", "stream 99"),
+         names_file=False)
+
+
+def test_reader_bug_is_bad_input_not_a_gate_failure(tmp_path, monkeypatch):
+    from overlap.observability import report
+
+    def broken(source):
+        raise KeyError("surprise\nsecond line")
+
+    monkeypatch.setattr(report, "load", broken)
+    path, _ = _toolkit_trace(tmp_path, comm_start=0.0025)
+    _bad(path, "KeyError", "surprise", "bug")
+
+
+def test_bad_input_from_the_command_line_is_one_line(tmp_path):
+    (tmp_path / "binary.json").write_bytes(bytes(range(256)))
+    (tmp_path / "nan.json").write_bytes(_trace([dict(GOOD[0], ts=NAN), GOOD[1]]))
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    for name in ("binary.json", "nan.json"):
+        proc = subprocess.run([sys.executable, "-m", "overlap.observability.report", str(tmp_path / name),
+                               "--min-overlap", "0.5"], env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == EXIT_BAD_INPUT, proc.stderr
+        assert proc.stdout == "" and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert name in proc.stderr and "Traceback" not in proc.stderr

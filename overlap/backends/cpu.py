@@ -5,10 +5,12 @@ stream runs asynchronously on gloo's threads (``async_op=True``), and host work 
 stream's own worker thread, in launch order. The work pending on a `CpuStream` is what an event
 recorded there waits for, so reading a side stream's output before the wait is a real race.
 With a simulated link (`overlap.link`) a collective completes no earlier than its transfer time.
+Every wait here is bounded by `overlap.wait_timeout()`: past it, `WaitTimeout` names the launch.
 """
 from __future__ import annotations
 
 import concurrent.futures
+import datetime
 import threading
 from typing import Any, Callable, List, Optional, Sequence
 
@@ -17,8 +19,8 @@ import torch
 from .. import hooks
 from ..context import DEFAULT, current_stream_tag, is_enabled
 from ..hooks import Span
-from ..link import DelayedWork, current_link, wait_transfer
-from ..state import STATE
+from ..link import DelayedWork, current_link, transfer_seconds, wait_transfer
+from ..state import STATE, WaitTimeout, raise_hint, wait_timeout
 from .base import Backend
 
 
@@ -36,8 +38,11 @@ def _intersects(xs: Sequence[torch.Tensor], ys: Sequence[torch.Tensor]) -> bool:
 class _Pending:
     """One asynchronous launch on a CPU stream: a gloo work or a worker-thread future."""
 
-    def __init__(self, name: str, waitable: Any, reads: Sequence[torch.Tensor], writes: Sequence[torch.Tensor]):
+    def __init__(self, name: str, stream: str, kind: str, waitable: Any, reads: Sequence[torch.Tensor],
+                 writes: Sequence[torch.Tensor]):
         self.name = name
+        self.stream = stream
+        self.kind = kind  # "collective" or "host"
         self.waitable = waitable
         self.reads = tuple(reads)  # keeping references is also the CPU form of record_stream
         self.writes = tuple(writes)
@@ -50,14 +55,39 @@ class _Pending:
         return w.done() if isinstance(w, concurrent.futures.Future) else w.is_completed()
 
     def wait(self) -> None:
+        """Wait for the launch, at most the wait bound; `WaitTimeout` past it."""
         if self._done:
             return
+        bound = wait_timeout()
         w = self.waitable
         if isinstance(w, concurrent.futures.Future):
-            w.result()
+            try:
+                w.result(timeout=bound)
+            except concurrent.futures.TimeoutError:
+                if not w.done():
+                    raise self._timed_out(bound) from None
+                w.result()  # the work itself raised TimeoutError, or finished just now
+        elif isinstance(w, DelayedWork):
+            if not w.wait(bound):
+                raise self._timed_out(bound)
         else:
-            w.wait()
+            # gloo's Work.wait raises on timeout; a zero timedelta would mean "no timeout"
+            td = datetime.timedelta(seconds=max(bound, 1e-3))
+            try:
+                w.wait(timeout=td)
+            except Exception as exc:
+                if not w.is_completed():
+                    raise self._timed_out(bound) from exc
+                w.wait(timeout=td)  # completed meanwhile: its own outcome, an error or none
         self._done = True
+
+    def _timed_out(self, bound: float) -> WaitTimeout:
+        if self.kind == "host":
+            what, why = "host work", "the work is blocked or needs longer"
+        else:
+            what, why = "a collective", "another rank may have failed or stopped, or the exchange needs longer"
+        return WaitTimeout(f"waited {bound:g} s for {self.name!r} on stream {self.stream!r} ({what}) and it has "
+                           f"not completed: {why}; {raise_hint()}")
 
 
 class CpuStream:
@@ -92,7 +122,7 @@ class CpuStream:
                 work = DelayedWork(work, delay, lambda: hooks.end_span(span))
             elif span is not None:
                 work.get_future().add_done_callback(lambda _f: hooks.end_span(span))
-            self._pending.append(_Pending(name, work, reads, writes))
+            self._pending.append(_Pending(name, self.tag, "collective", work, reads, writes))
 
     def issue_host(self, name: str, fn: Callable[[], Any], reads: Sequence[torch.Tensor],
                     writes: Sequence[torch.Tensor], span: Optional[Span]) -> concurrent.futures.Future:
@@ -108,7 +138,7 @@ class CpuStream:
             if self._worker is None:
                 self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"overlap-{self.tag}")
             fut = self._worker.submit(run)
-            self._pending.append(_Pending(name, fut, reads, writes))
+            self._pending.append(_Pending(name, self.tag, "host", fut, reads, writes))
         return fut
 
     def snapshot(self) -> List[_Pending]:
@@ -169,7 +199,7 @@ class CpuBackend(Backend):
                          writes: Sequence[torch.Tensor], span: Optional[Span], nbytes: int) -> None:
         tag = current_stream_tag()
         link = current_link()
-        delay = link.seconds(nbytes) if link is not None and nbytes else 0.0
+        delay = transfer_seconds(link, nbytes) if link is not None and nbytes else 0.0  # refused before issue
         if self.is_asynchronous(tag):
             cpu_stream(tag).issue_collective(name, issue, reads, writes, span, delay)
             return

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import io
 import json
+import math
 import os
 import re
 from typing import Any, Dict, List, Optional, Tuple
@@ -27,6 +29,10 @@ WAIT_PATTERN = re.compile(r"wait", re.IGNORECASE)
 _DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 _HOST_CATS = ("cpu_op", "user_annotation", "gpu_user_annotation")
 KERNEL_DETAILS, STEP_TRACE, TRACE_VIEW = "kernel_details.csv", "step_trace_time.csv", "trace_view.json"
+NPU_OUTPUT = "ASCEND_PROFILER_OUTPUT"
+# Longest duration or distance from a trace's first event, in microseconds: past 2**53 us (~285 years)
+# a float no longer holds whole microseconds, so such a time is corrupt, not measured.
+MAX_US = float(2 ** 53)
 
 
 class TraceError(ValueError):
@@ -48,28 +54,88 @@ def classify(name: str) -> str:
     return "comm" if COMM_PATTERN.search(name) else "compute"
 
 
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def _num(value: Any, source: str, what: str) -> float:
     try:
         return float(str(value).strip())
     except (TypeError, ValueError):
-        raise TraceError(f"{source}: {what} is {value!r}, not a number") from None
+        raise TraceError(f"{source}: {what} is {_short(value)}, not a number") from None
+
+
+def _time(value: Any, source: str, what: str, duration: bool = False) -> float:
+    """A timestamp (any finite number) or a duration (finite, >= 0, at most `MAX_US`) in microseconds."""
+    x = _num(value, source, what)
+    if not math.isfinite(x):
+        raise TraceError(f"{source}: {what} is {_short(value)}, not a finite number")
+    if duration and x < 0:
+        raise TraceError(f"{source}: {what} is {x:g}, a negative duration")
+    if duration and x > MAX_US:
+        raise TraceError(f"{source}: {what} is {x:g} us, longer than 2**53 us (~285 years): corrupt")
+    return x
+
+
+def _read_text(source: str) -> str:
+    try:
+        with open(source, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise TraceError(f"{source}: cannot read it ({e.strerror})") from None
+    if not raw or raw.isspace():
+        raise TraceError(f"{source}: empty file")
+    if raw[:2] == b"\x1f\x8b":
+        raise TraceError(f"{source}: not a trace: gzip-compressed (decompress it first)")
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise TraceError(f"{source}: not a trace: a binary file (not UTF-8 text at byte {e.start})") from None
+    if "\x00" in text:
+        raise TraceError(f"{source}: not a trace: a binary file (NUL byte at offset {text.index(chr(0))})")
+    return text
 
 
 def _load_json(source: str) -> Any:
+    text = _read_text(source)
     try:
-        with open(source) as f:
-            return json.load(f)
+        return json.loads(text)
     except json.JSONDecodeError as e:
         raise TraceError(f"{source}: not valid JSON ({e.msg} at line {e.lineno}); is the file truncated?") from None
-    except OSError as e:
-        raise TraceError(f"{source}: cannot read it ({e.strerror})") from None
+    except RecursionError:
+        raise TraceError(f"{source}: not a trace: JSON nested too deeply") from None
+    except ValueError as e:  # e.g. an integer with more digits than Python converts
+        raise TraceError(f"{source}: not valid JSON ({str(e).split(';')[0]})") from None
+
+
+def _describe(data: Any) -> str:
+    if isinstance(data, dict):
+        keys = ", ".join(map(repr, list(data)[:5])) + (", ..." if len(data) > 5 else "")
+        return f"an object with keys {keys}" if data else "an empty object"
+    return {str: "a string", bool: "a boolean", type(None): "null"}.get(type(data), "a number")
 
 
 def _events(data: Any, source: str) -> List[Dict[str, Any]]:
+    """The trace's events, each checked to be an object whose fields the readers can use."""
     events = data.get("traceEvents") if isinstance(data, dict) else data
     if not isinstance(events, list):
-        raise TraceError(f"{source}: no 'traceEvents' list: not a Chrome trace")
-    return [e for e in events if isinstance(e, dict)]
+        raise TraceError(f"{source}: not a trace: no 'traceEvents' list (the JSON is {_describe(data)})")
+    for i, e in enumerate(events):
+        if not isinstance(e, dict):
+            raise TraceError(f"{source}: not a trace: event {i} is {_short(e)}, not an object")
+        if not isinstance(e.get("args", {}), dict):
+            raise TraceError(f"{source}: 'args' of event {i} is {_short(e['args'])}, not an object")
+        for key in ("pid", "tid"):
+            if isinstance(e.get(key), (list, dict)):
+                raise TraceError(f"{source}: {key!r} of event {i} is {_short(e[key])}, not a number or a name")
+    return events
+
+
+def _meta(data: Any, key: str) -> Dict[str, Any]:
+    """An optional top-level object of a trace; empty when absent or not an object."""
+    value = data.get(key) if isinstance(data, dict) else None
+    return value if isinstance(value, dict) else {}
 
 
 def _slices(events: List[Dict[str, Any]], source: str) -> List[Tuple[Dict[str, Any], float, float]]:
@@ -81,14 +147,22 @@ def _slices(events: List[Dict[str, Any]], source: str) -> List[Tuple[Dict[str, A
         for field in ("ts", "dur"):
             if field not in e:
                 raise TraceError(f"{source}: event {i} ({e.get('name')!r}) has no {field!r} field")
-        raw.append((e, _num(e["ts"], source, f"'ts' of event {i}"), _num(e["dur"], source, f"'dur' of event {i}")))
-    return _relative(raw)
+        ts = f"'ts' of event {i}"
+        raw.append((e, _time(e["ts"], source, ts), _time(e["dur"], source, f"'dur' of event {i}", True), ts))
+    return _relative(raw, source)
 
 
-def _relative(raw: List[Tuple[Any, float, float]]) -> List[Tuple[Any, float, float]]:
+def _relative(raw: List[Tuple[Any, float, float, str]], source: str) -> List[Tuple[Any, float, float]]:
+    """``(x, start us, duration us, what the start is)`` as ``(x, start s, end s)`` since the first start."""
     # microsecond timestamps since the epoch lose precision when scaled to seconds: subtract first
-    origin = min((ts for _, ts, _ in raw), default=0.0)
-    return [(x, (ts - origin) * 1e-6, (ts - origin + dur) * 1e-6) for x, ts, dur in raw]
+    origin = min((ts for _, ts, _, _ in raw), default=0.0)
+    out = []
+    for x, ts, dur, what in raw:
+        if ts - origin + dur > MAX_US:
+            raise TraceError(f"{source}: {what} is {ts:g}: the event ends {ts - origin + dur:g} us after the first "
+                             f"one, beyond 2**53 us (~285 years): corrupt")
+        out.append((x, (ts - origin) * 1e-6, (ts - origin + dur) * 1e-6))
+    return out
 
 
 def _names(events: List[Dict[str, Any]], kind: str) -> Dict[Any, str]:
@@ -105,7 +179,7 @@ def _toolkit(events: List[Dict[str, Any]], source: str) -> List[Item]:
 
 
 def _torch_profiler(data: Any, events: List[Dict[str, Any]], source: str) -> List[Item]:
-    rank = data.get("distributedInfo", {}).get("rank") if isinstance(data, dict) else None
+    rank = _meta(data, "distributedInfo").get("rank")
     prefix = "" if rank is None else f"rank {rank} "
     slices = _slices(events, source)
     device = [x for x in slices if x[0].get("cat") in _DEVICE_CATS]
@@ -162,17 +236,21 @@ def _ascend_hardware(events: List[Dict[str, Any]], source: str, process: str) ->
     return items, summary
 
 
-def _read_csv(source: str, required: Tuple[str, ...], hint: str = "") -> List[Dict[str, str]]:
+def _read_csv(source: str, required: Tuple[str, ...], hint: str = "") -> List[Tuple[int, Dict[str, str]]]:
+    """The data rows with their line numbers; `TraceError` without the ``required`` columns."""
+    reader = csv.DictReader(io.StringIO(_read_text(source), newline=""))
+    rows = []
     try:
-        with open(source, newline="", encoding="utf-8-sig") as f:
-            reader = csv.DictReader(f)
-            header = [h.strip() for h in (reader.fieldnames or [])]
-            missing = [c for c in required if c not in header]
-            if missing:
-                raise TraceError(f"{source}: missing column(s) {', '.join(map(repr, missing))}{hint}")
-            rows = [{(k or "").strip(): (v or "").strip() for k, v in row.items()} for row in reader]
-    except OSError as e:
-        raise TraceError(f"{source}: cannot read it ({e.strerror})") from None
+        header = [h.strip() for h in (reader.fieldnames or [])]
+        missing = [c for c in required if c not in header]
+        if missing:
+            raise TraceError(f"{source}: missing column(s) {', '.join(map(repr, missing))}{hint}")
+        for row in reader:
+            extra = row.pop(None, None)  # type: ignore[call-overload]
+            if extra and any(c.strip() for c in extra):
+                raise TraceError(f"{source}: line {reader.line_num} has {len(header) + len(extra)} cells, "
+                                 f"the header {len(header)}: malformed CSV")
+            rows.append((reader.line_num, {(k or "").strip(): (v or "").strip() for k, v in row.items()}))
     except csv.Error as e:
         raise TraceError(f"{source}: malformed CSV ({e})") from None
     if not rows:
@@ -184,39 +262,54 @@ def _kernel_details(source: str, process: str) -> List[Item]:
     rows = _read_csv(source, ("Stream ID", "Start Time(us)", "Duration(us)"),
                      " (at profiler Level0 there is no 'Stream ID': profile with profiler_level=Level1 or higher)")
     raw = []
-    for i, r in enumerate(rows, start=2):
+    for i, r in rows:
         if not r.get("Start Time(us)") and not r.get("Duration(us)"):
             continue
         name, task = r.get("Name", ""), r.get("Type", "") + " " + r.get("Accelerator Core", "")
         if WAIT_PATTERN.search(name):
             continue
         kind = "comm" if "HCCL" in task.upper() or "COMMUNICATION" in task.upper() else classify(name)
-        raw.append(((f"Stream {r['Stream ID']}", kind),
-                    _num(r["Start Time(us)"], source, f"'Start Time(us)' on line {i}"),
-                    _num(r["Duration(us)"], source, f"'Duration(us)' on line {i}")))
-    return [(process, stream, kind, s, t) for (stream, kind), s, t in _relative(raw)]
+        start = f"'Start Time(us)' on line {i}"
+        raw.append(((f"Stream {r['Stream ID']}", kind), _time(r["Start Time(us)"], source, start),
+                    _time(r["Duration(us)"], source, f"'Duration(us)' on line {i}", True), start))
+    return [(process, stream, kind, s, t) for (stream, kind), s, t in _relative(raw, source)]
 
 
 def _step_trace(source: str) -> Tuple[float, float]:
-    rows = _read_csv(source, ("Communication", "Communication(Not Overlapped)"))
-    comm = sum(_num(r["Communication"], source, "'Communication'") for r in rows)
-    exposed = sum(_num(r["Communication(Not Overlapped)"], source, "'Communication(Not Overlapped)'") for r in rows)
+    comm = exposed = 0.0
+    for i, r in _read_csv(source, ("Communication", "Communication(Not Overlapped)")):
+        c = _time(r["Communication"], source, f"'Communication' on line {i}", True)
+        x = _time(r["Communication(Not Overlapped)"], source, f"'Communication(Not Overlapped)' on line {i}", True)
+        if x > c:
+            raise TraceError(f"{source}: 'Communication(Not Overlapped)' on line {i} is {x:g}, "
+                             f"more than 'Communication' ({c:g})")
+        comm += c
+        exposed += x
     return comm * 1e-6, (comm - exposed) * 1e-6
 
 
+def _walk_error(e: OSError) -> None:
+    raise TraceError(f"{e.filename}: cannot read it ({e.strerror})")
+
+
 def _npu_output_dirs(root: str) -> List[str]:
+    """The folders holding profiler output: ``root`` itself, else every ASCEND_PROFILER_OUTPUT below it."""
     files = (TRACE_VIEW, KERNEL_DETAILS, STEP_TRACE)
     if any(os.path.isfile(os.path.join(root, f)) for f in files):
         return [root]
     found = []
-    for dirpath, _dirs, names in os.walk(root):
-        if os.path.basename(dirpath) == "ASCEND_PROFILER_OUTPUT" and any(f in names for f in files):
+    # a folder that cannot be listed would otherwise drop its ranks from the report without a word
+    for dirpath, dirs, _names in os.walk(root, onerror=_walk_error):
+        base = os.path.basename(os.path.normpath(dirpath))
+        if base == NPU_OUTPUT:
             found.append(dirpath)
+        elif base.endswith("_ascend_pt") and NPU_OUTPUT not in dirs:
+            raise TraceError(f"{dirpath}: a torch_npu profile without an {NPU_OUTPUT} folder: not parsed yet?")
     return sorted(found)
 
 
 def _process_name(out_dir: str, root: str) -> str:
-    if os.path.basename(out_dir) == "ASCEND_PROFILER_OUTPUT":
+    if os.path.basename(out_dir) == NPU_OUTPUT:
         out_dir = os.path.dirname(out_dir)
     rel = os.path.relpath(out_dir, root)
     return os.path.basename(os.path.abspath(out_dir)) if rel == "." else rel
@@ -226,11 +319,14 @@ def _load_npu_folder(root: str) -> Trace:
     dirs = _npu_output_dirs(root)
     if not dirs:
         raise TraceError(f"{root}: no torch_npu profiler output here: expected {TRACE_VIEW}, {KERNEL_DETAILS} or "
-                         f"{STEP_TRACE} in it or in an ASCEND_PROFILER_OUTPUT folder below it")
+                         f"{STEP_TRACE} in it or in an {NPU_OUTPUT} folder below it")
     trace = Trace(root, "torch_npu profiler folder")
     for d in dirs:
         process = _process_name(d, root)
         view, kernels, steps = (os.path.join(d, f) for f in (TRACE_VIEW, KERNEL_DETAILS, STEP_TRACE))
+        if not any(os.path.isfile(f) for f in (view, kernels, steps)):
+            raise TraceError(f"{d}: none of {TRACE_VIEW}, {KERNEL_DETAILS} or {STEP_TRACE} is a readable file in it "
+                             f"(not parsed yet, or exported only as .db?)")
         if os.path.isfile(view):
             items, summary = _ascend_hardware(_events(_load_json(view), view), view, process)
             trace.items += items
@@ -256,7 +352,7 @@ def load(source: str) -> Trace:
         return Trace(source, "torch_npu kernel_details.csv", _kernel_details(source, base))
     data = _load_json(source)
     events = _events(data, source)
-    if isinstance(data, dict) and data.get("otherData", {}).get("generator") == "npu-overlap":
+    if _meta(data, "otherData").get("generator") == "npu-overlap":
         return Trace(source, "overlap timeline", _toolkit(events, source))
     if "Ascend Hardware" in _names(events, "process_name").values():
         items, summary = _ascend_hardware(events, source, base)

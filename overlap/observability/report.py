@@ -10,6 +10,7 @@ Exit status: 0 fine, 1 below ``--min-overlap`` / ``--min-hidden``, 2 unreadable 
 from __future__ import annotations
 
 import json
+import math
 from typing import Any, Dict, List, Optional, Tuple
 
 import click
@@ -29,6 +30,8 @@ def analyse(source: str) -> Tuple[Trace, Metrics]:
     trace = load(source)
     if not trace.items and not trace.profiler_overlap:
         raise TraceError(f"{source}: no timed events (complete 'X' slices or task rows) found in it")
+    if not trace.profiler_overlap and all(end <= start for *_, start, end in trace.items):
+        raise TraceError(f"{source}: all {len(trace.items)} timed events have zero duration: no busy time to report")
     return trace, compute_metrics(trace.items)
 
 
@@ -92,22 +95,36 @@ def _as_json(trace: Trace, m: Metrics, failures: List[str]) -> Dict[str, Any]:
                                  for p, (c, h) in trace.profiler_overlap.items()}}
 
 
+def _not_nan(ctx: click.Context, param: click.Parameter, value: Optional[float]) -> Optional[float]:
+    # FloatRange lets NaN through, and every comparison with NaN is false: the gate would never fail
+    if value is not None and math.isnan(value):
+        raise click.BadParameter(f"{value} is not a number in the range 0<=x<=1.")
+    return value
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("source", type=click.Path())
-@click.option("--min-overlap", type=click.FloatRange(0, 1), default=None,
+@click.option("--min-overlap", type=click.FloatRange(0, 1), default=None, callback=_not_nan,
               help="Fail (exit 1) when overlap/min(busy) of the checked pair is below this on any rank.")
 @click.option("--pair", nargs=2, type=str, default=None,
               help="The two streams to check, as printed (default: each rank's two busiest streams).")
-@click.option("--min-hidden", type=click.FloatRange(0, 1), default=None,
+@click.option("--min-hidden", type=click.FloatRange(0, 1), default=None, callback=_not_nan,
               help="Fail (exit 1) when the hidden share of communication is below this.")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON instead of text.")
 def main(source: str, min_overlap: Optional[float], pair: Optional[Tuple[str, str]], min_hidden: Optional[float],
          as_json: bool) -> None:
     """Report per-stream busy time and overlap of the trace at SOURCE."""
+    if pair is not None and min_overlap is None:
+        raise _BadInput(f"--pair {pair[0]} {pair[1]}: only used with --min-overlap, which is not given")
+    if pair is not None and pair[0] == pair[1]:
+        raise _BadInput(f"--pair {pair[0]} {pair[1]}: names one stream twice; give two different streams")
     try:
         trace, m = analyse(source)
     except TraceError as e:
         raise _BadInput(str(e)) from None
+    except Exception as e:  # a reader bug must not pass for a gate failure (exit 1) or print a traceback
+        what = " ".join(f"{type(e).__name__}: {e}".split())
+        raise _BadInput(f"{source}: cannot read it ({what}); a bug in overlap-report, please report it") from None
     failures = gate(m, min_overlap, pair, min_hidden)
     if as_json:
         click.echo(json.dumps(_as_json(trace, m, failures), indent=2))

@@ -21,6 +21,7 @@ The parts: `_geometry` (checks), `_ring` (device slots and their events), `_offl
 from __future__ import annotations
 
 import itertools
+import weakref
 from typing import List, Optional, Tuple, Union
 
 import torch
@@ -29,7 +30,8 @@ from .. import backends
 from ..context import is_enabled
 from ..events import release_events
 from ..streams import synchronize
-from ._geometry import Geometry, OffloadError, Shape, check_args, check_held, check_path, geometry
+from ._geometry import (Geometry, OffloadError, Shape, as_int, check_args, check_held, check_path, geometry,
+                        resolve_device)
 from ._keep import Keep
 from ._offload import Offloader
 from ._prefetch import Prefetcher
@@ -39,17 +41,30 @@ from ._stores import KVStore, StoreError, open_store
 __all__ = ["OffloadCache", "OffloadError"]
 
 _names = itertools.count()
+_open_caches: "weakref.WeakValueDictionary[str, OffloadCache]" = weakref.WeakValueDictionary()
+
+
+def _name(name: Optional[str]) -> str:
+    """``name``, or a fresh ``kv<n>``; refused while an open cache has it (they would share events)."""
+    if not name:
+        name = f"kv{next(_names)}"
+        while name in _open_caches:
+            name = f"kv{next(_names)}"
+    elif not isinstance(name, str):
+        raise OffloadError(f"name must be a string, got {name!r}")
+    elif name in _open_caches:
+        raise OffloadError(f"a cache named {name!r} is open already: its events and files would be shared; "
+                           f"close it first or pass another name")
+    return name
 
 
 def _open(store: str, g: Geometry, file: Optional[str], name: str, prefix_tokens: int) -> KVStore:
     pin = store == "memory" and g.device.type in ("cuda", "npu")
     try:
-        kv = open_store(store, g.n_layers, g.max_tokens, g.k_shape, g.v_shape, g.dtype, g.device, file, name, pin)
+        return open_store(store, g.n_layers, g.max_tokens, g.k_shape, g.v_shape, g.dtype, g.device, file, name, pin,
+                          prefix_tokens)
     except StoreError as e:
         raise OffloadError(str(e)) from None
-    if prefix_tokens and not kv.existed:
-        raise OffloadError(f"prefix_tokens={prefix_tokens} needs an existing mmap file holding that prefix")
-    return kv
 
 
 class OffloadCache:
@@ -68,29 +83,37 @@ class OffloadCache:
                  device: Union[str, torch.device, None] = None, *, v_shape: Optional[Shape] = None, ring: int = 2,
                  chunk_tokens: Optional[int] = None, store: str = "memory", file: Optional[str] = None,
                  prefix_tokens: int = 0, enabled: bool = True, name: Optional[str] = None):
-        chunk_tokens = check_args(n_layers, max_tokens, ring, chunk_tokens, prefix_tokens, store, dtype)
+        self._closed = True  # until the store is open
+        n_layers, max_tokens, ring, chunk_tokens, prefix_tokens = check_args(
+            n_layers, max_tokens, ring, chunk_tokens, prefix_tokens, store, dtype)
         self.asynchronous = bool(enabled) and is_enabled() and store != "device"
         check_path(self.asynchronous)
-        device = torch.device(device) if device is not None else backends.current().device()
+        device = resolve_device(device if device is not None else backends.current().device())
         self._geometry = g = geometry(n_layers, max_tokens, chunk_tokens, kv_shape, v_shape, dtype, device)
         self.n_layers, self.max_tokens, self.chunk_tokens = g.n_layers, g.max_tokens, g.chunk_tokens
         self.k_shape, self.v_shape, self.dtype, self.device = g.k_shape, g.v_shape, g.dtype, g.device
-        self.name = name or f"kv{next(_names)}"
+        self.name = _name(name)
         self._store = _open(store, g, file, self.name, prefix_tokens)
-        self._tokens = [int(prefix_tokens)] * self.n_layers
-        self._ring_size = int(ring)
+        self._tokens = [prefix_tokens] * self.n_layers
+        self._ring_size = ring
         self._bytes = DeviceBytes(self._store.nbytes if store == "device" else 0)
         self._out: Union[Offloader, Keep]
         self._in: Union[Prefetcher, Keep]
         self._rings: List[Ring] = []
-        if store == "device":
-            self._out = self._in = Keep(self._store)
-            return
-        out = Ring(f"{self.name}.offload", self._ring_size, chunk_tokens, g, self._bytes, "written", "copied")
-        back = Ring(f"{self.name}.prefetch", self._ring_size, self.max_tokens, g, self._bytes, "free", "ready")
-        self._rings = [out, back]
-        self._out = Offloader(out, self._store, self.asynchronous)
-        self._in = Prefetcher(back, self._store, self.asynchronous)
+        try:
+            if store == "device":
+                self._out = self._in = Keep(self._store)
+            else:
+                out = Ring(f"{self.name}.offload", ring, chunk_tokens, g, self._bytes, "written", "copied")
+                back = Ring(f"{self.name}.prefetch", ring, self.max_tokens, g, self._bytes, "free", "ready")
+                self._rings = [out, back]
+                self._out = Offloader(out, self._store, self.asynchronous)
+                self._in = Prefetcher(back, self._store, self.asynchronous)
+        except BaseException:
+            self._store.close()
+            raise
+        self._closed = False
+        _open_caches[self.name] = self
 
     # ----------------------------------------------------------------- properties
     @property
@@ -100,8 +123,17 @@ class OffloadCache:
 
     @property
     def file(self) -> Optional[str]:
-        """The file behind an mmap store."""
+        """The file behind an mmap store; None for a temporary one (unlinked once mapped) and other stores."""
         return self._store.file
+
+    @property
+    def closed(self) -> bool:
+        """Whether `close` was called; every method but `finish` and `close` then raises `OffloadError`."""
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise OffloadError(f"OffloadCache {self.name!r} is closed")
 
     @property
     def host_bytes(self) -> int:
@@ -120,11 +152,12 @@ class OffloadCache:
 
     def tokens(self, layer: int) -> int:
         """Tokens of ``layer`` written to the store so far (the end of the furthest offload)."""
-        self._geometry.check_layer(layer)
-        return self._tokens[layer]
+        self._check_open()
+        return self._tokens[self._geometry.check_layer(layer)]
 
     def check_capacity(self, tokens: int) -> None:
         """Raise `OffloadError` unless a prefill of ``tokens`` tokens per layer fits the store."""
+        self._check_open()
         self._geometry.check_capacity(tokens, self._store.nbytes)
 
     # ----------------------------------------------------------------- offload
@@ -132,8 +165,9 @@ class OffloadCache:
         """Device buffers safe to write now: let attention write ``tokens`` keys and values into the
         returned views, then pass them to `offload` (with the same ``offset``). Saves `offload`'s
         staging copy. With ``store="device"`` the views are the store itself, at ``offset``."""
-        self._geometry.check_layer(layer)
-        self._geometry.check_chunk(layer, tokens)
+        self._check_open()
+        layer = self._geometry.check_layer(layer)
+        tokens = self._geometry.check_chunk(layer, tokens)
         return self._out.acquire(layer, tokens, self._start(layer, offset, tokens))
 
     def offload(self, layer: int, k: torch.Tensor, v: torch.Tensor, offset: Optional[int] = None) -> None:
@@ -143,7 +177,9 @@ class OffloadCache:
         defaults to the end of what ``layer`` holds already, so micro-batch 1 lands after
         micro-batch 0. Inputs are checked before anything is issued.
         """
+        self._check_open()
         check_path(self.asynchronous)
+        layer = self._geometry.check_layer(layer)
         n = self._geometry.check_kv(layer, k, v)
         start = self._start(layer, offset, n)
         self._out.offload(layer, k, v, start)
@@ -151,7 +187,7 @@ class OffloadCache:
 
     def _start(self, layer: int, offset: Optional[int], n: int) -> int:
         """Where ``n`` tokens of ``layer`` land: ``offset``, or after what the layer holds."""
-        start = self._tokens[layer] if offset is None else int(offset)
+        start = self._tokens[layer] if offset is None else as_int("offset", offset)
         self._geometry.check_range(layer, start, start + n)
         return start
 
@@ -162,23 +198,27 @@ class OffloadCache:
         `get` waits for it. A slot is reused ``ring`` prefetches later: read what `get` returned
         before then.
         """
-        self._in.prefetch(layer, *self._held(layer, start, end))
+        self._in.prefetch(*self._held(layer, start, end))
 
     def get(self, layer: int, start: int = 0, end: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """Keys and values ``[start, end)`` of ``layer`` on the device (prefetching now if not done before)."""
-        return self._in.get(layer, *self._held(layer, start, end))
+        return self._in.get(*self._held(layer, start, end))
 
-    def _held(self, layer: int, start: int, end: Optional[int]) -> Tuple[int, int]:
-        """``[start, end)`` of ``layer`` (``end``: all it holds), checked against what the store holds."""
+    def _held(self, layer: int, start: int, end: Optional[int]) -> Tuple[int, int, int]:
+        """``layer, start, end`` (``end``: all it holds), checked against what the store holds."""
+        self._check_open()
         check_path(self.asynchronous)
-        self._geometry.check_layer(layer)
-        end = self._tokens[layer] if end is None else int(end)
+        layer = self._geometry.check_layer(layer)
+        start = as_int("start", start)
+        end = self._tokens[layer] if end is None else as_int("end", end)
         check_held(layer, start, end, self._tokens[layer])
-        return start, end
+        return layer, start, end
 
     # ----------------------------------------------------------------- host side
     def finish(self) -> None:
-        """Host waits until every issued copy has landed."""
+        """Host waits until every issued copy has landed (nothing to wait for once closed)."""
+        if self._closed:
+            return
         if self.asynchronous:
             for ring in self._rings:
                 ring.synchronize()
@@ -187,27 +227,37 @@ class OffloadCache:
 
     def host_kv(self, layer: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """The stored keys and values of ``layer`` (``[tokens, *shape]``), after `finish`."""
-        self._geometry.check_layer(layer)
+        self._check_open()
+        layer = self._geometry.check_layer(layer)
         self.finish()
         return self._store.rows(layer, 0, self._tokens[layer])
 
     def reset(self) -> None:
         """Start a new prefill into the same store and slots (waits for the copies in flight)."""
+        self._check_open()
         self.finish()
         self._tokens = [0] * self.n_layers
         self._in.forget()
         self._out.forget()
 
     def close(self) -> None:
-        """Wait for the copies, free the slots and remove a temporary store file."""
-        self.finish()
-        for ring in self._rings:
-            ring.free()
-        self._bytes.clear()  # the slots, or the device store closed below
-        self._store.close()
-        release_events(f"{self.name}.")
+        """Wait for the copies, free the slots and release the store (twice is fine)."""
+        if self._closed:
+            return
+        try:
+            self.finish()
+        finally:  # an interrupted wait still releases everything
+            self._closed = True
+            for ring in self._rings:
+                ring.free()
+            self._bytes.clear()  # the slots, or the device store closed below
+            self._store.close()
+            release_events(f"{self.name}.")
+            if _open_caches.get(self.name) is self:
+                del _open_caches[self.name]
 
     def __enter__(self) -> "OffloadCache":
+        self._check_open()
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -1,0 +1,84 @@
+"""Every rank of a job agrees on the job before the first collective.
+
+Ranks started with different options would build different models, run different schedules or
+issue different collectives: a mixed model that ``--check`` accepts, a hang, or a native abort in
+gloo / HCCL. So right after joining the group, and before any collective, each rank posts in the
+rendezvous store what must be equal on every rank (the model, the modes, the seed, ...), its own
+token count and any problem it found on its own (not enough memory, an unwritable ``--out``), and
+reads everyone's. A difference or a problem is one `JobMismatch` on every rank, naming the option
+(or the problem) and the ranks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+from typing import Any, Dict, List, Sequence
+
+import torch.distributed as dist
+
+from .config import ConfigError, JobConfig
+
+_PREFIX = "overlap/job"
+_MODEL_OPTIONS = {"n_layers": "--layers", "n_dense_layers": "--dense-layers", "hidden": "--hidden",
+                  "n_experts": "--experts", "top_k": "--top-k", "n_shared": "--shared-experts"}
+
+
+class JobMismatch(ConfigError):
+    """The ranks of one job do not agree on it, or one of them cannot run it (exit status 2)."""
+
+
+def fingerprint(job: JobConfig) -> Dict[str, Any]:
+    """What must be equal on every rank, by the option a user would change (JSON-friendly)."""
+    model = dataclasses.asdict(job.model)
+    out = {_MODEL_OPTIONS.get(k, f"--preset (model {k})"): v for k, v in model.items()}
+    out.update({"--mode": list(job.modes), "--device": job.device, "--path": job.path,
+                "--kv-offload": job.kv_offload, "--kv-store": job.kv_store,
+                "--dtype": str(job.dtype).replace("torch.", ""), "--warmup": job.warmup, "--iters": job.iters,
+                "--seed": job.seed, "--check": job.check, "--cpu-link": str(job.link) if job.link else "off",
+                "--timeout": job.timeout})
+    return out
+
+
+def _differences(posts: Sequence[Dict[str, Any]]) -> List[str]:
+    first = posts[0]["config"]
+    lines = []
+    for key in first:
+        values = [p["config"].get(key) for p in posts]
+        if any(v != values[0] for v in values):
+            by_value: Dict[str, List[int]] = {}
+            for rank, v in enumerate(values):
+                by_value.setdefault(json.dumps(v), []).append(rank)
+            lines.append(f"ranks disagree on {key}: " + "; ".join(
+                f"rank{'s' if len(r) > 1 else ''} {','.join(map(str, r))}: {json.loads(v)!r}" for v, r in by_value.items()))
+    return lines
+
+
+def agree(job: JobConfig, tokens: int, problems: Sequence[str], timeout: float) -> List[int]:
+    """Post this rank's view of the job and check every rank's; returns each rank's token count.
+
+    Raises `JobMismatch` on every rank when the ranks differ or one reported a problem, and when a
+    rank does not post within ``timeout`` seconds (naming it).
+    """
+    store = dist.distributed_c10d._get_default_store()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    store.set(f"{_PREFIX}/{rank}", json.dumps({"config": fingerprint(job), "tokens": int(tokens),
+                                               "problems": list(problems)}))
+    keys = [f"{_PREFIX}/{r}" for r in range(world)]
+    try:
+        store.wait(keys, datetime.timedelta(seconds=timeout))
+    except Exception:
+        missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        raise JobMismatch(f"rank(s) {', '.join(map(str, missing))} did not reach the start of the job within "
+                          f"--timeout {timeout:g} s") from None
+    posts = [json.loads(store.get(k)) for k in keys]
+    by_problem: Dict[str, List[int]] = {}
+    for r, post in enumerate(posts):
+        for p in post["problems"]:
+            by_problem.setdefault(p, []).append(r)
+    lines = [f"rank{'s' if len(r) > 1 else ''} {','.join(map(str, r))}: {p}" for p, r in by_problem.items()]
+    lines += _differences(posts)
+    if lines:
+        raise JobMismatch("; ".join(lines) if len(lines) == 1 else "the ranks cannot run this job:\n  "
+                          + "\n  ".join(lines))
+    return [p["tokens"] for p in posts]

@@ -1,0 +1,91 @@
+"""How much memory a rank of the launcher needs, estimated before anything is allocated.
+
+A run too big for the machine is otherwise killed by the kernel's OOM killer with no message, or
+fails deep inside an allocation. The estimate is deliberately rough and errs high: this rank's
+weights (its share of the routed experts, everything else whole), the activations of the largest
+step (attention scores of the longest request, the MoE's expanded rows and exchange buffers, a
+factor for the modes that hold two micro-batches and for what the measurement keeps), and the
+host KV store of ``--kv-offload``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+
+from .config import JobConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """Bytes one rank needs, by part."""
+
+    weights: int
+    activations: int
+    kv_store: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.activations + self.kv_store
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def estimate(job: JobConfig, world: int) -> Estimate:
+    """The bytes one of ``world`` ranks needs to run ``job``."""
+    cfg = job.model
+    size = torch.empty((), dtype=job.dtype).element_size()
+    n_moe = cfg.n_layers - cfg.n_dense_layers
+    expert = 3 * cfg.hidden * cfg.moe_ffn
+    weights = (cfg.num_params() - n_moe * cfg.n_experts * expert + n_moe * (cfg.n_experts // world) * expert) * size
+    tokens, longest = sum(job.seq_lens), max(job.seq_lens)
+    inner = cfg.n_heads * cfg.head_dim
+    per_token = (cfg.hidden * 8 + inner * 6 + max(cfg.dense_ffn, 2 * cfg.moe_ffn * cfg.top_k) * 3
+                 + cfg.top_k * cfg.hidden * 4) * size
+    scores = cfg.n_heads * longest * longest * 4  # the attention of the longest request, in float32
+    # two micro-batches in flight, and each mode's output kept for the comparison
+    activations = 2 * (tokens * per_token + scores) + len(job.modes) * tokens * cfg.hidden * 4
+    kv = 2 * cfg.n_layers * tokens * inner * size if job.kv_offload else 0
+    return Estimate(int(weights), int(activations), int(kv))
+
+
+def available(device: torch.device) -> Optional[int]:
+    """Bytes free for this rank on ``device`` (host memory on the CPU), or None when unknown."""
+    try:
+        if device.type == "cpu":
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+            return None
+        mod: Any = getattr(torch, device.type)
+        free, _total = mod.mem_get_info(device)
+        return int(free)
+    except Exception:  # no /proc, or a device API without mem_get_info
+        return None
+
+
+def check(job: JobConfig, world: int, local_ranks: int, device: torch.device) -> Optional[str]:
+    """None when this rank's estimate fits what is free, else the problem with the numbers.
+
+    On the CPU the ``local_ranks`` ranks of a node share its host memory, KV store included; on a
+    device the weights and activations must fit its free memory (the KV store, on the host, checks
+    its own size when it is opened).
+    """
+    need = estimate(job, world)
+    free = available(device)
+    if free is None:
+        return None
+    on_cpu = device.type == "cpu"
+    share = free // max(1, local_ranks) if on_cpu else free
+    kv = need.kv_store if on_cpu and job.kv_store == "memory" else 0
+    total = need.weights + need.activations + kv
+    if total <= share:
+        return None
+    where = "host memory" if on_cpu else f"{device} memory"
+    return (f"needs about {gib(total)} of {where} (weights {gib(need.weights)}, activations "
+            f"{gib(need.activations)}, KV store {gib(kv)}) but only {gib(share)} is free for it: use more "
+            f"ranks, fewer --layers, shorter requests (--seq-len / --seq-lens) or a smaller --preset")
