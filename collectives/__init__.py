@@ -2,7 +2,9 @@
 
 Dispatch / combine (`dispatch`, `combine`) run over uneven ``all_to_all_single`` on the EP
 communication stream and return handles to wait on, in the style of DeepEP; `ExpertParallelMoE`
-exposes its stages as micro-batch operations (and runs them through the micro-batch executor); `wrap_expert_parallel` shards an existing MoE.
+exposes its stages as micro-batch operations (and runs them through the micro-batch executor);
+`wrap_expert_parallel` shards an existing MoE block, recognised by its parts (`find_moe_blocks` lists a
+model's candidates).
 `CapacityExpertParallelMoE` is its static-shape form (a fixed per-rank capacity), which traces
 under ``torch.compile(fullgraph=True)``.
 """
@@ -15,14 +17,13 @@ from .layer import MOE_IN, MOE_OUT, ExpertParallelMoE, SharedExperts
 from .layout import (DispatchLayout, ExpertBatch, LayoutError, check_routing, compute_layout, expand, reduce_local,
                      reduce_ranks)
 from .reference import MoE, MoEConfig, combine_dense
-from .wrap import TRANSFORMERS_BLOCKS, TransformersRouter, wrap_expert_parallel
+from .wrap import TransformersRouter, find_moe_blocks, wrap_expert_parallel
 
 __all__ = [
     "CapacityCombineHandle", "CapacityDispatchHandle", "CapacityExpertParallelMoE", "capacity_combine",
     "capacity_dispatch", "CombineHandle", "DispatchHandle", "DispatchLayout", "ExpertBatch", "ExpertParallelMoE",
-    "LayoutError", "LocalExperts", "MOE_IN", "MOE_OUT", "MoE", "MoEConfig", "SharedExperts", "TRANSFORMERS_BLOCKS",
-    "TransformersRouter",
+    "LayoutError", "LocalExperts", "MOE_IN", "MOE_OUT", "MoE", "MoEConfig", "SharedExperts", "TransformersRouter",
     "check_routing", "combine", "combine_dense", "compute_layout", "dispatch", "exchange_counts", "expand",
-    "group_size", "grouped_mlp", "reduce_local", "reduce_ranks", "release_buffers", "resolve_impl",
+    "find_moe_blocks", "group_size", "grouped_mlp", "reduce_local", "reduce_ranks", "release_buffers", "resolve_impl",
     "wrap_expert_parallel",
 ]

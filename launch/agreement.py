@@ -10,7 +10,6 @@ reads everyone's. A difference or a problem is one `JobMismatch` on every rank, 
 """
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import json
 from typing import Any, Dict, List, Sequence
@@ -30,9 +29,11 @@ class JobMismatch(ConfigError):
 
 def fingerprint(job: JobConfig) -> Dict[str, Any]:
     """What must be equal on every rank, by the option a user would change (JSON-friendly)."""
-    model = dataclasses.asdict(job.model)
-    out = {_MODEL_OPTIONS.get(k, f"--preset (model {k})"): v for k, v in model.items()}
-    out.update({"--mode": list(job.modes), "--device": job.device, "--path": job.path,
+    if job.transformers:
+        out = {f"--model (its {k})": v for k, v in job.model_fields().items()}
+    else:
+        out = {_MODEL_OPTIONS.get(k, f"--preset (model {k})"): v for k, v in job.model_fields().items()}
+    out.update({"--model": job.model_name, "--mode": list(job.modes), "--device": job.device, "--path": job.path,
                 "--kv-offload": job.kv_offload, "--kv-store": job.kv_store,
                 "--dtype": str(job.dtype).replace("torch.", ""), "--warmup": job.warmup, "--iters": job.iters,
                 "--seed": job.seed, "--check": job.check, "--cpu-link": str(job.link) if job.link else "off",

@@ -4,10 +4,13 @@ Spawns the ranks itself (gloo), runs the three modes interleaved in one run and 
 same run: time per prefill, speedup over serial, the hidden share of communication, the share of
 communication in serial time and the ideal speedup (compute + comm) / max(compute, comm).
 The default preset with the default simulated link puts communication at roughly 25-50% of
-serial time, the share reported for prefill on NPU clusters. Example::
+serial time, the share reported for prefill on NPU clusters. ``--model NAME`` runs a transformers
+MoE family instead of the reference decoder, built from its config at the shapes of the preset
+(layers, hidden size, experts, top-k) with random weights. Example::
 
     python -m launch.bench_pipeline --iters 5
     python -m launch.bench_pipeline --cpu-link off      # plain loopback gloo
+    python -m launch.bench_pipeline --model qwen3_moe   # a transformers family (needs transformers)
 """
 from __future__ import annotations
 
@@ -22,18 +25,29 @@ from typing import Any, List, Optional
 import click
 
 
+def _build(preset_name: str, model_name: str, seed: int) -> Any:
+    from launch.model import build_model, preset
+
+    cfg = preset(preset_name)
+    if model_name == "reference":
+        return build_model(cfg, seed=seed)
+    from launch.transformers_model import build_transformers_model
+
+    shapes = dict(n_layers=cfg.n_layers, hidden=cfg.hidden, n_experts=cfg.n_experts, top_k=cfg.top_k)
+    return build_transformers_model(model_name, seed=seed, overrides=shapes)
+
+
 def _rank_body(ctx: Any, preset_name: str, seq_lens: List[int], warmup: int, iters: int, link: Optional[str],
-               seed: int) -> Optional[str]:
+               seed: int, model_name: str = "reference") -> Optional[str]:
     import microbatch
     import overlap
     from launch.measure import measure, table
-    from launch.model import Batch, build_model, preset
+    from launch.model import Batch
     from launch.runner import make_expert_parallel
 
     overlap.set_link(overlap.parse_link(link) if link else None)
-    cfg = preset(preset_name)
-    model = make_expert_parallel(build_model(cfg, seed=seed), ctx.group)
-    batch = Batch.random(seq_lens, cfg.vocab, seed=seed + ctx.rank + 1)
+    model = make_expert_parallel(_build(preset_name, model_name, seed), ctx.group)
+    batch = Batch.random(seq_lens, model.cfg.vocab, seed=seed + ctx.rank + 1)
     results = measure(model, batch, list(microbatch.MODES), ctx.group, warmup=warmup, iters=iters)
     if ctx.rank != 0:
         return None
@@ -52,15 +66,19 @@ def _rank_body(ctx: Any, preset_name: str, seq_lens: List[int], warmup: int, ite
 @click.option("--iters", type=int, default=5)
 @click.option("--cpu-link", default="0.1", help="Simulated link 'GBPS[,LATENCY_US]', or 'off'.")
 @click.option("--seed", type=int, default=0)
+@click.option("--model", "model_name", default="reference",
+              help="'reference', or a transformers MoE model type (qwen3_moe, deepseek_v3, mixtral, qwen2_moe, "
+                   "glm4_moe, ...) built at the preset's shapes.")
 def main(ranks: int, preset_name: str, batch: int, seq_len: int, warmup: int, iters: int, cpu_link: str,
-         seed: int) -> None:
+         seed: int, model_name: str) -> None:
     """Serial vs shared-expert overlap vs two-batch prefill, side by side in one run."""
     from overlap.multirank import run_ranks
 
     link = None if cpu_link.lower() in ("off", "none", "0") else cpu_link
-    click.echo(f"{ranks} CPU ranks, preset {preset_name}, {batch} x {seq_len} tokens per rank, "
-               f"simulated link {link or 'off'}")
-    out = run_ranks(_rank_body, ranks, preset_name, [seq_len] * batch, warmup, iters, link, seed, timeout=1800)
+    what = f"preset {preset_name}" if model_name == "reference" else f"{model_name} at the shapes of preset {preset_name}"
+    click.echo(f"{ranks} CPU ranks, {what}, {batch} x {seq_len} tokens per rank, simulated link {link or 'off'}")
+    out = run_ranks(_rank_body, ranks, preset_name, [seq_len] * batch, warmup, iters, link, seed, model_name,
+                    timeout=1800)
     click.echo(out[0])
 
 

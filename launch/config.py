@@ -6,7 +6,9 @@ is reported once (per node) and every rank exits with status 2 before any collec
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 from typing import Any, Dict, List, Optional, Tuple
 
 import click
@@ -24,11 +26,14 @@ class ConfigError(click.ClickException):
     exit_code = 2
 
 
+REFERENCE = "reference"
+
+
 @dataclasses.dataclass(frozen=True)
 class JobConfig:
     """One launcher run: the model, the batch per rank, the modes and where and how to run them."""
 
-    model: Any  # launch.presets.ModelConfig
+    model: Any  # launch.presets.ModelConfig, or the transformers config of --model NAME|PATH
     seq_lens: Tuple[int, ...]
     modes: Tuple[str, ...]
     device: str  # cpu, cuda or npu
@@ -43,6 +48,23 @@ class JobConfig:
     out_dir: Optional[str]
     link: Optional[overlap.Link]
     timeout: float
+    model_name: str = REFERENCE  # --model: "reference", a transformers model type, or a checkpoint folder
+
+    @property
+    def checkpoint(self) -> Optional[str]:
+        """The checkpoint folder of ``--model PATH``, else None."""
+        return self.model_name if self.model_name != REFERENCE and os.path.isdir(self.model_name) else None
+
+    @property
+    def transformers(self) -> bool:
+        """Whether the model is a transformers causal LM (``--model NAME|PATH``)."""
+        return self.model_name != REFERENCE
+
+    def model_fields(self) -> Dict[str, Any]:
+        """The model's configuration as plain values (what every rank must agree on)."""
+        if not self.transformers:
+            return dataclasses.asdict(self.model)
+        return json.loads(self.model.to_json_string(use_diff=False))
 
     @property
     def graph(self) -> bool:
@@ -98,16 +120,62 @@ def build_model_config(preset_name: str, overrides: Dict[str, Any]) -> Any:
         raise ConfigError(str(exc)) from None
 
 
+def transformers_config(model_name: str, overrides: Dict[str, Any]) -> Any:
+    """The transformers config of ``--model NAME`` (small, with the overrides) or ``--model PATH`` (as saved)."""
+    try:
+        import transformers
+    except ImportError:
+        raise ConfigError(f"--model {model_name} needs transformers: pip install 'npu-overlap[transformers]'") from None
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if os.path.isdir(model_name):
+        if given:
+            raise ConfigError(f"--model {model_name} is a checkpoint: its shapes are its own "
+                              f"(drop {', '.join('--' + _OPTION_OF.get(k, k) for k in given)})")
+        if not os.path.isfile(os.path.join(model_name, "config.json")):
+            raise ConfigError(f"--model {model_name}: a checkpoint folder needs a config.json")
+        try:
+            return transformers.AutoConfig.from_pretrained(model_name, local_files_only=True)
+        except Exception as exc:
+            raise ConfigError(f"--model {model_name}: cannot read its config.json ({str(exc).splitlines()[0]})") from None
+    if model_name not in transformers.CONFIG_MAPPING:
+        raise ConfigError(f"--model {model_name}: neither 'reference', a folder, nor a transformers model type "
+                          f"(e.g. qwen3_moe, deepseek_v3, mixtral, qwen2_moe, glm4_moe)")
+    from launch.transformers_model import small_config
+
+    try:
+        return small_config(model_name, given)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"--model {model_name}: {str(exc).splitlines()[0]}") from None
+
+
+_OPTION_OF = {"n_layers": "layers", "n_dense_layers": "dense-layers", "n_experts": "experts", "top_k": "top-k",
+              "n_shared": "shared-experts"}
+
+
+def n_experts(job_model: Any) -> int:
+    """Routed experts per MoE layer of a model config (the reference's or a transformers one); 0 if none."""
+    if hasattr(job_model, "n_experts"):
+        return int(job_model.n_experts)
+    for field in ("n_routed_experts", "num_local_experts", "num_experts"):
+        if getattr(job_model, field, None):
+            return int(getattr(job_model, field))
+    return 0
+
+
 def job_config(*, world: int, device: str, exec_path: str, mode: str, kv_offload: bool, kv_store: str,
                preset_name: str, overrides: Dict[str, Any], batch: int, seq_len: int, seq_lens: Optional[str],
                dtype: str, warmup: int, iters: int, seed: int, check: bool, out_dir: Optional[str], cpu_link: str,
-               timeout: float) -> JobConfig:
+               timeout: float, model_name: str = REFERENCE) -> JobConfig:
     """The job of the command-line options, checked; `ConfigError` names the first problem."""
     path = None if exec_path == "auto" else exec_path
-    model = build_model_config(preset_name, overrides)
+    model = (build_model_config(preset_name, overrides) if model_name == REFERENCE
+             else transformers_config(model_name, overrides))
     lens = parse_seq_lens(seq_lens, batch, seq_len)
-    if model.n_experts % world:
-        raise ConfigError(f"{model.n_experts} experts cannot be split evenly over {world} ranks "
+    experts = n_experts(model)
+    if experts < 1:
+        raise ConfigError(f"--model {model_name} has no routed experts: the toolkit runs MoE models")
+    if experts % world:
+        raise ConfigError(f"{experts} experts cannot be split evenly over {world} ranks "
                           f"(--experts must be a multiple of the number of ranks)")
     if iters < 1 or warmup < 0:
         raise ConfigError(f"--iters must be >= 1 and --warmup >= 0, got {iters} and {warmup}")
@@ -119,7 +187,11 @@ def job_config(*, world: int, device: str, exec_path: str, mode: str, kv_offload
     device = resolve_device(device, path)
     link = parse_cpu_link(cpu_link, device)
     job = JobConfig(model, tuple(lens), tuple(microbatch.MODES) if mode == "all" else (mode,), device, path,
-                    kv_offload, kv_store, DTYPES[dtype], warmup, iters, seed, check, out_dir, link, timeout)
+                    kv_offload, kv_store, DTYPES[dtype], warmup, iters, seed, check, out_dir, link, timeout,
+                    model_name)
+    if job.graph and job.transformers:
+        raise ConfigError(f"--path {path} compiles the reference model only; run --model {model_name} on the "
+                          f"eager path (--path npu)")
     if job.graph and kv_offload:
         raise ConfigError(f"--kv-offload runs on the eager paths only: a copy to host memory on its own "
                           f"stream cannot be expressed inside a {path} graph")

@@ -71,7 +71,7 @@ def measure(model: Model, batch: Batch, modes: Sequence[str], group: Any, *, war
     """
     results = []
     for mode in modes:
-        plan = plan_for(mode, batch, group)
+        plan = plan_for(mode, batch, group, model=model)
         if compile_mode is not None:
             step = compile_mode(mode, plan)
         else:

@@ -10,7 +10,7 @@ host KV store of ``--kv-offload``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import torch
 
@@ -34,21 +34,49 @@ def gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
+def _first(cfg: Any, *names: str, default: int = 0) -> int:
+    for name in names:
+        value = getattr(cfg, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return default
+
+
+def _param_counts(job: JobConfig) -> Tuple[int, int]:
+    """(all parameters, routed-expert parameters) of the job's model, counted without building it."""
+    cfg = job.model
+    if not job.transformers:
+        n_moe = cfg.n_layers - cfg.n_dense_layers
+        return cfg.num_params(), n_moe * cfg.n_experts * 3 * cfg.hidden * cfg.moe_ffn
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(cfg)
+    named = list(hf.named_parameters())
+    return sum(p.numel() for _, p in named), sum(p.numel() for n, p in named if ".experts." in n)
+
+
 def estimate(job: JobConfig, world: int) -> Estimate:
-    """The bytes one of ``world`` ranks needs to run ``job``."""
+    """The bytes one of ``world`` ranks needs to run ``job`` (the reference model or a transformers one)."""
     cfg = job.model
     size = torch.empty((), dtype=job.dtype).element_size()
-    n_moe = cfg.n_layers - cfg.n_dense_layers
-    expert = 3 * cfg.hidden * cfg.moe_ffn
-    weights = (cfg.num_params() - n_moe * cfg.n_experts * expert + n_moe * (cfg.n_experts // world) * expert) * size
+    total, experts = _param_counts(job)
+    # each rank keeps its share of the routed experts; --check with a transformers model keeps the whole model
+    whole = job.transformers and job.checkpoint is None
+    weights = (total - experts + experts // world + (experts if whole else 0)) * size
+    hidden = _first(cfg, "hidden", "hidden_size")
+    heads = _first(cfg, "n_heads", "num_attention_heads", default=1)
+    inner = heads * _first(cfg, "head_dim", "v_head_dim", default=max(1, hidden // heads))
+    ffn = max(_first(cfg, "dense_ffn", "intermediate_size"),
+              2 * _first(cfg, "moe_ffn", "moe_intermediate_size") * _first(cfg, "top_k", "num_experts_per_tok"))
+    top_k = _first(cfg, "top_k", "num_experts_per_tok", default=1)
     tokens, longest = sum(job.seq_lens), max(job.seq_lens)
-    inner = cfg.n_heads * cfg.head_dim
-    per_token = (cfg.hidden * 8 + inner * 6 + max(cfg.dense_ffn, 2 * cfg.moe_ffn * cfg.top_k) * 3
-                 + cfg.top_k * cfg.hidden * 4) * size
-    scores = cfg.n_heads * longest * longest * 4  # the attention of the longest request, in float32
+    per_token = (hidden * 8 + inner * 6 + ffn * 3 + top_k * hidden * 4) * size
+    scores = heads * longest * longest * 4  # the attention of the longest request, in float32
     # two micro-batches in flight, and each mode's output kept for the comparison
-    activations = 2 * (tokens * per_token + scores) + len(job.modes) * tokens * cfg.hidden * 4
-    kv = 2 * cfg.n_layers * tokens * inner * size if job.kv_offload else 0
+    activations = 2 * (tokens * per_token + scores) + len(job.modes) * tokens * hidden * 4
+    layers = _first(cfg, "n_layers", "num_hidden_layers", default=1)
+    kv = 2 * layers * tokens * inner * size if job.kv_offload else 0
     return Estimate(int(weights), int(activations), int(kv))
 
 

@@ -6,7 +6,6 @@ disk never leaves a truncated ``results.json``, and a failure names the file (`O
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import tempfile
@@ -57,7 +56,7 @@ def write_outputs(out_dir: str, job: Any, results: Sequence[Any], tokens: int, w
     def results_json(name: str) -> None:
         with open(name, "w") as f:
             json.dump({"world_size": world, "device": job.device, "dtype": str(job.dtype).replace("torch.", ""),
-                       "seq_lens": list(job.seq_lens), "tokens": tokens, "config": dataclasses.asdict(job.model),
+                       "seq_lens": list(job.seq_lens), "tokens": tokens, "model": job.model_name, "config": job.model_fields(),
                        "kv_offload": job.kv_offload, "cpu_link": str(job.link) if job.link else None,
                        "rows": [r.row(tokens) for r in results],
                        "check": None if not job.check else ("failed" if failed else "passed")}, f, indent=2)

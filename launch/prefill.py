@@ -56,6 +56,10 @@ def _progress(msg: str, first: bool = False) -> None:
 
 
 @click.command("prefill", context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.option("--model", "model_name", default="reference", metavar="reference|NAME|PATH",
+              help="The toolkit's reference decoder, a transformers MoE model type built small from its config with "
+                   "weights from --seed (qwen3_moe, deepseek_v3, mixtral, ...), or a local checkpoint folder "
+                   "(config.json + safetensors: each rank reads only its experts).")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "npu"]), default="auto",
               help="Where to run; auto picks npu, then cuda, then cpu.")
 @click.option("--path", "exec_path", type=click.Choice(["auto", "npu", "ge", "aclgraph"]), default="auto",
@@ -147,7 +151,7 @@ def run_job(job: JobConfig) -> int:
     from launch.health import BEFORE_JOINING, Fault, Peers, StartError, is_peer_failure, join_group
     from launch.measure import check_against_serial, max_over_ranks, measure, not_finite, table
     from launch.memory import check as check_memory
-    from launch.model import Batch, build_model
+    from launch.model import Batch
     from launch.outputs import OutputError, check_out_dir, write_outputs
     from launch.runner import graph_prefill, make_capacity_expert_parallel, make_expert_parallel
 
@@ -171,10 +175,11 @@ def run_job(job: JobConfig) -> int:
         problems = [p for p in (check_memory(job, world, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), dev),
                                 check_out_dir(job.out_dir) if job.out_dir and rank == 0 else None) if p]
         tokens = sum(agree(job, sum(job.seq_lens), problems, job.timeout))
-        batch = Batch.random(job.seq_lens, job.model.vocab, seed=job.seed * 1000 + rank + 1, device=dev)
-        model = build_model(job.model, seed=job.seed, dtype=job.dtype, device=dev)
+        model = _build_model(job, rank, world, dev)
+        batch = Batch.random(job.seq_lens, model.cfg.vocab, seed=job.seed * 1000 + rank + 1, device=dev)
         if fault is not None:
             fault.poison(rank, model)
+        own = _own_forward(job, model, batch)  # before the MoE blocks become expert-parallel
         compile_mode = None
         if job.graph:  # static shapes: every rank sends each rank `capacity` rows
             capacity = int(max_over_ranks([batch.seq.num_tokens], dist.group.WORLD)[0])
@@ -182,8 +187,8 @@ def run_job(job: JobConfig) -> int:
             compile_mode = functools.partial(graph_prefill, model, batch, path=job.path)
         else:
             make_expert_parallel(model, dist.group.WORLD)
-        cache = _offload_cache(job, batch, dev, rank) if job.kv_offload else None
-        say(_headline(job, world, cache))
+        cache = _offload_cache(job, model, batch, dev, rank) if job.kv_offload else None
+        say(_headline(job, model, world, cache))
         counter = iter(range(1 << 30))
 
         def before_iter(mode: str, i: int) -> None:
@@ -197,7 +202,7 @@ def run_job(job: JobConfig) -> int:
         _progress("")
         failed = not_finite(results)  # a wrong answer whatever --check says
         if job.check and not failed:
-            failed = check_against_serial(results, job.dtype)
+            failed = check_against_serial(results, job.dtype) + _check_own_forward(job, results, own)
         say(table(results, tokens))
         for r in results:
             if microbatch.mode(r.mode).micro_batches > 1:
@@ -240,7 +245,60 @@ def run_job(job: JobConfig) -> int:
             cache.close()  # on every way out: its files and device slots go
 
 
-def _offload_cache(job: JobConfig, batch: Any, dev: torch.device, rank: int) -> Any:
+def _build_model(job: JobConfig, rank: int, world: int, dev: torch.device) -> Any:
+    """The job's model on ``dev``: the reference decoder, a small transformers model, or a checkpoint's."""
+    if not job.transformers:
+        from launch.model import build_model
+
+        return build_model(job.model, seed=job.seed, dtype=job.dtype, device=dev)
+    from launch.transformers_model import adapt, from_config
+
+    if job.checkpoint is None:
+        return from_config(job.model, seed=job.seed, dtype=job.dtype, device=dev)
+    from launch.checkpoint import load_checkpoint
+
+    hf, report = load_checkpoint(job.checkpoint, rank=rank, world=world, dtype=job.dtype, device=dev)
+    held = torch.tensor([report.bytes_held, report.bytes_read], dtype=torch.float64)
+    every = [torch.zeros_like(held) for _ in range(world)]
+    dist.all_gather(every, held)  # every rank reaches this point: it is after the job agreement
+    say("weights: " + ", ".join(f"rank {r} holds {_mib(h[0])} (read {_mib(h[1])})" for r, h in enumerate(every))
+        + f" of a {_mib(report.checkpoint_bytes)} checkpoint")
+    return adapt(hf, check=False)  # its blocks hold only this rank's experts: no forward of the whole model
+
+
+def _mib(n: Any) -> str:
+    return f"{float(n) / 2**20:.1f} MiB"
+
+
+def _own_forward(job: JobConfig, model: Any, batch: Any) -> Any:
+    """For ``--check`` on a transformers model: the model's own forward of this rank's batch, or why not."""
+    if not (job.check and job.transformers):
+        return None
+    if job.checkpoint is not None:
+        return "each rank holds only its experts of the checkpoint, so the model's own forward cannot run"
+    return model.reference(batch).float()
+
+
+def _check_own_forward(job: JobConfig, results: Any, own: Any) -> list:
+    """Serial against the model's own forward (every rank takes part: one all-reduce), as failure lines."""
+    from launch.measure import max_over_ranks
+
+    if own is None:
+        return []
+    if isinstance(own, str):
+        say(f"check: not compared with the model's own forward: {own}")
+        return []
+    serial = next(r for r in results if r.mode == "serial")
+    diff, scale = max_over_ranks([(serial.output - own).abs().max().item(), own.abs().max().item()],
+                                 dist.group.WORLD)
+    tol = (1e-4 if job.dtype == torch.float32 else 5e-2) * max(1.0, scale)
+    if diff <= tol:
+        say(f"check: serial matches {job.model_name}'s own forward (largest difference {diff:.2e})")
+        return []
+    return [f"serial differs from {job.model_name}'s own forward by {diff:.3e} (tolerance {tol:.1e})"]
+
+
+def _offload_cache(job: JobConfig, model: Any, batch: Any, dev: torch.device, rank: int) -> Any:
     """The KV offload cache of ``--kv-offload`` (mmap files under ``--out/kv`` when there is one)."""
     from overlap import OffloadCache
 
@@ -251,16 +309,17 @@ def _offload_cache(job: JobConfig, batch: Any, dev: torch.device, rank: int) -> 
         stale = os.path.join(folder, f"kv-rank{rank}.kv")  # a scratch tier: start empty
         if os.path.exists(stale):
             os.remove(stale)
-    cfg = job.model
-    cache = OffloadCache(cfg.n_layers, batch.seq.num_tokens, (cfg.n_heads, cfg.head_dim), job.dtype, dev,
+    cfg = model.cfg
+    cache = OffloadCache(cfg.n_layers, batch.seq.num_tokens, cfg.k_shape, job.dtype, dev, v_shape=cfg.v_shape,
                          store=job.kv_store, file=folder, name="kv")
     cache.check_capacity(batch.seq.num_tokens)
     return cache
 
 
-def _headline(job: JobConfig, world: int, cache: Any) -> str:
-    cfg = job.model
-    return (f"prefill: {cfg.n_layers} layers, hidden {cfg.hidden}, {cfg.n_experts} experts top-{cfg.top_k}, "
+def _headline(job: JobConfig, model: Any, world: int, cache: Any) -> str:
+    cfg = model.cfg
+    name = f"{job.model_name} " if job.transformers else ""
+    return (f"prefill: {name}{cfg.n_layers} layers, hidden {cfg.hidden}, {cfg.n_experts} experts top-{cfg.top_k}, "
             f"{cfg.n_shared} shared | {world} rank(s) on {job.device} | {len(job.seq_lens)} requests / "
             f"{sum(job.seq_lens)} tokens per rank | {str(job.dtype).replace('torch.', '')} | kv offload "
             f"{'on (' + job.kv_store + ')' if cache else 'off'}" + (f" | simulated link {job.link}" if job.link else "")

@@ -9,7 +9,7 @@ grouped; what the overlap work depends on (token counts, hidden size, experts, t
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 from collectives.reference import MoEConfig
 
@@ -50,6 +50,15 @@ class ModelConfig:
 
     def is_moe_layer(self, index: int) -> bool:
         return index >= self.n_dense_layers
+
+    @property
+    def k_shape(self) -> Tuple[int, ...]:
+        """Per-token shape of a layer's keys (and values): ``(heads, head_dim)``."""
+        return (self.n_heads, self.head_dim)
+
+    @property
+    def v_shape(self) -> Tuple[int, ...]:
+        return (self.n_heads, self.head_dim)
 
     def num_params(self) -> int:
         """Parameter count of the model these shapes build (checked against a built model in the tests)."""

@@ -1,6 +1,10 @@
-"""Prefill of the reference model in one mode: eagerly through the micro-batch executor, or
-compiled as one torchair graph (`graph_prefill`), or continued from an offloaded prefix
-(`continue_prefill`).
+"""Prefill of a model in one mode: eagerly through the micro-batch executor, or compiled as one
+torchair graph (`graph_prefill`), or continued from an offloaded prefix (`continue_prefill`).
+
+The model is the reference model (`launch.model.Model`) or anything with its interface, such as
+a transformers MoE model adapted by `launch.transformers_model`. A model whose layers cannot
+continue a request from a prefix says why in ``no_cut_reason``: `plan_for` (given the model)
+then splits only at request boundaries, and a plan that cuts a request is refused before it runs.
 
 Modes are `microbatch.MODES`: ``serial`` (everything on the main stream: the reference),
 ``shared`` (one batch, shared experts on their side stream beside dispatch / experts / combine
@@ -10,6 +14,7 @@ after its attention.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable, Dict, List, Optional
 
@@ -50,32 +55,57 @@ def layer_operations(model: Model, cache: Any = None) -> List[List[Operation]]:
 
     The offload operation runs on the main stream: the cache itself switches to the copy stream
     and places the events that order the copy after attention and the next write after the copy.
+    A layer whose operations write no keys and values (a hybrid model's linear attention) offloads nothing.
     """
     layers = model.layer_operations()
     if cache is None:
         return layers
     out = []
     for li, ops in enumerate(layers):
-        at = next(i for i, op in enumerate(ops) if op.name == "attn") + 1
+        at = next((i + 1 for i, op in enumerate(ops) if K in op.writes and V in op.writes), None)
+        if at is None:
+            out.append(ops)
+            continue
         offload = Operation("kv_offload", functools.partial(_offload, cache, li), (K, V), ())
         out.append(ops[:at] + [offload] + ops[at:])
     return out
 
 
-def plan_for(mode: str, batch: Batch, group: Optional[dist.ProcessGroup], *,
+def cut_refusal(model: Any) -> Optional[str]:
+    """Why ``model`` cannot continue a request cut across micro-batches (its ``no_cut_reason``), or None."""
+    return getattr(model, "no_cut_reason", None)
+
+
+def plan_for(mode: str, batch: Batch, group: Optional[dist.ProcessGroup], *, model: Any = None,
              min_tokens: int = DEFAULT_MIN_TOKENS, max_imbalance: float = DEFAULT_MAX_IMBALANCE) -> SplitPlan:
-    """The micro-batch split of ``mode``: agreed by every rank of ``group`` where it splits (one all-reduce)."""
+    """The micro-batch split of ``mode``: agreed by every rank of ``group`` where it splits (one all-reduce).
+
+    With ``model``, a model that cannot take a cut request (`cut_refusal`) is split at request
+    boundaries only, or runs serially; the plan's reason says why.
+    """
     if microbatch.mode(mode).micro_batches == 1:
         return serial_plan(batch)
-    return decide_split(batch.seq.seq_lens, group, min_tokens=min_tokens, max_imbalance=max_imbalance)
+    refusal = cut_refusal(model)
+    plan = decide_split(batch.seq.seq_lens, group, min_tokens=min_tokens, max_imbalance=max_imbalance,
+                        allow_cut=refusal is None)
+    return plan if refusal is None else dataclasses.replace(plan, reason=f"{plan.reason}; {refusal}")
+
+
+def _check_cut(model: Any, plan: SplitPlan) -> None:
+    refusal = cut_refusal(model)
+    if plan.cut is not None and refusal:
+        raise ValueError(f"the plan cuts request {plan.cut[0]} across micro-batches, but {refusal}; "
+                         f"plan with plan_for(..., model=model)")
 
 
 def micro_batch_inputs(model: Model, batch: Batch, plan: SplitPlan) -> List[Dict[str, Any]]:
     """The executor's initial values of each micro-batch of ``plan`` (one when it is serial).
 
     Micro-batch 1's ``PREFIX_KV`` reads micro-batch 0's ``K``, ``V`` of the same layer (their last
-    rows: the cut request's first part), or is None when no request was cut.
+    rows: the cut request's first part), or is None when no request was cut. A cut plan for a model
+    that refuses cuts (`cut_refusal`) raises before anything runs.
     """
+    _check_cut(model, plan)
     parts = [batch] if plan.serial else list(batch.split(plan))
     prefix = FromMicroBatch(0, K, V, fn=functools.partial(prefix_kv, plan)) if plan.cut else None
     return [{HIDDEN: model.embed_tokens(part.tokens), SEQ: part.seq, PREFIX_KV: prefix if i else None}
@@ -114,6 +144,9 @@ def continue_prefill(model: Model, batch: Batch, cache: Any, offload: bool = Tru
     Runs layer by layer on the main stream (the expert-parallel exchanges synchronously).
     """
     n_prefix = batch.seq.num_prefix_tokens
+    refusal = cut_refusal(model)
+    if n_prefix and refusal:
+        raise ValueError(f"the batch continues {n_prefix} prefix tokens, but {refusal}")
     held = [cache.tokens(i) for i in range(len(model.layers))]
     if any(h != n_prefix for h in held):
         raise ValueError(f"the batch continues {n_prefix} prefix tokens, but the cache holds {held} per layer")

@@ -8,7 +8,8 @@ A packed batch is the tokens of several requests laid end to end; `SeqInfo` desc
    token, cutting one request in two: its second part (in micro-batch 1) attends to the keys
    and values of its first part (the last tokens of micro-batch 0, see `prefix_kv`);
 3. a batch of one token, or of fewer than ``min_tokens``, is not split (``plan.serial``), and
-   the plan says why.
+   the plan says why. With ``allow_cut=False`` (a model whose layers cannot continue a request
+   from a prefix) there is no step 2: a batch without a balanced enough boundary runs serially.
 
 Micro-batch 0 is always a prefix of the packed tokens and micro-batch 1 the rest, so slicing
 and merging are a cut along the token dimension. `agree_split` makes every rank of a group take
@@ -223,14 +224,17 @@ def agree_split(plan: SplitPlan, group: Optional[dist.ProcessGroup] = None,
 
 
 def decide_split(seq_lens: Sequence[int], group: Optional[dist.ProcessGroup] = None, *,
-                 device: Optional[torch.device] = None, **plan_kwargs: Any) -> SplitPlan:
-    """`plan_split` on this rank's batch (``plan_kwargs`` go to it), then `agree_split` across ``group``.
+                 device: Optional[torch.device] = None, allow_cut: bool = True, **plan_kwargs: Any) -> SplitPlan:
+    """`plan_split` on this rank's batch (``allow_cut`` and ``plan_kwargs`` go to it), then `agree_split`
+    across ``group``.
 
+    ``allow_cut=False`` splits at request boundaries only (for a model that cannot continue a
+    request from the keys and values of its first part); pass the same value on every rank.
     A batch that cannot be planned (bad lengths or arguments) still takes part in the one
     all-reduce, so every rank raises instead of the others waiting for it forever.
     """
     try:
-        plan = plan_split(seq_lens, **plan_kwargs)
+        plan = plan_split(seq_lens, allow_cut=allow_cut, **plan_kwargs)
     except ValueError:
         if _grouped(group):
             _vote(_INVALID, group, device)

@@ -51,6 +51,9 @@ def _all_text(outs):
     ("--layers", ("3", "2"), "ranks disagree on --layers"),
     ("--hidden", ("64", "32"), "ranks disagree on --hidden"),
     ("--mode", ("all", "serial"), "ranks disagree on --mode"),
+    ("--experts", ("8", "16"), "ranks disagree on --experts"),
+    ("--dtype", ("float32", "bfloat16"), "ranks disagree on --dtype"),
+    ("--iters", ("1", "2"), "ranks disagree on --iters"),
 ])
 def test_ranks_started_with_different_options_stop_with_one_clear_error(option, values, words):
     outs = _by_hand([SMALL + [option, v] for v in values])

@@ -176,6 +176,24 @@ def test_four_ranks_with_different_batches_agree():
     _check_agreement(cases, run_ranks(_agree_body, 4, cases, timeout=90))
 
 
+def test_without_cuts_a_batch_splits_at_a_boundary_or_runs_serially():
+    boundary = decide_split([20, 21], None, min_tokens=2, allow_cut=False)
+    assert boundary.split_at == 20 and boundary.cut is None
+    serial = decide_split([41], None, min_tokens=2, allow_cut=False)
+    assert serial.serial and "disabled" in serial.reason
+
+
+def _no_cut_body(ctx):
+    lens = [[12, 8], [10, 10]][ctx.rank]  # rank 0 would have to cut a request
+    plan = decide_split(lens, ctx.group, min_tokens=2, max_imbalance=0.1, allow_cut=False)
+    return plan.serial, plan.reason
+
+
+def test_ranks_agree_when_one_rank_cannot_split_without_a_cut():
+    (s0, r0), (s1, r1) = run_ranks(_no_cut_body, 2, timeout=60)
+    assert s0 and s1 and "disabled" in r0 and "rank 0 of 2 cannot split" in r1
+
+
 def _one_rank_has_bad_input(ctx):
     from microbatch.split import decide_split
 

@@ -1,11 +1,24 @@
-"""wrap_expert_parallel on Hugging Face transformers MoE blocks (small configs, no downloads) and its errors."""
+"""wrap_expert_parallel on Hugging Face transformers MoE blocks (small configs, no downloads) and its errors.
+
+Every causal-LM family of the installed transformers is built small with random weights; its MoE blocks
+(found by structure, `find_moe_blocks`) must either wrap and equal the block on 1, 2 and 4 ranks, or be
+refused with a TypeError naming the part that does not fit.
+"""
 from __future__ import annotations
+
+import functools
+import os
+import re
+import time
+from typing import Dict, List, Tuple
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from collectives import ExpertParallelMoE, wrap_expert_parallel
+from collectives import ExpertParallelMoE, LayoutError, MoE, MoEConfig, find_moe_blocks, wrap_expert_parallel
+from collectives._recognise import CapturedRouter, shared_part
 from overlap.multirank import run_ranks
 
 pytestmark = pytest.mark.cpu_only
@@ -13,6 +26,7 @@ pytestmark = pytest.mark.cpu_only
 transformers = pytest.importorskip("transformers")
 
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "expert-parallel.md")
 
 
 def _block(kind: str) -> nn.Module:
@@ -48,32 +62,226 @@ def _block(kind: str) -> nn.Module:
 KINDS = ("mixtral", "qwen2_moe", "deepseek_v3")
 
 
-def _wrap_body(ctx):
+# --- every MoE family of the installed transformers, built small ---------------------------------------------------
+LAYERS = 2
+MAX_PARAMS = 20_000_000  # a config that stays larger than this could not be made small
+SIZES = dict(
+    hidden_size=64, d_model=64, n_embd=64,
+    intermediate_size=64, ffn_hidden_size=64, moe_intermediate_size=32, expert_intermediate_size=32,
+    expert_ffn_hidden_size=32, shared_expert_intermediate_size=48, shared_experts_intermediate_size=48,
+    moe_shared_expert_intermediate_size=48, shared_intermediate_size=48,
+    num_hidden_layers=LAYERS, num_layers=LAYERS, n_layers=LAYERS, n_layer=LAYERS,
+    num_attention_heads=4, n_heads=4, n_head=4, num_key_value_heads=2, kv_n_heads=2, num_kv_heads=2,
+    head_dim=16, kv_channels=16, vocab_size=128, max_position_embeddings=128, max_seq_len=128,
+    vocab_size_per_layer_input=128, hidden_size_per_layer_input=16,
+    num_experts=8, num_local_experts=8, n_routed_experts=8, moe_num_experts=8, zero_expert_num=2,
+    num_experts_per_tok=2, num_experts_per_token=2, moe_top_k=2, moe_topk=2, top_k_experts=2, moe_k=2,
+    n_group=2, num_expert_group=2, topk_group=1,
+    first_k_dense_replace=1, num_dense_layers=1, decoder_sparse_step=1, mlp_only_layers=[0],
+    kv_lora_rank=16, q_lora_rank=16, o_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+    index_n_heads=2, index_head_dim=16, index_topk=16,
+    linear_num_heads=4, linear_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+    linear_key_head_dim=16, linear_value_head_dim=16,
+    mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16,
+    enable_moe_block=True, per_layer_config=None,
+)
+FILL = dict(n_shared_experts=1)  # where the default is None
+IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
+# tried in order when the config or model rejects the sizes above (None: the family's default;
+# FIRST_LAYERS: per-layer lists cut to their first entries)
+FIRST_LAYERS = "_first_layers"
+VARIANTS = ({}, {"num_key_value_heads": 4}, {"num_experts_per_tok": None}, {FIRST_LAYERS: True})
+# families that must wrap whenever transformers has them
+MUST_FIT = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
+
+
+def _per_layer(values: list, first: bool) -> list:
+    """A per-layer list cut to LAYERS entries, keeping each kind of layer where it can (e.g. dense, then sparse)."""
+    if first:
+        return values[:LAYERS]
+    kinds = list(dict.fromkeys(map(str, values)))
+    first = {str(v): v for v in reversed(values)}
+    picked = [first[k] for k in kinds[:LAYERS]]
+    return picked + [picked[-1]] * (LAYERS - len(picked))
+
+
+def _shrink(d: dict, variant: dict) -> dict:
+    layers = next((d[k] for k in ("num_hidden_layers", "num_layers", "n_layers", "n_layer") if isinstance(d.get(k), int)),
+                  None)
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and ("hidden_size" in v or "d_model" in v or "model_type" in v):
+            out[k] = _shrink(v, variant)
+        elif k in variant:
+            out[k] = variant[k] if variant[k] is not None else v
+        elif k in SIZES:
+            out[k] = SIZES[k]
+        elif k in FILL and v is None:
+            out[k] = FILL[k]
+        elif k in IDS and isinstance(v, int):
+            out[k] = IDS.index(k)
+        elif k.endswith("_per_layer") and isinstance(v, list) and k[: -len("_per_layer")] in SIZES:
+            out[k] = [SIZES[k[: -len("_per_layer")]]] * LAYERS
+        elif isinstance(v, list) and v and layers and len(v) == layers:
+            out[k] = _per_layer(v, FIRST_LAYERS in variant)
+        else:
+            out[k] = v
+    return out
+
+
+def _small_config(model_type: str, variant: dict):
+    """The family's default config with the sizes made small."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    base = cls().to_dict()
+    for key in ("transformers_version", "architectures", "_name_or_path", "model_type"):
+        base.pop(key, None)
+    return cls(**_shrink(base, variant))
+
+
+def _build(model_type: str, device: str = "cpu"):
+    """The family's causal LM, small (random weights from a fixed seed on CPU): (model, None) or (None, why not)."""
+    from transformers import AutoModelForCausalLM
+
+    first = None
+    for variant in VARIANTS:
+        try:
+            cfg = _small_config(model_type, variant)
+            cfg._experts_implementation = "eager"
+            with torch.device("meta"):
+                meta = AutoModelForCausalLM.from_config(cfg)
+            n = sum(p.numel() for p in meta.parameters())
+            if n > MAX_PARAMS:
+                return None, f"its config cannot be made small ({n / 1e6:.0f}M parameters left)"
+            if device == "meta":
+                return meta, None
+            torch.manual_seed(0)
+            return AutoModelForCausalLM.from_config(cfg).eval(), None
+        except Exception as err:  # a config that rejects the small sizes or a model that cannot be built
+            first = first or f"{type(err).__name__}: {str(err).splitlines()[0][:160] if str(err) else ''}"
+    return None, f"cannot be built small on CPU ({first})"
+
+
+@functools.lru_cache(maxsize=None)
+def _census() -> Tuple[Tuple[str, ...], Dict[str, str]]:
+    """The causal-LM families of the installed transformers with MoE blocks, and the families skipped (why)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    transformers.logging.set_verbosity_error()
+    moe, skipped = [], {}
+    for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+        if model_type not in CONFIG_MAPPING_NAMES:
+            skipped[model_type] = "no config class"
+            continue
+        model, why = _build(model_type, "meta")
+        if model is None:
+            skipped[model_type] = why
+        elif any(True for _ in find_moe_blocks(model)):
+            moe.append(model_type)
+    return tuple(moe), skipped
+
+
+def _tokens(ctx) -> int:
+    return 6 if ctx.rank else 0 if ctx.world_size > 1 else 5
+
+
+def _family_results(ctx, families) -> List[tuple]:
+    """(family, block name, block class, got, expected, same routing, TypeError message or None) for every MoE
+    block found; the block name is empty where the model could not be built."""
+    transformers.logging.set_verbosity_error()
+    out = []
+    for model_type in families:
+        model, why = _build(model_type)
+        if model is None:
+            out.append((model_type, "", "", None, None, False, why))
+            continue
+        for name, block in find_moe_blocks(model):
+            try:
+                ep = wrap_expert_parallel(block, ctx.group)
+            except TypeError as err:
+                out.append((model_type, name, type(block).__name__, None, None, False, str(err)))
+                continue
+            torch.manual_seed(100 + ctx.rank)
+            x = torch.randn(2, 3 if _tokens(ctx) else 0, ep.experts.gate_up.shape[-1])
+            with torch.no_grad():
+                expected, got = block(x), ep(x)
+                # the router child alone, where the block passes its output on unchanged, is the captured routing
+                flat = x.reshape(-1, x.shape[-1])
+                captured = CapturedRouter(block, shared_part(block)[1])(flat)
+                same = all(torch.equal(a, b) for a, b in zip(ep.router(flat), captured))
+            out.append((model_type, name, type(block).__name__, got, expected, same, None))
+    return out
+
+
+def _wrap_body(ctx, families):
     out = []
     for kind in KINDS:
         for dtype in (torch.float32, torch.bfloat16):
             block = _block(kind).to(dtype)
             ep = wrap_expert_parallel(block, ctx.group)
             torch.manual_seed(100 + ctx.rank)
-            x = torch.randn(2, 6 if ctx.rank else 0 if ctx.world_size > 1 else 5, 16).to(dtype)
+            x = torch.randn(2, _tokens(ctx), 16).to(dtype)
             with torch.no_grad():
                 expected, got = block(x), ep(x)
             local = ep.experts.gate_up
             shares = local.untyped_storage().data_ptr() == block.experts.gate_up_proj.untyped_storage().data_ptr()
             out.append((kind, dtype, got, expected, local.shape[0], shares))
-    return out
+    return out, _family_results(ctx, families)
 
 
-@pytest.mark.parametrize("world", [1, 2])  # 4 ranks are covered by test_ep_moe; transformers imports are slow
+def _documented() -> Tuple[set, set]:
+    """The families docs/expert-parallel.md lists as wrapping and as refused."""
+    with open(DOCS, encoding="utf-8") as f:
+        text = f.read()
+    fit = re.search(r"Families checked with transformers ([\d.]+)[^:]*:(.*?)\n\n", text, re.S)
+    refused = re.search(r"Families whose MoE blocks do not fit[^:]*:(.*?)\n\n", text, re.S)
+    assert fit and refused, "docs/expert-parallel.md lists the families checked"
+    heads = re.findall(r"^- (.*?):", refused.group(1), re.M)  # "- `a`, `b`: why"
+    return set(re.findall(r"`([\w.-]+)`", fit.group(2))), {n for h in heads for n in re.findall(r"`([\w.-]+)`", h)}
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_wrapped_transformers_blocks_equal_the_original(world):
-    for rank, results in enumerate(run_ranks(_wrap_body, world, timeout=120)):
-        assert [r[0] for r in results[::2]] == list(KINDS)
-        for kind, dtype, got, expected, n_local, shares in results:
+    families, skipped = _census()
+    skipped = dict(skipped)
+    start = time.monotonic()
+    results = run_ranks(_wrap_body, world, families, timeout=600)
+    fits: Dict[str, set] = {}
+    refused: Dict[str, str] = {}
+    for rank, (kinds, found) in enumerate(results):
+        assert [r[0] for r in kinds[::2]] == list(KINDS)
+        for kind, dtype, got, expected, n_local, shares in kinds:
             torch.testing.assert_close(got, expected, **TOL[dtype], msg=lambda m: f"rank {rank} {kind} {dtype}: {m}")
             assert n_local == 8 // world, "only this rank's experts are kept"
             assert not shares, "the local experts must not keep the full expert tensor alive"
+        for family, name, cls, got, expected, same, err in found:
+            if not name:  # the model could not be built in the rank (it could on the meta device)
+                skipped[family] = err
+            elif err is None:
+                assert same, f"{family} {name}: the layer's router differs from the captured routing"
+                scale = float(expected.abs().max()) if expected.numel() else 0.0
+                torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * max(scale, 1.0),
+                                           msg=lambda m: f"rank {rank} {family} {name} ({cls}): {m}")
+                fits.setdefault(family, set()).add(cls)
+            else:
+                assert err.startswith(f"wrap_expert_parallel: {cls} does not fit: "), err
+                refused[family] = err
+    mixed = set(fits) & set(refused)
+    assert not mixed, f"families with blocks that both fit and do not: {sorted(mixed)}"
+    assert not [f for f in MUST_FIT if f in families and f not in fits], refused
+    print(f"\n{world} rank(s), {time.monotonic() - start:.1f} s: {len(fits)} families wrap and equal the block: "
+          f"{', '.join(sorted(fits))}")
+    print(f"{len(refused)} families do not fit:\n" + "\n".join(f"  {f}: {e}" for f, e in sorted(refused.items())))
+    print(f"{len(skipped)} families skipped (those built without MoE blocks are not listed):\n"
+          + "\n".join(f"  {f}: {why}" for f, why in sorted(skipped.items())))
+    if transformers.__version__.startswith("5.24."):
+        doc_fit, doc_refused = _documented()
+        assert (doc_fit, doc_refused) == (set(fits), set(refused)), "update docs/expert-parallel.md"
 
 
+# --- recognition details -----------------------------------------------------------------------------------------
 def test_wrapped_qwen2_keeps_its_shared_expert_gate():
     block = _block("qwen2_moe")
     ep = wrap_expert_parallel(block)
@@ -81,6 +289,169 @@ def test_wrapped_qwen2_keeps_its_shared_expert_gate():
     assert ep.router.gate is block.gate  # the router is reused, not copied
 
 
+def test_the_users_block_is_left_as_it_was():
+    block = _block("qwen2_moe")
+    children = dict(block.named_children())
+    wrap_expert_parallel(block)
+    assert dict(block.named_children()) == children
+    x = torch.randn(1, 4, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(block(x), _block("qwen2_moe")(x))
+
+
+class _RoutesItself(nn.Module):
+    """A block that computes its routing in its own forward (as transformers 4 did), with a gated shared expert."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.gate, self.experts = block.gate, block.experts
+        self.shared_expert, self.shared_expert_gate = block.shared_expert, block.shared_expert_gate
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        shared = torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        weights, idx = F.linear(flat, self.gate.weight).softmax(-1).topk(3, dim=-1)
+        return (self.experts(flat, idx, weights / weights.sum(-1, keepdim=True)) + shared).reshape(x.shape)
+
+
+@pytest.mark.parametrize("own_routing", [False, True])
+def test_the_router_computes_neither_experts_nor_shared_experts(own_routing):
+    block = _RoutesItself(_block("qwen2_moe")) if own_routing else _block("qwen2_moe")
+    ep = wrap_expert_parallel(block)
+    assert isinstance(ep.router, CapturedRouter) == own_routing  # else the router child alone, as it is
+    calls = []
+    for name in ("experts", "shared_expert", "shared_expert_gate"):
+        getattr(block, name).register_forward_hook(lambda *a, name=name: calls.append(name))
+    x = torch.randn(1, 7, 16)
+    with torch.no_grad():
+        idx, weights = ep.router(x[0])
+        assert idx.shape == weights.shape == (7, 3) and not calls
+        torch.testing.assert_close(ep(x), block(x), rtol=1e-5, atol=1e-5)
+
+
 def test_unsupported_module_names_what_is_expected():
     with pytest.raises(TypeError, match="unsupported module Linear.*MixtralSparseMoeBlock.*DeepseekV3MoE"):
         wrap_expert_parallel(nn.Linear(4, 4))
+
+
+class _ScalesTokens(nn.Module):
+    """A block whose router scales the tokens before its experts (as Llama 4 does)."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.gate, self.experts = block.gate, block.experts
+
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        _, weights, idx = self.gate(flat)
+        return self.experts(flat * weights.sum(-1, keepdim=True), idx, weights).reshape(x.shape)
+
+
+class _ScalesOutput(_ScalesTokens):
+    def forward(self, x):
+        flat = x.reshape(-1, x.shape[-1])
+        _, weights, idx = self.gate(flat)
+        return 2.5 * self.experts(flat, idx, weights).reshape(x.shape)
+
+
+@pytest.mark.parametrize("case, message", [
+    ("tokens", "router transforms the tokens before the experts"),
+    ("output", "scales the routed experts' output by 2.5"),
+    ("bias", "experts .* have biases"),
+    ("ungated", "not gated"),
+    ("clamp", "do not compute down\\(act\\(gate\\) \\* up\\)"),
+    ("no_experts", "no routed experts found"),
+])
+def test_blocks_that_do_not_fit_are_refused_naming_the_part(case, message):
+    block = _block("mixtral")
+    if case == "tokens":
+        block = _ScalesTokens(block)
+    elif case == "output":
+        block = _ScalesOutput(block)
+    elif case == "bias":
+        block.experts.gate_up_proj_bias = nn.Parameter(torch.zeros(8, 16))
+    elif case == "ungated":
+        block.experts.up_proj = block.experts.gate_up_proj
+        del block.experts.gate_up_proj
+    elif case == "clamp":
+        block.experts.__class__ = type("ClampedExperts", (type(block.experts),), {"forward": _clamped_forward})
+    else:
+        block.experts = nn.Linear(16, 16)
+    with pytest.raises(TypeError, match=f"does not fit: .*{message}"):
+        wrap_expert_parallel(block)
+
+
+def _clamped_forward(self, hidden_states, top_k_index, top_k_weights):
+    out = torch.zeros_like(hidden_states)
+    for t in range(hidden_states.shape[0]):
+        for k in range(top_k_index.shape[1]):
+            e = int(top_k_index[t, k])
+            g, u = F.linear(hidden_states[t], self.gate_up_proj[e]).chunk(2)
+            out[t] += top_k_weights[t, k] * F.linear(self.act_fn(g.clamp(max=7.0)) * u, self.down_proj[e])
+    return out
+
+
+def test_check_false_skips_the_probe():
+    block = _ScalesOutput(_block("mixtral"))
+    ep = wrap_expert_parallel(block, check=False)  # wrong, but not verified: the caller asked for that
+    assert isinstance(ep, ExpertParallelMoE)
+
+
+def test_reference_moe_keeps_its_router():
+    moe = MoE(MoEConfig(hidden=16, ffn=8, n_experts=4, top_k=2))
+    ep = wrap_expert_parallel(moe)
+    assert ep.router is moe.router
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(ep(x), moe(x), rtol=1e-5, atol=1e-5)
+
+
+def test_find_moe_blocks_finds_each_block_once():
+    moe = MoE(MoEConfig(hidden=16, ffn=8, n_experts=4, top_k=2))
+    model = nn.Sequential(nn.Linear(16, 16), moe, nn.ModuleDict({"inner": _block("mixtral")}))
+    assert [(n, type(m).__name__) for n, m in find_moe_blocks(model)] == [("1", "MoE"),
+                                                                         ("2.inner", "MixtralSparseMoeBlock")]
+
+
+# --- experts sharded by a checkpoint loader ------------------------------------------------------------------------
+def _sharded(block: nn.Module, first: int, n: int) -> nn.Module:
+    """``block`` with its experts cut to ``first .. first + n - 1``, as a per-rank loader hands them over."""
+    import copy
+
+    block = copy.deepcopy(block)
+    with torch.no_grad():
+        block.experts.gate_up_proj = nn.Parameter(block.experts.gate_up_proj[first:first + n].clone())
+        block.experts.down_proj = nn.Parameter(block.experts.down_proj[first:first + n].clone())
+    block.experts.ep_shard = (first, 8)
+    return block
+
+
+def _shard_body(ctx):
+    out = []
+    for kind in ("qwen2_moe", "deepseek_v3"):
+        full = _block(kind)
+        n = 8 // ctx.world_size
+        block = _sharded(full, ctx.rank * n, n)
+        ep = wrap_expert_parallel(block, ctx.group)
+        shares = ep.experts.gate_up.untyped_storage().data_ptr() == \
+            block.experts.gate_up_proj.untyped_storage().data_ptr()
+        torch.manual_seed(100 + ctx.rank)
+        x = torch.randn(2, 3 + ctx.rank, 16)
+        with torch.no_grad():
+            out.append((kind, ep(x), full(x), ep.experts.first_expert, shares))
+    wrong = _sharded(_block("mixtral"), 0 if ctx.rank else 8 // ctx.world_size, 8 // ctx.world_size)
+    try:
+        wrap_expert_parallel(wrong, ctx.group)
+        out.append(None)
+    except LayoutError as err:
+        out.append(str(err))
+    return out
+
+
+@pytest.mark.parametrize("world", [2])
+def test_experts_sharded_by_a_loader_are_used_as_they_are(world):
+    for rank, out in enumerate(run_ranks(_shard_body, world, timeout=120)):
+        for kind, got, expected, first, shares in out[:-1]:
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=lambda m: f"rank {rank} {kind}: {m}")
+            assert first == rank * 8 // world and shares, "the loader's tensors are this rank's experts, not copied"
+        assert out[-1] is not None and "ep_shard" in out[-1], out[-1]

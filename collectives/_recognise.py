@@ -1,0 +1,491 @@
+"""Recognise an MoE block by its parts: routed experts, the routing its forward computes, shared experts.
+
+Nothing here knows a class name. A block is a module with a child ``experts``:
+
+- **routed experts**, stored fused (3-D ``gate_up_proj [E, 2F, H]`` and ``down_proj [E, H, F]``, transposed
+  ``[E, H, 2F]`` / ``[E, F, H]``, gate and up rows interleaved where the module says
+  ``is_concatenated = False``), as separate 3-D ``gate_proj`` / ``up_proj`` / ``down_proj``, or as an
+  ``nn.ModuleList`` of gated MLPs (`GLU_NAMES`); the activation is their ``act_fn`` (SiLU if none);
+- **routing**: for fused experts, what the block's own forward passes them, captured by running a shallow
+  copy of the block with its experts replaced by a recorder (which ends the forward at the experts call)
+  and its shared experts by zero stubs (`CapturedRouter`); where the block passes its router child's output
+  on unchanged, that child alone (`RoutingOf`, found by `CapturedRouter.observe`); for a list of experts,
+  which the block calls one by one, its ``router`` / ``gate`` child, which must return the top-k ids and
+  weights;
+- optional **shared experts** (`SHARED_NAMES`), a gated MLP, with an optional sigmoid output gate
+  (`SHARED_GATE_NAMES`).
+"""
+from __future__ import annotations
+
+import collections
+import copy
+from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .layer import SharedExperts
+
+ROUTED = "experts"
+ROUTER_NAMES = ("gate", "router")
+SHARED_NAMES = ("shared_experts", "shared_expert", "shared_mlp")
+SHARED_GATE_NAMES = ("shared_expert_gate", "shared_experts_gate", "shared_gate")
+# gated MLPs: (gate, up, down); a fused (gate_up, down) pair is recognised separately
+GLU_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"), ("wi_0", "wi_1", "wo"))
+PLAIN_NAMES = (("up_proj", "down_proj"), ("fc1", "fc2"), ("wi", "wo"), ("c_fc", "c_proj"), ("w1", "w2"))
+ACT_NAMES = ("act_fn", "activation_fn", "act")
+# relative tolerance of the probes, against the largest value of the block's output
+PROBE_RTOL = {torch.float32: 1e-4, torch.float64: 1e-9, torch.float16: 1e-2, torch.bfloat16: 4e-2}
+
+Act = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _fail(block: nn.Module, what: str) -> TypeError:
+    return TypeError(f"wrap_expert_parallel: {type(block).__name__} does not fit: {what}")
+
+
+def _act_of(module: nn.Module) -> Optional[Act]:
+    for name in ACT_NAMES:
+        act = getattr(module, name, None)
+        if callable(act):
+            return act
+    return None
+
+
+def _check_act(block: nn.Module, act: Act, where: nn.Module) -> None:
+    try:
+        act(torch.zeros(2))
+    except TypeError as err:  # e.g. an activation of (gate, up)
+        raise _fail(block, f"the activation {type(act).__name__} of {type(where).__name__} is not an elementwise "
+                           f"act(gate): we model a GLU act(gate) * up ({err})") from None
+
+
+# --- routed experts ----------------------------------------------------------------------------------------------
+class RoutedExperts:
+    """A view of a block's routed experts: this rank's weights in the stacked layout, without holding copies."""
+
+    def __init__(self, block: nn.Module, module: nn.Module):
+        self.module = module
+        self.layout = ""
+        self._t = False  # fused and transposed
+        self._interleaved = False
+        if isinstance(module, nn.ModuleList):
+            self._init_list(block, module)
+        else:
+            self._init_fused(block, module)
+        self.count = len(module) if self.layout == "list" else self._tensors[0].shape[0]
+        self.first, self.total, self.sharded = 0, self.count, False
+        shard = getattr(module, "ep_shard", None)
+        if shard is not None:
+            self.first, self.total = int(shard[0]), int(shard[1])
+            self.sharded = True
+
+    def _init_list(self, block: nn.Module, module: nn.ModuleList) -> None:
+        if not len(module):
+            raise _fail(block, "no routed experts found: its experts are an empty nn.ModuleList")
+        for mlp in module:
+            _mlp_glu(block, mlp, "routed expert")
+        self.layout = "list"
+        self.act = _act_of(module[0]) or F.silu
+        _check_act(block, self.act, module[0])
+        self._tensors = ()
+
+    def _init_fused(self, block: nn.Module, module: nn.Module) -> None:
+        t3 = {n: getattr(module, n, None) for n in ("gate_up_proj", "gate_proj", "up_proj", "down_proj")}
+        t3 = {n: v for n, v in t3.items() if isinstance(v, torch.Tensor) and v.dim() == 3}
+        kind = type(module).__name__
+        if "down_proj" not in t3 or not ("gate_up_proj" in t3 or "gate_proj" in t3 or "up_proj" in t3):
+            raise _fail(block, f"no routed experts found: its experts ({kind}) are neither fused 3-D tensors "
+                               f"(gate_up_proj [E, 2F, H] and down_proj [E, H, F], or gate_proj / up_proj / "
+                               f"down_proj) nor an nn.ModuleList of gated MLPs")
+        if getattr(module, "has_bias", False) or any(
+                isinstance(p, torch.Tensor) and n.endswith("bias") for n, p in module.named_parameters(recurse=False)):
+            raise _fail(block, f"its experts ({kind}) have biases, which the stacked expert layout does not hold")
+        if getattr(module, "has_post_expert_norm", False):
+            raise _fail(block, f"its experts ({kind}) normalise each expert's output")
+        if getattr(module, "has_gate", True) is False or ("gate_up_proj" not in t3 and "gate_proj" not in t3):
+            raise _fail(block, f"its experts ({kind}) are not gated (up_proj / down_proj only): the activation is not "
+                               f"a GLU of gate and up")
+        down = t3["down_proj"]
+        if "gate_up_proj" in t3:
+            gu = t3["gate_up_proj"]
+            self.layout = "fused"
+            self._interleaved = getattr(module, "is_concatenated", True) is False
+            self._tensors = (gu, down)
+        else:
+            if "up_proj" not in t3 or t3["gate_proj"].shape != t3["up_proj"].shape:
+                raise _fail(block, f"its experts ({kind}) have gate_proj without a matching 3-D up_proj")
+            gu = t3["gate_proj"]
+            self.layout = "split"
+            self._tensors = (t3["gate_proj"], t3["up_proj"], down)
+        two = 2 if self.layout == "fused" else 1
+        e = gu.shape[0]
+        plain = down.shape[0] == e and gu.shape[2] == down.shape[1] and gu.shape[1] == two * down.shape[2]
+        flipped = down.shape[0] == e and gu.shape[1] == down.shape[2] and gu.shape[2] == two * down.shape[1]
+        declared = getattr(module, "is_transposed", None)
+        self._t = bool(declared) if isinstance(declared, bool) else (flipped and not plain)
+        if not (flipped if self._t else plain):
+            gname = "gate_up_proj" if self.layout == "fused" else "gate_proj"
+            raise _fail(block, f"its experts' {gname} {tuple(gu.shape)} and down_proj {tuple(down.shape)} are not "
+                               f"[E, {two}F, H] and [E, H, F] (nor their transposes)")
+        act = _act_of(module)
+        self.act = act or F.silu
+        _check_act(block, self.act, module)
+
+    @property
+    def hidden(self) -> int:
+        return self.weights(0)[1].shape[0]
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """A tensor of the experts' dtype and device."""
+        return self.weights(0)[0]
+
+    def weights(self, e: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Expert ``e`` (counted within this module) as ``gate_up [2F, H]`` (gate rows first) and ``down [H, F]``."""
+        if self.layout == "list":
+            g, u, d = _mlp_glu(None, self.module[e], "routed expert")
+            return torch.cat([g, u]), d
+        if self.layout == "split":
+            g, u, d = (t[e].t() if self._t else t[e] for t in self._tensors)
+            return torch.cat([g, u]), d
+        gu, d = (t[e].t() if self._t else t[e] for t in self._tensors)
+        if self._interleaved:
+            gu = torch.cat([gu[0::2], gu[1::2]])
+        return gu, d
+
+    def stacked(self, lo: int, n: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Experts ``lo .. lo + n - 1`` (within this module) stacked: fresh tensors, except that a loader's shard
+        in the plain fused layout is used as it is."""
+        with torch.no_grad():
+            if self.layout == "fused" and not self._t and not self._interleaved and self.sharded \
+                    and (lo, n) == (0, self.count):
+                return self._tensors[0].detach(), self._tensors[1].detach()
+            if self.layout == "fused" and not self._t and not self._interleaved:
+                return self._tensors[0].detach()[lo:lo + n].clone(), self._tensors[1].detach()[lo:lo + n].clone()
+            pairs = [self.weights(lo + i) for i in range(n)]
+            return torch.stack([p[0].detach() for p in pairs]), torch.stack([p[1].detach() for p in pairs])
+
+
+def _linear_weight(block: Optional[nn.Module], mod: Any, what: str) -> Optional[torch.Tensor]:
+    w = getattr(mod, "weight", None)
+    if not isinstance(w, torch.Tensor) or w.dim() != 2:
+        return None
+    if getattr(mod, "bias", None) is not None and block is not None:
+        raise _fail(block, f"its {what}s have biases, which the stacked expert layout does not hold")
+    return w
+
+
+def _mlp_glu(block: Optional[nn.Module], mlp: nn.Module, what: str) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gate, up and down weights of a gated MLP of linears (TypeError naming what is wrong)."""
+    for g, u, d in GLU_NAMES:
+        ws = [_linear_weight(block, getattr(mlp, n, None), what) for n in (g, u, d)]
+        if all(w is not None for w in ws):
+            return ws[0], ws[1], ws[2]
+    gu = _linear_weight(block, getattr(mlp, "gate_up_proj", None), what)
+    d = _linear_weight(block, getattr(mlp, "down_proj", None), what)
+    if gu is not None and d is not None and gu.shape[0] == 2 * d.shape[1]:
+        return gu[: d.shape[1]], gu[d.shape[1]:], d
+    if block is None:
+        raise TypeError(f"{type(mlp).__name__} is not a gated MLP")
+    if any(all(isinstance(getattr(mlp, n, None), nn.Module) for n in names) for names in PLAIN_NAMES):
+        raise _fail(block, f"its {what} {type(mlp).__name__} is not gated: the activation is not a GLU of gate and up")
+    names = ", ".join("/".join(n) for n in GLU_NAMES)
+    raise _fail(block, f"its {what} {type(mlp).__name__} has none of the gated projections {names} "
+                       f"(or a fused gate_up_proj with down_proj)")
+
+
+# --- shared experts ----------------------------------------------------------------------------------------------
+class _Rows(nn.Module):
+    """Rows ``lo:hi`` of a linear layer (a view of its weight, no copy)."""
+
+    def __init__(self, linear: nn.Module, lo: int, hi: int):
+        super().__init__()
+        self.linear, self.lo, self.hi = linear, lo, hi
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = getattr(self.linear, "bias", None)
+        return F.linear(x, self.linear.weight[self.lo:self.hi], None if b is None else b[self.lo:self.hi])
+
+
+class _GatedMLP(nn.Module):
+    """A gated MLP's projections under the names `SharedExperts` uses (the modules themselves, no copy)."""
+
+    def __init__(self, gate: nn.Module, up: nn.Module, down: nn.Module, act: Act):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj, self.act_fn = gate, up, down, act
+
+
+def _shared_mlp(block: nn.Module, name: str, mlp: nn.Module) -> nn.Module:
+    """``mlp`` with ``gate_proj`` / ``up_proj`` / ``down_proj`` modules (itself where it has them)."""
+    act = _act_of(mlp) or F.silu
+    _check_act(block, act, mlp)
+    for g, u, d in GLU_NAMES:
+        parts = [getattr(mlp, n, None) for n in (g, u, d)]
+        if all(isinstance(p, nn.Module) and isinstance(getattr(p, "weight", None), torch.Tensor)
+               and p.weight.dim() == 2 for p in parts):
+            return mlp if (g, u, d) == GLU_NAMES[0] else _GatedMLP(*parts, act)
+    gu, d = getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None)
+    if isinstance(gu, nn.Module) and isinstance(d, nn.Module) and getattr(gu, "weight", None) is not None \
+            and gu.weight.dim() == 2 and getattr(d, "weight", None) is not None and gu.weight.shape[0] % 2 == 0:
+        f = gu.weight.shape[0] // 2
+        return _GatedMLP(_Rows(gu, 0, f), _Rows(gu, f, 2 * f), d, act)
+    raise _fail(block, f"its shared experts {name} ({type(mlp).__name__}) are not a gated MLP of linear layers "
+                       f"({', '.join('/'.join(n) for n in GLU_NAMES)}, or gate_up_proj with down_proj)")
+
+
+def shared_part(block: nn.Module) -> Tuple[Optional[SharedExperts], Tuple[str, ...]]:
+    """The block's shared experts as `SharedExperts`, and the names of the children they are made of."""
+    names = [n for n in SHARED_NAMES if isinstance(getattr(block, n, None), nn.Module)]
+    gates = [n for n in SHARED_GATE_NAMES if isinstance(getattr(block, n, None), nn.Module)]
+    if len(names) > 1 or len(gates) > 1:
+        raise _fail(block, f"it has several shared-expert children ({', '.join(names + gates)})")
+    if not names:
+        if gates:
+            raise _fail(block, f"it has a shared-expert gate {gates[0]} but no shared experts")
+        return None, ()
+    mlp = _shared_mlp(block, names[0], getattr(block, names[0]))
+    gate = getattr(block, gates[0]) if gates else None
+    return SharedExperts(mlp, act=_act_of(mlp) or F.silu, output_gate=gate), tuple(names + gates)
+
+
+# --- routing -----------------------------------------------------------------------------------------------------
+class _CallMismatch(Exception):
+    """The block calls its experts with something else than (hidden_states, top_k_index, top_k_weights)."""
+
+
+def _roles(args: Sequence[Any], kwargs: dict) -> Tuple[List[Tuple[Any, str]], Tuple[torch.Tensor, ...]]:
+    """Which argument of an experts call is the hidden states, the top-k ids and the top-k weights."""
+    items = [(i, a) for i, a in enumerate(args)] + [(k, v) for k, v in kwargs.items() if v is not None]
+    if not all(isinstance(a, torch.Tensor) for _, a in items):
+        raise _CallMismatch("it passes its experts arguments that are not tensors")
+    ints = [(k, a) for k, a in items if not a.is_floating_point()]
+    floats = [(k, a) for k, a in items if a.is_floating_point()]
+    if len(ints) != 1 or len(floats) != 2 or floats[1][1].shape != ints[0][1].shape:
+        raise _CallMismatch(f"it calls its experts with {len(items)} tensor argument(s), not (hidden_states, "
+                            f"top_k_index, top_k_weights)")
+    roles = [(floats[0][0], "hidden"), (ints[0][0], "index"), (floats[1][0], "weights")]
+    return roles, (floats[0][1], ints[0][1], floats[1][1])
+
+
+def call_experts(experts: nn.Module, roles: List[Tuple[Any, str]], hs: torch.Tensor, idx: torch.Tensor,
+                 w: torch.Tensor) -> torch.Tensor:
+    """Call ``experts`` the way the block does (``roles`` from `_roles`)."""
+    value = {"hidden": hs, "index": idx, "weights": w}
+    args = [value[r] for k, r in sorted((k, r) for k, r in roles if isinstance(k, int))]
+    kwargs = {k: value[r] for k, r in roles if not isinstance(k, int)}
+    return experts(*args, **kwargs)
+
+
+class _Captured(BaseException):
+    """Carries what a block passed its experts out of its forward, so that nothing after that call runs
+    (a BaseException, so that no ``except Exception`` in the block swallows it)."""
+
+
+class _Recorder(nn.Module):
+    """Stands in for the routed experts: takes what the block passes them and ends the block's forward there
+    (while compiling, where that cannot be traced, it records them and returns zeros)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: List[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.roles: List[Tuple[Any, str]] = []
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        self.roles, seen = _roles(args, kwargs)
+        if not torch.compiler.is_compiling():
+            raise _Captured(seen)
+        self.seen.append(seen)
+        return torch.zeros_like(seen[0])
+
+
+class _Zeros(nn.Module):
+    """Stands in for a shared expert (or its gate): zeros of its output shape, no compute."""
+
+    def __init__(self, out_features: Optional[int]):
+        super().__init__()
+        self.out_features = out_features
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        n = x.shape[-1] if self.out_features is None else self.out_features
+        return x.new_zeros(*x.shape[:-1], n)
+
+
+class _Spy(nn.Module):
+    """Calls ``inner`` and keeps the arguments and the output of each call."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+        self.calls: List[Tuple[tuple, dict, Any]] = []
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.inner(*args, **kwargs)
+        self.calls.append((args, kwargs, out))
+        return out
+
+    def __getattr__(self, name: str) -> Any:  # the block may read the router's weights directly
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["inner"], name)
+
+
+def _shallow_copy(block: nn.Module, swap: dict) -> nn.Module:
+    """A copy of ``block`` sharing every child, parameter and buffer, with the children in ``swap`` replaced and
+    no hooks (they would see the stand-ins); ``block`` itself is left as it is."""
+    clone = copy.copy(block)
+    for key, value in block.__dict__.items():
+        if key.endswith("hooks") and isinstance(value, dict):
+            setattr(clone, key, type(value)())
+    clone._modules = collections.OrderedDict(block._modules)
+    clone._parameters = dict(block._parameters)
+    clone._buffers = dict(block._buffers)
+    clone._non_persistent_buffers_set = set(block._non_persistent_buffers_set)
+    clone._modules.update(swap)
+    return clone
+
+
+class RoutingOf(nn.Module):
+    """Picks ``(top_k_index, top_k_weights)`` out of a router child's output (e.g. transformers'
+    ``(logits, weights, index)``). ``batched``: the router takes ``[1, tokens, hidden]``; ``extra``: tensors of
+    the block passed after the tokens (e.g. a score correction bias), held here under their names."""
+
+    def __init__(self, router: nn.Module, index_at: int, weights_at: int, batched: bool = False,
+                 extra: Sequence[Tuple[str, torch.Tensor]] = ()):
+        super().__init__()
+        self.gate = router
+        self.index_at, self.weights_at, self.batched = index_at, weights_at, batched
+        self.extra = tuple(name for name, _ in extra)
+        for name, t in extra:
+            if isinstance(t, nn.Parameter):
+                self.register_parameter(name, t)
+            else:
+                self.register_buffer(name, t)
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        out = self.gate(x.unsqueeze(0) if self.batched else x, *(getattr(self, n) for n in self.extra))
+        idx, w = out[self.index_at], out[self.weights_at]
+        return idx.reshape(-1, idx.shape[-1]), w.reshape(-1, w.shape[-1])
+
+
+def _own_tensors(block: nn.Module, args: Sequence[Any]) -> Optional[List[Tuple[str, torch.Tensor]]]:
+    """``args`` as ``(name, tensor)`` of the block's own parameters and buffers (the tensors themselves), or None."""
+    own = {id(t): (n, t) for n, t in list(block._parameters.items()) + list(block._buffers.items()) if t is not None}
+    found = [own.get(id(a)) for a in args]
+    return None if any(f is None or f[1] is not a for f, a in zip(found, args)) else found
+
+
+class Observed(NamedTuple):
+    """What a block passed its experts on a probe batch, how it called them, and the router child that
+    computes exactly that routing on its own (None where the block changes the router's output)."""
+
+    hidden: torch.Tensor
+    index: torch.Tensor
+    weights: torch.Tensor
+    roles: List[Tuple[Any, str]]
+    shortcut: Optional[RoutingOf]
+
+
+class CapturedRouter(nn.Module):
+    """The routing a block computes, as ``(top_k_index, top_k_weights)``: the block's own forward with its routed
+    experts recorded (not computed) and its shared experts stubbed out, up to its experts call. Costs the
+    block's routing and what its forward does before that call."""
+
+    def __init__(self, block: nn.Module, shared_names: Sequence[str] = ()):
+        super().__init__()
+        swap = {ROUTED: _Recorder()}
+        for name in shared_names:
+            w = getattr(getattr(block, name), "weight", None)
+            swap[name] = _Zeros(w.shape[0] if isinstance(w, torch.Tensor) and w.dim() == 2 else None)
+        self.block = _shallow_copy(block, swap)
+        self._name = type(block).__name__
+
+    @property
+    def gate(self) -> Optional[nn.Module]:
+        """The block's router child (the module itself, shared with the block)."""
+        for name in ROUTER_NAMES:
+            if isinstance(getattr(self.block, name, None), nn.Module):
+                return getattr(self.block, name)
+        return None
+
+    def _capture(self, block: nn.Module, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        rec = self.block._modules[ROUTED]
+        rec.seen = []
+        try:
+            block(x)
+        except _Captured as got:
+            return got.args[0]
+        except _CallMismatch as err:
+            raise TypeError(f"wrap_expert_parallel: {self._name} does not fit: {err}") from None
+        seen, rec.seen = rec.seen, []
+        if len(seen) != 1:
+            raise TypeError(f"wrap_expert_parallel: {self._name} does not fit: its forward called its experts "
+                            f"{len(seen)} times, expected once with (hidden_states, top_k_index, top_k_weights)")
+        return seen[0]
+
+    def observe(self, x: torch.Tensor) -> Observed:
+        """Capture on ``x`` (``[1, tokens, hidden]``), watching the router child: where the block passes the
+        router's ids and weights (the tensors themselves) to its experts, and the router got the block's
+        input, that router alone is the routing, at the cost of nothing else."""
+        name = next((n for n in ROUTER_NAMES if isinstance(self.block._modules.get(n), nn.Module)), None)
+        spy = _Spy(self.block._modules[name]) if name else None
+        hs, idx, w = self._capture(_shallow_copy(self.block, {name: spy}) if spy else self.block, x)
+        roles = self.block._modules[ROUTED].roles
+        shortcut = None
+        flat = x.reshape(-1, x.shape[-1])
+        tokens = hs.dtype == flat.dtype and hs.numel() == flat.numel() and torch.equal(hs.reshape(flat.shape), flat)
+        if spy is not None and len(spy.calls) == 1 and tokens:
+            args, kwargs, out = spy.calls[0]
+            at_i = [i for i, t in enumerate(out) if t is idx] if isinstance(out, tuple) else []
+            at_w = [i for i, t in enumerate(out) if t is w] if isinstance(out, tuple) else []
+            extra = _own_tensors(self.block, args[1:])
+            if args and isinstance(args[0], torch.Tensor) and extra is not None and not kwargs \
+                    and len(at_i) == len(at_w) == 1:
+                batched = args[0].shape == x.shape and torch.equal(args[0], x)
+                if batched or (args[0].shape == flat.shape and torch.equal(args[0], flat)):
+                    shortcut = RoutingOf(spy.inner, at_i[0], at_w[0], batched, extra)
+        return Observed(hs, idx, w, roles, shortcut)
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        hs, idx, w = self._capture(self.block, x.unsqueeze(0))
+        if hs.numel() != x.numel():
+            raise TypeError(f"wrap_expert_parallel: {self._name} passed its experts {tuple(hs.shape)} hidden states "
+                            f"for {tuple(x.shape)} tokens")
+        return idx.reshape(-1, idx.shape[-1]), w.reshape(-1, w.shape[-1])
+
+
+def child_router(block: nn.Module, probe: torch.Tensor) -> nn.Module:
+    """The router child of a block that calls a list of experts itself: the child if it returns
+    ``(top_k_index, top_k_weights)``, else `RoutingOf` where its output holds them."""
+    names = [n for n in ROUTER_NAMES if isinstance(getattr(block, n, None), nn.Module)]
+    if not names:
+        raise _fail(block, f"its experts are an nn.ModuleList it calls itself, so the routing must come from a router "
+                           f"child ({' or '.join(ROUTER_NAMES)}), and it has none")
+    router = getattr(block, names[0])
+    with torch.no_grad():
+        out = router(probe)
+    if isinstance(out, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in out):
+        ints = [i for i, t in enumerate(out) if not t.is_floating_point()]
+        if len(ints) == 1:
+            like = [i for i, t in enumerate(out) if t.is_floating_point() and t.shape == out[ints[0]].shape]
+            if len(like) == 1:
+                if (ints[0], like[0]) == (0, 1) and len(out) == 2:
+                    return router
+                return RoutingOf(router, ints[0], like[0])
+    raise _fail(block, f"its router {names[0]} ({type(router).__name__}) does not return the top-k expert ids "
+                       f"and weights (it computes only part of the routing, and the block the rest)")
+
+
+# --- finding blocks ----------------------------------------------------------------------------------------------
+def find_moe_blocks(model: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
+    """``(name, module)`` for every module of ``model`` with a child named ``experts`` (outermost only): the
+    candidates `wrap_expert_parallel` looks at."""
+    skip: Optional[str] = None
+    for name, module in model.named_modules():
+        if skip is not None and (skip == "" or name.startswith(skip + ".")):
+            continue
+        if isinstance(module._modules.get(ROUTED), nn.Module):
+            skip = name
+            yield name, module

@@ -1,0 +1,83 @@
+"""`launch/prefill.py --model NAME|PATH` and `bench_pipeline --model NAME` on transformers MoE models (no downloads)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from test_prefill_cli import ROOT, TINY, _run
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.spawns_ranks
+SMALL = ["--warmup", "0", "--iters", "1", "--batch", "3", "--seq-len", "12"]
+
+
+def test_a_model_type_runs_every_mode_and_matches_its_own_forward():
+    proc = _run(SMALL + ["--model", "qwen3_moe", "--check"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "prefill: qwen3_moe" in proc.stdout
+    assert "check: serial matches qwen3_moe's own forward" in proc.stdout
+    assert "check: every mode matches serial" in proc.stdout
+
+
+def test_two_ranks_expert_parallel_with_kv_offload_and_overrides(tmp_path):
+    proc = _run(SMALL + ["--model", "deepseek_v3", "--check", "--kv-offload", "--experts", "4", "--top-k", "2",
+                         "--seq-lens", "20,7,9", "--out", str(tmp_path)], ranks=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("check: serial matches deepseek_v3's own forward") == 1
+    assert "4 experts top-2" in proc.stdout and "kv offload on" in proc.stdout
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["check"] == "passed" and [r["mode"] for r in res["rows"]] == ["serial", "shared", "two-batch"]
+
+
+def _checkpoint(folder, model_type="qwen2_moe"):
+    code = ("from launch.transformers_model import build_transformers_model\n"
+            f"build_transformers_model({model_type!r}, seed=5).hf.save_pretrained({str(folder)!r}, "
+            "max_shard_size='200KB')\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
+                   capture_output=True, timeout=300)
+    return folder
+
+
+def test_a_checkpoint_folder_is_read_per_rank(tmp_path):
+    folder = _checkpoint(tmp_path / "ckpt")
+    assert len(list(folder.glob("*.safetensors"))) > 1  # sharded
+    proc = _run(SMALL + ["--model", str(folder), "--check"], ranks=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert out.count("weights: rank 0 holds") == 1 and "rank 1 holds" in out
+    assert "not compared with the model's own forward: each rank holds only its experts" in out
+    assert "check: every mode matches serial" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "no_such_family"], "neither 'reference', a folder, nor a transformers model type"),
+    (["--model", "llama"], "has no routed experts"),
+])
+def test_bad_models_are_one_line(args, message):
+    proc = _run(TINY + args)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and out.count(message) == 1 and "Traceback" not in out, out[-3000:]
+
+
+def test_a_checkpoint_keeps_its_shapes(tmp_path):
+    folder = _checkpoint(tmp_path / "ckpt")
+    proc = _run(TINY + ["--model", str(folder), "--layers", "3"])
+    assert proc.returncode == 2 and "is a checkpoint: its shapes are its own (drop --layers)" in proc.stderr
+
+
+def test_a_family_that_cannot_cut_a_request_says_so():
+    proc = _run(SMALL + ["--model", "qwen3_next", "--mode", "two-batch", "--seq-lens", "30,6"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "requests are not cut across micro-batches" in proc.stdout
+
+
+def test_the_pipeline_benchmark_runs_a_family():
+    proc = subprocess.run([sys.executable, "-m", "launch.bench_pipeline", "--model", "mixtral", "--preset", "tiny",
+                           "--batch", "2", "--seq-len", "16", "--warmup", "0", "--iters", "1"], cwd=ROOT,
+                          env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "mixtral at the shapes of preset tiny" in proc.stdout
+    for mode in ("serial", "shared", "two-batch"):
+        assert f"\n{mode} " in proc.stdout

@@ -1,0 +1,318 @@
+"""transformers MoE causal LMs through the toolkit's schedules with expert parallelism.
+
+Every rank builds the same small model of each family from one seed; each rank prefills its own
+packed batch in every mode (serial, shared, two-batch) on 1, 2 and 4 CPU ranks, once split at a
+request boundary and once cut inside a long request, with the KV offload and the sanitizer on.
+The final hidden states, logits and offloaded keys / values are compared with the model's own
+forward (each request alone); all families and modes of one world size share one `run_ranks`.
+"""
+import functools
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import overlap
+from launch.model import Batch
+from launch.runner import continue_prefill, layer_operations, make_expert_parallel, plan_for, prefill, serial_plan
+from microbatch import MODES
+from microbatch.split import SeqInfo, plan_split
+from overlap.multirank import run_ranks
+
+transformers = pytest.importorskip("transformers")
+from launch.transformers_model import adapt, build_transformers_model, small_config  # noqa: E402
+
+pytestmark = pytest.mark.cpu_only
+
+FAMILIES = ("deepseek_v3", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")
+SEED = 7
+SPLIT = dict(min_tokens=4, max_imbalance=0.2)
+BATCHES = {  # per rank: the best boundary is within 20% / every boundary is far off, so a request is cut
+    "boundary": lambda r: [6, 5 + r, 7, 6],
+    "cut": lambda r: [3, 17 + 2 * r, 2],
+}
+TOL = dict(rtol=1e-4, atol=1e-4)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _max_diff(a, b):
+    return (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
+
+
+class _Recorder:
+    """Every layer's keys and values of a run without offload."""
+
+    def __init__(self):
+        self.kv = {}
+
+    def __call__(self, layer, k, v):
+        self.kv[layer] = (k.clone(), v.clone())
+
+
+def _mode(model, batch, mode, group, ref, ref_kv, plain):
+    """One prefill in ``mode`` with the KV offload, under the sanitizer: what the parent checks."""
+    cfg = model.cfg
+    plan = plan_for(mode, batch, group, model=model, **SPLIT)
+    cache = overlap.OffloadCache(cfg.n_layers, batch.seq.num_tokens, cfg.k_shape, v_shape=cfg.v_shape)
+    with overlap.Sanitizer(raise_on_race=False) as san:
+        out = prefill(model, batch, mode, plan, cache)
+        overlap.synchronize()
+    held = {i: cache.host_kv(i) for i in ref_kv}
+    cache.close()
+    return dict(
+        hidden=_max_diff(out, ref), logits=_max_diff(model.logits(out), model.logits(ref)),
+        scale=ref.abs().max().item(),
+        kv=max(_max_diff(h, r) for i in ref_kv for h, r in zip(held[i], ref_kv[i])),
+        kv_equals_plain=all(torch.equal(h, p) for i in ref_kv for h, p in zip(held[i], plain[i])),
+        races=[str(r) for r in san.races], serial=plan.serial, cut=plan.cut, reason=plan.reason)
+
+
+def _family(ctx, family):
+    model = build_transformers_model(family, seed=SEED)
+    try:
+        make_expert_parallel(model, ctx.group)
+    except TypeError as exc:  # every rank raises alike: the family's block is not supported by wrap yet
+        return f"{type(exc).__name__}: {exc}"
+    out = {}
+    for case, lens in BATCHES.items():
+        batch = Batch.random(lens(ctx.rank), model.cfg.vocab, seed=100 + ctx.rank)
+        ref, ref_kv = model.reference(batch), model.reference_kv(batch)
+        plain = _Recorder()
+        model(batch, kv_sink=plain)
+        for mode in MODES:
+            out[case, mode] = _mode(model, batch, mode, ctx.group, ref, ref_kv, plain.kv)
+    return out
+
+
+def _every_family(ctx):
+    return {family: _family(ctx, family) for family in FAMILIES}
+
+
+@functools.lru_cache(maxsize=None)
+def _results(world):
+    """Per rank, per family: the checks of every batch and mode, or why the family could not run.
+
+    A failure is kept too, so that the tests sharing it do not start the ranks again."""
+    try:
+        return run_ranks(_every_family, world, timeout=300)
+    except Exception as exc:  # noqa: BLE001 (re-raised by every test of this world size)
+        return exc
+
+
+def _runs(world, family):
+    results = _results(world)
+    if isinstance(results, Exception):
+        raise results
+    per_rank = [r[family] for r in results]
+    for rank, got in enumerate(per_rank):
+        if isinstance(got, str):
+            pytest.fail(f"{family} on {world} ranks, rank {rank}: {got}")
+    return per_rank
+
+
+WORLDS = pytest.mark.parametrize("world", [1, 2, 4])
+EACH = pytest.mark.parametrize("family", FAMILIES)
+
+
+@WORLDS
+@EACH
+def test_every_mode_equals_the_models_own_forward(world, family):
+    for rank, runs in enumerate(_runs(world, family)):
+        for (case, mode), r in runs.items():
+            where = f"{family}, {world} ranks, rank {rank}, {case}, {mode}"
+            assert r["hidden"] <= TOL["atol"] + TOL["rtol"] * r["scale"], (where, r)
+            assert r["logits"] <= 1e-3, (where, r)
+
+
+@WORLDS
+@EACH
+def test_two_batch_splits_at_a_boundary_and_inside_a_request(world, family):
+    for runs in _runs(world, family):
+        boundary, cut = runs["boundary", "two-batch"], runs["cut", "two-batch"]
+        assert not boundary["serial"] and boundary["cut"] is None, boundary["reason"]
+        assert not cut["serial"] and cut["cut"] is not None and cut["cut"][0] == 1, cut["reason"]
+        assert all(runs[case, mode]["serial"] for case in BATCHES for mode in ("serial", "shared"))
+
+
+@WORLDS
+@EACH
+def test_kv_offload_holds_the_models_keys_and_values(world, family):
+    for rank, runs in enumerate(_runs(world, family)):
+        for (case, mode), r in runs.items():
+            assert r["kv"] <= 1e-4, (family, world, rank, case, mode, r["kv"])
+            if mode == "serial":  # the same operations in the same order as the run without offload
+                assert r["kv_equals_plain"], (family, world, rank, case)
+
+
+@WORLDS
+@EACH
+def test_no_race_in_any_mode(world, family):
+    for runs in _runs(world, family):
+        assert not any(r["races"] for r in runs.values()), {k: r["races"] for k, r in runs.items() if r["races"]}
+
+
+# --- one process: config, weights, fallbacks --------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def qwen3_next():
+    model = build_transformers_model("qwen3_next", seed=SEED)  # linear attention + full attention layers
+    return make_expert_parallel(model, None)
+
+
+def test_hybrid_model_splits_only_at_request_boundaries(qwen3_next):
+    model = qwen3_next
+    assert model.cfg.attention_layers == (1,) and "linear_attention" in model.no_cut_reason
+    for lens, serial in (([6, 5, 7, 6], False), ([3, 17, 2], True)):
+        batch = Batch.random(lens, model.cfg.vocab, seed=3)
+        ref = model.reference(batch)
+        for mode in MODES:
+            plan = plan_for(mode, batch, None, model=model, **SPLIT)
+            assert plan.cut is None
+            if mode == "two-batch":
+                assert plan.serial == serial and model.no_cut_reason in plan.reason
+            torch.testing.assert_close(prefill(model, batch, mode, plan), ref, **TOL)
+    cut = plan_split([3, 17, 2], **SPLIT)
+    with pytest.raises(ValueError, match="cuts request 1.*linear_attention"):
+        prefill(model, Batch.random([3, 17, 2], model.cfg.vocab), "two-batch", cut)
+
+
+def test_hybrid_model_offloads_only_its_attention_layers(qwen3_next):
+    model = qwen3_next
+    batch = Batch.random([6, 5, 7, 6], model.cfg.vocab, seed=4)
+    names = [[op.name for op in ops] for ops in layer_operations(model, cache=object())]
+    assert "kv_offload" not in names[0] and names[1][1] == "kv_offload"
+    cache = overlap.OffloadCache(model.cfg.n_layers, batch.seq.num_tokens, model.cfg.k_shape)
+    prefill(model, batch, "two-batch", plan_for("two-batch", batch, None, model=model, **SPLIT), cache)
+    assert cache.tokens(0) == 0 and cache.tokens(1) == batch.seq.num_tokens
+    for got, want in zip(cache.host_kv(1), model.reference_kv(batch)[1]):
+        torch.testing.assert_close(got, want, **TOL)
+    with pytest.raises(ValueError, match="continues 6 prefix tokens"):
+        continue_prefill(model, Batch(batch.tokens[:4], SeqInfo((4,), (6,))), cache)
+    cache.close()
+
+
+def test_sliding_window_layers_take_a_prefix():
+    model = make_expert_parallel(build_transformers_model("mixtral", seed=SEED, sliding_window=5), None)
+    assert model.no_cut_reason is None and all(layer.window == 5 for layer in model.layers)
+    batch = Batch.random([3, 17, 2], model.cfg.vocab, seed=5)
+    plan = plan_for("two-batch", batch, None, model=model, **SPLIT)
+    assert plan.cut is not None
+    torch.testing.assert_close(prefill(model, batch, "two-batch", plan), model.reference(batch), **TOL)
+
+
+def test_continuing_from_an_offloaded_prefix_equals_the_whole_prefill():
+    model = make_expert_parallel(build_transformers_model("deepseek_v3", seed=SEED), None)
+    cfg = model.cfg
+    full = Batch.random([14, 9], cfg.vocab, seed=6)
+    ref = model.reference(full)
+    t = full.tokens
+    first = Batch(torch.cat([t[:8], t[14:19]]), SeqInfo((8, 5)))
+    second = Batch(torch.cat([t[8:14], t[19:23]]), SeqInfo((6, 4), (8, 5)))
+    cache = overlap.OffloadCache(cfg.n_layers, 23, cfg.k_shape, v_shape=cfg.v_shape)
+    prefill(model, first, "serial", serial_plan(first), cache)
+    out = continue_prefill(model, second, cache)
+    cache.close()
+    torch.testing.assert_close(out, torch.cat([ref[8:14], ref[19:23]]), **TOL)
+
+
+def test_micro_batches_layer_by_layer_equal_the_models_own_forward():
+    model = build_transformers_model("qwen2_moe", seed=SEED)
+    batch = Batch.random([3, 17, 2], model.cfg.vocab, seed=8)
+    plan = plan_split(batch.seq.seq_lens, **SPLIT)
+    assert plan.cut is not None
+    torch.testing.assert_close(model.forward_microbatches(batch, plan), model.reference(batch), **TOL)
+    hf_logits = model.hf(input_ids=batch.tokens[None, :3]).logits[0]
+    torch.testing.assert_close(model.logits(model(batch))[:3], hf_logits, **TOL)
+
+
+def test_eager_attention_equals_sdpa():
+    eager = build_transformers_model("glm4_moe", seed=SEED, attn_implementation="eager")
+    sdpa = build_transformers_model("glm4_moe", seed=SEED)
+    batch = Batch.random([3, 17, 2], eager.cfg.vocab, seed=9)
+    plan = plan_split(batch.seq.seq_lens, **SPLIT)
+    torch.testing.assert_close(eager.forward_microbatches(batch, plan), sdpa.reference(batch), **TOL)
+
+
+def test_weights_come_from_the_seed():
+    a, b = (build_transformers_model("mixtral", seed=s).hf.state_dict() for s in (1, 1))
+    c = build_transformers_model("mixtral", seed=2).hf.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], c[k]) for k in a if a[k].is_floating_point())
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen2_moe"])
+def test_bfloat16_modes_equal_the_models_own_forward(family):
+    model = build_transformers_model(family, seed=SEED, dtype=torch.bfloat16)
+    batch = Batch.random([3, 17, 2], model.cfg.vocab, seed=1)
+    ref = model.reference(batch)
+    make_expert_parallel(model, None)
+    for mode in MODES:
+        out = prefill(model, batch, mode, plan_for(mode, batch, None, model=model, **SPLIT))
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out, ref, rtol=2e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("family,fields", [
+    ("deepseek_v3", dict(num_hidden_layers=4, first_k_dense_replace=2, hidden_size=96, n_routed_experts=16,
+                         num_experts_per_tok=3, n_shared_experts=2)),
+    ("glm4_moe", dict(num_hidden_layers=4, first_k_dense_replace=2, hidden_size=96, n_routed_experts=16,
+                      num_experts_per_tok=3, n_shared_experts=2)),
+    ("qwen3_moe", dict(num_hidden_layers=4, mlp_only_layers=[0, 1], hidden_size=96, num_local_experts=16,
+                       num_experts_per_tok=3)),
+    ("qwen2_moe", dict(num_hidden_layers=4, mlp_only_layers=[0, 1], hidden_size=96, num_experts=16,
+                       num_experts_per_tok=3, shared_expert_intermediate_size=64)),
+    ("mixtral", dict(num_hidden_layers=4, hidden_size=96, num_local_experts=16, num_experts_per_tok=3)),
+])
+def test_overrides_set_the_familys_own_fields(family, fields):
+    overrides = dict(n_layers=4, n_dense_layers=2, hidden=96, n_experts=16, top_k=3, n_shared=2)
+    if family in ("qwen3_moe", "mixtral"):
+        overrides["n_shared"] = 0
+    if family == "mixtral":
+        overrides["n_dense_layers"] = 0
+    config = small_config(family, overrides)
+    assert {k: getattr(config, k) for k in fields} == fields
+
+
+def test_overrides_a_family_cannot_take_are_refused():
+    with pytest.raises(ValueError, match="no dense layers"):
+        small_config("mixtral", dict(n_dense_layers=1))
+    with pytest.raises(ValueError, match="no shared experts"):
+        small_config("qwen3_moe", dict(n_shared=1))
+    with pytest.raises(ValueError, match="unknown overrides"):
+        small_config("mixtral", dict(n_heads=2))
+
+
+def test_adapter_counts_the_models_shapes():
+    model = build_transformers_model("deepseek_v3", seed=SEED, overrides=dict(n_layers=4, n_dense_layers=2))
+    cfg = model.cfg
+    assert (cfg.n_layers, cfg.n_dense_layers, cfg.moe_layers) == (4, 2, (2, 3))
+    assert cfg.k_shape == (1, 16) and cfg.v_shape == (1, 8)  # MLA caches its latent and its rotary key
+    assert [layer.is_moe for layer in model.layers] == [False, False, True, True]
+
+
+def test_adapt_refuses_an_attention_without_explicit_masks():
+    hf = transformers.AutoModelForCausalLM.from_config(small_config("mixtral"), attn_implementation="sdpa")
+    hf.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="sdpa"):
+        adapt(hf)
+
+
+def test_adapt_refuses_a_model_whose_layers_do_more_than_the_adapter_runs():
+    hf = transformers.AutoModelForCausalLM.from_config(small_config("mixtral"), attn_implementation="sdpa")
+    layer = hf.model.layers[0]  # the last one would vanish in the final norm
+    plain = layer.forward
+    layer.forward = lambda *args, **kwargs: plain(*args, **kwargs) * 2  # as a residual multiplier would
+    with pytest.raises(TypeError, match="do not compute the model's own forward"):
+        adapt(hf)
+    layer.forward = plain
+    assert adapt(hf).check_against_own_forward() <= 1e-5
+
+
+def test_the_package_imports_without_transformers():
+    code = ("import sys, launch.transformers_model, launch.runner, collectives, microbatch\n"
+            "assert 'transformers' not in sys.modules\n")
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
