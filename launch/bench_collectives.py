@@ -47,13 +47,14 @@ def _timed(fn: Callable[[], Any], group: Any) -> float:
 
 def _best(fns: Dict[str, Callable[[], Any]], repeats: int, group: Any) -> Dict[str, float]:
     """Median time of each function over interleaved repeats after one warmup run each, the slowest
-    rank's view of each repeat (all ranks agree)."""
+    rank's view of each repeat (all ranks agree). Each repeat starts one function later than the last."""
     for fn in fns.values():
         _timed(fn, group)
     runs: Dict[str, List[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, fn in fns.items():
-            t = torch.tensor([_timed(fn, group)], dtype=torch.float64)
+    names = list(fns)
+    for i in range(repeats):
+        for k in names[i % len(names):] + names[:i % len(names)]:
+            t = torch.tensor([_timed(fns[k], group)], dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
             runs[k].append(float(t))
     return {k: statistics.median(v) for k, v in runs.items()}

@@ -98,8 +98,9 @@ def main(layers: int, tokens: int, hidden: int, heads: int, head_dim: int, store
     for mode in modes:  # warm up: first touch of host pages and of the mmap file
         run(mode)
     times: Dict[str, List[float]] = {m: [] for m in modes}
-    for _ in range(repeats):  # interleaved, so drift hits every mode alike
-        for mode in modes:
+    names = list(modes)
+    for i in range(repeats):  # interleaved, each round starting one mode later, so drift hits every mode alike
+        for mode in names[i % len(names):] + names[:i % len(names)]:
             times[mode].append(run(mode))
     best = {m: min(ts) for m, ts in times.items()}  # the least disturbed run: robust on a shared host
 

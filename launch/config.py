@@ -27,6 +27,8 @@ class ConfigError(click.ClickException):
 
 
 REFERENCE = "reference"
+AUTO = "auto"  # --mode auto: the planner's choice (launch/planner.py), measured beside serial
+ALL_MODES = tuple(name for name, m in microbatch.MODES.items() if m.in_all)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,14 +183,17 @@ def job_config(*, world: int, device: str, exec_path: str, mode: str, kv_offload
         raise ConfigError(f"--iters must be >= 1 and --warmup >= 0, got {iters} and {warmup}")
     if not (math.isfinite(timeout) and timeout > 0):
         raise ConfigError(f"--timeout must be a positive number of seconds, got {timeout}")
-    if check and mode not in ("all", "serial"):
+    if check and mode not in ("all", "serial", AUTO):
         raise ConfigError(f"--check compares every mode with serial, but --mode {mode} does not run serial: "
                           f"use --mode all (or leave --check out)")
     device = resolve_device(device, path)
     link = parse_cpu_link(cpu_link, device)
-    job = JobConfig(model, tuple(lens), tuple(microbatch.MODES) if mode == "all" else (mode,), device, path,
+    modes = {"all": ALL_MODES, AUTO: ("serial", AUTO)}.get(mode, (mode,))
+    job = JobConfig(model, tuple(lens), modes, device, path,
                     kv_offload, kv_store, DTYPES[dtype], warmup, iters, seed, check, out_dir, link, timeout,
                     model_name)
+    if job.graph and mode == AUTO:
+        raise ConfigError(f"--mode auto plans the eager paths; on --path {path} pick a mode")
     if job.graph and job.transformers:
         raise ConfigError(f"--path {path} compiles the reference model only; run --model {model_name} on the "
                           f"eager path (--path npu)")

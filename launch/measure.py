@@ -1,8 +1,10 @@
 """Time prefill modes side by side in one run, with the last iteration's timeline.
 
-Used by the launcher and the benchmarks. Every figure is a ratio of times measured in the same
-run: speedup over serial, the hidden share of communication (from the timeline), the
-communication share of serial time, and the ideal speedup (compute + comm) / max(compute, comm).
+Used by the launcher and the benchmarks. The modes run interleaved, one iteration of each per
+round (`rounds`), so that a change of load on the host biases no mode. Every figure is a ratio of
+times measured in the same run: speedup over serial (the slowest rank's medians), the hidden share
+of communication (from the timeline), the communication share of serial time (`comm_share`), and
+the ideal speedup (compute + comm) / max(compute, comm) (`ideal_speedup`).
 """
 from __future__ import annotations
 
@@ -17,10 +19,11 @@ import torch.distributed as dist
 
 import overlap
 from overlap import Span, Timeline, collective_device
-from overlap.observability import gather
+from overlap.observability import gather, metrics
 
 from .model import Batch, Model
-from .runner import plan_for, prefill
+from .config import AUTO
+from .runner import cut_refusal, plan_for, prefill
 
 
 @dataclasses.dataclass
@@ -39,6 +42,7 @@ class ModeResult:
     max_diff: Optional[float] = None  # largest |output - serial output| over all ranks (inf if not finite)
     ref_scale: Optional[float] = None  # serial only: largest |output| over all ranks
     finite: bool = True  # no NaN or inf in the output on any rank
+    plan: Any = None  # this rank's split (microbatch.split.SplitPlan)
 
     @property
     def median_s(self) -> float:
@@ -60,62 +64,110 @@ def max_over_ranks(values: Sequence[float], group: Any) -> List[float]:
     return t.tolist()
 
 
+def rounds(modes: Sequence[str], warmup: int, iters: int) -> List[List[str]]:
+    """The order ``measure`` runs the modes in: one list per round, every mode once per round.
+
+    The ``warmup`` rounds come first; each timed round starts one mode later than the one before,
+    so that a change of load on the host falls on every mode alike and on no position in the round.
+    """
+    n = len(modes)
+    return [list(modes) for _ in range(warmup)] + [[modes[(i + j) % n] for j in range(n)] for i in range(iters)]
+
+
 def measure(model: Model, batch: Batch, modes: Sequence[str], group: Any, *, warmup: int = 1, iters: int = 3,
             cache: Any = None, before_iter: Optional[Callable[[str, int], None]] = None,
-            compile_mode: Optional[Callable[[str, Any], Callable[[], torch.Tensor]]] = None) -> List[ModeResult]:
-    """Run each mode ``warmup + iters`` times; the last iteration is recorded on a timeline.
+            compile_mode: Optional[Callable[[str, Any], Callable[[], torch.Tensor]]] = None,
+            choice: Any = None) -> List[ModeResult]:
+    """Run each mode ``warmup + iters`` times, interleaved (see `rounds`); the last round is recorded on a timeline.
 
+    ``before_iter(mode, i)`` is called before every run with the mode's own iteration index.
     ``compile_mode(mode, plan)`` returns a compiled prefill to run instead of the eager executor
     (the graph paths); a compiled graph's launches are not seen one by one, so it gets no timeline
-    (profile it with the device profiler and ``overlap-report``).
+    (profile it with the device profiler and ``overlap-report``). A mode named ``"auto"`` runs the
+    planner's ``choice`` (`launch.planner.Choice`): its split and its schedule.
     """
-    results = []
-    for mode in modes:
-        plan = plan_for(mode, batch, group, model=model)
-        if compile_mode is not None:
-            step = compile_mode(mode, plan)
+    plans, steps = {}, {}
+    for mode in modes:  # every rank agrees on the splits in the same order (one all-reduce each)
+        make = None
+        if mode == AUTO:
+            plans[mode] = plan = choice.plan(batch.seq.seq_lens, group, allow_cut=cut_refusal(model) is None)
+            make = choice.best.make()
         else:
-            def step(mode: str = mode, plan: Any = plan) -> torch.Tensor:
-                return prefill(model, batch, mode, plan, cache)
-        times, tl = [], Timeline()
-        for i in range(warmup + iters):
+            plans[mode] = plan = plan_for(mode, batch, group, model=model)
+        if compile_mode is not None:
+            steps[mode] = compile_mode(mode, plan)
+        else:
+            def step(mode: str = mode, plan: Any = plan, make: Any = make) -> torch.Tensor:
+                return prefill(model, batch, mode, plan, cache, make=make)
+            steps[mode] = step
+    times: Dict[str, List[float]] = {m: [] for m in modes}
+    timelines = {m: Timeline() for m in modes}
+    outputs: Dict[str, torch.Tensor] = {}
+    order = rounds(modes, warmup, iters)
+    for r, round_modes in enumerate(order):
+        last = r == len(order) - 1 and compile_mode is None
+        for mode in round_modes:
             if before_iter is not None:
-                before_iter(mode, i)
+                before_iter(mode, r)
             if cache is not None:
                 cache.reset()
             dist.barrier(group=group)
-            last = i == warmup + iters - 1 and compile_mode is None
             if last:
-                tl.start()
+                timelines[mode].start()
             t0 = time.perf_counter()
-            out = step()
+            outputs[mode] = steps[mode]()
             overlap.synchronize()
             dt = time.perf_counter() - t0
             if last:
-                tl.stop()
-            if i >= warmup:
-                times.append(dt)
-        spans = gather(tl.spans, group)
+                timelines[mode].stop()
+            if r >= warmup:
+                times[mode].append(dt)
+    results = []
+    for mode in modes:
+        out = outputs[mode]
+        spans = gather(timelines[mode].spans, group)
         # one all-reduce: the slowest rank's times, and whether any rank's output is not finite
-        *slowest, bad = max_over_ranks(times + [0.0 if bool(torch.isfinite(out).all()) else 1.0], group)
-        results.append(ModeResult(mode, slowest, plan.reason, spans, out.float(),
-                                  hidden_comm_share=tl.metrics(spans).hidden_share, finite=bad == 0.0))
+        *slowest, bad = max_over_ranks(times[mode] + [0.0 if bool(torch.isfinite(out).all()) else 1.0], group)
+        results.append(ModeResult(mode, slowest, plans[mode].reason, spans, out.float(),
+                                  hidden_comm_share=metrics(spans).hidden_share, finite=bad == 0.0,
+                                  plan=plans[mode]))
     _compare(results, group)
     return results
+
+
+def comm_share(spans: Sequence[Span]) -> Optional[float]:
+    """Communication's share of a recorded iteration: the most communication time on any rank over the
+    longest rank's iteration (from its first span's start to its last span's end); None without spans.
+
+    Each rank's figures come from its own spans, so ranks whose clocks disagree do not stretch it.
+    """
+    per_rank = metrics(spans).per_rank
+    extent: Dict[Any, List[float]] = {}
+    for s in spans:
+        if s.end is not None:
+            lo, hi = extent.setdefault(s.rank, [s.start, s.end])
+            extent[s.rank] = [min(lo, s.start), max(hi, s.end)]
+    length = max((hi - lo for lo, hi in extent.values()), default=0.0)
+    if not length > 0:
+        return None
+    comm = max((m.comm_time for m in per_rank.values()), default=0.0)
+    return min(comm / length, 1.0)
+
+
+def ideal_speedup(share: float) -> float:
+    """(compute + comm) / max(compute, comm) for communication ``share`` of the time (compute the rest)."""
+    compute = 1.0 - share
+    return 1.0 / max(compute, share)
 
 
 def _compare(results: List[ModeResult], group: Any) -> None:
     serial = next((r for r in results if r.mode == "serial"), None)
     if serial is None:
         return
-    per_rank = Timeline().metrics(serial.spans).per_rank.values()
-    comm = max((m.comm_time for m in per_rank), default=0.0)
     # the recorded iteration's own length: its spans, not the timed median, share its clock
-    length = max((s.end for s in serial.spans), default=0.0) - min((s.start for s in serial.spans), default=0.0)
-    if length > 0:
-        serial.comm_share = min(comm / length, 1.0)
-        compute = 1.0 - serial.comm_share
-        serial.ideal_speedup = 1.0 / max(compute, serial.comm_share)
+    serial.comm_share = comm_share(serial.spans)
+    if serial.comm_share is not None:
+        serial.ideal_speedup = ideal_speedup(serial.comm_share)
     # the reference's magnitude over all ranks, so that every rank judges with the same tolerance
     serial.ref_scale = max_over_ranks([_finite_or_inf(serial.output.abs().max().item())
                                        if serial.output.numel() else 0.0], group)[0]

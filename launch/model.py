@@ -10,7 +10,7 @@ executor. A layer reads the executor's ``HIDDEN`` ([tokens, hidden] of one micro
 context values of the micro-batch: ``SEQ``, its `SeqInfo` (request lengths and, for a cut request,
 its prefix length), and ``PREFIX_KV``, ``(k, v)`` of the prefix tokens at this layer or None. It
 writes the executor's ``OUT`` (the layer output) and ``K``, ``V`` ([tokens, heads, head_dim], keys
-after the rotary embedding), for the next micro-batch's prefix and KV offload. In between:
+after the rotary embedding), for the later micro-batches' prefix and KV offload. In between:
 ``"attn"`` writes ``"resid"``, ``K``, ``V``; ``"ffn_norm"`` writes the MoE's input (``MOE_IN``);
 the MoE operations (or the dense ``"mlp"``) write ``MOE_OUT``; ``"residual"`` writes ``OUT``.
 Replace ``layer.moe`` (see `Model.replace_moe`) with a module that has ``stages()`` and its
@@ -30,12 +30,12 @@ import overlap
 from collectives import MOE_IN, MOE_OUT
 from collectives.reference import MoE, Expert
 from microbatch import HIDDEN, OUT, Operation, State, as_operation
-from microbatch.split import SeqInfo, SplitPlan, merge_outputs, micro_batches, prefix_kv, split_tokens
+from microbatch.split import SeqInfo, SplitPlan, merge_outputs, micro_batches, prefix_kv, prefix_sources, split_tokens
 
 from .presets import PRESETS, ModelConfig, preset
 
 __all__ = ["Batch", "DecoderLayer", "K", "Model", "ModelConfig", "PREFIX_KV", "PRESETS", "RMSNorm", "SEQ", "V",
-           "build_model", "init_weights", "preset"]
+           "build_model", "forward_layer_by_layer", "init_weights", "preset"]
 
 SEQ, PREFIX_KV = "seq", "prefix_kv"  # a micro-batch's context values, read by attention at every layer
 K, V = "k", "v"  # a layer's keys and values, written by attention
@@ -68,13 +68,11 @@ class Batch:
         """Pack the token ids of several requests into one batch."""
         return cls(torch.cat(list(requests)), SeqInfo.from_lens([r.shape[0] for r in requests]))
 
-    def split(self, plan: SplitPlan) -> Tuple["Batch", "Batch"]:
-        """The two micro-batches of ``plan``."""
+    def split(self, plan: SplitPlan) -> Tuple["Batch", ...]:
+        """The micro-batches of ``plan`` (two, or N)."""
         if plan.seq_lens != self.seq.seq_lens:
             raise ValueError(f"the plan is for seq_lens {list(plan.seq_lens)}, the batch has {list(self.seq.seq_lens)}")
-        s0, s1 = micro_batches(plan)
-        t0, t1 = split_tokens(plan, self.tokens)
-        return Batch(t0, s0), Batch(t1, s1)
+        return tuple(Batch(t, s) for t, s in zip(split_tokens(plan, self.tokens), micro_batches(plan)))
 
 
 class RMSNorm(nn.Module):
@@ -230,23 +228,43 @@ class Model(nn.Module):
 
     @torch.no_grad()
     def forward_microbatches(self, batch: Batch, plan: SplitPlan) -> torch.Tensor:
-        """Prefill as two micro-batches, layer by layer (mb0 then mb1), without overlap.
+        """Prefill as the plan's micro-batches, layer by layer (mb0, mb1, ...), without overlap.
 
-        Micro-batch 1 of a cut request attends to micro-batch 0's keys and values of the same
+        A cut request's later part attends to its earlier parts' keys and values of the same
         layer. The result equals `forward` up to rounding; a serial plan runs `forward`.
         """
-        if plan.serial:
-            return self.forward(batch)
-        b0, b1 = batch.split(plan)
-        h0, h1 = self.embed_tokens(b0.tokens), self.embed_tokens(b1.tokens)
-        for layer in self.layers:
-            h0, k0, v0 = layer.run(h0, b0.seq, None, mb=0)
-            h1, _, _ = layer.run(h1, b1.seq, prefix_kv(plan, k0, v0), mb=1)
-        return merge_outputs(plan, self.norm(h0), self.norm(h1))
+        return forward_layer_by_layer(self, batch, plan)
 
     def layer_operations(self) -> List[List[Operation]]:
         """Every layer's operations, for the pipeline executor (``microbatch.run``)."""
         return [layer.operations() for layer in self.layers]
+
+
+def _prefix(plan: SplitPlan, mb: int, kvs: Sequence[Tuple[Any, Any]]) -> Optional[KV]:
+    """Micro-batch ``mb``'s prefix from the earlier micro-batches' ``(k, v)`` of this layer (None without)."""
+    sources = prefix_sources(plan, mb)
+    if not sources or kvs[sources[0]][0] is None:  # no cut, or a layer without keys and values
+        return None
+    return prefix_kv(plan, *[t for j in sources for t in kvs[j]], mb=mb)
+
+
+@torch.no_grad()
+def forward_layer_by_layer(model: Any, batch: Batch, plan: SplitPlan) -> torch.Tensor:
+    """``model`` (`Model` or alike) on the micro-batches of ``plan``, layer by layer, without overlap.
+
+    Each layer runs micro-batch 0, 1, ... in turn, so a cut request's later parts find their
+    prefix keys and values computed; the normed outputs are merged into packed order.
+    """
+    if plan.serial:
+        return model.forward(batch)
+    parts = batch.split(plan)
+    hidden = [model.embed_tokens(p.tokens) for p in parts]
+    for layer in model.layers:
+        kvs: List[Tuple[Any, Any]] = []
+        for mb, part in enumerate(parts):
+            hidden[mb], k, v = layer.run(hidden[mb], part.seq, _prefix(plan, mb, kvs), mb=mb)
+            kvs.append((k, v))
+    return merge_outputs(plan, *[model.norm(h) for h in hidden])
 
 
 def _param_seed(seed: int, name: str) -> int:

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 import microbatch
-from launch.config import DTYPES, JobConfig, job_config
+from launch.config import AUTO, DTYPES, JobConfig, job_config
 
 
 def _rank() -> int:
@@ -64,8 +64,9 @@ def _progress(msg: str, first: bool = False) -> None:
               help="Where to run; auto picks npu, then cuda, then cpu.")
 @click.option("--path", "exec_path", type=click.Choice(["auto", "npu", "ge", "aclgraph"]), default="auto",
               help="NPU execution path (auto: eager streams on the device found).")
-@click.option("--mode", type=click.Choice(list(microbatch.MODES) + ["all"]), default="all",
-              help="Schedule(s) to run.")
+@click.option("--mode", type=click.Choice(list(microbatch.MODES) + ["all", "auto"]), default="all",
+              help="Schedule(s) to run: all = serial, shared, two-batch; auto = the planner's choice for this "
+                   "batch (calibrated, cached), measured beside serial.")
 @click.option("--kv-offload/--no-kv-offload", default=False, help="Offload each layer's K/V on the copy stream.")
 @click.option("--kv-store", type=click.Choice(["memory", "mmap"]), default="memory",
               help="Host tier of the KV offload (mmap: files under --out, or a temporary folder).")
@@ -197,16 +198,19 @@ def run_job(job: JobConfig) -> int:
                 fault.maybe_fail(rank, next(counter))
             peers.beat(f"{mode} iteration {i + 1}")
 
+        choice = _plan_auto(job, model, batch) if AUTO in job.modes else None
         results = measure(model, batch, job.modes, dist.group.WORLD, warmup=job.warmup, iters=job.iters,
-                          cache=cache, before_iter=before_iter, compile_mode=compile_mode)
+                          cache=cache, before_iter=before_iter, compile_mode=compile_mode, choice=choice)
         _progress("")
         failed = not_finite(results)  # a wrong answer whatever --check says
         if job.check and not failed:
             failed = check_against_serial(results, job.dtype) + _check_own_forward(job, results, own)
         say(table(results, tokens))
         for r in results:
-            if microbatch.mode(r.mode).micro_batches > 1:
+            if r.mode == AUTO or microbatch.mode(r.mode).micro_batches > 1:
                 say(f"{r.mode} split: {r.split}")
+        if choice is not None:
+            say(_auto_summary(choice, results))
         if job.check or failed:
             say(("check: " if job.check else "") + ("FAILED: " + ", ".join(failed) if failed
                                                       else "every mode matches serial"))
@@ -217,6 +221,8 @@ def run_job(job: JobConfig) -> int:
         dist.destroy_process_group()
         if job.out_dir and rank == 0:  # after the last collective: a failure here cannot stall the other ranks
             write_outputs(job.out_dir, job, results, tokens, world, failed, lambda m: say(m, err=True))
+            if choice is not None:
+                _write_prediction(job.out_dir, choice, model, results)
         return 1 if failed else 0
     except JobMismatch as exc:  # every rank has the same message: the first to get here prints it
         if peers.first_to_report("job"):
@@ -296,6 +302,39 @@ def _check_own_forward(job: JobConfig, results: Any, own: Any) -> list:
         say(f"check: serial matches {job.model_name}'s own forward (largest difference {diff:.2e})")
         return []
     return [f"serial differs from {job.model_name}'s own forward by {diff:.3e} (tolerance {tol:.1e})"]
+
+
+def _plan_auto(job: JobConfig, model: Any, batch: Any) -> Any:
+    """``--mode auto``: calibrate (cached per machine, model and dtype) and choose; the same on every rank."""
+    from launch.calibrate import calibrate
+    from launch.planner import choose, gather_lens
+    from launch.runner import cut_refusal
+
+    all_lens = gather_lens(batch.seq.seq_lens, dist.group.WORLD)
+    _progress("calibrating (cached after the first run)", first=True)
+    cal = calibrate(model, dist.group.WORLD, max_tokens=max(sum(lens) for lens in all_lens))
+    choice = choose(cal, model, all_lens, allow_cut=cut_refusal(model) is None)
+    say(choice.format())
+    return choice
+
+
+def _auto_summary(choice: Any, results: Any) -> str:
+    by = {r.mode: r for r in results}
+    auto, serial = by[AUTO], by.get("serial")
+    measured = f"measured {auto.median_s * 1e3:.1f} ms"
+    if serial is not None:
+        measured += f", {serial.median_s / auto.median_s:.2f}x serial's measured {serial.median_s * 1e3:.1f} ms"
+    return (f"auto: {choice.best.describe()}: predicted {choice.best.predicted_s * 1e3:.1f} ms, "
+            f"{choice.speedup:.2f}x | {measured}")
+
+
+def _write_prediction(out_dir: str, choice: Any, model: Any, results: Any) -> None:
+    """The chosen schedule's predicted timeline of rank 0's batch, beside its measured trace
+    (compare them with ``overlap-report trace_auto.json --plan trace_auto.predicted.json``)."""
+    plan = next(r.plan for r in results if r.mode == AUTO)
+    choice.predict(model, plan).save_chrome_trace(os.path.join(out_dir, "trace_auto.predicted.json"))
+    say(f"wrote {out_dir}/trace_auto.predicted.json (overlap-report {out_dir}/trace_auto.json --plan "
+        f"{out_dir}/trace_auto.predicted.json compares them)", err=True)
 
 
 def _offload_cache(job: JobConfig, model: Any, batch: Any, dev: torch.device, rank: int) -> Any:

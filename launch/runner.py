@@ -8,9 +8,10 @@ then splits only at request boundaries, and a plan that cuts a request is refuse
 
 Modes are `microbatch.MODES`: ``serial`` (everything on the main stream: the reference),
 ``shared`` (one batch, shared experts on their side stream beside dispatch / experts / combine
-on the EP stream) and ``two-batch`` (two micro-batches: one's dispatch and combine under the
-other's compute). With a KV offload cache every layer's keys and values are offloaded right
-after its attention.
+on the EP stream), ``two-batch`` (two micro-batches: one's dispatch and combine under the
+other's compute) and ``three-batch`` / ``four-batch`` (the same with N micro-batches, each
+one's exchanges under the others' compute). With a KV offload cache every layer's keys and
+values are offloaded right after its attention.
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ import microbatch
 import overlap
 from collectives import CapacityExpertParallelMoE, wrap_expert_parallel
 from microbatch import HIDDEN, FromMicroBatch, Operation
-from microbatch.split import DEFAULT_MAX_IMBALANCE, DEFAULT_MIN_TOKENS, SplitPlan, decide_split, merge_outputs, prefix_kv
+from microbatch.split import (DEFAULT_MAX_IMBALANCE, DEFAULT_MIN_TOKENS, SplitPlan, decide_split, merge_outputs,
+                              prefix_kv, prefix_sources)
 
 from .model import K, PREFIX_KV, SEQ, V, Batch, Model
 
@@ -80,13 +82,16 @@ def plan_for(mode: str, batch: Batch, group: Optional[dist.ProcessGroup], *, mod
              min_tokens: int = DEFAULT_MIN_TOKENS, max_imbalance: float = DEFAULT_MAX_IMBALANCE) -> SplitPlan:
     """The micro-batch split of ``mode``: agreed by every rank of ``group`` where it splits (one all-reduce).
 
-    With ``model``, a model that cannot take a cut request (`cut_refusal`) is split at request
-    boundaries only, or runs serially; the plan's reason says why.
+    A mode of N micro-batches gets N where every rank's batch can take them, else the most that
+    every rank can take, else serial (`decide_split`). With ``model``, a model that cannot take a
+    cut request (`cut_refusal`) is split at request boundaries only, or runs serially; the plan's
+    reason says why.
     """
-    if microbatch.mode(mode).micro_batches == 1:
+    n = microbatch.mode(mode).micro_batches
+    if n == 1:
         return serial_plan(batch)
     refusal = cut_refusal(model)
-    plan = decide_split(batch.seq.seq_lens, group, min_tokens=min_tokens, max_imbalance=max_imbalance,
+    plan = decide_split(batch.seq.seq_lens, group, n=n, min_tokens=min_tokens, max_imbalance=max_imbalance,
                         allow_cut=refusal is None)
     return plan if refusal is None else dataclasses.replace(plan, reason=f"{plan.reason}; {refusal}")
 
@@ -101,15 +106,20 @@ def _check_cut(model: Any, plan: SplitPlan) -> None:
 def micro_batch_inputs(model: Model, batch: Batch, plan: SplitPlan) -> List[Dict[str, Any]]:
     """The executor's initial values of each micro-batch of ``plan`` (one when it is serial).
 
-    Micro-batch 1's ``PREFIX_KV`` reads micro-batch 0's ``K``, ``V`` of the same layer (their last
-    rows: the cut request's first part), or is None when no request was cut. A cut plan for a model
-    that refuses cuts (`cut_refusal`) raises before anything runs.
+    A micro-batch whose first request was cut has a ``PREFIX_KV`` that reads ``K``, ``V`` of the
+    same layer from the earlier micro-batches holding that request's earlier parts (their rows of
+    it, concatenated: `prefix_kv`); the others' is None. A cut plan for a model that refuses
+    cuts (`cut_refusal`) raises before anything runs.
     """
     _check_cut(model, plan)
     parts = [batch] if plan.serial else list(batch.split(plan))
-    prefix = FromMicroBatch(0, K, V, fn=functools.partial(prefix_kv, plan)) if plan.cut else None
-    return [{HIDDEN: model.embed_tokens(part.tokens), SEQ: part.seq, PREFIX_KV: prefix if i else None}
+    return [{HIDDEN: model.embed_tokens(part.tokens), SEQ: part.seq, PREFIX_KV: _prefix_input(plan, i)}
             for i, part in enumerate(parts)]
+
+
+def _prefix_input(plan: SplitPlan, mb: int) -> Optional[FromMicroBatch]:
+    sources = prefix_sources(plan, mb)
+    return FromMicroBatch(sources, K, V, fn=functools.partial(prefix_kv, plan, mb=mb)) if sources else None
 
 
 def run_schedule(model: Model, batch: Batch, plan: SplitPlan, layers: List[List[Operation]],
@@ -126,9 +136,11 @@ def run_schedule(model: Model, batch: Batch, plan: SplitPlan, layers: List[List[
 
 
 @torch.no_grad()
-def prefill(model: Model, batch: Batch, mode: str, plan: SplitPlan, cache: Any = None) -> torch.Tensor:
-    """Final hidden states of ``batch`` computed with the schedule of ``mode`` (see the module docstring)."""
-    out = run_schedule(model, batch, plan, layer_operations(model, cache), microbatch.mode(mode).make)
+def prefill(model: Model, batch: Batch, mode: str, plan: SplitPlan, cache: Any = None,
+            make: Optional[Callable[..., microbatch.Schedule]] = None) -> torch.Tensor:
+    """Final hidden states of ``batch`` computed with the schedule of ``mode`` (see the module docstring),
+    or of ``make(layers, micro-batches)`` when given (the planner's choice)."""
+    out = run_schedule(model, batch, plan, layer_operations(model, cache), make or microbatch.mode(mode).make)
     if cache is not None:
         cache.finish()
     return out

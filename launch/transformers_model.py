@@ -10,7 +10,8 @@ own modules:
               family's attention module with its rotary embeddings and an explicit causal mask
               aligned to the bottom right (banded on sliding-window layers); the keys and values
               are read back from a `transformers.DynamicCache` handed to the module, pre-filled
-              with the prefix for a cut request's second part; residual. Writes ``"resid"``,
+              with the prefix for a cut request's later part (its rows in every earlier
+              micro-batch, concatenated); residual. Writes ``"resid"``,
               ``K``, ``V`` (packed ``[tokens, kv_heads, head_dim]``, in whatever layout the family
               caches: DeepSeek-V3 caches its compressed latent and its rotary key, of two shapes)
 ``ffn_norm``  post-attention norm -> ``MOE_IN``
@@ -36,9 +37,9 @@ from torch import nn
 import overlap
 from collectives import MOE_IN, MOE_OUT
 from microbatch import HIDDEN, OUT, Operation, State, as_operation
-from microbatch.split import SeqInfo, SplitPlan, merge_outputs, prefix_kv
+from microbatch.split import SeqInfo, SplitPlan
 
-from .model import K, PREFIX_KV, SEQ, V, Batch, _param_seed
+from .model import K, PREFIX_KV, SEQ, V, Batch, _param_seed, forward_layer_by_layer
 
 __all__ = ["FAMILIES", "TransformersConfig", "TransformersLayer", "TransformersModel", "adapt",
            "build_transformers_model", "causal_mask", "from_config", "seed_weights", "small_config"]
@@ -444,7 +445,7 @@ class TransformersModel(nn.Module):
 
     ``hf`` is the model itself (its MoE blocks stay in place for `reference`); `replace_moe` swaps
     the adapter's blocks only. ``no_cut_reason`` is None when every layer is attention (a cut
-    request's second part can attend to its first part's keys and values), else why not.
+    request's later parts can attend to its earlier parts' keys and values), else why not.
     """
 
     def __init__(self, hf_model: nn.Module):
@@ -515,17 +516,10 @@ class TransformersModel(nn.Module):
 
     @torch.no_grad()
     def forward_microbatches(self, batch: Batch, plan: SplitPlan) -> torch.Tensor:
-        """The two micro-batches layer by layer, without overlap (see `launch.model.Model.forward_microbatches`)."""
-        if plan.serial:
-            return self.forward(batch)
+        """The plan's micro-batches layer by layer, without overlap (see `launch.model.Model.forward_microbatches`)."""
         if plan.cut and self.no_cut_reason:
             raise ValueError(f"the plan cuts a request, but {self.no_cut_reason}")
-        b0, b1 = batch.split(plan)
-        h0, h1 = self.embed_tokens(b0.tokens), self.embed_tokens(b1.tokens)
-        for layer in self.layers:
-            h0, k0, v0 = layer.run(h0, b0.seq, None, mb=0)
-            h1, _, _ = layer.run(h1, b1.seq, prefix_kv(plan, k0, v0) if k0 is not None else None, mb=1)
-        return merge_outputs(plan, self.norm(h0), self.norm(h1))
+        return forward_layer_by_layer(self, batch, plan)
 
     # --- the model's own forward ------------------------------------------------------------------
     @torch.no_grad()

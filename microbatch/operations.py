@@ -7,7 +7,7 @@ name in ``writes`` (a single value when there is one write, else a tuple).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
 from overlap import DEFAULT
 
@@ -70,22 +70,30 @@ def as_operation(op: Any) -> Operation:
 
 @dataclasses.dataclass(frozen=True)
 class FromMicroBatch:
-    """An input of one micro-batch that is another micro-batch's value of the same layer.
+    """An input of one micro-batch that is other micro-batches' values of the same layer.
 
     Put it in a micro-batch's initial state, e.g. ``{"prefix_kv": FromMicroBatch(0, "k", "v")}``
     for micro-batch 1 when a request is cut across the two: at every layer, reading
     ``"prefix_kv"`` gives micro-batch 0's ``("k", "v")`` of that layer (one name gives the value
-    itself). With ``fn`` the reader gets ``fn(*values)`` instead, e.g. the prefix rows of K/V.
-    The executor orders the reader after the writers, across streams too.
+    itself). ``mb`` may name several micro-batches, ``FromMicroBatch((0, 1), "k", "v")`` for a
+    request cut twice: the reader gets their values micro-batch by micro-batch, name by name
+    (``(k0, v0, k1, v1)``). With ``fn`` the reader gets ``fn(*values)`` instead, e.g. the prefix
+    rows of K/V. The executor orders the reader after every writer, across streams too.
+    ``mb`` is the first micro-batch read, ``mbs`` all of them.
     """
 
     mb: int
     names: Tuple[str, ...]
     fn: Optional[Callable[..., Any]] = None
+    mbs: Tuple[int, ...] = ()
 
-    def __init__(self, mb: int, *names: str, fn: Optional[Callable[..., Any]] = None):
+    def __init__(self, mb: Union[int, Sequence[int]], *names: str, fn: Optional[Callable[..., Any]] = None):
+        mbs = tuple(int(m) for m in mb) if isinstance(mb, (tuple, list, range)) else (int(mb),)
+        if not mbs:
+            raise TypeError("FromMicroBatch needs at least one micro-batch to read from")
         if not names or not all(isinstance(n, str) for n in names):
             raise TypeError(f"FromMicroBatch({mb!r}, ...) needs the names of the values to read, got {names!r}")
-        object.__setattr__(self, "mb", int(mb))
+        object.__setattr__(self, "mb", mbs[0])
         object.__setattr__(self, "names", tuple(names))
         object.__setattr__(self, "fn", fn)
+        object.__setattr__(self, "mbs", mbs)

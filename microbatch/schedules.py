@@ -8,7 +8,8 @@ layer's operation list by role: operations on `EP_COMM` are communication (the c
 one is its producer), operations on `SHARED_EXPERT` are shared experts, everything else is compute.
 
 `MODES` names the generators once, with the names the launcher, the JSON results and the traces
-use: ``serial``, ``shared`` and ``two-batch``.
+use: ``serial``, ``shared``, ``two-batch``, and the opt-in ``three-batch`` and ``four-batch``
+(`Mode.in_all` is False: the launcher's ``--mode all`` leaves them out).
 
 Values flow by name: a layer starts with its micro-batch's inputs (``"hidden"`` at layer 0, any
 context values at every layer) and layer ``L``'s ``"hidden"`` is layer ``L-1``'s ``"out"``.
@@ -121,7 +122,8 @@ def _resolve(mb: int, layer: int, name: str, inputs: Sequence[Mapping[str, Any]]
     if name in inputs[mb]:
         v = inputs[mb][name]
         if isinstance(v, FromMicroBatch):
-            return Read(name, tuple((v.mb, layer, n) for n in v.names), packed=len(v.names) > 1, fn=v.fn)
+            keys = tuple((m, layer, n) for m in v.mbs for n in v.names)
+            return Read(name, keys, packed=len(keys) > 1, fn=v.fn)
         return Read(name, (("in", mb, name),))
     return Read(name, ((mb, layer, name),))
 
@@ -148,8 +150,9 @@ def validate(schedule: Schedule, layers: Layers, inputs: Sequence[Mapping[str, A
     by_name = [{op.name: op for op in ops} for ops in layers]
     for mb, inp in enumerate(inputs):
         for name, v in inp.items():
-            if isinstance(v, FromMicroBatch) and not (0 <= v.mb < n_mb and v.mb != mb):
-                raise ScheduleError(f"input {name!r} of mb{mb} refers to micro-batch {v.mb}, which is not "
+            bad = [m for m in v.mbs if not (0 <= m < n_mb and m != mb)] if isinstance(v, FromMicroBatch) else []
+            if bad:
+                raise ScheduleError(f"input {name!r} of mb{mb} refers to micro-batch {bad[0]}, which is not "
                                     f"another of the {n_mb} micro-batches")
     seen: Dict[Tuple[int, int, str], int] = {}
     ops: List[Operation] = []
@@ -290,36 +293,30 @@ def _segments(ops: Sequence[Operation]) -> Tuple[List[List[Operation]], List[Ope
     return segments, cur
 
 
-def _two_batch_stream(op: Operation) -> str:
+def _pipelined_stream(op: Operation) -> str:
     # Production prefill keeps all compute, shared experts included, on the main stream.
     return op.stream if _is_comm(op) or op.stream not in (DEFAULT, SHARED_EXPERT) else DEFAULT
 
 
-def two_batch(layers: Layers, n_micro: int = 2, defer_tail: bool = True) -> Schedule:
-    """Two-batch prefill: compute on the main stream, communication on its side stream.
+_Item = Tuple[int, int, Operation, str]
 
-    Per layer, each segment (compute up to and including a comm op) is issued for micro-batch 0,
-    then 1, so one micro-batch's dispatch / combine runs under the other's compute; the shared
-    experts follow the first dispatches. The tail after the last comm op (finalize) of the last
-    micro-batch is deferred into the next layer, behind micro-batch 0's attention, so its
-    combine is hidden too. For a MoE layer ``attn, gate, dispatch, experts, combine, shared,
-    finalize`` this is: attn0 gate0 dispatch0 attn1 gate1 dispatch1 shared0 shared1 experts0
-    combine0 experts1 combine1 finalize0 | attn0' finalize1 gate0' ...
-    """
+
+def _pipelined(name: str, layers: Layers, n_micro: int, defer_tail: bool) -> Schedule:
+    """The N-batch schedule (see `n_batch`) called ``name``."""
     layers = normalize_layers(layers)
     if n_micro < 1:
-        raise ScheduleError(f"two_batch needs at least one micro-batch, got {n_micro}")
+        raise ScheduleError(f"{name} needs at least one micro-batch, got {n_micro}")
     last = n_micro - 1
-    items: List[Tuple[int, int, Operation, str]] = []
-    deferred: List[Tuple[int, int, Operation, str]] = []
+    items: List[_Item] = []
+    deferred: List[_Item] = []
 
-    def emit(mb: int, li: int, ops: Sequence[Operation]) -> List[Tuple[int, int, Operation, str]]:
-        return [(mb, li, op, _two_batch_stream(op)) for op in ops]
+    def emit(mb: int, li: int, ops: Sequence[Operation]) -> List[_Item]:
+        return [(mb, li, op, _pipelined_stream(op)) for op in ops]
 
     for li, ops in enumerate(layers):
         others, floating, at = _float_shared(ops)
         segments, tail = _segments(others)
-        body: List[Tuple[int, int, Operation, str]] = []
+        body: List[_Item] = []
         if not segments:  # nothing to hide in this layer: micro-batch after micro-batch
             for mb in range(n_micro):
                 body += emit(mb, li, ops)
@@ -347,20 +344,59 @@ def two_batch(layers: Layers, n_micro: int = 2, defer_tail: bool = True) -> Sche
             body += emit(last, li, tail)
         items += body
     items += deferred
-    return _build("two-batch", items)
+    return _build(name, items)
+
+
+_COUNT_WORDS = {1: "one", 2: "two", 3: "three", 4: "four", 5: "five", 6: "six", 7: "seven", 8: "eight"}
+
+
+def n_batch_name(n_micro: int) -> str:
+    """The name of the `n_batch` schedule of ``n_micro`` micro-batches: ``two-batch``, ``three-batch``..."""
+    return f"{_COUNT_WORDS.get(n_micro, n_micro)}-batch"
+
+
+def n_batch(layers: Layers, n_micro: int = 2, defer_tail: bool = True) -> Schedule:
+    """N-batch prefill: compute on the main stream, communication on its side stream, N micro-batches.
+
+    Per layer, each segment (compute up to and including a comm op) is issued for micro-batch 0,
+    then 1, ..., then N-1, so each micro-batch's dispatch / combine runs under the others'
+    compute; the shared experts follow the first dispatches. The tails after the last comm op
+    (finalize) follow the last segment, except the last micro-batch's, which is deferred into
+    the next layer behind micro-batch 0's attention, so its combine is hidden too. For a MoE
+    layer ``attn, gate, dispatch, experts, combine, shared, finalize`` and N = 3 this is: attn0
+    gate0 dispatch0 attn1 gate1 dispatch1 attn2 gate2 dispatch2 shared0 shared1 shared2
+    experts0 combine0 experts1 combine1 experts2 combine2 finalize0 finalize1 | attn0' finalize2
+    gate0' ... The schedule is named `n_batch_name` (n_micro).
+    """
+    return _pipelined(n_batch_name(n_micro), layers, n_micro, defer_tail)
+
+
+def two_batch(layers: Layers, n_micro: int = 2, defer_tail: bool = True) -> Schedule:
+    """Two-batch prefill: `n_batch` for two micro-batches, named ``two-batch`` whatever ``n_micro``.
+
+    For a MoE layer ``attn, gate, dispatch, experts, combine, shared, finalize`` this is: attn0
+    gate0 dispatch0 attn1 gate1 dispatch1 shared0 shared1 experts0 combine0 experts1 combine1
+    finalize0 | attn0' finalize1 gate0' ...
+    """
+    return _pipelined("two-batch", layers, n_micro, defer_tail)
 
 
 @dataclasses.dataclass(frozen=True)
 class Mode:
-    """A named way to run a prefill: its schedule generator and how many micro-batches it wants."""
+    """A named way to run a prefill: its schedule generator and how many micro-batches it wants.
+
+    ``in_all``: the launcher's ``--mode all`` runs it (the N-batch modes for N > 2 are opt-in).
+    """
 
     name: str
     make: Callable[..., Schedule]
     micro_batches: int
+    in_all: bool = True
 
 
-MODES: Dict[str, Mode] = {m.name: m for m in (Mode("serial", serial, 1), Mode("shared", shared, 1),
-                                               Mode("two-batch", two_batch, 2))}
+MODES: Dict[str, Mode] = {m.name: m for m in (
+    Mode("serial", serial, 1), Mode("shared", shared, 1), Mode("two-batch", two_batch, 2),
+    Mode("three-batch", n_batch, 3, in_all=False), Mode("four-batch", n_batch, 4, in_all=False))}
 
 
 def mode(name: str) -> Mode:
@@ -377,4 +413,5 @@ def schedule_for(name: str, layers: Layers, n_micro: int) -> Schedule:
 
 
 __all__ = ["HIDDEN", "MODES", "OUT", "Flow", "Mode", "Read", "Schedule", "ScheduleError", "ScheduledOp", "as_listed",
-           "mode", "normalize_layers", "schedule_for", "serial", "shared", "two_batch", "validate"]
+           "mode", "n_batch", "n_batch_name", "normalize_layers", "schedule_for", "serial", "shared", "two_batch",
+           "validate"]

@@ -1,16 +1,21 @@
 """Prefill of the reference model in every mode equals serial, on 1, 2 and 4 CPU ranks, race-free,
-with one micro-batch's exchange running under the other's compute."""
+with each micro-batch's exchange running under another micro-batch's compute."""
+import contextlib
+
 import pytest
 import torch
 
+import microbatch
 import overlap
 from launch.model import Batch, build_model, preset
 from microbatch import MODES
-from launch.runner import layer_operations, make_expert_parallel, plan_for, prefill
+from launch.runner import layer_operations, make_expert_parallel, plan_for, prefill, run_schedule
 from overlap.multirank import run_ranks
 from overlap.observability.timeline import intersects
 
 CFG = preset("tiny")
+ALL = [name for name, m in MODES.items() if m.in_all]  # what the launcher's --mode all runs
+N_BATCH = [name for name, m in MODES.items() if m.micro_batches > 2]
 BATCHES = {
     "many short requests": lambda r: [5 + r, 3, 9, 4, 7, 6 + 2 * r, 8, 5],
     "one long request": lambda r: [70 + 9 * r],
@@ -24,13 +29,13 @@ def _modes_equal_serial(ctx, case):
     batch = Batch.random(lens, CFG.vocab, seed=100 + ctx.rank, device=ctx.device)
     model = make_expert_parallel(build_model(CFG, seed=5, device=ctx.device), ctx.group)
     out, plans, races = {}, {}, {}
-    for mode in MODES:
+    for mode in ALL:
         plan = plan_for(mode, batch, ctx.group, min_tokens=8)
         with overlap.Sanitizer(raise_on_race=False) as san:
             out[mode] = prefill(model, batch, mode, plan)
             overlap.synchronize()
         plans[mode], races[mode] = plan, [str(r) for r in san.races]
-    return {m: (out[m] - out["serial"]).abs().max().item() for m in MODES}, plans["two-batch"], races
+    return {m: (out[m] - out["serial"]).abs().max().item() for m in ALL}, plans["two-batch"], races
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -51,35 +56,112 @@ def test_every_mode_equals_serial(world, case):
         assert not any(races.values()), races
 
 
-def _microbatches_overlap(ctx):
-    # A link latency makes every exchange last long enough to be seen on a loaded machine;
-    # what is checked is only which spans run at the same time, never how long they take.
-    overlap.set_link(overlap.Link(gbps=10.0, latency_us=30_000))
+def _hidden_exchanges(ctx, mode):
+    """Per (micro-batch, layer) of ``mode``'s prefill: whether an exchange of it ran under another's compute."""
     batch = Batch.random([20, 12, 17, 15], CFG.vocab, seed=ctx.rank)
     model = make_expert_parallel(build_model(CFG, seed=5), ctx.group)
-    plan = plan_for("two-batch", batch, ctx.group, min_tokens=8)
+    plan = plan_for(mode, batch, ctx.group, min_tokens=8)
+    assert plan.n_parts == MODES[mode].micro_batches, plan.reason
     with overlap.Timeline() as tl:
-        prefill(model, batch, "two-batch", plan)
-    comm = [s for s in tl.find(kind="comm") if s.meta.get("mb") in (0, 1) and s.meta.get("layer") is not None]
+        prefill(model, batch, mode, plan)
+    comm = [s for s in tl.find(kind="comm") if s.meta.get("mb") is not None and s.meta.get("layer") is not None]
     compute = tl.find(kind="compute")
     hidden = {}
     for c in comm:
-        other = 1 - c.meta["mb"]
-        hidden.setdefault((c.meta["mb"], c.meta["layer"]), False)
-        if any(s.meta.get("mb") == other and intersects(c, s) for s in compute):
-            hidden[c.meta["mb"], c.meta["layer"]] = True
+        mb = c.meta["mb"]
+        hidden.setdefault((mb, c.meta["layer"]), False)
+        if any(s.meta.get("mb") not in (None, mb) and intersects(c, s) for s in compute):
+            hidden[mb, c.meta["layer"]] = True
     return hidden
+
+
+def _microbatches_overlap(ctx, modes=("two-batch",)):
+    # A link latency makes every exchange last long enough to be seen on a loaded machine;
+    # what is checked is only which spans run at the same time, never how long they take.
+    overlap.set_link(overlap.Link(gbps=10.0, latency_us=30_000))
+    return {mode: _hidden_exchanges(ctx, mode) for mode in modes}
+
+
+def _all_hidden(per_rank, n):
+    moe_layers = set(i for i in range(CFG.n_layers) if CFG.is_moe_layer(i))
+    found = [{mb: {layer for (m, layer), ok in hidden.items() if m == mb and ok} for mb in range(n)}
+             for hidden in per_rank]
+    return all(f[mb] == moe_layers for f in found for mb in range(n)), found
 
 
 @pytest.mark.cpu_only  # the simulated link and host-clock spans are the CPU path's
 def test_each_microbatch_exchange_runs_under_the_other_microbatch_compute():
-    moe_layers = set(i for i in range(CFG.n_layers) if CFG.is_moe_layer(i))
     for _ in range(3):  # a host descheduled for longer than the link latency can miss one; look again
-        found = [{mb: {layer for (m, layer), ok in hidden.items() if m == mb and ok} for mb in (0, 1)}
-                 for hidden in run_ranks(_microbatches_overlap, 2, timeout=240)]
-        if all(f[mb] == moe_layers for f in found for mb in (0, 1)):
+        ok, found = _all_hidden([r["two-batch"] for r in run_ranks(_microbatches_overlap, 2, timeout=240)], 2)
+        if ok:
             return
     pytest.fail(f"exchanges hidden under the other micro-batch's compute, per rank and micro-batch: {found}")
+
+
+@pytest.mark.cpu_only
+def test_each_of_n_microbatches_exchanges_runs_under_another_microbatch_compute():
+    for _ in range(3):
+        per_rank = run_ranks(_microbatches_overlap, 2, tuple(N_BATCH), timeout=240)
+        checks = {mode: _all_hidden([r[mode] for r in per_rank], MODES[mode].micro_batches) for mode in N_BATCH}
+        if all(ok for ok, _ in checks.values()):
+            return
+    pytest.fail(f"exchanges hidden under another micro-batch's compute, per mode, rank and micro-batch: {checks}")
+
+
+N_BATCHES = {  # per rank; three-batch cuts the long request of "cut once" once, of "cut twice" twice
+    "many short requests": lambda r: [5 + r, 3, 9, 4, 7, 6 + 2 * r, 8, 5],
+    "long request cut once": lambda r: [24, 30, 16],
+    "long request cut twice": lambda r: [70 + 9 * r],
+    "too small for N on rank 0": lambda r: [6, 5] if r == 0 else [20, 21, 19, 22],
+}
+SANITIZED = {("many short requests", "three-batch"), ("long request cut twice", "four-batch")}
+
+
+def _n_batch_modes(ctx):
+    """Per (case, mode): the plan, the difference from serial, equality with the serial schedule of the
+    same micro-batches and with the layer-by-layer forward, and the races found."""
+    model = make_expert_parallel(build_model(CFG, seed=5, device=ctx.device), ctx.group)
+    out = {}
+    for case, lens in N_BATCHES.items():
+        batch = Batch.random(lens(ctx.rank), CFG.vocab, seed=100 + ctx.rank, device=ctx.device)
+        ref = prefill(model, batch, "serial", plan_for("serial", batch, ctx.group))
+        for mode in N_BATCH:
+            plan = plan_for(mode, batch, ctx.group, min_tokens=8)
+            san = overlap.Sanitizer(raise_on_race=False) if (case, mode) in SANITIZED else None
+            with san or contextlib.nullcontext():
+                got = prefill(model, batch, mode, plan)
+                overlap.synchronize()
+            with torch.no_grad():
+                same_parts = run_schedule(model, batch, plan, layer_operations(model), microbatch.serial)
+            by_layer = model.forward_microbatches(batch, plan)
+            out[case, mode] = dict(parts=plan.n_parts, cuts=plan.cuts, reason=plan.reason,
+                                   diff=(got - ref).abs().max().item(), bitwise=torch.equal(got, same_parts),
+                                   by_layer=(by_layer - ref).abs().max().item(),
+                                   races=[str(r) for r in san.races] if san else [])
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_n_batch_modes_equal_serial(world):
+    per_rank = run_ranks(_n_batch_modes, world, timeout=240)
+    for (case, mode) in per_rank[0]:
+        runs = [r[case, mode] for r in per_rank]
+        n = MODES[mode].micro_batches
+        assert len({r["parts"] for r in runs}) == 1, (case, mode, "ranks took different numbers of micro-batches")
+        for rank, r in enumerate(runs):
+            where = (world, rank, case, mode, r["reason"])
+            # the same arithmetic per micro-batch as the serial schedule; vs the whole batch as two-batch
+            assert r["bitwise"] and r["diff"] <= 1e-5 and r["by_layer"] <= 1e-5, (where, r)
+            assert not r["races"], (where, r["races"])
+            if case == "many short requests":
+                assert r["parts"] == n, where
+            elif case == "long request cut once" and mode == "three-batch":
+                assert r["parts"] == 3 and r["cuts"] == ((1, 23),), where
+            elif case == "long request cut twice":
+                assert r["parts"] == n and [c[0] for c in r["cuts"]] == [0] * (n - 1), where
+            elif case == "too small for N on rank 0":
+                assert r["parts"] == 2, where
+                assert (f"not {n} micro-batches" if rank == 0 else f"as rank 0 of {world} cannot") in r["reason"]
 
 
 def test_kv_offload_operation_follows_attention():

@@ -355,3 +355,77 @@ def test_bad_input_from_the_command_line_is_one_line(tmp_path):
         assert proc.returncode == EXIT_BAD_INPUT, proc.stderr
         assert proc.stdout == "" and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
         assert name in proc.stderr and "Traceback" not in proc.stderr
+
+
+# ---- --plan: a measured trace against a predicted one -------------------------------------------------
+
+
+def _plan_traces(tmp_path):
+    """Rank 0 measured and planned (ms): the exchange of mb0 runs 4.5 ms longer than planned, so experts start later."""
+    def at(name, stream, kind, start_ms, end_ms, mb, rank=0, origin=0.0):
+        return Span(name, stream, kind, rank, origin + start_ms * 1e-3, origin + end_ms * 1e-3,
+                    meta={"mb": mb, "layer": 1})
+
+    measured = [at("attn", "default", "compute", 0, 4, 0, origin=50.0),
+                at("dispatch", "ep_comm", "issue", 4, 5, 0, origin=50.0),
+                at("dispatch", "ep_comm", "comm", 4.5, 12, 0, origin=50.0),
+                at("attn", "default", "compute", 5, 9, 1, origin=50.0),
+                at("experts", "default", "compute", 12, 14.2, 0, origin=50.0),
+                at("attn", "default", "compute", 1, 4, 0, rank=1, origin=50.0)]  # rank 1 was not planned
+    planned = [at("attn", "default", "compute", 0, 4, 0), at("dispatch", "ep_comm", "issue", 4, 4.5, 0),
+               at("dispatch", "ep_comm", "comm", 4.5, 7.5, 0), at("attn", "default", "compute", 4.5, 8.5, 1),
+               at("experts", "default", "compute", 8.5, 10.5, 0), at("finalize", "default", "compute", 10.5, 11, 0)]
+    return (save_chrome_trace(measured, str(tmp_path / "measured.json")),
+            save_chrome_trace(planned, str(tmp_path / "plan.json")))
+
+
+def test_plan_compares_measured_with_predicted(tmp_path):
+    measured, plan = _plan_traces(tmp_path)
+    result = _run(measured, "--plan", plan)
+    assert result.exit_code == 0, result.output
+    out = result.output
+    assert "length: measured 14.200 ms, predicted 11.000 ms (measured / predicted 1.29x)" in out, out
+    row = next(line for line in out.splitlines() if line.startswith("0") and "dispatch (comm)" in line)
+    assert row.split()[-4:] == ["7.500", "3.000", "4.500", "4.500"], row  # durations, then starts
+    top_duration = out.split("largest duration drift")[1].split("largest start drift")[0].strip().splitlines()
+    assert "dispatch (comm) mb0 L1 @ep_comm: +4.500 ms" in top_duration[1], top_duration
+    top_start = out.split("largest start drift")[1].strip().splitlines()
+    assert "experts (compute) mb0 L1 @default: +3.500 ms" in top_start[1], top_start
+    assert len(top_duration) == 6 and "unmatched: 1 measured span(s), 1 planned span(s)" in out
+
+    data = json.loads(_run(measured, "--plan", plan, "--json").output)
+    assert data["measured_s"] == pytest.approx(14.2e-3) and data["predicted_s"] == pytest.approx(11e-3)
+    ops = {(o["name"], o["kind"], o["mb"]): o for o in data["operations"]}
+    assert len(ops) == 5 and ops["dispatch", "issue", 0]["measured_s"] == pytest.approx(1e-3)
+    assert ops["attn", "compute", 1]["start_drift_s"] == pytest.approx(0.5e-3)
+    assert [(o["name"], o["kind"]) for o in data["top_duration_drift"]][:3] == [
+        ("dispatch", "comm"), ("dispatch", "issue"), ("experts", "compute")]
+    assert data["top_start_drift"][0]["name"] == "experts" and len(data["top_start_drift"]) == 5
+    assert [s["name"] for s in data["only_measured"]] == ["attn"] and data["only_measured"][0]["rank"] == 1
+    assert [s["name"] for s in data["only_planned"]] == ["finalize"]
+
+
+def test_plan_of_a_simulated_prediction_matches_itself(tmp_path):
+    from microbatch import CostModel, Interconnect, Linear, OpCost, Operation, Transfer, predict
+
+    layers = [[Operation("attn", None, ("hidden",), ("x",)), Operation("send", None, ("x",), ("y",), "ep_comm"),
+               Operation("fin", None, ("y",), ("out",))]] * 2
+    costs = CostModel({"attn": OpCost(Linear(1e-3)), "fin": OpCost(Linear(2e-4)),
+                       "send": OpCost(Linear(1e-4), (Transfer("send", Linear(1e4)),))}, Interconnect(1e-4, 1e-9))
+    path = predict("two-batch", layers, [16, 16], costs).save_chrome_trace(str(tmp_path / "plan.json"))
+    data = json.loads(_run(path, "--plan", path, "--json").output)
+    assert len(data["operations"]) == 2 * 2 * 4 and not data["only_measured"] and not data["only_planned"]
+    assert all(o["duration_drift_s"] == 0 and o["start_drift_s"] == 0 for o in data["operations"])
+
+
+def test_plan_bad_inputs_are_one_line(tmp_path):
+    measured, plan = _plan_traces(tmp_path)
+    _bad(measured, "missing.json", "No such file", args=("--plan", tmp_path / "missing.json"), names_file=False)
+    _bad(measured, "torch_profiler_cuda.json", "not a trace of this toolkit",
+         args=("--plan", os.path.join(DATA, "torch_profiler_cuda.json")), names_file=False)
+    _bad(os.path.join(DATA, "torch_profiler_cuda.json"), "not a trace of this toolkit", args=("--plan", plan))
+    _bad(measured, "--plan", "--min-overlap", args=("--plan", plan, "--min-overlap", 0.5), names_file=False)
+    (tmp_path / "cut.json").write_text(open(plan).read()[:100])
+    _bad(measured, "cut.json", "not valid JSON", args=("--plan", tmp_path / "cut.json"), names_file=False)
+    other = save_chrome_trace([Span("gemm", "default", "compute", 3, 0.0, 1.0)], str(tmp_path / "other.json"))
+    _bad(measured, "no span matches", "other.json", args=("--plan", other))

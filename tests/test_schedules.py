@@ -3,8 +3,8 @@ from collections import namedtuple
 
 import pytest
 
-from microbatch import (FromMicroBatch, ScheduledOp, Operation, Schedule, ScheduleError, serial, shared,
-                        two_batch, validate)
+from microbatch import (MODES, FromMicroBatch, ScheduledOp, Operation, Schedule, ScheduleError, n_batch, run,
+                        schedule_for, serial, shared, two_batch, validate)
 from overlap import EP_COMM, DEFAULT, SHARED_EXPERT
 
 Stage = namedtuple("Stage", "name fn reads writes stream")  # any object with the five fields is an operation
@@ -205,3 +205,70 @@ def test_validation_reports_flow():
     flow = validate(two_batch(layers, 2), layers, INPUTS2)
     assert flow.outputs == [(0, 1, "out"), (1, 1, "out")]
     assert all(key in flow.writer for key in flow.outputs)
+
+
+# ---- N micro-batches ----------------------------------------------------------------------------
+
+def test_three_batch_issues_each_segment_for_every_microbatch_in_turn():
+    layers = [moe_ops(), moe_ops()]
+    s = n_batch(layers, 3)
+    validate(s, layers, [{"hidden": i} for i in range(3)])
+    assert s.name == "three-batch" and n_batch(layers, 4).name == "four-batch"
+    assert _names(s)[:20] == [
+        "attn0", "gate0", "dispatch0", "attn1", "gate1", "dispatch1", "attn2", "gate2", "dispatch2",
+        "shared0", "shared1", "shared2", "experts0", "combine0", "experts1", "combine1", "experts2", "combine2",
+        "finalize0", "finalize1"]
+    # the last micro-batch's finalize is deferred into the next layer, behind mb0's attention
+    assert [(l.op, l.mb, l.layer) for l in s.launches[20:23]] == [("attn", 0, 1), ("finalize", 2, 0), ("gate", 0, 1)]
+    assert (s.launches[-1].op, s.launches[-1].mb, s.launches[-1].layer) == ("finalize", 2, 1)
+    assert {l.op: l.stream for l in s.launches} == {
+        "attn": DEFAULT, "gate": DEFAULT, "dispatch": EP_COMM, "experts": DEFAULT, "combine": EP_COMM,
+        "shared": DEFAULT, "finalize": DEFAULT}
+    comm = [i for i, l in enumerate(s.launches) if l.stream == EP_COMM]
+    assert list(s.orders) == list(zip(comm, comm[1:]))
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_each_exchange_is_issued_between_other_microbatches_compute(n):
+    """Between a micro-batch's exchange and the compute that reads it, another micro-batch computes."""
+    layers = [dense_ops(), moe_ops(), moe_ops()]
+    s = n_batch(layers, n)
+    validate(s, layers, [{"hidden": i} for i in range(n)])
+    for i, l in enumerate(s.launches):
+        if l.stream != EP_COMM:
+            continue
+        reader = next(j for j, m in enumerate(s.launches) if j > i and m.mb == l.mb and m.stream == DEFAULT)
+        assert any(m.mb != l.mb and m.stream == DEFAULT for m in s.launches[i + 1:reader]), (l, s.format())
+
+
+def test_two_batch_is_n_batch_for_two():
+    layers = [dense_ops(), moe_ops(), moe_ops()]
+    for n in (1, 2, 3):
+        assert two_batch(layers, n).launches == n_batch(layers, n).launches
+    assert two_batch(layers, 3).name == "two-batch" and n_batch(layers, 2).name == "two-batch"
+
+
+def test_n_batch_modes_are_registered_and_opt_in():
+    assert {name: (m.micro_batches, m.in_all) for name, m in MODES.items()} == {
+        "serial": (1, True), "shared": (1, True), "two-batch": (2, True), "three-batch": (3, False),
+        "four-batch": (4, False)}
+    layers = [moe_ops()]
+    for name in ("three-batch", "four-batch"):
+        assert schedule_for(name, layers, MODES[name].micro_batches).name == name
+    assert schedule_for("three-batch", layers, 2).name == "two-batch"  # fewer parts agreed: the schedule says so
+
+
+def test_an_input_may_read_several_microbatches():
+    layers = [[Operation("attn", lambda h, p: h + p, ("hidden", "prefix"), ("x",)),
+               Operation("mlp", _f, ("x",), ("out",))]]
+    inputs = [{"hidden": 1, "prefix": 0}, {"hidden": 10, "prefix": 0},
+              {"hidden": 100, "prefix": FromMicroBatch((0, 1), "x", fn=lambda a, b: a * 1000 + b)}]
+    flow = validate(n_batch(layers, 3), layers, inputs)
+    read = flow.reads[[i for i, l in enumerate(n_batch(layers, 3).launches) if (l.mb, l.op) == (2, "attn")][0]]
+    assert read[1].keys == ((0, 0, "x"), (1, 0, "x"))
+    assert run(n_batch(layers, 3), layers, inputs) == [1, 10, 100 + 1 * 1000 + 10]
+    assert FromMicroBatch([0, 1], "k", "v").mbs == (0, 1) and FromMicroBatch(1, "k").mbs == (1,)
+    with pytest.raises(ScheduleError, match="refers to micro-batch 2, which is not another"):
+        validate(serial(layers, 3), layers, inputs[:2] + [{"hidden": 0, "prefix": FromMicroBatch((0, 2), "x")}])
+    with pytest.raises(TypeError, match="at least one micro-batch"):
+        FromMicroBatch((), "x")

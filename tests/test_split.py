@@ -1,4 +1,5 @@
 """Micro-batch split planning, slicing, and the agreement of every rank on split-or-serial."""
+import itertools
 import random
 
 import pytest
@@ -6,7 +7,7 @@ import torch
 
 import overlap
 from microbatch.split import (SeqInfo, SplitPlan, agree_split, decide_split, merge_outputs, micro_batches,
-                              plan_split, prefix_kv, split_tokens)
+                              plan_split, prefix_kv, prefix_sources, split_tokens)
 from overlap.multirank import run_ranks
 
 
@@ -211,3 +212,179 @@ def test_a_rank_with_bad_input_stops_every_rank_instead_of_hanging():
     r0, r1 = run_ranks(_one_rank_has_bad_input, 2, timeout=60)
     assert "rank(s) [1] of 2 could not plan a split" in r0
     assert "non-negative" in r1
+
+
+# ---- N micro-batches ----------------------------------------------------------------------------
+
+def _best_boundaries_spread(lens, n):
+    """The smallest (largest - smallest) part over every choice of n - 1 request boundaries, or None."""
+    total = sum(lens)
+    bounds = sorted({b for b in SeqInfo(lens).cu_seqlens if 0 < b < total})
+    spreads = []
+    for points in itertools.combinations(bounds, n - 1):
+        edges = (0,) + points + (total,)
+        counts = [b - a for a, b in zip(edges, edges[1:])]
+        spreads.append(max(counts) - min(counts))
+    return min(spreads, default=None)
+
+
+def _check_parts(plan):
+    """The micro-batches tile the batch: a cut request's later piece has its earlier pieces as prefix."""
+    parts = micro_batches(plan)
+    assert len(parts) == plan.n_parts and tuple(p.num_tokens for p in parts) == plan.token_counts
+    whole = []  # the requests put back together from their pieces
+    for i, part in enumerate(parts):
+        assert part.prefix_lens[1:] == (0,) * (part.num_requests - 1)
+        assert bool(part.prefix_lens[0]) == bool(prefix_sources(plan, i))
+        for j, n in enumerate(part.seq_lens):
+            if j == 0 and part.prefix_lens[0]:
+                assert whole[-1] == part.prefix_lens[0]
+                whole[-1] += n
+            else:
+                whole.append(n)
+    assert [n for n in whole if n] == [n for n in plan.seq_lens if n]
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_n_parts_match_brute_force(seed):
+    rng = random.Random(seed)
+    n = rng.choice([3, 4])
+    lens = [rng.choice([1, 2, 5, 17, 64, 300]) for _ in range(rng.randint(1, 8))] + [rng.randint(4, 9)]
+    rng.shuffle(lens)
+    limit = rng.choice([0.0, 0.1, 0.3, 0.6])
+    plan = plan_split(lens, n, min_tokens=2, max_imbalance=limit)
+    total = sum(lens)
+    counts = plan.token_counts
+    assert plan.n_parts == n and len(plan.points) == n - 1 and sum(counts) == total and min(counts) >= 1
+    best = _best_boundaries_spread(lens, n)
+    if best is not None and best / total <= limit:
+        assert plan.cut is None and max(counts) - min(counts) == best and "request boundaries" in plan.reason
+    else:  # even shares, cutting requests
+        assert max(counts) - min(counts) <= 1
+    _check_parts(plan)
+    x = torch.arange(total)
+    assert torch.equal(merge_outputs(plan, *split_tokens(plan, x)), x)
+
+
+def test_n_parts_at_boundaries_and_cut():
+    even = plan_split([10, 10, 10], 3, min_tokens=2)
+    assert even.points == (10, 20) and even.split_at == 10 and even.cut is None
+    assert even.reason == "request boundaries: 10/10/10 tokens (imbalance 0.0%)"
+    once = plan_split([24, 30, 16], 3, min_tokens=2)
+    assert once.points == (24, 47) and once.cuts == ((1, 23),)
+    assert once.reason.startswith("cut request 1 at token 23: 24/23/23 tokens (best request boundaries 24/30/16")
+    assert micro_batches(once) == (SeqInfo((24,)), SeqInfo((23,)), SeqInfo((7, 16), (23, 0)))
+    twice = plan_split([101], 3, min_tokens=2)
+    assert twice.cuts == ((0, 34), (0, 68)) and twice.cut == (0, 34) and twice.token_counts == (34, 34, 33)
+    assert twice.reason == "cut request 0 at token 34, request 0 at token 68: 34/34/33 tokens (no request boundary)"
+    assert micro_batches(twice) == (SeqInfo((34,)), SeqInfo((34,), (34,)), SeqInfo((33,), (68,)))
+    assert [prefix_sources(twice, i) for i in range(3)] == [(), (0,), (0, 1)]
+
+
+def test_a_request_cut_twice_gets_its_rows_of_every_earlier_part_as_prefix():
+    plan = plan_split([5, 40, 3], 4, min_tokens=2)  # shares 12/12/12/12: request 1 spans all four parts
+    assert plan.cuts == ((1, 7), (1, 19), (1, 31))
+    k = torch.randn(48, 2, 3)
+    parts = split_tokens(plan, k)
+    for mb, want in ((1, k[5:12]), (2, k[5:24]), (3, k[5:36])):
+        kv = [t for j in prefix_sources(plan, mb) for t in (parts[j], parts[j] + 1)]
+        pk, pv = prefix_kv(plan, *kv, mb=mb)
+        assert torch.equal(pk, want) and torch.equal(pv, want + 1)
+    with pytest.raises(ValueError, match=r"micro-batches \[0, 1\]: pass their keys and values \(4 tensors\)"):
+        prefix_kv(plan, parts[0], parts[0], mb=2)
+    with pytest.raises(ValueError, match="micro-batch 1 keys/values have 11/12 rows, expected 12"):
+        prefix_kv(plan, parts[0], parts[0], parts[1][1:], parts[1], mb=2)
+    assert prefix_kv(plan_split([10, 10, 10], 3, min_tokens=2), k[:10], k[:10], mb=1) is None
+
+
+def test_too_few_tokens_for_n_parts_fall_back_to_fewer():
+    two = plan_split([5, 5], 3, min_tokens=8)
+    assert two.n_parts == 2 and two.split_at == 5
+    assert two.reason == ("request boundary: 5/5 tokens (imbalance 0.0%); not 3 micro-batches: a batch of 10 tokens "
+                          "is below 3 x min_tokens/2 = 12 for 3 micro-batches")
+    three = plan_split([7, 7, 7, 4], 4, min_tokens=14)  # 25 tokens: enough for 3 parts of 7, not 4
+    assert three.n_parts == 3 and "not 4 micro-batches" in three.reason and "4 x min_tokens/2 = 28" in three.reason
+    assert [p.n_parts for p in three.fewer] == [2] and three.fewer[0] == plan_split([7, 7, 7, 4], min_tokens=14)
+    assert plan_split([1, 1], 4, min_tokens=0).n_parts == 2  # one token per part at least
+    assert "cannot be split into 3" in plan_split([1, 1], 3, min_tokens=0).reason
+    for lens, words in (([1], "1 token"), ([5, 5], "min_tokens=32")):
+        serial = plan_split(lens, 4)
+        assert serial.serial and words in serial.reason and serial.fewer == ()
+
+
+def test_without_cuts_n_parts_fall_back_to_fewer_balanced_boundaries():
+    assert plan_split([10, 10, 10], 3, min_tokens=2, allow_cut=False).points == (10, 20)
+    two = plan_split([12, 3, 15], 3, min_tokens=2, allow_cut=False)  # 12/3/15 is too unbalanced, 15/15 is not
+    assert two.points == (15,) and "not 3 micro-batches: best request boundaries 12/3/15" in two.reason
+    serial = plan_split([3, 17, 2], 3, min_tokens=2, allow_cut=False)
+    assert serial.serial and "disabled" in serial.reason
+    assert "only 1 request boundary for 3" in plan_split([20, 20], 3, min_tokens=2, allow_cut=False).reason
+
+
+def test_two_part_plans_keep_their_api():
+    plan = SplitPlan((12, 8), 12, "given")
+    assert plan.points == (12,) and plan.n_parts == 2 and plan.token_counts == (12, 8) and plan.edges == (0, 12, 20)
+    serial = plan.as_serial("no")
+    assert serial.serial and serial.points == () and serial.n_parts == 1 and serial.token_counts == (20, 0)
+    n_way = SplitPlan((30,), 10, "given", (10, 20))
+    assert n_way.token_counts == (10, 10, 10) and n_way.imbalance == 0.0 and n_way.cuts == ((0, 10), (0, 20))
+    with pytest.raises(ValueError, match="increase strictly"):
+        SplitPlan((30,), 10, "bad", (10, 10))
+    with pytest.raises(ValueError, match="increase strictly"):
+        SplitPlan((30,), 5, "bad", (10, 20))
+    with pytest.raises(ValueError, match="number of micro-batches"):
+        plan_split([30], 1)
+    with pytest.raises(ValueError, match="outputs of 10, 10 and 9 rows do not match the plan's micro-batches of "
+                                         "10, 10 and 10 tokens"):
+        merge_outputs(n_way, torch.ones(10), torch.ones(10), torch.ones(9))
+
+
+def _agree_n_body(ctx, cases):
+    """Per case (n, allow_cut, per-rank seq_lens): this rank's (points, reason, collectives issued)."""
+    out = []
+    for n, allow_cut, per_rank in cases:
+        counter = _CommCounter()
+        overlap.add_observer(counter)
+        try:
+            plan = decide_split(per_rank[ctx.rank], ctx.group, n=n, min_tokens=8, allow_cut=allow_cut)
+        finally:
+            overlap.remove_observer(counter)
+        out.append((plan.points, plan.reason, counter.n))
+    return out
+
+
+def _check_n_agreement(cases, results, expected):
+    for c, (n, allow_cut, per_rank) in enumerate(cases):
+        got = [r[c] for r in results]
+        local = [plan_split(lens, n, min_tokens=8, allow_cut=allow_cut) for lens in per_rank]
+        offers = [{p.n_parts: p for p in (plan,) + plan.fewer if not plan.serial and not p.serial} for plan in local]
+        common = set.intersection(*[set(o) for o in offers])
+        assert [g[2] for g in got] == [1] * len(got), "exactly one collective per decision"
+        assert len({len(g[0]) for g in got}) == 1, f"ranks disagree on the number of micro-batches: {got}"
+        want = max(common, default=1)
+        assert want == expected[c]
+        for rank, (points, reason, _) in enumerate(got):
+            if want == 1:
+                assert points == ()
+                continue
+            assert points == offers[rank][want].points, (rank, got)
+            planned = local[rank].n_parts
+            if want < planned:
+                assert f"{want} micro-batches, as rank" in reason and f"cannot split into {planned}" in reason
+            else:
+                assert reason == local[rank].reason
+        if want == 1 and not any(p.serial for p in local):
+            assert all("no number of micro-batches in common" in g[1] for g in got)
+
+
+def test_ranks_agree_on_the_number_of_micro_batches():
+    cases = [
+        (3, True, [[40, 30], [200]]),             # both can take three
+        (3, True, [[40, 30], [6, 5]]),            # rank 1 has tokens for two only: both take two
+        (4, True, [[40, 30], [4]]),               # rank 1 cannot split: both serial
+        (3, False, [[10, 10, 10], [10, 10]]),     # without cuts rank 0 can take only three, rank 1 only two
+    ]
+    _check_n_agreement(cases, run_ranks(_agree_n_body, 2, cases, timeout=60), [3, 2, 1, 1])
+    four = [(4, True, [[64], [10, 20, 30], [5] * 8, [100, 3]]),   # 40 tokens on rank 2: four parts of 5
+            (4, True, [[64], [10, 20, 30], [5] * 3, [100, 3]])]   # 15 tokens on rank 2: three parts, not four
+    _check_n_agreement(four, run_ranks(_agree_n_body, 4, four, timeout=90), [4, 3])

@@ -1,8 +1,9 @@
 """transformers MoE causal LMs through the toolkit's schedules with expert parallelism.
 
 Every rank builds the same small model of each family from one seed; each rank prefills its own
-packed batch in every mode (serial, shared, two-batch) on 1, 2 and 4 CPU ranks, once split at a
-request boundary and once cut inside a long request, with the KV offload and the sanitizer on.
+packed batch in every mode of ``--mode all`` (serial, shared, two-batch), and qwen3_moe also in
+three-batch, on 1, 2 and 4 CPU ranks, once split at a request boundary and once cut inside a long
+request (three-batch cuts it twice), with the KV offload and the sanitizer on.
 The final hidden states, logits and offloaded keys / values are compared with the model's own
 forward (each request alone); all families and modes of one world size share one `run_ranks`.
 """
@@ -27,6 +28,8 @@ from launch.transformers_model import adapt, build_transformers_model, small_con
 pytestmark = pytest.mark.cpu_only
 
 FAMILIES = ("deepseek_v3", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")
+ALL = [name for name, m in MODES.items() if m.in_all]  # what the launcher's --mode all runs
+MODES_OF = {"qwen3_moe": ALL + ["three-batch"]}  # the N-batch modes on one family keep the test short
 SEED = 7
 SPLIT = dict(min_tokens=4, max_imbalance=0.2)
 BATCHES = {  # per rank: the best boundary is within 20% / every boundary is far off, so a request is cut
@@ -66,7 +69,8 @@ def _mode(model, batch, mode, group, ref, ref_kv, plain):
         scale=ref.abs().max().item(),
         kv=max(_max_diff(h, r) for i in ref_kv for h, r in zip(held[i], ref_kv[i])),
         kv_equals_plain=all(torch.equal(h, p) for i in ref_kv for h, p in zip(held[i], plain[i])),
-        races=[str(r) for r in san.races], serial=plan.serial, cut=plan.cut, reason=plan.reason)
+        races=[str(r) for r in san.races], serial=plan.serial, cut=plan.cut, reason=plan.reason,
+        points=plan.points, cuts=plan.cuts)
 
 
 def _family(ctx, family):
@@ -81,7 +85,7 @@ def _family(ctx, family):
         ref, ref_kv = model.reference(batch), model.reference_kv(batch)
         plain = _Recorder()
         model(batch, kv_sink=plain)
-        for mode in MODES:
+        for mode in MODES_OF.get(family, ALL):
             out[case, mode] = _mode(model, batch, mode, ctx.group, ref, ref_kv, plain.kv)
     return out
 
@@ -134,6 +138,14 @@ def test_two_batch_splits_at_a_boundary_and_inside_a_request(world, family):
         assert not boundary["serial"] and boundary["cut"] is None, boundary["reason"]
         assert not cut["serial"] and cut["cut"] is not None and cut["cut"][0] == 1, cut["reason"]
         assert all(runs[case, mode]["serial"] for case in BATCHES for mode in ("serial", "shared"))
+
+
+@WORLDS
+def test_three_batch_cuts_a_long_request_twice(world):
+    for runs in _runs(world, "qwen3_moe"):
+        boundary, cut = runs["boundary", "three-batch"], runs["cut", "three-batch"]
+        assert not boundary["serial"] and len(boundary["points"]) == 2, boundary["reason"]
+        assert [c[0] for c in cut["cuts"]] == [1, 1], cut["reason"]  # its third part's prefix spans two parts
 
 
 @WORLDS
@@ -223,6 +235,9 @@ def test_micro_batches_layer_by_layer_equal_the_models_own_forward():
     plan = plan_split(batch.seq.seq_lens, **SPLIT)
     assert plan.cut is not None
     torch.testing.assert_close(model.forward_microbatches(batch, plan), model.reference(batch), **TOL)
+    three = plan_split(batch.seq.seq_lens, 3, **SPLIT)  # request 1 cut twice: its last part's prefix spans two
+    assert three.n_parts == 3 and [c[0] for c in three.cuts] == [1, 1]
+    torch.testing.assert_close(model.forward_microbatches(batch, three), model.reference(batch), **TOL)
     hf_logits = model.hf(input_ids=batch.tokens[None, :3]).logits[0]
     torch.testing.assert_close(model.logits(model(batch))[:3], hf_logits, **TOL)
 

@@ -5,6 +5,10 @@ output folder (or one of its ``trace_view.json`` / ``kernel_details.csv`` / ``st
 Prints, per rank or device: busy time per stream, overlap per pair of streams, overlap / min(busy)
 with a verdict (>= 0.5 real overlap, <= 0.05 serialized) and the hidden share of communication.
 
+With ``--plan PREDICTED`` (a trace written from `microbatch.simulate`'s prediction) it compares
+instead: per operation the measured and the planned duration and start, and the operations that
+drift most from the plan (`overlap.observability._compare`).
+
 Exit status: 0 fine, 1 below ``--min-overlap`` / ``--min-hidden``, 2 unreadable input or bad options.
 """
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import click
 
+from . import _compare
 from ._intervals import Metrics, compute_metrics, verdict
 from ._traces import Trace, TraceError, load
 
@@ -111,20 +116,20 @@ def _not_nan(ctx: click.Context, param: click.Parameter, value: Optional[float])
 @click.option("--min-hidden", type=click.FloatRange(0, 1), default=None, callback=_not_nan,
               help="Fail (exit 1) when the hidden share of communication is below this.")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON instead of text.")
+@click.option("--plan", type=click.Path(), default=None,
+              help="Compare SOURCE with this predicted trace (both written by this toolkit) instead.")
 def main(source: str, min_overlap: Optional[float], pair: Optional[Tuple[str, str]], min_hidden: Optional[float],
-         as_json: bool) -> None:
-    """Report per-stream busy time and overlap of the trace at SOURCE."""
+         as_json: bool, plan: Optional[str]) -> None:
+    """Report per-stream busy time and overlap of the trace at SOURCE (or compare it with --plan)."""
+    if plan is not None:
+        _compare_with_plan(source, plan, as_json, [o for o, v in (("--min-overlap", min_overlap), ("--pair", pair),
+                                                                  ("--min-hidden", min_hidden)) if v is not None])
+        return
     if pair is not None and min_overlap is None:
         raise _BadInput(f"--pair {pair[0]} {pair[1]}: only used with --min-overlap, which is not given")
     if pair is not None and pair[0] == pair[1]:
         raise _BadInput(f"--pair {pair[0]} {pair[1]}: names one stream twice; give two different streams")
-    try:
-        trace, m = analyse(source)
-    except TraceError as e:
-        raise _BadInput(str(e)) from None
-    except Exception as e:  # a reader bug must not pass for a gate failure (exit 1) or print a traceback
-        what = " ".join(f"{type(e).__name__}: {e}".split())
-        raise _BadInput(f"{source}: cannot read it ({what}); a bug in overlap-report, please report it") from None
+    trace, m = _read(source, lambda: analyse(source))
     failures = gate(m, min_overlap, pair, min_hidden)
     if as_json:
         click.echo(json.dumps(_as_json(trace, m, failures), indent=2))
@@ -134,6 +139,24 @@ def main(source: str, min_overlap: Optional[float], pair: Optional[Tuple[str, st
             click.echo(f"FAIL: {f}", err=True)
     if failures:
         click.get_current_context().exit(EXIT_BELOW)
+
+
+def _read(source: str, read: Any) -> Any:
+    """``read()``; a bad input, or a reader bug, as one line and exit status 2."""
+    try:
+        return read()
+    except TraceError as e:
+        raise _BadInput(str(e)) from None
+    except Exception as e:  # a reader bug must not pass for a gate failure (exit 1) or print a traceback
+        what = " ".join(f"{type(e).__name__}: {e}".split())
+        raise _BadInput(f"{source}: cannot read it ({what}); a bug in overlap-report, please report it") from None
+
+
+def _compare_with_plan(source: str, plan: str, as_json: bool, gates: List[str]) -> None:
+    if gates:
+        raise _BadInput(f"--plan compares two traces; {', '.join(gates)} gate(s) one trace: run them separately")
+    c = _read(f"{source} or {plan}", lambda: _compare.compare(source, plan))
+    click.echo(json.dumps(_compare.as_json(c), indent=2) if as_json else _compare.render(c))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,139 @@
+"""Benchmark the planner: predicted against measured time of every mode, and auto against the best fixed mode.
+
+On 2 CPU ranks with the simulated link, over a sweep of tokens per rank and link speeds, one run
+measures, interleaved round by round, every fixed mode (serial, shared, two-, three- and
+four-batch) and ``auto`` (the planner's choice for that batch), and prints side by side for each
+point: measured and predicted time per mode and the prediction's error, the share of
+communication in serial time, auto's choice and its gap to the best fixed mode, and two-batch's
+measured speedup against the one the simulation predicts. The last lines check the targets:
+
+- every mode's prediction within 10% of its measured median at every point;
+- auto within 5% of the best fixed mode at every point, and faster than always-two-batch where
+  two-batch loses to serial;
+- two-batch's measured speedup at least 90% of its predicted one at the default point.
+
+Calibrations are cached (``$OVERLAP_CALIBRATION_CACHE``); ``--refresh`` measures them again. Example::
+
+    python -m launch.bench_plan
+    python -m launch.bench_plan --tokens 64,1024 --links 0.1 --iters 3
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from typing import Any, Dict, List, Tuple
+
+import click
+
+FIXED = ("serial", "shared", "two-batch", "three-batch", "four-batch")
+DEFAULT_POINT = (1024, 0.1)  # tokens per rank, GB/s: the launcher's default batch and link
+
+
+def _lens(tokens: int, seq_len: int) -> List[int]:
+    full, rest = divmod(tokens, seq_len)
+    return [seq_len] * full + ([rest] if rest else [])
+
+
+def _point(ctx: Any, model: Any, tokens: int, seq_len: int, cal: Any, warmup: int, iters: int, seed: int
+           ) -> Dict[str, Any]:
+    import microbatch
+    from launch.measure import max_over_ranks, measure
+    from launch.model import Batch
+    from launch.planner import choose, gather_lens
+
+    batch = Batch.random(_lens(tokens, seq_len), model.cfg.vocab, seed=seed + 97 * ctx.rank + tokens)
+    choice = choose(cal, model, gather_lens(batch.seq.seq_lens, ctx.group))
+    results = measure(model, batch, list(FIXED) + ["auto"], ctx.group, warmup=warmup, iters=iters, choice=choice)
+    layers = model.layer_operations()
+    costs = cal.cost_model()
+    predicted = []
+    for r in results:  # this rank's prediction of what ran; the slowest rank's counts
+        tokens_per_mb = [r.plan.num_tokens] if r.plan.serial else list(r.plan.token_counts)
+        make = choice.best.make() if r.mode == "auto" else microbatch.mode(r.mode).make
+        predicted.append(microbatch.predict(make(layers, len(tokens_per_mb)), layers, tokens_per_mb, costs).total_s)
+    predicted = max_over_ranks(predicted, ctx.group)
+    return {"tokens": tokens, "choice": choice.best.describe(), "comm_share": results[0].comm_share,
+            "rows": [(r.mode, r.median_s, p, r.split) for r, p in zip(results, predicted)]}
+
+
+def _rank_body(ctx: Any, preset_name: str, tokens: List[int], links: List[float], seq_len: int, warmup: int,
+               iters: int, seed: int, refresh: bool) -> Any:
+    import overlap
+    from launch.calibrate import calibrate
+    from launch.model import build_model, preset
+    from launch.runner import make_expert_parallel
+
+    model = make_expert_parallel(build_model(preset(preset_name), seed=seed), ctx.group)
+    out = []
+    for gbps in links:
+        overlap.set_link(overlap.Link(gbps))
+        cal = calibrate(model, ctx.group, max_tokens=max(tokens), refresh=refresh)
+        for n in tokens:
+            out.append(dict(_point(ctx, model, n, seq_len, cal, warmup, iters, seed), link=gbps))
+    return out if ctx.rank == 0 else None
+
+
+def _report(points: List[Dict[str, Any]]) -> Tuple[str, List[str]]:
+    lines, worst_error, misses = [], 0.0, []
+    for p in points:
+        rows = {m: (t, pred) for m, t, pred, _ in p["rows"]}
+        share = p["comm_share"]
+        lines.append(f"\n{p['tokens']} tokens per rank, link {p['link']:g} GB/s: communication "
+                     f"{'-' if share is None else f'{share:.0%}'} of serial time; auto chose {p['choice']}")
+        lines.append(f"  {'mode':<12} {'measured ms':>12} {'predicted ms':>13} {'error':>7}")
+        for mode, t, pred, _ in p["rows"]:
+            err = pred / t - 1.0
+            worst_error = max(worst_error, abs(err))
+            lines.append(f"  {mode:<12} {t * 1e3:12.1f} {pred * 1e3:13.1f} {err:+7.1%}")
+        best_mode, (best_t, _) = min(((m, rows[m]) for m in FIXED), key=lambda kv: kv[1][0])
+        auto_gap = rows["auto"][0] / best_t - 1.0
+        lines.append(f"  best fixed mode {best_mode}; auto {auto_gap:+.1%} against it")
+        if auto_gap > 0.05:
+            misses.append(f"auto {auto_gap:+.1%} against {best_mode} at {p['tokens']} tokens, {p['link']:g} GB/s")
+        if rows["two-batch"][0] > rows["serial"][0] and rows["auto"][0] >= rows["two-batch"][0]:
+            misses.append(f"auto not faster than always-two-batch where two-batch loses ({p['tokens']} tokens, "
+                          f"{p['link']:g} GB/s)")
+        if (p["tokens"], p["link"]) == DEFAULT_POINT:
+            measured = rows["serial"][0] / rows["two-batch"][0]
+            predicted = rows["serial"][1] / rows["two-batch"][1]
+            lines.append(f"  default point: two-batch measured speedup {measured:.2f}x, predicted {predicted:.2f}x "
+                         f"({measured / predicted:.0%} of it; target >= 90%)")
+            if measured < 0.9 * predicted:
+                misses.append(f"two-batch reaches {measured / predicted:.0%} of its predicted speedup at the "
+                              f"default point")
+    if worst_error > 0.10:
+        misses.append(f"worst prediction error {worst_error:.1%} (target within 10%)")
+    return "\n".join(lines), misses
+
+
+@click.command(context_settings={"show_default": True})
+@click.option("--preset", "preset_name", default="small")
+@click.option("--tokens", default="64,256,1024,4096", help="Tokens per rank, comma-separated.")
+@click.option("--links", default="0.02,0.1,0.5", help="Simulated link speeds in GB/s, comma-separated.")
+@click.option("--seq-len", type=int, default=128, help="Tokens per request (the last one takes the rest).")
+@click.option("--warmup", type=int, default=1)
+@click.option("--iters", type=int, default=3)
+@click.option("--seed", type=int, default=0)
+@click.option("--refresh", is_flag=True, help="Measure the calibrations again.")
+def main(preset_name: str, tokens: str, links: str, seq_len: int, warmup: int, iters: int, seed: int,
+         refresh: bool) -> None:
+    """Predicted vs measured time of every mode, and auto vs the best fixed mode, over a sweep."""
+    from overlap.multirank import run_ranks
+
+    token_points = [int(t) for t in tokens.split(",") if t]
+    link_points = [float(g) for g in links.split(",") if g]
+    click.echo(f"2 CPU ranks, preset {preset_name}, requests of {seq_len} tokens, {warmup} warmup + {iters} rounds, "
+               f"modes interleaved round by round")
+    points = run_ranks(_rank_body, 2, preset_name, token_points, link_points, seq_len, warmup, iters, seed, refresh,
+                       timeout=3600)[0]
+    text, misses = _report(points)
+    click.echo(text)
+    click.echo("\ntargets: " + ("all met" if not misses else "missed:\n  " + "\n  ".join(misses)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,570 @@
+"""Calibration: what each operation of a model costs on this machine, as a function of its token count.
+
+`calibrate` runs the model's layers serially through the executor (overlap on, `microbatch.serial`)
+at a few token counts, records each run on a `Timeline`, and fits:
+
+- per operation (by name and whether its layer is MoE, and per layer), ``cost(tokens) = a + b * tokens``
+  seconds of work, by least squares clamped to >= 0. A communication operation's cost is its host
+  part: its span less the collectives inside it;
+- per communication operation, its collectives in order, the bytes each moves (``a + b * tokens``)
+  and whether the host reads it back (the dispatch's count exchange);
+- the executor's own host overhead per operation: the median gap between consecutive operations;
+- the interconnect, ``latency + bytes * seconds_per_byte``: the simulated link in use
+  (`overlap.current_link`, CPU path) plus what a collective costs beyond it, from a sweep of
+  `overlap.all_to_all_single` sizes (on a device, the sweep is the whole cost).
+
+The result is a `Calibration` (JSON), cached per machine, model shape, dtype, link and settings
+in ``$OVERLAP_CALIBRATION_CACHE`` (default ``~/.cache/npu-overlap/calibration/``). Every rank of the
+group runs the same collectives in the same order, and every rank ends with the same numbers:
+the element-wise maximum over the ranks. `Calibration.cost_model` feeds `microbatch.simulate`;
+`predict_mode` predicts one mode's prefill for given micro-batch token counts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import platform
+import socket
+import statistics
+import tempfile
+import time
+import zlib
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+
+import torch
+import torch.distributed as dist
+
+import microbatch
+import overlap
+from microbatch import CostModel, Interconnect, Linear, OpCost, Prediction, Transfer
+from overlap import Span, Timeline, backends, collective_device
+
+from .model import Batch
+from .runner import micro_batch_inputs, serial_plan
+
+logger = logging.getLogger(__name__)
+
+ENV_CACHE = "OVERLAP_CALIBRATION_CACHE"
+DEFAULT_CACHE = os.path.join("~", ".cache", "npu-overlap", "calibration")
+FORMAT = 1
+SWEEP = "calibrate.sweep"  # the name of the sweep's collectives on the timeline
+# A layer keeps its own fit where it differs from its group's at the largest token count by more than this.
+LAYER_REL, LAYER_ABS_S = 0.5, 10e-6
+
+
+# ---- the result --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class OpFit:
+    """Seconds of work of operation ``op`` in MoE (``moe``) or dense layers: ``a + b * tokens``."""
+
+    op: str
+    moe: bool
+    a: float
+    b: float
+    layer: Optional[int] = None  # set: this layer's own fit
+
+    @property
+    def cost(self) -> Linear:
+        return Linear(self.a, self.b)
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferFit:
+    """Collective ``name`` inside operation ``op``: ``a + b * tokens`` bytes; ``blocking``: read on the host."""
+
+    op: str
+    moe: bool
+    name: str
+    a: float
+    b: float
+    blocking: bool
+
+
+@dataclasses.dataclass
+class Calibration:
+    """The fitted costs of one model on one machine (see the module docstring); JSON via `to_dict`."""
+
+    key: Dict[str, Any]
+    layers: List[bool]  # whether each layer is MoE
+    ops: List[OpFit]  # per (op, moe), all layers of that kind pooled
+    layer_ops: List[OpFit]  # per (op, layer)
+    transfers: List[TransferFit]  # per (op, moe), in issue order
+    host_overhead_s: float
+    tokens: List[int]  # the token counts measured
+    link: Optional[Dict[str, float]] = None  # the simulated link (gbps, latency_us) the runs used
+    collective: Tuple[float, float] = (0.0, 0.0)  # seconds per collective beyond the link: a + b * bytes
+    elapsed_s: float = 0.0
+
+    @property
+    def interconnect(self) -> Interconnect:
+        """The link plus a collective's own cost."""
+        latency, per_byte = self.collective
+        if self.link:
+            latency += self.link["latency_us"] * 1e-6
+            per_byte += 1.0 / (self.link["gbps"] * 1e9)
+        return Interconnect(max(0.0, latency), max(0.0, per_byte))
+
+    def op_cost(self, layer: int, op: str) -> Linear:
+        """The work of ``op`` in ``layer``: the layer's own fit where it differs from its kind's (see `LAYER_REL`)."""
+        moe = self.layers[layer]
+        group = next((f.cost for f in self.ops if f.op == op and f.moe == moe), None)
+        own = next((f.cost for f in self.layer_ops if f.op == op and f.layer == layer), None)
+        if group is None or own is None:
+            return own or group or Linear()
+        n = max(self.tokens, default=0)
+        g, o = group(n), own(n)
+        return own if abs(o - g) > max(LAYER_REL * g, LAYER_ABS_S) else group
+
+    def cost_model(self) -> CostModel:
+        """The costs as `microbatch.simulate` takes them, for every calibrated layer."""
+        per_layer: Dict[Tuple[int, str], OpCost] = {}
+        names = {(f.op, f.layer) for f in self.layer_ops}
+        for op, layer in sorted(names, key=lambda k: (k[1], k[0])):
+            moe = self.layers[layer]
+            transfers = tuple(Transfer(t.name, Linear(t.a, t.b), t.blocking) for t in self.transfers
+                              if t.op == op and t.moe == moe)
+            per_layer[layer, op] = OpCost(self.op_cost(layer, op), transfers)
+        by_name: Dict[str, OpCost] = {}
+        for (layer, op), cost in per_layer.items():  # for other layers: the MoE layers' cost first
+            if op not in by_name or self.layers[layer]:
+                by_name[op] = cost
+        return CostModel(by_name, self.interconnect, self.host_overhead_s, per_layer)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Calibration":
+        d = dict(data)
+        d["ops"] = [OpFit(**f) for f in d["ops"]]
+        d["layer_ops"] = [OpFit(**f) for f in d["layer_ops"]]
+        d["transfers"] = [TransferFit(**t) for t in d["transfers"]]
+        d["collective"] = tuple(d["collective"])
+        return cls(**d)
+
+    # the numbers every rank agrees on, flat, and back
+    def values(self) -> List[float]:
+        out: List[float] = []
+        for f in self.ops + self.layer_ops:
+            out += [f.a, f.b]
+        for t in self.transfers:
+            out += [t.a, t.b, float(t.blocking)]
+        return out + [self.host_overhead_s, *self.collective, self.elapsed_s]
+
+    def with_values(self, values: Sequence[float]) -> "Calibration":
+        it = iter(values)
+        ops = [dataclasses.replace(f, a=next(it), b=next(it)) for f in self.ops]
+        layer_ops = [dataclasses.replace(f, a=next(it), b=next(it)) for f in self.layer_ops]
+        transfers = [dataclasses.replace(t, a=next(it), b=next(it), blocking=next(it) > 0.5) for t in self.transfers]
+        host, ca, cb, elapsed = it
+        return dataclasses.replace(self, ops=ops, layer_ops=layer_ops, transfers=transfers, host_overhead_s=host,
+                                   collective=(ca, cb), elapsed_s=elapsed)
+
+    def structure(self) -> str:
+        """What must be the same on every rank for `values` to line up."""
+        parts = [(f.op, f.moe, f.layer) for f in self.ops + self.layer_ops]
+        parts += [(t.op, t.moe, t.name) for t in self.transfers]
+        return json.dumps([self.layers, parts])
+
+
+# ---- fitting -----------------------------------------------------------------------------------
+
+
+def fit_linear(xs: Sequence[float], ys: Sequence[float]) -> Linear:
+    """Least-squares ``a + b * x`` through the points, clamped so that ``a, b >= 0``."""
+    if not xs:
+        return Linear()
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
+    a = my - b * mx
+    if b < 0:
+        return Linear(max(0.0, my), 0.0)
+    if a < 0:  # through the origin instead
+        sx2 = sum(x * x for x in xs)
+        return Linear(0.0, max(0.0, sum(x * y for x, y in zip(xs, ys)) / sx2) if sx2 > 0 else 0.0)
+    return Linear(a, b)
+
+
+@dataclasses.dataclass
+class Run:
+    """One recorded serial prefill: its token count, its spans, and what the observer saw of its collectives."""
+
+    tokens: int
+    spans: Sequence[Span]
+    nbytes: Mapping[int, int] = dataclasses.field(default_factory=dict)  # comm span id -> bytes
+    blocking: Set[int] = dataclasses.field(default_factory=set)  # comm span ids the host read back
+
+
+def _op_spans(spans: Sequence[Span]) -> List[Span]:
+    """The executor's launches: spans with a layer that are not collectives nor nested in another such span."""
+    cands = sorted((s for s in spans if s.kind != "comm" and s.end is not None and s.meta.get("layer") is not None),
+                   key=lambda s: (s.start, -s.end))
+    top: List[Span] = []
+    for s in cands:
+        if top and s.end <= top[-1].end and s.meta.get("layer") == top[-1].meta.get("layer"):
+            continue
+        top.append(s)
+    return top
+
+
+def _inside(comm: Span, op: Span) -> bool:
+    return op.start <= comm.start <= op.end and comm.meta.get("layer") == op.meta.get("layer")
+
+
+def _median_fit(samples: Mapping[Tuple[int, Any], List[float]]) -> Linear:
+    """Fit over per-(tokens, layer) medians: one slow repeat does not move the line."""
+    points = [(k[0], statistics.median(v)) for k, v in sorted(samples.items())]
+    return fit_linear([x for x, _ in points], [y for _, y in points])
+
+
+Samples = Dict[Tuple[int, Any], List[float]]  # (tokens, layer) -> one value per repeat
+
+
+@dataclasses.dataclass
+class _Samples:
+    """What the runs show, sorted for fitting."""
+
+    group: Dict[Tuple[str, bool], Samples] = dataclasses.field(default_factory=dict)  # (op, moe)
+    layer: Dict[Tuple[str, int], Samples] = dataclasses.field(default_factory=dict)  # (op, layer)
+    sizes: Dict[Tuple[str, bool, str], Samples] = dataclasses.field(default_factory=dict)  # (op, moe, collective)
+    order: Dict[Tuple[str, bool], List[str]] = dataclasses.field(default_factory=dict)  # collectives in issue order
+    blocking: Set[Tuple[str, bool, str]] = dataclasses.field(default_factory=set)
+    gaps: List[float] = dataclasses.field(default_factory=list)
+
+    def add_run(self, run: Run, moe_layers: Sequence[bool]) -> None:
+        ops = _op_spans(run.spans)
+        comms = [s for s in run.spans if s.kind == "comm" and s.end is not None]
+        self.gaps += [max(0.0, nxt.start - prev.end) for prev, nxt in zip(ops, ops[1:])]
+        for s in ops:
+            li = int(s.meta["layer"])
+            moe = bool(moe_layers[li])
+            inner = [c for c in comms if _inside(c, s)]
+            work = max(0.0, (s.end - s.start) - sum(c.end - c.start for c in inner))
+            self.group.setdefault((s.name, moe), {}).setdefault((run.tokens, li), []).append(work)
+            self.layer.setdefault((s.name, li), {}).setdefault((run.tokens, li), []).append(work)
+            names = self.order.setdefault((s.name, moe), [])
+            for c in inner:
+                if c.name not in names:
+                    names.append(c.name)
+                key = (s.name, moe, c.name)
+                self.sizes.setdefault(key, {}).setdefault((run.tokens, li), []).append(float(run.nbytes.get(c.id, 0)))
+                if c.id in run.blocking:
+                    self.blocking.add(key)
+
+
+def fit_runs(runs: Sequence[Run], moe_layers: Sequence[bool]) -> Calibration:
+    """Fit operation costs, transfer sizes and the host overhead from recorded serial runs (no key, no link)."""
+    seen = _Samples()
+    for run in runs:
+        seen.add_run(run, moe_layers)
+    ops = [OpFit(op, moe, *_ab(_median_fit(v))) for (op, moe), v in sorted(seen.group.items())]
+    layer_ops = [OpFit(op, bool(moe_layers[li]), *_ab(_median_fit(v)), layer=li)
+                 for (op, li), v in sorted(seen.layer.items(), key=lambda kv: (kv[0][1], kv[0][0]))]
+    transfers = [TransferFit(op, moe, name, *_ab(_median_fit(seen.sizes[op, moe, name])),
+                             (op, moe, name) in seen.blocking)
+                 for (op, moe), names in sorted(seen.order.items()) for name in names]
+    return Calibration({}, [bool(m) for m in moe_layers], ops, layer_ops, transfers,
+                       statistics.median(seen.gaps) if seen.gaps else 0.0, sorted({r.tokens for r in runs}))
+
+
+def _ab(f: Linear) -> Tuple[float, float]:
+    return f.a, f.b
+
+
+def fit_collective(samples: Sequence[Tuple[int, float]], link: Optional[overlap.Link]) -> Tuple[float, float]:
+    """A collective's cost beyond ``link`` from (bytes, seconds) samples: ``(a s, b s/byte)`` of the medians."""
+    by_size: Dict[int, List[float]] = {}
+    for nbytes, seconds in samples:
+        by_size.setdefault(nbytes, []).append(seconds - (link.seconds(nbytes) if link is not None else 0.0))
+    f = fit_linear(list(by_size), [statistics.median(v) for v in by_size.values()])
+    return f.a, f.b
+
+
+# ---- the cache ---------------------------------------------------------------------------------
+
+
+def cache_dir(path: Optional[str] = None) -> str:
+    """Where calibrations are kept: ``path``, else ``$OVERLAP_CALIBRATION_CACHE``, else the default."""
+    return os.path.expanduser(path or os.environ.get(ENV_CACHE) or DEFAULT_CACHE)
+
+
+def _canonical(key: Mapping[str, Any]) -> str:
+    return json.dumps(key, sort_keys=True, default=str)
+
+
+def cache_file(key: Mapping[str, Any], directory: Optional[str] = None) -> str:
+    """The file of the calibration whose key is ``key``."""
+    digest = hashlib.sha256(_canonical(key).encode()).hexdigest()[:24]
+    return os.path.join(cache_dir(directory), f"{digest}.json")
+
+
+def load(key: Mapping[str, Any], directory: Optional[str] = None) -> Optional[Calibration]:
+    """The cached calibration of ``key``, or None (none there, another key, or unreadable)."""
+    path = cache_file(key, directory)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        if _canonical(data.get("key", {})) != _canonical(key) or data.get("format") != FORMAT:
+            return None
+        return Calibration.from_dict(data["calibration"])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        logger.warning("ignoring the unreadable calibration %s (%s): measuring again", path, e)
+        return None
+
+
+def save(cal: Calibration, directory: Optional[str] = None) -> Optional[str]:
+    """Write ``cal`` under its key (atomically); None, with a warning, where the cache cannot be written."""
+    path = cache_file(cal.key, directory)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump({"format": FORMAT, "key": cal.key, "calibration": cal.to_dict()}, f, indent=1, default=str)
+        os.replace(tmp, path)
+        return path
+    except OSError as e:
+        logger.warning("cannot write the calibration cache %s (%s)", path, e)
+        return None
+
+
+def _config_fields(model: Any) -> Any:
+    cfg = getattr(model, "cfg", None)
+    if dataclasses.is_dataclass(cfg):
+        return dataclasses.asdict(cfg)
+    return repr(cfg) if cfg is not None else type(model).__name__
+
+
+def _device_name() -> str:
+    backend = backends.current()
+    if backend.device_type == "cpu":
+        return platform.processor() or platform.machine()
+    mod = getattr(torch, backend.device_type, None)
+    getter = getattr(mod, "get_device_name", None)
+    return str(getter()) if getter is not None else backend.device_type
+
+
+def _model_dtype(model: Any) -> torch.dtype:
+    p = next(iter(model.parameters()), None)
+    return p.dtype if p is not None else torch.float32
+
+
+def _world(group: Any) -> int:
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def calibration_key(model: Any, group: Any = None, tokens: Sequence[int] = (), repeats: int = 0,
+                    seq_len: int = 0) -> Dict[str, Any]:
+    """What a calibration is valid for: machine, torch, path, ranks, model shape, dtype, link and settings."""
+    link = overlap.current_link()
+    key = {"format": FORMAT, "host": socket.gethostname(), "cpus": os.cpu_count(), "device": _device_name(),
+            "torch": torch.__version__, "path": backends.current().name, "world": _world(group),
+            "model": _config_fields(model), "dtype": str(_model_dtype(model)),
+            "link": None if link is None else {"gbps": link.gbps, "latency_us": link.latency_us},
+            "tokens": [int(n) for n in tokens], "repeats": int(repeats), "seq_len": int(seq_len)}
+    return json.loads(_canonical(key))  # as it reads back from the cache
+
+
+# ---- measuring ---------------------------------------------------------------------------------
+
+
+def token_points(max_tokens: int, points: int = 4, low: int = 32) -> List[int]:
+    """``points`` token counts spread evenly from ``low`` (or ``max_tokens`` if smaller) to ``max_tokens``."""
+    if max_tokens < 1:
+        raise ValueError(f"calibration needs max_tokens >= 1, got {max_tokens}")
+    lo = min(low, max_tokens)
+    if points <= 1 or lo == max_tokens:
+        return [max_tokens]
+    return sorted({round(lo + (max_tokens - lo) * i / (points - 1)) for i in range(points)})
+
+
+def _grouped(group: Any) -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+
+
+def _barrier(group: Any) -> None:
+    if _grouped(group):
+        dist.barrier(group=group)
+
+
+def _max_over_ranks(values: Sequence[float], group: Any, dtype: torch.dtype = torch.float64) -> List[float]:
+    device = collective_device(group)
+    if device.type != "cpu" and dtype == torch.float64:
+        dtype = torch.float32  # device collectives take little float64
+    t = torch.tensor(list(values), dtype=dtype, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
+
+
+class _Collectives:
+    """An observer: the bytes of each collective as it starts, and those the host reads back right after."""
+
+    def __init__(self) -> None:
+        self.nbytes: Dict[int, int] = {}
+        self.blocking: Set[int] = set()
+        self._last: Optional[int] = None
+
+    def on_span_start(self, span: Span) -> None:
+        if span.kind != "comm":
+            self._last = None
+            return
+        size = [sum(t.numel() * t.element_size() for t in ts) for ts in (span.reads, span.writes)]
+        self.nbytes[span.id] = max(size)
+        self._last = span.id
+
+    def on_event_synchronize(self, name: str) -> None:
+        if self._last is not None:
+            self.blocking.add(self._last)
+
+
+def _batch(model: Any, tokens: int, seq_len: int, seed: int) -> Batch:
+    lens = [seq_len] * (tokens // seq_len) + ([tokens % seq_len] if tokens % seq_len else [])
+    device = next(iter(model.parameters())).device
+    return Batch.random(lens, model.cfg.vocab, seed=seed, device=device)
+
+
+def _serial(model: Any, layers: List[List[microbatch.Operation]], batch: Batch) -> None:
+    inputs = micro_batch_inputs(model, batch, serial_plan(batch, "calibration"))
+    microbatch.run(microbatch.serial(layers, 1), layers, inputs)
+    overlap.synchronize()
+
+
+def _recorded(model: Any, layers: List[List[microbatch.Operation]], batch: Batch, group: Any) -> Run:
+    seen, tl = _Collectives(), Timeline()
+    _barrier(group)
+    overlap.add_observer(seen)
+    tl.start()
+    try:
+        _serial(model, layers, batch)
+    finally:
+        tl.stop()
+        overlap.remove_observer(seen)
+    return Run(batch.seq.num_tokens, tl.spans, seen.nbytes, seen.blocking)
+
+
+def _sweep(group: Any, rows: Sequence[int], hidden: int, dtype: torch.dtype, repeats: int) -> List[Tuple[int, float]]:
+    """(bytes to other ranks, seconds) of `overlap.all_to_all_single` on the main stream, per size and repeat."""
+    if not _grouped(group):
+        return []
+    world, device = dist.get_world_size(group), collective_device(group)
+    samples = []
+    for r in rows:
+        x = torch.zeros(world * r, hidden, dtype=dtype, device=device)
+        out = torch.empty_like(x)
+        nbytes = (world - 1) * r * hidden * x.element_size()
+        _barrier(group)
+        overlap.all_to_all_single(out, x, group=group, name=SWEEP)  # warm-up
+        with Timeline() as tl:
+            for _ in range(repeats):
+                overlap.all_to_all_single(out, x, group=group, name=SWEEP)
+            overlap.synchronize()
+        samples += [(nbytes, s.end - s.start) for s in tl.find(name=SWEEP)]
+    return samples
+
+
+def _is_moe(model: Any, index: int) -> bool:
+    layer = model.layers[index]
+    return bool(getattr(layer, "is_moe", False))
+
+
+def measure(model: Any, group: Any = None, tokens: Sequence[int] = (32, 64, 128, 256), repeats: int = 3,
+            seq_len: int = 64) -> Calibration:
+    """Measure this rank's calibration (a collective: every rank of ``group`` calls it with the same arguments)."""
+    if backends.current().is_graph:
+        raise ValueError(f"calibrate on an eager path: inside a compiled graph ({backends.current().name}) the "
+                         f"launches are not seen one by one")
+    t0 = time.perf_counter()
+    rank = dist.get_rank(group) if _grouped(group) else 0
+    layers = model.layer_operations()
+    with torch.no_grad(), overlap.enabled(True):
+        runs = []
+        for n in tokens:
+            _barrier(group)
+            _serial(model, layers, _batch(model, n, seq_len, seed=rank))  # warm-up: agreement, buffers of this size
+            runs += [_recorded(model, layers, _batch(model, n, seq_len, seed=1000 * rank + i), group)
+                     for i in range(repeats)]
+        hidden = int(model.cfg.hidden)
+        sweep = _sweep(group, sorted({1, *tokens}), hidden, _model_dtype(model), repeats)
+    link = overlap.current_link()
+    cal = fit_runs(runs, [_is_moe(model, i) for i in range(len(layers))])
+    return dataclasses.replace(cal, key=calibration_key(model, group, tokens, repeats, seq_len),
+                               link=None if link is None else {"gbps": link.gbps, "latency_us": link.latency_us},
+                               collective=fit_collective(sweep, link), elapsed_s=time.perf_counter() - t0)
+
+
+def agree(cal: Calibration, group: Any = None) -> Calibration:
+    """The element-wise maximum of ``cal``'s numbers over the ranks of ``group`` (a collective).
+
+    One all-reduce checks that every rank holds the same structure (`RuntimeError` on every rank
+    otherwise), a second takes the maximum.
+    """
+    if not _grouped(group):
+        return cal
+    tag = zlib.crc32(cal.structure().encode())
+    n = len(cal.values())
+    hi_n, lo_n, hi_tag, lo_tag = _max_over_ranks([n, -n, tag, -tag], group, torch.int64)
+    if (hi_n, -lo_n, hi_tag, -lo_tag) != (n, n, tag, tag):
+        raise RuntimeError("the ranks calibrated different models (their operations or collectives differ): "
+                           "every rank must pass the same model")
+    return cal.with_values(_max_over_ranks(cal.values(), group))
+
+
+# what decides which collectives a measurement issues: every rank must pass the same
+_COLLECTIVE_SETTINGS = ("world", "model", "dtype", "tokens", "repeats", "seq_len")
+
+
+def _everyone_has(have: bool, key: Mapping[str, Any], group: Any) -> bool:
+    """Whether every rank found the calibration (one all-reduce, which also checks the settings agree)."""
+    if not _grouped(group):
+        return have
+    tag = zlib.crc32(_canonical({k: key.get(k) for k in _COLLECTIVE_SETTINGS}).encode())
+    missing, hi, lo = _max_over_ranks([0 if have else 1, tag, -tag], group, torch.int64)
+    if (hi, -lo) != (tag, tag):
+        raise ValueError("the ranks asked for different calibrations (model, dtype, token counts, repeats or "
+                         "request length differ): every rank must call calibrate with the same model and arguments")
+    return missing == 0
+
+
+def calibrate(model: Any, group: Any = None, *, max_tokens: int = 256, points: int = 4, repeats: int = 3,
+              seq_len: int = 64, refresh: bool = False, cache: Optional[str] = None) -> Calibration:
+    """This machine's calibration of ``model`` over ``group``, from the cache when every rank has it.
+
+    Measures at `token_points` ``(max_tokens, points)``, ``repeats`` runs each, in requests of
+    ``seq_len`` tokens; ``refresh`` measures again whatever the cache holds; ``cache`` overrides
+    the cache folder. A collective: every rank of ``group`` calls it with the same arguments, and
+    every rank returns the same numbers.
+    """
+    tokens = token_points(max_tokens, points)
+    key = calibration_key(model, group, tokens, repeats, seq_len)
+    cached = None if refresh else load(key, cache)
+    if _everyone_has(cached is not None, key, group):
+        return agree(cached, group)
+    cal = agree(measure(model, group, tokens, repeats, seq_len), group)
+    save(cal, cache)
+    return cal
+
+
+def predict_mode(cal: Calibration, model: Any, mode: str, tokens: Sequence[int],
+                 device: Optional[bool] = None) -> Prediction:
+    """Predicted prefill of ``mode`` for micro-batches of ``tokens`` tokens each (one count for a serial mode).
+
+    ``model`` is the model (its ``layer_operations()``) or the layers' operation lists; ``device``
+    selects device semantics (default: where the current path runs compute off the host).
+    """
+    layers = model.layer_operations() if hasattr(model, "layer_operations") else model
+    if device is None:
+        device = backends.current().device_type != "cpu"
+    return microbatch.predict(mode, layers, list(tokens), cal.cost_model(), device=device)
+
+
+__all__ = ["Calibration", "ENV_CACHE", "OpFit", "Run", "TransferFit", "agree", "cache_dir", "cache_file", "calibrate",
+           "calibration_key", "fit_collective", "fit_linear", "fit_runs", "load", "measure", "predict_mode", "save",
+           "token_points"]

@@ -1,0 +1,168 @@
+"""Choose how to run a batch before running it: the mode, the number of micro-batches, the split, the tails.
+
+From a calibration (`launch.calibrate`: each operation's cost as a function of its tokens, the
+interconnect as latency + bandwidth) the simulation of the streams (`microbatch.simulate`)
+predicts every candidate's prefill time on every rank's batch:
+
+- the modes of `microbatch.MODES` (serial, shared, two-, three- and four-batch);
+- for the N-batch modes, the split: at request boundaries only, or cut inside a request where
+  the boundaries leave more than 10% or more than 0% imbalance (`plan_split`'s ``max_imbalance``),
+  so a cut is taken only where the prediction says it pays;
+- whether the last micro-batch's tail (finalize) is deferred into the next layer.
+
+A candidate's time is the slowest rank's (the exchanges hold every rank to the slowest). The
+fastest wins; ties go to fewer micro-batches. The inputs are every rank's request lengths (one
+all-gather) and a calibration every rank holds alike (`calibrate` agrees it), so every rank takes
+the same decision, with no further agreement needed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+import microbatch
+import overlap
+from microbatch.split import DEFAULT_MIN_TOKENS, SplitPlan, decide_split, plan_split
+
+# plan_split's max_imbalance per candidate split: boundaries only (no cut), cut above 10%, cut whenever uneven
+_SPLITS = ((None, "at request boundaries"), (0.1, "cut inside a request above 10% imbalance"),
+           (0.0, "cut inside a request whenever boundaries are uneven"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One way to run the batch and its predicted time (the slowest rank's, seconds)."""
+
+    mode: str
+    max_imbalance: Optional[float]  # None: split at request boundaries only
+    defer_tail: bool
+    predicted_s: float
+    micro_batches: int
+
+    def describe(self) -> str:
+        if self.micro_batches == 1:
+            return self.mode
+        split = dict(_SPLITS)[self.max_imbalance]
+        return f"{self.mode}, {split}, {'tail deferred' if self.defer_tail else 'tail in its layer'}"
+
+    def make(self) -> Callable[..., microbatch.Schedule]:
+        """The schedule generator this candidate runs (``make(layers, n_micro)``)."""
+        spec = microbatch.mode(self.mode)
+        if self.micro_batches == 1:
+            return spec.make
+        return functools.partial(_named, self.mode, self.defer_tail)
+
+
+def _named(name: str, defer_tail: bool, layers: Any, n_micro: int) -> microbatch.Schedule:
+    return dataclasses.replace(microbatch.n_batch(layers, n_micro, defer_tail=defer_tail), name=name)
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """The decision: the best candidate, every candidate considered, and serial's predicted time."""
+
+    best: Candidate
+    candidates: Tuple[Candidate, ...]
+    serial_s: float
+    calibration: Any = None  # what the predictions came from (launch.calibrate.Calibration)
+    device: bool = False  # device semantics in the simulation (compute off the host)
+
+    def predict(self, model: Any, plan: SplitPlan) -> Any:
+        """The chosen schedule's predicted timeline (`microbatch.simulate.Prediction`) for this rank's ``plan``."""
+        layers = model.layer_operations() if hasattr(model, "layer_operations") else model
+        tokens = [plan.num_tokens] if plan.serial else list(plan.token_counts)
+        schedule = self.best.make()(layers, len(tokens))
+        return microbatch.predict(schedule, layers, tokens, self.calibration.cost_model(), device=self.device)
+
+    @property
+    def speedup(self) -> float:
+        return self.serial_s / self.best.predicted_s if self.best.predicted_s > 0 else 1.0
+
+    def plan(self, seq_lens: Sequence[int], group: Any, allow_cut: bool = True) -> SplitPlan:
+        """This rank's split for the chosen candidate, agreed as `decide_split` does (one all-reduce)."""
+        b = self.best
+        if b.micro_batches == 1:
+            return SplitPlan(tuple(seq_lens), None, f"auto: {b.mode}")
+        imbalance = 0.999 if b.max_imbalance is None else b.max_imbalance
+        plan = decide_split(seq_lens, group, n=b.micro_batches, max_imbalance=imbalance,
+                            allow_cut=allow_cut and b.max_imbalance is not None)
+        return dataclasses.replace(plan, reason=f"auto: {b.describe()}; {plan.reason}")
+
+    def format(self, top: int = 6) -> str:
+        """The plan and the best candidates with their predicted times, as text."""
+        lines = [f"auto: chose {self.best.describe()}: predicted {self.best.predicted_s * 1e3:.1f} ms, "
+                 f"{self.speedup:.2f}x serial's predicted {self.serial_s * 1e3:.1f} ms"]
+        for c in self.candidates[:top]:
+            lines.append(f"  {c.predicted_s * 1e3:9.1f} ms  {c.describe()}")
+        return "\n".join(lines)
+
+
+def gather_lens(seq_lens: Sequence[int], group: Any = None) -> List[Tuple[int, ...]]:
+    """Every rank's request lengths, in rank order (two small all-gathers; no group: this rank's alone)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return [tuple(int(n) for n in seq_lens)]
+    device = overlap.collective_device(group)
+    world = dist.get_world_size(group)
+    count = torch.tensor([len(seq_lens)], dtype=torch.int64, device=device)
+    counts = [torch.zeros_like(count) for _ in range(world)]
+    dist.all_gather(counts, count, group=group)
+    width = max(int(c) for c in counts)
+    mine = torch.zeros(width, dtype=torch.int64, device=device)
+    mine[:len(seq_lens)] = torch.tensor(list(seq_lens), dtype=torch.int64)
+    every = [torch.zeros_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine, group=group)
+    return [tuple(int(x) for x in t[:int(c)].tolist()) for t, c in zip(every, counts)]
+
+
+def _plans(all_lens: Sequence[Tuple[int, ...]], n: int, max_imbalance: Optional[float], allow_cut: bool,
+           min_tokens: int) -> Optional[List[SplitPlan]]:
+    """Every rank's plan of ``n`` micro-batches, or None when some rank cannot take exactly ``n``."""
+    cut = allow_cut and max_imbalance is not None
+    imbalance = 0.999 if max_imbalance is None else max_imbalance
+    plans = [plan_split(lens, n, min_tokens=min_tokens, max_imbalance=imbalance, allow_cut=cut) for lens in all_lens]
+    return plans if all(p.n_parts == n for p in plans) else None
+
+
+def choose(cal: Any, model: Any, all_lens: Sequence[Tuple[int, ...]], *, allow_cut: bool = True,
+           min_tokens: int = DEFAULT_MIN_TOKENS, device: Optional[bool] = None,
+           modes: Optional[Sequence[str]] = None) -> Choice:
+    """The fastest predicted way to run batches of ``all_lens`` (one tuple of request lengths per rank).
+
+    Pure and deterministic: every rank given the same inputs returns the same `Choice`.
+    ``allow_cut=False`` for models that cannot continue a request from a prefix.
+    """
+    from launch.calibrate import predict_mode
+
+    layers = model.layer_operations() if hasattr(model, "layer_operations") else model
+    if device is None:
+        device = overlap.backends.current().device_type != "cpu"
+    costs = cal.cost_model()
+    found: List[Candidate] = []
+    seen = set()  # (mode, tail, every rank's split): knobs that give the same splits are one candidate
+    for name in modes or list(microbatch.MODES):
+        spec = microbatch.mode(name)
+        if spec.micro_batches == 1:
+            t = max(predict_mode(cal, layers, name, [sum(lens)], device=device).total_s for lens in all_lens)
+            found.append(Candidate(name, None, True, t, 1))
+            continue
+        for imbalance, _ in _SPLITS:
+            plans = _plans(all_lens, spec.micro_batches, imbalance, allow_cut, min_tokens)
+            if plans is None:
+                continue
+            splits = tuple(p.points for p in plans)
+            for defer in (True, False):
+                if (name, defer, splits) in seen:
+                    continue
+                seen.add((name, defer, splits))
+                cand = Candidate(name, imbalance, defer, 0.0, spec.micro_batches)
+                schedule = cand.make()(layers, spec.micro_batches)
+                t = max(microbatch.predict(schedule, layers, list(p.token_counts), costs, device=device).total_s
+                        for p in plans)
+                found.append(dataclasses.replace(cand, predicted_s=t))
+    found.sort(key=lambda c: (c.predicted_s, c.micro_batches, c.mode != "serial"))
+    serial = next(c for c in found if c.mode == "serial")
+    return Choice(found[0], tuple(found), serial.predicted_s, cal, device)

@@ -1,0 +1,257 @@
+"""Predict a schedule's timeline and prefill time from a cost model, without running it (pure Python).
+
+An event-driven simulation of the streams of one rank, in the executor's terms:
+
+- one host thread issues the launches in schedule order, spending the cost model's host overhead
+  before each;
+- a launch waits for the launches it depends on across streams, the cross-stream edges the
+  executor derives from the data flow (and the schedule's ordering intents);
+- one operation at a time per stream; every transfer goes over one link, one transfer at a time
+  (FIFO), taking ``latency + bytes * seconds_per_byte``;
+- a host-blocking transfer (the dispatch's count exchange) blocks issuing until it completes.
+
+CPU semantics (the default), as `overlap.backends.cpu` runs: compute runs inline on the host
+thread whatever its stream, so the host is busy while it runs; an event wait blocks the host; a
+collective on the main stream is synchronous, one on a side stream is asynchronous. Device
+semantics (``device=True``): every operation runs on its stream, the host only issues, and an
+event wait makes the stream wait, not the host.
+
+Use `predict` for a schedule (or a mode's name) over layers, `simulate` for a schedule or a
+lowered `Plan` whose data flow you already have.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
+
+from overlap import DEFAULT, Span
+
+from .executor import Plan
+from .schedules import HIDDEN, OUT, Flow, Layers, Schedule, ScheduledOp, normalize_layers, schedule_for, validate
+
+
+@dataclasses.dataclass(frozen=True)
+class Linear:
+    """``a + b * tokens``, never below zero."""
+
+    a: float = 0.0
+    b: float = 0.0
+
+    def __call__(self, tokens: float) -> float:
+        return max(0.0, self.a + self.b * tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+    """One collective of a communication operation: its bytes per token count, and whether the host reads it."""
+
+    name: str
+    nbytes: Linear
+    blocking: bool = False  # the host waits for it before issuing anything else (a count exchange)
+
+
+@dataclasses.dataclass(frozen=True)
+class OpCost:
+    """An operation's work in seconds (per token count) and, for communication, its transfers in order."""
+
+    compute: Linear = Linear()
+    transfers: Tuple[Transfer, ...] = ()
+
+    @property
+    def is_comm(self) -> bool:
+        return bool(self.transfers)
+
+
+@dataclasses.dataclass(frozen=True)
+class Interconnect:
+    """A transfer of ``n`` bytes takes ``latency_s + n * seconds_per_byte``."""
+
+    latency_s: float = 0.0
+    seconds_per_byte: float = 0.0
+
+    def seconds(self, nbytes: float) -> float:
+        return self.latency_s + max(0.0, nbytes) * self.seconds_per_byte
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    """Costs by operation name (``per_layer`` overrides them for one layer), the link and the host overhead."""
+
+    ops: Mapping[str, OpCost]
+    link: Interconnect = Interconnect()
+    host_overhead_s: float = 0.0  # the executor's own time per launch, on the host
+    per_layer: Mapping[Tuple[int, str], OpCost] = dataclasses.field(default_factory=dict)
+
+    def op(self, layer: int, name: str) -> OpCost:
+        """The cost of operation ``name`` of layer ``layer``; `KeyError` when the model has none."""
+        cost = self.per_layer.get((layer, name), self.ops.get(name))
+        if cost is None:
+            raise KeyError(f"the cost model has no cost for operation {name!r} (layer {layer}); "
+                           f"it knows {', '.join(sorted(self.ops)) or 'none'}")
+        return cost
+
+
+@dataclasses.dataclass
+class Prediction:
+    """The predicted spans of rank 0 (seconds from the prefill's start) and the predicted prefill time."""
+
+    spans: List[Span]
+    total_s: float
+    device: bool = False
+
+    def save_chrome_trace(self, file: str) -> str:
+        """Write the spans as a Chrome trace, comparable with a measured one (``overlap-report --plan``)."""
+        from overlap.observability import save_chrome_trace
+
+        return save_chrome_trace(self.spans, file)
+
+
+Source = Union[Schedule, Plan]
+
+
+def _launches(source: Source) -> Tuple[ScheduledOp, ...]:
+    if isinstance(source, Plan):
+        return tuple(s.scheduled for s in source.steps)
+    return source.launches
+
+
+def _plan_edges(plan: Plan) -> List[Set[int]]:
+    """The launches each step waits for through the plan's events and ``wait_tensor`` edges."""
+    last: Dict[str, int] = {}
+    edges: List[Set[int]] = []
+    for s in plan.steps:
+        edges.append({last[t] for t in s.waits if t in last} | set(s.after))
+        if s.record:
+            last[s.record] = s.index
+    return edges
+
+
+def cross_stream_edges(source: Source, flow: Flow) -> List[Tuple[int, ...]]:
+    """Per launch, the earlier launches on other streams it must wait for.
+
+    From the data flow (the writer of every value it reads), the schedule's ordering intents, and
+    for a lowered `Plan` also its own event waits; edges within one stream are its order already.
+    """
+    launches = _launches(source)
+    if len(launches) != len(flow.ops):
+        raise ValueError(f"the flow has {len(flow.ops)} launches, the schedule {len(launches)}: "
+                         f"pass the flow of this schedule")
+    edges: List[Set[int]] = [set() for _ in launches]
+    for i, reads in enumerate(flow.reads):
+        for r in reads:
+            for key in r.keys:
+                w = flow.writer.get(key)
+                if w is not None:
+                    edges[i].add(w)
+    if isinstance(source, Plan):
+        for i, extra in enumerate(_plan_edges(source)):
+            edges[i] |= extra
+    else:
+        for b, a in source.orders:
+            edges[a].add(b)
+    return [tuple(sorted(j for j in e if j < i and launches[j].stream != launches[i].stream))
+            for i, e in enumerate(edges)]
+
+
+class _Streams:
+    """The simulated clocks: the host, each stream, the link; and the spans laid down so far."""
+
+    def __init__(self, costs: CostModel, device: bool, main: str):
+        self.costs, self.device, self.main = costs, device, main
+        self.host = 0.0
+        self.link_free = 0.0
+        self.free: Dict[str, float] = defaultdict(float)
+        self.spans: List[Span] = []
+
+    def transfer(self, issued: float, stream: str, nbytes: float, name: str, meta: Dict[str, Any]) -> float:
+        """A transfer issued at ``issued`` on ``stream``: after the stream's and the link's earlier ones."""
+        start = max(issued, self.link_free, self.free[stream])
+        end = start + self.costs.link.seconds(nbytes)
+        self.link_free = self.free[stream] = end
+        self.spans.append(Span(name, stream, "comm", 0, issued, end, dict(meta),
+                               asynchronous=not self.device and stream != self.main))
+        return end
+
+    def cpu_step(self, l: ScheduledOp, cost: OpCost, tokens: int, ready: float) -> float:
+        """Compute inline on the host; a side stream's transfers run asynchronously. Returns when all is done."""
+        meta = {"mb": l.mb, "layer": l.layer}
+        self.host = max(self.host + self.costs.host_overhead_s, ready)  # an event wait blocks the host
+        start = t = self.host
+        t += cost.compute(tokens)
+        done = t
+        for tr in cost.transfers:
+            end = self.transfer(t, l.stream, tr.nbytes(tokens), tr.name, meta)
+            if tr.blocking or l.stream == self.main:  # read on the host, or a synchronous collective
+                t = end
+            done = max(done, end)
+        self._op_span(l, cost, start, t, meta)
+        self.host = t
+        return done
+
+    def device_step(self, l: ScheduledOp, cost: OpCost, tokens: int, ready: float) -> float:
+        """Everything on the stream; the host only issues, and waits for a host-blocking transfer."""
+        meta = {"mb": l.mb, "layer": l.layer}
+        self.host += self.costs.host_overhead_s
+        start = max(self.host, self.free[l.stream], ready)
+        t = self.free[l.stream] = start + cost.compute(tokens)
+        for tr in cost.transfers:
+            t = self.transfer(max(t, self.host), l.stream, tr.nbytes(tokens), tr.name, meta)
+            if tr.blocking:
+                self.host = max(self.host, t)
+        self._op_span(l, cost, start, t, meta)
+        return t
+
+    def _op_span(self, l: ScheduledOp, cost: OpCost, start: float, end: float, meta: Dict[str, Any]) -> None:
+        kind = "issue" if cost.is_comm else "compute"  # as the executor labels its launches
+        self.spans.append(Span(l.op, l.stream, kind, 0, start, end, dict(meta)))
+
+
+def simulate(source: Source, flow: Flow, tokens: Sequence[int], costs: CostModel, *, device: bool = False,
+             main: str = DEFAULT) -> Prediction:
+    """Predict the timeline of ``source`` (a `Schedule` or a lowered `Plan`) whose data flow is ``flow``.
+
+    ``tokens[mb]`` is micro-batch ``mb``'s token count; ``costs`` prices each operation;
+    ``device`` selects device semantics instead of the CPU path's (see the module docstring);
+    ``main`` is the stream whose collectives are synchronous on the CPU path.
+    """
+    launches = _launches(source)
+    n_mb = 1 + max((l.mb for l in launches), default=-1)
+    if len(tokens) < n_mb:
+        raise ValueError(f"the schedule has {n_mb} micro-batches but {len(tokens)} token counts were given")
+    edges = cross_stream_edges(source, flow)
+    sim = _Streams(costs, device, main)
+    step = sim.device_step if device else sim.cpu_step
+    done: List[float] = []
+    for i, l in enumerate(launches):
+        ready = max((done[j] for j in edges[i]), default=0.0)
+        done.append(step(l, costs.op(l.layer, l.op), tokens[l.mb], ready))
+    total = max([sim.host] + done)
+    spans = sorted(sim.spans, key=lambda s: (s.start, s.end))
+    return Prediction(spans, total, device)
+
+
+def placeholder_inputs(layers: Layers, n_micro: int) -> List[Dict[str, Any]]:
+    """Inputs for `validate` when only the data flow matters: every value the layers read and none writes."""
+    layers = normalize_layers(layers)
+    written = {w for ops in layers for op in ops for w in op.writes}
+    names = {HIDDEN} | {r for ops in layers for op in ops for r in op.reads if r not in written}
+    return [dict.fromkeys(sorted(names)) for _ in range(n_micro)]
+
+
+def predict(schedule: Union[Schedule, str], layers: Layers, tokens: Sequence[int], costs: CostModel, *,
+            inputs: Optional[Sequence[Mapping[str, Any]]] = None, device: bool = False,
+            output: str = OUT) -> Prediction:
+    """Predict ``schedule`` (or the schedule of the mode of that name) over ``layers`` for micro-batches
+    of ``tokens`` tokens each; ``inputs`` (default: `placeholder_inputs`) and ``output`` only shape the
+    data flow, as in `validate`."""
+    layers = normalize_layers(layers)
+    if isinstance(schedule, str):
+        schedule = schedule_for(schedule, layers, len(tokens))
+    inputs = list(inputs) if inputs is not None else placeholder_inputs(layers, len(tokens))
+    flow = validate(schedule, layers, inputs, output)
+    return simulate(schedule, flow, tokens, costs, device=device)
+
+
+__all__ = ["CostModel", "Interconnect", "Linear", "OpCost", "Prediction", "Transfer", "cross_stream_edges",
+           "placeholder_inputs", "predict", "simulate"]

@@ -1,0 +1,270 @@
+"""Calibration: the fit on synthetic timelines, the cache, and real runs of the reference model on 2 CPU ranks."""
+import json
+import os
+import statistics
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import overlap
+from launch import calibrate as cal_mod
+from launch.calibrate import (Calibration, OpFit, Run, TransferFit, agree, cache_file, calibrate, calibration_key,
+                              fit_collective, fit_linear, fit_runs, load, predict_mode, token_points)
+from launch.model import Batch, build_model, preset
+from launch.runner import make_expert_parallel, plan_for, prefill
+from microbatch import Linear
+from overlap import DEFAULT, Span
+from overlap.multirank import run_ranks
+
+CFG = preset("tiny")
+
+
+def test_fit_linear_recovers_the_line_and_clamps_it():
+    xs = [32, 64, 96, 128]
+    f = fit_linear(xs, [2e-4 + 3e-6 * x for x in xs])
+    assert (f.a, f.b) == pytest.approx((2e-4, 3e-6))
+    assert fit_linear(xs, [5.0 - x * 0.01 for x in xs]) == Linear(pytest.approx(5.0 - 0.8), 0.0)  # no negative slope
+    through = fit_linear(xs, [-1.0 + 0.1 * x for x in xs])  # no negative intercept: through the origin
+    assert through.a == 0.0 and through.b > 0
+    assert fit_linear([64, 64], [1.0, 3.0]) == Linear(2.0, 0.0)
+    assert fit_linear([], []) == Linear()
+
+
+def test_token_points():
+    assert token_points(256) == [32, 107, 181, 256]
+    assert token_points(20) == [20] and token_points(256, points=1) == [256]
+    with pytest.raises(ValueError):
+        token_points(0)
+
+
+# known costs (seconds: a + b * tokens) of a dense layer and two MoE layers; layer 2's experts cost 4x layer 1's
+COSTS = {"attn": (4e-4, 3e-6), "mlp": (1e-4, 1e-6), "gate": (5e-5, 2e-7), "dispatch": (3e-4, 2e-6),
+         "experts": (2e-4, 1e-6), "combine": (1e-4, 5e-7), "finalize": (6e-5, 1e-7)}
+LAYERS = [["attn", "mlp"], ["attn", "gate", "dispatch", "experts", "combine", "finalize"]]
+MOE = [False, True, True]
+GAP = 20e-6
+COMM = {"dispatch": [("dispatch.counts", 160, 0, 1e-4, True), ("dispatch", 64, 200, 5e-4, False)],
+        "combine": [("combine", 64, 200, 4e-4, False)]}  # name, bytes a, bytes b, seconds, host-read
+
+
+def _synthetic_run(tokens, jitter=0.0):
+    spans, nbytes, blocking = [], {}, set()
+    t = 0.0
+    for li, moe in enumerate(MOE):
+        for op in LAYERS[moe]:
+            a, b = COSTS[op]
+            work = (a + b * tokens) * (4 if (op, li) == ("experts", 2) else 1) * (1 + jitter)
+            start, t = t, t + work
+            for name, ba, bb, seconds, host_read in COMM.get(op, ()):
+                c = Span(name, DEFAULT, "comm", 0, t, t + seconds, {"mb": 0, "layer": li})
+                spans.append(c)
+                nbytes[c.id] = ba + bb * tokens
+                if host_read:
+                    blocking.add(c.id)
+                t += seconds
+            kind = "issue" if op in COMM else "compute"
+            spans.append(Span(op, DEFAULT, kind, 0, start, t, {"mb": 0, "layer": li}))
+            t += GAP
+    spans.append(Span("embed", DEFAULT, "compute", 0, -1.0, -0.5))  # no layer: not an operation of the executor
+    return Run(tokens, spans, nbytes, blocking)
+
+
+def test_fit_on_synthetic_timelines_recovers_the_costs():
+    runs = [_synthetic_run(n, jitter) for n in (32, 64, 128, 256) for jitter in (0.0, 0.0, 0.5)]  # one slow repeat
+    cal = fit_runs(runs, MOE)
+    assert cal.tokens == [32, 64, 128, 256] and cal.layers == MOE
+    assert cal.host_overhead_s == pytest.approx(GAP)
+    fits = {(f.op, f.moe): (f.a, f.b) for f in cal.ops}
+    for op, ab in COSTS.items():  # the comm ops' cost is their host part: the collectives are taken out
+        if op != "experts":
+            assert fits[op, True if op != "mlp" else False] == pytest.approx(ab, rel=1e-6), op
+    assert fits["attn", False] == pytest.approx(COSTS["attn"], rel=1e-6)
+    transfers = [(t.op, t.name, t.a, t.b, t.blocking) for t in cal.transfers]
+    assert transfers == [("combine", "combine", pytest.approx(64), pytest.approx(200), False),
+                         ("dispatch", "dispatch.counts", pytest.approx(160), 0.0, True),
+                         ("dispatch", "dispatch", pytest.approx(64), pytest.approx(200), False)]
+    model = cal.cost_model()
+    a, b = COSTS["experts"]
+    assert model.op(1, "experts").compute(100) == pytest.approx(a + b * 100, rel=1e-6)  # each layer its own fit
+    assert model.op(2, "experts").compute(100) == pytest.approx(4 * (a + b * 100), rel=1e-6)
+    assert model.op(1, "attn") == model.op(2, "attn")  # alike layers share their kind's fit
+    assert model.op(1, "dispatch").transfers[0] == cal_mod.Transfer("dispatch.counts", Linear(160, 0.0), True)
+    assert model.op(0, "mlp").transfers == ()
+
+
+def _calibration(**kw):
+    base = dict(key={"host": "h"}, layers=[False, True], ops=[OpFit("attn", False, 1e-4, 2e-6)],
+                layer_ops=[OpFit("attn", False, 1e-4, 2e-6, layer=0)],
+                transfers=[TransferFit("dispatch", True, "dispatch", 64.0, 200.0, False)], host_overhead_s=3e-5,
+                tokens=[32, 64], link={"gbps": 2.0, "latency_us": 20.0}, collective=(1e-4, 1e-9), elapsed_s=1.5)
+    base.update(kw)
+    return Calibration(**base)
+
+
+def test_calibration_round_trips_and_adds_the_link():
+    cal = _calibration()
+    assert Calibration.from_dict(json.loads(json.dumps(cal.to_dict()))) == cal
+    assert cal.with_values(cal.values()) == cal
+    link = cal.interconnect
+    assert link.latency_s == pytest.approx(20e-6 + 1e-4) and link.seconds_per_byte == pytest.approx(0.5e-9 + 1e-9)
+    assert _calibration(link=None).interconnect.latency_s == pytest.approx(1e-4)
+
+
+def test_collective_cost_beyond_the_link():
+    link = overlap.Link(gbps=1.0, latency_us=100)
+    samples = [(n, link.seconds(n) + 2e-4 + 3e-9 * n + jitter) for n in (1000, 10 ** 5, 10 ** 6)
+               for jitter in (0.0, 0.0, 1e-3)]
+    assert fit_collective(samples, link) == pytest.approx((2e-4, 3e-9))
+    assert fit_collective(samples, None)[0] == pytest.approx(2e-4 + 1e-4)
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Counts the measurements `calibrate` makes (instead of loading)."""
+    calls = []
+    real = cal_mod.measure
+
+    def measure(*args, **kwargs):
+        calls.append(args[2])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cal_mod, "measure", measure)
+    return calls
+
+
+def test_cache_key_load_and_refresh(tmp_path, monkeypatch, counted):
+    monkeypatch.setenv(cal_mod.ENV_CACHE, str(tmp_path / "env"))
+    model = build_model(CFG, seed=1)  # one process, no group: the MoE blocks stay whole
+    opts = dict(max_tokens=24, points=2, repeats=1, seq_len=12)
+    first = calibrate(model, **opts)
+    assert counted == [[24]]  # below the lowest point: one token count
+    key = calibration_key(model, None, [24], 1, 12)
+    assert first.key == key and os.path.isfile(cache_file(key))
+    assert cache_file(key).startswith(str(tmp_path / "env"))
+    assert {f.op for f in first.ops} == {"attn", "ffn_norm", "mlp", "moe", "residual"} and not first.transfers
+    assert all(f.a + f.b * 24 > 0 for f in first.ops)
+    assert calibrate(model, **opts) == first and len(counted) == 1  # loaded
+    again = calibrate(model, refresh=True, **opts)
+    assert len(counted) == 2 and again.key == key and load(key) == again  # measured again, and cached
+    # another link, dtype, shape or setting is another calibration
+    overlap.set_link(overlap.Link(2.0, 20))
+    linked = calibration_key(model, None, [24], 1, 12)
+    assert linked["link"] == {"gbps": 2.0, "latency_us": 20.0} and cache_file(linked) != cache_file(key)
+    assert load(linked) is None
+    overlap.set_link(None)
+    others = [calibration_key(build_model(CFG, seed=1, dtype=torch.float64)), calibration_key(model, tokens=[32]),
+              calibration_key(build_model(preset("tiny", n_layers=2)))]
+    assert len({cache_file(k) for k in others + [calibration_key(model)]}) == 4
+    # an unreadable cache entry is measured again
+    with open(cache_file(key), "w") as f:
+        f.write("{not json")
+    calibrate(model, cache=None, **opts)
+    assert len(counted) == 3 and load(key) is not None
+    # an explicit folder wins over the environment
+    calibrate(model, cache=str(tmp_path / "explicit"), **opts)
+    assert len(counted) == 4 and os.listdir(tmp_path / "explicit")
+
+
+def _slowest(values, group):
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t.tolist()
+
+
+def _timed(model, batch, mode, plan, group, iters=3):
+    prefill(model, batch, mode, plan)  # warm-up
+    overlap.synchronize()
+    times = []
+    for _ in range(iters):
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        prefill(model, batch, mode, plan)
+        overlap.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _calibrate_and_predict(ctx, cache):
+    # A link that dominates the exchanges keeps the comparison meaningful on a loaded host;
+    # the check is a generous factor, never a speed.
+    overlap.set_link(overlap.Link(gbps=0.5, latency_us=3000))
+    model = make_expert_parallel(build_model(CFG, seed=5), ctx.group)
+    t0 = time.perf_counter()
+    cal = calibrate(model, ctx.group, max_tokens=128, repeats=2, refresh=True, cache=cache)
+    seconds = time.perf_counter() - t0
+    batch = Batch.random([40, 24, 30, 34], CFG.vocab, seed=ctx.rank)
+    attempts = []
+    for _ in range(3):  # a host busy with other work can slow one attempt down: look again
+        got = {}
+        for mode in ("serial", "two-batch"):
+            plan = plan_for(mode, batch, ctx.group, min_tokens=8)
+            tokens = [plan.num_tokens] if plan.serial else list(plan.token_counts)
+            got[mode] = (predict_mode(cal, model, mode, tokens).total_s, _timed(model, batch, mode, plan, ctx.group))
+        measured = _slowest([m for _, m in got.values()], ctx.group)  # the same verdict on every rank
+        got = {mode: (p, m) for (mode, (p, _)), m in zip(got.items(), measured)}
+        attempts.append(got)
+        if all(0.5 <= m / p <= 2.0 for p, m in got.values()):
+            break
+    return cal.to_dict(), seconds, attempts
+
+
+@pytest.mark.cpu_only  # the simulated link is the CPU path's
+@pytest.mark.spawns_ranks
+def test_two_ranks_calibrate_alike_and_predict_within_a_factor(tmp_path):
+    per_rank = run_ranks(_calibrate_and_predict, 2, str(tmp_path), timeout=300)
+    (cal0, seconds, attempts), (cal1, _, _) = per_rank
+    assert cal0 == cal1  # the same numbers on both ranks
+    cal = Calibration.from_dict(cal0)
+    assert seconds < 120 and cal.elapsed_s > 0
+    for f in cal.ops + cal.layer_ops:
+        assert f.a >= 0 and f.b >= 0 and f.a + f.b * 128 > 0, f
+    assert {f.op for f in cal.ops if f.moe} == {"attn", "ffn_norm", "gate", "dispatch", "shared_gate_up", "experts",
+                                                "shared_act", "combine", "shared_down", "finalize", "residual"}
+    names = [(t.op, t.name, t.blocking) for t in cal.transfers]
+    assert names == [("combine", "combine", False), ("dispatch", "dispatch.counts", True),
+                     ("dispatch", "dispatch", False), ("dispatch", "dispatch.meta", False)]
+    assert all(t.a + t.b * 128 > 0 for t in cal.transfers)
+    assert cal.interconnect.latency_s >= 3e-3 and cal.host_overhead_s >= 0
+    assert os.path.isfile(cache_file(cal.key, str(tmp_path)))
+    ratios = [{mode: m / p for mode, (p, m) in got.items()} for got in attempts]
+    assert any(all(0.5 <= r <= 2.0 for r in rs.values()) for rs in ratios), ratios
+
+
+def _mixed_cache(ctx, root):
+    """Rank 0 finds the calibration in its cache, rank 1 does not: both must measure, or both would hang."""
+    calls = []
+    real = cal_mod.measure
+
+    def measure(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    cal_mod.measure = measure
+    model = make_expert_parallel(build_model(CFG, seed=5), ctx.group)
+    cache = os.path.join(root, f"rank{ctx.rank}")
+    opts = dict(max_tokens=48, points=2, repeats=1, seq_len=24, cache=cache)
+    first = calibrate(model, ctx.group, **opts)
+    if ctx.rank == 1:
+        os.remove(cache_file(first.key, cache))
+    second = calibrate(model, ctx.group, **opts)
+    third = calibrate(model, ctx.group, **opts)  # now both have it
+    refused = []
+    try:  # ranks asking for different calibrations stop before measuring, all of them
+        calibrate(model, ctx.group, **dict(opts, max_tokens=48 + 16 * ctx.rank))
+    except ValueError as e:
+        refused.append(str(e))
+    try:  # ranks that hold different structures refuse to merge them, all of them
+        agree(_calibration(layers=[False] * (1 + ctx.rank)), ctx.group)
+    except RuntimeError as e:
+        refused.append(str(e))
+    return len(calls), second.to_dict(), third == second, refused
+
+
+@pytest.mark.spawns_ranks
+def test_ranks_measure_together_when_one_lacks_the_cache(tmp_path):
+    (n0, c0, same0, r0), (n1, c1, same1, r1) = run_ranks(_mixed_cache, 2, str(tmp_path), timeout=300)
+    assert n0 == n1 == 2 and c0 == c1 and same0 and same1
+    for refused in (r0, r1):
+        assert len(refused) == 2 and "same model and arguments" in refused[0] and "same model" in refused[1]

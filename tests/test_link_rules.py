@@ -1,0 +1,171 @@
+"""The simulated link's rules on real gloo ranks (`overlap.link`, the CPU backend).
+
+A slow link (1e-3 GB/s: about 1 ms per KB) makes every transfer tens of milliseconds. The link's
+bookings and the bytes each collective is charged are recorded exactly; times are only checked
+from below (the link sleeps at least what it charges) and for order, never for speed.
+"""
+import pytest
+import torch
+
+import overlap
+from overlap import EP_COMM, Timeline
+from overlap import link as link_mod
+from overlap.backends import cpu as cpu_backend
+from overlap.multirank import run_ranks
+
+pytestmark = [pytest.mark.cpu_only, pytest.mark.spawns_ranks]
+
+SLOW = overlap.Link(gbps=1e-3)
+LATENT = overlap.Link(gbps=1000.0, latency_us=40_000)  # 40 ms per transfer, the bytes next to nothing
+COLS = 64
+ROW = COLS * 4  # float32 bytes per row
+ROWS = 160  # rows a rank sends each other rank: 40 KB, 41 ms over SLOW
+EPS = 2e-3  # clock granularity between the link's monotonic bookings and the spans' perf_counter
+
+
+def _a2a(ctx, rows, name, out_splits=None, in_splits=None):
+    """All-to-all of ``rows`` rows (or the given splits) from this rank; returns (output, input)."""
+    n = sum(in_splits) if in_splits else rows * ctx.world_size
+    x = torch.arange(n * COLS, dtype=torch.float32).reshape(n, COLS) + 1e6 * ctx.rank
+    out = torch.empty(sum(out_splits) if out_splits else n, COLS)
+    overlap.all_to_all_single(out, x, out_splits, in_splits, group=ctx.group, name=name)
+    return out, x
+
+
+def _async(ctx, rows, name, **kw):
+    """Issue on the comm stream; returns a function that waits for it."""
+    ev = overlap.event(f"link_rules_{name}")
+    with overlap.stream(EP_COMM):
+        out, _ = _a2a(ctx, rows, name, **kw)
+        ev.record(out)
+    return lambda: ev.wait(out)
+
+
+def _sync_once(ctx):
+    _a2a(ctx, ROWS, "sync")
+
+
+def _async_once(ctx):
+    _async(ctx, ROWS, "async")()
+
+
+def _two_in_flight(ctx):
+    first, second = _async(ctx, ROWS, "first"), _async(ctx, ROWS, "second")
+    first()
+    second()
+
+
+def _async_then_sync(ctx):
+    pending = _async(ctx, ROWS, "async")
+    _a2a(ctx, ROWS, "sync")  # on the default stream, while the first is in flight
+    pending()
+
+
+def _latency(ctx):
+    first, second = _async(ctx, 1, "first"), _async(ctx, 1, "second")
+    first()
+    second()
+    _a2a(ctx, 1, "sync")
+
+
+# rank 0 keeps 50 rows and sends 3, rank 1 keeps 70 and sends 1
+_IN = {0: [50, 3], 1: [1, 70]}
+_OUT = {0: [50, 1], 1: [3, 70]}
+
+
+def _uneven(ctx):
+    pending = _async(ctx, 0, "uneven", out_splits=_OUT[ctx.rank], in_splits=_IN[ctx.rank])
+    pending()
+
+
+SCENARIOS = {"sync": (SLOW, _sync_once), "async": (SLOW, _async_once), "two": (SLOW, _two_in_flight),
+             "async_sync": (SLOW, _async_then_sync), "latency": (LATENT, _latency), "uneven": (SLOW, _uneven)}
+
+
+def _rank(ctx):
+    """Every scenario on this rank: its comm spans, the link's bookings and the bytes charged."""
+    overlap.set_path("cpu")
+    bookings, charged = [], []
+    reserve, transfer_seconds = link_mod.reserve, cpu_backend.transfer_seconds
+
+    def booked(seconds):
+        end = reserve(seconds)
+        bookings.append((seconds, end))
+        return end
+
+    def charge(link, nbytes):
+        charged.append(nbytes)
+        return transfer_seconds(link, nbytes)
+
+    link_mod.reserve, cpu_backend.transfer_seconds = booked, charge
+    try:
+        results = {}
+        for key, (link, body) in SCENARIOS.items():
+            overlap.set_link(link)
+            torch.distributed.barrier(group=ctx.group)
+            bookings.clear()
+            charged.clear()
+            with Timeline() as tl:
+                body(ctx)
+            overlap.synchronize()
+            spans = {s.name: (s.start, s.end) for s in tl.find(kind="comm")}
+            results[key] = dict(spans=spans, bookings=sorted(bookings, key=lambda b: b[1]), charged=list(charged))
+        return results
+    finally:
+        link_mod.reserve, cpu_backend.transfer_seconds = reserve, transfer_seconds
+        overlap.set_link(None)
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return run_ranks(_rank, 2, timeout=120)
+
+
+def _extent(spans):
+    return max(e for _, e in spans.values()) - min(s for s, _ in spans.values())
+
+
+def test_sync_and_async_transfers_of_the_same_bytes_are_charged_the_same(ranks):
+    d = SLOW.seconds(ROWS * ROW)
+    for res in ranks:
+        sync, asyn = res["sync"], res["async"]
+        assert sync["charged"] == asyn["charged"] == [ROWS * ROW]
+        assert [s for s, _ in sync["bookings"]] == [s for s, _ in asyn["bookings"]] == [pytest.approx(d, rel=1e-9)]
+        (s0, e0), (s1, e1) = sync["spans"]["sync"], asyn["spans"]["async"]
+        assert e0 - s0 >= d - EPS and e1 - s1 >= d - EPS  # at least what the link charged, either way
+
+
+def test_two_transfers_in_flight_share_the_link(ranks):
+    d = SLOW.seconds(ROWS * ROW)
+    for res in ranks:
+        for key in ("two", "async_sync"):  # two on the comm stream; one there and one synchronous
+            r = res[key]
+            (d0, end0), (d1, end1) = r["bookings"]
+            assert d0 == pytest.approx(d, rel=1e-9) and d1 == pytest.approx(d, rel=1e-9)
+            assert end1 - end0 >= d1 * (1 - 1e-9), key  # booked after the first, not beside it
+            assert _extent(r["spans"]) >= 2 * d - EPS, key  # both transfers' time, one after the other
+            assert all(e - s >= d - EPS for s, e in r["spans"].values()), key
+
+
+def test_latency_is_charged_per_transfer(ranks):
+    per = LATENT.seconds(ROW)  # one row each way: the latency and next to no bytes
+    for res in ranks:
+        r = res["latency"]
+        assert r["charged"] == [ROW] * 3
+        assert [s for s, _ in r["bookings"]] == [pytest.approx(per, rel=1e-9)] * 3
+        assert per >= 0.04
+        (_, a), (_, b), (_, c) = r["bookings"]
+        assert b - a >= per * (1 - 1e-9) and c - b >= per * (1 - 1e-9)
+        assert _extent(r["spans"]) >= 3 * per - EPS
+        assert all(e - s >= per - EPS for s, e in r["spans"].values())
+
+
+def test_a_transfer_is_charged_the_bytes_exchanged_with_other_ranks(ranks):
+    for res in ranks:
+        # even splits: ROWS rows to the other rank and ROWS from it, this rank's own ROWS stay home
+        assert res["sync"]["charged"] == [ROWS * ROW]
+        # uneven: 3 rows one way and 1 the other (the link is duplex: the larger direction), own rows excluded
+        r = res["uneven"]
+        assert r["charged"] == [3 * ROW]
+        (s, e), = r["spans"].values()
+        assert e - s >= SLOW.seconds(3 * ROW) - EPS

@@ -1,0 +1,217 @@
+"""The launcher's figures against timelines whose answers are computed by hand, and the order `measure` runs in.
+
+Speedup, ideal speedup, hidden share and communication share are checked on hand-built spans and
+results; `measure` itself runs on two gloo ranks with a stand-in prefill, so that only its
+bookkeeping is under test (interleaving, the recorded round, the slowest rank's times).
+"""
+import time
+import types
+
+import pytest
+import torch
+
+import overlap
+from launch import measure as measure_mod
+from launch.measure import ModeResult, _compare, comm_share, ideal_speedup, measure, rounds, table
+from overlap import DEFAULT, EP_COMM, SHARED_EXPERT, Span
+from overlap.multirank import run_ranks
+from overlap.observability import metrics
+
+MS = 1e-3
+
+
+def _s(kind, start_ms, end_ms, rank=0, stream=None, name=None):
+    stream = stream or {"comm": EP_COMM, "copy": "kv_offload"}.get(kind, DEFAULT)
+    return Span(name=name or kind, stream=stream, kind=kind, rank=rank, start=start_ms * MS, end=end_ms * MS)
+
+
+# --- busy time, overlap and hidden share (overlap/observability/_intervals.py) ---
+
+def test_comm_half_under_compute():
+    m = metrics([_s("comm", 0, 4), _s("compute", 2, 6)])
+    r = m.per_rank[0]
+    assert r.busy == {EP_COMM: pytest.approx(4 * MS), DEFAULT: pytest.approx(4 * MS)}
+    assert m.overlap(EP_COMM, DEFAULT) == pytest.approx(2 * MS)
+    assert r.comm_time == pytest.approx(4 * MS) and r.hidden_comm_time == pytest.approx(2 * MS)
+    assert r.hidden_share == pytest.approx(0.5) and m.hidden_share == pytest.approx(0.5)
+
+
+def test_two_ranks_of_different_lengths_pool_their_communication():
+    spans = [_s("comm", 0, 4), _s("compute", 2, 6),  # rank 0: 2 of 4 ms hidden
+             _s("comm", 0, 2, rank=1), _s("compute", 10, 30, rank=1)]  # rank 1: 0 of 2 ms
+    m = metrics(spans)
+    assert m.per_rank[0].hidden_share == pytest.approx(0.5)
+    assert m.per_rank[1].hidden_share == 0.0
+    assert m.busy(DEFAULT, rank=1) == pytest.approx(20 * MS)
+    assert m.hidden_share == pytest.approx(2 / 6)  # hidden time over communication time, all ranks together
+
+
+def test_nested_and_overlapping_spans_on_one_stream_count_once():
+    spans = [_s("compute", 0, 10), _s("compute", 2, 4), _s("compute", 8, 12),  # union 0-12
+             _s("comm", 3, 9), _s("comm", 4, 5), _s("comm", 20, 22)]  # union 3-9 and 20-22: 8 ms
+    m = metrics(spans)
+    assert m.busy(DEFAULT) == pytest.approx(12 * MS) and m.busy(EP_COMM) == pytest.approx(8 * MS)
+    assert m.overlap(DEFAULT, EP_COMM) == pytest.approx(6 * MS)
+    assert m.ratio(DEFAULT, EP_COMM) == pytest.approx(6 / 8)
+    assert m.hidden_share == pytest.approx(6 / 8)
+
+
+def test_comm_across_gaps_in_compute():
+    m = metrics([_s("compute", 0, 2), _s("compute", 4, 6), _s("compute", 7, 8), _s("comm", 1, 5), _s("comm", 5.5, 9)])
+    assert m.overlap(DEFAULT, EP_COMM) == pytest.approx(3.5 * MS)  # 1-2, 4-5, 5.5-6, 7-8
+    assert m.hidden_share == pytest.approx(3.5 / 7.5)
+
+
+def test_communication_on_two_streams_counts_once():
+    m = metrics([_s("comm", 0, 4), _s("comm", 2, 6, stream=DEFAULT), _s("compute", 5, 7, stream=SHARED_EXPERT)])
+    r = m.per_rank[0]
+    assert r.comm_time == pytest.approx(6 * MS)
+    assert r.hidden_comm_time == pytest.approx(1 * MS)  # compute on any stream of the same rank hides it
+
+
+def test_comm_without_compute_is_not_hidden():
+    m = metrics([_s("comm", 0, 4), _s("copy", 0, 4), _s("issue", 0, 4, stream=EP_COMM)])
+    assert m.hidden_share == 0.0  # a copy or an issue span is no compute
+    m = metrics([_s("comm", 0, 4), _s("compute", 0, 4, rank=1)])
+    assert m.per_rank[0].hidden_share == 0.0 and m.hidden_share == 0.0  # another rank's compute hides nothing
+    assert m.per_rank[1].hidden_share is None
+    assert metrics([_s("compute", 0, 4)]).hidden_share is None  # no communication: no share
+
+
+# --- communication share, ideal speedup, speedup (launch/measure.py) ---
+
+def test_comm_share_of_one_rank():
+    spans = [_s("comm", 0, 4), _s("compute", 4, 10)]
+    assert comm_share(spans) == pytest.approx(0.4)
+    assert ideal_speedup(0.4) == pytest.approx((0.6 + 0.4) / 0.6)
+    spans = [_s("compute", 0, 3), _s("comm", 3, 10)]
+    assert comm_share(spans) == pytest.approx(0.7)
+    assert ideal_speedup(0.7) == pytest.approx(1 / 0.7)
+    assert ideal_speedup(0.5) == 2.0 and ideal_speedup(1.0) == 1.0 and ideal_speedup(0.0) == 1.0
+    assert comm_share([]) is None
+
+
+def test_comm_share_is_the_longest_ranks_comm_over_the_longest_ranks_iteration():
+    spans = [_s("comm", 0, 3), _s("compute", 3, 10),  # rank 0: 3 ms of comm in 10
+             _s("comm", 0, 5, rank=1), _s("compute", 5, 8, rank=1)]  # rank 1: 5 ms of comm in 8
+    assert comm_share(spans) == pytest.approx(5 / 10)
+    assert ideal_speedup(comm_share(spans)) == pytest.approx(2.0)
+    # ranks' clocks need not agree: rank 1 an hour ahead changes nothing
+    shifted = spans[:2] + [_s(s.kind, s.start / MS + 3.6e6, s.end / MS + 3.6e6, rank=1) for s in spans[2:]]
+    assert comm_share(shifted) == pytest.approx(5 / 10)
+    # nested comm and idle gaps: the iteration runs from a rank's first start to its last end
+    spans = [_s("compute", 1, 2), _s("comm", 2, 6), _s("comm", 3, 4, stream=DEFAULT), _s("compute", 8, 11)]
+    assert comm_share(spans) == pytest.approx(4 / 10)
+
+
+def _result(mode, times, spans=(), out=None):
+    return ModeResult(mode, list(times), "", list(spans), torch.ones(3) if out is None else out)
+
+
+@pytest.fixture
+def one_rank(monkeypatch):
+    """`max_over_ranks` as on a single rank (no process group needed)."""
+    monkeypatch.setattr(measure_mod, "max_over_ranks", lambda values, group: [float(v) for v in values])
+
+
+def test_compare_by_hand(one_rank):
+    serial = _result("serial", [0.10, 0.30, 0.20], [_s("comm", 0, 4), _s("compute", 4, 10)])
+    shared = _result("shared", [0.25, 0.20, 0.30], out=torch.tensor([1.0, 1.5, 1.0]))
+    two = _result("two-batch", [0.16, 0.10, 0.20, 0.18], out=-torch.ones(3))  # even count: the mean of the middle two
+    _compare([serial, shared, two], None)
+    assert serial.comm_share == pytest.approx(0.4)
+    assert serial.ideal_speedup == pytest.approx(1 / 0.6)
+    assert shared.ideal_speedup == two.ideal_speedup == serial.ideal_speedup
+    assert shared.comm_share is None and two.comm_share is None
+    assert serial.speedup == 1.0
+    assert shared.speedup == pytest.approx(0.20 / 0.25)
+    assert two.speedup == pytest.approx(0.20 / 0.17)
+    assert serial.max_diff == 0.0 and shared.max_diff == pytest.approx(0.5) and two.max_diff == pytest.approx(2.0)
+    assert serial.ref_scale == 1.0
+
+
+def test_compare_without_timeline_or_serial(one_rank):
+    serial, two = _result("serial", [0.2]), _result("two-batch", [0.1])
+    _compare([serial, two], None)  # a compiled graph: no spans, so no shares
+    assert serial.comm_share is None and serial.ideal_speedup is None and two.ideal_speedup is None
+    assert two.speedup == pytest.approx(2.0)
+    lone = _result("two-batch", [0.1])
+    _compare([lone], None)
+    assert lone.speedup is None and lone.max_diff is None
+
+
+def test_table_prints_the_figures(one_rank):
+    serial = _result("serial", [0.2], [_s("comm", 0, 4), _s("compute", 4, 10)])
+    two = _result("two-batch", [0.16, 0.1, 0.17])
+    two.hidden_comm_share = 0.5
+    _compare([serial, two], None)
+    text = table([serial, two], tokens=1000)
+    lines = text.splitlines()
+    assert lines[2].split()[:2] == ["serial", "200.0"] and "1.00x" in lines[2] and "5000" in lines[2]
+    assert lines[3].split()[:4] == ["two-batch", "160.0", "[100.0-170.0]", "6250"]
+    assert "1.25x" in lines[3] and "50%" in lines[3]
+    assert lines[4] == ("serial: communication 40% of prefill time -> ideal speedup "
+                        "(compute + comm) / max(compute, comm) = 1.67x")
+    assert two.row(1000)["tokens_per_s"] == pytest.approx(6250) and two.row(1000)["speedup"] == pytest.approx(1.25)
+
+
+# --- the order `measure` runs the modes in ---
+
+def test_rounds_interleave_and_rotate():
+    assert rounds(["a", "b", "c"], 2, 4) == [["a", "b", "c"], ["a", "b", "c"],  # warmup
+                                             ["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+    assert rounds(["a"], 1, 2) == [["a"], ["a"], ["a"]]
+    assert rounds(["a", "b"], 0, 1) == [["a", "b"]]
+
+
+SLOW_MODE_S = 0.03  # rank 1 sleeps this long in mode "x": the slowest rank's times hold it
+
+
+def _measure_rank(ctx):
+    """`measure` with a stand-in plan and prefill: what ran when, and the results."""
+    calls, count = [], {}
+
+    def plan_for(mode, batch, group, model=None):
+        return types.SimpleNamespace(reason=f"plan of {mode}")
+
+    def prefill(model, batch, mode, plan, cache=None, make=None):
+        i = count[mode] = count.get(mode, -1) + 1
+        calls.append(("run", mode, i))
+        with overlap.span("work", it=i):
+            if mode == "x" and ctx.rank == 1:
+                time.sleep(SLOW_MODE_S)
+            t = torch.full((4,), float(ctx.rank + 1))
+        if mode == "serial":
+            overlap.all_reduce(t, group=ctx.group)  # a comm span after the compute span
+        return t
+
+    measure_mod.plan_for, measure_mod.prefill = plan_for, prefill
+    results = measure(None, None, ["serial", "x", "y"], ctx.group, warmup=1, iters=3,
+                      before_iter=lambda mode, i: calls.append(("before", mode, i)))
+    return calls, [dict(mode=r.mode, times=r.times_s, split=r.split, spans=r.spans, hidden=r.hidden_comm_share,
+                        comm_share=r.comm_share, ideal=r.ideal_speedup, speedup=r.speedup, median=r.median_s)
+                   for r in results]
+
+
+@pytest.mark.spawns_ranks
+def test_measure_interleaves_rounds_and_records_the_last():
+    expected = []
+    for r, order in enumerate([["serial", "x", "y"], ["serial", "x", "y"], ["x", "y", "serial"], ["y", "serial", "x"]]):
+        for mode in order:
+            expected += [("before", mode, r), ("run", mode, r)]
+    for calls, results in run_ranks(_measure_rank, 2, timeout=120):
+        assert calls == expected
+        by = {r["mode"]: r for r in results}
+        assert [r["mode"] for r in results] == ["serial", "x", "y"]
+        for r in results:
+            assert r["split"] == f"plan of {r['mode']}" and len(r["times"]) == 3
+            work = [s for s in r["spans"] if s.name == "work"]
+            assert sorted(s.rank for s in work) == [0, 1]  # every rank's spans, the last round only
+            assert all(s.meta["it"] == 3 for s in work)
+            assert r["speedup"] == pytest.approx(by["serial"]["median"] / r["median"])
+            assert r["ideal"] == by["serial"]["ideal"]
+        assert all(t >= SLOW_MODE_S for t in by["x"]["times"])  # the slowest rank's time, on every rank
+        assert by["serial"]["hidden"] == 0.0 and by["x"]["hidden"] is None
+        assert by["serial"]["comm_share"] == pytest.approx(comm_share(by["serial"]["spans"]))
+        assert 0 < by["serial"]["comm_share"] <= 1
+        assert by["serial"]["ideal"] == pytest.approx(ideal_speedup(by["serial"]["comm_share"]))

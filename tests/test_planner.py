@@ -1,0 +1,118 @@
+"""The planner: the fastest predicted candidate wins, every rank decides alike, auto runs and equals serial."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+import microbatch
+from launch.planner import choose
+from microbatch.simulate import CostModel, Interconnect, Linear, OpCost, Transfer
+from overlap.multirank import run_ranks
+
+from test_prefill_cli import ROOT, SCRIPT, _port
+
+
+def _layers(n=2):
+    f = lambda *xs: xs[0]  # noqa: E731
+    ops = [microbatch.Operation("attn", f, ("hidden",), ("a",)),
+           microbatch.Operation("dispatch", f, ("a",), ("d",), "ep_comm"),
+           microbatch.Operation("experts", f, ("d",), ("e",)),
+           microbatch.Operation("combine", f, ("e",), ("c",), "ep_comm"),
+           microbatch.Operation("finalize", f, ("c",), ("out",))]
+    return [ops] * n
+
+
+class _Cal:
+    """A stand-in calibration: the planner only asks it for its cost model."""
+
+    def __init__(self, seconds_per_byte, host_overhead=0.0):
+        compute = OpCost(Linear(0.0, 1e-4))
+        comm = OpCost(Linear(0.0, 0.0), (Transfer("x", Linear(0.0, 4096.0)),))
+        self.costs = CostModel({"attn": compute, "experts": compute, "finalize": OpCost(Linear(0.0, 1e-6)),
+                                "dispatch": comm, "combine": comm}, Interconnect(0.0, seconds_per_byte),
+                               host_overhead)
+
+    def cost_model(self):
+        return self.costs
+
+
+def test_the_fastest_prediction_wins_and_ties_go_to_fewer_micro_batches():
+    lens = [(64, 64, 64, 64)]
+    free = choose(_Cal(0.0), _layers(), lens, device=False)
+    assert free.best.mode == "serial"  # nothing to hide: every mode predicts the same, serial has fewest parts
+    slow = choose(_Cal(2.5e-8), _layers(), lens, device=False)  # exchanges as long as the compute
+    assert slow.best.micro_batches >= 2 and slow.best.predicted_s < slow.serial_s
+    assert slow.best.predicted_s == min(c.predicted_s for c in slow.candidates)
+    assert slow.speedup == pytest.approx(slow.serial_s / slow.best.predicted_s)
+    assert "auto: chose" in slow.format() and slow.best.describe() in slow.format()
+
+
+def test_a_rank_that_cannot_split_removes_the_split_candidates():
+    lens = [(64, 64, 64, 64), (1,)]
+    choice = choose(_Cal(2.5e-8), _layers(), lens, device=False)
+    assert {c.micro_batches for c in choice.candidates} == {1}
+
+
+def test_a_model_that_cannot_cut_gets_boundary_splits_only():
+    choice = choose(_Cal(2.5e-8), _layers(), [(200, 56)], allow_cut=False, device=False)
+    assert all(c.max_imbalance is None for c in choice.candidates if c.micro_batches > 1)
+
+
+def _decide_and_run(ctx, lens):
+    import overlap
+    from launch.calibrate import calibrate
+    from launch.measure import measure
+    from launch.model import Batch, build_model, preset
+    from launch.planner import gather_lens
+    from launch.runner import make_expert_parallel
+
+    overlap.set_link(overlap.Link(0.05))
+    model = make_expert_parallel(build_model(preset("tiny"), seed=3), ctx.group)
+    batch = Batch.random(lens[ctx.rank], model.cfg.vocab, seed=11 + ctx.rank)
+    all_lens = gather_lens(batch.seq.seq_lens, ctx.group)
+    cal = calibrate(model, ctx.group, max_tokens=128, repeats=1)
+    choice = choose(cal, model, all_lens)
+    results = measure(model, batch, ["serial", "auto"], ctx.group, warmup=0, iters=1, choice=choice)
+    out = {r.mode: r.output for r in results}
+    return all_lens, choice.best, (out["auto"] - out["serial"]).abs().max().item()
+
+
+def test_every_rank_takes_the_same_decision_and_auto_equals_serial(tmp_path, monkeypatch):
+    monkeypatch.setenv("OVERLAP_CALIBRATION_CACHE", str(tmp_path))
+    lens = [[40, 24, 33], [90, 7]]
+    (l0, best0, d0), (l1, best1, d1) = run_ranks(_decide_and_run, 2, lens,
+                                                  env={"OVERLAP_CALIBRATION_CACHE": str(tmp_path)}, timeout=180)
+    assert l0 == l1 == [tuple(x) for x in lens]
+    assert best0 == best1
+    assert d0 <= 1e-4 and d1 <= 1e-4
+
+
+@pytest.mark.spawns_ranks
+def test_the_launcher_plans_runs_and_writes_the_prediction(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT, OVERLAP_CALIBRATION_CACHE=str(tmp_path / "cal"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_port()), SCRIPT,
+           "--preset", "tiny", "--mode", "auto", "--check", "--warmup", "0", "--iters", "1", "--seq-lens", "48,30,20",
+           "--out", str(tmp_path / "out")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert out.count("auto: chose") == 1 and "predicted" in out and "measured" in out
+    assert "check: every mode matches serial" in out
+    assert (tmp_path / "out" / "trace_auto.json").exists() and (tmp_path / "out" / "trace_auto.predicted.json").exists()
+    report = subprocess.run([sys.executable, "-m", "overlap.observability.report", str(tmp_path / "out" / "trace_auto.json"),
+                             "--plan", str(tmp_path / "out" / "trace_auto.predicted.json")],
+                            capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert report.returncode == 0, report.stderr[-2000:]
+
+
+@pytest.mark.spawns_ranks
+def test_the_planning_benchmark_runs_at_a_tiny_size(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT, OVERLAP_CALIBRATION_CACHE=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-m", "launch.bench_plan", "--preset", "tiny", "--tokens", "48",
+                           "--links", "0.1", "--warmup", "0", "--iters", "1"], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "48 tokens per rank" in proc.stdout and "auto chose" in proc.stdout and "targets:" in proc.stdout
+    for mode in ("serial", "shared", "two-batch", "three-batch", "four-batch", "auto"):
+        assert f"  {mode} " in proc.stdout
