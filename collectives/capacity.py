@@ -10,11 +10,18 @@ read on the host:
   `collectives.dispatch`); the rows for rank ``r`` fill block ``r`` of the send buffer in token
   order, and the rest of the block is padding (a zero row, expert ids -1, weights 0). Own rows
   travel too (the all-to-all copies them locally).
-- experts: the receiver runs each local expert over all ``world * capacity`` received rows, and
-  each row keeps, in slot order, the weighted outputs of the experts it chose (a mask by expert
-  id). That costs ``experts_per_rank`` times the matmuls of grouped rows: fine for a reference
-  and for graph capture; on an NPU a grouped matmul with counts computed on the device
-  (``npu_grouped_matmul`` with a tensor group list) can replace it later.
+- experts (``expert_path``): ``"grouped"`` sorts the ``world * capacity * k`` (row, slot) pairs by
+  local expert on the device, with static shapes (`collectives._grouping`: stable sort, pairs
+  without a local expert last), and runs a grouped matmul driven by a device group list, so the
+  expert work is proportional to the routed pairs: ``npu_moe_init_routing_v2`` +
+  ``npu_grouped_matmul`` (``group_list_type=1``) + ``npu_moe_finalize_routing`` on the NPU paths,
+  ``argsort`` + ``torch._grouped_mm`` with device offsets on CPU / CUDA. ``"all"`` (the reference
+  form) runs every local expert over every received row and keeps, per row, the weighted outputs
+  of the experts it chose: ``experts_per_rank`` times the work, but any dtype and shape traces.
+  ``"auto"`` (default) takes ``"grouped"`` where such a grouped matmul exists for the tokens'
+  dtype and shapes (`collectives.experts.device_group_impl`; ``torch._grouped_mm`` takes only bf16
+  on CUDA and while compiling), ``"all"`` otherwise; one local expert is always ``"all"``, which
+  is then a plain matmul over the received rows (the grouped operator refuses a group list of one).
 - combine: the reduced rows go back with the same static splits and each token sums what the
   ranks return in rank order, with static indices: deterministic.
 
@@ -34,7 +41,7 @@ multiplied by a zero weight, so a non-finite expert output spoils only the rows 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -42,8 +49,9 @@ from torch import nn
 
 import overlap
 
+from ._grouping import ROUTING_OPS, GroupedRows, group_rows, reduce_rows
 from .dispatch import _all_max, _peers, group_size, raise_unless_agreed, spread
-from .experts import LocalExperts
+from .experts import LocalExperts, device_group_impl, grouped_mlp, torch_npu_with
 from .layer import ExpertParallelMoE, SharedExperts
 from .layout import AGREED_FIELDS, LayoutError, ReceivedMetadata, check_routing, layer_fields, local_metadata, \
     token_in_rank
@@ -228,17 +236,56 @@ def reduce_slots(expert_out: torch.Tensor, ids: torch.Tensor, weights: torch.Ten
     return out
 
 
-def capacity_combine(expert_out: torch.Tensor, handle: CapacityDispatchHandle,
-                     dtype: Optional[torch.dtype] = None) -> CapacityCombineHandle:
-    """Reduce ``expert_out [E_local, W*C, H]`` per received row and send the rows back (static splits).
+EXPERT_PATHS = ("auto", "grouped", "all")
 
-    Rows travel in ``dtype`` (default: the dispatched tokens' dtype); `CapacityCombineHandle.wait` sums them.
+
+def expert_path(setting: str, x: torch.Tensor, experts: LocalExperts) -> str:
+    """How the capacity layer computes its experts on rows ``x``: ``"all"`` (every local expert over every
+    row), or the grouped matmul of `collectives.experts.device_group_impl` (``"npu_grouped"`` /
+    ``"torch_grouped"``). ``setting``: one of `EXPERT_PATHS` (see the module docstring)."""
+    if setting not in EXPERT_PATHS:
+        raise ValueError(f"expert_path must be one of {EXPERT_PATHS}, got {setting!r}")
+    if setting == "all" or experts.num_local == 1:
+        return "all"
+    which = device_group_impl(x, experts.gate_up, experts.down)
+    if which is None and setting == "grouped":
+        raise LayoutError(f"expert_path='grouped': no grouped matmul with a device group list on the "
+                          f"{overlap.current_path()} path for {x.dtype} tokens of hidden size {x.shape[-1]} "
+                          f"(torch_npu on NPU paths; torch._grouped_mm elsewhere: bf16 on CUDA and while "
+                          f"compiling, 16-byte aligned rows); use 'auto' or 'all'")
+    return which or "all"
+
+
+def grouped_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: LocalExperts,
+                    impl: str) -> Tuple[torch.Tensor, GroupedRows]:
+    """The local experts over received rows ``x [R, H]`` grouped on the device: ``(y [R*k, H], grouping)``,
+    ``y`` in `GroupedRows` order, zero past the group list (see `collectives._grouping`)."""
+    npu = torch_npu_with(*ROUTING_OPS) if impl == "npu_grouped" else None
+    g = group_rows(x, ids, weights, experts.num_local, npu)
+    return grouped_mlp(g.x, g.group_list, experts.gate_up, experts.down, experts.act, impl), g
+
+
+def capacity_combine(expert_out: torch.Tensor, handle: CapacityDispatchHandle,
+                     dtype: Optional[torch.dtype] = None, *, grouped: Optional[GroupedRows] = None
+                     ) -> CapacityCombineHandle:
+    """Reduce the expert outputs per received row and send the rows back (static splits).
+
+    ``expert_out``: ``[E_local, W*C, H]`` (every expert over every received row), or with ``grouped``
+    the ``[W*C*k, H]`` outputs of `grouped_experts`. Rows travel in ``dtype`` (default: the
+    dispatched tokens' dtype); `CapacityCombineHandle.wait` sums them.
     """
     rows = handle.recv_x.shape[0]
-    if expert_out.dim() != 3 or expert_out.shape[1] != rows:
+    if grouped is not None:
+        pairs = grouped.x.shape[0]
+        if expert_out.dim() != 2 or expert_out.shape[0] != pairs or grouped.num_rows != rows:
+            raise LayoutError(f"grouped expert output must be [{pairs}, hidden] (one row per received (row, slot) "
+                              f"pair), got shape {tuple(expert_out.shape)}")
+        partial = reduce_rows(expert_out, grouped).to(dtype or handle.dtype)
+    elif expert_out.dim() != 3 or expert_out.shape[1] != rows:
         raise LayoutError(f"expert output must be [local experts, {rows}, hidden] (every expert over every "
                           f"received row), got shape {tuple(expert_out.shape)}")
-    partial = reduce_slots(expert_out, handle.recv_ids, handle.recv_weights).to(dtype or handle.dtype)
+    else:
+        partial = reduce_slots(expert_out, handle.recv_ids, handle.recv_weights).to(dtype or handle.dtype)
     returned = _exchange(partial, handle.capacity, handle.group, "combine")
     return CapacityCombineHandle(returned, handle.slot_token, handle.num_tokens, handle.dtype)
 
@@ -247,26 +294,33 @@ class CapacityExpertParallelMoE(ExpertParallelMoE):
     """`ExpertParallelMoE` with static shapes: traceable under ``torch.compile(fullgraph=True)``.
 
     Same stages (names, streams, reads, writes) as `ExpertParallelMoE`; ``moe_dispatch`` is a
-    `CapacityDispatchHandle`, ``moe_expert_out`` every local expert over every received row,
-    ``moe_expert_batch`` the received expert ids and weights, ``moe_combine`` a
-    `CapacityCombineHandle`. ``capacity``: rows per destination rank (None: the call's token count).
+    `CapacityDispatchHandle`; ``moe_expert_out`` and ``moe_expert_batch`` are the grouped pairs'
+    outputs and their `GroupedRows`, or (``"all"``) every local expert over every received row and
+    the received expert ids and weights; ``moe_combine`` a `CapacityCombineHandle`. ``capacity``:
+    rows per destination rank (None: the call's token count). ``expert_path``: one of `EXPERT_PATHS`.
     """
 
     def __init__(self, router: nn.Module, experts: LocalExperts, num_experts: int,
                  group: Optional[dist.ProcessGroup] = None, shared: Optional[SharedExperts] = None,
-                 overlap_shared: bool = True, capacity: Optional[int] = None, validate: bool = True):
+                 overlap_shared: bool = True, capacity: Optional[int] = None, validate: bool = True,
+                 expert_path: str = "auto"):
         super().__init__(router, experts, num_experts, group, shared, overlap_shared)
         if capacity is not None and int(capacity) < 0:
             raise LayoutError(f"capacity must be >= 0, got {capacity}")
+        if expert_path not in EXPERT_PATHS:
+            raise ValueError(f"expert_path must be one of {EXPERT_PATHS}, got {expert_path!r}")
         self.capacity = capacity
         self.validate = validate
+        self.expert_path = expert_path
 
     @classmethod
     def wrap(cls, module: nn.Module, group: Optional[dist.ProcessGroup] = None, *, capacity: Optional[int] = None,
-             overlap_shared: bool = True, validate: bool = True) -> "CapacityExpertParallelMoE":
+             overlap_shared: bool = True, validate: bool = True, expert_path: str = "auto"
+             ) -> "CapacityExpertParallelMoE":
         """The capacity layer of ``module`` (anything `wrap_expert_parallel` accepts), this rank's experts only."""
         ep = wrap_expert_parallel(module, group, overlap_shared=overlap_shared, impl="loop")
-        return cls(ep.router, ep.experts, ep.num_experts, group, ep.shared, overlap_shared, capacity, validate)
+        return cls(ep.router, ep.experts, ep.num_experts, group, ep.shared, overlap_shared, capacity, validate,
+                   expert_path)
 
     def _dispatch(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> CapacityDispatchHandle:
         if not self.validate:  # else the shapes are checked in the capacity all-reduce, at no extra collective
@@ -279,13 +333,16 @@ class CapacityExpertParallelMoE(ExpertParallelMoE):
             self._agreed = True
         return handle
 
-    def _experts(self, handle: CapacityDispatchHandle) -> Tuple[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
-        return all_local_experts(handle.recv_x, self.experts), (handle.recv_ids, handle.recv_weights)
+    def _experts(self, handle: CapacityDispatchHandle) -> Tuple[torch.Tensor, Any]:
+        which = expert_path(self.expert_path, handle.recv_x, self.experts)
+        if which == "all":
+            return all_local_experts(handle.recv_x, self.experts), (handle.recv_ids, handle.recv_weights)
+        return grouped_experts(handle.recv_x, handle.recv_ids, handle.recv_weights, self.experts, which)
 
-    def _combine(self, y: torch.Tensor, batch: Tuple[torch.Tensor, torch.Tensor],
-                 handle: CapacityDispatchHandle) -> CapacityCombineHandle:
-        return capacity_combine(y, handle)
+    def _combine(self, y: torch.Tensor, batch: Any, handle: CapacityDispatchHandle) -> CapacityCombineHandle:
+        return capacity_combine(y, handle, grouped=batch if isinstance(batch, GroupedRows) else None)
 
 
-__all__ = ["CapacityCombineHandle", "CapacityDispatchHandle", "CapacityExpertParallelMoE", "all_local_experts",
-           "capacity_combine", "capacity_dispatch", "reduce_slots"]
+__all__ = ["CapacityCombineHandle", "CapacityDispatchHandle", "CapacityExpertParallelMoE", "EXPERT_PATHS",
+           "all_local_experts", "capacity_combine", "capacity_dispatch", "expert_path", "grouped_experts",
+           "reduce_slots"]

@@ -183,11 +183,11 @@ def graph_prefill(model: Model, batch: Batch, mode: str, plan: SplitPlan, path: 
     """The prefill of ``mode`` compiled as one graph on a torchair path (``ge`` or ``aclgraph``).
 
     The model's MoE blocks must have static shapes (`make_capacity_expert_parallel`). ``backend``
-    defaults to torchair's NPU backend in the path's mode (max-autotune for ``ge``, reduce-overhead
-    for ``aclgraph``). Returns a callable; its first call traces and compiles under ``path``.
+    defaults to the path's own compiler (`overlap.backends.Backend.compile_backend`: torchair's NPU
+    backend in max-autotune for ``ge``, the ``npugraph_ex`` backend for ``aclgraph``). Returns a
+    callable; its first call traces and compiles under ``path``.
     """
-    mode_of_path = overlap.backends.get(path).torchair_mode
-    if mode_of_path is None:
+    if overlap.backends.get(path).torchair_mode is None:
         raise ValueError(f"graph_prefill compiles for a torchair graph path (ge or aclgraph), not {path!r}")
     layers = layer_operations(model)
     make = microbatch.mode(mode).make
@@ -195,20 +195,11 @@ def graph_prefill(model: Model, batch: Batch, mode: str, plan: SplitPlan, path: 
     def run(tokens: torch.Tensor) -> torch.Tensor:
         return run_schedule(model, Batch(tokens, batch.seq), plan, layers, make)
 
-    compiled = torch.compile(run, backend=backend or torchair_backend(mode_of_path), fullgraph=True, dynamic=False)
+    compiled = torch.compile(run, backend=backend or overlap.backends.get(path).compile_backend(), fullgraph=True,
+                             dynamic=False)
 
     @torch.no_grad()
     def call() -> torch.Tensor:
         with overlap.use_path(path):
             return compiled(batch.tokens)
     return call
-
-
-def torchair_backend(mode: str) -> Any:
-    """torchair's NPU backend compiling in ``mode`` (``"max-autotune"``: GE graph; ``"reduce-overhead"``: ACL graph)."""
-    import torch_npu  # noqa: F401  (torchair needs it)
-    import torchair
-
-    config = torchair.CompilerConfig()
-    config.mode = mode
-    return torchair.get_npu_backend(compiler_config=config)

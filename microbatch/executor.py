@@ -5,9 +5,9 @@ from the schedule's author: where a value written on one stream is read on anoth
 writer's stream records the writer's event and the reader's stream waits for it before the read
 (where the graph compiler orders data edges itself, ``ge``, nothing is added), and every tensor
 of the value is `record_stream` ed for the reader's stream. A forgotten wait is therefore
-impossible here. Ordering intents without data (``Schedule.orders``) become ``wait_tensor``
-where data edges order and events across streams elsewhere. Events are named per (micro-batch,
-operation, stream) and reused by every layer.
+impossible here. Ordering intents without data (``Schedule.orders``) become ``wait_tensor`` on
+every tensor argument of the later launch where data edges order (``ge``), and events across
+streams elsewhere. Events are named per (micro-batch, operation, stream) and reused by every layer.
 """
 from __future__ import annotations
 
@@ -192,7 +192,7 @@ def execute(plan: Plan, flow: Flow, inputs: Sequence[Mapping[str, Any]]) -> List
             if step.after:
                 deps = [t for b in step.after for w in flow.ops[b].writes
                         for t in tensors_in(get((plan.steps[b].scheduled.mb, plan.steps[b].scheduled.layer, w)))]
-                args = _wait_first_tensor(args, deps)
+                args = _wait_tensors(args, deps)
             kind = "issue" if op.stream == EP_COMM else "compute"
             with overlap.span(l.op, kind=kind, mb=l.mb, layer=l.layer):
                 out = op.fn(*args)
@@ -215,17 +215,18 @@ def _read(r: Any, get: Any) -> Any:
     return tuple(get(k) for k in r.keys) if r.packed else get(r.keys[0])
 
 
-def _wait_first_tensor(args: List[Any], deps: Sequence[torch.Tensor]) -> List[Any]:
-    """Put ``wait_tensor(x, *deps)`` in place of the first tensor ``x`` among the arguments."""
+def _wait_tensors(args: List[Any], deps: Sequence[torch.Tensor]) -> List[Any]:
+    """Put ``wait_tensor(x, *deps)`` in place of every tensor ``x`` among the arguments (in tuples,
+    lists and dicts too).
+
+    Every tensor, not only the first: an operation may start from several inputs (a dispatch sends
+    the tokens and, apart, the routing metadata), and GE orders only what depends on a waited tensor.
+    """
     if not deps:
         return args
-    done = [False]
 
     def visit(v: Any) -> Any:
-        if done[0]:
-            return v
         if isinstance(v, torch.Tensor):
-            done[0] = True
             return overlap.wait_tensor(v, *deps)
         if isinstance(v, tuple):
             items = [visit(x) for x in v]

@@ -1,7 +1,7 @@
 """What the primitives lower to right now: the execution path, the enable switch and the current stream.
 
-A path names how a schedule is lowered: ``ge`` (torchair max-autotune), ``aclgraph`` (torchair
-reduce-overhead / npugraph_ex), ``npu`` / ``cuda`` (eager streams) and ``cpu`` (logical streams:
+A path names how a schedule is lowered: ``ge`` (torchair max-autotune), ``aclgraph`` (torch_npu's
+``npugraph_ex`` backend), ``npu`` / ``cuda`` (eager streams) and ``cpu`` (logical streams:
 compute inline, collectives and copies asynchronous on host threads). Each has one backend in
 `overlap.backends`. The three settings here are context variables, so a thread or an asyncio
 task can lower on its own path; this module imports nothing else of the toolkit.

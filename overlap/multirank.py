@@ -4,12 +4,12 @@ Tests call ``run_ranks(body, n, *args)``. Without torchrun it starts ``n`` proce
 gloo group over a file store, returns each rank's result in rank order, re-raises the first
 failure with that rank's traceback, and turns a hang into `RankTimeout` naming the ranks that
 did not finish. Under torchrun (``WORLD_SIZE`` set) the same call runs ``body`` on the first
-``n`` ranks of the existing job (HCCL / NCCL / gloo), so the test suite doubles as the multi-node
-regression suite: ``torchrun --nnodes 2 --nproc-per-node 8 -m pytest tests``.
+``n`` ranks of the existing job (HCCL / NCCL / gloo) and returns the same thing on every rank
+(see `overlap._torchrun`), so the test suite doubles as the multi-node regression suite:
+``torchrun --nnodes 2 --nproc-per-node 8 -m pytest tests``.
 """
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import datetime
 import multiprocessing as mp
@@ -20,7 +20,6 @@ import shutil
 import tempfile
 import time
 import traceback
-import unittest
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -28,7 +27,6 @@ import torch.distributed as dist
 
 from . import backends
 from .observability import enable_from_env
-from .state import STATE
 from .streams import synchronize
 
 ENV_TIMEOUT = "OVERLAP_RANK_TIMEOUT"
@@ -69,37 +67,6 @@ def default_device() -> torch.device:
     return backend.device()
 
 
-
-
-def _torchrun_group(n: int, timeout: float) -> Optional[RankContext]:
-    if not dist.is_initialized():
-        default_device()
-        dist.init_process_group(default_backend(), timeout=datetime.timedelta(seconds=timeout))
-        atexit.register(_leave_together)
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if n > world:
-        raise unittest.SkipTest(f"needs {n} ranks, torchrun started {world}")
-    if n == world:
-        group = dist.group.WORLD
-    else:
-        if n not in STATE.subgroups:  # every rank must create every subgroup, in the same order
-            STATE.subgroups[n] = dist.new_group(list(range(n)))
-        group = STATE.subgroups[n]
-    if rank >= n:
-        return None
-    return RankContext(rank, n, group, default_device())
-
-
-def _leave_together() -> None:
-    """At exit, wait for the other ranks and tear the groups down: a rank that leaves while others
-    still use a subgroup, or with gloo threads alive, aborts ("terminate called ...")."""
-    try:
-        if dist.is_initialized():
-            synchronize()  # nothing of this rank's still in flight on a side stream
-            dist.barrier()
-            dist.destroy_process_group()
-    except Exception:  # a peer is gone already: nothing left to wait for
-        pass
 
 
 def _child(fn: Callable[..., Any], rank: int, world: int, store_dir: str, timeout: float, threads: int,
@@ -153,26 +120,18 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: Opti
     """Run ``fn(ctx, *args, **kwargs)`` on ``world_size`` ranks and return the results in rank order.
 
     ``fn`` must be importable (a module-level function) because ranks are separate processes.
-    ``env`` is set in each rank before ``fn`` runs. Under torchrun only this rank's result is
-    returned (a one-element list; empty on ranks that do not take part).
+    ``env`` is set in each rank before ``fn`` runs. Under torchrun ``fn`` runs on the first
+    ``world_size`` ranks of the job, on a group of their own, and every rank of the job (taking
+    part or not) gets the same list and the same `RankFailure`, `RankTimeout` or skip.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     timeout = DEFAULT_TIMEOUT if timeout is None else timeout
     if under_torchrun():
-        ctx = _torchrun_group(world_size, timeout)
-        if ctx is None:
-            return []
-        old = {k: os.environ.get(k) for k in (env or {})}
-        os.environ.update(env or {})
-        try:
-            return [fn(ctx, *args, **kwargs)]
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        from . import _torchrun
+
+        return _torchrun.run(fn, world_size, timeout, dict(env or {}), args, kwargs, default_backend(),
+                             default_device, default_device)
 
     mpctx = _context()
     results = mpctx.Queue()

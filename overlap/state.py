@@ -1,6 +1,6 @@
 """The toolkit's process-wide state, in one object, and the one call that resets it.
 
-Streams and events are created once per tag and reused (torchair's tagged events are unique per
+Streams and events are created once per tag and reused (npugraph_ex's tagged events are unique per
 process, and so are a device's streams), core limits persist per stream, and the simulated link
 books its transfers in order: all of that lives in `STATE`, with the bound on every wait of the
 CPU path (`set_wait_timeout`; a wait that runs past it raises `WaitTimeout`). `reset` forgets it
@@ -8,8 +8,8 @@ all, as a test does between cases. Packages built on the toolkit keep their proc
 here too (``pools``: the dispatch's reused buffers).
 
 Not reset: observers (a `Timeline` or `Sanitizer` is scoped by its own ``with`` block, the one
-enabled from ``$OVERLAP_SANITIZE`` lives as long as the process), and torchair's tagged events,
-which torchair itself cannot forget.
+enabled from ``$OVERLAP_SANITIZE`` lives as long as the process), and npugraph_ex's tagged events,
+which npugraph_ex itself cannot forget.
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ class ProcessState:
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.observers: List[Any] = []  # see overlap.hooks
-        self.tagged_events: Dict[str, Any] = {}  # torchair's tagged event per tag (aclgraph)
+        self.tagged_events: Dict[str, Any] = {}  # npugraph_ex's tagged event per tag (aclgraph)
         self.sanitizer: Any = None  # the one enabled from $OVERLAP_SANITIZE
         self.subgroups: Dict[int, Any] = {}  # multirank under torchrun: tied to the process group, never reset
         self._clear()
@@ -43,7 +43,6 @@ class ProcessState:
         self.device_streams: Dict[Tuple[str, int, str], Any] = {}  # (device type, index, tag) -> stream
         self.core_budget: Any = None  # set_core_budget override
         self.core_limits: Dict[str, Tuple[int, int]] = {}  # tag -> (aic, aiv), for the budget check
-        self.npu_core_limits: Dict[int, Tuple[int, int]] = {}  # innermost limit_cores per npu stream
         self.link: Any = None  # set_link override
         self.link_busy_until = 0.0  # monotonic time the simulated link is booked until
         self.pools: Dict[str, List[Any]] = {}  # reusable buffers other packages keep, by name

@@ -13,18 +13,33 @@ def _clean_overlap_state(monkeypatch):
 
     for var in (overlap.ENV_PATH, overlap.ENV_ENABLE, "OVERLAP_CORE_BUDGET", "OVERLAP_CPU_LINK"):
         monkeypatch.delenv(var, raising=False)
+    from overlap.state import STATE
+
     overlap.reset()
+    observers = list(STATE.observers)
     yield
     overlap.reset()
+    leaked = [o for o in STATE.observers if o not in observers]
+    if leaked:  # under torchrun every test shares the process: a leaked observer would change the next ones
+        for o in leaked:
+            getattr(o, "__exit__", lambda *a: None)(None, None, None)
+        STATE.observers = observers
+        pytest.fail(f"the test left observers installed: {leaked}")
 
 
+@pytest.hookimpl(trylast=True)  # after the terminal reporter exists: torchrun mode quiets it on ranks > 0
 def pytest_configure(config):
     import overlap
+    from overlap.multirank import under_torchrun
 
     overlap.sanitize_from_env()  # OVERLAP_SANITIZE=1|raise checks every test's stream ordering
     config.addinivalue_line("markers", "cpu_only: checks the CPU path (its engine model or CPU tensors); "
                                        "skipped where the tests run on NPU / CUDA ranks")
     config.addinivalue_line("markers", "spawns_ranks: starts its own processes; skipped under torchrun")
+    if under_torchrun():
+        from _torchrun_mode import TorchrunMode
+
+        config.pluginmanager.register(TorchrunMode(config), "overlap-torchrun-mode")
 
 
 def pytest_collection_modifyitems(config, items):

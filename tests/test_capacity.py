@@ -155,3 +155,138 @@ def test_capacity_blocks_are_the_layouts_rows_padded():
     assert torch.equal(send_meta[real], pack_metadata(layout, idx, w))
     assert torch.equal(send_x[real], x[layout.send_token])
     assert (send_meta[~real, :k] == -1).all() and not send_meta[~real, k:].any() and not send_x[~real].any()
+
+
+# --- device-side grouping: expert work proportional to the routed rows -----------------------------------
+
+class _Fixed(torch.nn.Module):
+    """Slot j of token t picks expert (first(t) + j) % E, weights from the token (a router without weights:
+    the same routing on every rank and in the dense reference)."""
+
+    def __init__(self, cfg: MoEConfig, first):
+        super().__init__()
+        self.cfg, self.first = cfg, first
+
+    def forward(self, x):
+        t = torch.arange(x.shape[0])
+        idx = (self.first(t)[:, None] + torch.arange(self.cfg.top_k)[None]) % self.cfg.n_experts
+        return idx, x[:, : self.cfg.top_k].float().softmax(-1)
+
+
+def _grouping_cases(world: int):
+    """(name, cfg, routing, dtype): one and several local experts, empty experts, every row to one expert, bf16."""
+    several = MoEConfig(hidden=16, ffn=8, n_experts=4 * world, top_k=2, n_shared=1)
+    one = MoEConfig(hidden=16, ffn=8, n_experts=world, top_k=1, n_shared=0)
+    one_k2 = MoEConfig(hidden=16, ffn=8, n_experts=2 * world, top_k=2, n_shared=0)
+    to_one = MoEConfig(hidden=16, ffn=8, n_experts=4 * world, top_k=1, n_shared=0)
+    return [("several", several, "router", torch.float32),
+            ("one_local_expert", one, "router", torch.float32),
+            ("two_local_experts_k2", one_k2, "router", torch.float32),
+            ("empty_experts", several, "two_experts", torch.float32),  # only experts 0, 1 and 2 are ever chosen
+            ("all_to_one_expert", to_one, "last_expert", torch.float32),
+            ("bf16", several, "router", torch.bfloat16),
+            ("bf16_one_local_expert", one, "router", torch.bfloat16)]
+
+
+def _routed_moe(cfg: MoEConfig, routing: str, dtype) -> MoE:
+    moe = _moe(cfg)
+    if routing == "two_experts":
+        moe.router = _Fixed(cfg, lambda t: t % 2)
+    elif routing == "last_expert":
+        moe.router = _Fixed(cfg, lambda t: torch.full_like(t, cfg.n_experts - 1))
+    return moe.to(dtype)
+
+
+def _grouping_body(ctx, npu: bool):
+    from collectives.capacity import expert_path
+    from test_grouping import calls, fake_npu, installed
+
+    out = []
+    for name, cfg, routing, dtype in _grouping_cases(ctx.world_size):
+        moe = _routed_moe(cfg, routing, dtype)
+        torch.manual_seed(200 + ctx.rank)
+        x = torch.randn(5 + ctx.rank, cfg.hidden).to(dtype)
+        grouped = CapacityExpertParallelMoE.wrap(moe, ctx.group, capacity=6)
+        every = CapacityExpertParallelMoE.wrap(moe, ctx.group, capacity=6, expert_path="all")
+        offs = []
+        real = torch._grouped_mm
+
+        def spy(a, b, offs_=None, **kw):
+            offs.append(int(kw["offs"][-1]))
+            return real(a, b, **kw)
+
+        with installed(fake_npu() if npu else None), mock.patch.object(torch, "_grouped_mm", spy):
+            path = expert_path("auto", x, grouped.experts)
+            got, again = grouped(x), grouped(x)
+            with overlap.enabled(False):
+                serial = grouped(x)
+            seen = {op: calls(op) for op in ("npu_moe_init_routing_v2", "npu_grouped_matmul",
+                                             "npu_moe_finalize_routing")}
+        idx, _ = moe.router(x)
+        out.append(dict(name=name, dtype=dtype, path=path, got=got, again=again, serial=serial, dense=moe(x),
+                        every=every(x), offs=offs, seen=seen, idx=idx, local=grouped.experts.num_local))
+    return out
+
+
+def _routed_pairs(results, rank: int, case: int) -> int:
+    """(token, slot) pairs of every rank's tokens whose expert lives on ``rank``."""
+    local = results[rank][case]["local"]
+    return sum(int((r[case]["idx"] // local == rank).sum()) for r in results)
+
+
+@pytest.mark.spawns_ranks
+@pytest.mark.parametrize("npu", [False, True], ids=["torch", "fake_npu"])
+@pytest.mark.parametrize("world", [1, 2])
+def test_grouped_experts_equal_the_previous_path_and_dense(world, npu):
+    results = run_ranks(_grouping_body, world, npu, timeout=120)
+    for rank, per_case in enumerate(results):
+        for case, r in enumerate(per_case):
+            what = f"rank {rank} {r['name']}"
+            tol = TOL if r["dtype"] == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+            torch.testing.assert_close(r["got"], r["dense"], **tol, msg=lambda m: f"{what}: {m}")
+            torch.testing.assert_close(r["got"], r["every"], **tol, msg=lambda m: f"{what} vs 'all': {m}")
+            assert torch.equal(r["got"], r["again"]) and torch.equal(r["got"], r["serial"]), what
+            pairs = _routed_pairs(results, rank, case)
+            if r["local"] == 1:  # one local expert: a plain matmul, no grouped operator
+                assert r["path"] == "all" and r["offs"] == [] and not any(r["seen"].values()), what
+            elif not npu:
+                # three forwards, two grouped matmuls each, over the routed pairs only
+                assert r["path"] == "torch_grouped" and r["offs"] == [pairs] * 6, (what, r["offs"], pairs)
+            else:
+                assert r["path"] == "npu_grouped" and r["offs"] == [], what
+                assert [c["expert_num"] for c in r["seen"]["npu_moe_init_routing_v2"]] == [r["local"] + 1] * 3
+                gmm = [(c["group_list_type"], c["groups"], c["rows"]) for c in r["seen"]["npu_grouped_matmul"]]
+                assert gmm == [(1, r["local"], pairs)] * 6, (what, gmm, pairs)
+                assert [c["drop_pad_mode"] for c in r["seen"]["npu_moe_finalize_routing"]] == [2] * 3
+
+
+@pytest.mark.parametrize("npu", [False, True], ids=["torch", "fake_npu"])
+def test_a_nan_expert_spoils_only_the_rows_that_chose_it_on_the_grouped_path(npu):
+    from test_grouping import fake_npu, installed
+
+    cfg = MoEConfig(hidden=16, ffn=8, n_experts=4, top_k=2, n_shared=0)
+    layer = CapacityExpertParallelMoE.wrap(_moe(cfg), capacity=12)
+    x = torch.randn(12, 16)
+    with installed(fake_npu() if npu else None):
+        clean = layer(x)
+        layer.experts.gate_up.data[1] = float("nan")
+        got = layer(x)
+    chose = (layer.router(x)[0] == 1).any(1)
+    assert chose.any() and (~chose).any()
+    assert not torch.isfinite(got[chose]).all(1).any()
+    assert torch.equal(got[~chose], clean[~chose])
+
+
+def test_expert_path_setting():
+    from collectives.capacity import expert_path
+
+    cfg = MoEConfig(hidden=16, ffn=8, n_experts=4, top_k=2)
+    layer = CapacityExpertParallelMoE.wrap(_moe(cfg))
+    x = torch.randn(3, 16)
+    assert expert_path("all", x, layer.experts) == "all"
+    with mock.patch("torch.compiler.is_compiling", return_value=True):  # float32 has no grouped kernel there
+        assert expert_path("auto", x, layer.experts) == "all"
+        with pytest.raises(LayoutError, match="expert_path='grouped'"):
+            expert_path("grouped", x, layer.experts)
+    with pytest.raises(ValueError, match="expert_path"):
+        CapacityExpertParallelMoE.wrap(_moe(cfg), expert_path="fast")

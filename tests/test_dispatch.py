@@ -228,8 +228,8 @@ def test_eager_reduction_equals_the_static_form(dtype, monkeypatch):
     torch.testing.assert_close(placed, expected, rtol=1e-6, atol=1e-6)
 
 
-def _traced(x, idx, w, send, recv, counts):
-    h = dispatch(x, idx, w, 4, None, send_splits=send, recv_splits=recv, async_finish=True)
+def _traced(x, idx, w, send, recv, counts, group):
+    h = dispatch(x, idx, w, 4, group, send_splits=send, recv_splits=recv, async_finish=True)
     h.wait()
     batch = h.expand(counts)
     return combine(batch.x * 2, batch, h, async_finish=True).wait()
@@ -243,7 +243,7 @@ def _compile_body(ctx):
     counts = [2 * tokens, 0] if ctx.rank == 0 else [0, 2 * tokens]
     out = {}
     for path in ("ge", "aclgraph"):
-        gm = tc.capture_graph(_traced, x, idx, w, [tokens, tokens], [tokens, tokens], counts, path=path)
+        gm = tc.capture_graph(_traced, x, idx, w, [tokens, tokens], [tokens, tokens], counts, ctx.group, path=path)
         streams = tc.stream_of(gm)
         a2a = [n.name for n in gm.graph.nodes if "all_to_all" in str(n.target)]
         out[path] = dict(a2a_streams=[streams[n] for n in a2a], ops=tc.ops_in_order(gm, air_only=True))

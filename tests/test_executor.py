@@ -242,26 +242,37 @@ def test_events_are_reused_across_layers():
 
 
 def _fake_torchair(monkeypatch, calls):
+    """torchair's scope (ge) and npugraph_ex's scope and tagged events (aclgraph), recording the calls."""
     import contextlib
 
     scope = types.ModuleType("torchair.scope")
-    ops = types.ModuleType("torchair.ops")
     scope.npu_stream_switch = lambda tag, priority=0: contextlib.nullcontext()
 
     def npu_wait_tensor(x, dep):
         calls.append(("wait_tensor", tuple(dep.shape)))
         return x + 0  # a new tensor, as the graph op returns
     scope.npu_wait_tensor = npu_wait_tensor
-    ops.npu_create_tagged_event = lambda tag: calls.append(("create", tag)) or object()
-    air = types.SimpleNamespace(tagged_event_record=lambda tag: calls.append(("record", tag)),
-                                tagged_event_wait=lambda tag: calls.append(("wait", tag)))
-    # the core emits torch.ops.air.tagged_event_record/wait(tag) itself; stand in for those ops
-    monkeypatch.setattr(overlap.backends.aclgraph, "torch", types.SimpleNamespace(ops=types.SimpleNamespace(air=air)))
-    monkeypatch.setattr(STATE, "tagged_events", {})
-    ops.npu_record_tagged_stream = lambda t, tag: calls.append(("record_stream", tag))
     pkg = types.ModuleType("torchair")
-    pkg.scope, pkg.ops = scope, ops
-    for name, mod in (("torchair", pkg), ("torchair.scope", scope), ("torchair.ops", ops)):
+    pkg.scope = scope
+    tagged = types.ModuleType("npugraph_ex.ops._tagged_event")
+    tagged._npu_create_tagged_event = lambda tag: calls.append(("create", tag)) or object()
+    ex_scope = types.ModuleType("npugraph_ex.scope")
+    ex_scope.limit_core_num = lambda aic, aiv: contextlib.nullcontext()
+    ex_ops = types.ModuleType("npugraph_ex.ops")
+    ex_ops._tagged_event = tagged
+    ex = types.ModuleType("npugraph_ex")
+    ex.scope, ex.ops = ex_scope, ex_ops
+    ops = types.SimpleNamespace(scope_enter=lambda keys, values: None, scope_exit=lambda: None,
+                                tagged_event_record=lambda tag: calls.append(("record", tag)),
+                                tagged_event_wait=lambda tag: calls.append(("wait", tag)),
+                                record_tagged_stream_=lambda t, tag: calls.append(("record_stream", tag)))
+    # the backend emits torch.ops.npugraph_ex.*(...) itself; stand in for those ops
+    monkeypatch.setattr(overlap.backends.aclgraph, "torch", types.SimpleNamespace(ops=types.SimpleNamespace(
+        npugraph_ex=ops)))
+    monkeypatch.setattr(STATE, "tagged_events", {})
+    for name, mod in (("torchair", pkg), ("torchair.scope", scope), ("npugraph_ex", ex),
+                      ("npugraph_ex.scope", ex_scope), ("npugraph_ex.ops", ex_ops),
+                      ("npugraph_ex.ops._tagged_event", tagged)):
         monkeypatch.setitem(sys.modules, name, mod)
     monkeypatch.setattr(STATE, "events", {})
 
@@ -412,6 +423,8 @@ def test_ge_graph_has_wait_tensor_per_intent_and_no_events():
     assert len(waits) == len(schedule.orders) > 0
     streams = tc.stream_of(gm)
     assert all(streams[w.name] == overlap.EP_COMM for w in waits)
+    assert tc.discarded_waits(gm) == [], "a wait_tensor whose result is not used orders nothing on GE"
+    assert tc.unordered_reads(gm, "ge") == []
     out = tc.strip_air(gm)(*args)
     assert all(torch.equal(a, b) for a, b in zip(out, _serial_eager(layers, args)))
 
@@ -433,5 +446,6 @@ def test_aclgraph_graph_records_before_every_wait():
     plan, _ = lower(schedule, layers, [{"hidden": a} for a in args], path="aclgraph")
     assert {r.args[0] for r in records} == set(plan.events())
     assert tc.nodes(gm, "record_tagged_stream_")
+    assert tc.unordered_reads(gm, "aclgraph") == [], "every cross-stream read waits for a record after its writer"
     out = tc.strip_air(gm)(*args)
     assert all(torch.equal(a, b) for a, b in zip(out, _serial_eager(layers, args)))

@@ -51,7 +51,17 @@ def _a2a(gm):
     return [n for n in gm.graph.nodes if n.op == "call_function" and "all_to_all" in str(n.target)]
 
 
-def _summary(tc, gm):
+def _unordered_exchanges(tc, gm, path):
+    """Exchanges of consecutive ``ep_comm`` blocks not ordered as the schedule issues them (every rank must
+    issue its collectives in one order)."""
+    order = tc.Order(gm, path)
+    blocks = [[n for n in nodes if n in set(_a2a(gm))] for nodes in tc.stream_regions(gm, overlap.EP_COMM)]
+    blocks = [b for b in blocks if b]
+    return [(a.name, b.name) for prev, nxt in zip(blocks, blocks[1:]) for a in prev for b in nxt
+            if not order.before(a, b)]
+
+
+def _summary(tc, gm, path):
     """What the tests check, as plain data (graphs do not travel between processes)."""
     at = {n: i for i, n in enumerate(gm.graph.nodes)}
     streams, scopes = tc.stream_of(gm), tc.scope_of(gm)
@@ -61,6 +71,11 @@ def _summary(tc, gm):
         earlier = [r for r in records if r.args[0] == wait.args[0] and at[r] < at[wait]]
         pairs.append((wait.args[0], streams[earlier[-1].name] if earlier else None, streams[wait.name]))
     return dict(
+        unordered_reads=tc.unordered_reads(gm, path),
+        consumed_waits=len(tc.nodes(gm, "wait_tensor")) - len(tc.discarded_waits(gm)),
+        unordered_exchanges=_unordered_exchanges(tc, gm, path),
+        cross_stream_reads=len(tc.cross_stream_reads(gm)),
+        namespaces=sorted({tc.op_namespace(n) for n in gm.graph.nodes} - {None}),
         air=tc.ops_in_order(gm, air_only=True),
         a2a_scopes=[scopes[n.name] for n in _a2a(gm)],
         a2a_targets=sorted({str(n.target) for n in _a2a(gm)}),
@@ -96,7 +111,7 @@ def _prefill_body(ctx):
     for name, path, on in (("ge", "ge", True), ("aclgraph", "aclgraph", True), ("off", "ge", False)):
         with overlap.enabled(on):
             gm, inputs = _capture(tc, prefill, batch.tokens, path=path)
-        out["graphs"][name] = _summary(tc, gm)
+        out["graphs"][name] = _summary(tc, gm, path)
         got = tc.strip_air(gm)(*inputs)  # issues the graph's all_to_alls: every rank runs the same graphs
         got = got[0] if isinstance(got, (tuple, list)) else got
         out["stripped_diff"][name] = (got - eager_serial).abs().max().item()
@@ -145,6 +160,26 @@ def test_aclgraph_one_event_per_microbatch_and_stage_reused_across_layers(captur
         assert layer_tags and all(tags[t] == N_LAYERS for t in layer_tags), tags
         assert {t.split(".")[0] for t in layer_tags} == {"mb0", "mb1"}
         assert all(s == t.split("@")[1] for t, s in zip(g["record_tags"], g["record_streams"]) if t in layer_tags)
+
+
+@pytest.mark.parametrize("name", ["ge", "aclgraph"])
+def test_every_cross_stream_read_is_ordered(captured, name):
+    """For every value read on another stream than its writer's, an ordering edge reaches the reader:
+    on aclgraph a record after the writer and a wait for it before the reader, on ge data dependence;
+    and the exchanges stay in schedule order (ge: through the wait_tensor results the readers consume;
+    a wait on an argument the operation does not use is pruned, harmlessly)."""
+    for out in captured:
+        g = out["graphs"][name]
+        assert g["cross_stream_reads"] > 0
+        assert g["unordered_reads"] == [], g["unordered_reads"][:5]
+        assert g["unordered_exchanges"] == [], g["unordered_exchanges"][:5]
+        assert g["consumed_waits"] >= (out["orders"] if name == "ge" else 0)
+
+
+def test_aclgraph_is_npugraph_ex_and_ge_is_air(captured):
+    for out in captured:
+        assert out["graphs"]["aclgraph"]["namespaces"] == ["npugraph_ex"]
+        assert out["graphs"]["ge"]["namespaces"] == ["air"]
 
 
 def test_ge_orders_with_wait_tensor_and_has_no_events(captured):

@@ -104,6 +104,48 @@ def test_npu_files_directly():
     assert trace.profiler_overlap
 
 
+def test_npu_trace_view_is_read_as_msprof_writes_it(tmp_path):
+    """Ascend Hardware tasks carry 'Physic Stream Id' (no 'Stream Id'), and 'ts' strings in microseconds."""
+    from overlap.observability._traces import load
+
+    view = os.path.join(RANK0, "ASCEND_PROFILER_OUTPUT", "trace_view.json")
+    events = json.load(open(view))
+    hardware = [e for e in events if e.get("pid") == 2001 and e.get("ph") == "X"]
+    assert hardware and all("Stream Id" not in e["args"] and e["args"]["Physic Stream Id"] == e["tid"]
+                            and isinstance(e["ts"], str) for e in hardware)
+    # no thread names: the lanes still come from the physical stream of each task
+    (tmp_path / "trace_view.json").write_text(json.dumps([e for e in events if e.get("name") != "thread_name"]))
+    items = load(str(tmp_path / "trace_view.json")).items
+    assert {stream for _, stream, _, _, _ in items} == {"Stream 2", "Stream 5"}
+
+
+def test_every_task_of_an_hccl_stream_is_communication():
+    """HCCL runs SDMA / Memcpy / Reduce_Inline / Notify tasks on its stream: communication, not compute."""
+    from overlap.observability._traces import load
+
+    items = load(os.path.join(RANK0, "ASCEND_PROFILER_OUTPUT", "trace_view.json")).items
+    kinds = {}
+    for _, stream, kind, start, end in items:
+        kinds.setdefault(stream, []).append((kind, round((end - start) * 1e6)))
+    assert kinds["Stream 5"] == [("comm", 10), ("comm", 20), ("comm", 40), ("comm", 20), ("comm", 10)]
+    assert {k for k, _ in kinds["Stream 2"]} == {"compute"}
+    _, m = analyse(NPU)
+    assert m.per_rank["rank0_ascend_pt"].comm_time == pytest.approx(100e-6)  # the EVENT_WAIT left out
+
+
+def test_kernel_details_hccl_stream_is_communication(tmp_path):
+    csv = ("Step Id,Name,Type,Stream ID,Accelerator Core,Start Time(us),Duration(us)\n"
+           "0,MatMulV2,MatMulV2,2,AI_CORE,0,100\n"
+           "0,hcom_allReduce__1_0_1,hcom_allReduce_,7,HCCL,0,10\n"
+           "0,Memcpy,MEMCPY_ASYNC,7,SDMA,10,40\n"
+           "0,Cast,Cast,2,AI_VECTOR_CORE,100,10\n")
+    (tmp_path / "kernel_details.csv").write_text(csv)
+    _, m = analyse(str(tmp_path / "kernel_details.csv"))
+    rm, = m.per_rank.values()
+    assert rm.comm_time == pytest.approx(50e-6)
+    assert rm.hidden_share == pytest.approx(1.0)
+
+
 def _bad(path, *words, args=(), names_file=True):
     """``overlap-report path *args`` exits 2 with one line naming the file and holding ``words``."""
     result = _run(path, *args)

@@ -87,6 +87,36 @@ def test_inline_compute_on_side_stream_needs_its_wait():
     assert "mm" in san.races[0].previous.op and "add" in san.races[0].current.op
 
 
+def _read_after_side_write(wait_for: str) -> Sanitizer:
+    """The shared-expert stream writes ``y`` between two records; main waits for ``wait_for``, then reads ``y``."""
+    x = torch.randn(8)
+    events = {n: overlap.event(f"test_order_{n}") for n in ("before", "after", "elsewhere")}
+    with Sanitizer(raise_on_race=False) as san:
+        with overlap.stream(KV_OFFLOAD):
+            x.sum()
+            events["elsewhere"].record()  # a stream that never touches y
+        with overlap.stream(SHARED_EXPERT):
+            events["before"].record()  # recorded before the write: orders nothing of it
+            y = x * 2
+            events["after"].record()  # recorded after the write (and last): the one to wait for
+        events[wait_for].wait()
+        y.sum()
+    return san
+
+
+def test_only_a_wait_for_the_event_recorded_after_the_write_orders_the_read():
+    assert _read_after_side_write("after").races == []
+
+
+@pytest.mark.parametrize("wait_for", ["before", "elsewhere"])
+def test_a_wait_for_another_event_is_still_a_race(wait_for):
+    """Negative control: waiting for an event, but not the one recorded after the writer, orders nothing."""
+    races = _read_after_side_write(wait_for).races
+    assert [(r.kind, r.previous.stream, r.current.stream) for r in races] == [
+        ("read after write", SHARED_EXPERT, DEFAULT)]
+    assert "mul" in races[0].previous.op and "sum" in races[0].current.op
+
+
 def test_write_after_read_and_synchronize():
     x = torch.randn(16)
     out = torch.empty(16)

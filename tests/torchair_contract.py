@@ -1,26 +1,30 @@
 """Graph-mode contract harness: torchair's own ``scope`` / ``ops`` code on a CPU machine.
 
-torchair ships inside the torch_npu wheel (``torch_npu/dynamo/torchair/``). Its Python layer
-registers the ``torch.ops.air.*`` custom ops that the ``ge`` and ``aclgraph`` lowerings emit.
-`load_torchair` downloads the wheel that matches the installed torch (``pip download``, never
-installed), unpacks only ``scope/`` and ``ops/``, replaces the native GE modules they import with
-small stand-ins and imports the rest as the module ``torchair``. `capture_graph` then compiles a
-function with ``torch.compile(fullgraph=True)`` on a chosen path and returns the FX graph Dynamo
-captured, with the real ``air.*`` nodes in it.
+torchair and npugraph_ex ship inside the torch_npu wheel (``torch_npu/dynamo/torchair/`` and
+``torch_npu/dynamo/npugraph_ex/``). Their Python layers register the custom ops the lowerings
+emit: ``torch.ops.air.*`` for ``ge`` (torchair's GE graph) and ``torch.ops.npugraph_ex.*`` for
+``aclgraph`` (the ``npugraph_ex`` backend). `load_torchair` downloads the wheel that matches the
+installed torch (``pip download``, never installed), unpacks only the ``scope/`` and ``ops/`` of
+both, replaces the native modules they import with small stand-ins and imports the rest as the
+modules ``torchair`` and ``npugraph_ex``. `capture_graph` then compiles a function with
+``torch.compile(fullgraph=True)`` on a chosen path and returns the FX graph Dynamo captured, with
+the real ``air.*`` / ``npugraph_ex.*`` nodes in it. `unordered_reads` checks, on such a graph, that
+every value read on another stream than its writer's is ordered after the write.
 
 The wheel is cached in ``$OVERLAP_WHEEL_CACHE`` (default ``~/.cache/npu-overlap/wheels``); when
 it can neither be found there nor downloaded, `load_torchair` skips the calling test with the
-reason. Loading happens once per process, and the process is left as it was: ``torchair`` is
-importable only inside `installed()` (which `capture_graph` enters), the ``torch_npu`` /
-``torch.npu`` stand-ins exist only while torchair is imported or a graph is captured, so ``import
-torch``, path detection and other tests are unaffected. Only the inert ``torch.ops.air``
-registrations remain. Where a real torchair registered its ops in this process already, loading
-fails and the tests skip with that reason.
+reason. Loading happens once per process, and the process is left as it was: ``torchair`` and
+``npugraph_ex`` are importable only inside `installed()` (which `capture_graph` enters), the
+``torch_npu`` / ``torch.npu`` stand-ins exist only while they are imported or a graph is captured,
+so ``import torch``, path detection and other tests are unaffected. Only the inert ``torch.ops.air``
+and ``torch.ops.npugraph_ex`` registrations remain. Where a real torchair registered its ops in this
+process already, loading fails and the tests skip with that reason.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import os
 import platform
 import re
@@ -37,8 +41,10 @@ import torch
 
 ENV_CACHE = "OVERLAP_WHEEL_CACHE"
 DEFAULT_CACHE = os.path.join("~", ".cache", "npu-overlap", "wheels")
-_TORCHAIR_IN_WHEEL = "torch_npu/dynamo/torchair/"
+_IN_WHEEL = "torch_npu/dynamo/"
+_PACKAGES = ("torchair", "npugraph_ex")  # the two Python layers, each unpacked into a folder of its own
 _SUBPACKAGES = ("scope", "ops")
+NAMESPACES = ("air", "npugraph_ex")  # the operator namespaces of torchair and of the npugraph_ex backend
 _state: Dict[str, Any] = {}  # "modules" once loaded, "error" once it failed (no second download)
 
 
@@ -115,25 +121,26 @@ def find_wheel() -> str:
                        f"{next((e for e in errors if e), 'no wheel')}")
 
 
-def _unpack(wheel: str) -> str:
-    """Unpack torchair's ``scope/`` and ``ops/`` from ``wheel`` (once); returns the folder holding ``torchair/``."""
-    root = os.path.join(os.path.dirname(wheel), os.path.basename(wheel)[:-len(".whl")] + "-torchair")
+def _unpack(wheel: str, package: str = "torchair") -> str:
+    """Unpack ``package``'s ``scope/`` and ``ops/`` from ``wheel`` (once); returns the folder holding ``package/``."""
+    root = os.path.join(os.path.dirname(wheel), os.path.basename(wheel)[:-len(".whl")] + "-" + package)
     if os.path.isdir(root):
         return root
+    prefix = f"{_IN_WHEEL}{package}/"
     tmp = tempfile.mkdtemp(dir=os.path.dirname(wheel), prefix=".unpack-")
     try:
         with zipfile.ZipFile(wheel) as zf:
             for name in zf.namelist():
-                rel = name[len(_TORCHAIR_IN_WHEEL):] if name.startswith(_TORCHAIR_IN_WHEEL) else ""
+                rel = name[len(prefix):] if name.startswith(prefix) else ""
                 if not rel.endswith(".py") or rel.split("/")[0] not in _SUBPACKAGES:
                     continue
-                dest = os.path.join(tmp, "torchair", rel)
+                dest = os.path.join(tmp, package, rel)
                 os.makedirs(os.path.dirname(dest), exist_ok=True)
                 with zf.open(name) as src, open(dest, "wb") as out:
                     out.write(src.read())
-        missing = [p for p in _SUBPACKAGES if not os.path.exists(os.path.join(tmp, "torchair", p, "__init__.py"))]
+        missing = [p for p in _SUBPACKAGES if not os.path.exists(os.path.join(tmp, package, p, "__init__.py"))]
         if missing:
-            raise RuntimeError(f"{wheel} has no {_TORCHAIR_IN_WHEEL}{{{','.join(missing)}}}/__init__.py")
+            raise RuntimeError(f"{wheel} has no {prefix}{{{','.join(missing)}}}/__init__.py")
         try:
             os.rename(tmp, root)  # atomic: another process either finished first or sees nothing
         except OSError:
@@ -178,7 +185,10 @@ def _stand_ins() -> Dict[str, types.ModuleType]:
     ge_graph = _module("torchair.ge._ge_graph", compat_as_bytes=lambda s: s.encode() if isinstance(s, str) else s,
                        get_default_ge_graph=lambda: _Anything(), Tensor=_Anything, ControlTensor=_Anything,
                        TensorSpec=_Anything, DataType=_Anything, dont_prune_me=lambda *a, **k: None)
+    logger = logging.getLogger("npugraph_ex")
     return {
+        "npugraph_ex.core": _module("npugraph_ex.core", __path__=[]),
+        "npugraph_ex.core.utils": _module("npugraph_ex.core.utils", logger=logger),
         "torchair.ge": _module("torchair.ge", _ge_graph=ge_graph, __path__=[]),
         "torchair.ge._ge_graph": ge_graph,
         "torchair.core": _module("torchair.core", __path__=[]),
@@ -212,51 +222,55 @@ def _temporary_torch_npu(module: bool = True) -> Iterator[None]:
             sys.modules.pop("torch_npu", None)
 
 
-def _torchair_modules() -> Dict[str, types.ModuleType]:
-    return {n: m for n, m in sys.modules.items() if n == "torchair" or n.startswith("torchair.")}
+def _loaded_modules() -> Dict[str, types.ModuleType]:
+    return {n: m for n, m in sys.modules.items() if n in _PACKAGES or n.split(".")[0] in _PACKAGES}
 
 
-def _import_torchair(root: str) -> Dict[str, types.ModuleType]:
-    """Import ``torchair.scope`` / ``torchair.ops`` from ``root``; returns every ``torchair*`` module made."""
+def _import_layers(roots: Dict[str, str]) -> Dict[str, types.ModuleType]:
+    """Import ``scope`` / ``ops`` of each package from its folder in ``roots``; returns every module made."""
     import importlib
 
-    pkg_dir = os.path.join(root, "torchair")
-    pkg = _module("torchair", __path__=[pkg_dir], __file__=os.path.join(pkg_dir, "__init__.py"),
-                  __doc__="torchair's scope/ops layer from the torch_npu wheel, GE modules replaced")
-    saved = _torchair_modules()
+    saved = _loaded_modules()
     for name in saved:
         del sys.modules[name]
-    sys.modules["torchair"] = pkg
+    for package, root in roots.items():
+        pkg_dir = os.path.join(root, package)
+        sys.modules[package] = _module(package, __path__=[pkg_dir], __file__=os.path.join(pkg_dir, "__init__.py"),
+                                       __doc__=f"{package}'s scope/ops layer from the torch_npu wheel, "
+                                               f"native modules replaced")
     sys.modules.update(_stand_ins())
     try:
         with _temporary_torch_npu():
-            for sub in _SUBPACKAGES:
-                setattr(pkg, sub, importlib.import_module(f"torchair.{sub}"))
-            # imported lazily by torchair itself; importing them now registers every air op once
-            importlib.import_module("torchair.scope._wait_tensor")
-            importlib.import_module("torchair.ops._tagged_event")
-        return _torchair_modules()
-    finally:  # the process sees no torchair outside `installed()`
-        for name in _torchair_modules():
+            for package in roots:
+                for sub in _SUBPACKAGES:
+                    setattr(sys.modules[package], sub, importlib.import_module(f"{package}.{sub}"))
+            # imported lazily by the packages themselves; importing them now registers every op once
+            for lazy in ("torchair.scope._wait_tensor", "torchair.ops._tagged_event", "npugraph_ex.ops._tagged_event"):
+                importlib.import_module(lazy)
+        return _loaded_modules()
+    finally:  # the process sees no torchair / npugraph_ex outside `installed()`
+        for name in _loaded_modules():
             del sys.modules[name]
         sys.modules.update(saved)
 
 
 @contextlib.contextmanager
 def installed() -> Iterator[types.ModuleType]:
-    """``import torchair`` gives the loaded module inside the block (and a stand-in ``torch.npu.Event``).
+    """``import torchair`` / ``import npugraph_ex`` give the loaded modules inside the block (and a
+    stand-in ``torch.npu.Event``); yields ``torchair``.
 
-    Outside it the process looks as before: no ``torchair``, no ``torch_npu``, no ``torch.npu``.
-    The ``torch.ops.air`` operators stay registered (they cannot be unregistered and are inert).
+    Outside it the process looks as before: no ``torchair``, ``npugraph_ex``, ``torch_npu`` or
+    ``torch.npu``. The ``torch.ops.air`` / ``torch.ops.npugraph_ex`` operators stay registered (they
+    cannot be unregistered and are inert).
     """
     mods = _load()
-    saved = _torchair_modules()
+    saved = _loaded_modules()
     sys.modules.update(mods)
     try:
         with _temporary_torch_npu(module=False):
             yield mods["torchair"]
     finally:
-        for name in _torchair_modules():
+        for name in _loaded_modules():
             del sys.modules[name]
         sys.modules.update(saved)
 
@@ -266,7 +280,8 @@ def _load() -> Dict[str, types.ModuleType]:
         return _state["modules"]
     if "error" not in _state:
         try:
-            _state["modules"] = _import_torchair(_unpack(find_wheel()))
+            wheel = find_wheel()
+            _state["modules"] = _import_layers({p: _unpack(wheel, p) for p in _PACKAGES})
             return _state["modules"]
         except Exception as exc:  # no registry, no wheel for this torch, layout changed
             _state["error"] = f"torchair graph-contract tests need the torch_npu wheel: {exc}"
@@ -274,7 +289,8 @@ def _load() -> Dict[str, types.ModuleType]:
 
 
 def load_torchair() -> types.ModuleType:
-    """torchair (``scope`` + ``ops`` of the matching torch_npu wheel); skips the calling test if unavailable.
+    """torchair (``scope`` + ``ops`` of the matching torch_npu wheel, npugraph_ex's beside it); skips the
+    calling test if unavailable.
 
     Loaded once per process; use `installed` (or `capture_graph`) to make it importable.
     """
@@ -330,14 +346,26 @@ def capture_graph(fn: Callable, *args: Any, path: str = "ge", **kwargs: Any) -> 
 _CALLS = ("call_function", "call_method")
 
 
-def air_op(node: torch.fx.Node) -> Optional[str]:
-    """``"scope_enter"`` etc. when ``node`` calls a ``torch.ops.air`` op, else None."""
+def op_namespace(node: torch.fx.Node) -> Optional[str]:
+    """``"air"`` or ``"npugraph_ex"`` when ``node`` calls one of those ops, else None."""
     target = node.target
     if node.op != "call_function" or not isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         return None
     name = target.name() if isinstance(target, torch._ops.OpOverload) else target._qualified_op_name
-    ns, _, op = name.partition("::")
-    return op.split(".")[0] if ns == "air" else None
+    ns = name.partition("::")[0]
+    return ns if ns in NAMESPACES else None
+
+
+def air_op(node: torch.fx.Node) -> Optional[str]:
+    """``"scope_enter"`` etc. when ``node`` calls a ``torch.ops.air`` or ``torch.ops.npugraph_ex`` op, else None.
+
+    The two namespaces name their scope, event and record-stream ops alike; `op_namespace` tells them apart.
+    """
+    if op_namespace(node) is None:
+        return None
+    target = node.target
+    name = target.name() if isinstance(target, torch._ops.OpOverload) else target._qualified_op_name
+    return name.partition("::")[2].split(".")[0]
 
 
 def scope_attrs(node: torch.fx.Node) -> Dict[str, str]:
@@ -389,13 +417,13 @@ def scope_of(gm: torch.fx.GraphModule) -> Dict[str, Dict[str, str]]:
     return out
 
 
-def nodes(gm: torch.fx.GraphModule, op: str) -> List[torch.fx.Node]:
-    """The nodes calling ``torch.ops.air.<op>``, in graph order."""
-    return [n for n in gm.graph.nodes if air_op(n) == op]
+def nodes(gm: torch.fx.GraphModule, op: str, namespace: Optional[str] = None) -> List[torch.fx.Node]:
+    """The nodes calling ``torch.ops.air.<op>`` or ``torch.ops.npugraph_ex.<op>`` (only ``namespace``'s if given)."""
+    return [n for n in gm.graph.nodes if air_op(n) == op and namespace in (None, op_namespace(n))]
 
 
 def strip_air(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A copy of ``gm`` without ``air`` ops (``wait_tensor`` becomes its first input): runnable on CPU.
+    """A copy of ``gm`` without ``air`` / ``npugraph_ex`` ops (``wait_tensor`` becomes its first input), runnable on CPU.
 
     Running it checks that the lowering kept the computation: it must equal the eager result.
     """
@@ -418,3 +446,186 @@ def stream_of(gm: torch.fx.GraphModule, main: str = "default") -> Dict[str, str]
 def node_by_target(gm: torch.fx.GraphModule, target: Any) -> List[torch.fx.Node]:
     """The call nodes whose target is ``target`` (``operator.mul``, ``torch.relu``, ``"sin"`` for a method), in order."""
     return [n for n in gm.graph.nodes if n.op in _CALLS and n.target == target]
+
+
+# ---- the wheel itself, for tests that read it without importing anything from it -----------------
+
+ENV_WHEEL = "OVERLAP_NPU_WHEEL"
+
+
+def wheel_path() -> str:
+    """The torch_npu wheel to read: ``$OVERLAP_NPU_WHEEL`` when set, else `find_wheel`'s.
+
+    ``$OVERLAP_NPU_WHEEL`` names any wheel file (a new torch_npu release, before torch is upgraded
+    to match it); a missing file is an error. Without it, when `find_wheel` cannot get a wheel, the
+    calling test is skipped with the reason. The outcome is kept for the process (one download try).
+    """
+    explicit = os.environ.get(ENV_WHEEL)
+    if explicit:
+        if not os.path.isfile(explicit):
+            raise FileNotFoundError(f"${ENV_WHEEL}={explicit}: no such wheel file")
+        return explicit
+    if "wheel" not in _state and "wheel_error" not in _state:
+        try:
+            _state["wheel"] = find_wheel()
+        except Exception as exc:  # no registry, no wheel for this torch or this machine
+            _state["wheel_error"] = f"the signature contract needs the torch_npu wheel: {exc}"
+    if "wheel" in _state:
+        return _state["wheel"]
+    pytest.skip(_state["wheel_error"])
+
+
+# ---- ordering: what runs after what in a captured graph ----------------------------------------------
+
+def is_work(node: torch.fx.Node) -> bool:
+    """A call that computes (an aten op, a collective, a method), not a scope / event / edge op."""
+    return node.op in _CALLS and air_op(node) is None
+
+
+def _written_in_place(node: torch.fx.Node) -> Optional[torch.fx.Node]:
+    """The tensor a work node writes in place (``out.copy_(x)``, ``out[i] = x``, ``aten.add_``), if any."""
+    if not is_work(node) or not node.args or not isinstance(node.args[0], torch.fx.Node):
+        return None
+    target = node.target
+    if target is operator.setitem:
+        return node.args[0]
+    if isinstance(target, torch._ops.OpOverload):
+        alias = target._schema.arguments[0].alias_info if target._schema.arguments else None
+        return node.args[0] if alias is not None and alias.is_write else None
+    name = target if node.op == "call_method" else getattr(target, "__name__", "")
+    return node.args[0] if isinstance(name, str) and name.endswith("_") and not name.startswith("_") else None
+
+
+def reads_of(gm: torch.fx.GraphModule) -> Dict[torch.fx.Node, List[torch.fx.Node]]:
+    """Each node's inputs as it reads them: a tensor written in place before (in graph order) stands
+    for the last call that wrote it, as the compiler sees it once the graph is functionalized."""
+    last: Dict[torch.fx.Node, torch.fx.Node] = {}
+    out: Dict[torch.fx.Node, List[torch.fx.Node]] = {}
+    for n in gm.graph.nodes:
+        out[n] = [last.get(p, p) for p in n.all_input_nodes]
+        written = _written_in_place(n)
+        if written is not None:
+            last[written] = n
+    return out
+
+
+def _value(node: torch.fx.Node, reads: Dict[torch.fx.Node, List[torch.fx.Node]]) -> torch.fx.Node:
+    """The value a node stands for: ``wait_tensor(x, dep)`` is ``x`` with an edge added."""
+    while air_op(node) == "wait_tensor":
+        node = reads[node][0]
+    return node
+
+
+class Order:
+    """Happens-before between the work nodes of a captured graph, as the path executes it.
+
+    ``ge``: GE runs a node after everything it reaches through its inputs (data edges, and
+    ``wait_tensor(x, dep)`` whose result is consumed, a tensor written in place standing for its
+    writer: `reads_of`); nothing else orders streams. ``aclgraph``:
+    each stream runs its nodes in graph order; a tagged event wait on a stream orders it after what
+    the stream of the tag's latest earlier record had run by then (vector clocks).
+    """
+
+    def __init__(self, gm: torch.fx.GraphModule, path: str, main: str = "default"):
+        if path not in ("ge", "aclgraph"):
+            raise ValueError(f"no ordering model for path {path!r}")
+        self.path, self.streams = path, stream_of(gm, main)
+        self._index = {n: i for i, n in enumerate(gm.graph.nodes)}
+        self._ancestors: Dict[torch.fx.Node, int] = {}  # ge: bit set of the nodes each node reaches back to
+        self._pos: Dict[torch.fx.Node, Tuple[str, int]] = {}  # aclgraph: (stream, sequence number there)
+        self._seen: Dict[torch.fx.Node, Dict[str, int]] = {}  # aclgraph: its stream's clock when it runs
+        self.reads = reads_of(gm)
+        (self._data_edges if path == "ge" else self._clocks)(gm)
+
+    def _data_edges(self, gm: torch.fx.GraphModule) -> None:
+        for n in gm.graph.nodes:
+            bits = 0
+            for p in self.reads[n]:
+                bits |= self._ancestors.get(p, 0) | (1 << self._index[p])
+            self._ancestors[n] = bits
+
+    def _clocks(self, gm: torch.fx.GraphModule) -> None:
+        clocks: Dict[str, Dict[str, int]] = {}
+        recorded: Dict[str, Dict[str, int]] = {}
+        for n in gm.graph.nodes:
+            op = air_op(n)
+            if n.op not in _CALLS or op in ("scope_enter", "scope_exit"):
+                continue
+            stream = self.streams[n.name]
+            clock = clocks.setdefault(stream, {})
+            if op == "tagged_event_record":
+                recorded[n.args[0]] = dict(clock)
+            elif op == "tagged_event_wait":
+                for s, seq in recorded.get(n.args[0], {}).items():
+                    clock[s] = max(clock.get(s, 0), seq)
+            elif op is None:
+                clock[stream] = clock.get(stream, 0) + 1
+                self._pos[n] = (stream, clock[stream])
+                self._seen[n] = dict(clock)
+
+    def before(self, producer: torch.fx.Node, reader: torch.fx.Node) -> bool:
+        """Whether ``producer`` is done before ``reader`` starts."""
+        if self.path == "ge":
+            return bool(self._ancestors[reader] >> self._index[producer] & 1)
+        stream, seq = self._pos[producer]
+        return self._seen[reader].get(stream, 0) >= seq
+
+
+def cross_stream_reads(gm: torch.fx.GraphModule, main: str = "default") -> List[Tuple[torch.fx.Node, torch.fx.Node]]:
+    """Every ``(writer, reader)`` of work nodes where the reader's stream is not the writer's.
+
+    The writer of a tensor written in place is the last call that wrote it (`reads_of`). Graph
+    inputs are left out: they are written before the graph starts.
+    """
+    streams, reads = stream_of(gm, main), reads_of(gm)
+    pairs = []
+    for reader in gm.graph.nodes:
+        if not is_work(reader):
+            continue
+        for inp in reads[reader]:
+            writer = _value(inp, reads)
+            if is_work(writer) and streams[writer.name] != streams[reader.name] and (writer, reader) not in pairs:
+                pairs.append((writer, reader))
+    return pairs
+
+
+def unordered_reads(gm: torch.fx.GraphModule, path: str, main: str = "default") -> List[str]:
+    """The values read on another stream than their writer's with no ordering edge reaching the reader.
+
+    Empty when every cross-stream read is ordered: on ``aclgraph`` by a record after the writer on
+    its stream and a wait on that event on the reader's stream before the reader (or a chain of
+    them), on ``ge`` by data dependence. Each entry names the writer, the reader and their streams.
+    """
+    order = Order(gm, path, main)
+    streams = order.streams
+    return [f"{w.name} ({streams[w.name]}) -> {r.name} ({streams[r.name]})"
+            for w, r in cross_stream_reads(gm, main) if not order.before(w, r)]
+
+
+def stream_regions(gm: torch.fx.GraphModule, label: str) -> List[List[torch.fx.Node]]:
+    """The work nodes of each outermost scope of stream ``label``, in graph order (one per stream block)."""
+    regions: List[List[torch.fx.Node]] = []
+    depth, inside = 0, False
+    for n in gm.graph.nodes:
+        op = air_op(n)
+        if op == "scope_enter":
+            if depth == 0:
+                inside = scope_attrs(n).get("_user_stream_label") == label
+                if inside:
+                    regions.append([])
+            depth += 1
+        elif op == "scope_exit":
+            depth -= 1
+            inside = inside and depth > 0
+        elif inside and is_work(n):
+            regions[-1].append(n)
+    return regions
+
+
+def discarded_waits(gm: torch.fx.GraphModule) -> List[str]:
+    """``wait_tensor`` nodes whose result no computation consumes: GE prunes them, so they order nothing."""
+    def consumed(n: torch.fx.Node) -> bool:
+        return any(is_work(u) or u.op == "output" or (air_op(u) == "wait_tensor" and u.args[0] is n and consumed(u))
+                   for u in n.users)
+
+    return [f"wait_tensor({n.args[0].name},{n.args[1].name})" for n in nodes(gm, "wait_tensor") if not consumed(n)]

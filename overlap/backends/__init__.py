@@ -7,7 +7,7 @@ path           stream / event / ordering                   file
 ``cuda``       ``torch.cuda`` streams and events           ``device.py``
 ``npu``        ``torch.npu`` streams, events, core limits  ``device.py``
 ``ge``         torchair scopes, ``npu_wait_tensor``        ``ge.py``
-``aclgraph``   torchair scopes, tagged events              ``aclgraph.py``
+``aclgraph``   npugraph_ex scopes, tagged events           ``aclgraph.py``
 =============  ==========================================  ===============================
 
 Code outside this package never compares path names: it asks the backend (`Backend`'s

@@ -1,9 +1,9 @@
-"""What the two torchair graph paths share: stream scopes, core-limit scopes, the NPU device.
+"""What the two graph paths share: stream scopes, core-limit scopes, the NPU device.
 
-Inside a graph a stream is a label (``torchair.scope.npu_stream_switch``): scopes only nest, so
-the main stream cannot be entered inside a side-stream scope. Nothing is read on the host and
-launches are not seen one by one (profile with torch_npu's profiler). torchair is imported only
-when a graph path is used.
+Inside a graph a stream is a label (``torchair.scope.npu_stream_switch`` on ``ge``, npugraph_ex's
+scope on ``aclgraph``): scopes only nest, so the main stream cannot be entered inside a side-stream
+scope. Nothing is read on the host and launches are not seen one by one (profile with torch_npu's
+profiler). torchair and npugraph_ex are imported only when a graph path is used.
 """
 from __future__ import annotations
 
@@ -38,6 +38,10 @@ class TorchairBackend(Backend):
                 raise ValueError(f"on the {self.name} path the main stream cannot be entered inside the {outer!r} "
                                  f"stream scope (torchair scopes only nest); end the side-stream block first")
             return None
+        return self.stream_switch(tag, priority)
+
+    def stream_switch(self, tag: str, priority: int) -> ContextManager[Any]:
+        """The scope that places work on the side stream ``tag``."""
         from torchair.scope import npu_stream_switch
 
         return npu_stream_switch(tag, priority)

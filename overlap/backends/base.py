@@ -29,6 +29,10 @@ class Backend:
     has_npu_ops = False  # torch_npu's fused operators (grouped matmul, MoE routing) are available
     torchair_mode: Optional[str] = None  # torchair CompilerConfig.mode that compiles for this path
 
+    def compile_backend(self) -> Any:
+        """What to pass as ``torch.compile(backend=...)`` to compile for this path (None: an eager path)."""
+        return None
+
     # ---- device
     def device(self) -> torch.device:
         """This path's current device."""

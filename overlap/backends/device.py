@@ -54,24 +54,30 @@ class DeviceClock:
 
 
 class _NpuCoreLimit:
-    """``torch.npu.set_stream_limit`` on the current stream; on exit the enclosing limit (or none) returns."""
+    """``torch.npu.set_stream_limit`` on the current stream; on exit the stream's previous limit returns.
+
+    The previous limit is read from the stream itself (``get_stream_limit``): torch_npu returns a new
+    Python object from every ``current_stream()`` call, so nothing can be keyed by the object.
+    """
 
     def __init__(self, aic: int, aiv: int):
         self.limit = (aic, aiv)
 
     def __enter__(self) -> None:
         self.stream = torch.npu.current_stream()
-        self.outer = STATE.npu_core_limits.get(id(self.stream))
+        outer = torch.npu.get_stream_limit(self.stream)
+        self.outer = (outer["cube_core_num"], outer["vector_core_num"])
         torch.npu.set_stream_limit(self.stream, *self.limit)
-        STATE.npu_core_limits[id(self.stream)] = self.limit
 
     def __exit__(self, *exc: Any) -> None:
-        if self.outer is None:
-            STATE.npu_core_limits.pop(id(self.stream), None)
-            torch.npu.reset_stream_limit(self.stream)
-        else:
-            STATE.npu_core_limits[id(self.stream)] = self.outer
-            torch.npu.set_stream_limit(self.stream, *self.outer)
+        aic, aiv = self.outer
+        if aic > 0 and aiv > 0:
+            torch.npu.set_stream_limit(self.stream, aic, aiv)
+            return
+        # a part that was never limited: clear both, then put back the part that was (-1 leaves one as is)
+        torch.npu.reset_stream_limit(self.stream)
+        if aic > 0 or aiv > 0:
+            torch.npu.set_stream_limit(self.stream, aic if aic > 0 else -1, aiv if aiv > 0 else -1)
 
 
 class DeviceBackend(Backend):

@@ -20,6 +20,14 @@ class GeBackend(TorchairBackend):
     data_edges_order_streams = True
     torchair_mode = "max-autotune"
 
+    def compile_backend(self) -> Any:
+        import torch_npu  # noqa: F401  (torchair needs it)
+        import torchair
+
+        config = torchair.CompilerConfig()
+        config.mode = self.torchair_mode
+        return torchair.get_npu_backend(compiler_config=config)
+
     def wait(self, event: Any, consumers: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
         if not consumers:
             return consumers

@@ -3,9 +3,15 @@
 - a Chrome trace written by `overlap.Timeline` (one process per rank, one thread per stream);
 - a Chrome trace from ``torch.profiler`` (device kernels per stream when there are any, else host
   ops per thread);
-- a torch_npu profiler output folder: ``trace_view.json`` ("Ascend Hardware" lanes per Stream Id),
-  else ``kernel_details.csv`` (needs ``Stream ID``, i.e. profiler Level1 or above), plus
+- a torch_npu profiler output folder: ``trace_view.json`` ("Ascend Hardware" lanes per physical
+  stream: ``args["Physic Stream Id"]``, which is also the ``tid``), else ``kernel_details.csv``
+  (needs ``Stream ID``, the logical stream, i.e. profiler Level1 or above), plus
   ``step_trace_time.csv`` when present for the profiler's own overlapped-communication figure.
+
+On the NPU a stream's kind is decided by what it carries: a stream with any hcom / HCCL task is a
+communication stream, and all of its tasks are communication (HCCL runs SDMA, Memcpy,
+Reduce_Inline and Notify tasks there, not named like hcom ops; a notify wait there is the
+collective waiting for its peers). An event wait elsewhere holds a stream without working on it.
 
 Every reader raises `TraceError` naming the file and what is missing or malformed.
 """
@@ -26,6 +32,8 @@ COMM_PATTERN = re.compile(r"nccl|hccl|hcom|gloo|c10d|all_?reduce|all_?to_?all|al
                           r"broadcast|dispatch|combine|send|recv", re.IGNORECASE)
 # Tasks that hold a stream while it waits for another stream are not work on it.
 WAIT_PATTERN = re.compile(r"wait", re.IGNORECASE)
+HCCL_PATTERN = re.compile(r"hcom|hccl|communication", re.IGNORECASE)  # an NPU task of a collective
+NOTIFY_PATTERN = re.compile(r"notify", re.IGNORECASE)  # HCCL's own synchronisation with the peers
 _DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 _HOST_CATS = ("cpu_op", "user_annotation", "gpu_user_annotation")
 KERNEL_DETAILS, STEP_TRACE, TRACE_VIEW = "kernel_details.csv", "step_trace_time.csv", "trace_view.json"
@@ -198,33 +206,47 @@ def _torch_profiler(data: Any, events: List[Dict[str, Any]], source: str) -> Lis
     return items
 
 
+def _npu_kinds(tasks: List[Tuple[str, str, str, Any]]) -> List[Tuple[str, str, Any]]:
+    """``(stream, name, task type, x)`` of NPU tasks as ``(stream, kind, x)``, stream waits left out.
+
+    A stream that carries any hcom / HCCL task is a communication stream: all its tasks count as
+    communication, its notify waits included (see the module docstring).
+    """
+    hccl = {stream for stream, name, task, _ in tasks if HCCL_PATTERN.search(name) or HCCL_PATTERN.search(task)}
+    out = []
+    for stream, name, task, x in tasks:
+        text = f"{name} {task}"
+        if WAIT_PATTERN.search(text) and not (stream in hccl and NOTIFY_PATTERN.search(text)):
+            continue
+        out.append((stream, "comm" if stream in hccl else classify(name), x))
+    return out
+
+
+def _hardware_stream(e: Dict[str, Any]) -> str:
+    """The physical stream of an "Ascend Hardware" task (msprof writes no other stream id there)."""
+    sid = e.get("args", {}).get("Physic Stream Id")
+    return f"Stream {e.get('tid') if sid is None else sid}"
+
+
 def _ascend_hardware(events: List[Dict[str, Any]], source: str, process: str) -> Tuple[List[Item], Optional[Tuple]]:
     procs = _names(events, "process_name")
     hw = {pid for pid, name in procs.items() if name == "Ascend Hardware"}
     if not hw:
         raise TraceError(f"{source}: no 'Ascend Hardware' process (no process_name metadata event with that name)")
-    threads = _names(events, "thread_name")
-    items: List[Item] = []
+    tasks = []
     comm: List[Tuple[float, float]] = []
     not_overlapped: List[Tuple[float, float]] = []
     analysis = {pid for pid, name in procs.items() if name == "Overlap Analysis"}
     for e, s, t in _slices(events, source):
         name = str(e.get("name", ""))
         if e.get("pid") in hw:
-            args = e.get("args", {})
-            task = str(args.get("Task Type", ""))
-            if WAIT_PATTERN.search(name) or WAIT_PATTERN.search(task):
-                continue
-            sid = args.get("Stream Id")
-            stream = f"Stream {sid}" if sid is not None else threads.get((e.get("pid"), e.get("tid")),
-                                                                         f"Stream {e.get('tid')}")
-            kind = "comm" if "HCCL" in task.upper() or "COMMUNICATION" in task.upper() else classify(name)
-            items.append((process, stream, kind, s, t))
+            tasks.append((_hardware_stream(e), name, str(e.get("args", {}).get("Task Type", "")), (s, t)))
         elif e.get("pid") in analysis:
             if name == "Communication":
                 comm.append((s, t))
             elif name == "Communication(Not Overlapped)":
                 not_overlapped.append((s, t))
+    items = [(process, stream, kind, s, t) for stream, kind, (s, t) in _npu_kinds(tasks)]
     if not items:
         raise TraceError(f"{source}: the 'Ascend Hardware' process has no complete ('X') task events")
     summary = None
@@ -261,17 +283,16 @@ def _read_csv(source: str, required: Tuple[str, ...], hint: str = "") -> List[Tu
 def _kernel_details(source: str, process: str) -> List[Item]:
     rows = _read_csv(source, ("Stream ID", "Start Time(us)", "Duration(us)"),
                      " (at profiler Level0 there is no 'Stream ID': profile with profiler_level=Level1 or higher)")
-    raw = []
+    tasks = []
     for i, r in rows:
         if not r.get("Start Time(us)") and not r.get("Duration(us)"):
             continue
-        name, task = r.get("Name", ""), r.get("Type", "") + " " + r.get("Accelerator Core", "")
-        if WAIT_PATTERN.search(name):
-            continue
-        kind = "comm" if "HCCL" in task.upper() or "COMMUNICATION" in task.upper() else classify(name)
+        task = r.get("Type", "") + " " + r.get("Accelerator Core", "")
         start = f"'Start Time(us)' on line {i}"
-        raw.append(((f"Stream {r['Stream ID']}", kind), _time(r["Start Time(us)"], source, start),
-                    _time(r["Duration(us)"], source, f"'Duration(us)' on line {i}", True), start))
+        times = (_time(r["Start Time(us)"], source, start),
+                 _time(r["Duration(us)"], source, f"'Duration(us)' on line {i}", True), start)
+        tasks.append((f"Stream {r['Stream ID']}", r.get("Name", ""), task, times))
+    raw = [((stream, kind), ts, dur, what) for stream, kind, (ts, dur, what) in _npu_kinds(tasks)]
     return [(process, stream, kind, s, t) for (stream, kind), s, t in _relative(raw, source)]
 
 

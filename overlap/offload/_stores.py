@@ -258,14 +258,15 @@ def _named(file: str, name: str, need: int, dtype: torch.dtype, geometry: str,
     target = _file_path(os.fspath(file), name)
     fd, created = _open_file(target, prefix_tokens > 0, f"prefix_tokens={prefix_tokens}")
     try:
+        # what the file is comes first: a device node is refused whoever else has it open
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise StoreError(f"host store file {target} is not a regular file")
         _lock(fd, target)
     except BaseException:  # someone else holds it, even if this call created it
         os.close(fd)
         raise
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise StoreError(f"host store file {target} is not a regular file")
         if not created and st.st_size != need:
             raise StoreError(f"host store file {target} holds {human_bytes(st.st_size)} ({st.st_size} bytes) but "
                              f"{geometry} need {human_bytes(need)} ({need} bytes); remove it or open it with the "

@@ -1,0 +1,473 @@
+"""MC2: torch_npu's fused dispatch / combine, a second expert-parallel backend behind the handle API of `dispatch`.
+
+``npu_moe_distribute_dispatch_v2`` sends every (token, expert) pair straight into the receivers'
+HCCL window and returns the rows grouped by local expert with a device count per expert (the
+group list of a grouped matmul); ``npu_moe_distribute_combine_v2`` sends the expert outputs back
+and sums each token's k weighted rows. No count exchange, nothing read on the host: the
+production choice on Ascend for small (decode) batches. ``mc2_dispatch`` / ``mc2_combine`` return
+handles like `collectives.dispatch.dispatch` / ``combine`` (``wait()``, ``expand()``,
+``CombineHandle.wait()``), asynchronous on a tagged stream (``stream_tag``, default ``ep_comm``).
+
+Choosing the backend (`choose_backend`, `ep_dispatch` / `ep_combine`): ``"all_to_all"``
+(`collectives.dispatch`), ``"mc2"`` (an `MC2Error` on CPU / CUDA, before any collective: MC2
+needs torch_npu on the NPU paths), or ``"auto"`` (default): MC2 where torch_npu provides it, the
+group has at least two ranks and ``max_tokens_per_rank`` is at most ``mc2_threshold`` (default
+`MC2_MAX_TOKENS` = 256, the largest batch MC2 takes on every Atlas product: Bs <= 256 on A2,
+<= 512 on A3); all_to_all otherwise. ``max_tokens_per_rank`` is a bound every rank passes alike
+(MC2 needs it as ``global_bs``), so every rank picks the same backend.
+
+Before the first call the HCCL window MC2 needs is computed from Ascend's formula
+(`mc2_buffer_mb`) and compared with ``HCCL_BUFFSIZE`` (MB, default 200): too small is an
+`MC2Error` naming the value to set, not a device fault. Ranks with fewer tokens than
+``max_tokens_per_rank`` are padded to it and pass ``x_active_mask`` (padding is not sent), so every
+rank calls the operators with the same batch size. With ``validate`` (eager, more than one rank)
+one small all-reduce before the fused operator makes every rank raise `LayoutError` / `MC2Error`
+if any rank rejects its input or the ranks disagree; Ascend wants MC2's communicator to hold MC2
+operators only, so production code validates once and then passes ``validate=False``.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from typing import Any, Iterator, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import overlap
+from overlap import EP_COMM, hooks
+
+from .dispatch import (CombineHandle, DispatchHandle, _all_max, _exchange_event, _peers, _rank, _side, combine,
+                       dispatch, group_size, raise_unless_agreed, spread)
+from .experts import LocalExperts, torch_npu_with
+from .layer import ExpertParallelMoE, SharedExperts
+from .layout import LayoutError, check_routing, layer_fields
+
+BACKENDS = ("auto", "all_to_all", "mc2")
+MC2_MAX_TOKENS = 256  # default threshold of "auto": tokens per rank at or below it take MC2
+ENV_BUFFSIZE = "HCCL_BUFFSIZE"
+DEFAULT_BUFFSIZE_MB = 200  # HCCL's default when HCCL_BUFFSIZE is unset
+SHARED_EXPERT_NUM = 1  # the operators' shared_expert_num, left at its default (no shared-expert ranks)
+OPS = ("npu_moe_distribute_dispatch_v2", "npu_moe_distribute_combine_v2")
+CHIPS = ("a2", "a3")
+_MB = 1 << 20
+# Documented limits per chip: tokens per rank, experts, local experts (None: no limit documented).
+_LIMITS = {"a2": dict(bs=256, experts=512, local=24), "a3": dict(bs=512, experts=1024, local=None)}
+
+
+class MC2Error(RuntimeError):
+    """MC2 cannot run here or as configured (no torch_npu, an HCCL buffer too small, a shape it refuses)."""
+
+
+def _align(v: int, to: int) -> int:
+    return (v + to - 1) // to * to
+
+
+def chip_of(soc: Optional[str]) -> Optional[str]:
+    """``"a3"`` (Ascend910_93xx), ``"a2"`` (Ascend910B*) or None for a SoC name (`Backend.soc_version`)."""
+    if not soc:
+        return None
+    if soc.startswith("Ascend910_93"):
+        return "a3"
+    return "a2" if soc.startswith("Ascend910B") else None
+
+
+def _a2_alg(comm_alg: str) -> str:
+    """The A2 algorithm: ``comm_alg``, or with none the one HCCL's environment selects."""
+    if comm_alg:
+        return comm_alg
+    pcie = os.environ.get("HCCL_INTRA_PCIE_ENABLE") == "1" and os.environ.get("HCCL_INTRA_ROCE_ENABLE") == "0"
+    return "hierarchy" if pcie else "fullmesh"
+
+
+def mc2_buffer_bytes(max_tokens_per_rank: int, hidden: int, top_k: int, num_experts: int, world_size: int,
+                     dtype: torch.dtype = torch.bfloat16, *, chip: Optional[str] = None, comm_alg: str = "") -> int:
+    """HCCL window bytes MC2 needs (aclnnMoeDistributeDispatchV2, constraint "HCCL_BUFFSIZE"); "/" is integer
+    division, ``Bs`` = ``max_tokens_per_rank``, ``L`` = experts per rank, ``S`` = shared_expert_num (1):
+
+    - A3: ``2 * (L * Bs * W * Align512(Align32(2 * H) + 64) + (K + S) * Bs * Align512(2 * H))``
+    - A2 ``fullmesh``: ``2 * (Bs * W * min(L, K) * H * 2 + 2 MB)``
+    - A2 ``hierarchy``: ``E * Bs * (H * sizeof(x) + 4 * ((K + 7) / 8 * 8) * 4) + 4 MB + 100 MB``
+
+    ``chip`` None (unknown): the larger of A3 and A2 (A2's algorithm from ``comm_alg`` or HCCL's env).
+    """
+    if chip not in (None,) + CHIPS:
+        raise ValueError(f"chip must be one of {CHIPS} or None, got {chip!r}")
+    bs, h, k, w = int(max_tokens_per_rank), int(hidden), int(top_k), int(world_size)
+    local = int(num_experts) // w
+    size = torch.tensor([], dtype=dtype).element_size()
+    a3 = 2 * (local * bs * w * _align(_align(2 * h, 32) + 64, 512) + (k + SHARED_EXPERT_NUM) * bs * _align(2 * h, 512))
+    if _a2_alg(comm_alg) == "hierarchy":
+        a2 = int(num_experts) * bs * (h * size + 4 * ((k + 7) // 8 * 8) * 4) + 4 * _MB + 100 * _MB
+    else:
+        a2 = 2 * (bs * w * min(local, k) * h * 2 + 2 * _MB)
+    return {"a3": a3, "a2": a2, None: max(a2, a3)}[chip]
+
+
+def mc2_buffer_mb(*args: Any, **kwargs: Any) -> int:
+    """`mc2_buffer_bytes` in MB (rounded up): the smallest ``HCCL_BUFFSIZE`` MC2 takes."""
+    return -(-mc2_buffer_bytes(*args, **kwargs) // _MB)
+
+
+def hccl_buffsize_mb() -> Tuple[int, str]:
+    """``HCCL_BUFFSIZE`` in MB and how it was set (HCCL's default 200 when unset)."""
+    raw = os.environ.get(ENV_BUFFSIZE)
+    if raw is None or not raw.strip():
+        return DEFAULT_BUFFSIZE_MB, f"{ENV_BUFFSIZE} is unset (HCCL's default {DEFAULT_BUFFSIZE_MB} MB)"
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise MC2Error(f"{ENV_BUFFSIZE}={raw!r} is not a whole number of MB >= 1")
+    return value, f"{ENV_BUFFSIZE}={value}"
+
+
+def check_mc2_buffer(max_tokens_per_rank: int, hidden: int, top_k: int, num_experts: int, world_size: int,
+                     dtype: torch.dtype = torch.bfloat16, *, chip: Optional[str] = None, comm_alg: str = "") -> int:
+    """Raise `MC2Error` naming the value to set unless ``HCCL_BUFFSIZE`` holds MC2's window; returns the MB needed."""
+    need = mc2_buffer_mb(max_tokens_per_rank, hidden, top_k, num_experts, world_size, dtype, chip=chip,
+                         comm_alg=comm_alg)
+    have, how = hccl_buffsize_mb()
+    if have < need:
+        raise MC2Error(f"MC2 needs an HCCL buffer of at least {need} MB for {max_tokens_per_rank} tokens per rank, "
+                       f"hidden size {hidden}, top-{top_k}, {num_experts} experts on {world_size} ranks "
+                       f"({chip or 'A2/A3'} formula), but {how}: set {ENV_BUFFSIZE}={need} (MB) on every rank "
+                       f"before the process group is created, or use backend='all_to_all' or fewer tokens per rank")
+    return need
+
+
+def mc2_available() -> bool:
+    """Whether MC2 can run here: an NPU path with a torch_npu that has both fused operators."""
+    return torch_npu_with(*OPS) is not None
+
+
+def _require() -> Any:
+    npu = torch_npu_with(*OPS)
+    if npu is None:
+        raise MC2Error(f"MC2 needs torch_npu on the npu path (npu_moe_distribute_dispatch_v2 / combine_v2); this "
+                       f"is the {overlap.current_path()} path: use backend='all_to_all' or 'auto'")
+    return npu
+
+
+def choose_backend(backend: str = "auto", max_tokens_per_rank: Optional[int] = None,
+                   mc2_threshold: int = MC2_MAX_TOKENS, world_size: int = 2) -> str:
+    """``"all_to_all"`` or ``"mc2"`` for ``backend`` (one of `BACKENDS`; see the module docstring).
+
+    ``"mc2"`` raises `MC2Error` where MC2 cannot run (CPU, CUDA), before any collective.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "mc2":
+        _require()
+        return "mc2"
+    if backend == "auto" and world_size > 1 and max_tokens_per_rank is not None \
+            and 0 < int(max_tokens_per_rank) <= int(mc2_threshold) and mc2_available():
+        return "mc2"
+    return "all_to_all"
+
+
+def _group_name(group: Optional[dist.ProcessGroup]) -> str:
+    """The HCCL communicator name of ``group`` (MC2's ``group_ep``)."""
+    pg = group if group is not None else dist.group.WORLD
+    return pg._get_backend(torch.device("npu")).get_hccl_comm_name(dist.get_rank())
+
+
+def _check_call(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, world: int, max_tokens: int,
+                chip: Optional[str]) -> None:
+    """What the fused operators refuse, as errors here (A2 / A3 documented limits where the chip is known)."""
+    if world < 2:
+        raise MC2Error(f"MC2 needs an expert-parallel group of at least 2 ranks, got {world}")
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        raise MC2Error(f"MC2 dispatches float16 / bfloat16 tokens, got {x.dtype}")
+    limits = _LIMITS.get(chip, dict(bs=max(v["bs"] for v in _LIMITS.values()), experts=None, local=None))
+    if not 0 < max_tokens <= limits["bs"]:
+        raise MC2Error(f"max_tokens_per_rank must be in [1, {limits['bs']}] for MC2, got {max_tokens}")
+    if x.shape[0] > max_tokens:
+        raise LayoutError(f"{x.shape[0]} tokens on this rank, more than max_tokens_per_rank={max_tokens}")
+    k = topk_idx.shape[1]
+    if not 0 < k <= min(16, num_experts):
+        raise MC2Error(f"MC2 takes top-k in [1, min(16, experts)], got {k} for {num_experts} experts")
+    if limits["experts"] is not None and num_experts > limits["experts"]:
+        raise MC2Error(f"MC2 on {chip} takes at most {limits['experts']} experts, got {num_experts}")
+    if limits["local"] is not None and num_experts // world > limits["local"]:
+        raise MC2Error(f"MC2 on {chip} takes at most {limits['local']} experts per rank, got {num_experts // world}")
+
+
+def _agree(max_tokens: int, fields: Sequence[int], group: Optional[dist.ProcessGroup],
+           rejected: Optional[BaseException]) -> None:
+    """One small all-reduce: every rank raises if one rejected its input or the ranks disagree."""
+    got = _all_max([max_tokens, -max_tokens] + spread(fields) + [int(rejected is not None)], group, "mc2.agree",
+                   "ep_mc2.agree")
+    agreed = got[2:-1]
+    raise_unless_agreed([-v for v in agreed[1::2]], agreed[0::2], bool(got[-1]), rejected)
+    if got[0] != -got[1]:
+        raise LayoutError(f"the ranks pass different max_tokens_per_rank ({-got[1]} to {got[0]}); MC2's global "
+                          f"batch size needs one value on every rank")
+
+
+@dataclasses.dataclass
+class _Call:
+    """The attributes every MC2 operator of one dispatch takes, the same on every rank."""
+
+    group_ep: str
+    world: int
+    rank: int
+    num_experts: int
+    global_bs: int
+
+
+@dataclasses.dataclass
+class MC2Batch:
+    """Received rows grouped by local expert: ``group_list[e]`` rows of expert ``e``, then padding rows."""
+
+    x: torch.Tensor  # [A, H]
+    group_list: torch.Tensor  # [E_local] int64 counts, on the device
+
+    @property
+    def counts(self) -> List[int]:
+        """Rows per local expert on the host (a device synchronisation; experts take ``group_list``)."""
+        return [int(c) for c in self.group_list.tolist()]
+
+
+@dataclasses.dataclass
+class MC2CombineHandle:
+    """The combined tokens, once the fused combine is waited for."""
+
+    out: torch.Tensor  # [Bs, H], padding rows last
+    num_tokens: int
+    event: Optional[overlap.Event] = None
+
+    def wait(self) -> torch.Tensor:
+        """Wait for the combine on the current stream; the combined tokens ``[T, H]``."""
+        if self.event is not None:
+            self.event.wait()
+            self.event = None
+        return self.out[: self.num_tokens]
+
+
+@dataclasses.dataclass
+class MC2DispatchHandle:
+    """What the fused dispatch returned, and what the fused combine needs (opaque to callers)."""
+
+    expand_x: torch.Tensor  # [A, H] rows grouped by local expert
+    group_list: torch.Tensor  # [E_local] int64 rows per local expert
+    expert_ids: torch.Tensor  # [Bs, k] int32, padded
+    expert_scales: torch.Tensor  # [Bs, k] float32, padded
+    assist_info: torch.Tensor
+    ep_recv_counts: torch.Tensor
+    x_active_mask: Optional[torch.Tensor]
+    call: _Call
+    num_tokens: int
+    event: Optional[overlap.Event] = None
+
+    @property
+    def recv_x(self) -> torch.Tensor:
+        return self.expand_x
+
+    def wait(self) -> "MC2DispatchHandle":
+        """Make the current stream wait for the dispatch; then the received rows may be read."""
+        if self.event is not None:
+            self.event.wait()
+            self.event = None
+        return self
+
+    def expand(self, counts: Optional[Sequence[int]] = None) -> MC2Batch:
+        """The received rows as a batch for the local experts (already grouped; ``counts`` is not needed)."""
+        if self.event is not None:
+            raise RuntimeError("MC2DispatchHandle.expand before wait(): the dispatch may still be in flight")
+        return MC2Batch(self.expand_x, self.group_list)
+
+
+def _pad(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
+         rows: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Tokens, int32 ids and float32 weights padded to ``rows``, and the active mask (None: no padding)."""
+    ids, weights = idx.to(torch.int32), weights.float()
+    extra = rows - x.shape[0]
+    if extra == 0:
+        return x, ids, weights, None
+    mask = torch.arange(rows, device=x.device) < x.shape[0]  # active tokens first, as the operators want
+    return (torch.cat([x, x.new_zeros(extra, x.shape[1])]), torch.cat([ids, ids.new_zeros(extra, ids.shape[1])]),
+            torch.cat([weights, weights.new_zeros(extra, weights.shape[1])]), mask)
+
+
+@contextlib.contextmanager
+def _comm_span(name: str, reads: Sequence[torch.Tensor]) -> Iterator[None]:
+    """A fused MC2 operator on the current stream, seen by observers as a communication span."""
+    span = hooks.start_span(name, overlap.current_stream_tag(), "comm", reads=reads)
+    try:
+        yield
+    finally:
+        hooks.end_span(span)
+
+
+def _validated(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
+               group: Optional[dist.ProcessGroup], max_tokens: int, validate: bool, check_ids: bool,
+               chip: Optional[str], precheck: Any = None) -> None:
+    """Every check before the fused dispatch; with ``validate`` every rank raises if one does."""
+    world = group_size(group)
+    rejected = None
+    try:
+        check_routing(x, topk_idx, topk_weights, num_experts, world, check_ids)
+        _check_call(x, topk_idx, num_experts, world, max_tokens, chip)
+        check_mc2_buffer(max_tokens, x.shape[1], topk_idx.shape[1], num_experts, world, x.dtype, chip=chip)
+        if precheck is not None:
+            precheck()
+    except (LayoutError, MC2Error) as err:
+        rejected = err
+    if validate and _peers(group) and not torch.compiler.is_compiling():
+        _agree(max_tokens, layer_fields(x, topk_idx, num_experts), group, rejected)
+    elif rejected is not None:
+        raise rejected
+
+
+def mc2_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
+                 group: Optional[dist.ProcessGroup] = None, *, max_tokens_per_rank: int,
+                 previous_event: Optional[overlap.Event] = None, async_finish: bool = False,
+                 stream_tag: Optional[str] = EP_COMM, event_tag: str = "ep_mc2_dispatch", validate: bool = True,
+                 check_ids: bool = True, chip: Optional[str] = None, group_name: Optional[str] = None,
+                 precheck: Any = None) -> MC2DispatchHandle:
+    """Send tokens ``x [T, H]`` (T <= ``max_tokens_per_rank``, the same bound on every rank) to their experts
+    with ``npu_moe_distribute_dispatch_v2``; streams and events as `collectives.dispatch.dispatch`.
+
+    ``chip`` (``"a2"`` / ``"a3"``; None: from the SoC name) picks the buffer formula and limits;
+    ``group_name``: the group's HCCL communicator name, when known (None: asked from the group, eagerly);
+    ``precheck`` (the layer's own checks) raises like bad routing does, on every rank with ``validate``.
+    """
+    npu = _require()  # CPU / CUDA: an MC2Error before any collective
+    max_tokens = int(max_tokens_per_rank)
+    chip = chip or chip_of(overlap.backends.current().soc_version())
+    _validated(x, topk_idx, topk_weights, num_experts, group, max_tokens, validate, check_ids, chip, precheck)
+    world = group_size(group)
+    call = _Call(group_name or _group_name(group), world, _rank(group), num_experts, max_tokens * world)
+    xs, ids, weights, mask = _pad(x.detach(), topk_idx, topk_weights, max_tokens)
+    with _side(stream_tag, previous_event, event_tag) as caller:
+        with _comm_span("mc2.dispatch", (xs, ids)):
+            out = npu.npu_moe_distribute_dispatch_v2(
+                x=xs, expert_ids=ids, group_ep=call.group_ep, ep_world_size=call.world, ep_rank_id=call.rank,
+                moe_expert_num=call.num_experts, x_active_mask=mask, quant_mode=0, global_bs=call.global_bs,
+                expert_token_nums_type=1)
+        expand_x, _scales, assist_info, group_list, ep_recv_counts, _tp_recv, _expand_scales = out
+        for t in (expand_x, group_list, assist_info, ep_recv_counts):
+            overlap.record_stream(t, caller)  # allocated on this stream, read on the caller's
+        handle = MC2DispatchHandle(expand_x, group_list, ids, weights, assist_info, ep_recv_counts, mask, call,
+                                   x.shape[0])
+        handle.event = _exchange_event(stream_tag, caller, event_tag, expand_x, group_list)
+    if not async_finish:
+        handle.wait()
+    return handle
+
+
+def mc2_combine(expert_out: torch.Tensor, batch: Optional[MC2Batch], handle: MC2DispatchHandle, *,
+                previous_event: Optional[overlap.Event] = None, async_finish: bool = False,
+                stream_tag: Optional[str] = EP_COMM, event_tag: str = "ep_mc2_combine") -> MC2CombineHandle:
+    """Send the expert outputs ``expert_out [A, H]`` (in `MC2Batch` order) back with
+    ``npu_moe_distribute_combine_v2``, which sums each token's k rows times its weights."""
+    npu = _require()
+    if handle.event is not None:
+        raise RuntimeError("combine before the dispatch handle was waited on")
+    if tuple(expert_out.shape) != tuple(handle.expand_x.shape):
+        raise LayoutError(f"expert output must be {tuple(handle.expand_x.shape)} (one row per received row), got "
+                          f"{tuple(expert_out.shape)}")
+    with _side(stream_tag, previous_event, event_tag) as caller:
+        call = handle.call
+        with _comm_span("mc2.combine", (expert_out,)):
+            out = npu.npu_moe_distribute_combine_v2(
+                expand_x=expert_out, expert_ids=handle.expert_ids, assist_info_for_combine=handle.assist_info,
+                ep_send_counts=handle.ep_recv_counts, expert_scales=handle.expert_scales, group_ep=call.group_ep,
+                ep_world_size=call.world, ep_rank_id=call.rank, moe_expert_num=call.num_experts,
+                x_active_mask=handle.x_active_mask, global_bs=call.global_bs)
+        overlap.record_stream(out, caller)
+        result = MC2CombineHandle(out, handle.num_tokens)
+        result.event = _exchange_event(stream_tag, caller, event_tag, out)
+    if not async_finish:
+        result.wait()
+    return result
+
+
+AnyDispatch = Union[DispatchHandle, MC2DispatchHandle]
+
+
+def ep_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
+                group: Optional[dist.ProcessGroup] = None, *, backend: str = "auto",
+                max_tokens_per_rank: Optional[int] = None, mc2_threshold: int = MC2_MAX_TOKENS,
+                **kwargs: Any) -> AnyDispatch:
+    """`collectives.dispatch.dispatch` or `mc2_dispatch`, as `choose_backend` says; ``kwargs`` go to it."""
+    which = choose_backend(backend, max_tokens_per_rank, mc2_threshold, group_size(group))
+    if which == "mc2":
+        if max_tokens_per_rank is None:
+            raise LayoutError("backend='mc2' needs max_tokens_per_rank (the same bound on every rank)")
+        return mc2_dispatch(x, topk_idx, topk_weights, num_experts, group, max_tokens_per_rank=max_tokens_per_rank,
+                            **kwargs)
+    return dispatch(x, topk_idx, topk_weights, num_experts, group, **kwargs)
+
+
+def ep_combine(expert_out: torch.Tensor, batch: Any, handle: AnyDispatch,
+               **kwargs: Any) -> Union[CombineHandle, MC2CombineHandle]:
+    """The combine of the backend that made ``handle``."""
+    if isinstance(handle, MC2DispatchHandle):
+        return mc2_combine(expert_out, batch, handle, **kwargs)
+    return combine(expert_out, batch, handle, **kwargs)
+
+
+class MC2ExpertParallelMoE(ExpertParallelMoE):
+    """`ExpertParallelMoE` whose dispatch / combine backend is chosen by `choose_backend` (``backend``,
+    ``max_tokens_per_rank``, ``mc2_threshold``): same stages; on MC2 the experts take the device group list.
+    ``validate``: MC2's agreement all-reduce on every call (else on the first only)."""
+
+    def __init__(self, router: nn.Module, experts: LocalExperts, num_experts: int,
+                 group: Optional[dist.ProcessGroup] = None, shared: Optional[SharedExperts] = None,
+                 overlap_shared: bool = True, *, backend: str = "auto", max_tokens_per_rank: Optional[int] = None,
+                 mc2_threshold: int = MC2_MAX_TOKENS, validate: bool = True):
+        super().__init__(router, experts, num_experts, group, shared, overlap_shared)
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        self.backend, self.max_tokens_per_rank, self.mc2_threshold = backend, max_tokens_per_rank, mc2_threshold
+        self.validate = validate
+        self.group_name: Optional[str] = None  # the HCCL communicator's name, asked once (eagerly)
+
+    @classmethod
+    def wrap(cls, module: nn.Module, group: Optional[dist.ProcessGroup] = None, *, overlap_shared: bool = True,
+             **kwargs: Any) -> "MC2ExpertParallelMoE":
+        """The layer of ``module`` (anything `wrap_expert_parallel` accepts), this rank's experts only."""
+        from .wrap import wrap_expert_parallel
+
+        ep = wrap_expert_parallel(module, group, overlap_shared=overlap_shared)
+        return cls(ep.router, ep.experts, ep.num_experts, group, ep.shared, overlap_shared, **kwargs)
+
+    def backend_for(self) -> str:
+        """The backend this layer's dispatches take."""
+        return choose_backend(self.backend, self.max_tokens_per_rank, self.mc2_threshold, group_size(self.group))
+
+    def _dispatch(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> AnyDispatch:
+        if self.backend_for() == "all_to_all":
+            return super()._dispatch(x, idx, weights)
+        if self.max_tokens_per_rank is None:
+            raise LayoutError("backend='mc2' needs max_tokens_per_rank (the same bound on every rank)")
+        first = self._needs_agreement()
+        if self.group_name is None and mc2_available():
+            self.group_name = _group_name(self.group)
+        handle = mc2_dispatch(x, idx, weights, self.num_experts, self.group,
+                              max_tokens_per_rank=self.max_tokens_per_rank, stream_tag=None, async_finish=True,
+                              validate=self.validate or first, group_name=self.group_name,
+                              precheck=(lambda: self._check_experts(x)) if first else None)
+        if first:
+            self._agreed = True
+        return handle
+
+    def _experts(self, handle: AnyDispatch) -> Tuple[torch.Tensor, Any]:
+        if not isinstance(handle, MC2DispatchHandle):
+            return super()._experts(handle)
+        batch = handle.expand()
+        return self.experts(batch.x, batch.group_list), batch
+
+    def _combine(self, y: torch.Tensor, batch: Any, handle: AnyDispatch) -> Any:
+        return ep_combine(y, batch, handle, stream_tag=None, async_finish=True)
+
+
+__all__ = ["BACKENDS", "CHIPS", "DEFAULT_BUFFSIZE_MB", "ENV_BUFFSIZE", "MC2Batch", "MC2CombineHandle",
+           "MC2DispatchHandle", "MC2Error", "MC2ExpertParallelMoE", "MC2_MAX_TOKENS", "OPS", "check_mc2_buffer",
+           "chip_of", "choose_backend", "ep_combine", "ep_dispatch", "hccl_buffsize_mb", "mc2_available",
+           "mc2_buffer_bytes", "mc2_buffer_mb", "mc2_combine", "mc2_dispatch"]

@@ -1,0 +1,157 @@
+"""The suite's torchrun mode, run on a small suite of its own: outcomes decided together, one report.
+
+Each case starts torchrun (gloo on CPU) over a generated test folder whose conftest loads the
+same plugin as the real suite (tests/_torchrun_mode.py), with tests that pass, fail on one rank
+only, fail in a body while the peer waits in a collective, skip on one rank only, and run on a
+subgroup; then checks what rank 0 reported and the exit status.
+"""
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.spawns_ranks
+
+CONFTEST = '''
+import pytest
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config):
+    from _torchrun_mode import TorchrunMode
+
+    config.pluginmanager.register(TorchrunMode(config), "overlap-torchrun-mode")
+'''
+
+SUITE = '''
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from overlap.multirank import RankFailure, run_ranks
+
+
+def _rank():
+    return int(os.environ["RANK"])
+
+
+def _sum(ctx):
+    x = torch.tensor([float(ctx.rank + 1)])
+    dist.all_reduce(x, group=ctx.group)
+    return ctx.rank, x.item()
+
+
+def _fails_on_1_before_the_collective(ctx):
+    if ctx.rank == 1:
+        raise ValueError("rank 1 refuses")
+    x = torch.ones(1)
+    dist.all_reduce(x, group=ctx.group)  # rank 0 waits here for a peer that never comes
+    return x.item()
+
+
+def test_a_every_rank_gets_every_result():
+    world = int(os.environ["WORLD_SIZE"])
+    assert run_ranks(_sum, world) == [(r, world * (world + 1) / 2) for r in range(world)]
+
+
+def test_b_fails_on_rank_1_only():
+    assert _rank() != 1, "only rank 1 fails this"
+
+
+def test_c_body_fails_while_the_peer_waits():
+    with pytest.raises(RankFailure, match="rank 1 refuses"):
+        run_ranks(_fails_on_1_before_the_collective, 2)
+    raise AssertionError("seen on every rank")
+
+
+@pytest.mark.skipif(_rank() == 1, reason="rank 1 has no such thing")
+def test_d_skips_on_rank_1_only():
+    assert False, "never runs: rank 1 skips it, so every rank does"
+
+
+def test_d2_skips_inside_on_rank_1_only():
+    if _rank() == 1:
+        pytest.skip("decided inside the test")
+
+
+def test_e_subgroup_of_one():
+    assert run_ranks(_sum, 1) == [(0, 1.0)]  # every rank, taking part or not, gets rank 0's result
+
+
+def test_f_the_suite_went_on():
+    assert run_ranks(_sum, 2) == [(0, 3.0), (1, 3.0)]
+'''
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _suite(tmp_path):
+    (tmp_path / "conftest.py").write_text(CONFTEST)
+    (tmp_path / "test_suite.py").write_text(textwrap.dedent(SUITE))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]),
+               OVERLAP_RANK_TIMEOUT="10", OMP_NUM_THREADS="1")
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        env.pop(var, None)
+    return env
+
+
+def _pytest_args(tmp_path):
+    return ["-m", "pytest", str(tmp_path), "-p", "no:xdist", "-p", "no:cacheprovider", "-q", "-rfs",
+            "--rootdir", str(tmp_path)]
+
+
+def _check_report(out: str, world: int) -> None:
+    assert out.count("torchrun mode:") == 1, out[-4000:]  # one report, from rank 0
+    assert f"torchrun mode: {world} ranks" in out
+    assert "FAILED test_suite.py::test_b_fails_on_rank_1_only on rank(s) 1" in out, out[-4000:]
+    assert f"FAILED test_suite.py::test_c_body_fails_while_the_peer_waits on rank(s) " \
+           f"{', '.join(map(str, range(world)))}" in out
+    # rank 0 ran neither body, yet reports both as skipped, with rank 1's reason
+    assert "skipped on rank 1: rank 1 has no such thing" in out, out[-4000:]
+    assert "skipped on rank 1: decided inside the test" in out
+    assert "test_d_skips_on_rank_1_only on rank" not in out  # skipped everywhere, failed nowhere
+    assert "2 failed, 3 passed, 2 skipped" in out, out[-4000:]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_one_agent(tmp_path, world):
+    env = _suite(tmp_path)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
+           "--master-port", str(_free_port())] + _pytest_args(tmp_path)
+    proc = subprocess.run(cmd, env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=240)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-4000:]  # a rank failed: the job fails
+    _check_report(proc.stdout, world)
+
+
+def test_two_agents_as_two_nodes(tmp_path):
+    """``--nnodes 2`` with a c10d rendezvous on one host: what a two-node run looks like."""
+    env = _suite(tmp_path)
+    port = _free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "suite"]
+    agents = [subprocess.Popen(cmd + ["--node-rank", str(n)] + _pytest_args(tmp_path), env=env,
+                               cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+              for n in range(2)]
+    outs = []
+    try:
+        for a in agents:
+            out, err = a.communicate(timeout=240)
+            outs.append((a.returncode, out, err))
+    finally:
+        for a in agents:
+            a.kill()
+    assert all(rc != 0 for rc, _, _ in outs), outs  # every agent reports the failure
+    reports = [out for _, out, _ in outs if "torchrun mode:" in out]
+    assert len(reports) == 1, outs  # rank 0's agent prints the one report
+    _check_report(reports[0], 2)
