@@ -155,3 +155,22 @@ def test_two_agents_as_two_nodes(tmp_path):
     reports = [out for _, out, _ in outs if "torchrun mode:" in out]
     assert len(reports) == 1, outs  # rank 0's agent prints the one report
     _check_report(reports[0], 2)
+
+
+def test_ranks_that_collected_different_tests_stop_before_running_any(tmp_path):
+    env = _suite(tmp_path)
+    (tmp_path / "conftest.py").write_text(CONFTEST + '''
+
+def pytest_collection_modifyitems(items):
+    import os
+
+    if os.environ["RANK"] == "1":  # say, a file that fails to import on one node only
+        del items[0]
+''')
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(_free_port())] + _pytest_args(tmp_path)
+    proc = subprocess.run(cmd, env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=240)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-4000:]
+    assert "the ranks collected different tests (rank 0: 7 tests" in out and "rank 1: 6 tests" in out, out[-4000:]
+    assert "passed" not in proc.stdout  # nothing ran
