@@ -48,7 +48,7 @@ def _equal_body(ctx):
     return out
 
 
-@pytest.mark.spawns_ranks
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_capacity_layer_equals_dense(world):
     for rank, results in enumerate(run_ranks(_equal_body, world, timeout=120)):
@@ -77,7 +77,7 @@ def _bad_capacity_body(ctx, case):
     return None
 
 
-@pytest.mark.spawns_ranks
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("case,message", [("mismatch", "different capacities"), ("overflow", "more than the capacity")])
 def test_bad_capacity_fails_on_every_rank_before_the_exchange(case, message):
     errors = run_ranks(_bad_capacity_body, 2, case, timeout=60)
@@ -234,7 +234,7 @@ def _routed_pairs(results, rank: int, case: int) -> int:
     return sum(int((r[case]["idx"] // local == rank).sum()) for r in results)
 
 
-@pytest.mark.spawns_ranks
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("npu", [False, True], ids=["torch", "fake_npu"])
 @pytest.mark.parametrize("world", [1, 2])
 def test_grouped_experts_equal_the_previous_path_and_dense(world, npu):

@@ -340,7 +340,7 @@ def _group_body(ctx, path):
     return report.rank, report.world, report.sharded, model.model.layers[1].mlp.experts.gate_up_proj.shape[0]
 
 
-@pytest.mark.spawns_ranks
+@pytest.mark.cpu_only
 def test_rank_and_world_come_from_the_group(written):
     _, path, _ = written["deepseek_v3"]
     results = run_ranks(_group_body, 2, path, timeout=120)

@@ -16,7 +16,7 @@ from collectives.capacity import reduce_slots
 from collectives.experts import LocalExperts
 from overlap.multirank import run_ranks
 
-pytestmark = pytest.mark.spawns_ranks
+pytestmark = pytest.mark.cpu_only  # CPU tensors and gloo-only fakes; run_ranks uses torchrun ranks where there are
 
 BAD = {"inf": float("inf"), "nan": float("nan")}
 TOKENS, BAD_TOKEN = 16, 15

@@ -130,6 +130,7 @@ def _moe(cfg: MoEConfig) -> MoE:
 
 def _mc2_body(ctx, tokens: List[int], max_tokens: int):
     GROUPS["ep"] = ctx.group
+    CALLS.clear()  # a rank's process may have run other tests (torchrun mode)
     cfg = MoEConfig(hidden=64, ffn=16, n_experts=4 * ctx.world_size, top_k=2, n_shared=1)
     moe = _moe(cfg)
     torch.manual_seed(10 + ctx.rank)
@@ -149,7 +150,7 @@ def _mc2_body(ctx, tokens: List[int], max_tokens: int):
                 seen=seen, counts=batch.counts)
 
 
-@pytest.mark.spawns_ranks
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("tokens,max_tokens", [([6, 6], 6), ([5, 3], 8), ([0, 4], 4)],
                          ids=["even", "uneven_padded", "rank_without_tokens"])
 def test_mc2_equals_dense_on_two_ranks(tokens, max_tokens):
@@ -179,6 +180,7 @@ from test_ep_faults import _comm_names as _comm_spans  # noqa: E402  (names of t
 
 def _refused_body(ctx, how: str):
     GROUPS["ep"] = ctx.group
+    CALLS.clear()  # a rank's process may have run other tests (torchrun mode)
     comm = _comm_spans()
     x = torch.randn(4, 64).to(torch.bfloat16)
     idx, w = torch.randint(0, 8, (4, 2)), torch.rand(4, 2)
@@ -195,7 +197,7 @@ def _refused_body(ctx, how: str):
         return f"{type(err).__name__}: {err}", comm, list(CALLS)
 
 
-@pytest.mark.spawns_ranks
+@pytest.mark.cpu_only
 def test_mc2_on_cpu_is_refused_before_any_collective():
     for message, comm, seen in run_ranks(_refused_body, 2, "cpu", timeout=60):
         assert message.startswith("MC2Error") and "MC2 needs torch_npu on the npu path" in message, message
@@ -205,7 +207,7 @@ def test_mc2_on_cpu_is_refused_before_any_collective():
     assert choose_backend("auto", 4) == "all_to_all"  # auto never picks MC2 where it cannot run
 
 
-@pytest.mark.spawns_ranks
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("how", ["small_buffer", "small_on_one_rank"])
 def test_an_undersized_buffer_stops_every_rank_before_the_fused_operator(how):
     (m0, comm0, seen0), (m1, comm1, seen1) = run_ranks(_refused_body, 2, how, timeout=60)
@@ -275,7 +277,7 @@ def _auto_body(ctx, max_tokens: int):
         return layer.backend_for(), got, moe(x), [op for op, _ in CALLS]
 
 
-@pytest.mark.spawns_ranks
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("max_tokens,backend", [(8, "mc2"), (9, "all_to_all")])
 def test_auto_takes_mc2_for_small_batches_only(max_tokens, backend):
     for chosen, got, dense, ops in run_ranks(_auto_body, 2, max_tokens, timeout=60):
