@@ -13,6 +13,7 @@ prefill itself in `launch.runner` and the files written in `launch.outputs`.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 
@@ -113,6 +114,28 @@ def main(args: Optional[List[str]] = None) -> None:
     except (KeyboardInterrupt, click.exceptions.Abort):
         click.echo(f"rank {_rank()}: interrupted", err=True)
         sys.exit(130)
+
+
+def script() -> None:
+    """`main` as a process's whole life (``python launch/prefill.py``, ``overlap-prefill``): once the
+    job is done, its outputs written and the atexit handlers run, the process leaves with the job's
+    status without the interpreter's teardown. Gloo's threads sometimes abort that teardown on CPU
+    ("terminate called without an active exception", SIGABRT) after a run that succeeded, which
+    torchrun then reports as a failed job."""
+    try:
+        main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _terminated(signum: int, frame: Any) -> None:
@@ -366,4 +389,4 @@ def _headline(job: JobConfig, model: Any, world: int, cache: Any) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    script()

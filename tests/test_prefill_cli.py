@@ -133,3 +133,19 @@ def test_check_verdict_fails_a_mode_that_differs_from_serial():
     assert "needs the serial mode" in _check([result("shared", 0.0)], torch.float32)[0]
     for broken in (float("nan"), float("inf")):  # garbage output must fail the check, not slip through
         assert _check([result("serial", 0.0), result("two-batch", broken)], torch.float32)
+
+
+@pytest.mark.parametrize("argv,code", [(["--bogus"], 2), (["--preset", "tiny", "--warmup", "0", "--iters", "1"], 0)])
+def test_the_script_keeps_the_status_and_runs_the_atexit_handlers(argv, code):
+    """`launch.prefill.script` leaves without the interpreter's teardown (gloo's threads can abort it),
+    but with the job's status, and after the atexit handlers (the sanitizer's summary is one)."""
+    prog = ("import atexit, sys\n"
+            "atexit.register(lambda: print('ATEXIT RAN', flush=True))\n"
+            f"sys.argv = ['launch/prefill.py'] + {argv!r}\n"
+            "from launch.prefill import script\n"
+            "script()\n"
+            "print('NOT REACHED')\n")
+    proc = subprocess.run([sys.executable, "-c", prog], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == code, proc.stderr[-2000:]
+    assert "ATEXIT RAN" in proc.stdout and "NOT REACHED" not in proc.stdout
