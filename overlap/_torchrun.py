@@ -50,17 +50,20 @@ def hide_group_outside_bodies() -> None:
     dist.is_initialized = lambda: _in_body > 0 and _joined()
 
 
-def ensure_initialized(timeout: float, backend: str, set_device: Callable[[], Any]) -> None:
-    """Join torchrun's job (its env:// rendezvous) once per process."""
+def ensure_initialized(timeout: float) -> None:
+    """Join torchrun's job (its env:// rendezvous) once per process, on the current path's backend."""
+    from .multirank import default_backend, default_device
+
     if _joined():
         return
+    backend = default_backend()
     if backend in ("nccl", "hccl"):  # one card per rank: two ranks on one card fail inside the library
         kind = "cuda" if backend == "nccl" else "npu"
         cards, local = getattr(torch, kind).device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         if local > cards:
             raise RuntimeError(f"{local} ranks on this node but {cards} {kind} card(s): {backend} needs one card "
                                f"per rank (torchrun --nproc-per-node {cards} or fewer)")
-    set_device()
+    default_device()  # selects this rank's card (LOCAL_RANK)
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
     atexit.register(_leave_together)
 
@@ -182,12 +185,12 @@ def _primary_first(errors: Dict[int, str]) -> List[Tuple[int, str]]:
     return sorted(errors.items(), key=lambda item: (any(s in item[1] for s in _SECONDARY), item[0]))
 
 
-def run(fn: Callable[..., Any], n: int, timeout: float, env: Dict[str, str], args: tuple, kwargs: dict,
-        backend: str, device: Callable[[], torch.device], set_device: Callable[[], Any]) -> List[Any]:
+def run(fn: Callable[..., Any], n: int, timeout: float, env: Dict[str, str], args: tuple, kwargs: dict) -> List[Any]:
     """`run_ranks` on the first ``n`` ranks of the torchrun job; see the module docstring."""
-    from .multirank import RankContext, RankFailure
+    from .multirank import RankContext, RankFailure, default_backend, default_device
 
-    ensure_initialized(timeout, backend, set_device)
+    ensure_initialized(timeout)
+    backend = default_backend()
     world, me = dist.get_world_size(), dist.get_rank()
     seq = next(_calls)
     what = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)} on {n} ranks"
@@ -204,7 +207,7 @@ def run(fn: Callable[..., Any], n: int, timeout: float, env: Dict[str, str], arg
     group = _group(n, timeout, backend)
     outcome: Optional[Tuple[str, Any]] = None
     if me < n:
-        outcome = _body(fn, RankContext(me, n, group, device()), env, args, kwargs)
+        outcome = _body(fn, RankContext(me, n, group, default_device()), env, args, kwargs)
     # a participant stuck in a collective a failed peer never joins gives up after the group's timeout
     outcomes = exchange(f"result/{seq}", outcome, range(n), timeout * 1.5 + 30, post=me < n)
     errors = {r: o[1] for r, o in outcomes.items() if o[0] == "error"}

@@ -130,8 +130,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: Opti
     if under_torchrun():
         from . import _torchrun
 
-        return _torchrun.run(fn, world_size, timeout, dict(env or {}), args, kwargs, default_backend(),
-                             default_device, default_device)
+        return _torchrun.run(fn, world_size, timeout, dict(env or {}), args, kwargs)
 
     mpctx = _context()
     results = mpctx.Queue()

@@ -34,7 +34,6 @@ class ProcessState:
         self.observers: List[Any] = []  # see overlap.hooks
         self.tagged_events: Dict[str, Any] = {}  # npugraph_ex's tagged event per tag (aclgraph)
         self.sanitizer: Any = None  # the one enabled from $OVERLAP_SANITIZE
-        self.subgroups: Dict[int, Any] = {}  # multirank under torchrun: tied to the process group, never reset
         self._clear()
 
     def _clear(self) -> None:

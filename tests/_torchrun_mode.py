@@ -28,7 +28,7 @@ import pytest
 import torch.distributed as dist
 
 from overlap import _torchrun
-from overlap.multirank import DEFAULT_TIMEOUT, RankTimeout, default_backend, default_device
+from overlap.multirank import DEFAULT_TIMEOUT, RankTimeout
 
 ENV_ALL_RANKS = "OVERLAP_TEST_ALL_RANKS"
 ENV_TEST_TIMEOUT = "OVERLAP_TEST_TIMEOUT"
@@ -45,7 +45,7 @@ class TorchrunMode:
     """Registered by the suite's conftest when it runs under torchrun."""
 
     def __init__(self, config: pytest.Config) -> None:
-        _torchrun.ensure_initialized(DEFAULT_TIMEOUT, default_backend(), default_device)
+        _torchrun.ensure_initialized(DEFAULT_TIMEOUT)
         _torchrun.hide_group_outside_bodies()  # tests see what they see with spawned ranks
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.timeout = float(os.environ.get(ENV_TEST_TIMEOUT, "900"))
