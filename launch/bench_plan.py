@@ -12,6 +12,13 @@ measured speedup against the one the simulation predicts. The last lines check t
   two-batch loses to serial;
 - two-batch's measured speedup at least 90% of its predicted one at the default point.
 
+Each point runs at least ``--iters`` rounds, and more at small batches (about ``--min-seconds``
+per mode), since their times spread widely on a shared host; each row shows the middle half of
+the measured times beside their median. At the default point it also shows where two-batch's
+time goes on rank 0 (host compute, the host part of the communication operations with the count
+exchange, host waiting, transfers in flight), measured against planned, and how far apart the
+two ranks start each collective.
+
 Calibrations are cached (``$OVERLAP_CALIBRATION_CACHE``); ``--refresh`` measures them again. Example::
 
     python -m launch.bench_plan
@@ -19,13 +26,15 @@ Calibrations are cached (``$OVERLAP_CALIBRATION_CACHE``); ``--refresh`` measures
 """
 from __future__ import annotations
 
+import math
 import os
+import statistics
 import sys
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import click
 
@@ -38,8 +47,58 @@ def _lens(tokens: int, seq_len: int) -> List[int]:
     return [seq_len] * full + ([rest] if rest else [])
 
 
-def _point(ctx: Any, model: Any, tokens: int, seq_len: int, cal: Any, warmup: int, iters: int, seed: int
-           ) -> Dict[str, Any]:
+def _rounds(iters: int, min_seconds: float, serial_s: float, cap: int = 200) -> int:
+    """Rounds for a point: ``iters``, or more so that each mode runs about ``min_seconds`` in all.
+
+    Small batches take milliseconds and their times spread widely on a shared host; a median of a
+    handful of them moves by more than the 10% the predictions are judged by.
+    """
+    if min_seconds <= 0 or not serial_s > 0:
+        return iters
+    return max(iters, min(cap, math.ceil(min_seconds / serial_s)))
+
+
+def _quartiles(times: List[float]) -> Tuple[float, float]:
+    q = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
+    return q[0], q[2]
+
+
+def _union(intervals: List[Tuple[float, float]]) -> float:
+    total, end = 0.0, -math.inf
+    for a, b in sorted(intervals):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def _where_time_goes(spans: List[Any]) -> Dict[str, float]:
+    """Seconds of one rank's executor spans: host compute, host part of communication operations
+    (the count exchange included), host waiting, transfers in flight, and the whole length."""
+    ops = [s for s in spans if "layer" in s.meta and s.end is not None]
+    host = [s for s in ops if s.kind in ("compute", "issue")]
+    if not host:
+        return {}
+    length = max(s.end for s in ops) - min(s.start for s in ops)
+    busy = _union([(s.start, s.end) for s in host])
+    return {"compute": sum(s.end - s.start for s in host if s.kind == "compute"),
+            "issue": sum(s.end - s.start for s in host if s.kind == "issue"),
+            "host waiting": length - busy,
+            "transfers": sum(s.end - s.start for s in ops if s.kind == "comm"), "length": length}
+
+
+def _skew(spans: List[Any]) -> Optional[float]:
+    """Median seconds between the two ranks' starts of the same collective (their clocks are one clock)."""
+    starts: Dict[Tuple[Any, ...], Dict[int, float]] = {}
+    for s in spans:
+        if s.kind == "comm" and "layer" in s.meta:
+            starts.setdefault((s.name, s.meta.get("mb"), s.meta["layer"]), {})[s.rank] = s.start
+    gaps = [abs(v[0] - v[1]) for v in starts.values() if 0 in v and 1 in v]
+    return statistics.median(gaps) if gaps else None
+
+
+def _point(ctx: Any, model: Any, tokens: int, seq_len: int, cal: Any, warmup: int, iters: int, seed: int,
+           min_seconds: float = 0.0) -> Dict[str, Any]:
     import microbatch
     from launch.measure import max_over_ranks, measure
     from launch.model import Batch
@@ -47,21 +106,31 @@ def _point(ctx: Any, model: Any, tokens: int, seq_len: int, cal: Any, warmup: in
 
     batch = Batch.random(_lens(tokens, seq_len), model.cfg.vocab, seed=seed + 97 * ctx.rank + tokens)
     choice = choose(cal, model, gather_lens(batch.seq.seq_lens, ctx.group))
-    results = measure(model, batch, list(FIXED) + ["auto"], ctx.group, warmup=warmup, iters=iters, choice=choice)
+    rounds = _rounds(iters, min_seconds, choice.serial_s)  # the same on every rank: one calibration, one choice
+    results = measure(model, batch, list(FIXED) + ["auto"], ctx.group, warmup=warmup, iters=rounds, choice=choice)
     layers = model.layer_operations()
     costs = cal.cost_model()
-    predicted = []
+    predicted, breakdown = [], {}
     for r in results:  # this rank's prediction of what ran; the slowest rank's counts
         tokens_per_mb = [r.plan.num_tokens] if r.plan.serial else list(r.plan.token_counts)
         make = choice.best.make() if r.mode == "auto" else microbatch.mode(r.mode).make
-        predicted.append(microbatch.predict(make(layers, len(tokens_per_mb)), layers, tokens_per_mb, costs).total_s)
+        schedule = make(layers, len(tokens_per_mb))
+        prediction = microbatch.predict(schedule, layers, tokens_per_mb, costs)
+        predicted.append(prediction.total_s)
+        if r.mode == "two-batch":
+            planned = [s for s in prediction.spans if s.kind == "comm"]
+            breakdown = {"measured": _where_time_goes([s for s in r.spans if s.rank == 0]),
+                         "planned": _where_time_goes(prediction.spans), "skew": _skew(r.spans),
+                         "transfer": statistics.median(s.end - s.start for s in planned) if planned else None}
     predicted = max_over_ranks(predicted, ctx.group)
     return {"tokens": tokens, "choice": choice.best.describe(), "comm_share": results[0].comm_share,
-            "rows": [(r.mode, r.median_s, p, r.split) for r, p in zip(results, predicted)]}
+            "rounds": rounds, "async_host_s": cal.async_host_s, "async_host_per_byte": cal.async_host_per_byte,
+            "two_batch": breakdown,
+            "rows": [(r.mode, r.median_s, p, _quartiles(r.times_s)) for r, p in zip(results, predicted)]}
 
 
 def _rank_body(ctx: Any, preset_name: str, tokens: List[int], links: List[float], seq_len: int, warmup: int,
-               iters: int, seed: int, refresh: bool) -> Any:
+               iters: int, seed: int, refresh: bool, repeats: int, min_seconds: float) -> Any:
     import overlap
     from launch.calibrate import calibrate
     from launch.model import build_model, preset
@@ -71,24 +140,29 @@ def _rank_body(ctx: Any, preset_name: str, tokens: List[int], links: List[float]
     out = []
     for gbps in links:
         overlap.set_link(overlap.Link(gbps))
-        cal = calibrate(model, ctx.group, max_tokens=max(tokens), refresh=refresh)
+        cal = calibrate(model, ctx.group, max_tokens=max(tokens), repeats=repeats, refresh=refresh)
         for n in tokens:
-            out.append(dict(_point(ctx, model, n, seq_len, cal, warmup, iters, seed), link=gbps))
+            out.append(dict(_point(ctx, model, n, seq_len, cal, warmup, iters, seed, min_seconds), link=gbps))
     return out if ctx.rank == 0 else None
 
 
 def _report(points: List[Dict[str, Any]]) -> Tuple[str, List[str]]:
-    lines, worst_error, misses = [], 0.0, []
+    lines, worst_error, misses, rows_in_spread, n_rows = [], 0.0, [], 0, 0
     for p in points:
         rows = {m: (t, pred) for m, t, pred, _ in p["rows"]}
         share = p["comm_share"]
         lines.append(f"\n{p['tokens']} tokens per rank, link {p['link']:g} GB/s: communication "
-                     f"{'-' if share is None else f'{share:.0%}'} of serial time; auto chose {p['choice']}")
-        lines.append(f"  {'mode':<12} {'measured ms':>12} {'predicted ms':>13} {'error':>7}")
-        for mode, t, pred, _ in p["rows"]:
+                     f"{'-' if share is None else f'{share:.0%}'} of serial time; auto chose {p['choice']}; "
+                     f"{p['rounds']} rounds; an asynchronous collective takes {p['async_host_s'] * 1e3:.2f} ms "
+                     f"+ {p['async_host_per_byte'] * 1e9:.2f} ms/MB of host time")
+        lines.append(f"  {'mode':<12} {'measured ms':>12} {'middle half ms':>15} {'predicted ms':>13} {'error':>7}")
+        for mode, t, pred, (q1, q3) in p["rows"]:
             err = pred / t - 1.0
             worst_error = max(worst_error, abs(err))
-            lines.append(f"  {mode:<12} {t * 1e3:12.1f} {pred * 1e3:13.1f} {err:+7.1%}")
+            n_rows += 1
+            rows_in_spread += q1 <= pred <= q3
+            lines.append(f"  {mode:<12} {t * 1e3:12.1f} {f'{q1 * 1e3:.1f}-{q3 * 1e3:.1f}':>15} {pred * 1e3:13.1f} "
+                         f"{err:+7.1%}")
         best_mode, (best_t, _) = min(((m, rows[m]) for m in FIXED), key=lambda kv: kv[1][0])
         auto_gap = rows["auto"][0] / best_t - 1.0
         lines.append(f"  best fixed mode {best_mode}; auto {auto_gap:+.1%} against it")
@@ -102,9 +176,18 @@ def _report(points: List[Dict[str, Any]]) -> Tuple[str, List[str]]:
             predicted = rows["serial"][1] / rows["two-batch"][1]
             lines.append(f"  default point: two-batch measured speedup {measured:.2f}x, predicted {predicted:.2f}x "
                          f"({measured / predicted:.0%} of it; target >= 90%)")
+            b = p.get("two_batch") or {}
+            if b.get("measured") and b.get("planned"):
+                lines.append("  where two-batch's time goes (rank 0, its last round), measured / planned ms: " + ", ".join(
+                    f"{k} {b['measured'][k] * 1e3:.1f} / {b['planned'][k] * 1e3:.1f}" for k in b["measured"]))
+            if b.get("skew") is not None and b.get("transfer") is not None:
+                lines.append(f"  the ranks start each collective a median {b['skew'] * 1e3:.2f} ms apart; a planned "
+                             f"transfer takes a median {b['transfer'] * 1e3:.2f} ms")
             if measured < 0.9 * predicted:
                 misses.append(f"two-batch reaches {measured / predicted:.0%} of its predicted speedup at the "
                               f"default point")
+    if n_rows:
+        lines.append(f"\npredictions inside the middle half of their measured times: {rows_in_spread} of {n_rows}")
     if worst_error > 0.10:
         misses.append(f"worst prediction error {worst_error:.1%} (target within 10%)")
     return "\n".join(lines), misses
@@ -116,19 +199,24 @@ def _report(points: List[Dict[str, Any]]) -> Tuple[str, List[str]]:
 @click.option("--links", default="0.02,0.1,0.5", help="Simulated link speeds in GB/s, comma-separated.")
 @click.option("--seq-len", type=int, default=128, help="Tokens per request (the last one takes the rest).")
 @click.option("--warmup", type=int, default=1)
-@click.option("--iters", type=int, default=3)
+@click.option("--iters", type=int, default=5, help="Rounds per point, at least.")
+@click.option("--min-seconds", type=float, default=2.0,
+              help="More rounds at a point until each mode runs about this long (0: --iters only).")
+@click.option("--repeats", type=int, default=5, help="Calibration runs per token count.")
 @click.option("--seed", type=int, default=0)
 @click.option("--refresh", is_flag=True, help="Measure the calibrations again.")
-def main(preset_name: str, tokens: str, links: str, seq_len: int, warmup: int, iters: int, seed: int,
-         refresh: bool) -> None:
+def main(preset_name: str, tokens: str, links: str, seq_len: int, warmup: int, iters: int, min_seconds: float,
+         repeats: int, seed: int, refresh: bool) -> None:
     """Predicted vs measured time of every mode, and auto vs the best fixed mode, over a sweep."""
     from overlap.multirank import run_ranks
 
     token_points = [int(t) for t in tokens.split(",") if t]
     link_points = [float(g) for g in links.split(",") if g]
-    click.echo(f"2 CPU ranks, preset {preset_name}, requests of {seq_len} tokens, {warmup} warmup + {iters} rounds, "
+    click.echo(f"2 CPU ranks, preset {preset_name}, requests of {seq_len} tokens, {warmup} warmup + at least {iters} "
+               f"rounds (and about {min_seconds:g} s per mode), calibrations of {repeats} runs per count, "
                f"modes interleaved round by round")
     points = run_ranks(_rank_body, 2, preset_name, token_points, link_points, seq_len, warmup, iters, seed, refresh,
+                       repeats, min_seconds,
                        timeout=3600)[0]
     text, misses = _report(points)
     click.echo(text)

@@ -11,7 +11,9 @@ at a few token counts, records each run on a `Timeline`, and fits:
 - the executor's own host overhead per operation: the median gap between consecutive operations;
 - the interconnect, ``latency + bytes * seconds_per_byte``: the simulated link in use
   (`overlap.current_link`, CPU path) plus what a collective costs beyond it, from a sweep of
-  `overlap.all_to_all_single` sizes (on a device, the sweep is the whole cost).
+  `overlap.all_to_all_single` sizes (on a device, the sweep is the whole cost);
+- CPU path only: the host time an asynchronous collective takes from the compute it completes
+  under (`contention`): gloo's threads finish it on the cores that compute.
 
 The result is a `Calibration` (JSON), cached per machine, model shape, dtype, link and settings
 in ``$OVERLAP_CALIBRATION_CACHE`` (default ``~/.cache/npu-overlap/calibration/``). Every rank of the
@@ -49,7 +51,7 @@ logger = logging.getLogger(__name__)
 
 ENV_CACHE = "OVERLAP_CALIBRATION_CACHE"
 DEFAULT_CACHE = os.path.join("~", ".cache", "npu-overlap", "calibration")
-FORMAT = 1
+FORMAT = 5  # 2: link booked at issue (overlap.link); 3: transfers' waits; 5: contention per byte
 SWEEP = "calibrate.sweep"  # the name of the sweep's collectives on the timeline
 # A layer keeps its own fit where it differs from its group's at the largest token count by more than this.
 LAYER_REL, LAYER_ABS_S = 0.5, 10e-6
@@ -75,7 +77,9 @@ class OpFit:
 
 @dataclasses.dataclass(frozen=True)
 class TransferFit:
-    """Collective ``name`` inside operation ``op``: ``a + b * tokens`` bytes; ``blocking``: read on the host."""
+    """Collective ``name`` inside operation ``op``: ``a + b * tokens`` bytes; ``blocking``: read on the host;
+    ``wait_s``: what it took in the serial runs beyond the interconnect's time for its bytes (the
+    median; mostly waiting for the slower rank to arrive)."""
 
     op: str
     moe: bool
@@ -83,6 +87,7 @@ class TransferFit:
     a: float
     b: float
     blocking: bool
+    wait_s: float = 0.0
 
 
 @dataclasses.dataclass
@@ -99,6 +104,8 @@ class Calibration:
     link: Optional[Dict[str, float]] = None  # the simulated link (gbps, latency_us) the runs used
     collective: Tuple[float, float] = (0.0, 0.0)  # seconds per collective beyond the link: a + b * bytes
     elapsed_s: float = 0.0
+    async_host_s: float = 0.0  # CPU path: host time an asynchronous collective takes from compute (`contention`)
+    async_host_per_byte: float = 0.0  # ... and per byte it moves
 
     @property
     def interconnect(self) -> Interconnect:
@@ -126,14 +133,15 @@ class Calibration:
         names = {(f.op, f.layer) for f in self.layer_ops}
         for op, layer in sorted(names, key=lambda k: (k[1], k[0])):
             moe = self.layers[layer]
-            transfers = tuple(Transfer(t.name, Linear(t.a, t.b), t.blocking) for t in self.transfers
+            transfers = tuple(Transfer(t.name, Linear(t.a, t.b), t.blocking, t.wait_s) for t in self.transfers
                               if t.op == op and t.moe == moe)
             per_layer[layer, op] = OpCost(self.op_cost(layer, op), transfers)
         by_name: Dict[str, OpCost] = {}
         for (layer, op), cost in per_layer.items():  # for other layers: the MoE layers' cost first
             if op not in by_name or self.layers[layer]:
                 by_name[op] = cost
-        return CostModel(by_name, self.interconnect, self.host_overhead_s, per_layer)
+        return CostModel(by_name, self.interconnect, self.host_overhead_s, per_layer=per_layer,
+                         async_host_s=self.async_host_s, async_host_per_byte=self.async_host_per_byte)
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
@@ -153,17 +161,20 @@ class Calibration:
         for f in self.ops + self.layer_ops:
             out += [f.a, f.b]
         for t in self.transfers:
-            out += [t.a, t.b, float(t.blocking)]
-        return out + [self.host_overhead_s, *self.collective, self.elapsed_s]
+            out += [t.a, t.b, float(t.blocking), t.wait_s]
+        return out + [self.host_overhead_s, *self.collective, self.elapsed_s, self.async_host_s,
+                      self.async_host_per_byte]
 
     def with_values(self, values: Sequence[float]) -> "Calibration":
         it = iter(values)
         ops = [dataclasses.replace(f, a=next(it), b=next(it)) for f in self.ops]
         layer_ops = [dataclasses.replace(f, a=next(it), b=next(it)) for f in self.layer_ops]
-        transfers = [dataclasses.replace(t, a=next(it), b=next(it), blocking=next(it) > 0.5) for t in self.transfers]
-        host, ca, cb, elapsed = it
+        transfers = [dataclasses.replace(t, a=next(it), b=next(it), blocking=next(it) > 0.5, wait_s=next(it))
+                     for t in self.transfers]
+        host, ca, cb, elapsed, contended, per_byte = it
         return dataclasses.replace(self, ops=ops, layer_ops=layer_ops, transfers=transfers, host_overhead_s=host,
-                                   collective=(ca, cb), elapsed_s=elapsed)
+                                   collective=(ca, cb), elapsed_s=elapsed, async_host_s=contended,
+                                   async_host_per_byte=per_byte)
 
     def structure(self) -> str:
         """What must be the same on every rank for `values` to line up."""
@@ -175,20 +186,30 @@ class Calibration:
 # ---- fitting -----------------------------------------------------------------------------------
 
 
-def fit_linear(xs: Sequence[float], ys: Sequence[float]) -> Linear:
-    """Least-squares ``a + b * x`` through the points, clamped so that ``a, b >= 0``."""
+def fit_linear(xs: Sequence[float], ys: Sequence[float], relative: bool = False) -> Linear:
+    """Least-squares ``a + b * x`` through the points, clamped so that ``a, b >= 0``.
+
+    ``relative``: minimise the errors relative to the mean ``y`` at each ``x`` rather than absolute
+    ones, so that a few per cent of noise at the largest ``x`` does not swamp the intercept that
+    small ``x`` rest on (points pooled from several layers keep equal weight at one ``x``).
+    """
     if not xs:
         return Linear()
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
+    at: Dict[float, List[float]] = {}
+    for x, y in zip(xs, ys):
+        at.setdefault(x, []).append(y)
+    scale = {x: max(abs(sum(v) / len(v)), 1e-12) for x, v in at.items()}
+    ws = [1.0 / scale[x] ** 2 if relative else 1.0 for x in xs]
+    w = sum(ws)
+    mx, my = sum(k * x for k, x in zip(ws, xs)) / w, sum(k * y for k, y in zip(ws, ys)) / w
+    sxx = sum(k * (x - mx) ** 2 for k, x in zip(ws, xs))
+    b = sum(k * (x - mx) * (y - my) for k, x, y in zip(ws, xs, ys)) / sxx if sxx > 0 else 0.0
     a = my - b * mx
     if b < 0:
         return Linear(max(0.0, my), 0.0)
     if a < 0:  # through the origin instead
-        sx2 = sum(x * x for x in xs)
-        return Linear(0.0, max(0.0, sum(x * y for x, y in zip(xs, ys)) / sx2) if sx2 > 0 else 0.0)
+        sx2 = sum(k * x * x for k, x in zip(ws, xs))
+        return Linear(0.0, max(0.0, sum(k * x * y for k, x, y in zip(ws, xs, ys)) / sx2) if sx2 > 0 else 0.0)
     return Linear(a, b)
 
 
@@ -218,10 +239,10 @@ def _inside(comm: Span, op: Span) -> bool:
     return op.start <= comm.start <= op.end and comm.meta.get("layer") == op.meta.get("layer")
 
 
-def _median_fit(samples: Mapping[Tuple[int, Any], List[float]]) -> Linear:
+def _median_fit(samples: Mapping[Tuple[int, Any], List[float]], relative: bool = True) -> Linear:
     """Fit over per-(tokens, layer) medians: one slow repeat does not move the line."""
     points = [(k[0], statistics.median(v)) for k, v in sorted(samples.items())]
-    return fit_linear([x for x, _ in points], [y for _, y in points])
+    return fit_linear([x for x, _ in points], [y for _, y in points], relative=relative)
 
 
 Samples = Dict[Tuple[int, Any], List[float]]  # (tokens, layer) -> one value per repeat
@@ -234,6 +255,7 @@ class _Samples:
     group: Dict[Tuple[str, bool], Samples] = dataclasses.field(default_factory=dict)  # (op, moe)
     layer: Dict[Tuple[str, int], Samples] = dataclasses.field(default_factory=dict)  # (op, layer)
     sizes: Dict[Tuple[str, bool, str], Samples] = dataclasses.field(default_factory=dict)  # (op, moe, collective)
+    spans: Dict[Tuple[str, bool, str], List[Tuple[float, float]]] = dataclasses.field(default_factory=dict)  # bytes, s
     order: Dict[Tuple[str, bool], List[str]] = dataclasses.field(default_factory=dict)  # collectives in issue order
     blocking: Set[Tuple[str, bool, str]] = dataclasses.field(default_factory=set)
     gaps: List[float] = dataclasses.field(default_factory=list)
@@ -255,20 +277,29 @@ class _Samples:
                     names.append(c.name)
                 key = (s.name, moe, c.name)
                 self.sizes.setdefault(key, {}).setdefault((run.tokens, li), []).append(float(run.nbytes.get(c.id, 0)))
+                self.spans.setdefault(key, []).append((float(run.nbytes.get(c.id, 0)), c.end - c.start))
                 if c.id in run.blocking:
                     self.blocking.add(key)
 
 
-def fit_runs(runs: Sequence[Run], moe_layers: Sequence[bool]) -> Calibration:
-    """Fit operation costs, transfer sizes and the host overhead from recorded serial runs (no key, no link)."""
+def fit_runs(runs: Sequence[Run], moe_layers: Sequence[bool], interconnect: Optional[Interconnect] = None
+             ) -> Calibration:
+    """Fit operation costs, transfer sizes and the host overhead from recorded serial runs (no key, no link);
+    with ``interconnect``, also each collective's wait beyond it (`TransferFit.wait_s`)."""
     seen = _Samples()
     for run in runs:
         seen.add_run(run, moe_layers)
+
+    def wait(key: Tuple[str, bool, str]) -> float:
+        if interconnect is None or not seen.spans.get(key):
+            return 0.0
+        return statistics.median(sec - interconnect.seconds(n) for n, sec in seen.spans[key])
+
     ops = [OpFit(op, moe, *_ab(_median_fit(v))) for (op, moe), v in sorted(seen.group.items())]
     layer_ops = [OpFit(op, bool(moe_layers[li]), *_ab(_median_fit(v)), layer=li)
                  for (op, li), v in sorted(seen.layer.items(), key=lambda kv: (kv[0][1], kv[0][0]))]
-    transfers = [TransferFit(op, moe, name, *_ab(_median_fit(seen.sizes[op, moe, name])),
-                             (op, moe, name) in seen.blocking)
+    transfers = [TransferFit(op, moe, name, *_ab(_median_fit(seen.sizes[op, moe, name], relative=False)),
+                             (op, moe, name) in seen.blocking, wait((op, moe, name)))
                  for (op, moe), names in sorted(seen.order.items()) for name in names]
     return Calibration({}, [bool(m) for m in moe_layers], ops, layer_ops, transfers,
                        statistics.median(seen.gaps) if seen.gaps else 0.0, sorted({r.tokens for r in runs}))
@@ -376,14 +407,18 @@ def calibration_key(model: Any, group: Any = None, tokens: Sequence[int] = (), r
 # ---- measuring ---------------------------------------------------------------------------------
 
 
-def token_points(max_tokens: int, points: int = 4, low: int = 32) -> List[int]:
-    """``points`` token counts spread evenly from ``low`` (or ``max_tokens`` if smaller) to ``max_tokens``."""
+def token_points(max_tokens: int, points: int = 5, low: int = 32) -> List[int]:
+    """``points`` token counts spread geometrically from ``low`` (or ``max_tokens`` if smaller) to ``max_tokens``.
+
+    Geometric, so that small batches, whose cost is mostly the fixed part, are measured as well as
+    the large ones.
+    """
     if max_tokens < 1:
         raise ValueError(f"calibration needs max_tokens >= 1, got {max_tokens}")
     lo = min(low, max_tokens)
     if points <= 1 or lo == max_tokens:
         return [max_tokens]
-    return sorted({round(lo + (max_tokens - lo) * i / (points - 1)) for i in range(points)})
+    return sorted({round(lo * (max_tokens / lo) ** (i / (points - 1))) for i in range(points)})
 
 
 def _grouped(group: Any) -> bool:
@@ -470,6 +505,70 @@ def _sweep(group: Any, rows: Sequence[int], hidden: int, dtype: torch.dtype, rep
     return samples
 
 
+def contention_fit(group: Any, rows: Tuple[int, int], hidden: int, dtype: torch.dtype, repeats: int
+                   ) -> Tuple[float, float]:
+    """What an asynchronous collective takes from the host's compute: ``(seconds, seconds per byte)``,
+    from `contention` at two sizes (``rows`` per rank, small and large). ``(0, 0)`` off the CPU path."""
+    small, large = min(rows), max(rows)
+    link = overlap.current_link()
+    if link is not None:  # keep the large one's booking near 20 ms, so the measurement stays short
+        per_row = link.seconds(hidden * torch.empty((), dtype=dtype).element_size()) - link.seconds(0)
+        large = max(small, min(large, int(20e-3 / per_row) if per_row > 0 else large))
+    world = dist.get_world_size(group) if _grouped(group) else 1
+    row_bytes = (world - 1) * hidden * torch.empty((), dtype=dtype).element_size()
+    c_small = contention(group, small, hidden, dtype, repeats)
+    if large == small or row_bytes == 0:
+        return c_small, 0.0
+    c_large = contention(group, large, hidden, dtype, repeats)
+    b = max(0.0, (c_large - c_small) / ((large - small) * row_bytes))
+    return max(0.0, c_small - b * small * row_bytes), b
+
+
+def contention(group: Any, rows: int, hidden: int, dtype: torch.dtype, repeats: int, in_flight: int = 8) -> float:
+    """Host seconds each asynchronous collective takes from compute that runs while it completes (CPU path).
+
+    On a CPU host gloo's threads move the bytes and finish the collective on the cores that compute,
+    so a rank's compute runs slower while its side-stream exchanges complete. Measured as the
+    difference between a fixed piece of work run alone and run while ``in_flight`` all-to-alls of
+    ``rows`` rows per rank, issued just before on the communication stream, complete, per
+    collective (medians of ``repeats`` pairs; 0 when the difference is within noise). 0 off the CPU
+    path or without a group: a device's collectives run on an engine of their own.
+    """
+    if not _grouped(group) or collective_device(group).type != "cpu" or not backends.current().is_asynchronous(
+            overlap.EP_COMM):
+        return 0.0
+    world = dist.get_world_size(group)
+    x = torch.zeros(world * rows, hidden, dtype=dtype)
+    outs = [torch.empty_like(x) for _ in range(in_flight)]
+    a, w = torch.randn(64, hidden, dtype=dtype), torch.randn(hidden, hidden, dtype=dtype)
+    booked = overlap.current_link().seconds((world - 1) * rows * hidden * x.element_size()) \
+        if overlap.current_link() else 0.0
+
+    def work(n: int) -> float:
+        t = time.perf_counter()
+        for _ in range(n):
+            torch.mm(a, w)
+        return time.perf_counter() - t
+
+    unit = min(work(50) for _ in range(3)) / 50
+    # long enough that every exchange completes inside it, and at least 10 ms
+    n = _max_over_ranks([max(10e-3, 2 * in_flight * booked) / max(unit, 1e-7)], group)[0]
+    n = int(min(n, 1e6))
+    alone, loaded = [], []
+    for _ in range(repeats):
+        _barrier(group)
+        alone.append(work(n))
+        _barrier(group)
+        ev = overlap.event("calibrate.contention")
+        with overlap.stream(overlap.EP_COMM):
+            for out in outs:
+                overlap.all_to_all_single(out, x, group=group, name=SWEEP)
+            ev.record()
+        loaded.append(work(n))
+        ev.synchronize()
+    return max(0.0, (statistics.median(loaded) - statistics.median(alone)) / in_flight)
+
+
 def _is_moe(model: Any, index: int) -> bool:
     layer = model.layers[index]
     return bool(getattr(layer, "is_moe", False))
@@ -493,11 +592,15 @@ def measure(model: Any, group: Any = None, tokens: Sequence[int] = (32, 64, 128,
                      for i in range(repeats)]
         hidden = int(model.cfg.hidden)
         sweep = _sweep(group, sorted({1, *tokens}), hidden, _model_dtype(model), repeats)
+        contended = contention_fit(group, (max(1, min(tokens)), max(tokens)), hidden, _model_dtype(model),
+                                   max(3, repeats))
     link = overlap.current_link()
-    cal = fit_runs(runs, [_is_moe(model, i) for i in range(len(layers))])
-    return dataclasses.replace(cal, key=calibration_key(model, group, tokens, repeats, seq_len),
-                               link=None if link is None else {"gbps": link.gbps, "latency_us": link.latency_us},
-                               collective=fit_collective(sweep, link), elapsed_s=time.perf_counter() - t0)
+    linked = Calibration({}, [], [], [], [], 0.0, [], link=None if link is None else {
+        "gbps": link.gbps, "latency_us": link.latency_us}, collective=fit_collective(sweep, link))
+    cal = fit_runs(runs, [_is_moe(model, i) for i in range(len(layers))], linked.interconnect)
+    return dataclasses.replace(cal, key=calibration_key(model, group, tokens, repeats, seq_len), link=linked.link,
+                               collective=linked.collective, elapsed_s=time.perf_counter() - t0,
+                               async_host_s=contended[0], async_host_per_byte=contended[1])
 
 
 def agree(cal: Calibration, group: Any = None) -> Calibration:
@@ -533,7 +636,7 @@ def _everyone_has(have: bool, key: Mapping[str, Any], group: Any) -> bool:
     return missing == 0
 
 
-def calibrate(model: Any, group: Any = None, *, max_tokens: int = 256, points: int = 4, repeats: int = 3,
+def calibrate(model: Any, group: Any = None, *, max_tokens: int = 256, points: int = 5, repeats: int = 3,
               seq_len: int = 64, refresh: bool = False, cache: Optional[str] = None) -> Calibration:
     """This machine's calibration of ``model`` over ``group``, from the cache when every rank has it.
 

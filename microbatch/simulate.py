@@ -12,7 +12,10 @@ An event-driven simulation of the streams of one rank, in the executor's terms:
 
 CPU semantics (the default), as `overlap.backends.cpu` runs: compute runs inline on the host
 thread whatever its stream, so the host is busy while it runs; an event wait blocks the host; a
-collective on the main stream is synchronous, one on a side stream is asynchronous. Device
+collective on the main stream is synchronous, one on a side stream is asynchronous, and one of
+those that ends while the host computes takes the cost model's ``async_host_s`` (plus
+``async_host_per_byte`` for each byte it moved) from that compute
+(gloo's threads finish it on the same cores; a device has an engine of its own). Device
 semantics (``device=True``): every operation runs on its stream, the host only issues, and an
 event wait makes the stream wait, not the host.
 
@@ -49,6 +52,7 @@ class Transfer:
     name: str
     nbytes: Linear
     blocking: bool = False  # the host waits for it before issuing anything else (a count exchange)
+    wait_s: float = 0.0  # beyond the link's time: waiting for the slower rank (may be < 0: less than the link)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +86,8 @@ class CostModel:
     link: Interconnect = Interconnect()
     host_overhead_s: float = 0.0  # the executor's own time per launch, on the host
     per_layer: Mapping[Tuple[int, str], OpCost] = dataclasses.field(default_factory=dict)
+    async_host_s: float = 0.0  # CPU path: host time an asynchronous collective takes from the compute it ends in
+    async_host_per_byte: float = 0.0  # ... and per byte it moves
 
     def op(self, layer: int, name: str) -> OpCost:
         """The cost of operation ``name`` of layer ``layer``; `KeyError` when the model has none."""
@@ -163,13 +169,17 @@ class _Streams:
         self.link_free = 0.0
         self.free: Dict[str, float] = defaultdict(float)
         self.spans: List[Span] = []
+        self.in_flight: List[Tuple[float, float]] = []  # (end, bytes) of asynchronous transfers not yet charged
 
-    def transfer(self, issued: float, stream: str, nbytes: float, name: str, meta: Dict[str, Any]) -> float:
-        """A transfer issued at ``issued`` on ``stream``: after the stream's and the link's earlier ones."""
+    def transfer(self, issued: float, stream: str, tr: Transfer, tokens: int, meta: Dict[str, Any]) -> float:
+        """A transfer issued at ``issued`` on ``stream``: after the stream's and the link's earlier ones.
+
+        It holds the link for the link's time; its ``wait_s`` (the slower rank's arrival) delays
+        its end, not the transfers queued behind it."""
         start = max(issued, self.link_free, self.free[stream])
-        end = start + self.costs.link.seconds(nbytes)
-        self.link_free = self.free[stream] = end
-        self.spans.append(Span(name, stream, "comm", 0, issued, end, dict(meta),
+        self.link_free = start + self.costs.link.seconds(tr.nbytes(tokens))
+        end = self.free[stream] = max(start, self.link_free + tr.wait_s)
+        self.spans.append(Span(tr.name, stream, "comm", 0, issued, end, dict(meta),
                                asynchronous=not self.device and stream != self.main))
         return end
 
@@ -178,16 +188,29 @@ class _Streams:
         meta = {"mb": l.mb, "layer": l.layer}
         self.host = max(self.host + self.costs.host_overhead_s, ready)  # an event wait blocks the host
         start = t = self.host
-        t += cost.compute(tokens)
+        t += self._contended(start, cost.compute(tokens))
         done = t
         for tr in cost.transfers:
-            end = self.transfer(t, l.stream, tr.nbytes(tokens), tr.name, meta)
+            end = self.transfer(t, l.stream, tr, tokens, meta)
             if tr.blocking or l.stream == self.main:  # read on the host, or a synchronous collective
                 t = end
+            else:
+                self.in_flight.append((end, tr.nbytes(tokens)))
             done = max(done, end)
         self._op_span(l, cost, start, t, meta)
         self.host = t
         return done
+
+    def _contended(self, start: float, work: float) -> float:
+        """``work`` seconds of host compute from ``start``, plus what the asynchronous transfers that end
+        meanwhile take from it (their completion runs on the same cores); one that ends while the host
+        waits costs nothing."""
+        c = self.costs
+        if not (c.async_host_s or c.async_host_per_byte) or not self.in_flight:
+            return work
+        ended = [(e, n) for e, n in self.in_flight if e <= start + work]
+        self.in_flight = [(e, n) for e, n in self.in_flight if e > start + work]
+        return work + sum(c.async_host_s + c.async_host_per_byte * n for e, n in ended if e > start)
 
     def device_step(self, l: ScheduledOp, cost: OpCost, tokens: int, ready: float) -> float:
         """Everything on the stream; the host only issues, and waits for a host-blocking transfer."""
@@ -196,7 +219,7 @@ class _Streams:
         start = max(self.host, self.free[l.stream], ready)
         t = self.free[l.stream] = start + cost.compute(tokens)
         for tr in cost.transfers:
-            t = self.transfer(max(t, self.host), l.stream, tr.nbytes(tokens), tr.name, meta)
+            t = self.transfer(max(t, self.host), l.stream, tr, tokens, meta)
             if tr.blocking:
                 self.host = max(self.host, t)
         self._op_span(l, cost, start, t, meta)

@@ -87,11 +87,11 @@ def start_span(name: str, stream: str, kind: str, *, reads: Sequence[torch.Tenso
     return span
 
 
-def end_span(span: Optional[Span]) -> None:
-    """Close a span (possibly from a completion thread) and tell the observers."""
+def end_span(span: Optional[Span], end: Optional[float] = None) -> None:
+    """Close a span (possibly from a completion thread) at ``end`` (default: now) and tell the observers."""
     if span is None:
         return
-    span.end = time.perf_counter()
+    span.end = time.perf_counter() if end is None else end
     _notify("on_span_end", span)
 
 

@@ -2,11 +2,15 @@
 
 On one host, gloo moves bytes through loopback with the same cores that compute, so a 2-core
 machine has no idle engine left to overlap with; a real interconnect moves them with its own.
-With a link set, each collective on the ``cpu`` path completes no earlier than its transfer
-time over that link, and the link carries one transfer at a time per process (a FIFO, as a NIC
-does): two exchanges in flight share it rather than each getting the full bandwidth. The extra
-wait is a sleep, so it costs no CPU and overlaps with compute like a real network transfer.
-A transfer longer than the wait bound (`overlap.set_wait_timeout`) is refused when it is issued.
+With a link set, each collective on the ``cpu`` path books the link when it is issued, and
+completes when both its bytes have arrived (gloo) and its booking has ended. The link carries one
+transfer at a time per process (a FIFO, as a NIC does): a booking starts after the ones before
+it, so two exchanges in flight share the link rather than each getting the full bandwidth. The
+wait is a sleep, so it costs no CPU and overlaps with compute like a real network transfer; and
+the completion time is the booking's end, not when a loaded host gets round to noticing it.
+What this leaves out: a peer that issues later delays a rank only once its bytes arrive, so rank
+skew shorter than the transfer is absorbed in the link time rather than added to it.
+A transfer longer than the wait bound (`overlap.set_wait_timeout`) is refused before it is issued.
 Off by default (tests run plain gloo); the launcher and the benchmarks turn it on and print it. Set by `set_link` or ``$OVERLAP_CPU_LINK="GBPS[,LATENCY_US]"`` (e.g. "2,20").
 """
 from __future__ import annotations
@@ -80,27 +84,31 @@ def transfer_seconds(link: Link, nbytes: int) -> float:
 
 
 def reserve(seconds: float) -> float:
-    """Book the link for ``seconds`` after the transfers already booked; returns when this one ends."""
+    """Book the link for ``seconds`` after the transfers already booked; returns when this one ends.
+
+    `WaitTimeout`, with nothing booked, when the transfers queued before this one would hold the
+    link past the wait bound. Times are `time.perf_counter`'s, as the timeline's spans.
+    """
     if not (math.isfinite(seconds) and seconds >= 0):
         raise ValueError(f"a link booking needs a finite number of seconds >= 0, got {seconds}")
+    bound = wait_timeout()
     with STATE.lock:
-        start = max(time.monotonic(), STATE.link_busy_until)
+        now = time.perf_counter()
+        start = max(now, STATE.link_busy_until)
         end = start + seconds
         if not math.isfinite(end):
             raise ValueError(f"a link booking of {seconds:g} s after {start:g} s is out of range")
+        if end - now > bound:
+            raise WaitTimeout(f"the simulated link is busy for another {start - now:.2g} s with the transfers "
+                              f"queued before this {seconds:.2g} s one, more than the {bound:g} s wait bound: use "
+                              f"a faster --cpu-link, or raise the wait bound")
         STATE.link_busy_until = end
         return end
 
 
-def wait_transfer(seconds: float) -> None:
-    """Block the calling thread for a transfer of ``seconds`` on the link (a synchronous collective)."""
-    left = reserve(seconds) - time.monotonic()
-    bound = wait_timeout()
-    if left > bound:  # transfers booked before this one hold the link that long
-        raise WaitTimeout(f"the simulated link is busy for another {left:.2g} s with the transfers queued before "
-                          f"this {seconds:.2g} s one, more than the {bound:g} s wait bound: use a faster --cpu-link, "
-                          f"or raise the wait bound")
-    time.sleep(max(0.0, left))
+def wait_until(until: float) -> None:
+    """Block the calling thread until ``until`` (a `reserve` result): a synchronous collective's booking."""
+    time.sleep(max(0.0, until - time.perf_counter()))
 
 
 def set_link(link: Optional[Link]) -> None:
@@ -117,42 +125,63 @@ def current_link() -> Optional[Link]:
 
 
 class DelayedWork:
-    """A gloo work that completes ``delay`` seconds after the transfer itself (see the module docstring)."""
+    """A gloo work that completes once its bytes have arrived and its link booking (``until``) has ended.
 
-    def __init__(self, work: Any, delay: float, on_done: Callable[[], None]):
-        self._done = threading.Event()
-        self._error: Optional[BaseException] = None
+    ``on_done(end)`` runs once, with the completion time ``max(arrival, until)``. Whoever notices the
+    completion first runs it: a timer, or a thread that waits, so a loaded host waking the timer late
+    does not make the transfer late.
+    """
+
+    def __init__(self, work: Any, until: float, on_done: Callable[[float], None]):
+        self._until = until
         self._on_done = on_done
+        self._arrived = threading.Event()
+        self._arrived_at = math.inf
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._error: Optional[BaseException] = None
 
-        def transferred(fut: Any) -> None:
+        def arrived(fut: Any) -> None:
             try:
                 fut.value()
             except BaseException as exc:  # surfaced by wait()
                 self._error = exc
-            try:
-                left = reserve(delay) - time.monotonic()
-            except ValueError as exc:  # on gloo's thread: surface it in wait() rather than lose it
-                self._error = self._error or exc
-                left = 0.0
-            timer = threading.Timer(min(max(0.0, left), threading.TIMEOUT_MAX), self._finish)
+            self._arrived_at = time.perf_counter()
+            self._arrived.set()
+            left = self._until - self._arrived_at
+            if left <= 0:
+                self._finish()
+                return
+            timer = threading.Timer(min(left, threading.TIMEOUT_MAX), self._finish)
             timer.daemon = True
             timer.start()
 
-        work.get_future().add_done_callback(transferred)
+        work.get_future().add_done_callback(arrived)
 
     def _finish(self) -> None:
-        try:
-            self._on_done()
-        finally:
-            self._done.set()
+        with self._lock:
+            if self._done.is_set():
+                return
+            try:
+                self._on_done(max(self._arrived_at, self._until))
+            finally:
+                self._done.set()
 
     def is_completed(self) -> bool:
+        if not self._done.is_set() and self._arrived.is_set() and time.perf_counter() >= self._until:
+            self._finish()
         return self._done.is_set()
 
     def wait(self, timeout: Optional[float] = None) -> bool:
         """Wait at most ``timeout`` seconds (None: the wait bound); False if it has not completed by then."""
-        if not self._done.wait(wait_timeout() if timeout is None else timeout):
+        bound = wait_timeout() if timeout is None else timeout
+        deadline = time.perf_counter() + bound
+        if not self._arrived.wait(bound):
             return False
+        if self._until > deadline:
+            return False
+        wait_until(self._until)
+        self._finish()
         if self._error is not None:
             raise self._error
         return True

@@ -43,7 +43,7 @@ class ProcessState:
         self.core_budget: Any = None  # set_core_budget override
         self.core_limits: Dict[str, Tuple[int, int]] = {}  # tag -> (aic, aiv), for the budget check
         self.link: Any = None  # set_link override
-        self.link_busy_until = 0.0  # monotonic time the simulated link is booked until
+        self.link_busy_until = 0.0  # perf_counter time the simulated link is booked until
         self.pools: Dict[str, List[Any]] = {}  # reusable buffers other packages keep, by name
         self.wait_timeout = DEFAULT_WAIT_TIMEOUT  # seconds any one wait may block (set_wait_timeout)
 

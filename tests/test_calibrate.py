@@ -14,7 +14,7 @@ from launch.calibrate import (Calibration, OpFit, Run, TransferFit, agree, cache
                               fit_collective, fit_linear, fit_runs, load, predict_mode, token_points)
 from launch.model import Batch, build_model, preset
 from launch.runner import make_expert_parallel, plan_for, prefill
-from microbatch import Linear
+from microbatch import Interconnect, Linear
 from overlap import DEFAULT, Span
 from overlap.multirank import run_ranks
 
@@ -32,8 +32,19 @@ def test_fit_linear_recovers_the_line_and_clamps_it():
     assert fit_linear([], []) == Linear()
 
 
+def test_fit_linear_relative_keeps_the_small_end():
+    xs = [32, 108, 362, 1218, 4096]
+    ys = [2e-4 + 3e-6 * x for x in xs]
+    ys[-1] *= 1.1  # 10% of noise at the largest count
+    absolute, relative = fit_linear(xs, ys), fit_linear(xs, ys, relative=True)
+    assert abs(absolute(32) / ys[0] - 1) > 0.2  # the intercept pays for the large point
+    assert abs(relative(32) / ys[0] - 1) < 0.05
+    assert fit_linear(xs[:4], ys[:4], relative=True) == Linear(pytest.approx(2e-4), pytest.approx(3e-6))
+
+
 def test_token_points():
-    assert token_points(256) == [32, 107, 181, 256]
+    assert token_points(256) == [32, 54, 91, 152, 256]  # geometric: as many small counts as large
+    assert token_points(4096, points=4) == [32, 161, 813, 4096]
     assert token_points(20) == [20] and token_points(256, points=1) == [256]
     with pytest.raises(ValueError):
         token_points(0)
@@ -69,6 +80,18 @@ def _synthetic_run(tokens, jitter=0.0):
             t += GAP
     spans.append(Span("embed", DEFAULT, "compute", 0, -1.0, -0.5))  # no layer: not an operation of the executor
     return Run(tokens, spans, nbytes, blocking)
+
+
+def test_each_collective_waits_what_the_serial_runs_show_beyond_the_interconnect():
+    runs = [_synthetic_run(n, jitter) for n in (32, 64, 128) for jitter in (0.0, 0.5)]
+    assert all(t.wait_s == 0.0 for t in fit_runs(runs, MOE).transfers)  # no interconnect given: nothing to subtract
+    cal = fit_runs(runs, MOE, Interconnect(latency_s=1e-4, seconds_per_byte=1e-7))
+    waits = {t.name: t.wait_s for t in cal.transfers}
+    bytes_at = {n: 64 + 200 * n for n in (32, 64, 128)}  # dispatch's and combine's payloads
+    payload = sorted(1e-4 + 1e-7 * b for b in bytes_at.values())[1]  # the median's interconnect time
+    assert waits["dispatch.counts"] == pytest.approx(1e-4 - (1e-4 + 1e-7 * 160))  # less than the link: negative
+    assert waits["dispatch"] == pytest.approx(5e-4 - payload) and waits["combine"] == pytest.approx(4e-4 - payload)
+    assert cal.cost_model().op(1, "combine").transfers[0].wait_s == waits["combine"]
 
 
 def test_fit_on_synthetic_timelines_recovers_the_costs():
@@ -227,6 +250,9 @@ def test_two_ranks_calibrate_alike_and_predict_within_a_factor(tmp_path):
                      ("dispatch", "dispatch", False), ("dispatch", "dispatch.meta", False)]
     assert all(t.a + t.b * 128 > 0 for t in cal.transfers)
     assert cal.interconnect.latency_s >= 3e-3 and cal.host_overhead_s >= 0
+    # what an asynchronous collective takes from the host's compute: measured, bounded, and in the cost model
+    assert 0 <= cal.async_host_s < 0.1 and cal.cost_model().async_host_s == cal.async_host_s
+    assert 0 <= cal.async_host_per_byte < 1e-6 and cal.cost_model().async_host_per_byte == cal.async_host_per_byte
     assert saved
     ratios = [{mode: m / p for mode, (p, m) in got.items()} for got in attempts]
     assert any(all(0.5 <= r <= 2.0 for r in rs.values()) for rs in ratios), ratios
@@ -271,3 +297,8 @@ def test_ranks_measure_together_when_one_lacks_the_cache(tmp_path):
     assert n0 == n1 == 2 and c0 == c1 and same0 and same1
     for refused in (r0, r1):
         assert len(refused) == 2 and "same model and arguments" in refused[0] and "same model" in refused[1]
+
+
+def test_contention_is_nothing_without_peers():
+    from launch.calibrate import contention
+    assert contention(None, 4, 16, torch.float32, 3) == 0.0  # no group: no collective, no measurement

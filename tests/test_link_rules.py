@@ -4,6 +4,8 @@ A slow link (1e-3 GB/s: about 1 ms per KB) makes every transfer tens of millisec
 bookings and the bytes each collective is charged are recorded exactly; times are only checked
 from below (the link sleeps at least what it charges) and for order, never for speed.
 """
+import time
+
 import pytest
 import torch
 
@@ -20,7 +22,7 @@ LATENT = overlap.Link(gbps=1000.0, latency_us=40_000)  # 40 ms per transfer, the
 COLS = 64
 ROW = COLS * 4  # float32 bytes per row
 ROWS = 160  # rows a rank sends each other rank: 40 KB, 41 ms over SLOW
-EPS = 2e-3  # clock granularity between the link's monotonic bookings and the spans' perf_counter
+EPS = 2e-3  # slack for the sleep's and the clock's granularity
 
 
 def _a2a(ctx, rows, name, out_splits=None, in_splits=None):
@@ -78,15 +80,30 @@ def _uneven(ctx):
     pending()
 
 
+def _busy_host(ctx):
+    """The host is elsewhere until long after the booking's end: the transfer still ends with its booking."""
+    pending = _async(ctx, ROWS, "busy")
+    time.sleep(3 * SLOW.seconds(ROWS * ROW))  # a sleep, not a spin: gloo's threads get the cores to deliver
+    pending()
+
+
+def _late_peer(ctx):
+    """Rank 1 issues well after its booking would have ended on rank 0: rank 0 waits for its bytes."""
+    if ctx.rank == 1:
+        time.sleep(3 * LATENT.seconds(ROW))
+    _async(ctx, 1, "late")()
+
+
 SCENARIOS = {"sync": (SLOW, _sync_once), "async": (SLOW, _async_once), "two": (SLOW, _two_in_flight),
-             "async_sync": (SLOW, _async_then_sync), "latency": (LATENT, _latency), "uneven": (SLOW, _uneven)}
+             "async_sync": (SLOW, _async_then_sync), "latency": (LATENT, _latency), "uneven": (SLOW, _uneven),
+             "busy": (SLOW, _busy_host), "late": (LATENT, _late_peer)}
 
 
 def _rank(ctx):
     """Every scenario on this rank: its comm spans, the link's bookings and the bytes charged."""
     overlap.set_path("cpu")
     bookings, charged = [], []
-    reserve, transfer_seconds = link_mod.reserve, cpu_backend.transfer_seconds
+    reserve, transfer_seconds = cpu_backend.reserve, cpu_backend.transfer_seconds
 
     def booked(seconds):
         end = reserve(seconds)
@@ -97,7 +114,7 @@ def _rank(ctx):
         charged.append(nbytes)
         return transfer_seconds(link, nbytes)
 
-    link_mod.reserve, cpu_backend.transfer_seconds = booked, charge
+    cpu_backend.reserve, cpu_backend.transfer_seconds = booked, charge
     try:
         results = {}
         for key, (link, body) in SCENARIOS.items():
@@ -109,10 +126,11 @@ def _rank(ctx):
                 body(ctx)
             overlap.synchronize()
             spans = {s.name: (s.start, s.end) for s in tl.find(kind="comm")}
-            results[key] = dict(spans=spans, bookings=sorted(bookings, key=lambda b: b[1]), charged=list(charged))
+            results[key] = dict(spans=spans, bookings=sorted(bookings, key=lambda b: b[1]), charged=list(charged),
+                                offset=tl._offset)  # the spans' wall clock minus the bookings' perf_counter
         return results
     finally:
-        link_mod.reserve, cpu_backend.transfer_seconds = reserve, transfer_seconds
+        cpu_backend.reserve, cpu_backend.transfer_seconds = reserve, transfer_seconds
         overlap.set_link(None)
 
 
@@ -169,3 +187,21 @@ def test_a_transfer_is_charged_the_bytes_exchanged_with_other_ranks(ranks):
         assert r["charged"] == [3 * ROW]
         (s, e), = r["spans"].values()
         assert e - s >= SLOW.seconds(3 * ROW) - EPS
+
+
+def test_a_transfer_ends_with_its_booking_however_late_the_host_looks(ranks):
+    for res in ranks:
+        r = res["busy"]
+        (_, until), = r["bookings"]
+        (start, end), = r["spans"].values()
+        assert end - r["offset"] == pytest.approx(until, abs=1e-6)  # not the host's wait three transfers later
+        assert start - r["offset"] <= until - SLOW.seconds(ROWS * ROW)  # booked when issued, not on arrival
+
+
+def test_a_transfer_waits_for_a_late_peer_beyond_its_booking(ranks):
+    per = LATENT.seconds(ROW)
+    r = ranks[0]["late"]
+    (_, until), = r["bookings"]
+    (start, end), = r["spans"].values()
+    assert end - r["offset"] > until  # the bytes arrived after the booking ended: completion is their arrival
+    assert end - start >= 3 * per - EPS

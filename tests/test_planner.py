@@ -110,7 +110,7 @@ def test_the_launcher_plans_runs_and_writes_the_prediction(tmp_path):
 def test_the_planning_benchmark_runs_at_a_tiny_size(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT, OVERLAP_CALIBRATION_CACHE=str(tmp_path))
     proc = subprocess.run([sys.executable, "-m", "launch.bench_plan", "--preset", "tiny", "--tokens", "48",
-                           "--links", "0.1", "--warmup", "0", "--iters", "1"], capture_output=True, text=True,
+                           "--links", "0.1", "--warmup", "0", "--iters", "1", "--min-seconds", "0", "--repeats", "2"], capture_output=True, text=True,
                           timeout=300, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "48 tokens per rank" in proc.stdout and "auto chose" in proc.stdout and "targets:" in proc.stdout

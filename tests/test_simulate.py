@@ -71,6 +71,44 @@ def test_an_exchange_hides_under_the_other_micro_batch_compute():
     assert _run(serial(EXCHANGE, 2), EXCHANGE, [8, 8], costs).total_s == pytest.approx(16)
 
 
+def test_an_asynchronous_transfer_takes_host_time_from_the_compute_it_ends_in():
+    ops = {"attn": OpCost(Linear(4)), "fin": OpCost(Linear(1)), "send": OpCost(Linear(), (Transfer("send", Linear()),))}
+    costs = CostModel(ops, Interconnect(3.0), async_host_s=0.5)
+    pred = _run(_two_batch_by_hand(), EXCHANGE, [8, 8], costs)
+    # send0 4-7 ends inside attn1 (4-8): attn1 takes 0.5 more, 4-8.5; send1 8.5-11.5; fin0 8.5-9.5;
+    # send1 ends while the host waits for it, which costs nothing: fin1 11.5-12.5
+    assert (_span(pred, "attn", 1).start, _span(pred, "attn", 1).end) == pytest.approx((4, 8.5))
+    assert _span(pred, "send", 1, "comm").end == pytest.approx(11.5)
+    assert (_span(pred, "fin", 0).end, _span(pred, "fin", 1).start) == pytest.approx((9.5, 11.5))
+    assert pred.total_s == pytest.approx(12.5)
+    # per byte: a 1000-byte transfer adds 0.5 + 1000 * 1e-3
+    per_byte = {**ops, "send": OpCost(Linear(), (Transfer("send", Linear(1000)),))}
+    heavy = _run(_two_batch_by_hand(), EXCHANGE, [8, 8],
+                 CostModel(per_byte, Interconnect(3.0), async_host_s=0.5, async_host_per_byte=1e-3))
+    assert _span(heavy, "attn", 1).end == pytest.approx(4 + 4 + 1.5)
+    # synchronous collectives (serial, on the main stream) and device semantics are not charged
+    assert _run(serial(EXCHANGE, 2), EXCHANGE, [8, 8], costs).total_s == pytest.approx(16)
+    plain = CostModel(ops, Interconnect(3.0))
+    assert _run(_two_batch_by_hand(), EXCHANGE, [8, 8], costs, device=True).total_s == pytest.approx(
+        _run(_two_batch_by_hand(), EXCHANGE, [8, 8], plain, device=True).total_s)
+
+
+def test_a_transfers_wait_delays_its_end_but_not_the_link():
+    layers = [[_op("send", ["hidden"], ["y"], EP_COMM), _op("fin", ["y"], ["out"])]]
+    waited = Transfer("send", Linear(1000), wait_s=5.0)
+    costs = _costs({"fin": OpCost(Linear(1)), "send": OpCost(Linear(), (waited,))}, per_byte=2e-3)
+    sched = Schedule("hand", (ScheduledOp(0, 0, "send", EP_COMM), ScheduledOp(1, 0, "send", SHARED_EXPERT),
+                              ScheduledOp(0, 0, "fin"), ScheduledOp(1, 0, "fin")))
+    pred = _run(sched, layers, [1, 1], costs)
+    c0, c1 = _span(pred, "send", 0, "comm"), _span(pred, "send", 1, "comm")
+    assert (c0.end, c1.end) == pytest.approx((7, 9))  # link 0-2 then 2-4, each ends 5 later
+    assert _span(pred, "fin", 0).start == pytest.approx(7)
+    early = Transfer("send", Linear(1000), wait_s=-5.0)  # a negative wait never ends a transfer before it starts
+    costs = _costs({"fin": OpCost(Linear(1)), "send": OpCost(Linear(), (early,))}, per_byte=2e-3)
+    c1 = _span(_run(sched, layers, [1, 1], costs), "send", 1, "comm")
+    assert c1.end == pytest.approx(2)  # starts at 2, when the link is free; not before
+
+
 def test_two_transfers_queue_on_the_link():
     layers = [[_op("send", ["hidden"], ["y"], EP_COMM), _op("fin", ["y"], ["out"])]]
     costs = _costs({"fin": OpCost(Linear(1)), "send": OpCost(Linear(), (Transfer("send", Linear(1000)),))},

@@ -19,7 +19,7 @@ import torch
 from .. import hooks
 from ..context import DEFAULT, current_stream_tag, is_enabled
 from ..hooks import Span
-from ..link import DelayedWork, current_link, transfer_seconds, wait_transfer
+from ..link import DelayedWork, current_link, reserve, transfer_seconds, wait_until
 from ..state import STATE, WaitTimeout, raise_hint, wait_timeout
 from .base import Backend
 
@@ -117,9 +117,10 @@ class CpuStream:
         with self._lock:
             self._prune()
             self._order_after_hazards(reads, writes)
+            until = reserve(delay) if delay > 0 else None  # a simulated link, booked at issue (see overlap.link)
             work = issue(True)
-            if delay > 0:  # a simulated link: completes after the transfer time (see overlap.link)
-                work = DelayedWork(work, delay, lambda: hooks.end_span(span))
+            if until is not None:
+                work = DelayedWork(work, until, lambda end: hooks.end_span(span, end))
             elif span is not None:
                 work.get_future().add_done_callback(lambda _f: hooks.end_span(span))
             self._pending.append(_Pending(name, self.tag, "collective", work, reads, writes))
@@ -203,10 +204,11 @@ class CpuBackend(Backend):
         if self.is_asynchronous(tag):
             cpu_stream(tag).issue_collective(name, issue, reads, writes, span, delay)
             return
+        until = reserve(delay) if delay else None
         try:
             issue(False)
-            if delay:
-                wait_transfer(delay)
+            if until is not None:
+                wait_until(until)
         finally:
             hooks.end_span(span)
 
