@@ -178,7 +178,8 @@ class DelayedWork:
         deadline = time.perf_counter() + bound
         if not self._arrived.wait(bound):
             return False
-        if self._until > deadline:
+        if self._until > deadline:  # the bound was lowered after the booking was accepted
+            wait_until(deadline)
             return False
         wait_until(self._until)
         self._finish()
