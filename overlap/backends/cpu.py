@@ -204,8 +204,8 @@ class CpuBackend(Backend):
         if self.is_asynchronous(tag):
             cpu_stream(tag).issue_collective(name, issue, reads, writes, span, delay)
             return
-        until = reserve(delay) if delay else None
         try:
+            until = reserve(delay) if delay else None  # refused before the collective, the span still closed
             issue(False)
             if until is not None:
                 wait_until(until)
