@@ -81,11 +81,12 @@ def test_a_transfer_longer_than_the_bound_is_refused_before_it_is_issued(side_st
         raise AssertionError("the collective was issued")
 
     start = time.monotonic()
-    with pytest.raises(overlap.WaitTimeout) as info:
+    with pytest.raises(overlap.WaitTimeout) as info, overlap.Timeline() as tl:
         with overlap.stream(overlap.EP_COMM, enabled=side_stream):
             overlap.issue_collective("dispatch", issue, nbytes=320 * 1024)
     assert time.monotonic() - start < RETURNED
     assert issued == []
+    assert [s.name for s in tl.spans] == ["dispatch"]  # its span closed, not left open for ever
     assert str(info.value) == ("the simulated link 1e-09 GB/s needs 3.3e+05 s for this 320 KiB transfer, more than "
                                "the 10 s wait bound: use a faster --cpu-link (overlap.set_link), or raise the wait "
                                "bound")

@@ -199,18 +199,27 @@ class CpuBackend(Backend):
     def issue_collective(self, name: str, issue: Callable[[bool], Any], reads: Sequence[torch.Tensor],
                          writes: Sequence[torch.Tensor], span: Optional[Span], nbytes: int) -> None:
         tag = current_stream_tag()
-        link = current_link()
-        delay = transfer_seconds(link, nbytes) if link is not None and nbytes else 0.0  # refused before issue
         if self.is_asynchronous(tag):
-            cpu_stream(tag).issue_collective(name, issue, reads, writes, span, delay)
+            try:
+                cpu_stream(tag).issue_collective(name, issue, reads, writes, span, self._delay(nbytes))
+            except BaseException:  # not in flight: its span ends here (in flight, on completion)
+                hooks.end_span(span)
+                raise
             return
         try:
+            delay = self._delay(nbytes)
             until = reserve(delay) if delay else None  # refused before the collective, the span still closed
             issue(False)
             if until is not None:
                 wait_until(until)
         finally:
             hooks.end_span(span)
+
+    @staticmethod
+    def _delay(nbytes: int) -> float:
+        """The simulated link's time for ``nbytes``; `WaitTimeout` before anything is issued if too long."""
+        link = current_link()
+        return transfer_seconds(link, nbytes) if link is not None and nbytes else 0.0
 
     def issue_host(self, name: str, fn: Callable[[], Any], reads: Sequence[torch.Tensor],
                    writes: Sequence[torch.Tensor], span: Optional[Span]) -> None:
