@@ -26,6 +26,7 @@ Calibrations are cached (``$OVERLAP_CALIBRATION_CACHE``); ``--refresh`` measures
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import statistics
@@ -63,24 +64,18 @@ def _quartiles(times: List[float]) -> Tuple[float, float]:
     return q[0], q[2]
 
 
-def _union(intervals: List[Tuple[float, float]]) -> float:
-    total, end = 0.0, -math.inf
-    for a, b in sorted(intervals):
-        if b > end:
-            total += b - max(a, end)
-            end = b
-    return total
-
-
 def _where_time_goes(spans: List[Any]) -> Dict[str, float]:
     """Seconds of one rank's executor spans: host compute, host part of communication operations
     (the count exchange included), host waiting, transfers in flight, and the whole length."""
+    from overlap.observability import metrics
+
     ops = [s for s in spans if "layer" in s.meta and s.end is not None]
     host = [s for s in ops if s.kind in ("compute", "issue")]
     if not host:
         return {}
     length = max(s.end for s in ops) - min(s.start for s in ops)
-    busy = _union([(s.start, s.end) for s in host])
+    # on the CPU path every stream's launches run on the host: its busy time is their union
+    busy = metrics([dataclasses.replace(s, stream="host", rank=0) for s in host]).busy("host")
     return {"compute": sum(s.end - s.start for s in host if s.kind == "compute"),
             "issue": sum(s.end - s.start for s in host if s.kind == "issue"),
             "host waiting": length - busy,

@@ -90,6 +90,15 @@ class TransferFit:
     wait_s: float = 0.0
 
 
+def _interconnect(link: Optional[Mapping[str, float]], collective: Tuple[float, float]) -> Interconnect:
+    """The simulated ``link`` (gbps, latency_us; None: none) plus a collective's own cost ``a + b * bytes``."""
+    latency, per_byte = collective
+    if link:
+        latency += link["latency_us"] * 1e-6
+        per_byte += 1.0 / (link["gbps"] * 1e9)
+    return Interconnect(max(0.0, latency), max(0.0, per_byte))
+
+
 @dataclasses.dataclass
 class Calibration:
     """The fitted costs of one model on one machine (see the module docstring); JSON via `to_dict`."""
@@ -110,11 +119,7 @@ class Calibration:
     @property
     def interconnect(self) -> Interconnect:
         """The link plus a collective's own cost."""
-        latency, per_byte = self.collective
-        if self.link:
-            latency += self.link["latency_us"] * 1e-6
-            per_byte += 1.0 / (self.link["gbps"] * 1e9)
-        return Interconnect(max(0.0, latency), max(0.0, per_byte))
+        return _interconnect(self.link, self.collective)
 
     def op_cost(self, layer: int, op: str) -> Linear:
         """The work of ``op`` in ``layer``: the layer's own fit where it differs from its kind's (see `LAYER_REL`)."""
@@ -510,12 +515,11 @@ def contention_fit(group: Any, rows: Tuple[int, int], hidden: int, dtype: torch.
     """What an asynchronous collective takes from the host's compute: ``(seconds, seconds per byte)``,
     from `contention` at two sizes (``rows`` per rank, small and large). ``(0, 0)`` off the CPU path."""
     small, large = min(rows), max(rows)
-    link = overlap.current_link()
-    if link is not None:  # keep the large one's booking near 20 ms, so the measurement stays short
-        per_row = link.seconds(hidden * torch.empty((), dtype=dtype).element_size()) - link.seconds(0)
-        large = max(small, min(large, int(20e-3 / per_row) if per_row > 0 else large))
     world = dist.get_world_size(group) if _grouped(group) else 1
-    row_bytes = (world - 1) * hidden * torch.empty((), dtype=dtype).element_size()
+    row_bytes = (world - 1) * hidden * torch.empty((), dtype=dtype).element_size()  # one row to every peer
+    link = overlap.current_link()
+    if link is not None and row_bytes:  # keep the large one's booking near 20 ms, so the measurement stays short
+        large = max(small, min(large, int(20e-3 / (link.seconds(row_bytes) - link.seconds(0)))))
     c_small = contention(group, small, hidden, dtype, repeats)
     if large == small or row_bytes == 0:
         return c_small, 0.0
@@ -541,8 +545,8 @@ def contention(group: Any, rows: int, hidden: int, dtype: torch.dtype, repeats: 
     x = torch.zeros(world * rows, hidden, dtype=dtype)
     outs = [torch.empty_like(x) for _ in range(in_flight)]
     a, w = torch.randn(64, hidden, dtype=dtype), torch.randn(hidden, hidden, dtype=dtype)
-    booked = overlap.current_link().seconds((world - 1) * rows * hidden * x.element_size()) \
-        if overlap.current_link() else 0.0
+    link = overlap.current_link()
+    booked = link.seconds((world - 1) * rows * hidden * x.element_size()) if link is not None else 0.0
 
     def work(n: int) -> float:
         t = time.perf_counter()
@@ -595,11 +599,11 @@ def measure(model: Any, group: Any = None, tokens: Sequence[int] = (32, 64, 128,
         contended = contention_fit(group, (max(1, min(tokens)), max(tokens)), hidden, _model_dtype(model),
                                    max(3, repeats))
     link = overlap.current_link()
-    linked = Calibration({}, [], [], [], [], 0.0, [], link=None if link is None else {
-        "gbps": link.gbps, "latency_us": link.latency_us}, collective=fit_collective(sweep, link))
-    cal = fit_runs(runs, [_is_moe(model, i) for i in range(len(layers))], linked.interconnect)
-    return dataclasses.replace(cal, key=calibration_key(model, group, tokens, repeats, seq_len), link=linked.link,
-                               collective=linked.collective, elapsed_s=time.perf_counter() - t0,
+    used = None if link is None else {"gbps": link.gbps, "latency_us": link.latency_us}
+    collective = fit_collective(sweep, link)
+    cal = fit_runs(runs, [_is_moe(model, i) for i in range(len(layers))], _interconnect(used, collective))
+    return dataclasses.replace(cal, key=calibration_key(model, group, tokens, repeats, seq_len), link=used,
+                               collective=collective, elapsed_s=time.perf_counter() - t0,
                                async_host_s=contended[0], async_host_per_byte=contended[1])
 
 
