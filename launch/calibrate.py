@@ -13,7 +13,13 @@ at a few token counts, records each run on a `Timeline`, and fits:
   (`overlap.current_link`, CPU path) plus what a collective costs beyond it, from a sweep of
   `overlap.all_to_all_single` sizes (on a device, the sweep is the whole cost);
 - CPU path only: the host time an asynchronous collective takes from the compute it completes
-  under (`contention`): gloo's threads finish it on the cores that compute.
+  under (`contention`): gloo's threads finish it on the cores that compute;
+- CPU path only: the host time to issue an asynchronous collective, beyond what a synchronous
+  call spends outside its span (timed in `contention` and the sweep);
+- CPU path only: how late a host that computed while an asynchronous collective's link time ran
+  out notices its completion once it waits (`notice`);
+- the frame: each serial run is the whole prefill as the launcher runs it (embedding to final
+  norm), timed; what lies outside the executor's launches is fitted ``a + b * tokens``.
 
 The result is a `Calibration` (JSON), cached per machine, model shape, dtype, link and settings
 in ``$OVERLAP_CALIBRATION_CACHE`` (default ``~/.cache/npu-overlap/calibration/``). Every rank of the
@@ -45,13 +51,14 @@ from microbatch import CostModel, Interconnect, Linear, OpCost, Prediction, Tran
 from overlap import Span, Timeline, backends, collective_device
 
 from .model import Batch
-from .runner import micro_batch_inputs, serial_plan
+from .runner import run_schedule, serial_plan
 
 logger = logging.getLogger(__name__)
 
 ENV_CACHE = "OVERLAP_CALIBRATION_CACHE"
 DEFAULT_CACHE = os.path.join("~", ".cache", "npu-overlap", "calibration")
-FORMAT = 5  # 2: link booked at issue (overlap.link); 3: transfers' waits; 5: contention per byte
+FORMAT = 6  # 2: link booked at issue (overlap.link); 3: waits; 5: contention per byte; 6: issue, notice, frame
+NOTICE_SAMPLES = 20  # `notice`'s samples
 SWEEP = "calibrate.sweep"  # the name of the sweep's collectives on the timeline
 # A layer keeps its own fit where it differs from its group's at the largest token count by more than this.
 LAYER_REL, LAYER_ABS_S = 0.5, 10e-6
@@ -78,8 +85,9 @@ class OpFit:
 @dataclasses.dataclass(frozen=True)
 class TransferFit:
     """Collective ``name`` inside operation ``op``: ``a + b * tokens`` bytes; ``blocking``: read on the host;
-    ``wait_s``: what it took in the serial runs beyond the interconnect's time for its bytes (the
-    median; mostly waiting for the slower rank to arrive)."""
+    ``wait_s + wait_per_token * tokens``: what it took in the serial runs beyond the interconnect's
+    time for its bytes (fitted to the medians per token count; mostly waiting for the slower rank
+    to arrive, which drifts further from the faster one over longer compute)."""
 
     op: str
     moe: bool
@@ -88,6 +96,7 @@ class TransferFit:
     b: float
     blocking: bool
     wait_s: float = 0.0
+    wait_per_token: float = 0.0
 
 
 def _interconnect(link: Optional[Mapping[str, float]], collective: Tuple[float, float]) -> Interconnect:
@@ -115,6 +124,10 @@ class Calibration:
     elapsed_s: float = 0.0
     async_host_s: float = 0.0  # CPU path: host time an asynchronous collective takes from compute (`contention`)
     async_host_per_byte: float = 0.0  # ... and per byte it moves
+    async_issue_s: float = 0.0  # CPU path: host time to issue an asynchronous collective, beyond a synchronous one's
+    async_issue_per_byte: float = 0.0
+    async_notice_s: float = 0.0  # CPU path: `notice`
+    frame: Tuple[float, float] = (0.0, 0.0)  # seconds outside the executor's launches per prefill: a + b * tokens
 
     @property
     def interconnect(self) -> Interconnect:
@@ -138,15 +151,17 @@ class Calibration:
         names = {(f.op, f.layer) for f in self.layer_ops}
         for op, layer in sorted(names, key=lambda k: (k[1], k[0])):
             moe = self.layers[layer]
-            transfers = tuple(Transfer(t.name, Linear(t.a, t.b), t.blocking, t.wait_s) for t in self.transfers
-                              if t.op == op and t.moe == moe)
+            transfers = tuple(Transfer(t.name, Linear(t.a, t.b), t.blocking, t.wait_s, t.wait_per_token)
+                              for t in self.transfers if t.op == op and t.moe == moe)
             per_layer[layer, op] = OpCost(self.op_cost(layer, op), transfers)
         by_name: Dict[str, OpCost] = {}
         for (layer, op), cost in per_layer.items():  # for other layers: the MoE layers' cost first
             if op not in by_name or self.layers[layer]:
                 by_name[op] = cost
         return CostModel(by_name, self.interconnect, self.host_overhead_s, per_layer=per_layer,
-                         async_host_s=self.async_host_s, async_host_per_byte=self.async_host_per_byte)
+                         async_host_s=self.async_host_s, async_host_per_byte=self.async_host_per_byte,
+                         async_issue_s=self.async_issue_s, async_issue_per_byte=self.async_issue_per_byte,
+                         async_notice_s=self.async_notice_s, frame=Linear(*self.frame))
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
@@ -158,6 +173,7 @@ class Calibration:
         d["layer_ops"] = [OpFit(**f) for f in d["layer_ops"]]
         d["transfers"] = [TransferFit(**t) for t in d["transfers"]]
         d["collective"] = tuple(d["collective"])
+        d["frame"] = tuple(d.get("frame", (0.0, 0.0)))
         return cls(**d)
 
     # the numbers every rank agrees on, flat, and back
@@ -166,20 +182,23 @@ class Calibration:
         for f in self.ops + self.layer_ops:
             out += [f.a, f.b]
         for t in self.transfers:
-            out += [t.a, t.b, float(t.blocking), t.wait_s]
+            out += [t.a, t.b, float(t.blocking), t.wait_s, t.wait_per_token]
         return out + [self.host_overhead_s, *self.collective, self.elapsed_s, self.async_host_s,
-                      self.async_host_per_byte]
+                      self.async_host_per_byte, self.async_issue_s, self.async_issue_per_byte, *self.frame,
+                      self.async_notice_s]
 
     def with_values(self, values: Sequence[float]) -> "Calibration":
         it = iter(values)
         ops = [dataclasses.replace(f, a=next(it), b=next(it)) for f in self.ops]
         layer_ops = [dataclasses.replace(f, a=next(it), b=next(it)) for f in self.layer_ops]
-        transfers = [dataclasses.replace(t, a=next(it), b=next(it), blocking=next(it) > 0.5, wait_s=next(it))
+        transfers = [dataclasses.replace(t, a=next(it), b=next(it), blocking=next(it) > 0.5, wait_s=next(it),
+                                         wait_per_token=next(it))
                      for t in self.transfers]
-        host, ca, cb, elapsed, contended, per_byte = it
+        host, ca, cb, elapsed, contended, per_byte, issue, issue_per_byte, fa, fb, notice = it
         return dataclasses.replace(self, ops=ops, layer_ops=layer_ops, transfers=transfers, host_overhead_s=host,
                                    collective=(ca, cb), elapsed_s=elapsed, async_host_s=contended,
-                                   async_host_per_byte=per_byte)
+                                   async_host_per_byte=per_byte, async_issue_s=issue,
+                                   async_issue_per_byte=issue_per_byte, frame=(fa, fb), async_notice_s=notice)
 
     def structure(self) -> str:
         """What must be the same on every rank for `values` to line up."""
@@ -226,6 +245,7 @@ class Run:
     spans: Sequence[Span]
     nbytes: Mapping[int, int] = dataclasses.field(default_factory=dict)  # comm span id -> bytes
     blocking: Set[int] = dataclasses.field(default_factory=set)  # comm span ids the host read back
+    wall_s: Optional[float] = None  # the whole prefill, embedding to final norm: its frame is this less the launches'
 
 
 def _op_spans(spans: Sequence[Span]) -> List[Span]:
@@ -260,15 +280,20 @@ class _Samples:
     group: Dict[Tuple[str, bool], Samples] = dataclasses.field(default_factory=dict)  # (op, moe)
     layer: Dict[Tuple[str, int], Samples] = dataclasses.field(default_factory=dict)  # (op, layer)
     sizes: Dict[Tuple[str, bool, str], Samples] = dataclasses.field(default_factory=dict)  # (op, moe, collective)
-    spans: Dict[Tuple[str, bool, str], List[Tuple[float, float]]] = dataclasses.field(default_factory=dict)  # bytes, s
+    spans: Dict[Tuple[str, bool, str], List[Tuple[int, float, float]]] = dataclasses.field(
+        default_factory=dict)  # tokens, bytes, seconds
     order: Dict[Tuple[str, bool], List[str]] = dataclasses.field(default_factory=dict)  # collectives in issue order
     blocking: Set[Tuple[str, bool, str]] = dataclasses.field(default_factory=set)
     gaps: List[float] = dataclasses.field(default_factory=list)
+    frame: Samples = dataclasses.field(default_factory=dict)  # (tokens, None) -> wall time outside the launches
 
     def add_run(self, run: Run, moe_layers: Sequence[bool]) -> None:
         ops = _op_spans(run.spans)
         comms = [s for s in run.spans if s.kind == "comm" and s.end is not None]
         self.gaps += [max(0.0, nxt.start - prev.end) for prev, nxt in zip(ops, ops[1:])]
+        if run.wall_s is not None and ops:
+            inside = max(s.end for s in ops) - min(s.start for s in ops)
+            self.frame.setdefault((run.tokens, None), []).append(max(0.0, run.wall_s - inside))
         for s in ops:
             li = int(s.meta["layer"])
             moe = bool(moe_layers[li])
@@ -282,7 +307,7 @@ class _Samples:
                     names.append(c.name)
                 key = (s.name, moe, c.name)
                 self.sizes.setdefault(key, {}).setdefault((run.tokens, li), []).append(float(run.nbytes.get(c.id, 0)))
-                self.spans.setdefault(key, []).append((float(run.nbytes.get(c.id, 0)), c.end - c.start))
+                self.spans.setdefault(key, []).append((run.tokens, float(run.nbytes.get(c.id, 0)), c.end - c.start))
                 if c.id in run.blocking:
                     self.blocking.add(key)
 
@@ -290,24 +315,39 @@ class _Samples:
 def fit_runs(runs: Sequence[Run], moe_layers: Sequence[bool], interconnect: Optional[Interconnect] = None
              ) -> Calibration:
     """Fit operation costs, transfer sizes and the host overhead from recorded serial runs (no key, no link);
-    with ``interconnect``, also each collective's wait beyond it (`TransferFit.wait_s`)."""
+    with ``interconnect``, also each collective's wait beyond it (`TransferFit.wait_s`, ``wait_per_token``)."""
     seen = _Samples()
     for run in runs:
         seen.add_run(run, moe_layers)
 
-    def wait(key: Tuple[str, bool, str]) -> float:
+    def wait(key: Tuple[str, bool, str]) -> Tuple[float, float]:
         if interconnect is None or not seen.spans.get(key):
-            return 0.0
-        return statistics.median(sec - interconnect.seconds(n) for n, sec in seen.spans[key])
+            return 0.0, 0.0
+        at: Dict[int, List[float]] = {}
+        for tokens, n, sec in seen.spans[key]:
+            at.setdefault(tokens, []).append(sec - interconnect.seconds(n))
+        return _line_up({x: statistics.median(v) for x, v in at.items()})
 
     ops = [OpFit(op, moe, *_ab(_median_fit(v))) for (op, moe), v in sorted(seen.group.items())]
     layer_ops = [OpFit(op, bool(moe_layers[li]), *_ab(_median_fit(v)), layer=li)
                  for (op, li), v in sorted(seen.layer.items(), key=lambda kv: (kv[0][1], kv[0][0]))]
     transfers = [TransferFit(op, moe, name, *_ab(_median_fit(seen.sizes[op, moe, name], relative=False)),
-                             (op, moe, name) in seen.blocking, wait((op, moe, name)))
+                             (op, moe, name) in seen.blocking, *wait((op, moe, name)))
                  for (op, moe), names in sorted(seen.order.items()) for name in names]
+    frame = _ab(_median_fit(seen.frame)) if seen.frame else (0.0, 0.0)
     return Calibration({}, [bool(m) for m in moe_layers], ops, layer_ops, transfers,
-                       statistics.median(seen.gaps) if seen.gaps else 0.0, sorted({r.tokens for r in runs}))
+                       statistics.median(seen.gaps) if seen.gaps else 0.0, sorted({r.tokens for r in runs}),
+                       frame=frame)
+
+
+def _line_up(points: Mapping[float, float]) -> Tuple[float, float]:
+    """Least squares ``a + b * x`` through the points, ``a`` of either sign (a wait may be less than the
+    link), ``b >= 0`` (flat at the mean otherwise)."""
+    xs, ys = list(points), list(points.values())
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
+    return (my - b * mx, b) if b > 0 else (my, 0.0)
 
 
 def _ab(f: Linear) -> Tuple[float, float]:
@@ -471,10 +511,12 @@ def _batch(model: Any, tokens: int, seq_len: int, seed: int) -> Batch:
     return Batch.random(lens, model.cfg.vocab, seed=seed, device=device)
 
 
-def _serial(model: Any, layers: List[List[microbatch.Operation]], batch: Batch) -> None:
-    inputs = micro_batch_inputs(model, batch, serial_plan(batch, "calibration"))
-    microbatch.run(microbatch.serial(layers, 1), layers, inputs)
+def _serial(model: Any, layers: List[List[microbatch.Operation]], batch: Batch) -> float:
+    """One serial prefill as the launcher runs it (embedding to final norm); its wall seconds."""
+    t0 = time.perf_counter()
+    run_schedule(model, batch, serial_plan(batch, "calibration"), layers, microbatch.serial)
     overlap.synchronize()
+    return time.perf_counter() - t0
 
 
 def _recorded(model: Any, layers: List[List[microbatch.Operation]], batch: Batch, group: Any) -> Run:
@@ -483,15 +525,17 @@ def _recorded(model: Any, layers: List[List[microbatch.Operation]], batch: Batch
     overlap.add_observer(seen)
     tl.start()
     try:
-        _serial(model, layers, batch)
+        wall = _serial(model, layers, batch)
     finally:
         tl.stop()
         overlap.remove_observer(seen)
-    return Run(batch.seq.num_tokens, tl.spans, seen.nbytes, seen.blocking)
+    return Run(batch.seq.num_tokens, tl.spans, seen.nbytes, seen.blocking, wall)
 
 
-def _sweep(group: Any, rows: Sequence[int], hidden: int, dtype: torch.dtype, repeats: int) -> List[Tuple[int, float]]:
-    """(bytes to other ranks, seconds) of `overlap.all_to_all_single` on the main stream, per size and repeat."""
+def _sweep(group: Any, rows: Sequence[int], hidden: int, dtype: torch.dtype, repeats: int
+           ) -> List[Tuple[int, float, float]]:
+    """(bytes to other ranks, seconds, seconds of the call) of `overlap.all_to_all_single` on the main
+    stream, per size and repeat: the call takes a little longer than the collective's span."""
     if not _grouped(group):
         return []
     world, device = dist.get_world_size(group), collective_device(group)
@@ -502,30 +546,48 @@ def _sweep(group: Any, rows: Sequence[int], hidden: int, dtype: torch.dtype, rep
         nbytes = (world - 1) * r * hidden * x.element_size()
         _barrier(group)
         overlap.all_to_all_single(out, x, group=group, name=SWEEP)  # warm-up
+        calls = []
         with Timeline() as tl:
             for _ in range(repeats):
+                t0 = time.perf_counter()
                 overlap.all_to_all_single(out, x, group=group, name=SWEEP)
+                calls.append(time.perf_counter() - t0)
             overlap.synchronize()
-        samples += [(nbytes, s.end - s.start) for s in tl.find(name=SWEEP)]
+        spans = sorted(tl.find(name=SWEEP), key=lambda s: s.start)
+        samples += [(nbytes, s.end - s.start, c) for s, c in zip(spans, calls)]
     return samples
 
 
+def _outside(sweep: Sequence[Tuple[int, float, float]]) -> Linear:
+    """Host seconds of a synchronous collective's call outside its span, by bytes: the serial runs count
+    them in the operation's own work."""
+    by_size: Dict[int, List[float]] = {}
+    for nbytes, span, call in sweep:
+        by_size.setdefault(nbytes, []).append(max(0.0, call - span))
+    return fit_linear(list(by_size), [statistics.median(v) for v in by_size.values()])
+
+
 def contention_fit(group: Any, rows: Tuple[int, int], hidden: int, dtype: torch.dtype, repeats: int
-                   ) -> Tuple[float, float]:
-    """What an asynchronous collective takes from the host's compute: ``(seconds, seconds per byte)``,
-    from `contention` at two sizes (``rows`` per rank, small and large). ``(0, 0)`` off the CPU path."""
+                   ) -> Tuple[Tuple[float, float], Tuple[float, float]]:
+    """What an asynchronous collective takes from the host: from the compute it completes under, and
+    to issue it, each ``(seconds, seconds per byte)``, from `contention` at two sizes (``rows`` per
+    rank, small and large). Zeros off the CPU path."""
     small, large = min(rows), max(rows)
     world = dist.get_world_size(group) if _grouped(group) else 1
     row_bytes = (world - 1) * hidden * torch.empty((), dtype=dtype).element_size()  # one row to every peer
     link = overlap.current_link()
     if link is not None and row_bytes:  # keep the large one's booking near 20 ms, so the measurement stays short
         large = max(small, min(large, int(20e-3 / (link.seconds(row_bytes) - link.seconds(0)))))
-    c_small = contention(group, small, hidden, dtype, repeats)
+    small_c = _contention(group, small, hidden, dtype, repeats)
     if large == small or row_bytes == 0:
-        return c_small, 0.0
-    c_large = contention(group, large, hidden, dtype, repeats)
-    b = max(0.0, (c_large - c_small) / ((large - small) * row_bytes))
-    return max(0.0, c_small - b * small * row_bytes), b
+        return (small_c[0], 0.0), (small_c[1], 0.0)
+    large_c = _contention(group, large, hidden, dtype, repeats)
+
+    def line(i: int) -> Tuple[float, float]:
+        b = max(0.0, (large_c[i] - small_c[i]) / ((large - small) * row_bytes))
+        return max(0.0, small_c[i] - b * small * row_bytes), b
+
+    return line(0), line(1)
 
 
 def contention(group: Any, rows: int, hidden: int, dtype: torch.dtype, repeats: int, in_flight: int = 8) -> float:
@@ -538,9 +600,15 @@ def contention(group: Any, rows: int, hidden: int, dtype: torch.dtype, repeats: 
     collective (medians of ``repeats`` pairs; 0 when the difference is within noise). 0 off the CPU
     path or without a group: a device's collectives run on an engine of their own.
     """
+    return _contention(group, rows, hidden, dtype, repeats, in_flight)[0]
+
+
+def _contention(group: Any, rows: int, hidden: int, dtype: torch.dtype, repeats: int, in_flight: int = 8
+                ) -> Tuple[float, float]:
+    """`contention`, and the host seconds each of those asynchronous collectives took to issue."""
     if not _grouped(group) or collective_device(group).type != "cpu" or not backends.current().is_asynchronous(
             overlap.EP_COMM):
-        return 0.0
+        return 0.0, 0.0
     world = dist.get_world_size(group)
     x = torch.zeros(world * rows, hidden, dtype=dtype)
     outs = [torch.empty_like(x) for _ in range(in_flight)]
@@ -558,19 +626,56 @@ def contention(group: Any, rows: int, hidden: int, dtype: torch.dtype, repeats: 
     # long enough that every exchange completes inside it, and at least 10 ms
     n = _max_over_ranks([max(10e-3, 2 * in_flight * booked) / max(unit, 1e-7)], group)[0]
     n = int(min(n, 1e6))
-    alone, loaded = [], []
+    alone, loaded, issue = [], [], []
     for _ in range(repeats):
         _barrier(group)
         alone.append(work(n))
         _barrier(group)
         ev = overlap.event("calibrate.contention")
+        t0 = time.perf_counter()
         with overlap.stream(overlap.EP_COMM):
             for out in outs:
                 overlap.all_to_all_single(out, x, group=group, name=SWEEP)
             ev.record()
+        issue.append((time.perf_counter() - t0) / in_flight)
         loaded.append(work(n))
         ev.synchronize()
-    return max(0.0, (statistics.median(loaded) - statistics.median(alone)) / in_flight)
+    return max(0.0, (statistics.median(loaded) - statistics.median(alone)) / in_flight), statistics.median(issue)
+
+
+def notice(group: Any, hidden: int, dtype: torch.dtype, samples: int = NOTICE_SAMPLES) -> float:
+    """Mean seconds a host that computed past an asynchronous collective's link time waits, once it waits,
+    for the collective to complete (CPU path; 0 off it or without a group).
+
+    gloo's thread that completes a side-stream exchange needs a core and the interpreter the compute
+    holds: it often completes under the compute (the wait then costs nothing), often only once the
+    host waits, and then sometimes milliseconds later. Measured on a one-row exchange (its link time
+    is next to nothing) issued on the communication stream before 5 ms of compute on every rank,
+    once per sample: the mean of the time from the end of the compute to the completion (0 for a
+    sample that completed under the compute).
+    """
+    if not _grouped(group) or collective_device(group).type != "cpu" or not backends.current().is_asynchronous(
+            overlap.EP_COMM):
+        return 0.0
+    world = dist.get_world_size(group)
+    x = torch.zeros(world, hidden, dtype=dtype)
+    out = torch.empty_like(x)
+    a, w = torch.randn(64, hidden, dtype=dtype), torch.randn(hidden, hidden, dtype=dtype)
+    late = []
+    for _ in range(samples):
+        _barrier(group)
+        with Timeline() as tl:
+            ev = overlap.event("calibrate.notice")
+            t0 = time.perf_counter()
+            with overlap.stream(overlap.EP_COMM):
+                overlap.all_to_all_single(out, x, group=group, name=SWEEP)
+                ev.record()
+            while time.perf_counter() - t0 < 5e-3:
+                torch.mm(a, w)
+            computed = time.perf_counter() - t0
+            ev.synchronize()
+        late += [max(0.0, (s.end - s.start) - computed) for s in tl.find(name=SWEEP)]  # spans: their own clock
+    return statistics.mean(late)
 
 
 def _is_moe(model: Any, index: int) -> bool:
@@ -596,15 +701,21 @@ def measure(model: Any, group: Any = None, tokens: Sequence[int] = (32, 64, 128,
                      for i in range(repeats)]
         hidden = int(model.cfg.hidden)
         sweep = _sweep(group, sorted({1, *tokens}), hidden, _model_dtype(model), repeats)
-        contended = contention_fit(group, (max(1, min(tokens)), max(tokens)), hidden, _model_dtype(model),
-                                   max(3, repeats))
+        contended, issued = contention_fit(group, (max(1, min(tokens)), max(tokens)), hidden, _model_dtype(model),
+                                           max(3, repeats))
+        noticed = notice(group, hidden, _model_dtype(model))
     link = overlap.current_link()
     used = None if link is None else {"gbps": link.gbps, "latency_us": link.latency_us}
-    collective = fit_collective(sweep, link)
+    collective = fit_collective([(n, s) for n, s, _ in sweep], link)
+    # an asynchronous issue's host time beyond what a synchronous call spends outside its span (which
+    # the serial runs count in the operation's own work)
+    outside = _outside(sweep)
+    issue = (max(0.0, issued[0] - outside.a), max(0.0, issued[1] - outside.b))
     cal = fit_runs(runs, [_is_moe(model, i) for i in range(len(layers))], _interconnect(used, collective))
     return dataclasses.replace(cal, key=calibration_key(model, group, tokens, repeats, seq_len), link=used,
                                collective=collective, elapsed_s=time.perf_counter() - t0,
-                               async_host_s=contended[0], async_host_per_byte=contended[1])
+                               async_host_s=contended[0], async_host_per_byte=contended[1],
+                               async_issue_s=issue[0], async_issue_per_byte=issue[1], async_notice_s=noticed)
 
 
 def agree(cal: Calibration, group: Any = None) -> Calibration:
@@ -672,6 +783,6 @@ def predict_mode(cal: Calibration, model: Any, mode: str, tokens: Sequence[int],
     return microbatch.predict(mode, layers, list(tokens), cal.cost_model(), device=device)
 
 
-__all__ = ["Calibration", "ENV_CACHE", "OpFit", "Run", "TransferFit", "agree", "cache_dir", "cache_file", "calibrate",
-           "calibration_key", "fit_collective", "fit_linear", "fit_runs", "load", "measure", "predict_mode", "save",
-           "token_points"]
+__all__ = ["Calibration", "ENV_CACHE", "OpFit", "Run", "TransferFit", "agree", "cache_dir", "cache_file",
+           "calibrate", "calibration_key", "fit_collective", "fit_linear", "fit_runs", "load", "measure", "notice",
+           "predict_mode", "save", "token_points"]

@@ -13,11 +13,17 @@ An event-driven simulation of the streams of one rank, in the executor's terms:
 CPU semantics (the default), as `overlap.backends.cpu` runs: compute runs inline on the host
 thread whatever its stream, so the host is busy while it runs; an event wait blocks the host; a
 collective on the main stream is synchronous, one on a side stream is asynchronous, and one of
-those that ends while the host computes takes the cost model's ``async_host_s`` (plus
-``async_host_per_byte`` for each byte it moved) from that compute
-(gloo's threads finish it on the same cores; a device has an engine of its own). Device
+those takes ``async_issue_s`` (plus ``async_issue_per_byte`` per byte) of host time to issue and,
+if it ends while the host computes, ``async_host_s`` (plus ``async_host_per_byte`` for each byte
+it moved) from that compute
+(gloo's threads finish it on the same cores; a device has an engine of its own). A wait for an
+asynchronous collective whose link time ran out while the host computed returns the cost model's
+``async_notice_s`` after it begins (gloo's thread gets a core late). Device
 semantics (``device=True``): every operation runs on its stream, the host only issues, and an
 event wait makes the stream wait, not the host.
+
+The predicted prefill time adds the cost model's ``frame``: the prefill's work outside the
+launches (embedding, split, merge, final norm), a function of the batch's tokens.
 
 Use `predict` for a schedule (or a mode's name) over layers, `simulate` for a schedule or a
 lowered `Plan` whose data flow you already have.
@@ -53,6 +59,10 @@ class Transfer:
     nbytes: Linear
     blocking: bool = False  # the host waits for it before issuing anything else (a count exchange)
     wait_s: float = 0.0  # beyond the link's time: waiting for the slower rank (may be < 0: less than the link)
+    wait_per_token: float = 0.0  # ... and per token of the launch (the ranks drift apart over longer compute)
+
+    def wait(self, tokens: int) -> float:
+        return self.wait_s + self.wait_per_token * tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +98,12 @@ class CostModel:
     per_layer: Mapping[Tuple[int, str], OpCost] = dataclasses.field(default_factory=dict)
     async_host_s: float = 0.0  # CPU path: host time an asynchronous collective takes from the compute it ends in
     async_host_per_byte: float = 0.0  # ... and per byte it moves
+    # CPU path: how long a wait for an asynchronous collective whose link time ran out while the host
+    # computed takes to see it complete (gloo's thread must get a core the compute held)
+    async_notice_s: float = 0.0
+    async_issue_s: float = 0.0  # CPU path: host time to issue an asynchronous collective (beyond a synchronous one)
+    async_issue_per_byte: float = 0.0
+    frame: Linear = Linear()  # the prefill's work outside these launches (embedding, split, merge, norm), by tokens
 
     def op(self, layer: int, name: str) -> OpCost:
         """The cost of operation ``name`` of layer ``layer``; `KeyError` when the model has none."""
@@ -100,7 +116,8 @@ class CostModel:
 
 @dataclasses.dataclass
 class Prediction:
-    """The predicted spans of rank 0 (seconds from the prefill's start) and the predicted prefill time."""
+    """The predicted spans of rank 0 (seconds from the first launch) and the predicted prefill time: the
+    launches' plus the cost model's ``frame`` (the work around them)."""
 
     spans: List[Span]
     total_s: float
@@ -170,15 +187,24 @@ class _Streams:
         self.free: Dict[str, float] = defaultdict(float)
         self.spans: List[Span] = []
         self.in_flight: List[Tuple[float, float]] = []  # (end, bytes) of asynchronous transfers not yet charged
+        self.pending: List[Tuple[float, float]] = []  # (issued, end) of the current launch's asynchronous transfers
+        self.asynchronous: Dict[int, List[Tuple[float, float]]] = {}  # launch -> its (issued, end)
+
+    def completion(self, launch: int, done: float, wait_from: float) -> float:
+        """When a wait for ``launch`` that begins at ``wait_from`` returns: ``done``, or ``async_notice_s``
+        after ``wait_from`` where an asynchronous transfer of it ran out its link time while the host was
+        still computing (CPU path)."""
+        late = any(wait_from > end for _, end in self.asynchronous.get(launch, ()))
+        return max(done, wait_from + self.costs.async_notice_s) if late and self.costs.async_notice_s else done
 
     def transfer(self, issued: float, stream: str, tr: Transfer, tokens: int, meta: Dict[str, Any]) -> float:
         """A transfer issued at ``issued`` on ``stream``: after the stream's and the link's earlier ones.
 
-        It holds the link for the link's time; its ``wait_s`` (the slower rank's arrival) delays
+        It holds the link for the link's time; its wait (the slower rank's arrival) delays
         its end, not the transfers queued behind it."""
         start = max(issued, self.link_free, self.free[stream])
         self.link_free = start + self.costs.link.seconds(tr.nbytes(tokens))
-        end = self.free[stream] = max(start, self.link_free + tr.wait_s)
+        end = self.free[stream] = max(start, self.link_free + tr.wait(tokens))
         self.spans.append(Span(tr.name, stream, "comm", 0, issued, end, dict(meta),
                                asynchronous=not self.device and stream != self.main))
         return end
@@ -190,13 +216,18 @@ class _Streams:
         start = t = self.host
         t += self._contended(start, cost.compute(tokens))
         done = t
+        c = self.costs
         for tr in cost.transfers:
-            end = self.transfer(t, l.stream, tr, tokens, meta)
+            issued = t
+            if l.stream != self.main:  # asynchronous: the host spends the issue, the transfer is under way
+                t += c.async_issue_s + c.async_issue_per_byte * tr.nbytes(tokens)
+            end = self.transfer(issued, l.stream, tr, tokens, meta)
             if tr.blocking or l.stream == self.main:  # read on the host, or a synchronous collective
-                t = end
+                t = max(t, end)
             else:
                 self.in_flight.append((end, tr.nbytes(tokens)))
-            done = max(done, end)
+                self.pending.append((issued, end))
+            done = max(done, end, t)
         self._op_span(l, cost, start, t, meta)
         self.host = t
         return done
@@ -247,9 +278,12 @@ def simulate(source: Source, flow: Flow, tokens: Sequence[int], costs: CostModel
     step = sim.device_step if device else sim.cpu_step
     done: List[float] = []
     for i, l in enumerate(launches):
-        ready = max((done[j] for j in edges[i]), default=0.0)
+        wait_from = sim.host + costs.host_overhead_s
+        ready = max((sim.completion(j, done[j], wait_from) for j in edges[i]), default=0.0)
         done.append(step(l, costs.op(l.layer, l.op), tokens[l.mb], ready))
-    total = max([sim.host] + done)
+        if sim.pending:
+            sim.asynchronous[i], sim.pending = sim.pending, []
+    total = max([sim.host] + done) + costs.frame(sum(tokens[:n_mb]))
     spans = sorted(sim.spans, key=lambda s: (s.start, s.end))
     return Prediction(spans, total, device)
 

@@ -10,8 +10,8 @@ import torch.distributed as dist
 
 import overlap
 from launch import calibrate as cal_mod
-from launch.calibrate import (Calibration, OpFit, Run, TransferFit, agree, cache_file, calibrate, calibration_key,
-                              fit_collective, fit_linear, fit_runs, load, predict_mode, token_points)
+from launch.calibrate import (Calibration, OpFit, Run, TransferFit, agree, cache_file, calibrate,
+                              calibration_key, fit_collective, fit_linear, fit_runs, load, predict_mode, token_points)
 from launch.model import Batch, build_model, preset
 from launch.runner import make_expert_parallel, plan_for, prefill
 from microbatch import Interconnect, Linear
@@ -56,11 +56,13 @@ COSTS = {"attn": (4e-4, 3e-6), "mlp": (1e-4, 1e-6), "gate": (5e-5, 2e-7), "dispa
 LAYERS = [["attn", "mlp"], ["attn", "gate", "dispatch", "experts", "combine", "finalize"]]
 MOE = [False, True, True]
 GAP = 20e-6
+FRAME = (1e-3, 4e-6)  # embedding, final norm: outside the executor's launches
 COMM = {"dispatch": [("dispatch.counts", 160, 0, 1e-4, True), ("dispatch", 64, 200, 5e-4, False)],
         "combine": [("combine", 64, 200, 4e-4, False)]}  # name, bytes a, bytes b, seconds, host-read
 
 
-def _synthetic_run(tokens, jitter=0.0):
+def _synthetic_run(tokens, jitter=0.0, drift=0.0):
+    """A serial run of known costs; ``drift``: seconds per token the count exchange waits beyond them."""
     spans, nbytes, blocking = [], {}, set()
     t = 0.0
     for li, moe in enumerate(MOE):
@@ -69,6 +71,7 @@ def _synthetic_run(tokens, jitter=0.0):
             work = (a + b * tokens) * (4 if (op, li) == ("experts", 2) else 1) * (1 + jitter)
             start, t = t, t + work
             for name, ba, bb, seconds, host_read in COMM.get(op, ()):
+                seconds += drift * tokens if host_read else 0.0
                 c = Span(name, DEFAULT, "comm", 0, t, t + seconds, {"mb": 0, "layer": li})
                 spans.append(c)
                 nbytes[c.id] = ba + bb * tokens
@@ -79,19 +82,25 @@ def _synthetic_run(tokens, jitter=0.0):
             spans.append(Span(op, DEFAULT, kind, 0, start, t, {"mb": 0, "layer": li}))
             t += GAP
     spans.append(Span("embed", DEFAULT, "compute", 0, -1.0, -0.5))  # no layer: not an operation of the executor
-    return Run(tokens, spans, nbytes, blocking)
+    wall = (t - GAP) + FRAME[0] + FRAME[1] * tokens  # the whole prefill: the launches and the frame around them
+    return Run(tokens, spans, nbytes, blocking, wall)
 
 
 def test_each_collective_waits_what_the_serial_runs_show_beyond_the_interconnect():
-    runs = [_synthetic_run(n, jitter) for n in (32, 64, 128) for jitter in (0.0, 0.5)]
-    assert all(t.wait_s == 0.0 for t in fit_runs(runs, MOE).transfers)  # no interconnect given: nothing to subtract
+    drift = 2e-6  # the count exchange waits 2 us more per token: the ranks drift apart over longer compute
+    runs = [_synthetic_run(n, jitter, drift) for n in (32, 64, 128) for jitter in (0.0, 0.5)]
+    assert all(t.wait_s == t.wait_per_token == 0.0 for t in fit_runs(runs, MOE).transfers)  # no interconnect given
     cal = fit_runs(runs, MOE, Interconnect(latency_s=1e-4, seconds_per_byte=1e-7))
-    waits = {t.name: t.wait_s for t in cal.transfers}
-    bytes_at = {n: 64 + 200 * n for n in (32, 64, 128)}  # dispatch's and combine's payloads
-    payload = sorted(1e-4 + 1e-7 * b for b in bytes_at.values())[1]  # the median's interconnect time
-    assert waits["dispatch.counts"] == pytest.approx(1e-4 - (1e-4 + 1e-7 * 160))  # less than the link: negative
-    assert waits["dispatch"] == pytest.approx(5e-4 - payload) and waits["combine"] == pytest.approx(4e-4 - payload)
-    assert cal.cost_model().op(1, "combine").transfers[0].wait_s == waits["combine"]
+    waits = {t.name: (t.wait_s, t.wait_per_token) for t in cal.transfers}
+    # less than the link at no tokens (negative), then growing by the drift
+    assert waits["dispatch.counts"] == pytest.approx((1e-4 - (1e-4 + 1e-7 * 160), drift))
+    # the payloads' spans are constant while their bytes grow: their waits fall with tokens, fitted as
+    # the mean of the medians per token count (a wait never shrinks as the batch grows)
+    link = {n: 1e-4 + 1e-7 * (64 + 200 * n) for n in (32, 64, 128)}
+    assert waits["dispatch"] == pytest.approx((sum(5e-4 - t for t in link.values()) / 3, 0.0))
+    assert waits["combine"] == pytest.approx((sum(4e-4 - t for t in link.values()) / 3, 0.0))
+    counts = cal.cost_model().op(1, "dispatch").transfers[0]
+    assert counts.wait(100) == pytest.approx(waits["dispatch.counts"][0] + 100 * drift)
 
 
 def test_fit_on_synthetic_timelines_recovers_the_costs():
@@ -99,6 +108,7 @@ def test_fit_on_synthetic_timelines_recovers_the_costs():
     cal = fit_runs(runs, MOE)
     assert cal.tokens == [32, 64, 128, 256] and cal.layers == MOE
     assert cal.host_overhead_s == pytest.approx(GAP)
+    assert cal.frame == pytest.approx(FRAME) and cal.cost_model().frame(100) == pytest.approx(1e-3 + 4e-4)
     fits = {(f.op, f.moe): (f.a, f.b) for f in cal.ops}
     for op, ab in COSTS.items():  # the comm ops' cost is their host part: the collectives are taken out
         if op != "experts":
@@ -121,7 +131,8 @@ def _calibration(**kw):
     base = dict(key={"host": "h"}, layers=[False, True], ops=[OpFit("attn", False, 1e-4, 2e-6)],
                 layer_ops=[OpFit("attn", False, 1e-4, 2e-6, layer=0)],
                 transfers=[TransferFit("dispatch", True, "dispatch", 64.0, 200.0, False)], host_overhead_s=3e-5,
-                tokens=[32, 64], link={"gbps": 2.0, "latency_us": 20.0}, collective=(1e-4, 1e-9), elapsed_s=1.5)
+                tokens=[32, 64], link={"gbps": 2.0, "latency_us": 20.0}, collective=(1e-4, 1e-9), elapsed_s=1.5,
+                async_notice_s=1e-3, async_issue_s=2e-4, async_issue_per_byte=1e-10, frame=(1e-3, 2e-6))
     base.update(kw)
     return Calibration(**base)
 
@@ -130,6 +141,8 @@ def test_calibration_round_trips_and_adds_the_link():
     cal = _calibration()
     assert Calibration.from_dict(json.loads(json.dumps(cal.to_dict()))) == cal
     assert cal.with_values(cal.values()) == cal
+    assert cal.cost_model().async_notice_s == 1e-3
+    assert cal.cost_model().frame == Linear(1e-3, 2e-6) and cal.cost_model().async_issue_s == 2e-4
     link = cal.interconnect
     assert link.latency_s == pytest.approx(20e-6 + 1e-4) and link.seconds_per_byte == pytest.approx(0.5e-9 + 1e-9)
     assert _calibration(link=None).interconnect.latency_s == pytest.approx(1e-4)
@@ -253,6 +266,12 @@ def test_two_ranks_calibrate_alike_and_predict_within_a_factor(tmp_path):
     # what an asynchronous collective takes from the host's compute: measured, bounded, and in the cost model
     assert 0 <= cal.async_host_s < 0.1 and cal.cost_model().async_host_s == cal.async_host_s
     assert 0 <= cal.async_host_per_byte < 1e-6 and cal.cost_model().async_host_per_byte == cal.async_host_per_byte
+    # what issuing an asynchronous collective takes from the host, beyond a synchronous call
+    assert 0 <= cal.async_issue_s < 0.05 and 0 <= cal.async_issue_per_byte < 1e-6
+    assert (cal.cost_model().async_issue_s, cal.cost_model().async_issue_per_byte) == (cal.async_issue_s,
+                                                                                      cal.async_issue_per_byte)
+    # how late a busy host notices an asynchronous completion once it waits: measured, bounded, in the model
+    assert 0 <= cal.async_notice_s < 0.05 and cal.cost_model().async_notice_s == cal.async_notice_s
     assert saved
     ratios = [{mode: m / p for mode, (p, m) in got.items()} for got in attempts]
     assert any(all(0.5 <= r <= 2.0 for r in rs.values()) for rs in ratios), ratios
@@ -300,5 +319,6 @@ def test_ranks_measure_together_when_one_lacks_the_cache(tmp_path):
 
 
 def test_contention_is_nothing_without_peers():
-    from launch.calibrate import contention
+    from launch.calibrate import contention, notice
     assert contention(None, 4, 16, torch.float32, 3) == 0.0  # no group: no collective, no measurement
+    assert notice(None, 16, torch.float32) == 0.0

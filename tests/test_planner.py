@@ -116,3 +116,33 @@ def test_the_planning_benchmark_runs_at_a_tiny_size(tmp_path):
     assert "48 tokens per rank" in proc.stdout and "auto chose" in proc.stdout and "targets:" in proc.stdout
     for mode in ("serial", "shared", "two-batch", "three-batch", "four-batch", "auto"):
         assert f"  {mode} " in proc.stdout
+
+
+def _point(tokens, link, times, same_as=None, predicted=None):
+    """A benchmark point as `launch.bench_plan._point` returns it: measured (and predicted) ms per mode."""
+    predicted = predicted or times
+    rows = [(m, times[m] / 1e3, predicted[m] / 1e3, (times[m] / 1e3, times[m] / 1e3)) for m in times]
+    return {"tokens": tokens, "link": link, "choice": same_as or "two-batch", "comm_share": 0.4, "rounds": 5,
+            "async_host_s": 0.0, "async_host_per_byte": 0.0, "two_batch": {}, "same_as": same_as, "rows": rows}
+
+
+def test_the_planning_benchmark_judges_auto_by_the_schedule_it_ran():
+    from launch.bench_plan import _report
+
+    modes = dict(serial=100.0, shared=90.0, **{"two-batch": 95.0, "three-batch": 120.0, "four-batch": 130.0})
+    # auto ran shared's schedule and split: its own rounds were 10% slower, a second sample of the same schedule
+    text, misses = _report([_point(64, 0.1, dict(modes, auto=99.0), same_as="shared")])
+    assert "auto ran shared's schedule and split" in text and "+10.0% apart" in text
+    assert not [m for m in misses if m.startswith("auto")], misses
+    # a schedule no fixed mode ran is judged by auto's own row
+    text, misses = _report([_point(64, 0.1, dict(modes, auto=99.0))])
+    assert "auto +10.0% against shared at 64 tokens" in "\n".join(misses)
+    # a wrong choice is a miss even when auto's own rounds were lucky
+    wrong = dict(modes, serial=80.0, auto=81.0)
+    text, misses = _report([_point(64, 0.1, wrong, same_as="shared")])
+    assert "auto +12.5% against serial at 64 tokens" in "\n".join(misses)
+    # predictions: the worst error over the rows, and the default point's speedup against its prediction
+    off = dict(modes, auto=90.0)
+    text, misses = _report([_point(1024, 0.1, off, "shared", predicted=dict(off, **{"two-batch": 76.0}))])
+    assert "worst prediction error 20.0%" in "\n".join(misses)
+    assert "two-batch reaches 80% of its predicted speedup" in "\n".join(misses)

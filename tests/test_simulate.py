@@ -93,6 +93,38 @@ def test_an_asynchronous_transfer_takes_host_time_from_the_compute_it_ends_in():
         _run(_two_batch_by_hand(), EXCHANGE, [8, 8], plain, device=True).total_s)
 
 
+def test_a_busy_host_notices_an_asynchronous_completion_late():
+    ops = {"attn": OpCost(Linear(4)), "fin": OpCost(Linear(1)), "send": OpCost(Linear(), (Transfer("send", Linear()),))}
+    costs = CostModel(ops, Interconnect(3.0), async_notice_s=0.5)
+    pred = _run(_two_batch_by_hand(), EXCHANGE, [8, 8], costs)
+    # send0's link time (4-7) runs out under attn1 (4-8): the host waits for it from 8 and sees it at 8.5,
+    # fin0 8.5-9.5; send1 (link 8-11) is waited for from 9.5, before it runs out: fin1 11-12
+    assert _span(pred, "fin", 0).start == pytest.approx(8.5)
+    assert _span(pred, "fin", 1).start == pytest.approx(11) and pred.total_s == pytest.approx(12)
+    # a wait that begins before the link time runs out leaves the cores to gloo: not late
+    quick = {**ops, "attn": OpCost(Linear(2))}
+    early = _run(_two_batch_by_hand(), EXCHANGE, [8, 8], CostModel(quick, Interconnect(3.0), async_notice_s=0.5))
+    plain = _run(_two_batch_by_hand(), EXCHANGE, [8, 8], CostModel(quick, Interconnect(3.0)))
+    assert _span(early, "fin", 0).start == pytest.approx(_span(plain, "fin", 0).start) == pytest.approx(5)
+    # synchronous collectives and device semantics: never
+    assert _run(serial(EXCHANGE, 2), EXCHANGE, [8, 8], costs).total_s == pytest.approx(16)
+    assert _run(_two_batch_by_hand(), EXCHANGE, [8, 8], costs, device=True).total_s == pytest.approx(
+        _run(_two_batch_by_hand(), EXCHANGE, [8, 8], CostModel(ops, Interconnect(3.0)), device=True).total_s)
+
+
+def test_issuing_an_asynchronous_collective_takes_host_time():
+    ops = {"attn": OpCost(Linear(4)), "fin": OpCost(Linear(1)), "send": OpCost(Linear(), (Transfer("send", Linear(100)),))}
+    costs = CostModel(ops, Interconnect(3.0), async_issue_s=0.25, async_issue_per_byte=2.5e-3)
+    pred = _run(_two_batch_by_hand(), EXCHANGE, [8, 8], costs)
+    # attn0 0-4; issuing send0 takes the host 0.25 + 0.25 (4-4.5) while its link time runs 4-7; attn1 4.5-8.5;
+    # send1 issued 8.5-9, on the link 8.5-11.5; fin0 9-10; fin1 waits for send1: 11.5-12.5
+    assert (_span(pred, "send", 0, "issue").end, _span(pred, "send", 0, "comm").end) == pytest.approx((4.5, 7))
+    assert (_span(pred, "attn", 1).start, _span(pred, "fin", 0).start) == pytest.approx((4.5, 9))
+    assert pred.total_s == pytest.approx(12.5)
+    # a synchronous collective's call is in its operation's work and the link's time already
+    assert _run(serial(EXCHANGE, 2), EXCHANGE, [8, 8], costs).total_s == pytest.approx(16)
+
+
 def test_a_transfers_wait_delays_its_end_but_not_the_link():
     layers = [[_op("send", ["hidden"], ["y"], EP_COMM), _op("fin", ["y"], ["out"])]]
     waited = Transfer("send", Linear(1000), wait_s=5.0)
@@ -107,6 +139,10 @@ def test_a_transfers_wait_delays_its_end_but_not_the_link():
     costs = _costs({"fin": OpCost(Linear(1)), "send": OpCost(Linear(), (early,))}, per_byte=2e-3)
     c1 = _span(_run(sched, layers, [1, 1], costs), "send", 1, "comm")
     assert c1.end == pytest.approx(2)  # starts at 2, when the link is free; not before
+    grows = Transfer("send", Linear(1000), wait_s=1.0, wait_per_token=0.5)  # 1 + 0.5 per token of the launch
+    costs = _costs({"fin": OpCost(Linear(1)), "send": OpCost(Linear(), (grows,))}, per_byte=2e-3)
+    pred = _run(sched, layers, [2, 6], costs)
+    assert (_span(pred, "send", 0, "comm").end, _span(pred, "send", 1, "comm").end) == pytest.approx((4, 8))
 
 
 def test_two_transfers_queue_on_the_link():
