@@ -146,3 +146,9 @@ def test_the_planning_benchmark_judges_auto_by_the_schedule_it_ran():
     text, misses = _report([_point(1024, 0.1, off, "shared", predicted=dict(off, **{"two-batch": 76.0}))])
     assert "worst prediction error 20.0%" in "\n".join(misses)
     assert "two-batch reaches 80% of its predicted speedup" in "\n".join(misses)
+    # relative to serial, the host's drift between calibration and measurement cancels: all 10% slow is no error
+    slow = {m: t * 1.1 for m, t in off.items()}
+    text, _ = _report([_point(1024, 0.1, off, "shared", predicted=slow)])
+    assert "5 of 5 within 10% (worst +0.0%)" in text and "+10.0%" in text
+    text, _ = _report([_point(1024, 0.1, off, "shared", predicted=dict(off, **{"two-batch": 76.0}))])
+    assert "4 of 5 within 10% (worst -20.0%)" in text
