@@ -187,14 +187,14 @@ class _Streams:
         self.free: Dict[str, float] = defaultdict(float)
         self.spans: List[Span] = []
         self.in_flight: List[Tuple[float, float]] = []  # (end, bytes) of asynchronous transfers not yet charged
-        self.pending: List[Tuple[float, float]] = []  # (issued, end) of the current launch's asynchronous transfers
-        self.asynchronous: Dict[int, List[Tuple[float, float]]] = {}  # launch -> its (issued, end)
+        self.pending: List[float] = []  # ends of the current launch's asynchronous transfers
+        self.asynchronous: Dict[int, List[float]] = {}  # launch -> the ends of its asynchronous transfers
 
     def completion(self, launch: int, done: float, wait_from: float) -> float:
         """When a wait for ``launch`` that begins at ``wait_from`` returns: ``done``, or ``async_notice_s``
         after ``wait_from`` where an asynchronous transfer of it ran out its link time while the host was
         still computing (CPU path)."""
-        late = any(wait_from > end for _, end in self.asynchronous.get(launch, ()))
+        late = any(wait_from > end for end in self.asynchronous.get(launch, ()))
         return max(done, wait_from + self.costs.async_notice_s) if late and self.costs.async_notice_s else done
 
     def transfer(self, issued: float, stream: str, tr: Transfer, tokens: int, meta: Dict[str, Any]) -> float:
@@ -226,7 +226,7 @@ class _Streams:
                 t = max(t, end)
             else:
                 self.in_flight.append((end, tr.nbytes(tokens)))
-                self.pending.append((issued, end))
+                self.pending.append(end)
             done = max(done, end, t)
         self._op_span(l, cost, start, t, meta)
         self.host = t
