@@ -16,8 +16,9 @@ at a few token counts, records each run on a `Timeline`, and fits:
   under (`contention`): gloo's threads finish it on the cores that compute;
 - CPU path only: the host time to issue an asynchronous collective, beyond what a synchronous
   call spends outside its span (timed in `contention` and the sweep);
-- CPU path only: how late a host that computed while an asynchronous collective's link time ran
-  out notices its completion once it waits (`notice`);
+- CPU path only: how late an asynchronous collective completes on a busy host (`notice`): after
+  a wait that begins once its link time ran out under compute, and beyond its link time while
+  another rank still computes;
 - the frame: each serial run is the whole prefill as the launcher runs it (embedding to final
   norm), timed; what lies outside the executor's launches is fitted ``a + b * tokens``.
 
@@ -59,6 +60,7 @@ ENV_CACHE = "OVERLAP_CALIBRATION_CACHE"
 DEFAULT_CACHE = os.path.join("~", ".cache", "npu-overlap", "calibration")
 FORMAT = 6  # 2: link booked at issue (overlap.link); 3: waits; 5: contention per byte; 6: issue, notice, frame
 NOTICE_SAMPLES = 20  # `notice`'s samples
+PEER_QUANTILES = 10  # how many quantiles of `notice`'s peer samples a calibration keeps
 SWEEP = "calibrate.sweep"  # the name of the sweep's collectives on the timeline
 # A layer keeps its own fit where it differs from its group's at the largest token count by more than this.
 LAYER_REL, LAYER_ABS_S = 0.5, 10e-6
@@ -126,7 +128,8 @@ class Calibration:
     async_host_per_byte: float = 0.0  # ... and per byte it moves
     async_issue_s: float = 0.0  # CPU path: host time to issue an asynchronous collective, beyond a synchronous one's
     async_issue_per_byte: float = 0.0
-    async_notice_s: float = 0.0  # CPU path: `notice`
+    async_notice_s: float = 0.0  # CPU path: `notice`'s busy
+    async_peer_s: List[float] = dataclasses.field(default_factory=list)  # CPU path: `notice`'s peer quantiles
     frame: Tuple[float, float] = (0.0, 0.0)  # seconds outside the executor's launches per prefill: a + b * tokens
 
     @property
@@ -161,7 +164,8 @@ class Calibration:
         return CostModel(by_name, self.interconnect, self.host_overhead_s, per_layer=per_layer,
                          async_host_s=self.async_host_s, async_host_per_byte=self.async_host_per_byte,
                          async_issue_s=self.async_issue_s, async_issue_per_byte=self.async_issue_per_byte,
-                         async_notice_s=self.async_notice_s, frame=Linear(*self.frame))
+                         async_notice_s=self.async_notice_s, async_peer_s=tuple(self.async_peer_s),
+                         frame=Linear(*self.frame))
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
@@ -185,7 +189,7 @@ class Calibration:
             out += [t.a, t.b, float(t.blocking), t.wait_s, t.wait_per_token]
         return out + [self.host_overhead_s, *self.collective, self.elapsed_s, self.async_host_s,
                       self.async_host_per_byte, self.async_issue_s, self.async_issue_per_byte, *self.frame,
-                      self.async_notice_s]
+                      self.async_notice_s, *self.async_peer_s]
 
     def with_values(self, values: Sequence[float]) -> "Calibration":
         it = iter(values)
@@ -194,17 +198,18 @@ class Calibration:
         transfers = [dataclasses.replace(t, a=next(it), b=next(it), blocking=next(it) > 0.5, wait_s=next(it),
                                          wait_per_token=next(it))
                      for t in self.transfers]
-        host, ca, cb, elapsed, contended, per_byte, issue, issue_per_byte, fa, fb, notice = it
+        host, ca, cb, elapsed, contended, per_byte, issue, issue_per_byte, fa, fb, notice, *peer = it
         return dataclasses.replace(self, ops=ops, layer_ops=layer_ops, transfers=transfers, host_overhead_s=host,
                                    collective=(ca, cb), elapsed_s=elapsed, async_host_s=contended,
                                    async_host_per_byte=per_byte, async_issue_s=issue,
-                                   async_issue_per_byte=issue_per_byte, frame=(fa, fb), async_notice_s=notice)
+                                   async_issue_per_byte=issue_per_byte, frame=(fa, fb), async_notice_s=notice,
+                                   async_peer_s=sorted(peer))
 
     def structure(self) -> str:
         """What must be the same on every rank for `values` to line up."""
         parts = [(f.op, f.moe, f.layer) for f in self.ops + self.layer_ops]
         parts += [(t.op, t.moe, t.name) for t in self.transfers]
-        return json.dumps([self.layers, parts])
+        return json.dumps([self.layers, parts, len(self.async_peer_s)])
 
 
 # ---- fitting -----------------------------------------------------------------------------------
@@ -643,26 +648,31 @@ def _contention(group: Any, rows: int, hidden: int, dtype: torch.dtype, repeats:
     return max(0.0, (statistics.median(loaded) - statistics.median(alone)) / in_flight), statistics.median(issue)
 
 
-def notice(group: Any, hidden: int, dtype: torch.dtype, samples: int = NOTICE_SAMPLES) -> float:
-    """Mean seconds a host that computed past an asynchronous collective's link time waits, once it waits,
-    for the collective to complete (CPU path; 0 off it or without a group).
+def notice(group: Any, hidden: int, dtype: torch.dtype, samples: int = NOTICE_SAMPLES
+           ) -> Tuple[float, List[float]]:
+    """How late an asynchronous collective completes on a busy CPU host: ``(busy, peer)`` (CPU path;
+    ``(0, [])`` off it or without a group).
 
-    gloo's thread that completes a side-stream exchange needs a core and the interpreter the compute
-    holds: it often completes under the compute (the wait then costs nothing), often only once the
-    host waits, and then sometimes milliseconds later. Measured on a one-row exchange (its link time
-    is next to nothing) issued on the communication stream before 5 ms of compute on every rank,
-    once per sample: the mean of the time from the end of the compute to the completion (0 for a
-    sample that completed under the compute).
+    gloo's threads that complete a side-stream exchange need a core and the interpreter that compute
+    holds, on this rank and on the others. Measured on a one-row exchange (its link time is next to
+    nothing) issued on the communication stream, ``samples`` times each:
+
+    - ``busy``: every rank computes 5 ms after issuing, then waits; the mean time from the end of
+      the compute to the completion (0 for a sample that completed under the compute);
+    - ``peer``: one rank (in turn) computes 5 ms after issuing while the others wait at once; the
+      seconds from issue to completion on the waiting ranks, as `PEER_QUANTILES` quantiles (a longer
+      transfer hides what the other rank's compute delays).
     """
     if not _grouped(group) or collective_device(group).type != "cpu" or not backends.current().is_asynchronous(
             overlap.EP_COMM):
-        return 0.0
-    world = dist.get_world_size(group)
+        return 0.0, []
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
     x = torch.zeros(world, hidden, dtype=dtype)
     out = torch.empty_like(x)
     a, w = torch.randn(64, hidden, dtype=dtype), torch.randn(hidden, hidden, dtype=dtype)
-    late = []
-    for _ in range(samples):
+
+    def exchange(compute: bool) -> Tuple[float, float]:
+        """(span, seconds computed) of one exchange issued before ``compute`` or an immediate wait."""
         _barrier(group)
         with Timeline() as tl:
             ev = overlap.event("calibrate.notice")
@@ -670,12 +680,24 @@ def notice(group: Any, hidden: int, dtype: torch.dtype, samples: int = NOTICE_SA
             with overlap.stream(overlap.EP_COMM):
                 overlap.all_to_all_single(out, x, group=group, name=SWEEP)
                 ev.record()
-            while time.perf_counter() - t0 < 5e-3:
+            while compute and time.perf_counter() - t0 < 5e-3:
                 torch.mm(a, w)
             computed = time.perf_counter() - t0
             ev.synchronize()
-        late += [max(0.0, (s.end - s.start) - computed) for s in tl.find(name=SWEEP)]  # spans: their own clock
-    return statistics.mean(late)
+        (s,) = tl.find(name=SWEEP)
+        return s.end - s.start, computed  # spans keep their own clock: compare durations
+
+    busy, waiting = [], []
+    for i in range(samples):
+        span, computed = exchange(True)
+        busy.append(max(0.0, span - computed))
+        span, _ = exchange(i % world == rank)
+        if i % world != rank:
+            waiting.append(span)
+    waiting.sort()
+    n = len(waiting)  # the same number of quantiles on every rank, whatever its share of the samples
+    peer = [waiting[min(n - 1, int((k + 0.5) * n / PEER_QUANTILES))] for k in range(PEER_QUANTILES)] if n else []
+    return statistics.mean(busy), peer
 
 
 def _is_moe(model: Any, index: int) -> bool:
@@ -703,7 +725,7 @@ def measure(model: Any, group: Any = None, tokens: Sequence[int] = (32, 64, 128,
         sweep = _sweep(group, sorted({1, *tokens}), hidden, _model_dtype(model), repeats)
         contended, issued = contention_fit(group, (max(1, min(tokens)), max(tokens)), hidden, _model_dtype(model),
                                            max(3, repeats))
-        noticed = notice(group, hidden, _model_dtype(model))
+        noticed, peer = notice(group, hidden, _model_dtype(model))
     link = overlap.current_link()
     used = None if link is None else {"gbps": link.gbps, "latency_us": link.latency_us}
     collective = fit_collective([(n, s) for n, s, _ in sweep], link)
@@ -715,7 +737,8 @@ def measure(model: Any, group: Any = None, tokens: Sequence[int] = (32, 64, 128,
     return dataclasses.replace(cal, key=calibration_key(model, group, tokens, repeats, seq_len), link=used,
                                collective=collective, elapsed_s=time.perf_counter() - t0,
                                async_host_s=contended[0], async_host_per_byte=contended[1],
-                               async_issue_s=issue[0], async_issue_per_byte=issue[1], async_notice_s=noticed)
+                               async_issue_s=issue[0], async_issue_per_byte=issue[1], async_notice_s=noticed,
+                               async_peer_s=peer)
 
 
 def agree(cal: Calibration, group: Any = None) -> Calibration:

@@ -18,7 +18,9 @@ if it ends while the host computes, ``async_host_s`` (plus ``async_host_per_byte
 it moved) from that compute
 (gloo's threads finish it on the same cores; a device has an engine of its own). A wait for an
 asynchronous collective whose link time ran out while the host computed returns the cost model's
-``async_notice_s`` after it begins (gloo's thread gets a core late). Device
+``async_notice_s`` after it begins (gloo's thread gets a core late); one that begins earlier
+returns at the link time's end or ``async_peer_s`` after the issue, whichever is later, on
+average over those quantiles (another rank may still compute). Device
 semantics (``device=True``): every operation runs on its stream, the host only issues, and an
 event wait makes the stream wait, not the host.
 
@@ -101,6 +103,8 @@ class CostModel:
     # CPU path: how long a wait for an asynchronous collective whose link time ran out while the host
     # computed takes to see it complete (gloo's thread must get a core the compute held)
     async_notice_s: float = 0.0
+    # ... and, as quantiles, seconds from issue to completion while another rank still computes
+    async_peer_s: Tuple[float, ...] = ()
     async_issue_s: float = 0.0  # CPU path: host time to issue an asynchronous collective (beyond a synchronous one)
     async_issue_per_byte: float = 0.0
     frame: Linear = Linear()  # the prefill's work outside these launches (embedding, split, merge, norm), by tokens
@@ -187,15 +191,21 @@ class _Streams:
         self.free: Dict[str, float] = defaultdict(float)
         self.spans: List[Span] = []
         self.in_flight: List[Tuple[float, float]] = []  # (end, bytes) of asynchronous transfers not yet charged
-        self.pending: List[float] = []  # ends of the current launch's asynchronous transfers
-        self.asynchronous: Dict[int, List[float]] = {}  # launch -> the ends of its asynchronous transfers
+        self.pending: List[Tuple[float, float]] = []  # (issued, end) of the current launch's asynchronous transfers
+        self.asynchronous: Dict[int, List[Tuple[float, float]]] = {}  # launch -> (issued, end) of those
 
     def completion(self, launch: int, done: float, wait_from: float) -> float:
-        """When a wait for ``launch`` that begins at ``wait_from`` returns: ``done``, or ``async_notice_s``
-        after ``wait_from`` where an asynchronous transfer of it ran out its link time while the host was
-        still computing (CPU path)."""
-        late = any(wait_from > end for end in self.asynchronous.get(launch, ()))
-        return max(done, wait_from + self.costs.async_notice_s) if late and self.costs.async_notice_s else done
+        """When a wait for ``launch`` that begins at ``wait_from`` returns (CPU path): ``done``, or later
+        for its asynchronous transfers: ``async_notice_s`` after ``wait_from`` for one whose link time
+        ran out while the host was still computing; else its link time's end or, while another rank
+        still computes, ``async_peer_s`` after its issue, on average over those quantiles."""
+        c, out = self.costs, done
+        for issued, end in self.asynchronous.get(launch, ()):
+            if wait_from > end:
+                out = max(out, wait_from + c.async_notice_s)
+            elif c.async_peer_s:
+                out = max(out, sum(max(end, issued + x) for x in c.async_peer_s) / len(c.async_peer_s))
+        return out
 
     def transfer(self, issued: float, stream: str, tr: Transfer, tokens: int, meta: Dict[str, Any]) -> float:
         """A transfer issued at ``issued`` on ``stream``: after the stream's and the link's earlier ones.
@@ -226,7 +236,7 @@ class _Streams:
                 t = max(t, end)
             else:
                 self.in_flight.append((end, tr.nbytes(tokens)))
-                self.pending.append(end)
+                self.pending.append((issued, end))
             done = max(done, end, t)
         self._op_span(l, cost, start, t, meta)
         self.host = t

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import overlap
 from launch import calibrate as cal_mod
-from launch.calibrate import (Calibration, OpFit, Run, TransferFit, agree, cache_file, calibrate,
+from launch.calibrate import (PEER_QUANTILES, Calibration, OpFit, Run, TransferFit, agree, cache_file, calibrate,
                               calibration_key, fit_collective, fit_linear, fit_runs, load, predict_mode, token_points)
 from launch.model import Batch, build_model, preset
 from launch.runner import make_expert_parallel, plan_for, prefill
@@ -132,7 +132,7 @@ def _calibration(**kw):
                 layer_ops=[OpFit("attn", False, 1e-4, 2e-6, layer=0)],
                 transfers=[TransferFit("dispatch", True, "dispatch", 64.0, 200.0, False)], host_overhead_s=3e-5,
                 tokens=[32, 64], link={"gbps": 2.0, "latency_us": 20.0}, collective=(1e-4, 1e-9), elapsed_s=1.5,
-                async_notice_s=1e-3, async_issue_s=2e-4, async_issue_per_byte=1e-10, frame=(1e-3, 2e-6))
+                async_notice_s=1e-3, async_peer_s=[3e-4, 5e-3], async_issue_s=2e-4, async_issue_per_byte=1e-10, frame=(1e-3, 2e-6))
     base.update(kw)
     return Calibration(**base)
 
@@ -141,7 +141,8 @@ def test_calibration_round_trips_and_adds_the_link():
     cal = _calibration()
     assert Calibration.from_dict(json.loads(json.dumps(cal.to_dict()))) == cal
     assert cal.with_values(cal.values()) == cal
-    assert cal.cost_model().async_notice_s == 1e-3
+    assert (cal.cost_model().async_notice_s, cal.cost_model().async_peer_s) == (1e-3, (3e-4, 5e-3))
+    assert cal.structure() != _calibration(async_peer_s=[3e-4]).structure()  # ranks must hold as many quantiles
     assert cal.cost_model().frame == Linear(1e-3, 2e-6) and cal.cost_model().async_issue_s == 2e-4
     link = cal.interconnect
     assert link.latency_s == pytest.approx(20e-6 + 1e-4) and link.seconds_per_byte == pytest.approx(0.5e-9 + 1e-9)
@@ -272,6 +273,9 @@ def test_two_ranks_calibrate_alike_and_predict_within_a_factor(tmp_path):
                                                                                       cal.async_issue_per_byte)
     # how late a busy host notices an asynchronous completion once it waits: measured, bounded, in the model
     assert 0 <= cal.async_notice_s < 0.05 and cal.cost_model().async_notice_s == cal.async_notice_s
+    assert len(cal.async_peer_s) == PEER_QUANTILES and cal.async_peer_s == sorted(cal.async_peer_s)
+    assert 0 <= cal.async_peer_s[0] and cal.async_peer_s[-1] < 1 and cal.cost_model().async_peer_s == tuple(
+        cal.async_peer_s)
     assert saved
     ratios = [{mode: m / p for mode, (p, m) in got.items()} for got in attempts]
     assert any(all(0.5 <= r <= 2.0 for r in rs.values()) for rs in ratios), ratios
@@ -321,4 +325,4 @@ def test_ranks_measure_together_when_one_lacks_the_cache(tmp_path):
 def test_contention_is_nothing_without_peers():
     from launch.calibrate import contention, notice
     assert contention(None, 4, 16, torch.float32, 3) == 0.0  # no group: no collective, no measurement
-    assert notice(None, 16, torch.float32) == 0.0
+    assert notice(None, 16, torch.float32) == (0.0, [])

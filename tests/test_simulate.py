@@ -101,8 +101,16 @@ def test_a_busy_host_notices_an_asynchronous_completion_late():
     # fin0 8.5-9.5; send1 (link 8-11) is waited for from 9.5, before it runs out: fin1 11-12
     assert _span(pred, "fin", 0).start == pytest.approx(8.5)
     assert _span(pred, "fin", 1).start == pytest.approx(11) and pred.total_s == pytest.approx(12)
-    # a wait that begins before the link time runs out leaves the cores to gloo: not late
-    quick = {**ops, "attn": OpCost(Linear(2))}
+    # a wait that begins before the link time runs out: this host leaves the cores to gloo, but the
+    # other rank may still compute: fin1 waits from 9.5 for send1 (issued 8, link 8-11), which
+    # completes 1 or 5 after its issue (equally likely): the mean of max(11, 9) and max(11, 13), 12
+    peer = CostModel(ops, Interconnect(3.0), async_notice_s=0.5, async_peer_s=(1.0, 5.0))
+    pred = _run(_two_batch_by_hand(), EXCHANGE, [8, 8], peer)
+    assert (_span(pred, "fin", 0).start, _span(pred, "fin", 1).start) == pytest.approx((8.5, 12))
+    # a longer transfer hides it: with quantiles shorter than the link time nothing changes
+    hidden = CostModel(ops, Interconnect(3.0), async_notice_s=0.5, async_peer_s=(1.0, 2.0))
+    assert _span(_run(_two_batch_by_hand(), EXCHANGE, [8, 8], hidden), "fin", 1).start == pytest.approx(11)
+    quick = {**ops, "attn": OpCost(Linear(2))}  # attn0 0-2, send0 2-5, attn1 2-4: fin0 waits from 4
     early = _run(_two_batch_by_hand(), EXCHANGE, [8, 8], CostModel(quick, Interconnect(3.0), async_notice_s=0.5))
     plain = _run(_two_batch_by_hand(), EXCHANGE, [8, 8], CostModel(quick, Interconnect(3.0)))
     assert _span(early, "fin", 0).start == pytest.approx(_span(plain, "fin", 0).start) == pytest.approx(5)
