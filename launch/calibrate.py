@@ -13,10 +13,10 @@ at a few token counts, records each run on a `Timeline`, and fits:
   (`overlap.current_link`, CPU path) plus what a collective costs beyond it, from a sweep of
   `overlap.all_to_all_single` sizes (on a device, the sweep is the whole cost);
 - CPU path only: the host time an asynchronous collective takes from the compute it completes
-  under (`contention`): gloo's threads finish it on the cores that compute;
+  under (`launch.probes.contention`): gloo's threads finish it on the cores that compute;
 - CPU path only: the host time to issue an asynchronous collective, beyond what a synchronous
-  call spends outside its span (timed in `contention` and the sweep);
-- CPU path only: how late an asynchronous collective completes on a busy host (`notice`): after
+  call spends outside its span (timed in `contention` and `sweep`);
+- CPU path only: how late an asynchronous collective completes on a busy host (`probes.notice`): after
   a wait that begins once its link time ran out under compute, and beyond its link time while
   another rank still computes;
 - the frame: each serial run is the whole prefill as the launcher runs it (embedding to final
@@ -41,7 +41,7 @@ import statistics
 import tempfile
 import time
 import zlib
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -49,9 +49,10 @@ import torch.distributed as dist
 import microbatch
 import overlap
 from microbatch import CostModel, Interconnect, Linear, OpCost, Prediction, Transfer
-from overlap import Span, Timeline, backends, collective_device
+from overlap import Span, Timeline, backends
 
 from .model import Batch
+from .probes import barrier, contention_fit, grouped, max_over_ranks, notice, sweep
 from .runner import run_schedule, serial_plan
 
 logger = logging.getLogger(__name__)
@@ -59,9 +60,6 @@ logger = logging.getLogger(__name__)
 ENV_CACHE = "OVERLAP_CALIBRATION_CACHE"
 DEFAULT_CACHE = os.path.join("~", ".cache", "npu-overlap", "calibration")
 FORMAT = 6  # 2: link booked at issue (overlap.link); 3: waits; 5: contention per byte; 6: issue, notice, frame
-NOTICE_SAMPLES = 20  # `notice`'s samples
-PEER_QUANTILES = 10  # how many quantiles of `notice`'s peer samples a calibration keeps
-SWEEP = "calibrate.sweep"  # the name of the sweep's collectives on the timeline
 # A layer keeps its own fit where it differs from its group's at the largest token count by more than this.
 LAYER_REL, LAYER_ABS_S = 0.5, 10e-6
 
@@ -124,12 +122,12 @@ class Calibration:
     link: Optional[Dict[str, float]] = None  # the simulated link (gbps, latency_us) the runs used
     collective: Tuple[float, float] = (0.0, 0.0)  # seconds per collective beyond the link: a + b * bytes
     elapsed_s: float = 0.0
-    async_host_s: float = 0.0  # CPU path: host time an asynchronous collective takes from compute (`contention`)
+    async_host_s: float = 0.0  # CPU path: host time an asynchronous collective takes from compute (`probes`)
     async_host_per_byte: float = 0.0  # ... and per byte it moves
     async_issue_s: float = 0.0  # CPU path: host time to issue an asynchronous collective, beyond a synchronous one's
     async_issue_per_byte: float = 0.0
-    async_notice_s: float = 0.0  # CPU path: `notice`'s busy
-    async_peer_s: List[float] = dataclasses.field(default_factory=list)  # CPU path: `notice`'s peer quantiles
+    async_notice_s: float = 0.0  # CPU path: `probes.notice`'s busy
+    async_peer_s: List[float] = dataclasses.field(default_factory=list)  # CPU path: `probes.notice`'s peer quantiles
     frame: Tuple[float, float] = (0.0, 0.0)  # seconds outside the executor's launches per prefill: a + b * tokens
 
     @property
@@ -229,11 +227,7 @@ def fit_linear(xs: Sequence[float], ys: Sequence[float], relative: bool = False)
         at.setdefault(x, []).append(y)
     scale = {x: max(abs(sum(v) / len(v)), 1e-12) for x, v in at.items()}
     ws = [1.0 / scale[x] ** 2 if relative else 1.0 for x in xs]
-    w = sum(ws)
-    mx, my = sum(k * x for k, x in zip(ws, xs)) / w, sum(k * y for k, y in zip(ws, ys)) / w
-    sxx = sum(k * (x - mx) ** 2 for k, x in zip(ws, xs))
-    b = sum(k * (x - mx) * (y - my) for k, x, y in zip(ws, xs, ys)) / sxx if sxx > 0 else 0.0
-    a = my - b * mx
+    a, b, my = _least_squares(xs, ys, ws)
     if b < 0:
         return Linear(max(0.0, my), 0.0)
     if a < 0:  # through the origin instead
@@ -345,14 +339,20 @@ def fit_runs(runs: Sequence[Run], moe_layers: Sequence[bool], interconnect: Opti
                        frame=frame)
 
 
+def _least_squares(xs: Sequence[float], ys: Sequence[float], ws: Sequence[float]) -> Tuple[float, float, float]:
+    """Weighted least squares ``a + b * x``, unclamped: ``(a, b, weighted mean of y)``."""
+    w = sum(ws)
+    mx, my = sum(k * x for k, x in zip(ws, xs)) / w, sum(k * y for k, y in zip(ws, ys)) / w
+    sxx = sum(k * (x - mx) ** 2 for k, x in zip(ws, xs))
+    b = sum(k * (x - mx) * (y - my) for k, x, y in zip(ws, xs, ys)) / sxx if sxx > 0 else 0.0
+    return my - b * mx, b, my
+
+
 def _line_up(points: Mapping[float, float]) -> Tuple[float, float]:
     """Least squares ``a + b * x`` through the points, ``a`` of either sign (a wait may be less than the
     link), ``b >= 0`` (flat at the mean otherwise)."""
-    xs, ys = list(points), list(points.values())
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
-    return (my - b * mx, b) if b > 0 else (my, 0.0)
+    a, b, my = _least_squares(list(points), list(points.values()), [1.0] * len(points))
+    return (a, b) if b > 0 else (my, 0.0)
 
 
 def _ab(f: Linear) -> Tuple[float, float]:
@@ -361,11 +361,22 @@ def _ab(f: Linear) -> Tuple[float, float]:
 
 def fit_collective(samples: Sequence[Tuple[int, float]], link: Optional[overlap.Link]) -> Tuple[float, float]:
     """A collective's cost beyond ``link`` from (bytes, seconds) samples: ``(a s, b s/byte)`` of the medians."""
-    by_size: Dict[int, List[float]] = {}
-    for nbytes, seconds in samples:
-        by_size.setdefault(nbytes, []).append(seconds - (link.seconds(nbytes) if link is not None else 0.0))
-    f = fit_linear(list(by_size), [statistics.median(v) for v in by_size.values()])
+    f = _fit_by_size((n, s - (link.seconds(n) if link is not None else 0.0)) for n, s in samples)
     return f.a, f.b
+
+
+def _fit_by_size(samples: Iterable[Tuple[int, float]]) -> Linear:
+    """`fit_linear` through the median per size of ``(bytes, value)`` samples."""
+    by_size: Dict[int, List[float]] = {}
+    for nbytes, value in samples:
+        by_size.setdefault(nbytes, []).append(value)
+    return fit_linear(list(by_size), [statistics.median(v) for v in by_size.values()])
+
+
+def _outside(swept: Sequence[Tuple[int, float, float]]) -> Linear:
+    """Host seconds of a synchronous collective's call outside its span, by bytes (from `probes.sweep`): the
+    serial runs count them in the operation's own work."""
+    return _fit_by_size((n, max(0.0, call - span)) for n, span, call in swept)
 
 
 # ---- the cache ---------------------------------------------------------------------------------
@@ -471,24 +482,6 @@ def token_points(max_tokens: int, points: int = 5, low: int = 32) -> List[int]:
     return sorted({round(lo * (max_tokens / lo) ** (i / (points - 1))) for i in range(points)})
 
 
-def _grouped(group: Any) -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
-
-
-def _barrier(group: Any) -> None:
-    if _grouped(group):
-        dist.barrier(group=group)
-
-
-def _max_over_ranks(values: Sequence[float], group: Any, dtype: torch.dtype = torch.float64) -> List[float]:
-    device = collective_device(group)
-    if device.type != "cpu" and dtype == torch.float64:
-        dtype = torch.float32  # device collectives take little float64
-    t = torch.tensor(list(values), dtype=dtype, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return t.tolist()
-
-
 class _Collectives:
     """An observer: the bytes of each collective as it starts, and those the host reads back right after."""
 
@@ -526,7 +519,7 @@ def _serial(model: Any, layers: List[List[microbatch.Operation]], batch: Batch) 
 
 def _recorded(model: Any, layers: List[List[microbatch.Operation]], batch: Batch, group: Any) -> Run:
     seen, tl = _Collectives(), Timeline()
-    _barrier(group)
+    barrier(group)
     overlap.add_observer(seen)
     tl.start()
     try:
@@ -535,169 +528,6 @@ def _recorded(model: Any, layers: List[List[microbatch.Operation]], batch: Batch
         tl.stop()
         overlap.remove_observer(seen)
     return Run(batch.seq.num_tokens, tl.spans, seen.nbytes, seen.blocking, wall)
-
-
-def _sweep(group: Any, rows: Sequence[int], hidden: int, dtype: torch.dtype, repeats: int
-           ) -> List[Tuple[int, float, float]]:
-    """(bytes to other ranks, seconds, seconds of the call) of `overlap.all_to_all_single` on the main
-    stream, per size and repeat: the call takes a little longer than the collective's span."""
-    if not _grouped(group):
-        return []
-    world, device = dist.get_world_size(group), collective_device(group)
-    samples = []
-    for r in rows:
-        x = torch.zeros(world * r, hidden, dtype=dtype, device=device)
-        out = torch.empty_like(x)
-        nbytes = (world - 1) * r * hidden * x.element_size()
-        _barrier(group)
-        overlap.all_to_all_single(out, x, group=group, name=SWEEP)  # warm-up
-        calls = []
-        with Timeline() as tl:
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                overlap.all_to_all_single(out, x, group=group, name=SWEEP)
-                calls.append(time.perf_counter() - t0)
-            overlap.synchronize()
-        spans = sorted(tl.find(name=SWEEP), key=lambda s: s.start)
-        samples += [(nbytes, s.end - s.start, c) for s, c in zip(spans, calls)]
-    return samples
-
-
-def _outside(sweep: Sequence[Tuple[int, float, float]]) -> Linear:
-    """Host seconds of a synchronous collective's call outside its span, by bytes: the serial runs count
-    them in the operation's own work."""
-    by_size: Dict[int, List[float]] = {}
-    for nbytes, span, call in sweep:
-        by_size.setdefault(nbytes, []).append(max(0.0, call - span))
-    return fit_linear(list(by_size), [statistics.median(v) for v in by_size.values()])
-
-
-def contention_fit(group: Any, rows: Tuple[int, int], hidden: int, dtype: torch.dtype, repeats: int
-                   ) -> Tuple[Tuple[float, float], Tuple[float, float]]:
-    """What an asynchronous collective takes from the host: from the compute it completes under, and
-    to issue it, each ``(seconds, seconds per byte)``, from `contention` at two sizes (``rows`` per
-    rank, small and large). Zeros off the CPU path."""
-    small, large = min(rows), max(rows)
-    world = dist.get_world_size(group) if _grouped(group) else 1
-    row_bytes = (world - 1) * hidden * torch.empty((), dtype=dtype).element_size()  # one row to every peer
-    link = overlap.current_link()
-    if link is not None and row_bytes:  # keep the large one's booking near 20 ms, so the measurement stays short
-        large = max(small, min(large, int(20e-3 / (link.seconds(row_bytes) - link.seconds(0)))))
-    small_c = _contention(group, small, hidden, dtype, repeats)
-    if large == small or row_bytes == 0:
-        return (small_c[0], 0.0), (small_c[1], 0.0)
-    large_c = _contention(group, large, hidden, dtype, repeats)
-
-    def line(i: int) -> Tuple[float, float]:
-        b = max(0.0, (large_c[i] - small_c[i]) / ((large - small) * row_bytes))
-        return max(0.0, small_c[i] - b * small * row_bytes), b
-
-    return line(0), line(1)
-
-
-def contention(group: Any, rows: int, hidden: int, dtype: torch.dtype, repeats: int, in_flight: int = 8) -> float:
-    """Host seconds each asynchronous collective takes from compute that runs while it completes (CPU path).
-
-    On a CPU host gloo's threads move the bytes and finish the collective on the cores that compute,
-    so a rank's compute runs slower while its side-stream exchanges complete. Measured as the
-    difference between a fixed piece of work run alone and run while ``in_flight`` all-to-alls of
-    ``rows`` rows per rank, issued just before on the communication stream, complete, per
-    collective (medians of ``repeats`` pairs; 0 when the difference is within noise). 0 off the CPU
-    path or without a group: a device's collectives run on an engine of their own.
-    """
-    return _contention(group, rows, hidden, dtype, repeats, in_flight)[0]
-
-
-def _contention(group: Any, rows: int, hidden: int, dtype: torch.dtype, repeats: int, in_flight: int = 8
-                ) -> Tuple[float, float]:
-    """`contention`, and the host seconds each of those asynchronous collectives took to issue."""
-    if not _grouped(group) or collective_device(group).type != "cpu" or not backends.current().is_asynchronous(
-            overlap.EP_COMM):
-        return 0.0, 0.0
-    world = dist.get_world_size(group)
-    x = torch.zeros(world * rows, hidden, dtype=dtype)
-    outs = [torch.empty_like(x) for _ in range(in_flight)]
-    a, w = torch.randn(64, hidden, dtype=dtype), torch.randn(hidden, hidden, dtype=dtype)
-    link = overlap.current_link()
-    booked = link.seconds((world - 1) * rows * hidden * x.element_size()) if link is not None else 0.0
-
-    def work(n: int) -> float:
-        t = time.perf_counter()
-        for _ in range(n):
-            torch.mm(a, w)
-        return time.perf_counter() - t
-
-    unit = min(work(50) for _ in range(3)) / 50
-    # long enough that every exchange completes inside it, and at least 10 ms
-    n = _max_over_ranks([max(10e-3, 2 * in_flight * booked) / max(unit, 1e-7)], group)[0]
-    n = int(min(n, 1e6))
-    alone, loaded, issue = [], [], []
-    for _ in range(repeats):
-        _barrier(group)
-        alone.append(work(n))
-        _barrier(group)
-        ev = overlap.event("calibrate.contention")
-        t0 = time.perf_counter()
-        with overlap.stream(overlap.EP_COMM):
-            for out in outs:
-                overlap.all_to_all_single(out, x, group=group, name=SWEEP)
-            ev.record()
-        issue.append((time.perf_counter() - t0) / in_flight)
-        loaded.append(work(n))
-        ev.synchronize()
-    return max(0.0, (statistics.median(loaded) - statistics.median(alone)) / in_flight), statistics.median(issue)
-
-
-def notice(group: Any, hidden: int, dtype: torch.dtype, samples: int = NOTICE_SAMPLES
-           ) -> Tuple[float, List[float]]:
-    """How late an asynchronous collective completes on a busy CPU host: ``(busy, peer)`` (CPU path;
-    ``(0, [])`` off it or without a group).
-
-    gloo's threads that complete a side-stream exchange need a core and the interpreter that compute
-    holds, on this rank and on the others. Measured on a one-row exchange (its link time is next to
-    nothing) issued on the communication stream, ``samples`` times each:
-
-    - ``busy``: every rank computes 5 ms after issuing, then waits; the mean time from the end of
-      the compute to the completion (0 for a sample that completed under the compute);
-    - ``peer``: one rank (in turn) computes 5 ms after issuing while the others wait at once; the
-      seconds from issue to completion on the waiting ranks, as `PEER_QUANTILES` quantiles (a longer
-      transfer hides what the other rank's compute delays).
-    """
-    if not _grouped(group) or collective_device(group).type != "cpu" or not backends.current().is_asynchronous(
-            overlap.EP_COMM):
-        return 0.0, []
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    x = torch.zeros(world, hidden, dtype=dtype)
-    out = torch.empty_like(x)
-    a, w = torch.randn(64, hidden, dtype=dtype), torch.randn(hidden, hidden, dtype=dtype)
-
-    def exchange(compute: bool) -> Tuple[float, float]:
-        """(span, seconds computed) of one exchange issued before ``compute`` or an immediate wait."""
-        _barrier(group)
-        with Timeline() as tl:
-            ev = overlap.event("calibrate.notice")
-            t0 = time.perf_counter()
-            with overlap.stream(overlap.EP_COMM):
-                overlap.all_to_all_single(out, x, group=group, name=SWEEP)
-                ev.record()
-            while compute and time.perf_counter() - t0 < 5e-3:
-                torch.mm(a, w)
-            computed = time.perf_counter() - t0
-            ev.synchronize()
-        (s,) = tl.find(name=SWEEP)
-        return s.end - s.start, computed  # spans keep their own clock: compare durations
-
-    busy, waiting = [], []
-    for i in range(samples):
-        span, computed = exchange(True)
-        busy.append(max(0.0, span - computed))
-        span, _ = exchange(i % world == rank)
-        if i % world != rank:
-            waiting.append(span)
-    waiting.sort()
-    n = len(waiting)  # the same number of quantiles on every rank, whatever its share of the samples
-    peer = [waiting[min(n - 1, int((k + 0.5) * n / PEER_QUANTILES))] for k in range(PEER_QUANTILES)] if n else []
-    return statistics.mean(busy), peer
 
 
 def _is_moe(model: Any, index: int) -> bool:
@@ -712,26 +542,26 @@ def measure(model: Any, group: Any = None, tokens: Sequence[int] = (32, 64, 128,
         raise ValueError(f"calibrate on an eager path: inside a compiled graph ({backends.current().name}) the "
                          f"launches are not seen one by one")
     t0 = time.perf_counter()
-    rank = dist.get_rank(group) if _grouped(group) else 0
+    rank = dist.get_rank(group) if grouped(group) else 0
     layers = model.layer_operations()
     with torch.no_grad(), overlap.enabled(True):
         runs = []
         for n in tokens:
-            _barrier(group)
+            barrier(group)
             _serial(model, layers, _batch(model, n, seq_len, seed=rank))  # warm-up: agreement, buffers of this size
             runs += [_recorded(model, layers, _batch(model, n, seq_len, seed=1000 * rank + i), group)
                      for i in range(repeats)]
         hidden = int(model.cfg.hidden)
-        sweep = _sweep(group, sorted({1, *tokens}), hidden, _model_dtype(model), repeats)
+        swept = sweep(group, sorted({1, *tokens}), hidden, _model_dtype(model), repeats)
         contended, issued = contention_fit(group, (max(1, min(tokens)), max(tokens)), hidden, _model_dtype(model),
                                            max(3, repeats))
         noticed, peer = notice(group, hidden, _model_dtype(model))
     link = overlap.current_link()
     used = None if link is None else {"gbps": link.gbps, "latency_us": link.latency_us}
-    collective = fit_collective([(n, s) for n, s, _ in sweep], link)
+    collective = fit_collective([(n, s) for n, s, _ in swept], link)
     # an asynchronous issue's host time beyond what a synchronous call spends outside its span (which
     # the serial runs count in the operation's own work)
-    outside = _outside(sweep)
+    outside = _outside(swept)
     issue = (max(0.0, issued[0] - outside.a), max(0.0, issued[1] - outside.b))
     cal = fit_runs(runs, [_is_moe(model, i) for i in range(len(layers))], _interconnect(used, collective))
     return dataclasses.replace(cal, key=calibration_key(model, group, tokens, repeats, seq_len), link=used,
@@ -747,15 +577,15 @@ def agree(cal: Calibration, group: Any = None) -> Calibration:
     One all-reduce checks that every rank holds the same structure (`RuntimeError` on every rank
     otherwise), a second takes the maximum.
     """
-    if not _grouped(group):
+    if not grouped(group):
         return cal
     tag = zlib.crc32(cal.structure().encode())
     n = len(cal.values())
-    hi_n, lo_n, hi_tag, lo_tag = _max_over_ranks([n, -n, tag, -tag], group, torch.int64)
+    hi_n, lo_n, hi_tag, lo_tag = max_over_ranks([n, -n, tag, -tag], group, torch.int64)
     if (hi_n, -lo_n, hi_tag, -lo_tag) != (n, n, tag, tag):
         raise RuntimeError("the ranks calibrated different models (their operations or collectives differ): "
                            "every rank must pass the same model")
-    return cal.with_values(_max_over_ranks(cal.values(), group))
+    return cal.with_values(max_over_ranks(cal.values(), group))
 
 
 # what decides which collectives a measurement issues: every rank must pass the same
@@ -764,10 +594,10 @@ _COLLECTIVE_SETTINGS = ("world", "model", "dtype", "tokens", "repeats", "seq_len
 
 def _everyone_has(have: bool, key: Mapping[str, Any], group: Any) -> bool:
     """Whether every rank found the calibration (one all-reduce, which also checks the settings agree)."""
-    if not _grouped(group):
+    if not grouped(group):
         return have
     tag = zlib.crc32(_canonical({k: key.get(k) for k in _COLLECTIVE_SETTINGS}).encode())
-    missing, hi, lo = _max_over_ranks([0 if have else 1, tag, -tag], group, torch.int64)
+    missing, hi, lo = max_over_ranks([0 if have else 1, tag, -tag], group, torch.int64)
     if (hi, -lo) != (tag, tag):
         raise ValueError("the ranks asked for different calibrations (model, dtype, token counts, repeats or "
                          "request length differ): every rank must call calibrate with the same model and arguments")
@@ -807,5 +637,5 @@ def predict_mode(cal: Calibration, model: Any, mode: str, tokens: Sequence[int],
 
 
 __all__ = ["Calibration", "ENV_CACHE", "OpFit", "Run", "TransferFit", "agree", "cache_dir", "cache_file",
-           "calibrate", "calibration_key", "fit_collective", "fit_linear", "fit_runs", "load", "measure", "notice",
+           "calibrate", "calibration_key", "fit_collective", "fit_linear", "fit_runs", "load", "measure",
            "predict_mode", "save", "token_points"]

@@ -10,9 +10,10 @@ import torch.distributed as dist
 
 import overlap
 from launch import calibrate as cal_mod
-from launch.calibrate import (PEER_QUANTILES, Calibration, OpFit, Run, TransferFit, agree, cache_file, calibrate,
+from launch.calibrate import (Calibration, OpFit, Run, TransferFit, agree, cache_file, calibrate,
                               calibration_key, fit_collective, fit_linear, fit_runs, load, predict_mode, token_points)
 from launch.model import Batch, build_model, preset
+from launch.probes import PEER_QUANTILES
 from launch.runner import make_expert_parallel, plan_for, prefill
 from microbatch import Interconnect, Linear
 from overlap import DEFAULT, Span
@@ -323,6 +324,6 @@ def test_ranks_measure_together_when_one_lacks_the_cache(tmp_path):
 
 
 def test_contention_is_nothing_without_peers():
-    from launch.calibrate import contention, notice
+    from launch.probes import contention, notice
     assert contention(None, 4, 16, torch.float32, 3) == 0.0  # no group: no collective, no measurement
     assert notice(None, 16, torch.float32) == (0.0, [])
