@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from test_prefill_cli import ROOT, SCRIPT, TINY, _port, _run
+from _ports import free_port
+from test_prefill_cli import ROOT, SCRIPT, TINY, _run
 
 pytestmark = pytest.mark.spawns_ranks
 SMALL = TINY + ["--batch", "2", "--seq-len", "16"]
@@ -21,7 +22,7 @@ SMALL = TINY + ["--batch", "2", "--seq-len", "16"]
 
 def _by_hand(per_rank_args, env=None, timeout=120):
     """Start one process per entry of ``per_rank_args`` as the ranks of one job (no torchrun); their results."""
-    port = _port()
+    port = free_port()
     procs = []
     for rank, args in enumerate(per_rank_args):
         rank_env = dict(os.environ, PYTHONPATH=ROOT, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -78,7 +79,7 @@ def test_a_configuration_error_reaches_the_user_when_rank_0_starts_late():
 
 
 def _by_hand_late_rank0(args):
-    port, procs = _port(), {}
+    port, procs = free_port(), {}
     for rank in (1, 0):
         env = dict(os.environ, PYTHONPATH=ROOT, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2",
                    RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")

@@ -11,7 +11,6 @@ import torch
 
 import overlap
 from overlap import EP_COMM, Timeline
-from overlap import link as link_mod
 from overlap.backends import cpu as cpu_backend
 from overlap.multirank import run_ranks
 

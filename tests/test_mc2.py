@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import overlap
 from collectives import LayoutError, MoE, MoEConfig, combine_dense, mc2
 from collectives.mc2 import (MC2_MAX_TOKENS, MC2Error, MC2ExpertParallelMoE, check_mc2_buffer, choose_backend,
                              ep_combine, ep_dispatch, mc2_buffer_bytes, mc2_buffer_mb, mc2_dispatch)

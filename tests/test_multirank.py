@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from overlap.multirank import RankFailure, RankTimeout, run_ranks
+from _ports import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -73,14 +74,6 @@ def test_env_reaches_ranks():
     assert run_ranks(_env_probe, 2, env={"OVERLAP_ENABLE": "0"}) == ["0", "0"]
 
 
-def _free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.spawns_ranks
 def test_under_torchrun_uses_the_existing_group(tmp_path):
     probe = tmp_path / "probe.py"
@@ -94,7 +87,7 @@ def test_under_torchrun_uses_the_existing_group(tmp_path):
         "print('RESULT', dist.get_rank(), two, one, flush=True)\n" % os.path.join(ROOT, "tests"))
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.path.join(ROOT, "tests"))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--master-port", str(_free_port()), str(probe)],
+                           "--master-port", str(free_port()), str(probe)],
                           capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = sorted(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))

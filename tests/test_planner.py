@@ -10,7 +10,8 @@ from launch.planner import choose
 from microbatch.simulate import CostModel, Interconnect, Linear, OpCost, Transfer
 from overlap.multirank import run_ranks
 
-from test_prefill_cli import ROOT, SCRIPT, _port
+from _ports import free_port
+from test_prefill_cli import ROOT, SCRIPT
 
 
 def _layers(n=2):
@@ -91,7 +92,7 @@ def test_every_rank_takes_the_same_decision_and_auto_equals_serial(tmp_path, mon
 @pytest.mark.spawns_ranks
 def test_the_launcher_plans_runs_and_writes_the_prediction(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT, OVERLAP_CALIBRATION_CACHE=str(tmp_path / "cal"))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_port()), SCRIPT,
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()), SCRIPT,
            "--preset", "tiny", "--mode", "auto", "--check", "--warmup", "0", "--iters", "1", "--seq-lens", "48,30,20",
            "--out", str(tmp_path / "out")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)

@@ -1,11 +1,11 @@
 """`launch/prefill.py` driven as users run it: one process, torchrun on 2 ranks, errors, a dead rank."""
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
+from _ports import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "launch", "prefill.py")
@@ -13,16 +13,10 @@ pytestmark = pytest.mark.spawns_ranks  # drives torchrun itself
 TINY = ["--preset", "tiny", "--warmup", "0", "--iters", "1"]
 
 
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(args, ranks=None, env=None, timeout=180):
     cmd = [sys.executable, SCRIPT] if ranks is None else [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-        "--master-port", str(_port()), SCRIPT]
+        "--master-port", str(free_port()), SCRIPT]
     full_env = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
     full_env.pop("OVERLAP_FAULT", None)
     full_env.update(env or {})

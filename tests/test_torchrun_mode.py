@@ -6,12 +6,12 @@ only, fail in a body while the peer waits in a collective, skip on one rank only
 subgroup; then checks what rank 0 reported and the exit status.
 """
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 
 import pytest
+from _ports import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.spawns_ranks
@@ -89,12 +89,6 @@ def test_f_the_suite_went_on():
 '''
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _suite(tmp_path):
     (tmp_path / "conftest.py").write_text(CONFTEST)
     (tmp_path / "test_suite.py").write_text(textwrap.dedent(SUITE))
@@ -127,7 +121,7 @@ def _check_report(out: str, world: int) -> None:
 def test_one_agent(tmp_path, world):
     env = _suite(tmp_path)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
-           "--master-port", str(_free_port())] + _pytest_args(tmp_path)
+           "--master-port", str(free_port())] + _pytest_args(tmp_path)
     proc = subprocess.run(cmd, env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=240)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-4000:]  # a rank failed: the job fails
@@ -137,7 +131,7 @@ def test_one_agent(tmp_path, world):
 def test_two_agents_as_two_nodes(tmp_path):
     """``--nnodes 2`` with a c10d rendezvous on one host: what a two-node run looks like."""
     env = _suite(tmp_path)
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "suite"]
     agents = [subprocess.Popen(cmd + ["--node-rank", str(n)] + _pytest_args(tmp_path), env=env,
@@ -168,7 +162,7 @@ def pytest_collection_modifyitems(items):
         del items[0]
 ''')
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(_free_port())] + _pytest_args(tmp_path)
+           "--master-port", str(free_port())] + _pytest_args(tmp_path)
     proc = subprocess.run(cmd, env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=240)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-4000:]
