@@ -4,6 +4,7 @@ A slow link (1e-3 GB/s: about 1 ms per KB) makes every transfer tens of millisec
 bookings and the bytes each collective is charged are recorded exactly; times are only checked
 from below (the link sleeps at least what it charges) and for order, never for speed.
 """
+import threading
 import time
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 
 import overlap
 from overlap import EP_COMM, Timeline
+from overlap import link as link_mod
 from overlap.backends import cpu as cpu_backend
 from overlap.multirank import run_ranks
 
@@ -206,3 +208,39 @@ def test_a_transfer_waits_for_a_late_peer_beyond_its_booking(ranks):
     (peer_start, _), = ranks[1]["late"]["spans"].values()  # one wall clock: the ranks share the host
     assert end >= peer_start  # not before the peer issued (it started 3 transfers late, less the ranks' skew)
     assert end - start > per
+
+
+def _many_in_flight(ctx):
+    """Twenty exchanges in flight at once, each arriving before its booking ends: one clock completes them all."""
+    overlap.set_link(LATENT)
+    before = threading.active_count()
+    waits = [_async(ctx, 1, f"many{i}") for i in range(20)]
+    time.sleep(0.1)  # the bytes arrive at once; the bookings queue on the link until 20 x 40 ms
+    during = threading.active_count()
+    for w in waits:
+        w()
+    return during - before
+
+
+def test_in_flight_transfers_share_one_clock_thread():
+    for extra in run_ranks(_many_in_flight, 2, timeout=60):
+        # gloo's and the comm stream's own threads aside, no thread per transfer (there were 20 timers)
+        assert extra <= 3, extra
+
+
+def test_the_clock_runs_callbacks_in_time_order_and_survives_a_failure():
+    clock = link_mod._Clock()
+    ran, done = [], threading.Event()
+    now = time.perf_counter()
+
+    def boom():
+        raise RuntimeError("a completion failed")
+
+    for delay, tag in ((0.06, "c"), (0.02, "a"), (0.04, "b")):
+        clock.at(now + delay, lambda tag=tag: ran.append(tag))
+    clock.at(now + 0.03, boom)
+    clock.at(now + 0.08, done.set)
+    clock.at(now - 1.0, lambda: ran.append("past"))  # already due: at once
+    assert done.wait(5.0), "the clock stopped"
+    assert ran == ["past", "a", "b", "c"] and clock.pending() == 0
+    assert time.perf_counter() - now >= 0.08  # not before its time (a lower bound, not a speed claim)
