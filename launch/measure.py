@@ -18,10 +18,11 @@ import torch
 import torch.distributed as dist
 
 import overlap
-from overlap import Span, Timeline, collective_device
+from overlap import Span, Timeline
 from overlap.observability import gather, metrics
 
 from .model import Batch, Model
+from .probes import max_over_ranks  # one all-reduce helper for the launcher, calibration and probes
 from .config import AUTO
 from .runner import cut_refusal, plan_for, prefill
 
@@ -54,14 +55,6 @@ class ModeResult:
                 "tokens_per_s": tokens / self.median_s, "hidden_comm_share": self.hidden_comm_share,
                 "comm_share": self.comm_share, "speedup": self.speedup, "ideal_speedup": self.ideal_speedup,
                 "max_diff": self.max_diff}
-
-
-def max_over_ranks(values: Sequence[float], group: Any) -> List[float]:
-    """Element-wise maximum of ``values`` over the ranks of ``group`` (e.g. the slowest rank's times)."""
-    # float32 on the collective's device: NCCL / HCCL take no CPU tensors, HCCL little float64
-    t = torch.tensor(list(values), dtype=torch.float32, device=collective_device(group))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return t.tolist()
 
 
 def rounds(modes: Sequence[str], warmup: int, iters: int) -> List[List[str]]:

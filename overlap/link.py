@@ -148,12 +148,13 @@ class _Clock:
     def at(self, when: float, fn: Callable[[], None]) -> None:
         """Run ``fn()`` on the clock's thread at ``when`` (`time.perf_counter` seconds), or at once if past."""
         with self._cv:
-            heapq.heappush(self._heap, (when, next(self._order), fn))
+            order = next(self._order)
+            heapq.heappush(self._heap, (when, order, fn))
             if self._thread is None or self._pid != os.getpid() or not self._thread.is_alive():
                 self._pid = os.getpid()  # a forked child has the heap but not the thread
                 self._thread = threading.Thread(target=self._run, name="overlap-link-clock", daemon=True)
                 self._thread.start()
-            elif self._heap[0][2] is fn:  # the new first: wake the clock to sleep less; else it sleeps on
+            elif self._heap[0][1] == order:  # the new first: wake the clock to sleep less; else it sleeps on
                 self._cv.notify()
 
     def pending(self) -> int:
@@ -172,7 +173,7 @@ class _Clock:
                     self._cv.wait(min(self._heap[0][0] - now, self._IDLE_S) if self._heap else self._IDLE_S)
             try:
                 fn()
-            except Exception:  # a failed completion must not stop the others'; its waiter sees the error
+            except Exception:  # a failed completion is logged and must not stop the others'
                 _LOG.exception("a simulated link completion failed")
 
 
