@@ -108,6 +108,7 @@ def main(args: Optional[List[str]] = None) -> None:
     try:
         cli.main(args=args, prog_name="launch/prefill.py", standalone_mode=False)
     except click.ClickException as exc:  # ConfigError and click's usage errors
+        _leaving()  # the other ranks fail too, and torchrun's SIGTERM must not cut the one report short
         if _first_to_report_on_this_node():
             exc.show()
         sys.exit(exc.exit_code)
@@ -127,6 +128,7 @@ def script() -> None:
         code = 0
     except SystemExit as exc:
         code = exc.code
+    _leaving()
     if code is None:
         code = 0
     elif not isinstance(code, int):
@@ -140,6 +142,18 @@ def script() -> None:
 
 def _terminated(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
+
+
+def _leaving() -> None:
+    """From here the process is on its way out with a status of its own: torchrun's SIGTERM (sent when
+    another rank exits first) is let pass instead of raising inside an atexit handler or the error
+    report, which printed a traceback and could lose the report. Ctrl-C still interrupts; torchrun
+    follows with SIGKILL if the exit does not come."""
+    signal.signal(signal.SIGTERM, _ignored)
+
+
+def _ignored(signum: int, frame: Any) -> None:
+    pass
 
 
 def _first_to_report_on_this_node() -> bool:

@@ -143,3 +143,26 @@ def test_the_script_keeps_the_status_and_runs_the_atexit_handlers(argv, code):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == code, proc.stderr[-2000:]
     assert "ATEXIT RAN" in proc.stdout and "NOT REACHED" not in proc.stdout
+
+
+@pytest.mark.parametrize("where", ["atexit", "report"])
+def test_sigterm_while_leaving_neither_prints_a_traceback_nor_loses_the_report(where):
+    """torchrun sends SIGTERM to every rank once one exits; a rank already leaving with a configuration
+    error (all ranks find it) may get it in its atexit handlers or while it prints the report (CI saw a
+    `SystemExit: 143` traceback from an atexit handler). It leaves with its own status, report printed."""
+    term_self = "os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.2)"
+    hook = (f"atexit.register(lambda: ({term_self.split(';')[0]}, time.sleep(0.2)))\n" if where == "atexit" else
+            "import launch.prefill as p\n"
+            "first = p._first_to_report_on_this_node\n"
+            f"def racing():\n    {term_self}\n    return first()\n"
+            "p._first_to_report_on_this_node = racing\n")
+    prog = ("import atexit, os, signal, sys, time\n"
+            "sys.argv = ['launch/prefill.py', '--timeout', '0']\n"
+            + hook +
+            "from launch.prefill import script\n"
+            "script()\n")
+    proc = subprocess.run([sys.executable, "-c", prog], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.count("--timeout must be a positive number of seconds") == 1, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
