@@ -5,8 +5,9 @@ Weights are stacked per local expert, in the layout Hugging Face's fused experts
 Each expert computes ``down(act(gate(x)) * up(x))``.
 
 ``impl``: ``"loop"`` (any path), ``"grouped"`` (``torch_npu.npu_grouped_matmul`` on the NPU
-paths, ``torch._grouped_mm`` elsewhere), or ``"auto"``: grouped on the NPU paths and on CUDA for
-bf16 where ``torch._grouped_mm`` exists, otherwise the loop.
+paths, a `ValueError` where torch_npu lacks it; ``torch._grouped_mm`` elsewhere), or ``"auto"``:
+grouped on the NPU paths where torch_npu has it and on CUDA for bf16 where ``torch._grouped_mm``
+exists, otherwise the loop.
 
 ``counts`` (rows per expert) are host ints, or a device **group list**: an int64 tensor of counts
 (``group_list_type=1``), the form the static-shape paths produce on the device. With a group list
@@ -149,7 +150,12 @@ def resolve_impl(impl: str, x: torch.Tensor, gate_up: torch.Tensor, down: torch.
     if impl == "loop":
         return "loop"
     if overlap.backends.current().has_npu_ops:
-        return "npu_grouped"
+        if torch_npu_with("npu_grouped_matmul") is not None:
+            return "npu_grouped"
+        if impl == "grouped":
+            raise ValueError("expert implementation 'grouped' on an NPU path needs torch_npu.npu_grouped_matmul, "
+                             "which this torch_npu does not provide: upgrade torch_npu, or use impl='loop'")
+        return "loop"  # auto: an older torch_npu without the grouped matmul
     if impl == "auto" and x.device.type != "cuda":
         return "loop"
     return "torch_grouped" if _torch_grouped_ok(x, gate_up, down) else "loop"

@@ -418,3 +418,23 @@ def test_cuda_capacity_layer_groups_on_the_device():
     got = grouped(x)
     torch.testing.assert_close(got, moe(x), rtol=3e-2, atol=3e-2)
     torch.testing.assert_close(got, every(x), rtol=3e-2, atol=3e-2)
+
+
+def test_a_torch_npu_without_the_grouped_matmul_runs_the_loop_or_says_so():
+    """An older torch_npu without ``npu_grouped_matmul``: ``auto`` computes with the loop (same answer);
+    ``grouped`` asked for explicitly is refused with the operator's name, not an AttributeError mid-layer."""
+    from collectives.experts import resolve_impl
+
+    gate_up, down = _weights(3)
+    x = torch.randn(7, 16)
+    bare = fake_npu()
+    del bare.npu_grouped_matmul
+    with installed(bare):
+        assert resolve_impl("auto", x, gate_up, down) == "loop"
+        assert device_group_impl(x, gate_up, down) is None
+        y = grouped_mlp(x, [4, 0, 3], gate_up, down, impl="auto")
+        with pytest.raises(ValueError, match="npu_grouped_matmul"):
+            grouped_mlp(x, [4, 0, 3], gate_up, down, impl="grouped")
+    torch.testing.assert_close(y, _per_expert(x, [4, 0, 3], gate_up, down), rtol=1e-5, atol=1e-5)
+    with installed(fake_npu()):
+        assert resolve_impl("auto", x, gate_up, down) == "npu_grouped"
