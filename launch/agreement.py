@@ -37,6 +37,7 @@ def fingerprint(job: JobConfig) -> Dict[str, Any]:
                 "--kv-offload": job.kv_offload, "--kv-store": job.kv_store,
                 "--dtype": str(job.dtype).replace("torch.", ""), "--warmup": job.warmup, "--iters": job.iters,
                 "--seed": job.seed, "--check": job.check, "--cpu-link": str(job.link) if job.link else "off",
+                "--cpu-comm-priority": job.comm_priority,
                 "--timeout": job.timeout})
     return out
 

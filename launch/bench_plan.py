@@ -145,19 +145,22 @@ def _same_schedule(best: Any, results: List[Any], group: Any) -> Optional[str]:
 
 
 def _rank_body(ctx: Any, preset_name: str, tokens: List[int], links: List[float], seq_len: int, warmup: int,
-               iters: int, seed: int, refresh: bool, repeats: int, min_seconds: float) -> Any:
+               iters: int, seed: int, refresh: bool, repeats: int, min_seconds: float, comm_priority: str) -> Any:
     import overlap
     from launch.calibrate import calibrate
     from launch.model import build_model, preset
     from launch.runner import make_expert_parallel
 
+    overlap.set_comm_priority(comm_priority)
     model = make_expert_parallel(build_model(preset(preset_name), seed=seed), ctx.group)
     out = []
     for gbps in links:
         overlap.set_link(overlap.Link(gbps))
-        cal = calibrate(model, ctx.group, max_tokens=max(tokens), repeats=repeats, refresh=refresh)
+        # in requests of the length the points run: attention's work per token grows with it
+        cal = calibrate(model, ctx.group, max_tokens=max(tokens), repeats=repeats, seq_len=seq_len, refresh=refresh)
         for n in tokens:
-            out.append(dict(_point(ctx, model, n, seq_len, cal, warmup, iters, seed, min_seconds), link=gbps))
+            out.append(dict(_point(ctx, model, n, seq_len, cal, warmup, iters, seed, min_seconds), link=gbps,
+                            comm_threads=overlap.describe_comm_priority()))
     return out if ctx.rank == 0 else None
 
 
@@ -242,8 +245,11 @@ def _report(points: List[Dict[str, Any]]) -> Tuple[str, List[str]]:
 @click.option("--repeats", type=int, default=5, help="Calibration runs per token count.")
 @click.option("--seed", type=int, default=0)
 @click.option("--refresh", is_flag=True, help="Measure the calibrations again.")
+@click.option("--cpu-comm-priority", "comm_priority", type=click.Choice(["rt", "off"]), default="rt",
+              envvar="OVERLAP_CPU_COMM_PRIORITY", show_envvar=True,
+              help="gloo's communication threads real-time (overlap.comm_threads) or normal.")
 def main(preset_name: str, tokens: str, links: str, seq_len: int, warmup: int, iters: int, min_seconds: float,
-         repeats: int, seed: int, refresh: bool) -> None:
+         repeats: int, seed: int, refresh: bool, comm_priority: str) -> None:
     """Predicted vs measured time of every mode, and auto vs the best fixed mode, over a sweep."""
     from overlap.multirank import run_ranks
 
@@ -253,8 +259,9 @@ def main(preset_name: str, tokens: str, links: str, seq_len: int, warmup: int, i
                f"rounds (and about {min_seconds:g} s per mode), calibrations of {repeats} runs per count, "
                f"modes interleaved round by round")
     points = run_ranks(_rank_body, 2, preset_name, token_points, link_points, seq_len, warmup, iters, seed, refresh,
-                       repeats, min_seconds,
-                       timeout=3600)[0]
+                       repeats, min_seconds, comm_priority, timeout=3600)[0]
+    if points:
+        click.echo(f"CPU communication threads: {points[0]['comm_threads']}")
     text, misses = _report(points)
     click.echo(text)
     click.echo("\ntargets: " + ("all met" if not misses else "missed:\n  " + "\n  ".join(misses)))

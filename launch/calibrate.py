@@ -59,7 +59,8 @@ logger = logging.getLogger(__name__)
 
 ENV_CACHE = "OVERLAP_CALIBRATION_CACHE"
 DEFAULT_CACHE = os.path.join("~", ".cache", "npu-overlap", "calibration")
-FORMAT = 6  # 2: link booked at issue (overlap.link); 3: waits; 5: contention per byte; 6: issue, notice, frame
+FORMAT = 7  # 2: link booked at issue (overlap.link); 3: waits; 5: contention per byte; 6: issue, notice, frame;
+# 7: the CPU path's comm threads real-time (overlap.comm_threads), in the key
 # A layer keeps its own fit where it differs from its group's at the largest token count by more than this.
 LAYER_REL, LAYER_ABS_S = 0.5, 10e-6
 
@@ -461,6 +462,7 @@ def calibration_key(model: Any, group: Any = None, tokens: Sequence[int] = (), r
             "torch": torch.__version__, "path": backends.current().name, "world": _world(group),
             "model": _config_fields(model), "dtype": str(_model_dtype(model)),
             "link": None if link is None else {"gbps": link.gbps, "latency_us": link.latency_us},
+            "comm_priority": overlap.comm_priority() if backends.current().name == "cpu" else None,
             "tokens": [int(n) for n in tokens], "repeats": int(repeats), "seq_len": int(seq_len)}
     return json.loads(_canonical(key))  # as it reads back from the cache
 
@@ -501,6 +503,18 @@ class _Collectives:
     def on_event_synchronize(self, name: str) -> None:
         if self._last is not None:
             self.blocking.add(self._last)
+
+
+def request_length(all_lens: Sequence[Sequence[int]]) -> int:
+    """The request length to calibrate with for batches of these request lengths (one list per rank).
+
+    Attention's work per token grows with its request's length, so a calibration in requests of
+    another length mis-predicts it. The token-weighted mean, sum(len^2) / sum(len), is the length
+    whose per-token attention equals the batches' on average (exact where the lengths are equal).
+    """
+    lens = [int(n) for rank in all_lens for n in rank if n > 0]
+    total = sum(lens)
+    return max(1, round(sum(n * n for n in lens) / total)) if total else 64
 
 
 def _batch(model: Any, tokens: int, seq_len: int, seed: int) -> Batch:
@@ -637,5 +651,5 @@ def predict_mode(cal: Calibration, model: Any, mode: str, tokens: Sequence[int],
 
 
 __all__ = ["Calibration", "ENV_CACHE", "OpFit", "Run", "TransferFit", "agree", "cache_dir", "cache_file",
-           "calibrate", "calibration_key", "fit_collective", "fit_linear", "fit_runs", "load", "measure",
+           "calibrate", "calibration_key", "request_length", "fit_collective", "fit_linear", "fit_runs", "load", "measure",
            "predict_mode", "save", "token_points"]

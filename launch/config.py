@@ -51,6 +51,7 @@ class JobConfig:
     link: Optional[overlap.Link]
     timeout: float
     model_name: str = REFERENCE  # --model: "reference", a transformers model type, or a checkpoint folder
+    comm_priority: str = "rt"  # --cpu-comm-priority: gloo's threads real-time ("rt") or not ("off"); CPU only
 
     @property
     def checkpoint(self) -> Optional[str]:
@@ -167,7 +168,7 @@ def n_experts(job_model: Any) -> int:
 def job_config(*, world: int, device: str, exec_path: str, mode: str, kv_offload: bool, kv_store: str,
                preset_name: str, overrides: Dict[str, Any], batch: int, seq_len: int, seq_lens: Optional[str],
                dtype: str, warmup: int, iters: int, seed: int, check: bool, out_dir: Optional[str], cpu_link: str,
-               timeout: float, model_name: str = REFERENCE) -> JobConfig:
+               timeout: float, model_name: str = REFERENCE, cpu_comm_priority: str = "rt") -> JobConfig:
     """The job of the command-line options, checked; `ConfigError` names the first problem."""
     path = None if exec_path == "auto" else exec_path
     model = (build_model_config(preset_name, overrides) if model_name == REFERENCE
@@ -191,7 +192,7 @@ def job_config(*, world: int, device: str, exec_path: str, mode: str, kv_offload
     modes = {"all": ALL_MODES, AUTO: ("serial", AUTO)}.get(mode, (mode,))
     job = JobConfig(model, tuple(lens), modes, device, path,
                     kv_offload, kv_store, DTYPES[dtype], warmup, iters, seed, check, out_dir, link, timeout,
-                    model_name)
+                    model_name, cpu_comm_priority)
     if job.graph and mode == AUTO:
         raise ConfigError(f"--mode auto plans the eager paths; on --path {path} pick a mode")
     if job.graph and job.transformers:

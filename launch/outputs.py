@@ -58,6 +58,7 @@ def write_outputs(out_dir: str, job: Any, results: Sequence[Any], tokens: int, w
             json.dump({"world_size": world, "device": job.device, "dtype": str(job.dtype).replace("torch.", ""),
                        "seq_lens": list(job.seq_lens), "tokens": tokens, "model": job.model_name, "config": job.model_fields(),
                        "kv_offload": job.kv_offload, "cpu_link": str(job.link) if job.link else None,
+                       "cpu_comm_priority": job.comm_priority if job.device == "cpu" else None,
                        "rows": [r.row(tokens) for r in results],
                        "check": None if not job.check else ("failed" if failed else "passed")}, f, indent=2)
 

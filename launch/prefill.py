@@ -91,6 +91,10 @@ def _progress(msg: str, first: bool = False) -> None:
 @click.option("--cpu-link", default="0.1",
               help="CPU only: simulated interconnect 'GBPS[,LATENCY_US]' that collectives take at least as long "
                    "as (a sleep, so it overlaps like a real network); 'off' for plain loopback gloo.")
+@click.option("--cpu-comm-priority", type=click.Choice(["rt", "off"]), default="rt",
+              envvar="OVERLAP_CPU_COMM_PRIORITY", show_envvar=True,
+              help="CPU only: run gloo's communication threads real-time (SCHED_FIFO, where permitted), as a device's "
+                   "comm engine that never waits for compute to give up a core; 'off' leaves them normal.")
 @click.option("--timeout", type=float, default=120.0, help="Seconds a rank waits for its peers before giving up.")
 def cli(layers: Optional[int], dense_layers: Optional[int], hidden: Optional[int], experts: Optional[int],
         top_k: Optional[int], shared_experts: Optional[int], **options: Any) -> None:
@@ -195,6 +199,7 @@ def run_job(job: JobConfig) -> int:
 
     overlap.set_path(job.device)
     overlap.set_link(job.link)
+    overlap.set_comm_priority(job.comm_priority)
     overlap.set_wait_timeout(job.timeout)  # every wait of the toolkit, as the collectives' own timeout
     overlap.sanitize_from_env()
     fault = Fault.from_env()
@@ -343,13 +348,14 @@ def _check_own_forward(job: JobConfig, results: Any, own: Any) -> list:
 
 def _plan_auto(job: JobConfig, model: Any, batch: Any) -> Any:
     """``--mode auto``: calibrate (cached per machine, model and dtype) and choose; the same on every rank."""
-    from launch.calibrate import calibrate
+    from launch.calibrate import calibrate, request_length
     from launch.planner import choose, gather_lens
     from launch.runner import cut_refusal
 
     all_lens = gather_lens(batch.seq.seq_lens, dist.group.WORLD)
     _progress("calibrating (cached after the first run)", first=True)
-    cal = calibrate(model, dist.group.WORLD, max_tokens=max(sum(lens) for lens in all_lens))
+    cal = calibrate(model, dist.group.WORLD, max_tokens=max(sum(lens) for lens in all_lens),
+                    seq_len=request_length(all_lens))  # attention's cost follows the requests' length
     choice = choose(cal, model, all_lens, allow_cut=cut_refusal(model) is None)
     say(choice.format())
     return choice
@@ -393,12 +399,15 @@ def _offload_cache(job: JobConfig, model: Any, batch: Any, dev: torch.device, ra
 
 
 def _headline(job: JobConfig, model: Any, world: int, cache: Any) -> str:
+    import overlap
+
     cfg = model.cfg
     name = f"{job.model_name} " if job.transformers else ""
     return (f"prefill: {name}{cfg.n_layers} layers, hidden {cfg.hidden}, {cfg.n_experts} experts top-{cfg.top_k}, "
             f"{cfg.n_shared} shared | {world} rank(s) on {job.device} | {len(job.seq_lens)} requests / "
             f"{sum(job.seq_lens)} tokens per rank | {str(job.dtype).replace('torch.', '')} | kv offload "
             f"{'on (' + job.kv_store + ')' if cache else 'off'}" + (f" | simulated link {job.link}" if job.link else "")
+            + (f" | comm threads {overlap.describe_comm_priority()}" if job.device == "cpu" else "")
             + (f" | {job.path} graph" if job.graph else ""))
 
 

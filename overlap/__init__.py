@@ -10,6 +10,7 @@ process-wide state (`overlap.state`).
 """
 from ._tree import tensors_in
 from .comm import all_reduce, all_to_all_single, collective_device
+from .comm_threads import ENV_COMM_PRIORITY, comm_priority, describe_comm_priority, set_comm_priority
 from .context import (DEFAULT, ENV_ENABLE, ENV_PATH, PATHS, current_path, current_stream_tag, detect_path, enabled,
                       is_enabled, set_enabled, set_path, use_path)
 from .copy import copy_
@@ -26,13 +27,13 @@ from .streams import (EP_COMM, KV_OFFLOAD, SHARED_EXPERT, get_stream, issue_coll
                       stream, synchronize)
 
 __all__ = [
-    "DEFAULT", "EP_COMM", "KV_OFFLOAD", "SHARED_EXPERT", "PATHS", "ENV_ENABLE", "ENV_PATH",
+    "DEFAULT", "EP_COMM", "KV_OFFLOAD", "SHARED_EXPERT", "PATHS", "ENV_COMM_PRIORITY", "ENV_ENABLE", "ENV_PATH",
     "CoreBudget", "CoreBudgetError", "Event", "Link", "OffloadCache", "OffloadError", "Sanitizer", "Span",
     "StreamRaceError", "Timeline", "WaitTimeout",
-    "add_observer", "all_reduce", "all_to_all_single", "collective_device", "copy_", "core_budget", "current_link",
+    "add_observer", "all_reduce", "all_to_all_single", "collective_device", "comm_priority", "copy_", "describe_comm_priority", "core_budget", "current_link",
     "current_path", "current_stream_tag", "detect_path", "enabled", "event", "get_stream", "is_enabled",
     "issue_collective", "issue_host", "limit_cores", "parse_budget", "parse_link", "read_soc_config",
     "record_stream", "remove_observer", "reset", "reset_core_limits", "sanitize_from_env", "set_core_budget",
-    "set_enabled", "set_link", "set_path", "set_wait_timeout", "span", "stream", "stream_limits", "synchronize",
+    "set_comm_priority", "set_enabled", "set_link", "set_path", "set_wait_timeout", "span", "stream", "stream_limits", "synchronize",
     "tensors_in", "use_path", "wait_tensor", "wait_timeout",
 ]

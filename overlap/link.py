@@ -25,6 +25,7 @@ import threading
 import time
 from typing import Any, Callable, List, Optional, Tuple
 
+from .comm_threads import enrol_current_thread
 from .state import STATE, WaitTimeout, wait_timeout
 
 ENV_LINK = "OVERLAP_CPU_LINK"
@@ -163,6 +164,7 @@ class _Clock:
             return len(self._heap)
 
     def _run(self) -> None:
+        enrol_current_thread()  # it completes transfers: a comm thread (overlap.comm_threads)
         while True:
             with self._cv:
                 while True:

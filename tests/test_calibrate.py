@@ -327,3 +327,12 @@ def test_contention_is_nothing_without_peers():
     from launch.probes import contention, notice
     assert contention(None, 4, 16, torch.float32, 3) == 0.0  # no group: no collective, no measurement
     assert notice(None, 16, torch.float32) == (0.0, [])
+
+
+def test_request_length_is_the_token_weighted_mean():
+    from launch.calibrate import request_length
+
+    assert request_length([[128] * 8, [128] * 8]) == 128  # equal lengths: that length
+    assert request_length([[128, 128], [64]]) == round((2 * 128 ** 2 + 64 ** 2) / 320)  # 115, not the plain mean 107
+    assert request_length([[512], [1] * 512]) == round((512 ** 2 + 512) / 1024)  # the long request's tokens weigh
+    assert request_length([[], [0]]) == 64  # no tokens: the default

@@ -17,6 +17,7 @@ from typing import Any, Callable, List, Optional, Sequence
 import torch
 
 from .. import hooks
+from ..comm_threads import prioritize_comm_threads
 from ..context import DEFAULT, current_stream_tag, is_enabled
 from ..hooks import Span
 from ..link import DelayedWork, current_link, reserve, transfer_seconds, wait_until
@@ -199,6 +200,7 @@ class CpuBackend(Backend):
     def issue_collective(self, name: str, issue: Callable[[bool], Any], reads: Sequence[torch.Tensor],
                          writes: Sequence[torch.Tensor], span: Optional[Span], nbytes: int) -> None:
         tag = current_stream_tag()
+        prioritize_comm_threads()  # gloo's threads as a device's comm engine (overlap.comm_threads)
         if self.is_asynchronous(tag):
             try:
                 cpu_stream(tag).issue_collective(name, issue, reads, writes, span, self._delay(nbytes))
