@@ -132,7 +132,15 @@ def main(preset_name: str, tokens: int, seq_len: int, link: float, modes: str, r
     """Real-time against normal communication threads, side by side in one run."""
     from overlap.multirank import run_ranks
 
+    import microbatch
+
     mode_list = [m for m in modes.split(",") if m]
+    unknown = [m for m in mode_list if m not in microbatch.MODES]
+    if unknown or not mode_list:
+        raise click.BadParameter(f"{', '.join(unknown) or 'none given'}: expected modes among "
+                                 f"{', '.join(microbatch.MODES)}", param_hint="--modes")
+    if rounds < 1 or exchanges < 2:
+        raise click.BadParameter("--rounds must be >= 1 and --exchanges >= 2")
     click.echo(f"2 CPU ranks, preset {preset_name}, {tokens} tokens per rank, simulated link {link:g} GB/s, "
                f"{rounds} rounds interleaved")
     results = run_ranks(_rank_body, 2, preset_name, tokens, seq_len, link, mode_list, rounds, compute_ms, exchanges,
