@@ -25,6 +25,8 @@ import os
 import threading
 from typing import Optional, Set
 
+from .state import STATE
+
 ENV_COMM_PRIORITY = "OVERLAP_CPU_COMM_PRIORITY"
 MODES = ("rt", "off")
 RT_PRIORITY = 1  # the lowest SCHED_FIFO priority: above every normal thread, below the kernel's own
@@ -38,7 +40,6 @@ class _Registry:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.override: Optional[str] = None  # set_comm_priority's mode (None: the environment's)
         self.pid = os.getpid()
         self.enrolled: Set[int] = set()  # native ids of the toolkit's own comm threads (the link's clock)
         self.raised: Set[int] = set()  # native ids running SCHED_FIFO because of this module
@@ -68,8 +69,8 @@ def _parse(mode: str, source: str) -> str:
 
 def requested_mode() -> str:
     """The mode asked for: `set_comm_priority`'s, else ``$OVERLAP_CPU_COMM_PRIORITY``'s, else ``rt``."""
-    if _REG.override is not None:
-        return _REG.override
+    if STATE.comm_priority is not None:
+        return STATE.comm_priority
     env = os.environ.get(ENV_COMM_PRIORITY)
     return _parse(env, ENV_COMM_PRIORITY) if env else "rt"
 
@@ -77,12 +78,11 @@ def requested_mode() -> str:
 def set_comm_priority(mode: Optional[str]) -> None:
     """Raise (``"rt"``) or lower (``"off"``) this process's communication threads now; None: the environment's.
 
-    Lowering puts the threads this module raised back to ``SCHED_OTHER``.
+    Lowering puts the communication threads back to ``SCHED_OTHER``. ``overlap.reset()`` forgets
+    the setting (the next collective applies the environment's).
     """
     value = None if mode is None else _parse(mode, "set_comm_priority")
-    with _REG.lock:
-        _REG.override = value
-        _REG.applied = None  # the next look applies it, whatever the thread count
+    STATE.comm_priority = value  # overlap.reset() forgets it: the environment's again
     prioritize_comm_threads()
 
 

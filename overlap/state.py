@@ -43,6 +43,7 @@ class ProcessState:
         self.core_budget: Any = None  # set_core_budget override
         self.core_limits: Dict[str, Tuple[int, int]] = {}  # tag -> (aic, aiv), for the budget check
         self.link: Any = None  # set_link override
+        self.comm_priority: Optional[str] = None  # set_comm_priority override (overlap.comm_threads)
         self.link_busy_until = 0.0  # perf_counter time the simulated link is booked until
         self.pools: Dict[str, List[Any]] = {}  # reusable buffers other packages keep, by name
         self.wait_timeout = DEFAULT_WAIT_TIMEOUT  # seconds any one wait may block (set_wait_timeout)
@@ -83,8 +84,8 @@ def raise_hint() -> str:
 
 
 def reset() -> None:
-    """Forget streams, events, core limits and budget, the link, the wait bound, and this context's
-    path, switch and stream.
+    """Forget streams, events, core limits and budget, the link, the comm threads' priority setting,
+    the wait bound, and this context's path, switch and stream.
 
     Work still in flight on a CPU stream completes on its own; nothing here waits for it.
     """

@@ -86,6 +86,7 @@ def registry(monkeypatch):
     fresh = comm_threads._Registry()
     monkeypatch.setattr(comm_threads, "_REG", fresh)
     monkeypatch.setattr(comm_threads, "COMM_THREAD_NAMES", ())  # only the enrolled thread (torchrun mode has gloo's)
+    monkeypatch.setattr(comm_threads.STATE, "comm_priority", None)
     monkeypatch.delenv(comm_threads.ENV_COMM_PRIORITY, raising=False)
     return fresh
 
@@ -146,6 +147,13 @@ def test_enrolled_thread_raised_then_lowered(registry, monkeypatch):
         assert policies[tid] == os.SCHED_OTHER and overlap.comm_priority() == "off"
 
     _in_enrolled_thread(check)
+
+
+def test_reset_forgets_the_setting(registry):
+    overlap.set_comm_priority("off")
+    assert comm_threads.requested_mode() == "off"
+    overlap.reset()
+    assert comm_threads.requested_mode() == "rt"  # the environment's (unset: rt)
 
 
 def test_bad_modes_are_refused_by_name(registry, monkeypatch):
