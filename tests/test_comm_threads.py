@@ -4,6 +4,7 @@ Checked by the scheduling policy the kernel reports for each thread, never by a 
 """
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -45,9 +46,15 @@ def _exchange(ctx, side_stream=False):
 def _policies_around_exchanges(ctx):
     main = threading.get_native_id()
     overlap.set_comm_priority("rt")
-    overlap.set_link(overlap.Link(gbps=1e-3))  # 10 KB take 10 ms: the bytes arrive first, the link's clock completes it
+    overlap.set_link(overlap.Link(gbps=1e-3))
     try:
         _exchange(ctx, side_stream=True)
+        # the link's clock thread starts when a transfer's bytes arrive before its booking ends, which
+        # depends on the host's load: start it here, and wait (bounded) until it has enrolled itself
+        link_mod._CLOCK.at(time.perf_counter(), lambda: None)
+        deadline = time.monotonic() + 10
+        while link_mod._CLOCK._thread.native_id not in comm_threads._REG.enrolled and time.monotonic() < deadline:
+            time.sleep(0.01)
         _exchange(ctx)  # the look after the clock thread started
         raised = _policies()
         clock = link_mod._CLOCK._thread.native_id if link_mod._CLOCK._thread is not None else None
