@@ -15,8 +15,9 @@ Where it is not permitted (or not Linux) everything runs as before and `comm_pri
 
 The switch: ``$OVERLAP_CPU_COMM_PRIORITY`` = ``rt`` (the default) or ``off``, or `set_comm_priority`
 (the launcher's ``--cpu-comm-priority``). Threads are found when the CPU backend issues a
-collective and the process has gained threads since the last look (one ``stat`` per collective),
-so a process group created later gets its threads raised at its first collective.
+collective and a thread started or ended since the last look (one listing of ``/proc/self/task``
+per collective, and a few more after a thread started, since gloo's threads name themselves a moment
+later), so a process group created later gets its threads raised at its first collective.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ MODES = ("rt", "off")
 RT_PRIORITY = 1  # the lowest SCHED_FIFO priority: above every normal thread, below the kernel's own
 COMM_THREAD_NAMES = ("gloo_tcp_loop", "pt_gloo_runloop")  # gloo's transport loop and process-group workers
 _TASKS = "/proc/self/task"
+_RECHECKS = 3  # looks after a thread started (gloo's threads are named by themselves, a moment after starting)
 _LOG = logging.getLogger(__name__)
 
 
@@ -43,7 +45,8 @@ class _Registry:
         self.pid = os.getpid()
         self.enrolled: Set[int] = set()  # native ids of the toolkit's own comm threads (the link's clock)
         self.raised: Set[int] = set()  # native ids running SCHED_FIFO because of this module
-        self.seen_tasks = -1  # /proc/self/task's link count at the last look (threads + 2)
+        self.seen_tasks: frozenset = frozenset()  # /proc/self/task's entries at the last look
+        self.recheck = 0  # looks still due with the same entries: a new thread names itself just after it starts
         self.applied: Optional[str] = None  # the mode the last look applied
         self.unavailable: Optional[str] = None  # why raising is not possible in this process
 
@@ -53,7 +56,7 @@ class _Registry:
             self.pid = os.getpid()
             self.enrolled.clear()
             self.raised.clear()
-            self.seen_tasks = -1
+            self.seen_tasks = frozenset()
             self.applied = None
 
 
@@ -91,13 +94,14 @@ def enrol_current_thread() -> None:
     with _REG.lock:
         _REG.forget_parent()
         _REG.enrolled.add(threading.get_native_id())
-        _REG.seen_tasks = -1  # look again at the next collective
+        _REG.seen_tasks = frozenset()  # look again at the next collective
 
 
 def prioritize_comm_threads() -> int:
     """Bring the communication threads to the requested mode; returns how many run real-time now.
 
-    Cheap when nothing changed (one ``stat``): the CPU backend calls it before every collective.
+    Cheap when no thread started or ended (one listing of ``/proc/self/task``, about 10 us): the CPU
+    backend calls it before every collective.
     """
     mode = requested_mode()
     with _REG.lock:
@@ -105,14 +109,19 @@ def prioritize_comm_threads() -> int:
         if _REG.unavailable is not None:
             return 0
         try:
-            tasks = os.stat(_TASKS).st_nlink
+            # the entries, not their count: a group destroyed and another created keep the count
+            tasks = frozenset(os.listdir(_TASKS))
         except OSError:
             _REG.unavailable = f"{_TASKS} is not readable (not Linux?)"
             return 0
         if tasks == _REG.seen_tasks and mode == _REG.applied:
-            return len(_REG.raised)
+            if _REG.recheck <= 0:
+                return len(_REG.raised)
+            _REG.recheck -= 1
+        else:
+            _REG.recheck = _RECHECKS
         _REG.seen_tasks, _REG.applied = tasks, mode
-        live = _live_threads()
+        live = {int(t) for t in tasks}
         _REG.raised &= live
         _REG.enrolled &= live
         comm = {tid for tid in live if tid in _REG.enrolled or _thread_name(tid) in COMM_THREAD_NAMES}
@@ -158,13 +167,6 @@ def raised_threads() -> Set[int]:
     with _REG.lock:
         _REG.forget_parent()
         return set(_REG.raised)
-
-
-def _live_threads() -> Set[int]:
-    try:
-        return {int(t) for t in os.listdir(_TASKS)}
-    except OSError:
-        return set()
 
 
 def _thread_name(tid: int) -> str:

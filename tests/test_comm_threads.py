@@ -64,7 +64,8 @@ def _policies_around_exchanges(ctx):
     finally:
         overlap.set_link(None)
         overlap.set_comm_priority(None)
-    return {"main": main, "clock": clock, "raised": raised, "lowered": lowered, "said": said,
+    debug = (sorted(comm_threads._REG.raised), comm_threads._REG.applied, len(comm_threads._REG.seen_tasks))
+    return {"debug": debug, "main": main, "clock": clock, "raised": raised, "lowered": lowered, "said": said,
             "unavailable": comm_threads._REG.unavailable}
 
 
@@ -77,7 +78,8 @@ def test_gloo_and_link_threads_run_real_time_and_compute_does_not():
         names = {tid: n for tid, n, _ in r["raised"]}
         gloo = [tid for tid, n in names.items() if n in comm_threads.COMM_THREAD_NAMES]
         assert gloo, f"no gloo thread found among {sorted(set(names.values()))}"
-        assert all(policy[t] == os.SCHED_FIFO for t in gloo), r["raised"]
+        assert all(policy[t] == os.SCHED_FIFO for t in gloo), (
+            [(t, names[t], policy[t]) for t in gloo if policy[t] != os.SCHED_FIFO], r.get("debug"))
         assert r["clock"] is not None and policy.get(r["clock"]) == os.SCHED_FIFO, (r["clock"], r["raised"])
         assert policy[r["main"]] == os.SCHED_OTHER  # the compute thread keeps its share
         others = [t for t in policy if t not in gloo and t not in (r["clock"], r["main"])]
@@ -154,6 +156,35 @@ def test_enrolled_thread_raised_then_lowered(registry, monkeypatch):
         assert policies[tid] == os.SCHED_OTHER and overlap.comm_priority() == "off"
 
     _in_enrolled_thread(check)
+
+
+def test_a_thread_replaced_one_for_one_is_still_found(registry, monkeypatch):
+    """A process group destroyed and another created keep the thread count (torchrun mode's groups)."""
+    listing = ["101", "102"]
+    real_listdir = os.listdir
+    monkeypatch.setattr(os, "listdir", lambda p: list(listing) if p == comm_threads._TASKS else real_listdir(p))
+    monkeypatch.setattr(comm_threads, "COMM_THREAD_NAMES", ("gloo_tcp_loop",))
+    monkeypatch.setattr(comm_threads, "_thread_name", lambda tid: "gloo_tcp_loop" if tid != 101 else "python")
+    policies = {}
+    monkeypatch.setattr(os, "sched_setscheduler", lambda tid, policy, param: policies.__setitem__(tid, policy))
+    assert comm_threads.prioritize_comm_threads() == 1 and policies == {102: os.SCHED_FIFO}
+    listing[1] = "103"  # 102 ended, 103 started: the same count
+    assert comm_threads.prioritize_comm_threads() == 1
+    assert policies == {102: os.SCHED_FIFO, 103: os.SCHED_FIFO} and comm_threads.raised_threads() == {103}
+
+
+def test_a_thread_that_names_itself_late_is_still_found(registry, monkeypatch):
+    """gloo's threads set their names a moment after they start: the looks after a start check again."""
+    real_listdir = os.listdir
+    monkeypatch.setattr(os, "listdir", lambda p: ["101", "102"] if p == comm_threads._TASKS else real_listdir(p))
+    monkeypatch.setattr(comm_threads, "COMM_THREAD_NAMES", ("pt_gloo_runloop",))
+    names = {101: "python", 102: "python"}  # 102 not yet named
+    monkeypatch.setattr(comm_threads, "_thread_name", lambda tid: names[tid])
+    policies = {}
+    monkeypatch.setattr(os, "sched_setscheduler", lambda tid, policy, param: policies.__setitem__(tid, policy))
+    assert comm_threads.prioritize_comm_threads() == 0
+    names[102] = "pt_gloo_runloop"
+    assert comm_threads.prioritize_comm_threads() == 1 and policies == {102: os.SCHED_FIFO}
 
 
 def test_reset_forgets_the_setting(registry):
