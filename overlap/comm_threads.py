@@ -11,7 +11,8 @@ entered it; with these threads at ``SCHED_FIFO`` a median 0.35 ms and 2% over 2 
 So where the process may (root, ``CAP_SYS_NICE`` or an ``RLIMIT_RTPRIO`` of at least 1), those
 threads run ``SCHED_FIFO`` at the lowest real-time priority. They sleep until there is work, and the
 kernel's real-time throttling bounds what they can take. Compute threads are never touched.
-Where it is not permitted (or not Linux) everything runs as before and `describe_comm_priority` says why.
+Where it is not permitted (or not Linux) everything runs as before, and `describe_comm_priority`
+says why.
 
 The switch: ``$OVERLAP_CPU_COMM_PRIORITY`` = ``rt`` (the default) or ``off``, or `set_comm_priority`
 (the launcher's ``--cpu-comm-priority``). Threads are found when the CPU backend issues a
