@@ -37,11 +37,14 @@ token count (checked at trace time) and agreement across ranks is the caller's j
 
 A masked slot (an expert elsewhere, a padding row) contributes an exact zero, selected rather than
 multiplied by a zero weight, so a non-finite expert output spoils only the rows that chose it.
+
+`CapacityDispatchHandle` has the interface of every family (`collectives.handles`): ``wait()``
+(nothing to wait for), ``expand()`` (the grouped pairs as a `CapacityBatch`) and ``combine()``.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -59,9 +62,31 @@ from .wrap import wrap_expert_parallel
 
 
 @dataclasses.dataclass
+class CapacityBatch:
+    """The received (row, slot) pairs grouped by local expert on the device (a `collectives.handles.EPBatch`):
+    ``x [W*C*k, H]``, ``group_list[e]`` pairs of expert ``e`` first, the pairs without a local expert last
+    (padding: their outputs are never read). ``grouped`` is the grouping the combine reduces with."""
+
+    grouped: GroupedRows
+
+    @property
+    def x(self) -> torch.Tensor:
+        return self.grouped.x
+
+    @property
+    def group_list(self) -> torch.Tensor:
+        return self.grouped.group_list
+
+    @property
+    def counts(self) -> List[int]:
+        """Pairs per local expert on the host (a device synchronisation; experts take ``group_list``)."""
+        return [int(c) for c in self.group_list.tolist()]
+
+
+@dataclasses.dataclass
 class CapacityDispatchHandle(ReceivedMetadata):
     """What a capacity dispatch received (``world * capacity`` rows, block ``r`` from rank ``r``)
-    and where this rank's tokens went (for the combine)."""
+    and where this rank's tokens went (for the combine); a `collectives.handles.EPDispatchHandle`."""
 
     recv_x: torch.Tensor  # [W*C, H]
     recv_meta: torch.Tensor  # [W*C, 2k] float32: local expert ids (-1: elsewhere or padding), then weights
@@ -70,11 +95,27 @@ class CapacityDispatchHandle(ReceivedMetadata):
     capacity: int
     group: Optional[dist.ProcessGroup]
     dtype: torch.dtype
+    num_local: int  # experts on this rank
 
     @property
     def top_k(self) -> int:
         return self.recv_meta.shape[1] // 2
 
+    def wait(self) -> "CapacityDispatchHandle":
+        """Nothing to wait for: the exchange was issued on the calling stream (ordering is the caller's job)."""
+        return self
+
+    def expand(self) -> CapacityBatch:
+        """The received (row, slot) pairs grouped by local expert on the device, static shapes (torch_npu's
+        routing operators on the NPU paths, a stable sort elsewhere; `collectives._grouping`)."""
+        npu = torch_npu_with(*ROUTING_OPS)
+        return CapacityBatch(group_rows(self.recv_x, self.recv_ids, self.recv_weights, self.num_local, npu))
+
+    def combine(self, expert_out: torch.Tensor, batch: CapacityBatch, *, async_finish: bool = False,
+                dtype: Optional[torch.dtype] = None) -> "CapacityCombineHandle":
+        """`capacity_combine` of ``expert_out`` (one row per row of ``batch.x``), on the calling stream
+        (``async_finish`` changes nothing: there is no side stream to wait for)."""
+        return capacity_combine(expert_out, self, dtype, grouped=batch.grouped)
 
 
 @dataclasses.dataclass
@@ -209,7 +250,7 @@ def _capacity_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: to
     send_x, send_meta = _pack_blocks(x, idx, topk_weights, slot_token, epr)
     recv_x = _exchange(send_x, cap, group, "dispatch")
     recv_meta = _exchange(send_meta, cap, group, "dispatch.meta")
-    return CapacityDispatchHandle(recv_x, recv_meta, slot_token, tokens, cap, group, x.dtype)
+    return CapacityDispatchHandle(recv_x, recv_meta, slot_token, tokens, cap, group, x.dtype, epr)
 
 
 def all_local_experts(x: torch.Tensor, experts: LocalExperts) -> torch.Tensor:
@@ -343,6 +384,7 @@ class CapacityExpertParallelMoE(ExpertParallelMoE):
         return capacity_combine(y, handle, grouped=batch if isinstance(batch, GroupedRows) else None)
 
 
-__all__ = ["CapacityCombineHandle", "CapacityDispatchHandle", "CapacityExpertParallelMoE", "EXPERT_PATHS",
-           "all_local_experts", "capacity_combine", "capacity_dispatch", "expert_path", "grouped_experts",
-           "reduce_slots"]
+__all__ = [
+    "CapacityBatch", "CapacityCombineHandle", "CapacityDispatchHandle", "CapacityExpertParallelMoE", "EXPERT_PATHS",
+    "all_local_experts", "capacity_combine", "capacity_dispatch", "expert_path", "grouped_experts", "reduce_slots",
+]

@@ -231,7 +231,7 @@ def exchange_counts(layout: DispatchLayout, group: Optional[dist.ProcessGroup],
 
 @dataclasses.dataclass
 class DispatchHandle(ReceivedMetadata):
-    """What a dispatch received, and what combine needs to send it back.
+    """What a dispatch received, and what combine needs to send it back (a `collectives.handles.EPDispatchHandle`).
 
     Received rows: this rank's own rows first (they never travel), then the other ranks' rows by
     source rank, each in source token order.
@@ -248,7 +248,6 @@ class DispatchHandle(ReceivedMetadata):
     rank: int = 0  # this rank in the group: its rows are the first recv_splits[rank]
     spare: Optional[torch.Tensor] = None  # the dispatch's send buffer, free once waited: combine receives into it
     own_event: Optional[overlap.Event] = None  # the own rows, gathered on the calling stream
-
 
     def wait(self) -> "DispatchHandle":
         """Make the current stream wait for the exchange; then the received tensors may be read."""
@@ -269,6 +268,13 @@ class DispatchHandle(ReceivedMetadata):
         if not given:
             counts = self.num_recv_tokens_per_expert
         return expand(self.recv_x, self.recv_meta, self.layout.experts_per_rank, counts, verify=given)
+
+    def combine(self, expert_out: torch.Tensor, batch: ExpertBatch, *, previous_event: Optional[overlap.Event] = None,
+                async_finish: bool = False, stream_tag: Optional[str] = EP_COMM, event_tag: str = "ep_combine",
+                dtype: Optional[torch.dtype] = None) -> "CombineHandle":
+        """`combine` of ``expert_out`` (one row per row of ``batch``) back to this dispatch's tokens."""
+        return combine(expert_out, batch, self, previous_event=previous_event, async_finish=async_finish,
+                       stream_tag=stream_tag, event_tag=event_tag, dtype=dtype)
 
 
 def _reuses_buffers(t: torch.Tensor) -> bool:

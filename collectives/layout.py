@@ -16,6 +16,8 @@ from typing import List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from .experts import group_list
+
 
 class LayoutError(ValueError):
     """Input that would make the expert-parallel exchange wrong or hang; raised before any tokens are exchanged."""
@@ -225,6 +227,12 @@ class ExpertBatch:
     slots: torch.Tensor  # [N] top-k slot of each expanded row
     num_rows: int  # received rows R
     top_k: int
+
+    @property
+    def group_list(self) -> torch.Tensor:
+        """``counts`` as an int64 tensor ``[E_local]`` on ``x``'s device (`collectives.handles.EPBatch`): copied
+        from the host counts, once per distinct value, device and stream (`collectives.experts.group_list`)."""
+        return group_list(self.counts, self.x.device)
 
 
 def expand(recv_x: torch.Tensor, recv_meta: torch.Tensor, num_local: int,

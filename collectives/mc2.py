@@ -5,8 +5,9 @@ HCCL window and returns the rows grouped by local expert with a device count per
 group list of a grouped matmul); ``npu_moe_distribute_combine_v2`` sends the expert outputs back
 and sums each token's k weighted rows. No count exchange, nothing read on the host: the
 production choice on Ascend for small (decode) batches. ``mc2_dispatch`` / ``mc2_combine`` return
-handles like `collectives.dispatch.dispatch` / ``combine`` (``wait()``, ``expand()``,
-``CombineHandle.wait()``), asynchronous on a tagged stream (``stream_tag``, default ``ep_comm``).
+handles with the interface of every family (`collectives.handles`: ``wait()``, ``expand()``,
+``combine()``, and the combine handle's ``wait()``), asynchronous on a tagged stream (``stream_tag``,
+default ``ep_comm``), so code written for `collectives.dispatch` runs on MC2 unchanged.
 
 Choosing the backend (`choose_backend`, `ep_dispatch` / `ep_combine`): ``"all_to_all"``
 (`collectives.dispatch`), ``"mc2"`` (an `MC2Error` on CPU / CUDA, before any collective: MC2
@@ -39,9 +40,10 @@ from torch import nn
 import overlap
 from overlap import EP_COMM, hooks
 
-from .dispatch import (CombineHandle, DispatchHandle, _all_max, _exchange_event, _peers, _rank, _side, combine,
-                       dispatch, group_size, raise_unless_agreed, spread)
+from .dispatch import (DispatchHandle, _all_max, _exchange_event, _peers, _rank, _side, dispatch, group_size,
+                       raise_unless_agreed, spread)
 from .experts import LocalExperts, torch_npu_with
+from .handles import EPBatch, EPCombineHandle, EPDispatchHandle
 from .layer import ExpertParallelMoE, SharedExperts
 from .layout import LayoutError, check_routing, layer_fields
 
@@ -221,7 +223,8 @@ class _Call:
 
 @dataclasses.dataclass
 class MC2Batch:
-    """Received rows grouped by local expert: ``group_list[e]`` rows of expert ``e``, then padding rows."""
+    """Received rows grouped by local expert: ``group_list[e]`` rows of expert ``e``, then padding rows
+    (a `collectives.handles.EPBatch`)."""
 
     x: torch.Tensor  # [A, H]
     group_list: torch.Tensor  # [E_local] int64 counts, on the device
@@ -250,7 +253,7 @@ class MC2CombineHandle:
 
 @dataclasses.dataclass
 class MC2DispatchHandle:
-    """What the fused dispatch returned, and what the fused combine needs (opaque to callers)."""
+    """What the fused dispatch returned, and what the fused combine needs (a `collectives.handles.EPDispatchHandle`)."""
 
     expand_x: torch.Tensor  # [A, H] rows grouped by local expert
     group_list: torch.Tensor  # [E_local] int64 rows per local expert
@@ -279,6 +282,13 @@ class MC2DispatchHandle:
         if self.event is not None:
             raise RuntimeError("MC2DispatchHandle.expand before wait(): the dispatch may still be in flight")
         return MC2Batch(self.expand_x, self.group_list)
+
+    def combine(self, expert_out: torch.Tensor, batch: Optional[MC2Batch] = None, *,
+                previous_event: Optional[overlap.Event] = None, async_finish: bool = False,
+                stream_tag: Optional[str] = EP_COMM, event_tag: str = "ep_mc2_combine") -> "MC2CombineHandle":
+        """`mc2_combine` of ``expert_out`` (one row per row of ``batch.x``) back to this dispatch's tokens."""
+        return mc2_combine(expert_out, batch, self, previous_event=previous_event, async_finish=async_finish,
+                           stream_tag=stream_tag, event_tag=event_tag)
 
 
 def _pad(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
@@ -404,18 +414,16 @@ def ep_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Ten
     return dispatch(x, topk_idx, topk_weights, num_experts, group, **kwargs)
 
 
-def ep_combine(expert_out: torch.Tensor, batch: Any, handle: AnyDispatch,
-               **kwargs: Any) -> Union[CombineHandle, MC2CombineHandle]:
-    """The combine of the backend that made ``handle``."""
-    if isinstance(handle, MC2DispatchHandle):
-        return mc2_combine(expert_out, batch, handle, **kwargs)
-    return combine(expert_out, batch, handle, **kwargs)
+def ep_combine(expert_out: torch.Tensor, batch: EPBatch, handle: EPDispatchHandle, **kwargs: Any) -> EPCombineHandle:
+    """The combine of the family that made ``handle``: ``handle.combine(expert_out, batch, **kwargs)``."""
+    return handle.combine(expert_out, batch, **kwargs)
 
 
 class MC2ExpertParallelMoE(ExpertParallelMoE):
     """`ExpertParallelMoE` whose dispatch / combine backend is chosen by `choose_backend` (``backend``,
-    ``max_tokens_per_rank``, ``mc2_threshold``): same stages; on MC2 the experts take the device group list.
-    ``validate``: MC2's agreement all-reduce on every call (else on the first only)."""
+    ``max_tokens_per_rank``, ``mc2_threshold``): same stages; on either backend the experts take the batch's
+    device group list (`collectives.handles`). ``validate``: MC2's agreement all-reduce on every call (else
+    on the first only)."""
 
     def __init__(self, router: nn.Module, experts: LocalExperts, num_experts: int,
                  group: Optional[dist.ProcessGroup] = None, shared: Optional[SharedExperts] = None,
@@ -457,14 +465,12 @@ class MC2ExpertParallelMoE(ExpertParallelMoE):
             self._agreed = True
         return handle
 
-    def _experts(self, handle: AnyDispatch) -> Tuple[torch.Tensor, Any]:
-        if not isinstance(handle, MC2DispatchHandle):
-            return super()._experts(handle)
-        batch = handle.expand()
+    def _experts(self, handle: AnyDispatch) -> Tuple[torch.Tensor, EPBatch]:
+        batch = handle.expand()  # either backend: the rows grouped by local expert, the counts on the device
         return self.experts(batch.x, batch.group_list), batch
 
-    def _combine(self, y: torch.Tensor, batch: Any, handle: AnyDispatch) -> Any:
-        return ep_combine(y, batch, handle, stream_tag=None, async_finish=True)
+    def _combine(self, y: torch.Tensor, batch: EPBatch, handle: AnyDispatch) -> EPCombineHandle:
+        return handle.combine(y, batch, stream_tag=None, async_finish=True)
 
 
 __all__ = ["BACKENDS", "CHIPS", "DEFAULT_BUFFSIZE_MB", "ENV_BUFFSIZE", "MC2Batch", "MC2CombineHandle",

@@ -214,7 +214,7 @@ def _report(points: List[Dict[str, Any]]) -> Tuple[str, List[str]]:
                          f"({measured / predicted:.0%} of it; target >= 90%)")
             b = p.get("two_batch") or {}
             if b.get("measured") and b.get("planned"):
-                lines.append("  where two-batch's time goes (rank 0, its last round), measured / planned ms: " + ", ".join(
+                lines.append("  where two-batch's time goes (rank 0, its median round), measured / planned ms: " + ", ".join(
                     f"{k} {b['measured'][k] * 1e3:.1f} / {b['planned'][k] * 1e3:.1f}" for k in b["measured"]))
             if b.get("skew") is not None and b.get("transfer") is not None:
                 lines.append(f"  the ranks start each collective a median {b['skew'] * 1e3:.2f} ms apart; a planned "
@@ -245,7 +245,7 @@ def _report(points: List[Dict[str, Any]]) -> Tuple[str, List[str]]:
 @click.option("--repeats", type=int, default=5, help="Calibration runs per token count.")
 @click.option("--seed", type=int, default=0)
 @click.option("--refresh", is_flag=True, help="Measure the calibrations again.")
-@click.option("--cpu-comm-priority", "comm_priority", type=click.Choice(["rt", "off"]), default="rt",
+@click.option("--cpu-comm-priority", "comm_priority", type=click.Choice(["off", "rt"]), default="off",
               envvar="OVERLAP_CPU_COMM_PRIORITY", show_envvar=True,
               help="gloo's communication threads real-time (overlap.comm_threads) or normal.")
 def main(preset_name: str, tokens: str, links: str, seq_len: int, warmup: int, iters: int, min_seconds: float,

@@ -41,7 +41,7 @@ import statistics
 import tempfile
 import time
 import zlib
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -619,19 +619,28 @@ def _everyone_has(have: bool, key: Mapping[str, Any], group: Any) -> bool:
 
 
 def calibrate(model: Any, group: Any = None, *, max_tokens: int = 256, points: int = 5, repeats: int = 3,
-              seq_len: int = 64, refresh: bool = False, cache: Optional[str] = None) -> Calibration:
+              seq_len: int = 64, refresh: bool = False, cache: Optional[str] = None,
+              report: Optional[Callable[[str], None]] = None) -> Calibration:
     """This machine's calibration of ``model`` over ``group``, from the cache when every rank has it.
 
     Measures at `token_points` ``(max_tokens, points)``, ``repeats`` runs each, in requests of
     ``seq_len`` tokens; ``refresh`` measures again whatever the cache holds; ``cache`` overrides
     the cache folder. A collective: every rank of ``group`` calls it with the same arguments, and
-    every rank returns the same numbers.
+    every rank returns the same numbers. ``report`` is told, in a line, whether the numbers come
+    from the cache (and its file) or are measured now.
     """
     tokens = token_points(max_tokens, points)
     key = calibration_key(model, group, tokens, repeats, seq_len)
     cached = None if refresh else load(key, cache)
     if _everyone_has(cached is not None, key, group):
+        if report is not None:
+            report(f"calibration: cached ({cache_file(key, cache)})")
         return agree(cached, group)
+    if report is not None:
+        why = "refreshing" if refresh else "none cached for this machine and model" if cached is None else \
+            "not cached on every rank"
+        report(f"calibrating the operations and the interconnect ({why}; cached after this run in "
+               f"{cache_file(key, cache)})")
     cal = agree(measure(model, group, tokens, repeats, seq_len), group)
     save(cal, cache)
     return cal

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import glob
 import json
 import math
@@ -29,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["CheckpointError", "LoadReport", "load_checkpoint"]
+__all__ = ["CheckpointError", "LoadReport", "check_checkpoint", "load_checkpoint"]
 
 CONFIG, SINGLE, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
 # A part of an in-memory name -> the same part in older checkpoints (Mixtral's MoE block).
@@ -185,8 +186,12 @@ def _config(path: str) -> Any:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError, KeyError) as e:
         raise CheckpointError(f"{os.path.join(path, CONFIG)}: not a transformers config ({e})") from None
-    if getattr(config, "quantization_config", None):
-        raise CheckpointError(f"{os.path.join(path, CONFIG)}: quantized checkpoints are not supported")
+    quantized = getattr(config, "quantization_config", None)
+    if quantized:
+        get = quantized.get if isinstance(quantized, dict) else functools.partial(getattr, quantized)
+        method = get("quant_method", None) or "quantization_config"  # DeepSeek-V3 / R1: fp8
+        raise CheckpointError(f"{os.path.join(path, CONFIG)}: a quantized checkpoint ({method}) is not supported: "
+                              f"the loader reads float weights (convert it to bf16 first)")
     return config
 
 
@@ -538,7 +543,18 @@ def _ignored(ckpt: _Checkpoint, reads: Sequence[_Read], experts: Sequence[str]) 
                  and k.rsplit(".", 3)[0] not in prefixes)
 
 
-# ---------------------------------------------------------------- the entry point
+# ---------------------------------------------------------------- the entry points
+
+
+def check_checkpoint(path: Union[str, "os.PathLike[str]"]) -> Any:
+    """The checkpoint's transformers config, after the checks every rank makes alike without reading a
+    weight: a readable, unquantized ``config.json``; safetensors files with readable headers that agree
+    with the index. Raises `CheckpointError` (what `load_checkpoint` would raise first)."""
+    path = os.fspath(path)
+    config = _config(path)
+    _Checkpoint(path)
+    return config
+
 
 
 def load_checkpoint(path: Union[str, "os.PathLike[str]"], *, rank: Optional[int] = None,

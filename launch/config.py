@@ -9,7 +9,7 @@ import dataclasses
 import json
 import math
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import click
 import torch
@@ -29,6 +29,7 @@ class ConfigError(click.ClickException):
 REFERENCE = "reference"
 AUTO = "auto"  # --mode auto: the planner's choice (launch/planner.py), measured beside serial
 ALL_MODES = tuple(name for name, m in microbatch.MODES.items() if m.in_all)
+MODE_NAMES = tuple(microbatch.MODES) + ("all", AUTO)  # what --mode takes, in a comma-separated list
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +52,13 @@ class JobConfig:
     link: Optional[overlap.Link]
     timeout: float
     model_name: str = REFERENCE  # --model: "reference", a transformers model type, or a checkpoint folder
-    comm_priority: str = "rt"  # --cpu-comm-priority: gloo's threads real-time ("rt") or not ("off"); CPU only
+    comm_priority: str = "off"  # --cpu-comm-priority: gloo's threads real-time ("rt") or not ("off"); CPU only
+    asked_modes: Tuple[str, ...] = ()  # the modes --mode names, expanded ("all"), before serial is added
+
+    @property
+    def serial_added(self) -> bool:
+        """Whether serial runs only as the reference (of ``--check``, or beside ``auto``), not asked for."""
+        return "serial" in self.modes and "serial" not in (self.asked_modes or self.modes)
 
     @property
     def checkpoint(self) -> Optional[str]:
@@ -73,6 +80,46 @@ class JobConfig:
     def graph(self) -> bool:
         """Whether each mode runs as one compiled torchair graph (``--path ge|aclgraph``)."""
         return self.path is not None and overlap.backends.get(self.path).is_graph
+
+
+class ModeList(click.ParamType):
+    """``--mode``: a comma-separated list of modes (``serial,three-batch``), as a tuple of names."""
+
+    name = "mode list"
+
+    def get_metavar(self, param: Any, ctx: Any = None) -> str:
+        return "MODE[,MODE...]"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> Tuple[str, ...]:
+        if isinstance(value, tuple):
+            return value
+        try:
+            return split_modes(str(value))
+        except ValueError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+def split_modes(text: str) -> Tuple[str, ...]:
+    """The mode names of one comma-separated ``--mode`` value; ValueError naming an unknown one."""
+    names = tuple(n.strip() for n in text.split(","))
+    for n in names:
+        if n not in MODE_NAMES:
+            what = f"unknown mode {n!r}" if n else f"an empty mode name in {text!r}"
+            raise ValueError(f"{what} (valid: {', '.join(MODE_NAMES)}; a comma-separated list)")
+    return names
+
+
+def resolve_modes(asked: Sequence[str], check: bool) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
+    """``(modes to run, modes asked for)``: ``all`` expanded, repeats dropped, order kept; serial put first
+    when ``--check`` or ``auto`` needs it as the reference and the list leaves it out."""
+    expanded: List[str] = []
+    for name in asked:
+        for m in (ALL_MODES if name == "all" else (name,)):
+            if m not in expanded:
+                expanded.append(m)
+    needs_serial = check or AUTO in expanded
+    run = tuple(expanded) if "serial" in expanded or not needs_serial else ("serial",) + tuple(expanded)
+    return run, tuple(expanded)
 
 
 def parse_seq_lens(text: Optional[str], batch: int, seq_len: int) -> List[int]:
@@ -120,7 +167,8 @@ def build_model_config(preset_name: str, overrides: Dict[str, Any]) -> Any:
     try:
         return preset(preset_name, **{k: v for k, v in overrides.items() if v is not None})
     except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+        hint = " (--dense-layers sets the leading dense layers)" if "n_dense_layers" in str(exc) else ""
+        raise ConfigError(str(exc) + hint) from None
 
 
 def transformers_config(model_name: str, overrides: Dict[str, Any]) -> Any:
@@ -136,10 +184,12 @@ def transformers_config(model_name: str, overrides: Dict[str, Any]) -> Any:
                               f"(drop {', '.join('--' + _OPTION_OF.get(k, k) for k in given)})")
         if not os.path.isfile(os.path.join(model_name, "config.json")):
             raise ConfigError(f"--model {model_name}: a checkpoint folder needs a config.json")
-        try:
-            return transformers.AutoConfig.from_pretrained(model_name, local_files_only=True)
-        except Exception as exc:
-            raise ConfigError(f"--model {model_name}: cannot read its config.json ({str(exc).splitlines()[0]})") from None
+        from launch.checkpoint import CheckpointError, check_checkpoint
+
+        try:  # its config and the headers of its files: what every rank finds alike, before any group
+            return check_checkpoint(model_name)
+        except CheckpointError as exc:
+            raise ConfigError(str(exc).splitlines()[0]) from None  # it names the folder or file
     if model_name not in transformers.CONFIG_MAPPING:
         raise ConfigError(f"--model {model_name}: neither 'reference', a folder, nor a transformers model type "
                           f"(e.g. qwen3_moe, deepseek_v3, mixtral, qwen2_moe, glm4_moe)")
@@ -165,12 +215,20 @@ def n_experts(job_model: Any) -> int:
     return 0
 
 
-def job_config(*, world: int, device: str, exec_path: str, mode: str, kv_offload: bool, kv_store: str,
+def job_config(*, world: int, device: str, exec_path: str, mode: Union[str, Sequence[str]], kv_offload: bool,
+               kv_store: str,
                preset_name: str, overrides: Dict[str, Any], batch: int, seq_len: int, seq_lens: Optional[str],
                dtype: str, warmup: int, iters: int, seed: int, check: bool, out_dir: Optional[str], cpu_link: str,
-               timeout: float, model_name: str = REFERENCE, cpu_comm_priority: str = "rt") -> JobConfig:
-    """The job of the command-line options, checked; `ConfigError` names the first problem."""
+               timeout: float, model_name: str = REFERENCE, cpu_comm_priority: str = "off") -> JobConfig:
+    """The job of the command-line options, checked; `ConfigError` names the first problem.
+
+    ``mode`` is one comma-separated list, or several (``--mode`` given more than once: they add up).
+    """
     path = None if exec_path == "auto" else exec_path
+    try:
+        asked = [n for text in ([mode] if isinstance(mode, str) else mode) for n in split_modes(text)]
+    except ValueError as exc:
+        raise ConfigError(f"--mode: {exc}") from None
     model = (build_model_config(preset_name, overrides) if model_name == REFERENCE
              else transformers_config(model_name, overrides))
     lens = parse_seq_lens(seq_lens, batch, seq_len)
@@ -184,16 +242,13 @@ def job_config(*, world: int, device: str, exec_path: str, mode: str, kv_offload
         raise ConfigError(f"--iters must be >= 1 and --warmup >= 0, got {iters} and {warmup}")
     if not (math.isfinite(timeout) and timeout > 0):
         raise ConfigError(f"--timeout must be a positive number of seconds, got {timeout}")
-    if check and mode not in ("all", "serial", AUTO):
-        raise ConfigError(f"--check compares every mode with serial, but --mode {mode} does not run serial: "
-                          f"use --mode all (or leave --check out)")
     device = resolve_device(device, path)
     link = parse_cpu_link(cpu_link, device)
-    modes = {"all": ALL_MODES, AUTO: ("serial", AUTO)}.get(mode, (mode,))
+    modes, expanded = resolve_modes(asked, check)
     job = JobConfig(model, tuple(lens), modes, device, path,
                     kv_offload, kv_store, DTYPES[dtype], warmup, iters, seed, check, out_dir, link, timeout,
-                    model_name, cpu_comm_priority)
-    if job.graph and mode == AUTO:
+                    model_name, cpu_comm_priority, expanded)
+    if job.graph and AUTO in modes:
         raise ConfigError(f"--mode auto plans the eager paths; on --path {path} pick a mode")
     if job.graph and job.transformers:
         raise ConfigError(f"--path {path} compiles the reference model only; run --model {model_name} on the "

@@ -1,10 +1,19 @@
-"""Time prefill modes side by side in one run, with the last iteration's timeline.
+"""Time prefill modes side by side in one run, each timed round recorded on a timeline.
 
 Used by the launcher and the benchmarks. The modes run interleaved, one iteration of each per
 round (`rounds`), so that a change of load on the host biases no mode. Every figure is a ratio of
-times measured in the same run: speedup over serial (the slowest rank's medians), the hidden share
-of communication (from the timeline), the communication share of serial time (`comm_share`), and
-the ideal speedup (compute + comm) / max(compute, comm) (`ideal_speedup`).
+times measured in the same run, each the same statistic over the timed rounds:
+
+- speedup over serial: the ratio of the medians of the slowest rank's times;
+- spread: the rounds' interquartile range over their median (`spread`);
+- hidden comm: the hidden share of communication (`overlap.observability._intervals`) of the
+  round at its median; that round's spans are the mode's trace;
+- serial's communication share (`comm_share`, median over the rounds) and from it the ideal
+  speedup (compute + comm) / max(compute, comm) (`ideal_speedup`) and, per mode, the speedup its
+  hidden communication can explain (`explained_speedup`).
+
+`table` prints them, and says in words where a difference is within the rounds' spread, or where
+a speedup is more than the ideal or than its hidden communication explains (`notes`).
 """
 from __future__ import annotations
 
@@ -29,15 +38,16 @@ from .runner import cut_refusal, plan_for, prefill
 
 @dataclasses.dataclass
 class ModeResult:
-    """One mode's measurements (times are the slowest rank's, per iteration)."""
+    """One mode's measurements (times are the slowest rank's, per timed round)."""
 
     mode: str
     times_s: List[float]
     split: str
-    spans: List[Span]
+    spans: List[Span]  # every rank's spans of the round at the median hidden share
     output: torch.Tensor
-    hidden_comm_share: Optional[float] = None
-    comm_share: Optional[float] = None  # serial only: communication / prefill time
+    hidden_comm_share: Optional[float] = None  # of the round whose spans are kept: the median
+    comm_shares: List[Optional[float]] = dataclasses.field(default_factory=list)  # per timed round
+    comm_share: Optional[float] = None  # serial only: communication / prefill time, median over the rounds
     speedup: Optional[float] = None
     ideal_speedup: Optional[float] = None
     max_diff: Optional[float] = None  # largest |output - serial output| over all ranks (inf if not finite)
@@ -49,9 +59,13 @@ class ModeResult:
     def median_s(self) -> float:
         return statistics.median(self.times_s)
 
+    @property
+    def spread(self) -> Optional[float]:
+        return spread(self.times_s)
+
     def row(self, tokens: int) -> Dict[str, Any]:
         """A JSON-friendly summary."""
-        return {"mode": self.mode, "times_s": self.times_s, "split": self.split,
+        return {"mode": self.mode, "times_s": self.times_s, "spread": self.spread, "split": self.split,
                 "tokens_per_s": tokens / self.median_s, "hidden_comm_share": self.hidden_comm_share,
                 "comm_share": self.comm_share, "speedup": self.speedup, "ideal_speedup": self.ideal_speedup,
                 "max_diff": self.max_diff}
@@ -71,7 +85,7 @@ def measure(model: Model, batch: Batch, modes: Sequence[str], group: Any, *, war
             cache: Any = None, before_iter: Optional[Callable[[str, int], None]] = None,
             compile_mode: Optional[Callable[[str, Any], Callable[[], torch.Tensor]]] = None,
             choice: Any = None) -> List[ModeResult]:
-    """Run each mode ``warmup + iters`` times, interleaved (see `rounds`); the last round is recorded on a timeline.
+    """Run each mode ``warmup + iters`` times, interleaved (see `rounds`); every timed round is recorded on a timeline.
 
     ``before_iter(mode, i)`` is called before every run with the mode's own iteration index.
     ``compile_mode(mode, plan)`` returns a compiled prefill to run instead of the eager executor
@@ -94,38 +108,50 @@ def measure(model: Model, batch: Batch, modes: Sequence[str], group: Any, *, war
                 return prefill(model, batch, mode, plan, cache, make=make)
             steps[mode] = step
     times: Dict[str, List[float]] = {m: [] for m in modes}
-    timelines = {m: Timeline() for m in modes}
+    timelines: Dict[str, List[Timeline]] = {m: [] for m in modes}
     outputs: Dict[str, torch.Tensor] = {}
-    order = rounds(modes, warmup, iters)
-    for r, round_modes in enumerate(order):
-        last = r == len(order) - 1 and compile_mode is None
+    for r, round_modes in enumerate(rounds(modes, warmup, iters)):
+        record = r >= warmup and compile_mode is None
         for mode in round_modes:
             if before_iter is not None:
                 before_iter(mode, r)
             if cache is not None:
                 cache.reset()
             dist.barrier(group=group)
-            if last:
-                timelines[mode].start()
+            tl = Timeline().start() if record else None
             t0 = time.perf_counter()
             outputs[mode] = steps[mode]()
             overlap.synchronize()
             dt = time.perf_counter() - t0
-            if last:
-                timelines[mode].stop()
+            if tl is not None:
+                timelines[mode].append(tl.stop())
             if r >= warmup:
                 times[mode].append(dt)
     results = []
     for mode in modes:
         out = outputs[mode]
-        spans = gather(timelines[mode].spans, group)
         # one all-reduce: the slowest rank's times, and whether any rank's output is not finite
         *slowest, bad = max_over_ranks(times[mode] + [0.0 if bool(torch.isfinite(out).all()) else 1.0], group)
-        results.append(ModeResult(mode, slowest, plans[mode].reason, spans, out.float(),
-                                  hidden_comm_share=metrics(spans).hidden_share, finite=bad == 0.0,
-                                  plan=plans[mode]))
+        result = ModeResult(mode, slowest, plans[mode].reason, [], out.float(), finite=bad == 0.0, plan=plans[mode])
+        _keep_median_round([gather(tl.spans, group) for tl in timelines[mode]], result)
+        results.append(result)
     _compare(results, group)
     return results
+
+
+def _keep_median_round(per_round: List[List[Span]], result: ModeResult) -> None:
+    """Each round's communication share; the hidden share and the spans of the round at the median.
+
+    The median is the lower middle one (a round that ran), by hidden share, then time, so that
+    ``overlap-report`` on the mode's trace prints the table's figure.
+    """
+    if not per_round:
+        return
+    result.comm_shares = [comm_share(spans) for spans in per_round]
+    hidden = [metrics(spans).hidden_share for spans in per_round]
+    order = sorted(range(len(per_round)), key=lambda i: (-1.0 if hidden[i] is None else hidden[i], result.times_s[i]))
+    k = order[(len(order) - 1) // 2]
+    result.spans, result.hidden_comm_share = per_round[k], hidden[k]
 
 
 def comm_share(spans: Sequence[Span]) -> Optional[float]:
@@ -153,12 +179,30 @@ def ideal_speedup(share: float) -> float:
     return 1.0 / max(compute, share)
 
 
+def explained_speedup(hidden: float, share: float) -> float:
+    """The most a mode gains by hiding ``hidden`` of serial's communication ``share``: 1 / (1 - hidden * share).
+
+    Hiding that communication saves at most ``hidden * share`` of serial's time.
+    """
+    saved = hidden * share
+    return 1.0 / (1.0 - saved) if saved < 1.0 else math.inf
+
+
+def spread(times: Sequence[float]) -> Optional[float]:
+    """The rounds' interquartile range over their median; None for fewer than two rounds."""
+    if len(times) < 2:
+        return None
+    q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive")
+    return (q3 - q1) / statistics.median(times)
+
+
 def _compare(results: List[ModeResult], group: Any) -> None:
     serial = next((r for r in results if r.mode == "serial"), None)
     if serial is None:
         return
-    # the recorded iteration's own length: its spans, not the timed median, share its clock
-    serial.comm_share = comm_share(serial.spans)
+    # each round's share on its own clock (its spans' length), then the median, as for the times
+    shares = [c for c in serial.comm_shares if c is not None]
+    serial.comm_share = statistics.median(shares) if shares else None
     if serial.comm_share is not None:
         serial.ideal_speedup = ideal_speedup(serial.comm_share)
     # the reference's magnitude over all ranks, so that every rank judges with the same tolerance
@@ -189,7 +233,7 @@ def check_against_serial(results: Sequence[ModeResult], dtype: torch.dtype) -> L
     """
     serial = next((r for r in results if r.mode == "serial"), None)
     if serial is None:
-        return ["--check needs the serial mode (use --mode all)"]
+        return ["--check needs the serial mode in the list of modes (add serial to --mode)"]
     if not serial.finite or not math.isfinite(serial.ref_scale or 0.0):
         return ["serial's output holds NaN or inf on some rank: there is no reference to compare with"]
     tol = (1e-4 if dtype == torch.float32 else 5e-2) * max(1.0, serial.ref_scale or 0.0)
@@ -203,19 +247,71 @@ def _fmt(v: Optional[float], spec: str) -> str:
 
 
 def table(results: Sequence[ModeResult], tokens: int) -> str:
-    """The results as an aligned text table."""
-    head = ("mode", "ms/prefill median [min-max]", "tokens/s", "speedup", "hidden comm", "max diff vs serial")
+    """The results as an aligned text table, then the lines of `notes`."""
+    head = ("mode", "ms/prefill median [min-max]", "spread", "tokens/s", "speedup", "hidden comm", "max diff vs serial")
     body = []
     for r in results:
         ms = [t * 1e3 for t in r.times_s]
-        body.append((r.mode, f"{statistics.median(ms):.1f} [{min(ms):.1f}-{max(ms):.1f}]",
+        body.append((r.mode, f"{statistics.median(ms):.1f} [{min(ms):.1f}-{max(ms):.1f}]", _fmt(r.spread, ".0%"),
                      f"{tokens / r.median_s:.0f}", _fmt(r.speedup, ".2f") + ("x" if r.speedup else ""),
                      _fmt(r.hidden_comm_share, ".0%"), _fmt(r.max_diff, ".2e")))
     widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    lines = [fmt.format(*head), fmt.format(*("-" * w for w in widths))] + [fmt.format(*b) for b in body]
+    lines = [fmt.format(*row).rstrip() for row in [head, tuple("-" * w for w in widths)] + body]
     serial = next((r for r in results if r.mode == "serial" and r.comm_share is not None), None)
     if serial is not None:
         lines.append(f"serial: communication {serial.comm_share:.0%} of prefill time -> ideal speedup "
                      f"(compute + comm) / max(compute, comm) = {serial.ideal_speedup:.2f}x")
-    return "\n".join(lines)
+    return "\n".join(lines + notes(results))
+
+
+def notes(results: Sequence[ModeResult]) -> List[str]:
+    """What the table's figures rest on, and in words every speedup that is not to be read as a result:
+    within the rounds' spread, above the ideal, or more than the mode's hidden communication explains."""
+    if not results:
+        return []
+    n = len(results[0].times_s)
+    lines = [f"medians of {n} timed round(s) per mode, the modes interleaved; "
+             f"spread: the rounds' interquartile range over their median"]
+    serial = next((r for r in results if r.mode == "serial"), None)
+    if serial is None:
+        return lines
+    if n < 2:
+        lines.append("one timed round: no spread to tell a difference from noise; run --iters 5 or more")
+    noisy = []
+    for r in results:
+        if r is serial or r.speedup is None:
+            continue
+        noise = max(r.spread or 0.0, serial.spread or 0.0)
+        if n >= 2 and abs(r.median_s / serial.median_s - 1.0) <= noise:
+            noisy.append((r.mode, noise))
+        beyond = _beyond_overlap(r, serial, noise if n >= 2 else None)
+        if beyond:
+            lines.append(beyond)
+    if noisy:
+        lines.append(f"{', '.join(m for m, _ in noisy)}: the difference from serial is within the rounds' spread "
+                     f"({max(x for _, x in noisy):.0%}), so it may be noise: rerun with more rounds "
+                     f"(--iters {max(10, 2 * n)}) or on a quieter host")
+    return lines
+
+
+def _beyond_overlap(r: ModeResult, serial: ModeResult, noise: Optional[float]) -> Optional[str]:
+    """Words for a speedup above the ideal, or above what hiding the mode's communication can give; else None.
+    ``noise``: the rounds' spread, None with one round (no spread to judge by)."""
+    c, ideal, s = serial.comm_share, serial.ideal_speedup, r.speedup
+    if c is None or ideal is None or s is None:
+        return None
+    h = r.hidden_comm_share
+    if round(s, 2) > round(ideal, 2):
+        limit, text = ideal, f"{r.mode}: {s:.2f}x is above the ideal {ideal:.2f}x"
+    elif h is not None and round(s, 2) > round(explained_speedup(h, c), 2):
+        limit = explained_speedup(h, c)
+        text = (f"{r.mode}: {s:.2f}x is more than hiding {h:.0%} of serial's {c:.0%} communication can give "
+                f"({limit:.2f}x at most)")
+    else:
+        return None
+    if noise is None:
+        return text + ": one round, not a result"
+    if s / limit - 1.0 <= noise:
+        return text + f", within the rounds' spread ({noise:.0%}): likely noise"
+    return text + ": the rest is not overlap (this mode's compute or waits took less time than serial's)"

@@ -60,6 +60,7 @@ def write_outputs(out_dir: str, job: Any, results: Sequence[Any], tokens: int, w
                        "kv_offload": job.kv_offload, "cpu_link": str(job.link) if job.link else None,
                        "cpu_comm_priority": job.comm_priority if job.device == "cpu" else None,
                        "rows": [r.row(tokens) for r in results],
+                       "serial_added": bool(getattr(job, "serial_added", False)),  # a row only as the reference
                        "check": None if not job.check else ("failed" if failed else "passed")}, f, indent=2)
 
     _atomic(os.path.join(out_dir, "results.json"), results_json)

@@ -83,14 +83,15 @@ class Choice:
         return self.serial_s / self.best.predicted_s if self.best.predicted_s > 0 else 1.0
 
     def plan(self, seq_lens: Sequence[int], group: Any, allow_cut: bool = True) -> SplitPlan:
-        """This rank's split for the chosen candidate, agreed as `decide_split` does (one all-reduce)."""
+        """This rank's split for the chosen candidate, agreed as `decide_split` does (one all-reduce); its
+        reason is the split: ``one batch (shared)``, or the candidate and where it splits."""
         b = self.best
         if b.micro_batches == 1:
-            return SplitPlan(tuple(seq_lens), None, f"auto: {b.mode}")
+            return SplitPlan(tuple(seq_lens), None, f"one batch ({b.mode})")
         imbalance = 0.999 if b.max_imbalance is None else b.max_imbalance
         plan = decide_split(seq_lens, group, n=b.micro_batches, max_imbalance=imbalance,
                             allow_cut=allow_cut and b.max_imbalance is not None)
-        return dataclasses.replace(plan, reason=f"auto: {b.describe()}; {plan.reason}")
+        return dataclasses.replace(plan, reason=f"{b.describe()}; {plan.reason}")
 
     def format(self, top: int = 6) -> str:
         """The plan and the best candidates with their predicted times, as text."""

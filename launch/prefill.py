@@ -1,11 +1,16 @@
-"""Prefill of the reference MoE model with expert parallelism over all ranks.
+"""Prefill of a MoE model with expert parallelism over all ranks, in each mode, side by side.
 
-    torchrun --nproc-per-node 2 launch/prefill.py            # 2 CPU ranks, every mode
-    python launch/prefill.py --mode two-batch --check         # one rank
+    torchrun --nproc-per-node 2 launch/prefill.py                     # 2 CPU ranks, serial, shared, two-batch
+    python launch/prefill.py --mode two-batch,three-batch --check      # one rank; serial runs too, as the reference
+    torchrun --nproc-per-node 2 launch/prefill.py --model qwen3_moe   # a transformers model type, or a checkpoint
 
-Rank 0 prints one row per mode: time per prefill, tokens/s, speedup over serial, the hidden
-share of communication and the largest difference from serial. ``--out DIR`` writes the results
-as JSON, and per mode the merged Chrome trace and PNG timeline of the last iteration.
+The model is the toolkit's reference decoder, a transformers MoE model type built small, or a
+local checkpoint (``--model``). ``--mode`` takes a comma-separated list (given more than once,
+the lists add up). Rank 0 prints one row per mode: time per prefill, tokens/s, speedup over
+serial, the hidden share of communication and the largest difference from serial. ``--out DIR``
+writes the results as JSON, and per mode the merged Chrome trace and PNG timeline of the round
+at the median hidden share (the table's figure). Installed, the same command is
+``overlap-prefill``.
 
 This file is the command line and the job, top to bottom; the configuration checks are in
 `launch.config`, rank health in `launch.health`, the measurement in `launch.measure`, the
@@ -25,14 +30,14 @@ import signal
 import tempfile
 import time
 import traceback
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import click
 import torch
 import torch.distributed as dist
 
 import microbatch
-from launch.config import AUTO, DTYPES, JobConfig, job_config
+from launch.config import AUTO, DTYPES, JobConfig, ModeList, job_config
 
 
 def _rank() -> int:
@@ -65,9 +70,11 @@ def _progress(msg: str, first: bool = False) -> None:
               help="Where to run; auto picks npu, then cuda, then cpu.")
 @click.option("--path", "exec_path", type=click.Choice(["auto", "npu", "ge", "aclgraph"]), default="auto",
               help="NPU execution path (auto: eager streams on the device found).")
-@click.option("--mode", type=click.Choice(list(microbatch.MODES) + ["all", "auto"]), default="all",
-              help="Schedule(s) to run: all = serial, shared, two-batch; auto = the planner's choice for this "
-                   "batch (calibrated, cached), measured beside serial.")
+@click.option("--mode", type=ModeList(), multiple=True, default=["all"],
+              help="Schedules to run, comma-separated, of " + ", ".join(list(microbatch.MODES) + ["all", "auto"])
+                   + ": all = serial, shared, two-batch; auto = the planner's choice for this batch (calibrated, "
+                   "cached), measured beside serial. Given more than once, the lists add up. With --check, serial "
+                   "runs too, as the reference.")
 @click.option("--kv-offload/--no-kv-offload", default=False, help="Offload each layer's K/V on the copy stream.")
 @click.option("--kv-store", type=click.Choice(["memory", "mmap"]), default="memory",
               help="Host tier of the KV offload (mmap: files under --out, or a temporary folder).")
@@ -84,33 +91,40 @@ def _progress(msg: str, first: bool = False) -> None:
 @click.option("--seq-lens", help="Explicit comma-separated request lengths per rank; overrides --batch/--seq-len.")
 @click.option("--dtype", type=click.Choice(list(DTYPES)), default="float32")
 @click.option("--warmup", type=int, default=1, help="Untimed iterations per mode.")
-@click.option("--iters", type=int, default=3, help="Timed iterations per mode.")
+@click.option("--iters", type=int, default=5,
+              help="Timed iterations (rounds) per mode: the table shows their medians and spread.")
 @click.option("--seed", type=int, default=0, help="Seed of the weights and the token ids.")
-@click.option("--check", is_flag=True, help="Compare every mode with serial; exit 1 if one differs.")
+@click.option("--check", is_flag=True,
+              help="Compare every mode with serial (added to the modes if they leave it out), and serial with the "
+                   "model's own forward where each rank holds the whole model; exit 1 if one differs.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), help="Write results.json, traces and timelines.")
 @click.option("--cpu-link", default="0.1",
               help="CPU only: simulated interconnect 'GBPS[,LATENCY_US]' that collectives take at least as long "
                    "as (a sleep, so it overlaps like a real network); 'off' for plain loopback gloo.")
-@click.option("--cpu-comm-priority", type=click.Choice(["rt", "off"]), default="rt",
+@click.option("--cpu-comm-priority", type=click.Choice(["off", "rt"]), default="off",
               envvar="OVERLAP_CPU_COMM_PRIORITY", show_envvar=True,
-              help="CPU only: run gloo's communication threads real-time (SCHED_FIFO, where permitted), as a device's "
-                   "comm engine that never waits for compute to give up a core; 'off' leaves them normal.")
+              help="CPU only: 'rt' runs gloo's communication threads real-time (SCHED_FIFO, where permitted), as a "
+                   "device's comm engine that never waits for compute: faster on a host the job has to itself, "
+                   "slower beside another such job; 'off' leaves them normal.")
 @click.option("--timeout", type=float, default=120.0, help="Seconds a rank waits for its peers before giving up.")
-def cli(layers: Optional[int], dense_layers: Optional[int], hidden: Optional[int], experts: Optional[int],
-        top_k: Optional[int], shared_experts: Optional[int], **options: Any) -> None:
-    """Prefill of the reference MoE model with expert parallelism over all ranks, in each mode."""
+def cli(mode: Tuple[Tuple[str, ...], ...], layers: Optional[int], dense_layers: Optional[int],
+        hidden: Optional[int], experts: Optional[int], top_k: Optional[int], shared_experts: Optional[int],
+        **options: Any) -> None:
+    """Prefill of a MoE model (the toolkit's reference decoder, a transformers model type, or a checkpoint
+    folder) with expert parallelism over all ranks, in each mode, compared side by side."""
     overrides = dict(n_layers=layers, n_dense_layers=dense_layers, hidden=hidden, n_experts=experts, top_k=top_k,
                      n_shared=shared_experts)
-    job = job_config(world=int(os.environ.get("WORLD_SIZE", "1")), overrides=overrides, **options)
+    job = job_config(world=int(os.environ.get("WORLD_SIZE", "1")), overrides=overrides,
+                     mode=[name for names in mode for name in names], **options)  # every --mode, in order
     sys.exit(run_job(job))
 
 
-def main(args: Optional[List[str]] = None) -> None:
+def main(args: Optional[List[str]] = None, prog_name: str = "launch/prefill.py") -> None:
     """The command: a bad option or configuration is printed once per node, before any rank joins a
     group; Ctrl-C and torchrun's SIGTERM end the run through its clean-up (exit 130 / 143)."""
     signal.signal(signal.SIGTERM, _terminated)
     try:
-        cli.main(args=args, prog_name="launch/prefill.py", standalone_mode=False)
+        cli.main(args=args, prog_name=prog_name, standalone_mode=False)
     except click.ClickException as exc:  # ConfigError and click's usage errors
         _leaving()  # the other ranks fail too, and torchrun's SIGTERM must not cut the one report short
         if _first_to_report_on_this_node():
@@ -121,14 +135,15 @@ def main(args: Optional[List[str]] = None) -> None:
         sys.exit(130)
 
 
-def script() -> None:
-    """`main` as a process's whole life (``python launch/prefill.py``, ``overlap-prefill``): once the
-    job is done, its outputs written and the atexit handlers run, the process leaves with the job's
-    status without the interpreter's teardown. Gloo's threads sometimes abort that teardown on CPU
-    ("terminate called without an active exception", SIGABRT) after a run that succeeded, which
-    torchrun then reports as a failed job."""
+def script(prog_name: str = "overlap-prefill") -> None:
+    """`main` as a process's whole life (``overlap-prefill``, the console script; ``python
+    launch/prefill.py``): once the job is done, its outputs written and the atexit handlers run, the
+    process leaves with the job's status without the interpreter's teardown. Gloo's threads sometimes
+    abort that teardown on CPU ("terminate called without an active exception", SIGABRT) after a run
+    that succeeded, which torchrun then reports as a failed job. ``prog_name`` is the command the
+    usage and error messages show."""
     try:
-        main()
+        main(prog_name=prog_name)
         code = 0
     except SystemExit as exc:
         code = exc.code
@@ -218,11 +233,11 @@ def run_job(job: JobConfig) -> int:
         problems = [p for p in (check_memory(job, world, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), dev),
                                 check_out_dir(job.out_dir) if job.out_dir and rank == 0 else None) if p]
         tokens = sum(agree(job, sum(job.seq_lens), problems, job.timeout))
-        model = _build_model(job, rank, world, dev)
+        model = _build_model(job, rank, world, dev)  # a rank that cannot load a checkpoint stops every rank
         batch = Batch.random(job.seq_lens, model.cfg.vocab, seed=job.seed * 1000 + rank + 1, device=dev)
         if fault is not None:
             fault.poison(rank, model)
-        own = _own_forward(job, model, batch)  # before the MoE blocks become expert-parallel
+        own = _own_forward(job, model, batch, world)  # before the MoE blocks become expert-parallel
         compile_mode = None
         if job.graph:  # static shapes: every rank sends each rank `capacity` rows
             capacity = int(max_over_ranks([batch.seq.num_tokens], dist.group.WORLD)[0])
@@ -232,6 +247,9 @@ def run_job(job: JobConfig) -> int:
             make_expert_parallel(model, dist.group.WORLD)
         cache = _offload_cache(job, model, batch, dev, rank) if job.kv_offload else None
         say(_headline(job, model, world, cache))
+        if job.serial_added:
+            say(f"modes: {', '.join(job.modes)} (serial added: the reference of "
+                f"{'--check' if job.check else 'auto'})")
         counter = iter(range(1 << 30))
 
         def before_iter(mode: str, i: int) -> None:
@@ -303,27 +321,42 @@ def _build_model(job: JobConfig, rank: int, world: int, dev: torch.device) -> An
 
     if job.checkpoint is None:
         return from_config(job.model, seed=job.seed, dtype=job.dtype, device=dev)
-    from launch.checkpoint import load_checkpoint
+    from launch.agreement import agree_ready
+    from launch.checkpoint import CheckpointError, load_checkpoint
 
-    hf, report = load_checkpoint(job.checkpoint, rank=rank, world=world, dtype=job.dtype, device=dev)
+    try:
+        hf, report = load_checkpoint(job.checkpoint, rank=rank, world=world, dtype=job.dtype, device=dev)
+        problem = None
+    except CheckpointError as exc:  # what this rank found in its part (a missing expert...): exit 2 on every rank
+        problem = str(exc).splitlines()[0]
+    agree_ready("loading the checkpoint", problem, job.timeout)  # the store only: no rank is left in a collective
     held = torch.tensor([report.bytes_held, report.bytes_read], dtype=torch.float64)
     every = [torch.zeros_like(held) for _ in range(world)]
     dist.all_gather(every, held)  # every rank reaches this point: it is after the job agreement
     say("weights: " + ", ".join(f"rank {r} holds {_mib(h[0])} (read {_mib(h[1])})" for r, h in enumerate(every))
         + f" of a {_mib(report.checkpoint_bytes)} checkpoint")
-    return adapt(hf, check=False)  # its blocks hold only this rank's experts: no forward of the whole model
+    # with several ranks its blocks hold only this rank's experts: no forward of the whole model to check
+    return adapt(hf, check=_holds_whole_model(job, world))
 
 
 def _mib(n: Any) -> str:
     return f"{float(n) / 2**20:.1f} MiB"
 
 
-def _own_forward(job: JobConfig, model: Any, batch: Any) -> Any:
+def _holds_whole_model(job: JobConfig, world: int) -> bool:
+    """Whether each rank holds the whole transformers model: one built from ``--model NAME`` always, a
+    checkpoint's only on one rank (each of several ranks reads its own experts only)."""
+    return job.transformers and (job.checkpoint is None or world == 1)
+
+
+def _own_forward(job: JobConfig, model: Any, batch: Any, world: int) -> Any:
     """For ``--check`` on a transformers model: the model's own forward of this rank's batch, or why not."""
     if not (job.check and job.transformers):
         return None
-    if job.checkpoint is not None:
-        return "each rank holds only its experts of the checkpoint, so the model's own forward cannot run"
+    if not _holds_whole_model(job, world):
+        experts = model.cfg.n_experts
+        return (f"each of the {world} ranks holds {experts // world} of the checkpoint's {experts} routed experts "
+                f"per MoE layer, so no rank can run the model's own forward (run on one rank to compare)")
     return model.reference(batch).float()
 
 
@@ -353,9 +386,9 @@ def _plan_auto(job: JobConfig, model: Any, batch: Any) -> Any:
     from launch.runner import cut_refusal
 
     all_lens = gather_lens(batch.seq.seq_lens, dist.group.WORLD)
-    _progress("calibrating (cached after the first run)", first=True)
     cal = calibrate(model, dist.group.WORLD, max_tokens=max(sum(lens) for lens in all_lens),
-                    seq_len=request_length(all_lens))  # attention's cost follows the requests' length
+                    seq_len=request_length(all_lens),  # attention's cost follows the requests' length
+                    report=lambda msg: say(msg, err=True))
     choice = choose(cal, model, all_lens, allow_cut=cut_refusal(model) is None)
     say(choice.format())
     return choice
@@ -403,7 +436,8 @@ def _headline(job: JobConfig, model: Any, world: int, cache: Any) -> str:
 
     cfg = model.cfg
     name = f"{job.model_name} " if job.transformers else ""
-    return (f"prefill: {name}{cfg.n_layers} layers, hidden {cfg.hidden}, {cfg.n_experts} experts top-{cfg.top_k}, "
+    layers = f"{cfg.n_layers} layers ({cfg.n_dense_layers} dense, {cfg.n_layers - cfg.n_dense_layers} MoE)"
+    return (f"prefill: {name}{layers}, hidden {cfg.hidden}, {cfg.n_experts} experts top-{cfg.top_k}, "
             f"{cfg.n_shared} shared | {world} rank(s) on {job.device} | {len(job.seq_lens)} requests / "
             f"{sum(job.seq_lens)} tokens per rank | {str(job.dtype).replace('torch.', '')} | kv offload "
             f"{'on (' + job.kv_store + ')' if cache else 'off'}" + (f" | simulated link {job.link}" if job.link else "")
@@ -412,4 +446,4 @@ def _headline(job: JobConfig, model: Any, world: int, cache: Any) -> str:
 
 
 if __name__ == "__main__":
-    script()
+    script("python -m launch.prefill" if __package__ else "launch/prefill.py")

@@ -2,7 +2,8 @@
 
 ``tiny`` is for CPU tests, ``small`` the CPU default of the launcher and benchmarks, and
 ``deepseek-v3`` carries DeepSeek-V3's published shapes for devices (671B parameters: build it
-only with fewer layers, e.g. ``preset("deepseek-v3", n_layers=4)``, or expert-parallel).
+only with fewer layers, e.g. ``preset("deepseek-v3", n_layers=6, n_dense_layers=1)``: 1 dense and 5 MoE
+layers, where ``n_layers=4`` alone keeps V3's 3 dense layers and leaves 1 MoE layer; or expert-parallel).
 Attention is plain multi-head attention, not DeepSeek's MLA, and routing is plain top-k, not
 grouped; what the overlap work depends on (token counts, hidden size, experts, top-k) is kept.
 """
@@ -81,7 +82,7 @@ PRESETS: Dict[str, ModelConfig] = {
 
 
 def preset(name: str, **overrides: Any) -> ModelConfig:
-    """The preset ``name`` with some fields replaced, e.g. ``preset("deepseek-v3", n_layers=4)``."""
+    """The preset ``name`` with some fields replaced, e.g. ``preset("deepseek-v3", n_layers=6, n_dense_layers=1)``."""
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
     return dataclasses.replace(PRESETS[name], **overrides)

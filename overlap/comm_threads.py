@@ -1,4 +1,4 @@
-"""Real-time priority for the CPU path's communication threads: the host's stand-in for a comm engine.
+"""Real-time priority for the CPU path's communication threads, on request: a dedicated host's stand-in for a comm engine.
 
 On a device an all-to-all runs on its own engine and never waits for the compute to give up a
 core. On the CPU path gloo moves the bytes on threads of its own (``gloo_tcp_loop``,
@@ -8,13 +8,19 @@ compute: milliseconds on a small host. Measured on 2 cores, 2 ranks, a 16-float 
 after 2 ms of compute: a median 0.7-1.2 ms and a third of them over 2 ms after both ranks had
 entered it; with these threads at ``SCHED_FIFO`` a median 0.35 ms and 2% over 2 ms.
 
-So where the process may (root, ``CAP_SYS_NICE`` or an ``RLIMIT_RTPRIO`` of at least 1), those
-threads run ``SCHED_FIFO`` at the lowest real-time priority. They sleep until there is work, and the
-kernel's real-time throttling bounds what they can take. Compute threads are never touched.
-Where it is not permitted (or not Linux) everything runs as before, and `describe_comm_priority`
-says why.
+So on request (``rt``), where the process may (root, ``CAP_SYS_NICE`` or an ``RLIMIT_RTPRIO`` of
+at least 1), those threads run ``SCHED_FIFO`` at the lowest real-time priority. They sleep until
+there is work, and the kernel's real-time throttling bounds what they can take. Compute threads
+are never touched. Where it is not permitted (or not Linux) everything runs as before, and
+`describe_comm_priority` says why.
 
-The switch: ``$OVERLAP_CPU_COMM_PRIORITY`` = ``rt`` (the default) or ``off``, or `set_comm_priority`
+It is off by default: on a host the job has to itself it made serial prefill about 1.2x faster
+(`launch.bench_comm_threads`), but beside a process computing on one core serial prefill took 2x
+and two-batch 3x as long as with normal threads: the raised threads take the core from this job's
+own compute as well as from the other work. A setting that can make a user's job slower on a
+shared host is not a default (docs/planning.md has the figures).
+
+The switch: ``$OVERLAP_CPU_COMM_PRIORITY`` = ``off`` (the default) or ``rt``, or `set_comm_priority`
 (the launcher's ``--cpu-comm-priority``). Threads are found when the CPU backend issues a
 collective and a thread started or ended since the last look (one listing of ``/proc/self/task``
 per collective, and a few more after a thread started, since gloo's threads name themselves a moment
@@ -31,6 +37,7 @@ from .state import STATE
 
 ENV_COMM_PRIORITY = "OVERLAP_CPU_COMM_PRIORITY"
 MODES = ("rt", "off")
+DEFAULT_MODE = "off"  # rt loses beside another job of this kind on a shared host (module docstring)
 RT_PRIORITY = 1  # the lowest SCHED_FIFO priority: above every normal thread, below the kernel's own
 COMM_THREAD_NAMES = ("gloo_tcp_loop", "pt_gloo_runloop")  # gloo's transport loop and process-group workers
 _TASKS = "/proc/self/task"
@@ -72,11 +79,11 @@ def _parse(mode: str, source: str) -> str:
 
 
 def requested_mode() -> str:
-    """The mode asked for: `set_comm_priority`'s, else ``$OVERLAP_CPU_COMM_PRIORITY``'s, else ``rt``."""
+    """The mode asked for: `set_comm_priority`'s, else ``$OVERLAP_CPU_COMM_PRIORITY``'s, else `DEFAULT_MODE`."""
     if STATE.comm_priority is not None:
         return STATE.comm_priority
     env = os.environ.get(ENV_COMM_PRIORITY)
-    return _parse(env, ENV_COMM_PRIORITY) if env else "rt"
+    return _parse(env, ENV_COMM_PRIORITY) if env else DEFAULT_MODE
 
 
 def set_comm_priority(mode: Optional[str]) -> None:
@@ -157,7 +164,7 @@ def describe_comm_priority() -> str:
     """`comm_priority` in words, with the reason where real-time was asked for and is not possible."""
     raised = prioritize_comm_threads()
     if requested_mode() == "off":
-        return "normal priority (turned off)"
+        return "normal priority"
     if _REG.unavailable is not None:
         return f"normal priority ({_REG.unavailable})"
     return f"real-time (SCHED_FIFO {RT_PRIORITY}, {raised} thread{'s' if raised != 1 else ''})"

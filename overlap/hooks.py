@@ -32,7 +32,7 @@ class Span:
 
     name: str
     stream: str
-    kind: str  # "compute", "comm" or "copy"
+    kind: str  # "compute", "comm", "copy" or "issue" (overlap.observability._intervals.KINDS)
     rank: int = 0
     start: float = 0.0
     end: Optional[float] = None

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import overlap
-from collectives import (CapacityExpertParallelMoE, ExpertParallelMoE, LayoutError, MoE, MoEConfig,
-                         capacity_dispatch)
+from collectives import (CapacityBatch, CapacityExpertParallelMoE, EPBatch, EPCombineHandle, EPDispatchHandle,
+                         ExpertParallelMoE, LayoutError, MoE, MoEConfig, capacity_dispatch)
 from overlap.multirank import run_ranks
 
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -82,6 +82,25 @@ def _bad_capacity_body(ctx, case):
 def test_bad_capacity_fails_on_every_rank_before_the_exchange(case, message):
     errors = run_ranks(_bad_capacity_body, 2, case, timeout=60)
     assert all(e is not None and message in e for e in errors), errors
+
+
+def test_handle_and_batch_offer_the_interface_of_every_family():
+    """`collectives.handles`: the portable code (wait, expand, experts on the group list, combine) equals dense."""
+    cfg = MoEConfig(hidden=16, ffn=8, n_experts=4, top_k=2, n_shared=0)
+    moe = _moe(cfg)
+    experts = CapacityExpertParallelMoE.wrap(moe).experts
+    torch.manual_seed(5)
+    x = torch.randn(6, cfg.hidden)
+    idx, weights = moe.router(x)
+    h = capacity_dispatch(x, idx, weights, cfg.n_experts, capacity=9)  # 3 padding rows
+    assert isinstance(h, EPDispatchHandle) and h.wait() is h
+    batch = h.expand()
+    assert isinstance(batch, CapacityBatch) and isinstance(batch, EPBatch)
+    assert batch.x.shape == (9 * 2, cfg.hidden) and batch.group_list.dtype == torch.int64
+    assert batch.group_list.tolist() == batch.counts and sum(batch.counts) == 6 * 2  # padding pairs last
+    result = h.combine(experts(batch.x, batch.group_list), batch)
+    assert isinstance(result, EPCombineHandle)
+    torch.testing.assert_close(result.wait(), moe(x), **TOL)
 
 
 def test_overflow_cannot_be_checked_while_compiling_so_it_is_refused():

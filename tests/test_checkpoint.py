@@ -366,6 +366,56 @@ def test_a_folder_without_config_or_weights(tmp_path, written):
     assert issubclass(CheckpointError, ValueError)
 
 
+def _quantized(src: str, dst: str) -> str:
+    """A copy of the checkpoint ``src`` whose config.json says its weights are FP8, as DeepSeek-V3's does."""
+    shutil.copytree(src, dst)
+    with open(os.path.join(dst, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [128, 128]}
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f)
+    return dst
+
+
+def test_a_quantized_checkpoint_is_refused_before_any_read(written, tmp_path):
+    from launch.checkpoint import check_checkpoint
+
+    path = _quantized(written["qwen3_moe"][1], str(tmp_path / "fp8"))
+    for load in (load_checkpoint, check_checkpoint):
+        with pytest.raises(CheckpointError, match=r"config\.json: a quantized checkpoint \(fp8\) is not supported"):
+            load(path)
+    assert check_checkpoint(written["qwen3_moe"][2]).model_type == "qwen3_moe"
+
+
+def _launch_two_ranks(path: str):
+    """The launcher on 2 ranks started by hand (each rank's own exit status) on the checkpoint ``path``."""
+    from test_launcher_faults import _all_text, _by_hand
+
+    outs = _by_hand([["--model", path, "--warmup", "0", "--iters", "1", "--batch", "2", "--seq-len", "8"]] * 2)
+    return [rc for rc, _, _ in outs], _all_text(outs)
+
+
+@pytest.mark.spawns_ranks
+def test_the_launcher_refuses_a_quantized_checkpoint_in_one_line(tmp_path):
+    model = _model("qwen3_moe")
+    path = _quantized(_save(model, str(tmp_path / "bf16")), str(tmp_path / "fp8"))
+    codes, text = _launch_two_ranks(path)
+    assert codes == [2, 2], text[-3000:]
+    assert text.count("quantized") == 1 and "a quantized checkpoint (fp8) is not supported" in text, text[-3000:]
+    assert "unexpected error" not in text and "Traceback" not in text, text[-3000:]
+
+
+@pytest.mark.spawns_ranks
+def test_a_tensor_one_rank_misses_stops_every_rank_in_one_line(written, tmp_path):
+    expert = "model.layers.1.mlp.experts.5.up_proj.weight"  # rank 1 of 2 holds experts 4-7
+    path = _rewrite(written["qwen3_moe"][1], str(tmp_path / "no_expert"), lambda t: t.pop(expert))
+    codes, text = _launch_two_ranks(path)
+    assert codes == [2, 2], text[-3000:]
+    assert text.count(f"rank 1: tensor {expert} is not in the checkpoint") == 1, text[-3000:]
+    assert "unexpected error" not in text and "Traceback" not in text, text[-3000:]
+
+
 def test_configs_that_are_not_an_moe_causal_lm(tmp_path):
     llama = transformers.AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                               num_attention_heads=2, vocab_size=64)

@@ -1,4 +1,4 @@
-"""The CPU path's communication threads run real-time, compute threads never (`overlap.comm_threads`).
+"""On request the CPU path's communication threads run real-time, compute threads never (`overlap.comm_threads`).
 
 Checked by the scheduling policy the kernel reports for each thread, never by a timing.
 """
@@ -121,6 +121,7 @@ def _in_enrolled_thread(fn):
 
 @linux
 def test_a_refused_raise_is_said_once_and_nothing_fails(registry, monkeypatch):
+    monkeypatch.setenv(comm_threads.ENV_COMM_PRIORITY, "rt")
     calls = []
 
     def refuse(tid, policy, param):
@@ -141,6 +142,7 @@ def test_a_refused_raise_is_said_once_and_nothing_fails(registry, monkeypatch):
 
 @linux
 def test_enrolled_thread_raised_then_lowered(registry, monkeypatch):
+    monkeypatch.setenv(comm_threads.ENV_COMM_PRIORITY, "rt")
     policies = {}
     monkeypatch.setattr(os, "sched_setscheduler", lambda tid, policy, param: policies.__setitem__(tid, policy))
     monkeypatch.setattr(os, "sched_getscheduler", lambda tid: policies.get(tid, os.SCHED_OTHER))
@@ -160,6 +162,7 @@ def test_enrolled_thread_raised_then_lowered(registry, monkeypatch):
 
 def test_a_thread_replaced_one_for_one_is_still_found(registry, monkeypatch):
     """A process group destroyed and another created keep the thread count (torchrun mode's groups)."""
+    monkeypatch.setenv(comm_threads.ENV_COMM_PRIORITY, "rt")
     listing = ["101", "102"]
     real_listdir = os.listdir
     monkeypatch.setattr(os, "listdir", lambda p: list(listing) if p == comm_threads._TASKS else real_listdir(p))
@@ -175,6 +178,7 @@ def test_a_thread_replaced_one_for_one_is_still_found(registry, monkeypatch):
 
 def test_a_thread_that_names_itself_late_is_still_found(registry, monkeypatch):
     """gloo's threads set their names a moment after they start: the looks after a start check again."""
+    monkeypatch.setenv(comm_threads.ENV_COMM_PRIORITY, "rt")
     real_listdir = os.listdir
     monkeypatch.setattr(os, "listdir", lambda p: ["101", "102"] if p == comm_threads._TASKS else real_listdir(p))
     monkeypatch.setattr(comm_threads, "COMM_THREAD_NAMES", ("pt_gloo_runloop",))
@@ -187,11 +191,22 @@ def test_a_thread_that_names_itself_late_is_still_found(registry, monkeypatch):
     assert comm_threads.prioritize_comm_threads() == 1 and policies == {102: os.SCHED_FIFO}
 
 
+def test_normal_priority_by_default(registry, monkeypatch):
+    """Real-time threads lose beside another job on a shared host: nothing is raised unless asked for."""
+    monkeypatch.setattr(os, "sched_setscheduler", lambda *a: pytest.fail("a thread was raised by default"))
+
+    def check(tid):
+        assert comm_threads.prioritize_comm_threads() == 0 and overlap.comm_priority() == "off"
+        assert overlap.describe_comm_priority() == "normal priority"
+
+    _in_enrolled_thread(check)
+
+
 def test_reset_forgets_the_setting(registry):
-    overlap.set_comm_priority("off")
-    assert comm_threads.requested_mode() == "off"
+    overlap.set_comm_priority("rt")
+    assert comm_threads.requested_mode() == "rt"
     overlap.reset()
-    assert comm_threads.requested_mode() == "rt"  # the environment's (unset: rt)
+    assert comm_threads.requested_mode() == "off"  # the environment's (unset: the default, off)
 
 
 def test_bad_modes_are_refused_by_name(registry, monkeypatch):
@@ -209,7 +224,7 @@ def test_launcher_option_reaches_the_job_and_its_agreement():
     common = dict(world=2, device="cpu", exec_path="auto", mode="all", kv_offload=False, kv_store="memory",
                   preset_name="tiny", overrides={}, batch=2, seq_len=16, seq_lens=None, dtype="float32", warmup=0,
                   iters=1, seed=0, check=False, out_dir=None, cpu_link="0.1", timeout=30.0)
-    assert job_config(**common).comm_priority == "rt"
-    off = job_config(**common, cpu_comm_priority="off")
-    assert off.comm_priority == "off"
-    assert fingerprint(off)["--cpu-comm-priority"] == "off"
+    assert job_config(**common).comm_priority == "off"  # real-time only on request
+    rt = job_config(**common, cpu_comm_priority="rt")
+    assert rt.comm_priority == "rt"
+    assert fingerprint(rt)["--cpu-comm-priority"] == "rt"

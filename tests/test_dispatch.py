@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import overlap
-from collectives import LayoutError, combine, compute_layout, dispatch
+from collectives import EPBatch, EPCombineHandle, EPDispatchHandle, LayoutError, combine, compute_layout, dispatch
 from collectives.dispatch import DispatchHandle
 from overlap.multirank import run_ranks
 
@@ -149,6 +149,21 @@ def test_static_splits_skip_count_exchange():
     for out, dense, spans in run_ranks(_static_body, 2):
         torch.testing.assert_close(out, dense)
         assert "dispatch.counts" not in spans and "dispatch" in spans
+
+
+def test_handle_and_batch_offer_the_interface_of_every_family():
+    """`collectives.handles`: wait / expand / combine, and a batch with x, host counts and a device group list."""
+    x, idx, w = _routing(0, 12, 4, 2, seed=3)
+    h = dispatch(x, idx, w, 4, async_finish=True)
+    assert isinstance(h, EPDispatchHandle) and h.wait() is h
+    y, batch = _scale_experts(h, 0, 4)
+    assert isinstance(batch, EPBatch)
+    gl = batch.group_list
+    assert gl.dtype == torch.int64 and gl.device == batch.x.device and gl.tolist() == batch.counts
+    assert sum(batch.counts) == batch.x.shape[0] == 24
+    result = h.combine(y, batch, async_finish=True)
+    assert isinstance(result, EPCombineHandle)
+    torch.testing.assert_close(result.wait(), _dense(x, idx, w))
 
 
 def _bad_input_body(ctx):

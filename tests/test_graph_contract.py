@@ -251,6 +251,25 @@ def test_the_order_check_catches_a_missing_late_or_wrong_wait_on_aclgraph(how):
     assert tc.unordered_reads(bad, "aclgraph") == [f"{mm.name} (default) -> {sin.name} (shared_expert)"]
 
 
+def test_the_order_check_takes_the_graphs_own_path_and_refuses_another():
+    """A ge graph has no events: checked as an aclgraph one it would show every cross-stream read as a race."""
+    ge = tc.capture_graph(two_stream, *_inputs(), path="ge")
+    acl = tc.capture_graph(two_stream, *_inputs(), path="aclgraph")
+    with overlap.enabled(False):
+        plain = tc.capture_graph(two_stream, *_inputs(), path="ge")
+    assert (tc.path_of(ge), tc.path_of(acl), tc.path_of(plain)) == ("ge", "aclgraph", None)
+    assert tc.unordered_reads(ge) == tc.unordered_reads(acl) == tc.unordered_reads(plain) == []
+    assert tc.Order(ge).path == "ge" and tc.Order(acl).path == "aclgraph"
+    assert tc.unordered_reads(plain, "aclgraph") == []  # one stream: either model
+    for gm, held, other in ((ge, "ge", "aclgraph"), (acl, "aclgraph", "ge")):
+        with pytest.raises(ValueError, match=f"captured on the {held} path .*not on {other}: pass path='{held}'"):
+            tc.unordered_reads(gm, other)
+        with pytest.raises(ValueError, match=f"captured on the {held} path"):
+            tc.Order(gm, other)
+    with pytest.raises(ValueError, match="no ordering model for path 'npu'"):
+        tc.unordered_reads(ge, "npu")
+
+
 def _ge_intent(x, w, keep):
     """A side-stream block ordered after another one by ``wait_tensor``; ``keep``: use the result."""
     with overlap.stream(overlap.EP_COMM):

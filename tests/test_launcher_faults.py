@@ -52,6 +52,8 @@ def _all_text(outs):
     ("--layers", ("3", "2"), "ranks disagree on --layers"),
     ("--hidden", ("64", "32"), "ranks disagree on --hidden"),
     ("--mode", ("all", "serial"), "ranks disagree on --mode"),
+    ("--mode", ("all", "all,three-batch"), "ranks disagree on --mode: rank 0: ['serial', 'shared', 'two-batch']; "
+                                           "rank 1: ['serial', 'shared', 'two-batch', 'three-batch']"),
     ("--experts", ("8", "16"), "ranks disagree on --experts"),
     ("--dtype", ("float32", "bfloat16"), "ranks disagree on --dtype"),
     ("--iters", ("1", "2"), "ranks disagree on --iters"),
@@ -61,6 +63,12 @@ def test_ranks_started_with_different_options_stop_with_one_clear_error(option, 
     assert [rc for rc, _, _ in outs] == [2, 2], _all_text(outs)[-3000:]
     assert _all_text(outs).count(words) == 1, _all_text(outs)[-3000:]
     assert "running serial" not in _all_text(outs)  # stopped before the first prefill
+
+
+def test_ranks_agree_on_the_mode_list_they_run_however_it_is_spelled():
+    outs = _by_hand([SMALL + ["--mode", "all,two-batch"], SMALL + ["--mode", "serial,shared", "--mode", "two-batch"]])
+    assert [rc for rc, _, _ in outs] == [0, 0], _all_text(outs)[-3000:]
+    assert "disagree" not in _all_text(outs)
 
 
 def test_tokens_per_second_counts_every_rank(tmp_path):

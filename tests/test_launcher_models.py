@@ -27,6 +27,7 @@ def test_two_ranks_expert_parallel_with_kv_offload_and_overrides(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("check: serial matches deepseek_v3's own forward") == 1
     assert "4 experts top-2" in proc.stdout and "kv offload on" in proc.stdout
+    assert "prefill: deepseek_v3 3 layers (1 dense, 2 MoE)," in proc.stdout  # first_k_dense_replace=1
     res = json.loads((tmp_path / "results.json").read_text())
     assert res["check"] == "passed" and [r["mode"] for r in res["rows"]] == ["serial", "shared", "two-batch"]
 
@@ -47,8 +48,43 @@ def test_a_checkpoint_folder_is_read_per_rank(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert out.count("weights: rank 0 holds") == 1 and "rank 1 holds" in out
-    assert "not compared with the model's own forward: each rank holds only its experts" in out
+    assert "not compared with the model's own forward: each of the 2 ranks holds 4 of the checkpoint's 8 routed " \
+           "experts" in out
     assert "check: every mode matches serial" in out
+
+
+def test_a_checkpoint_on_one_rank_is_compared_with_its_own_forward(tmp_path):
+    folder = _checkpoint(tmp_path / "ckpt")
+    proc = _run(SMALL + ["--model", str(folder), "--check"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"check: serial matches {folder}'s own forward" in proc.stdout, proc.stdout[-3000:]
+    assert "not compared" not in proc.stdout and "check: every mode matches serial" in proc.stdout
+
+
+_SKEWED = """
+import sys
+import launch.prefill as p
+
+own = p._own_forward
+
+
+def skewed(*args):  # the model's own forward, moved by 0.01: the check must see it
+    out = own(*args)
+    return out if out is None or isinstance(out, str) else out + 0.01
+
+
+p._own_forward = skewed
+sys.argv = ["launch/prefill.py"] + sys.argv[1:]
+p.script()
+"""
+
+
+def test_the_comparison_with_a_checkpoints_own_forward_catches_a_difference(tmp_path):
+    folder = _checkpoint(tmp_path / "ckpt")
+    proc = subprocess.run([sys.executable, "-c", _SKEWED] + SMALL + ["--model", str(folder), "--check"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"check: FAILED: serial differs from {folder}'s own forward by 1.0" in proc.stdout, proc.stdout
 
 
 @pytest.mark.parametrize("args, message", [

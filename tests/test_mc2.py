@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from collectives import LayoutError, MoE, MoEConfig, combine_dense, mc2
+from collectives import EPBatch, EPCombineHandle, EPDispatchHandle, LayoutError, MoE, MoEConfig, combine_dense, mc2
 from collectives.mc2 import (MC2_MAX_TOKENS, MC2Error, MC2ExpertParallelMoE, check_mc2_buffer, choose_backend,
                              ep_combine, ep_dispatch, mc2_buffer_bytes, mc2_buffer_mb, mc2_dispatch)
 from overlap.multirank import run_ranks
@@ -170,6 +170,43 @@ def test_mc2_equals_dense_on_two_ranks(tokens, max_tokens):
 
 def calls_of(seen, name):
     return [kw for op, kw in seen if op == name]
+
+
+# --- one interface: the same code on every backend (the MC2 example of docs/expert-parallel.md) ----------
+
+def _portable_moe(x, topk_idx, topk_weights, num_experts, group, local_experts, backend, max_tokens):
+    """The MC2 example's code, written once against `collectives.handles`; which protocols each object met."""
+    h = ep_dispatch(x, topk_idx, topk_weights, num_experts, group, backend=backend, max_tokens_per_rank=max_tokens,
+                    async_finish=True)
+    h.wait()
+    batch = h.expand()
+    y = local_experts(batch.x, batch.group_list)
+    result = ep_combine(y, batch, h)
+    met = [isinstance(h, EPDispatchHandle), isinstance(batch, EPBatch), isinstance(result, EPCombineHandle)]
+    return result.wait(), met, type(h).__name__
+
+
+def _portable_body(ctx):
+    GROUPS["ep"] = ctx.group
+    cfg = MoEConfig(hidden=64, ffn=16, n_experts=4 * ctx.world_size, top_k=2, n_shared=0)
+    moe = _moe(cfg)
+    experts = MC2ExpertParallelMoE.wrap(moe, ctx.group).experts
+    torch.manual_seed(20 + ctx.rank)
+    x = torch.randn(5 + ctx.rank, cfg.hidden).to(torch.bfloat16)
+    idx, weights = moe.router(x)
+    out = {"all_to_all": _portable_moe(x, idx, weights, cfg.n_experts, ctx.group, experts, "all_to_all", 8)}
+    with installed(fake_npu(*MC2_OPS)), mock.patch.object(mc2, "_group_name", lambda group: "ep"):
+        out["mc2"] = _portable_moe(x, idx, weights, cfg.n_experts, ctx.group, experts, "mc2", 8)
+    return out, combine_dense(x, idx, weights, moe.experts)
+
+
+@pytest.mark.cpu_only
+def test_the_same_code_runs_on_every_backend():
+    for rank, (out, dense) in enumerate(run_ranks(_portable_body, 2, timeout=120)):
+        assert {b: o[2] for b, o in out.items()} == {"all_to_all": "DispatchHandle", "mc2": "MC2DispatchHandle"}
+        for backend, (got, met, _) in out.items():
+            assert met == [True, True, True], (backend, met)
+            torch.testing.assert_close(got, dense, **BF16, msg=lambda m: f"rank {rank} {backend}: {m}")
 
 
 # --- errors before any collective ------------------------------------------------------------------------

@@ -4,6 +4,7 @@ Speedup, ideal speedup, hidden share and communication share are checked on hand
 results; `measure` itself runs on two gloo ranks with a stand-in prefill, so that only its
 bookkeeping is under test (interleaving, the recorded round, the slowest rank's times).
 """
+import statistics
 import time
 import types
 
@@ -12,7 +13,8 @@ import torch
 
 import overlap
 from launch import measure as measure_mod
-from launch.measure import ModeResult, _compare, comm_share, ideal_speedup, measure, rounds, table
+from launch.measure import (ModeResult, _compare, comm_share, explained_speedup, ideal_speedup, measure, notes, rounds,
+                            spread, table)
 from overlap import DEFAULT, EP_COMM, SHARED_EXPERT, Span
 from overlap.multirank import run_ranks
 from overlap.observability import metrics
@@ -104,8 +106,12 @@ def test_comm_share_is_the_longest_ranks_comm_over_the_longest_ranks_iteration()
     assert comm_share(spans) == pytest.approx(4 / 10)
 
 
-def _result(mode, times, spans=(), out=None):
-    return ModeResult(mode, list(times), "", list(spans), torch.ones(3) if out is None else out)
+def _result(mode, times, spans=(), out=None, comm_shares=None):
+    """A mode's result whose every timed round has ``spans``' communication share (or ``comm_shares``)."""
+    if comm_shares is None:
+        comm_shares = [comm_share(spans)] * len(times) if spans else []
+    return ModeResult(mode, list(times), "", list(spans), torch.ones(3) if out is None else out,
+                      comm_shares=list(comm_shares))
 
 
 @pytest.fixture
@@ -130,6 +136,17 @@ def test_compare_by_hand(one_rank):
     assert serial.ref_scale == 1.0
 
 
+def test_comm_share_is_the_median_over_the_rounds_as_the_times_are(one_rank):
+    serial = _result("serial", [0.30, 0.10, 0.20], comm_shares=[0.5, 0.2, 0.3])  # one round's share is not it
+    two = _result("two-batch", [0.1, 0.1, 0.1])
+    _compare([serial, two], None)
+    assert serial.comm_share == pytest.approx(0.3)
+    assert serial.ideal_speedup == two.ideal_speedup == pytest.approx(1 / 0.7)
+    serial = _result("serial", [0.2, 0.2], comm_shares=[None, 0.4])  # a round without spans counts for nothing
+    _compare([serial], None)
+    assert serial.comm_share == pytest.approx(0.4)
+
+
 def test_compare_without_timeline_or_serial(one_rank):
     serial, two = _result("serial", [0.2]), _result("two-batch", [0.1])
     _compare([serial, two], None)  # a compiled graph: no spans, so no shares
@@ -141,18 +158,98 @@ def test_compare_without_timeline_or_serial(one_rank):
 
 
 def test_table_prints_the_figures(one_rank):
-    serial = _result("serial", [0.2], [_s("comm", 0, 4), _s("compute", 4, 10)])
+    serial = _result("serial", [0.2, 0.2, 0.2], [_s("comm", 0, 4), _s("compute", 4, 10)])
     two = _result("two-batch", [0.16, 0.1, 0.17])
     two.hidden_comm_share = 0.5
     _compare([serial, two], None)
     text = table([serial, two], tokens=1000)
     lines = text.splitlines()
-    assert lines[2].split()[:2] == ["serial", "200.0"] and "1.00x" in lines[2] and "5000" in lines[2]
-    assert lines[3].split()[:4] == ["two-batch", "160.0", "[100.0-170.0]", "6250"]
+    assert lines[0].split()[:6] == ["mode", "ms/prefill", "median", "[min-max]", "spread", "tokens/s"]
+    assert lines[2].split()[:4] == ["serial", "200.0", "[200.0-200.0]", "0%"] and "1.00x" in lines[2]
+    assert "5000" in lines[2]
+    # inclusive quartiles of 100, 160, 170: 130 and 165, over the median 160
+    assert lines[3].split()[:5] == ["two-batch", "160.0", "[100.0-170.0]", f"{35 / 160:.0%}", "6250"]
     assert "1.25x" in lines[3] and "50%" in lines[3]
     assert lines[4] == ("serial: communication 40% of prefill time -> ideal speedup "
                         "(compute + comm) / max(compute, comm) = 1.67x")
-    assert two.row(1000)["tokens_per_s"] == pytest.approx(6250) and two.row(1000)["speedup"] == pytest.approx(1.25)
+    assert lines[5].startswith("medians of 3 timed round(s) per mode")
+    row = two.row(1000)
+    assert row["tokens_per_s"] == pytest.approx(6250) and row["speedup"] == pytest.approx(1.25)
+    assert row["spread"] == pytest.approx(35 / 160)
+
+
+# --- spread, and the words for figures not to be read as results (launch/measure.py notes) ---
+
+def test_spread_is_the_interquartile_range_over_the_median():
+    assert spread([0.2]) is None and spread([]) is None
+    assert spread([0.1, 0.3]) == pytest.approx(0.1 / 0.2)  # quartiles 0.15 and 0.25
+    assert spread([1.0, 1.0, 1.0, 1.0, 9.0]) == 0.0  # one slow round does not make the whole run noise
+    assert spread([2.0, 3.0, 4.0, 5.0, 6.0]) == pytest.approx(2.0 / 4.0)
+
+
+def _compared(serial_times, others, comm_shares=(0.25,)):
+    """Results compared with serial: ``others`` maps a mode to (times, hidden share)."""
+    serial = _result("serial", serial_times, comm_shares=list(comm_shares) * len(serial_times))
+    serial.hidden_comm_share = 0.0
+    rest = []
+    for mode, (times, hidden) in others.items():
+        r = _result(mode, times)
+        r.hidden_comm_share = hidden
+        rest.append(r)
+    _compare([serial] + rest, None)
+    return [serial] + rest
+
+
+def test_a_difference_within_the_spread_is_called_noise(one_rank):
+    # serial's rounds spread 20% (IQR 0.9-1.1 over 1.0); shared is 5% faster, two-batch 40%
+    results = _compared([0.8, 0.9, 1.0, 1.1, 1.2], {"shared": ([0.95] * 5, 0.1), "two-batch": ([0.6] * 5, 0.9)},
+                        comm_shares=(0.5,))
+    lines = notes(results)
+    noise = [line for line in lines if "within the rounds' spread" in line]
+    assert len(noise) == 1 and noise[0].startswith("shared: ") and "two-batch" not in noise[0]
+    assert "20%" in noise[0] and "--iters 10" in noise[0]
+    # every difference is real when the rounds agree
+    assert not any("spread (" in line for line in notes(_compared([1.0] * 5, {"shared": ([0.95] * 5, 0.1)})))
+
+
+def test_one_round_says_there_is_no_spread(one_rank):
+    lines = notes(_compared([1.0], {"two-batch": ([0.9], 0.5)}))
+    assert lines[0].startswith("medians of 1 timed round(s)")
+    assert any("no spread" in line and "--iters" in line for line in lines)
+    assert any("no spread" in line for line in table(_compared([1.0], {}), 100).splitlines())
+    # a speedup above what its hidden communication explains is not called "not overlap" on one round
+    beyond = [line for line in notes(_compared([1.01], {"auto": ([1.0], 0.0)}, comm_shares=(0.34,)))
+              if line.startswith("auto:")]
+    assert beyond == ["auto: 1.01x is more than hiding 0% of serial's 34% communication can give (1.00x at most): "
+                      "one round, not a result"]
+
+
+def test_a_speedup_above_the_ideal_is_said_in_words(one_rank):
+    # serial: communication 8% -> ideal 1.09x; two-batch measured 1.18x with steady rounds
+    results = _compared([1.18] * 3, {"two-batch": ([1.0] * 3, 1.0)}, comm_shares=(0.08,))
+    two = results[1]
+    assert two.ideal_speedup == pytest.approx(1 / 0.92) and two.speedup == pytest.approx(1.18)
+    said = [line for line in notes(results) if line.startswith("two-batch:")]
+    assert said == ["two-batch: 1.18x is above the ideal 1.09x: the rest is not overlap "
+                    "(this mode's compute or waits took less time than serial's)"]
+
+
+def test_a_speedup_its_hidden_communication_cannot_explain_is_said_in_words(one_rank):
+    # bench_pipeline's case: 16% of a 25% share hidden explains 1/(1 - 0.04) = 1.04x, not 1.26x
+    assert explained_speedup(0.16, 0.25) == pytest.approx(1 / 0.96)
+    assert explained_speedup(1.0, 1.0) == float("inf") and explained_speedup(0.0, 0.4) == 1.0
+    results = _compared([1.26] * 3, {"two-batch": ([1.0] * 3, 0.16)})
+    said = [line for line in notes(results) if line.startswith("two-batch:")]
+    assert len(said) == 1
+    assert said[0].startswith("two-batch: 1.26x is more than hiding 16% of serial's 25% communication can give "
+                              "(1.04x at most): the rest is not overlap")
+    # within the rounds' spread, the words say so instead
+    results = _compared([1.0, 1.08, 1.2], {"two-batch": ([0.9, 1.0, 1.1], 0.16)})
+    said = [line for line in notes(results) if line.startswith("two-batch: 1.08x")]
+    assert len(said) == 1 and "within the rounds' spread" in said[0] and "likely noise" in said[0]
+    # a speedup its hidden communication explains gets no words
+    results = _compared([1.03] * 3, {"two-batch": ([1.0] * 3, 0.16)})
+    assert not any(line.startswith("two-batch") for line in notes(results))
 
 
 # --- the order `measure` runs the modes in ---
@@ -193,12 +290,13 @@ def _measure_rank(ctx):
     finally:  # under torchrun the rank's process goes on to other tests
         measure_mod.plan_for, measure_mod.prefill = real
     return calls, [dict(mode=r.mode, times=r.times_s, split=r.split, spans=r.spans, hidden=r.hidden_comm_share,
-                        comm_share=r.comm_share, ideal=r.ideal_speedup, speedup=r.speedup, median=r.median_s)
+                        comm_share=r.comm_share, comm_shares=r.comm_shares, ideal=r.ideal_speedup,
+                        speedup=r.speedup, median=r.median_s)
                    for r in results]
 
 
 @pytest.mark.cpu_only
-def test_measure_interleaves_rounds_and_records_the_last():
+def test_measure_interleaves_rounds_and_records_every_timed_round():
     expected = []
     for r, order in enumerate([["serial", "x", "y"], ["serial", "x", "y"], ["x", "y", "serial"], ["y", "serial", "x"]]):
         for mode in order:
@@ -210,12 +308,28 @@ def test_measure_interleaves_rounds_and_records_the_last():
         for r in results:
             assert r["split"] == f"plan of {r['mode']}" and len(r["times"]) == 3
             work = [s for s in r["spans"] if s.name == "work"]
-            assert sorted(s.rank for s in work) == [0, 1]  # every rank's spans, the last round only
-            assert all(s.meta["it"] == 3 for s in work)
+            assert sorted(s.rank for s in work) == [0, 1]  # every rank's spans, of one round
+            # without communication to rank them by, the round kept is the one at the median time
+            kept = sorted(range(3), key=lambda i: r["times"][i])[1]
+            assert {s.meta["it"] for s in work} == {1 + kept}  # round 0 is the warmup
             assert r["speedup"] == pytest.approx(by["serial"]["median"] / r["median"])
             assert r["ideal"] == by["serial"]["ideal"]
         assert all(t >= SLOW_MODE_S for t in by["x"]["times"])  # the slowest rank's time, on every rank
         assert by["serial"]["hidden"] == 0.0 and by["x"]["hidden"] is None
-        assert by["serial"]["comm_share"] == pytest.approx(comm_share(by["serial"]["spans"]))
-        assert 0 < by["serial"]["comm_share"] <= 1
+        assert len(by["serial"]["comm_shares"]) == 3  # every timed round measured, the median kept
+        assert all(0 < c <= 1 for c in by["serial"]["comm_shares"])
+        assert by["serial"]["comm_share"] == pytest.approx(statistics.median(by["serial"]["comm_shares"]))
+        assert by["x"]["comm_shares"] == [0.0, 0.0, 0.0]
         assert by["serial"]["ideal"] == pytest.approx(ideal_speedup(by["serial"]["comm_share"]))
+
+
+def test_the_pipeline_benchmarks_verdict_says_when_it_is_noise(one_rank):
+    from launch.bench_pipeline import verdict
+
+    serial, two = _compared([0.8, 0.9, 1.0, 1.1, 1.2], {"two-batch": ([0.95] * 5, 0.5)})
+    assert verdict({"serial": serial, "two-batch": two}) == \
+        "two-batch not slower than serial: yes (within the rounds' spread: not a result)"
+    serial, two = _compared([1.0] * 5, {"two-batch": ([1.1] * 5, 0.5)})
+    assert verdict({"serial": serial, "two-batch": two}) == "two-batch not slower than serial: NO"
+    serial, two = _compared([1.0], {"two-batch": ([0.8], 0.5)})
+    assert verdict({"serial": serial, "two-batch": two}).endswith("yes (one round: not a result)")

@@ -1,5 +1,6 @@
 """The planner: the fastest predicted candidate wins, every rank decides alike, auto runs and equals serial."""
 import os
+import re
 import subprocess
 import sys
 
@@ -60,6 +61,15 @@ def test_a_model_that_cannot_cut_gets_boundary_splits_only():
     assert all(c.max_imbalance is None for c in choice.candidates if c.micro_batches > 1)
 
 
+def test_a_choices_split_reason_says_its_split_once():
+    lens = (64, 64, 64, 64)
+    one = choose(_Cal(0.0), _layers(), [lens], device=False)
+    assert one.plan(lens, None).reason == "one batch (serial)"
+    several = choose(_Cal(2.5e-8), _layers(), [lens], device=False)
+    reason = several.plan(lens, None).reason
+    assert reason.startswith(several.best.describe() + "; request boundar") and "auto" not in reason, reason
+
+
 def _decide_and_run(ctx, lens):
     import overlap
     from launch.calibrate import calibrate
@@ -105,6 +115,27 @@ def test_the_launcher_plans_runs_and_writes_the_prediction(tmp_path):
                              "--plan", str(tmp_path / "out" / "trace_auto.predicted.json")],
                             capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
     assert report.returncode == 0, report.stderr[-2000:]
+
+
+@pytest.mark.spawns_ranks
+def test_auto_in_a_mode_list_says_whether_its_calibration_is_cached(tmp_path):
+    """`--mode two-batch,auto`: serial runs beside auto, the first run says it calibrates and where it
+    caches, the second that it read that file; the split line names auto's split, not `auto: ...`."""
+    env = dict(os.environ, PYTHONPATH=ROOT, OVERLAP_CALIBRATION_CACHE=str(tmp_path / "cal"))
+    cmd = [sys.executable, SCRIPT, "--preset", "tiny", "--mode", "two-batch,auto", "--warmup", "0", "--iters", "1",
+           "--seq-lens", "48,30,20"]
+    runs = [subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT) for _ in range(2)]
+    for proc in runs:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    (cached,) = (tmp_path / "cal").glob("*.json")
+    first, second = (proc.stderr for proc in runs)
+    assert f"cached after this run in {cached})" in first and "calibration: cached" not in first, first
+    assert f"calibration: cached ({cached})" in second and "calibrating" not in second, second
+    for out in (proc.stdout for proc in runs):
+        assert re.findall(r"^(serial|two-batch|auto) +[0-9.]+ \[", out, re.M) == ["serial", "two-batch", "auto"], out
+        chose = re.search(r"^auto: chose (.+?): predicted", out, re.M).group(1)
+        split = re.search(r"^auto split: (.+)$", out, re.M).group(1)
+        assert split == f"one batch ({chose})" if chose in microbatch.MODES else split.startswith(chose + "; "), out
 
 
 @pytest.mark.spawns_ranks

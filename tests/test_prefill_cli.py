@@ -1,6 +1,7 @@
 """`launch/prefill.py` driven as users run it: one process, torchrun on 2 ranks, errors, a dead rank."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -36,10 +37,11 @@ def test_single_process_all_modes_check_and_outputs(tmp_path):
     proc = _run(TINY + ["--seq-lens", "16,9,7", "--check", "--out", str(tmp_path)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "check: every mode matches serial" in proc.stdout
+    assert "prefill: 3 layers (1 dense, 2 MoE)," in proc.stdout  # the tiny preset's first layer is dense
     for mode in ("serial", "shared", "two-batch"):
         assert mode in proc.stdout
     res = json.loads((tmp_path / "results.json").read_text())
-    assert res["world_size"] == 1 and res["check"] == "passed"
+    assert res["world_size"] == 1 and res["check"] == "passed" and res["serial_added"] is False
     assert [r["mode"] for r in res["rows"]] == ["serial", "shared", "two-batch"]
     assert all(r["max_diff"] <= 1e-4 and len(r["times_s"]) == 1 for r in res["rows"])
     ranks, lanes = _trace_lanes(tmp_path / "trace_two-batch.json")
@@ -72,7 +74,9 @@ def test_two_ranks_under_torchrun_with_kv_offload(tmp_path):
     (["--timeout", "0"], 2, "--timeout must be a positive number of seconds"),
     (["--timeout", "nan"], None, "--timeout must be a positive number of seconds"),
     (["--seq-lens", ""], None, "--seq-lens is empty"),
-    (["--check", "--mode", "two-batch"], 2, "--check compares every mode with serial"),
+    (["--mode", "serial,bogus"], 2, "unknown mode 'bogus' (valid: serial, shared, two-batch, three-batch, "
+                                    "four-batch, all, auto; a comma-separated list)"),
+    (["--mode", "serial,"], None, "an empty mode name in 'serial,'"),
     (["--cpu-link", "1,nan"], None, "--cpu-link"),
     (["--cpu-link", "1,inf"], None, "--cpu-link"),
 ])
@@ -108,6 +112,65 @@ def test_an_unexpected_error_prints_its_traceback_and_fails():
     assert "rank 0: RuntimeError: injected fault on rank 0 at iteration 0" in proc.stderr
     assert "Traceback (most recent call last)" in proc.stderr and 'prefill.py", line' in proc.stderr
     assert proc.stderr.count("in maybe_fail") == 1, proc.stderr[-3000:]
+
+
+def test_check_runs_serial_beside_a_mode_list_that_leaves_it_out(tmp_path):
+    """`--mode` takes comma-separated lists, given more than once they add up (repeats dropped, order
+    kept), and `--check` adds serial as the reference, says so, and shows it in the table and the JSON."""
+    proc = _run(TINY + ["--seq-lens", "40,24", "--mode", "three-batch,four-batch", "--mode", "three-batch", "--check",
+                        "--out", str(tmp_path)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "modes: serial, three-batch, four-batch (serial added: the reference of --check)" in out, out
+    assert "check: every mode matches serial" in out
+    rows = [line.split()[0] for line in out.splitlines() if re.match(r"[a-z-]+ +[0-9.]+ \[", line)]
+    assert rows == ["serial", "three-batch", "four-batch"], out  # the table: serial first, as the reference
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert [r["mode"] for r in res["rows"]] == ["serial", "three-batch", "four-batch"]
+    assert res["serial_added"] is True and res["check"] == "passed"
+
+
+def _job(**options):
+    from launch.config import job_config
+
+    common = dict(world=2, device="cpu", exec_path="auto", mode="all", kv_offload=False, kv_store="memory",
+                  preset_name="tiny", overrides={}, batch=2, seq_len=16, seq_lens=None, dtype="float32", warmup=0,
+                  iters=1, seed=0, check=False, out_dir=None, cpu_link="0.1", timeout=30.0)
+    return job_config(**dict(common, **options))
+
+
+def test_the_mode_list_is_resolved_once_and_is_what_the_ranks_agree_on():
+    from launch.agreement import fingerprint
+    from launch.config import ConfigError
+
+    assert _job(mode="all").modes == ("serial", "shared", "two-batch")
+    assert _job(mode=["serial,shared", "two-batch", "all"]).modes == ("serial", "shared", "two-batch")
+    assert _job(mode="three-batch,two-batch,three-batch").modes == ("three-batch", "two-batch")
+    assert _job(mode="three-batch").modes == ("three-batch",)
+    checked = _job(mode="three-batch", check=True)
+    assert checked.modes == ("serial", "three-batch") and checked.serial_added
+    assert _job(mode="auto").modes == ("serial", "auto") and _job(mode="two-batch,auto").modes[0] == "serial"
+    assert not _job(mode="shared,serial", check=True).serial_added
+    # the fingerprint holds the list the ranks will run: spellings of one list agree, other lists do not
+    assert fingerprint(_job(mode="all"))["--mode"] == fingerprint(_job(mode="serial,shared,two-batch"))["--mode"]
+    assert fingerprint(_job(mode="two-batch", check=True))["--mode"] == ["serial", "two-batch"]
+    assert fingerprint(_job(mode="all"))["--mode"] != fingerprint(_job(mode="all,three-batch"))["--mode"]
+    with pytest.raises(ConfigError, match="unknown mode 'fast'"):
+        _job(mode="serial,fast")
+
+
+@pytest.mark.parametrize("command, usage", [
+    ("from launch.prefill import script; script()", "Usage: overlap-prefill "),  # what the console script runs
+    (None, "Usage: launch/prefill.py "),
+])
+def test_the_help_names_the_command_and_every_kind_of_model(command, usage):
+    cmd = [sys.executable, SCRIPT] if command is None else [sys.executable, "-c", command]
+    proc = subprocess.run(cmd + ["--help"], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith(usage), proc.stdout[:300]
+    summary = " ".join(proc.stdout.split("Options:")[0].split())
+    assert "reference decoder" in summary and "transformers" in summary and "checkpoint" in summary, summary
 
 
 def test_check_verdict_fails_a_mode_that_differs_from_serial():

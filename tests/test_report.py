@@ -57,6 +57,60 @@ def test_serialized_toolkit_trace_fails_the_gate(tmp_path):
     assert "rank 0: overlap/min(busy) of default | ep_comm is 0.00 < 0.5" in result.output
 
 
+def _issue_trace(tmp_path):
+    """Rank 0 as the executor records it on CPU: compute 0..4 ms on main; on ep_comm the host's issue span
+    of the dispatch 4..6 ms and the exchange it issued, in flight 1..3 ms under the compute."""
+    spans = [Span("attn", "default", "compute", 0, 0.0, 0.004, meta={"mb": 1, "layer": 0}),
+             Span("dispatch", "ep_comm", "issue", 0, 0.004, 0.006, meta={"mb": 0, "layer": 0}),
+             Span("dispatch", "ep_comm", "comm", 0, 0.001, 0.003, meta={"mb": 0, "layer": 0})]
+    return save_chrome_trace(spans, str(tmp_path / "issue.json")), spans
+
+
+def test_issue_spans_are_no_busy_time(tmp_path):
+    from overlap.observability.timeline import metrics
+
+    path, spans = _issue_trace(tmp_path)
+    for m, rank in ((analyse(path)[1], "rank 0"), (metrics(spans), 0)):  # the report and the timeline alike
+        rm = m.per_rank[rank]
+        assert rm.busy == pytest.approx({"default": 0.004, "ep_comm": 0.002}, abs=1e-9)  # the exchange only
+        assert rm.ratio("default", "ep_comm") == pytest.approx(1.0)  # all of it under compute
+        assert rm.hidden_share == pytest.approx(1.0)
+    assert _run(path, "--min-overlap", 0.9).exit_code == 0
+    # a stream that only the host touched is not busy at all
+    host_only = save_chrome_trace(spans[:2], str(tmp_path / "host_only.json"))
+    assert set(analyse(host_only)[1].per_rank["rank 0"].busy) == {"default"}
+
+
+@pytest.mark.spawns_ranks
+def test_the_report_prints_the_launchers_figures_on_its_own_trace(tmp_path):
+    """``overlap-report`` on the launcher's two-batch trace: the launcher's hidden comm, and busy times
+    without the host's issue spans (the two quantities related as `_intervals` says)."""
+    from _ports import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           os.path.join(ROOT, "launch", "prefill.py"), "--preset", "tiny", "--batch", "2", "--seq-len", "32",
+           "--warmup", "0", "--iters", "3", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT,
+                          env=dict(os.environ, PYTHONPATH=ROOT))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    trace = str(tmp_path / "trace_two-batch.json")
+    row = next(r for r in json.loads((tmp_path / "results.json").read_text())["rows"] if r["mode"] == "two-batch")
+    _, m = analyse(trace)
+    assert m.hidden_share == pytest.approx(row["hidden_comm_share"], abs=1e-4)
+    table_row = next(line for line in proc.stdout.splitlines() if line.startswith("two-batch "))
+    assert f"{row['hidden_comm_share']:.0%}" in table_row.split()
+    events = json.loads(open(trace).read())["traceEvents"]
+    assert any(e.get("cat") == "issue" for e in events)  # the executor's issue spans are in the trace
+    for proc_name, rm in m.per_rank.items():
+        assert rm.busy["ep_comm"] == pytest.approx(rm.comm_time, abs=1e-6), proc_name  # no issue time in it
+        if set(rm.busy) == {"default", "ep_comm"}:  # all compute on one stream, all communication on the other
+            low = min(rm.busy["default"], rm.comm_time)
+            assert rm.ratio("default", "ep_comm") == pytest.approx(rm.hidden_comm_time / low, abs=1e-6)
+    all_line = next(line for line in _run(trace).output.splitlines() if line.startswith("all: hidden share"))
+    assert float(all_line.split()[5].rstrip("%")) == pytest.approx(100 * row["hidden_comm_share"], abs=0.06)
+    assert "hidden comm" in all_line  # named as the launcher names it
+
+
 def test_torch_profiler_cuda_trace():
     trace, m = analyse(os.path.join(DATA, "torch_profiler_cuda.json"))
     rm, = m.per_rank.values()

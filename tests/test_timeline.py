@@ -165,3 +165,60 @@ def test_two_ranks_comm_hidden_under_compute(tmp_path):
     pytest.importorskip("matplotlib")
     save_png(spans, str(png), title="two ranks")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_issue_spans_are_host_time_not_busy_time():
+    spans = [_span("attn", DEFAULT, "compute", 0.0, 4.0),
+             _span("dispatch", EP_COMM, "issue", 4.0, 6.0),  # the host ran the operation, after the compute
+             _span("dispatch", EP_COMM, "comm", 1.0, 3.0)]  # the exchange it issued, under the compute
+    m = metrics(spans)
+    assert m.busy(EP_COMM) == 2.0 and m.busy(DEFAULT) == 4.0
+    assert m.ratio(DEFAULT, EP_COMM) == 1.0 and m.hidden_share == 1.0
+
+
+def _mb_spans():
+    """Two micro-batches: mb 0's exchange on ep_comm under mb 1's compute, issue spans, an unlabelled span."""
+    spans = [_span("attn", DEFAULT, "compute", 0.0, 4.0), _span("attn", DEFAULT, "compute", 4.0, 8.0),
+             _span("dispatch", EP_COMM, "issue", 3.9, 4.0), _span("dispatch", EP_COMM, "comm", 4.0, 7.5),
+             _span("dispatch", EP_COMM, "issue", 7.9, 8.0), _span("dispatch", EP_COMM, "comm", 8.0, 8.05),
+             _span("agree_split", DEFAULT, "comm", 8.1, 8.2)]
+    for s, mb in zip(spans, (0, 1, 0, 0, 1, 1)):
+        s.meta.update(mb=mb, layer=2)
+    return spans
+
+
+def test_png_colours_by_micro_batch_and_hatches_by_kind():
+    from overlap.observability import _png
+
+    attn0, attn1, issue0, comm0, _, comm1, agree = _mb_spans()
+    style = _png.span_style
+    assert style(attn0).colour == style(comm0).colour == style(issue0).colour  # micro-batch 0: one colour
+    assert style(attn1).colour == style(comm1).colour != style(attn0).colour  # micro-batch 1: another
+    assert style(agree).colour == _png.NO_MB not in (style(attn0).colour, style(attn1).colour)
+    assert style(attn0).hatch == "" and style(comm0).hatch and style(issue0).hatch != style(comm0).hatch
+    assert style(issue0).height < style(comm0).height  # host time drawn thin
+
+
+def test_png_legend_names_micro_batches_and_every_kind():
+    from overlap.observability import _png
+
+    names = [name for name, _ in _png.legend_entries(_mb_spans())]
+    assert names[:3] == ["micro-batch 0", "micro-batch 1", "no micro-batch"]
+    assert [n.split()[0].rstrip(":") for n in names[3:]] == ["compute", "comm", "copy", "issue"]
+    assert "no micro-batch" not in [n for n, _ in _png.legend_entries(_mb_spans()[:2])]
+    odd = _span("x", DEFAULT, "wait", 0.0, 1.0)
+    assert [n for n, _ in _png.legend_entries([odd])][-1] == "wait"  # a kind of another writer is named too
+
+
+def test_png_labels_the_layer_where_it_fits():
+    from overlap.observability import _png
+
+    spans = _mb_spans()
+    labels = {(s.meta["mb"], s.stream): text for s, text in _png.layer_labels(spans, min_width=1.0)}
+    assert labels == {(0, DEFAULT): "L2", (1, DEFAULT): "L2", (0, EP_COMM): "L2"}  # mb 1's 0.05 s exchange: no room
+
+
+def test_save_png_of_a_hand_built_timeline(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = save_png(_mb_spans(), str(tmp_path / "sub" / "t.png"), title="two-batch")
+    assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"

@@ -344,7 +344,8 @@ class _ScalesTokens(nn.Module):
     def forward(self, x):
         flat = x.reshape(-1, x.shape[-1])
         _, weights, idx = self.gate(flat)
-        return self.experts(flat * weights.sum(-1, keepdim=True), idx, weights).reshape(x.shape)
+        # by the top expert's score (Llama 4 scales by its sigmoid score); a sum of normalized weights is 1
+        return self.experts(flat * weights[:, :1], idx, weights).reshape(x.shape)
 
 
 class _ScalesOutput(_ScalesTokens):

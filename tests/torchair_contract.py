@@ -9,11 +9,13 @@ both, replaces the native modules they import with small stand-ins and imports t
 modules ``torchair`` and ``npugraph_ex``. `capture_graph` then compiles a function with
 ``torch.compile(fullgraph=True)`` on a chosen path and returns the FX graph Dynamo captured, with
 the real ``air.*`` / ``npugraph_ex.*`` nodes in it. `unordered_reads` checks, on such a graph, that
-every value read on another stream than its writer's is ordered after the write.
+every value read on another stream than its writer's is ordered after the write, under the ordering
+model of the path the graph's nodes show it was captured on (`path_of`).
 
 The wheel is cached in ``$OVERLAP_WHEEL_CACHE`` (default ``~/.cache/npu-overlap/wheels``); when
 it can neither be found there nor downloaded, `load_torchair` skips the calling test with the
-reason. Loading happens once per process, and the process is left as it was: ``torchair`` and
+reason (`unavailable` tells it to programs outside pytest). Loading happens once per process, and
+the process is left as it was: ``torchair`` and
 ``npugraph_ex`` are importable only inside `installed()` (which `capture_graph` enters), the
 ``torch_npu`` / ``torch.npu`` stand-ins exist only while they are imported or a graph is captured,
 so ``import torch``, path detection and other tests are unaffected. Only the inert ``torch.ops.air``
@@ -275,17 +277,31 @@ def installed() -> Iterator[types.ModuleType]:
         sys.modules.update(saved)
 
 
-def _load() -> Dict[str, types.ModuleType]:
+def _try_load() -> Optional[str]:
+    """Load once per process; why it cannot be loaded (kept: no second download), or None."""
     if "modules" in _state:
-        return _state["modules"]
+        return None
     if "error" not in _state:
         try:
             wheel = find_wheel()
             _state["modules"] = _import_layers({p: _unpack(wheel, p) for p in _PACKAGES})
-            return _state["modules"]
+            return None
         except Exception as exc:  # no registry, no wheel for this torch, layout changed
             _state["error"] = f"torchair graph-contract tests need the torch_npu wheel: {exc}"
-    pytest.skip(_state["error"])
+    return _state["error"]
+
+
+def _load() -> Dict[str, types.ModuleType]:
+    why = _try_load()
+    if why is not None:
+        pytest.skip(why)
+    return _state["modules"]
+
+
+def unavailable() -> Optional[str]:
+    """Why torchair cannot be loaded here (no torch_npu wheel to be had), or None once it is loaded: for
+    programs outside pytest, where `load_torchair` and `capture_graph` skip the calling test instead."""
+    return _try_load()
 
 
 def load_torchair() -> types.ModuleType:
@@ -319,12 +335,38 @@ def _capturing_backend(graphs: List[torch.fx.GraphModule]) -> Callable:
     return backend
 
 
+@contextlib.contextmanager
+def _sanitizer_set_aside() -> Iterator[None]:
+    """The process-wide stream sanitizer (``OVERLAP_SANITIZE``), if one runs, sees nothing inside the block.
+
+    It models eager streams; what Dynamo traces runs on fake tensors, and a graph path's edges are
+    graph nodes (on ``ge`` the wait is the ``wait_tensor`` that reads the guarded tensor). A
+    captured graph's ordering is checked by `unordered_reads` instead.
+    """
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from overlap import hooks
+    from overlap.state import STATE
+
+    sanitizer = STATE.sanitizer
+    if sanitizer is None:
+        yield
+        return
+    hooks.remove_observer(sanitizer)
+    try:
+        with _disable_current_modes():  # its dispatch mode (the only mode outside a capture)
+            yield
+    finally:
+        hooks.add_observer(sanitizer)
+
+
 def capture_graph(fn: Callable, *args: Any, path: str = "ge", **kwargs: Any) -> torch.fx.GraphModule:
     """The FX graph Dynamo captures for ``fn(*args, **kwargs)`` with the primitives lowered on ``path``.
 
     Compiles with ``torch.compile(fullgraph=True)``, so any graph break fails here. The overlap
     switch (`overlap.enabled`) is taken from the caller. Dynamo's caches are reset first because
-    the path is read at trace time without a guard.
+    the path is read at trace time without a guard. A process-wide stream sanitizer is set aside
+    while it traces (`_sanitizer_set_aside`).
     """
     import overlap
 
@@ -332,7 +374,7 @@ def capture_graph(fn: Callable, *args: Any, path: str = "ge", **kwargs: Any) -> 
     torch._dynamo.reset()
     compiled = torch.compile(fn, fullgraph=True, backend=_capturing_backend(graphs))
     try:
-        with installed(), overlap.use_path(path):
+        with installed(), overlap.use_path(path), _sanitizer_set_aside():
             compiled(*args, **kwargs)
     finally:
         torch._dynamo.reset()
@@ -346,6 +388,10 @@ def capture_graph(fn: Callable, *args: Any, path: str = "ge", **kwargs: Any) -> 
 _CALLS = ("call_function", "call_method")
 
 
+_PATH_OF_NAMESPACE = {"air": "ge", "npugraph_ex": "aclgraph"}  # which lowering emits each namespace
+GRAPH_PATHS = ("ge", "aclgraph")
+
+
 def op_namespace(node: torch.fx.Node) -> Optional[str]:
     """``"air"`` or ``"npugraph_ex"`` when ``node`` calls one of those ops, else None."""
     target = node.target
@@ -354,6 +400,31 @@ def op_namespace(node: torch.fx.Node) -> Optional[str]:
     name = target.name() if isinstance(target, torch._ops.OpOverload) else target._qualified_op_name
     ns = name.partition("::")[0]
     return ns if ns in NAMESPACES else None
+
+
+def path_of(gm: torch.fx.GraphModule) -> Optional[str]:
+    """The path ``gm`` was captured on, from its nodes: ``"ge"`` (``air`` ops), ``"aclgraph"`` (``npugraph_ex``
+    ops), or None (neither: a single-stream graph, the same on both). Both namespaces at once is an error."""
+    held = sorted({ns for ns in map(op_namespace, gm.graph.nodes) if ns is not None})
+    if len(held) > 1:
+        raise ValueError(f"the graph holds both {' and '.join(held)} ops: not one captured on a single path")
+    return _PATH_OF_NAMESPACE[held[0]] if held else None
+
+
+def graph_path(gm: torch.fx.GraphModule, path: Optional[str] = None) -> str:
+    """The ordering model for ``gm``: its own path (`path_of`), which ``path``, when given, must name.
+
+    A mismatch is a ValueError, never an answer for the wrong model (a ``ge`` graph has no events,
+    so the ``aclgraph`` model would find every cross-stream read unordered).
+    """
+    if path is not None and path not in GRAPH_PATHS:
+        raise ValueError(f"no ordering model for path {path!r}: expected one of {GRAPH_PATHS}")
+    held = path_of(gm)
+    if path is not None and held is not None and held != path:
+        ns = next(n for n, p in _PATH_OF_NAMESPACE.items() if p == held)
+        raise ValueError(f"the graph was captured on the {held} path (it holds {ns} ops), not on {path}: "
+                         f"pass path={held!r}, or no path to read it from the graph")
+    return path or held or GRAPH_PATHS[0]  # no graph-mode op: one stream, which both models order alike
 
 
 def air_op(node: torch.fx.Node) -> Optional[str]:
@@ -517,7 +588,8 @@ def _value(node: torch.fx.Node, reads: Dict[torch.fx.Node, List[torch.fx.Node]])
 
 
 class Order:
-    """Happens-before between the work nodes of a captured graph, as the path executes it.
+    """Happens-before between the work nodes of a captured graph, as its path executes it (``path``: read
+    from the graph by default; a path the graph was not captured on is a ValueError, `graph_path`).
 
     ``ge``: GE runs a node after everything it reaches through its inputs (data edges, and
     ``wait_tensor(x, dep)`` whose result is consumed, a tensor written in place standing for its
@@ -526,9 +598,8 @@ class Order:
     the stream of the tag's latest earlier record had run by then (vector clocks).
     """
 
-    def __init__(self, gm: torch.fx.GraphModule, path: str, main: str = "default"):
-        if path not in ("ge", "aclgraph"):
-            raise ValueError(f"no ordering model for path {path!r}")
+    def __init__(self, gm: torch.fx.GraphModule, path: Optional[str] = None, main: str = "default"):
+        path = graph_path(gm, path)
         self.path, self.streams = path, stream_of(gm, main)
         self._index = {n: i for i, n in enumerate(gm.graph.nodes)}
         self._ancestors: Dict[torch.fx.Node, int] = {}  # ge: bit set of the nodes each node reaches back to
@@ -589,12 +660,13 @@ def cross_stream_reads(gm: torch.fx.GraphModule, main: str = "default") -> List[
     return pairs
 
 
-def unordered_reads(gm: torch.fx.GraphModule, path: str, main: str = "default") -> List[str]:
+def unordered_reads(gm: torch.fx.GraphModule, path: Optional[str] = None, main: str = "default") -> List[str]:
     """The values read on another stream than their writer's with no ordering edge reaching the reader.
 
     Empty when every cross-stream read is ordered: on ``aclgraph`` by a record after the writer on
     its stream and a wait on that event on the reader's stream before the reader (or a chain of
     them), on ``ge`` by data dependence. Each entry names the writer, the reader and their streams.
+    ``path`` is the graph's own by default (`graph_path`: another one is a ValueError).
     """
     order = Order(gm, path, main)
     streams = order.streams

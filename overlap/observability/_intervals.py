@@ -1,8 +1,24 @@
-"""Interval arithmetic and overlap metrics shared by the timeline and the report CLI.
+"""Interval arithmetic and the one definition of busy time, overlap and hidden share.
 
-Everything works on plain ``(start, end)`` pairs in seconds grouped into lanes: a lane is one
-stream of one rank (or one device of a profiler trace). Busy time is the length of the union of a
-lane's intervals, so nested or back-to-back launches on one stream are not counted twice.
+Shared by the timeline (`overlap.observability.metrics`), the launcher's table
+(``launch/measure.py``) and ``overlap-report``, so that the three print the same figures for the
+same trace. Everything works on ``(start, end)`` pairs in seconds grouped into lanes: a lane is
+one stream of one rank (or one device of a profiler trace).
+
+- **Busy time** of a stream: the length of the union of its spans, so nested or back-to-back
+  launches on one stream are not counted twice. Spans of `HOST_KINDS` are the host's time, not
+  the stream's work, and count nowhere: an ``issue`` span is an operation of a communication
+  stream as the executor runs it (on CPU the host planning, waiting for the count exchange and
+  issuing the collectives), whose collectives are ``comm`` spans of their own.
+- **overlap / min(busy)** of two streams: the time both were busy, over the busy time of the
+  less busy one (a verdict by `REAL_OVERLAP` / `SERIALIZED`).
+- **Hidden share of communication** (the launcher's "hidden comm"): the time ``comm`` spans ran
+  while ``compute`` spans ran on the same rank, over the ``comm`` time (on any streams; every
+  rank pooled for the whole trace).
+
+The two meet: for a compute stream and a communication stream that carry all of a rank's compute
+and communication, overlap / min(busy) is the hidden share whenever communication is the less
+busy of the two; when communication takes longer, it is the share of compute that ran under it.
 """
 from __future__ import annotations
 
@@ -11,6 +27,10 @@ import itertools
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 Interval = Tuple[float, float]
+
+COMPUTE, COMM, COPY, ISSUE = "compute", "comm", "copy", "issue"
+KINDS = (COMPUTE, COMM, COPY, ISSUE)  # every kind of span the toolkit writes
+HOST_KINDS = frozenset({ISSUE})  # the host's time on behalf of a stream: not busy time
 
 REAL_OVERLAP = 0.5  # overlap / min(busy) at or above this is real overlap
 SERIALIZED = 0.05  # at or below this the two streams ran one after the other
@@ -113,15 +133,20 @@ class Metrics:
 
 
 def compute_metrics(items: Iterable[Tuple[object, str, str, float, float]]) -> Metrics:
-    """Metrics from ``(rank, stream, kind, start, end)`` tuples; kind "comm" counts as communication."""
+    """Metrics from ``(rank, stream, kind, start, end)`` tuples, as the module docstring defines them.
+
+    Spans of `HOST_KINDS` are left out: they are no stream's busy time.
+    """
     lanes: Dict[object, Dict[str, List[Interval]]] = {}
     comm: Dict[object, List[Interval]] = {}
     compute: Dict[object, List[Interval]] = {}
     for rank, stream, kind, start, end in items:
+        if kind in HOST_KINDS:
+            continue
         lanes.setdefault(rank, {}).setdefault(stream, []).append((start, end))
-        if kind == "comm":
+        if kind == COMM:
             comm.setdefault(rank, []).append((start, end))
-        elif kind == "compute":
+        elif kind == COMPUTE:
             compute.setdefault(rank, []).append((start, end))
     per_rank: Dict[object, RankMetrics] = {}
     for rank, streams in lanes.items():

@@ -3,7 +3,8 @@
 SOURCE is a Chrome trace from `overlap.Timeline` or ``torch.profiler``, or a torch_npu profiler
 output folder (or one of its ``trace_view.json`` / ``kernel_details.csv`` / ``step_trace_time.csv``).
 Prints, per rank or device: busy time per stream, overlap per pair of streams, overlap / min(busy)
-with a verdict (>= 0.5 real overlap, <= 0.05 serialized) and the hidden share of communication.
+with a verdict (>= 0.5 real overlap, <= 0.05 serialized) and the hidden share of communication
+(the launcher's "hidden comm"), all as `overlap.observability._intervals` defines them.
 
 With ``--plan PREDICTED`` (a trace written from `microbatch.simulate`'s prediction) it compares
 instead: per operation the measured and the planned duration and start, and the operations that
@@ -60,7 +61,7 @@ def render(trace: Trace, m: Metrics) -> str:
         lines.append(f"{proc}: profiler's own analysis: communication {comm * 1e3:.3f} ms, "
                      f"overlapped {hidden * 1e3:.3f} ms ({_pct(share)})")
     if len(m.per_rank) > 1:
-        lines.append(f"all: hidden share of communication {_pct(m.hidden_share)}")
+        lines.append(f"all: hidden share of communication {_pct(m.hidden_share)} (the launcher's \"hidden comm\")")
     return "\n".join(lines)
 
 

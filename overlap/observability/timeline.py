@@ -27,7 +27,6 @@ from ..hooks import Span
 from ._intervals import Metrics, compute_metrics, verdict
 
 _STREAM_ORDER = ("default", "ep_comm", "shared_expert", "kv_offload")
-_COLOURS = {"compute": "#4C72B0", "comm": "#DD8452", "copy": "#55A868"}
 GENERATOR = "npu-overlap"
 
 
@@ -48,7 +47,8 @@ def find(spans: Sequence[Span], name: Optional[str] = None, stream: Optional[str
 
 
 def metrics(spans: Sequence[Span]) -> Metrics:
-    """Busy time per stream, overlap per pair, overlap / min(busy) and hidden share of communication."""
+    """Busy time per stream, overlap per pair, overlap / min(busy) and hidden share of communication, as
+    `overlap.observability._intervals` defines them (the launcher's and ``overlap-report``'s figures)."""
     return compute_metrics((s.rank, s.stream, s.kind, s.start, s.end) for s in spans if s.end is not None)
 
 
@@ -98,43 +98,20 @@ def _fmt_share(share: Optional[float]) -> str:
 
 
 def save_png(spans: Sequence[Span], file: str, title: Optional[str] = None) -> str:
-    """Draw one lane per rank and stream, kinds in distinct colours, the hidden share in the title.
+    """Draw one lane per rank and stream, spans coloured by micro-batch and hatched by kind, the layer
+    written on the longest span of each micro-batch and layer where it fits, the legend beside the
+    plot and the hidden share of communication in the title (`overlap.observability._png`).
 
     Needs matplotlib (the ``plot`` extra).
     """
-    try:
-        import matplotlib
+    from . import _png
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.patches import Patch
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("save_png needs matplotlib: pip install 'npu-overlap[plot]'") from e
     done = [s for s in spans if s.end is not None]
-    origin = min((s.start for s in done), default=0.0)
     tids = _stream_ids(done)
     lanes = sorted({(s.rank, s.stream) for s in done}, key=lambda k: (k[0], tids[k[1]]))
-    row = {lane: i for i, lane in enumerate(lanes)}
-    fig, ax = plt.subplots(figsize=(12, 1 + 0.5 * max(1, len(lanes))))
-    for s in done:
-        ax.broken_barh([((s.start - origin) * 1e3, max((s.end - s.start) * 1e3, 1e-6))],
-                       (row[(s.rank, s.stream)] - 0.4, 0.8), facecolors=_COLOURS.get(s.kind, "#8172B3"),
-                       edgecolors="black", linewidth=0.3)
-    ax.set_yticks(range(len(lanes)))
-    ax.set_yticklabels([f"rank {r} / {t}" for r, t in lanes])
-    ax.invert_yaxis()
-    ax.set_xlabel("time (ms)")
     m = metrics(done)
-    per_rank = ", ".join(f"rank {r}: {_fmt_share(rm.hidden_share)}" for r, rm in sorted(m.per_rank.items()))
-    ax.set_title((title + "\n" if title else "") + f"{_fmt_share(m.hidden_share)} ({per_rank})", fontsize=9)
-    kinds = sorted({s.kind for s in done})
-    ax.legend(handles=[Patch(color=_COLOURS.get(k, "#8172B3"), label=k) for k in kinds], loc="upper right",
-              fontsize=8)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(file)), exist_ok=True)
-    fig.savefig(file, dpi=100)
-    plt.close(fig)
-    return file
+    heading = _png.title_of(title, m.hidden_share, {r: rm.hidden_share for r, rm in m.per_rank.items()})
+    return _png.draw(done, file, lanes, heading)
 
 
 def gather(spans: Sequence[Span], group: Any = None) -> List[Span]:
