@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .experts import ClampedGLU, ClampedSwiGLU
 from .layer import SharedExperts
 
 ROUTED = "experts"
@@ -34,7 +35,8 @@ SHARED_GATE_NAMES = ("shared_expert_gate", "shared_experts_gate", "shared_gate")
 # gated MLPs: (gate, up, down); a fused (gate_up, down) pair is recognised separately
 GLU_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"), ("wi_0", "wi_1", "wo"))
 PLAIN_NAMES = (("up_proj", "down_proj"), ("fc1", "fc2"), ("wi", "wo"), ("c_fc", "c_proj"), ("w1", "w2"))
-ACT_NAMES = ("act_fn", "activation_fn", "act")
+FUSED_NAMES = (("gate_up_proj", "down_proj"), ("input_linear", "output_linear"))  # gate rows first, then up rows
+ACT_NAMES = ("act_fn", "activation_fn", "act", "activation")
 # relative tolerance of the probes, against the largest value of the block's output
 PROBE_RTOL = {torch.float32: 1e-4, torch.float64: 1e-9, torch.float16: 1e-2, torch.bfloat16: 4e-2}
 
@@ -63,19 +65,28 @@ def _check_act(block: nn.Module, act: Act, where: nn.Module) -> None:
 
 # --- routed experts ----------------------------------------------------------------------------------------------
 class RoutedExperts:
-    """A view of a block's routed experts: this rank's weights in the stacked layout, without holding copies."""
+    """A view of a block's routed experts: this rank's weights in the stacked layout, without holding copies.
+
+    ``biases``: whether they add a bias after each projection (fused layouts: ``<tensor>_bias``);
+    ``glus``: the GLUs of gate and up they may compute, most likely first (`glu_candidates`; the
+    probe keeps the one their forward matches; None is ``act(gate) * up``); ``has_identity``: an
+    ``nn.Identity`` child, for ids past the weighted experts (zero-compute experts).
+    """
 
     def __init__(self, block: nn.Module, module: nn.Module):
         self.module = module
         self.layout = ""
         self._t = False  # fused and transposed
         self._interleaved = False
+        self._bias: Tuple[Optional[torch.Tensor], ...] = ()
         if isinstance(module, nn.ModuleList):
             self._init_list(block, module)
         else:
             self._init_fused(block, module)
-        self.count = len(module) if self.layout == "list" else self._tensors[0].shape[0]
+        self.count = len(module) if self.layout == "list" else self._tensors[-1].shape[0]
         self.first, self.total, self.sharded = 0, self.count, False
+        self.glus: List[Optional[nn.Module]] = glu_candidates(module, self.act)
+        self.has_identity = any(isinstance(m, nn.Identity) for m in module.children())
         shard = getattr(module, "ep_shard", None)
         if shard is not None:
             self.first, self.total = int(shard[0]), int(shard[1])
@@ -91,6 +102,23 @@ class RoutedExperts:
         _check_act(block, self.act, module[0])
         self._tensors = ()
 
+    def _fused_biases(self, block: nn.Module, module: nn.Module, t3: dict) -> None:
+        """The ``<tensor>_bias`` of each fused tensor; any other bias is refused."""
+        kind = type(module).__name__
+        biases = {n: p for n, p in module.named_parameters(recurse=False) if n.endswith("bias") and p is not None}
+        known = {f"{n}_bias": n for n in t3}
+        unknown = sorted(set(biases) - set(known))
+        if unknown:
+            raise _fail(block, f"its experts ({kind}) have biases ({', '.join(unknown)}) that belong to none of "
+                               f"their projections")
+        for name, tensor in biases.items():
+            w = t3[known[name]]
+            if tensor.dim() != 2 or tensor.shape[0] != w.shape[0]:
+                raise _fail(block, f"its experts' {name} {tuple(tensor.shape)} is not one bias row per expert")
+        if getattr(module, "has_bias", False) and not biases:
+            raise _fail(block, f"its experts ({kind}) say they have biases, and none is named <projection>_bias")
+        self._bias_of = {known[n]: t for n, t in biases.items()}
+
     def _init_fused(self, block: nn.Module, module: nn.Module) -> None:
         t3 = {n: getattr(module, n, None) for n in ("gate_up_proj", "gate_proj", "up_proj", "down_proj")}
         t3 = {n: v for n, v in t3.items() if isinstance(v, torch.Tensor) and v.dim() == 3}
@@ -99,9 +127,7 @@ class RoutedExperts:
             raise _fail(block, f"no routed experts found: its experts ({kind}) are neither fused 3-D tensors "
                                f"(gate_up_proj [E, 2F, H] and down_proj [E, H, F], or gate_proj / up_proj / "
                                f"down_proj) nor an nn.ModuleList of gated MLPs")
-        if getattr(module, "has_bias", False) or any(
-                isinstance(p, torch.Tensor) and n.endswith("bias") for n, p in module.named_parameters(recurse=False)):
-            raise _fail(block, f"its experts ({kind}) have biases, which the stacked expert layout does not hold")
+        self._fused_biases(block, module, t3)
         if getattr(module, "has_post_expert_norm", False):
             raise _fail(block, f"its experts ({kind}) normalise each expert's output")
         if getattr(module, "has_gate", True) is False or ("gate_up_proj" not in t3 and "gate_proj" not in t3):
@@ -113,16 +139,19 @@ class RoutedExperts:
             self.layout = "fused"
             self._interleaved = getattr(module, "is_concatenated", True) is False
             self._tensors = (gu, down)
+            self._names = ("gate_up_proj", "down_proj")
         else:
             if "up_proj" not in t3 or t3["gate_proj"].shape != t3["up_proj"].shape:
                 raise _fail(block, f"its experts ({kind}) have gate_proj without a matching 3-D up_proj")
             gu = t3["gate_proj"]
             self.layout = "split"
             self._tensors = (t3["gate_proj"], t3["up_proj"], down)
+            self._names = ("gate_proj", "up_proj", "down_proj")
         two = 2 if self.layout == "fused" else 1
-        e = gu.shape[0]
-        plain = down.shape[0] == e and gu.shape[2] == down.shape[1] and gu.shape[1] == two * down.shape[2]
-        flipped = down.shape[0] == e and gu.shape[1] == down.shape[2] and gu.shape[2] == two * down.shape[1]
+        e = down.shape[0]  # gate_up may hold more (unused) rows, e.g. for zero-compute experts
+        shape = lambda *s: s[1:] if gu.shape[0] >= e else None  # noqa: E731
+        plain = shape(*gu.shape) == (two * down.shape[2], down.shape[1])
+        flipped = shape(*gu.shape) == (down.shape[2], two * down.shape[1])
         declared = getattr(module, "is_transposed", None)
         self._t = bool(declared) if isinstance(declared, bool) else (flipped and not plain)
         if not (flipped if self._t else plain):
@@ -142,6 +171,10 @@ class RoutedExperts:
         """A tensor of the experts' dtype and device."""
         return self.weights(0)[0]
 
+    @property
+    def biases(self) -> bool:
+        return bool(getattr(self, "_bias_of", None))
+
     def weights(self, e: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """Expert ``e`` (counted within this module) as ``gate_up [2F, H]`` (gate rows first) and ``down [H, F]``."""
         if self.layout == "list":
@@ -155,17 +188,66 @@ class RoutedExperts:
             gu = torch.cat([gu[0::2], gu[1::2]])
         return gu, d
 
+    def bias(self, e: int) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """Expert ``e``'s biases, ``gate_up [2F]`` (gate first, as `weights`) and ``down [H]``; None where absent."""
+        of = getattr(self, "_bias_of", None) or {}
+        if not of:
+            return None, None
+        f = self.weights(e)[1].shape[1]
+        zeros = self.weight.new_zeros(f)
+        d = of.get("down_proj")
+        d = None if d is None else d[e]
+        if self.layout == "split":
+            g, u = of.get("gate_proj"), of.get("up_proj")
+            if g is None and u is None:
+                return None, d
+            return torch.cat([zeros if g is None else g[e], zeros if u is None else u[e]]), d
+        gu = of.get("gate_up_proj")
+        if gu is None:
+            return None, d
+        gu = gu[e]
+        return (torch.cat([gu[0::2], gu[1::2]]) if self._interleaved else gu), d
+
     def stacked(self, lo: int, n: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """Experts ``lo .. lo + n - 1`` (within this module) stacked: fresh tensors, except that a loader's shard
         in the plain fused layout is used as it is."""
         with torch.no_grad():
-            if self.layout == "fused" and not self._t and not self._interleaved and self.sharded \
-                    and (lo, n) == (0, self.count):
+            whole = self.layout == "fused" and self._tensors[0].shape[0] == self.count
+            if whole and not self._t and not self._interleaved and self.sharded and (lo, n) == (0, self.count):
                 return self._tensors[0].detach(), self._tensors[1].detach()
-            if self.layout == "fused" and not self._t and not self._interleaved:
+            if whole and not self._t and not self._interleaved:
                 return self._tensors[0].detach()[lo:lo + n].clone(), self._tensors[1].detach()[lo:lo + n].clone()
             pairs = [self.weights(lo + i) for i in range(n)]
             return torch.stack([p[0].detach() for p in pairs]), torch.stack([p[1].detach() for p in pairs])
+
+    def stacked_biases(self, lo: int, n: int) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """The biases of experts ``lo .. lo + n - 1``, stacked (fresh tensors), or None where there are none."""
+        if not self.biases:
+            return None, None
+        with torch.no_grad():
+            pairs = [self.bias(lo + i) for i in range(n)]
+            return tuple(None if pairs[0][j] is None else torch.stack([p[j].detach() for p in pairs])
+                         for j in range(2))
+
+
+def _number(module: nn.Module, *names: str) -> Optional[float]:
+    for name in names:
+        value = getattr(module, name, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    return None
+
+
+def glu_candidates(module: nn.Module, act: Act) -> List[Optional[nn.Module]]:
+    """The GLUs of gate and up that experts with these attributes may compute, most likely first: with a
+    ``limit`` / ``swiglu_limit``, gpt-oss's clamped SwiGLU (when they also have an ``alpha`` /
+    ``swiglu_alpha``) and the clamped ``act(gate) * up``; None (``act(gate) * up``) always, last."""
+    limit = _number(module, "limit", "swiglu_limit")
+    if limit is None:
+        return [None]
+    alpha = _number(module, "alpha", "swiglu_alpha")
+    found: List[Optional[nn.Module]] = [] if alpha is None else [ClampedSwiGLU(alpha, limit)]
+    return found + [ClampedGLU(limit, act), None]
 
 
 def _linear_weight(block: Optional[nn.Module], mod: Any, what: str) -> Optional[torch.Tensor]:
@@ -226,13 +308,15 @@ def _shared_mlp(block: nn.Module, name: str, mlp: nn.Module) -> nn.Module:
         if all(isinstance(p, nn.Module) and isinstance(getattr(p, "weight", None), torch.Tensor)
                and p.weight.dim() == 2 for p in parts):
             return mlp if (g, u, d) == GLU_NAMES[0] else _GatedMLP(*parts, act)
-    gu, d = getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None)
-    if isinstance(gu, nn.Module) and isinstance(d, nn.Module) and getattr(gu, "weight", None) is not None \
-            and gu.weight.dim() == 2 and getattr(d, "weight", None) is not None and gu.weight.shape[0] % 2 == 0:
-        f = gu.weight.shape[0] // 2
-        return _GatedMLP(_Rows(gu, 0, f), _Rows(gu, f, 2 * f), d, act)
+    for fused, down in FUSED_NAMES:
+        gu, d = getattr(mlp, fused, None), getattr(mlp, down, None)
+        if isinstance(gu, nn.Module) and isinstance(d, nn.Module) and getattr(gu, "weight", None) is not None \
+                and gu.weight.dim() == 2 and getattr(d, "weight", None) is not None and gu.weight.shape[0] % 2 == 0:
+            f = gu.weight.shape[0] // 2
+            return _GatedMLP(_Rows(gu, 0, f), _Rows(gu, f, 2 * f), d, act)
     raise _fail(block, f"its shared experts {name} ({type(mlp).__name__}) are not a gated MLP of linear layers "
-                       f"({', '.join('/'.join(n) for n in GLU_NAMES)}, or gate_up_proj with down_proj)")
+                       f"({', '.join('/'.join(n) for n in GLU_NAMES)}, or "
+                       f"{' or '.join(' with '.join(n) for n in FUSED_NAMES)})")
 
 
 def shared_part(block: nn.Module) -> Tuple[Optional[SharedExperts], Tuple[str, ...]]:
@@ -278,6 +362,11 @@ def call_experts(experts: nn.Module, roles: List[Tuple[Any, str]], hs: torch.Ten
     return experts(*args, **kwargs)
 
 
+class _OneTensor(BaseException):
+    """Carries the one tensor a block passed its experts (e.g. every expert's copy of the tokens, scaled by its
+    router score: Llama 4) out of its forward."""
+
+
 class _Captured(BaseException):
     """Carries what a block passed its experts out of its forward, so that nothing after that call runs
     (a BaseException, so that no ``except Exception`` in the block swallows it)."""
@@ -293,6 +382,10 @@ class _Recorder(nn.Module):
         self.roles: List[Tuple[Any, str]] = []
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        items = list(args) + [v for v in kwargs.values() if v is not None]
+        if len(items) == 1 and isinstance(items[0], torch.Tensor) and items[0].is_floating_point() \
+                and not torch.compiler.is_compiling():
+            raise _OneTensor(items[0])
         self.roles, seen = _roles(args, kwargs)
         if not torch.compiler.is_compiling():
             raise _Captured(seen)
@@ -385,7 +478,72 @@ class Observed(NamedTuple):
     index: torch.Tensor
     weights: torch.Tensor
     roles: List[Tuple[Any, str]]
-    shortcut: Optional[RoutingOf]
+    shortcut: Optional[nn.Module]
+    scale: Optional["DenseScores"] = None  # the experts' tokens are scaled by these scores (`DenseTopK`)
+    scores: Optional[torch.Tensor] = None  # the scores on the probe batch, [tokens, experts]
+
+
+class DenseScores(nn.Module):
+    """A router child's dense per-expert scores ``[tokens, experts]`` (item ``at`` of its output): the score by
+    which a block scales each token's copy for each expert (0 for the experts it did not choose)."""
+
+    def __init__(self, router: nn.Module, at: int):
+        super().__init__()
+        self.gate, self.at = router, at
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.gate(x)
+        return out[self.at] if isinstance(out, (tuple, list)) else out
+
+
+class DenseTopK(nn.Module):
+    """The routing of a block that scales each token by its dense router scores before the experts: the ``k``
+    experts of largest score, each of weight 1 (the score scales the expert's input instead, see
+    `collectives.experts.LocalExperts` ``input_scale``). An expert the block did not choose has score 0, so
+    its input is zero: picking it on a tie adds nothing."""
+
+    def __init__(self, scores: DenseScores, k: int):
+        super().__init__()
+        self.scores, self.k = scores, int(k)
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        idx = self.scores(x).topk(self.k, dim=-1).indices
+        return idx, torch.ones(idx.shape, dtype=x.dtype, device=x.device)
+
+
+def _dense_layout(name: str, block: nn.Module, h: torch.Tensor, spy: Optional["_Spy"], flat: torch.Tensor,
+                  experts: int) -> Observed:
+    """A block that passed its experts one tensor ``h``: it must be, expert after expert, the tokens times that
+    expert's score from the router child's dense output (Llama 4), the router having got the tokens."""
+    def fail(what: str) -> TypeError:
+        return TypeError(f"wrap_expert_parallel: {name} does not fit: it calls its experts with one tensor "
+                         f"{tuple(h.shape)}, {what}")
+
+    if spy is None or len(spy.calls) != 1:
+        raise fail("and no router child computed it from the tokens")
+    args, kwargs, out = spy.calls[0]
+    if kwargs or not args or not isinstance(args[0], torch.Tensor) or args[0].numel() != flat.numel() \
+            or not torch.equal(args[0].reshape(flat.shape), flat):
+        raise fail("and its router child did not get the tokens alone")
+    n = flat.shape[0]
+    for at, s in enumerate(out if isinstance(out, (tuple, list)) else (out,)):
+        if not (isinstance(s, torch.Tensor) and s.is_floating_point() and s.shape == (n, experts)
+                and h.shape == (n * experts, flat.shape[1])):
+            continue
+        want = flat.repeat(experts, 1) * s.transpose(0, 1).reshape(-1, 1).to(flat.dtype)
+        if not torch.allclose(h, want.to(h.dtype), rtol=PROBE_RTOL.get(h.dtype, 1e-2) / 10, atol=0.0):
+            continue
+        k = next((int(v) for v in (getattr(spy.inner, "top_k", None), getattr(block, "top_k", None))
+                  if isinstance(v, int) and not isinstance(v, bool) and 0 < v <= experts), None)
+        if k is None:
+            raise fail("the tokens scaled by dense router scores, but neither its router nor the block says its "
+                       "top_k")
+        scale = DenseScores(spy.inner, at) if isinstance(out, (tuple, list)) else DenseScores(spy.inner, 0)
+        idx = s.topk(k, dim=-1).indices
+        return Observed(flat, idx, torch.ones(idx.shape, dtype=flat.dtype, device=flat.device), [],
+                        DenseTopK(scale, k), scale, s)
+    raise fail(f"which is not, for each of its {experts} experts, the tokens times that expert's score from its "
+               f"router")
 
 
 class CapturedRouter(nn.Module):
@@ -410,13 +568,18 @@ class CapturedRouter(nn.Module):
                 return getattr(self.block, name)
         return None
 
-    def _capture(self, block: nn.Module, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _capture(self, block: nn.Module, x: torch.Tensor, one_tensor: bool = False) -> Any:
         rec = self.block._modules[ROUTED]
         rec.seen = []
         try:
             block(x)
         except _Captured as got:
             return got.args[0]
+        except _OneTensor as got:
+            if one_tensor:
+                return got
+            raise TypeError(f"wrap_expert_parallel: {self._name} does not fit: it calls its experts with one "
+                            f"tensor, not (hidden_states, top_k_index, top_k_weights)") from None
         except _CallMismatch as err:
             raise TypeError(f"wrap_expert_parallel: {self._name} does not fit: {err}") from None
         seen, rec.seen = rec.seen, []
@@ -425,16 +588,21 @@ class CapturedRouter(nn.Module):
                             f"{len(seen)} times, expected once with (hidden_states, top_k_index, top_k_weights)")
         return seen[0]
 
-    def observe(self, x: torch.Tensor) -> Observed:
+    def observe(self, x: torch.Tensor, experts: int = 0) -> Observed:
         """Capture on ``x`` (``[1, tokens, hidden]``), watching the router child: where the block passes the
         router's ids and weights (the tensors themselves) to its experts, and the router got the block's
-        input, that router alone is the routing, at the cost of nothing else."""
+        input, that router alone is the routing, at the cost of nothing else. A block that passes its
+        ``experts`` experts one tensor must pass the tokens scaled by the router's dense scores
+        (`DenseTopK`, with the scores in ``scale``)."""
         name = next((n for n in ROUTER_NAMES if isinstance(self.block._modules.get(n), nn.Module)), None)
         spy = _Spy(self.block._modules[name]) if name else None
-        hs, idx, w = self._capture(_shallow_copy(self.block, {name: spy}) if spy else self.block, x)
+        got = self._capture(_shallow_copy(self.block, {name: spy}) if spy else self.block, x, one_tensor=True)
+        flat = x.reshape(-1, x.shape[-1])
+        if isinstance(got, _OneTensor):
+            return _dense_layout(self._name, self.block, got.args[0], spy, flat, experts)
+        hs, idx, w = got
         roles = self.block._modules[ROUTED].roles
         shortcut = None
-        flat = x.reshape(-1, x.shape[-1])
         tokens = hs.dtype == flat.dtype and hs.numel() == flat.numel() and torch.equal(hs.reshape(flat.shape), flat)
         if spy is not None and len(spy.calls) == 1 and tokens:
             args, kwargs, out = spy.calls[0]

@@ -313,18 +313,21 @@ def capacity_combine(expert_out: torch.Tensor, handle: CapacityDispatchHandle,
 
     ``expert_out``: ``[E_local, W*C, H]`` (every expert over every received row), or with ``grouped``
     the ``[W*C*k, H]`` outputs of `grouped_experts`. Rows travel in ``dtype`` (default: the
-    dispatched tokens' dtype); `CapacityCombineHandle.wait` sums them.
+    dispatched tokens' dtype, which must be the same on every rank: not checked, that would take a
+    collective); `CapacityCombineHandle.wait` sums them. An output of another hidden size than the
+    dispatched tokens is a `LayoutError` before the exchange.
     """
-    rows = handle.recv_x.shape[0]
+    rows, hidden = handle.recv_x.shape
+    # every rank sends back rows of the dispatched hidden size (agreed in the dispatch): checked here, locally
     if grouped is not None:
         pairs = grouped.x.shape[0]
-        if expert_out.dim() != 2 or expert_out.shape[0] != pairs or grouped.num_rows != rows:
-            raise LayoutError(f"grouped expert output must be [{pairs}, hidden] (one row per received (row, slot) "
-                              f"pair), got shape {tuple(expert_out.shape)}")
+        if expert_out.dim() != 2 or tuple(expert_out.shape) != (pairs, hidden) or grouped.num_rows != rows:
+            raise LayoutError(f"grouped expert output must be [{pairs}, {hidden}] (one row per received (row, slot) "
+                              f"pair, of the dispatched hidden size), got shape {tuple(expert_out.shape)}")
         partial = reduce_rows(expert_out, grouped).to(dtype or handle.dtype)
-    elif expert_out.dim() != 3 or expert_out.shape[1] != rows:
-        raise LayoutError(f"expert output must be [local experts, {rows}, hidden] (every expert over every "
-                          f"received row), got shape {tuple(expert_out.shape)}")
+    elif expert_out.dim() != 3 or expert_out.shape[1:] != (rows, hidden):
+        raise LayoutError(f"expert output must be [local experts, {rows}, {hidden}] (every expert over every "
+                          f"received row, of the dispatched hidden size), got shape {tuple(expert_out.shape)}")
     else:
         partial = reduce_slots(expert_out, handle.recv_ids, handle.recv_weights).to(dtype or handle.dtype)
     returned = _exchange(partial, handle.capacity, handle.group, "combine")
@@ -346,6 +349,9 @@ class CapacityExpertParallelMoE(ExpertParallelMoE):
                  overlap_shared: bool = True, capacity: Optional[int] = None, validate: bool = True,
                  expert_path: str = "auto"):
         super().__init__(router, experts, num_experts, group, shared, overlap_shared)
+        if not getattr(experts, "plain", True):  # its expert paths compute act(gate) * up with the weights alone
+            raise TypeError(f"the static-shape layer computes plain experts down(act(gate) * up) only; these have "
+                            f"{', '.join(experts.extras())}: use ExpertParallelMoE (the eager paths)")
         if capacity is not None and int(capacity) < 0:
             raise LayoutError(f"capacity must be >= 0, got {capacity}")
         if expert_path not in EXPERT_PATHS:

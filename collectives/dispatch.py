@@ -16,9 +16,15 @@ issue the exchange, so ``dispatch`` first exchanges the counts and reads them on
 blocks until every rank has reached its dispatch). Callers that know the split sizes pass
 ``send_splits`` and ``recv_splits`` and skip it; that is required under ``torch.compile``.
 
-The count exchange also carries each rank's hidden size, top-k, dtype and whether it rejected its
-input, so that a mismatch or a bad input on one rank raises `LayoutError` on every rank before any
-tokens travel, instead of a hang or a native abort. With given split sizes agreement is the caller's job.
+The count exchange also carries each rank's hidden size, expert count, top-k, dtype and whether it
+rejected its input, so that a mismatch or a bad input on one rank raises `LayoutError` on every rank
+before any tokens travel, instead of a hang or a native abort. Its width is the same on every rank
+whatever they pass (gloo aborts the process on a size mismatch, before a disagreement could be
+read): the pairs per expert ride in a fixed number of slots (`_FOLDED_EXPERTS` over the group), and
+beyond that (over 1024 experts) the receiver counts them in `DispatchHandle.expand` instead (a host
+read after the exchange). With given split sizes agreement is the caller's job. ``combine`` sends
+rows of the dispatched hidden size (agreed in the count exchange, checked locally); its ``dtype``
+must be the same on every rank (not checked: that would take a collective per combine).
 """
 from __future__ import annotations
 
@@ -40,12 +46,19 @@ from .layout import (AGREED_FIELDS, DispatchLayout, ExpertBatch, LayoutError, Lo
 
 
 def group_size(group: Optional[dist.ProcessGroup]) -> int:
-    """Size of the expert-parallel group (1 without an initialised process group)."""
+    """Size of the expert-parallel group (1 without an initialised process group); `LayoutError` where this
+    rank is not in ``group``."""
     if not dist.is_available() or not dist.is_initialized():
         if group is not None:
             raise LayoutError("an expert-parallel group was given but torch.distributed is not initialised")
         return 1
-    return dist.get_world_size(group)
+    world = dist.get_world_size(group)
+    if world < 1:  # torch's answer for a group this rank is not in
+        raise LayoutError(f"this rank (global rank {dist.get_rank()} of {dist.get_world_size()}) is not in the "
+                          f"expert-parallel group it was given, GroupMember.NON_GROUP_MEMBER (what "
+                          f"torch.distributed.new_group returns on the ranks it leaves out); run the expert-parallel "
+                          f"calls only on the group's own ranks")
+    return world
 
 
 @contextlib.contextmanager
@@ -152,6 +165,11 @@ def _cat_rows(t: torch.Tensor, ranges: Sequence[tuple]) -> torch.Tensor:
 
 
 _N_FIELDS = len(AGREED_FIELDS)
+_HEAD = 2 + _N_FIELDS  # a count row: the rows, the fields, the rejection flag; then the pairs per expert
+# Pairs-per-expert slots of one rank's count exchange, over all destinations. The count rows must have one width
+# on every rank whatever the ranks pass, or a disagreement on the expert count aborts in gloo before it can be
+# read. 1024: the most experts MC2 documents on any Atlas product.
+_FOLDED_EXPERTS = 1024
 _REJECTED = "another rank of the expert-parallel group rejected its input (see its error); every rank stops " \
             "before the exchange"
 
@@ -169,13 +187,15 @@ def spread(fields: Sequence[int]) -> List[int]:
 
 
 def raise_unless_agreed(lo: Sequence[int], hi: Sequence[int], any_rejected: bool,
-                        rejected: Optional[BaseException] = None) -> None:
-    """After an exchange of the `AGREED_FIELDS` (smallest ``lo`` and largest ``hi`` over the ranks) and
-    of the ranks' rejections: raise this rank's own ``rejected`` error, the disagreement, or the
-    other rank's rejection, so that every rank stops at the same point."""
+                        rejected: Optional[BaseException] = None,
+                        by_rank: Optional[Sequence[Sequence[int]]] = None) -> None:
+    """After an exchange of the `AGREED_FIELDS` (smallest ``lo`` and largest ``hi`` over the ranks; each
+    rank's, ``by_rank``, where the exchange tells) and of the ranks' rejections: raise this rank's own
+    ``rejected`` error, the disagreement, or the other rank's rejection, so that every rank stops at
+    the same point."""
     if rejected is not None:
         raise rejected
-    message = disagreement(lo, hi)
+    message = disagreement(lo, hi, by_rank)
     if message is not None:
         raise LayoutError(message)
     if any_rejected:
@@ -191,13 +211,46 @@ def check_agreement(fields: Sequence[int], group: Optional[dist.ProcessGroup],
     raise_unless_agreed([-v for v in got[1:2 * _N_FIELDS:2]], got[0:2 * _N_FIELDS:2], bool(got[-1]), rejected)
 
 
-def _count_rows(layout: DispatchLayout, fields: Sequence[int], rejected: bool) -> torch.Tensor:
-    """The count exchange's send tensor ``[W, 1 + fields + 1 + E/W]``: per destination the rows, this
-    rank's fields and rejection, then the pairs per expert of that rank."""
-    w, epr = layout.world_size, layout.experts_per_rank
-    dev = layout.num_tokens_per_rank.device
-    head = torch.tensor(list(fields) + [int(rejected)], dtype=torch.int64, device=dev).expand(w, _N_FIELDS + 1)
-    return torch.cat([layout.num_tokens_per_rank.view(w, 1), head, layout.num_tokens_per_expert.view(w, epr)], dim=1)
+def _expert_slots(world: int) -> int:
+    """Pairs-per-expert slots per destination in the count exchange: one number on every rank of the group."""
+    return max(1, _FOLDED_EXPERTS // world)
+
+
+def _count_rows(world: int, layout: Optional[DispatchLayout], fields: Sequence[int], rejected: bool,
+                device: torch.device) -> torch.Tensor:
+    """The count exchange's send tensor ``[W, _HEAD + slots]``: per destination the rows, this rank's fields
+    and rejection, then the pairs per expert of that rank where they fit the slots (zeros otherwise, and
+    without a ``layout``: a rank that rejected its input sends nothing)."""
+    slots = _expert_slots(world)
+    send = torch.zeros(world, _HEAD + slots, dtype=torch.int64, device=device)
+    send[:, 1:_HEAD] = torch.tensor(list(fields) + [int(rejected)], dtype=torch.int64, device=device)
+    if layout is not None:
+        send[:, 0] = layout.num_tokens_per_rank
+        epr = layout.experts_per_rank
+        if epr <= slots:
+            send[:, _HEAD:_HEAD + epr] = layout.num_tokens_per_expert.view(world, epr)
+    return send
+
+
+def _exchange_count_rows(send: torch.Tensor, epr: int, group: Optional[dist.ProcessGroup], event_tag: str,
+                         rejected: Optional[BaseException]) -> tuple:
+    """Exchange `_count_rows`, check agreement (every rank raises alike), and return ``(recv_splits,
+    recv_per_expert)``; ``recv_per_expert`` is None where the pairs per expert did not fit the slots."""
+    world = send.shape[0]
+    used = _HEAD + (epr if 0 < epr <= _expert_slots(world) else 0)  # read on the host only what is needed
+    if world == 1 and not dist.is_initialized():
+        rows = send[:, :used].tolist()
+    else:
+        recv = torch.empty_like(send)
+        overlap.all_to_all_single(recv, send, group=group, name="dispatch.counts")
+        rows = _host_read(recv[:, :used], overlap.event(event_tag))
+    got = [r[1:_HEAD] for r in rows]  # per source rank: its fields, then its rejection
+    lo, hi = ([f(r[i] for r in got) for i in range(_N_FIELDS)] for f in (min, max))
+    raise_unless_agreed(lo, hi, any(r[-1] for r in got), rejected, by_rank=[r[:_N_FIELDS] for r in got])
+    per_expert = None
+    if used > _HEAD:  # the ranks agree on the expert count, so on the slots used
+        per_expert = [sum(r[_HEAD + e] for r in rows) for e in range(epr)]
+    return [r[0] for r in rows], per_expert
 
 
 def exchange_counts(layout: DispatchLayout, group: Optional[dist.ProcessGroup],
@@ -205,28 +258,18 @@ def exchange_counts(layout: DispatchLayout, group: Optional[dist.ProcessGroup],
                     rejected: Optional[BaseException] = None) -> tuple:
     """Tell every rank how many rows, and how many (row, expert) pairs per local expert, it gets from us.
 
-    Returns ``(recv_splits, recv_per_expert)`` as host lists. Blocks the host until the counts arrive.
+    Returns ``(recv_splits, recv_per_expert)`` as host lists (``recv_per_expert`` None beyond
+    `_FOLDED_EXPERTS` experts: `expand` counts them). Blocks the host until the counts arrive.
     ``fields`` (`collectives.layout.layer_fields`; default: only the expert count and top-k) travel
-    along: every rank raises `LayoutError` if they differ between ranks or if a rank passed its
-    ``rejected`` error (a rank whose input failed its checks still takes part, then raises it).
+    along, in rows of one width on every rank whatever it passes: every rank raises `LayoutError` if
+    they differ between ranks (naming each rank's value) or if a rank passed its ``rejected`` error
+    (a rank whose input failed its checks still takes part, then raises it).
     """
-    w, epr = layout.world_size, layout.experts_per_rank
+    w = layout.world_size
     if fields is None:
         fields = [0, layout.num_experts, layout.top_k, 0]
-    send = _count_rows(layout, fields, rejected is not None)
-    if w == 1 and not dist.is_initialized():
-        rows = send.tolist()
-    else:
-        recv = torch.empty_like(send)
-        overlap.all_to_all_single(recv, send, group=group, name="dispatch.counts")
-        rows = _host_read(recv, overlap.event(event_tag))
-    got = [r[1:2 + _N_FIELDS] for r in rows]
-    lo, hi = ([f(r[i] for r in got) for i in range(_N_FIELDS)] for f in (min, max))
-    raise_unless_agreed(lo, hi, any(r[-1] for r in got), rejected)
-    recv_splits = [r[0] for r in rows]
-    first = 2 + _N_FIELDS
-    per_expert = [sum(r[first + e] for r in rows) for e in range(epr)]
-    return recv_splits, per_expert
+    send = _count_rows(w, layout, fields, rejected is not None, layout.num_tokens_per_rank.device)
+    return _exchange_count_rows(send, layout.experts_per_rank, group, event_tag, rejected)
 
 
 @dataclasses.dataclass
@@ -241,7 +284,7 @@ class DispatchHandle(ReceivedMetadata):
     recv_x: torch.Tensor  # [R, H] received tokens, own rows first, then by source rank
     recv_meta: torch.Tensor  # [R, 2k] float32: local expert ids (-1: elsewhere), then weights
     recv_splits: List[int]
-    num_recv_tokens_per_expert: Optional[List[int]]  # known after the count exchange
+    num_recv_tokens_per_expert: Optional[List[int]]  # from the count exchange (None: `expand` counts them)
     group: Optional[dist.ProcessGroup]
     dtype: torch.dtype
     event: Optional[overlap.Event] = None
@@ -311,10 +354,9 @@ class _DispatchPlan:
 
 
 def _plan_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
-                   group: Optional[dist.ProcessGroup], send_splits: Optional[Sequence[int]],
+                   group: Optional[dist.ProcessGroup], world: int, send_splits: Optional[Sequence[int]],
                    recv_splits: Optional[Sequence[int]], check_ids: bool) -> _DispatchPlan:
     """Validate, lay out and pack what travels; raises `LayoutError` before any collective."""
-    world = group_size(group)
     check_routing(x, topk_idx, topk_weights, num_experts, world, check_ids)
     if (send_splits is None) != (recv_splits is None):
         raise LayoutError("pass both send_splits and recv_splits, or neither")
@@ -372,19 +414,17 @@ def _keep_own_rows(plan: _DispatchPlan, x: torch.Tensor, handle: DispatchHandle,
 
 
 def _join_as_rejected(err: LayoutError, x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int,
-                      group: Optional[dist.ProcessGroup], previous_event: Optional[overlap.Event],
+                      group: Optional[dist.ProcessGroup], world: int, previous_event: Optional[overlap.Event],
                       stream_tag: Optional[str], event_tag: str) -> None:
     """Take part in the count exchange the other ranks are in, flagged as rejected, then raise ``err``:
-    they raise too instead of waiting for this rank. Nothing to join where the expert count cannot
-    be laid out over the group (the count rows would not match the others')."""
-    if not _peers(group) or torch.compiler.is_compiling():
+    they raise too instead of waiting for this rank. The count rows have one width whatever this rank
+    passed (a bad expert count included), so they always match the others'."""
+    if world < 2 or torch.compiler.is_compiling():
         return
-    world = group_size(group)
-    if num_experts < 1 or num_experts % world:
-        return
-    nobody = compute_layout(torch.empty(0, 1, dtype=torch.int64, device=x.device), num_experts, world)
+    fields = layer_fields(x, topk_idx, num_experts)
     with _side(stream_tag, previous_event, event_tag):
-        exchange_counts(nobody, group, fields=layer_fields(x, topk_idx, num_experts), rejected=err)
+        send = _count_rows(world, None, fields, True, collective_device(group))
+        _exchange_count_rows(send, 0, group, "ep_dispatch.counts", err)  # exchange_counts's event
 
 
 def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
@@ -399,11 +439,13 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     a rank that rejects its input still takes part in the count exchange, so that every rank raises.
     Rows a rank keeps are gathered straight into its receive buffer, while the exchange is in flight.
     """
+    world = group_size(group)  # a group this rank is not in: nothing to join
     try:
-        plan = _plan_dispatch(x, topk_idx, topk_weights, num_experts, group, send_splits, recv_splits, check_ids)
+        plan = _plan_dispatch(x, topk_idx, topk_weights, num_experts, group, world, send_splits, recv_splits,
+                              check_ids)
     except LayoutError as err:
         if send_splits is None and recv_splits is None:
-            _join_as_rejected(err, x, topk_idx, num_experts, group, previous_event, stream_tag, event_tag)
+            _join_as_rejected(err, x, topk_idx, num_experts, group, world, previous_event, stream_tag, event_tag)
         raise
     handle = _issue_dispatch(plan, x, group, previous_event, stream_tag, event_tag)
     _keep_own_rows(plan, x, handle, event_tag)
@@ -475,9 +517,14 @@ def _plan_combine(expert_out: torch.Tensor, batch: ExpertBatch, handle: Dispatch
     """Validate, and reduce the rows that travel back (the own rows wait for `_reduce_own_rows`)."""
     if handle.event is not None:
         raise RuntimeError("combine before the dispatch handle was waited on")
-    if expert_out.dim() != 2 or expert_out.shape[0] != batch.rows.shape[0]:
-        raise LayoutError(f"expert output must be [{batch.rows.shape[0]}, hidden] (one row per expanded token), "
-                          f"got shape {tuple(expert_out.shape)}")
+    if batch.num_rows != handle.recv_x.shape[0]:
+        raise LayoutError(f"the batch expands {batch.num_rows} received rows, but this dispatch received "
+                          f"{handle.recv_x.shape[0]}: pass the batch of this handle's expand()")
+    hidden_in = handle.recv_x.shape[1]  # agreed in the count exchange: every rank sends rows of this size
+    if expert_out.dim() != 2 or tuple(expert_out.shape) != (batch.rows.shape[0], hidden_in):
+        raise LayoutError(f"expert output must be [{batch.rows.shape[0]}, {hidden_in}] (one row per expanded token, "
+                          f"of the dispatched tokens' hidden size, which every rank's combine sends), got shape "
+                          f"{tuple(expert_out.shape)}")
     layout, me, hidden = handle.layout, handle.rank, expert_out.shape[-1]
     own, others = _blocks(layout.send_splits, me)
     n_own = own[1] - own[0]
@@ -551,8 +598,11 @@ def combine(expert_out: torch.Tensor, batch: ExpertBatch, handle: DispatchHandle
 
     ``expert_out`` is ``[N, H]`` in the order of ``batch`` (from `DispatchHandle.expand`). Rows
     travel in ``dtype`` (default: the dispatched tokens' dtype, as DeepEP does; float32 avoids
-    one rounding for half-precision models). Each token's sum starts with this rank's own
-    contribution, computed while the other rows travel; the other ranks' follow in rank order.
+    one rounding for half-precision models) and must be the same on every rank: rows of another size
+    would abort the exchange in gloo, and checking it would take a collective per combine. Each token's
+    sum starts with this rank's own contribution, computed while the other rows travel; the other
+    ranks' follow in rank order. ``expert_out`` of another hidden size than the dispatched tokens is a
+    `LayoutError` before the exchange.
     """
     plan = _plan_combine(expert_out, batch, handle, dtype)
     result = _issue_combine(plan, handle, previous_event, stream_tag, event_tag)

@@ -31,7 +31,9 @@ On its first dispatch over more than one rank the layer checks, with one small a
 any exchange, that every rank agrees on the hidden size, expert count, top-k and tokens' dtype,
 and that every rank's experts take tokens of that hidden size; otherwise every rank raises
 `LayoutError` naming the field instead of hanging or aborting in the exchange. Skipped while
-compiling (nothing can be read on the host there): agreement is then the caller's job.
+compiling (nothing can be read on the host there): agreement is then the caller's job. The gate
+refuses tokens of another dtype than this rank's experts (`LayoutError` naming both dtypes, before
+any collective; a dtype comparison per call), which would otherwise fail in a matmul after the exchange.
 """
 from __future__ import annotations
 
@@ -137,7 +139,19 @@ class ExpertParallelMoE(nn.Module):
 
     # --- stage functions: pure in their arguments -------------------------------------------------
     def _gate(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        self._check_dtype(x)
         return self.router(x)
+
+    def _check_dtype(self, x: torch.Tensor) -> None:
+        """Tokens of another dtype than this rank's experts would fail in a matmul after the exchange: refuse
+        them in the gate, before any collective (not under autocast, which casts them)."""
+        weights = getattr(self.experts, "gate_up", None)
+        if not isinstance(weights, torch.Tensor) or x.dtype == weights.dtype:
+            return
+        if torch.is_autocast_enabled(x.device.type):
+            return
+        raise LayoutError(f"the tokens are {x.dtype} but this layer's experts are {weights.dtype}: cast the tokens "
+                          f"(x.to({weights.dtype})) or the layer (layer.to({x.dtype})) first")
 
     def _check_experts(self, x: torch.Tensor) -> None:
         """This rank's experts must take the tokens' hidden size (else they fail on this rank only, mid-layer)."""

@@ -11,7 +11,7 @@ known, so it traces under ``torch.compile(fullgraph=True)`` when the caller pass
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -23,12 +23,15 @@ class LayoutError(ValueError):
     """Input that would make the expert-parallel exchange wrong or hang; raised before any tokens are exchanged."""
 
 
-# What every rank of an expert-parallel group must agree on, in the order `layer_fields` lists them.
+# What every rank of an expert-parallel group must agree on, in the order `layer_fields` lists them,
+# and the argument of `collectives.dispatch.dispatch` each comes from (named in the messages).
 AGREED_FIELDS = ("hidden size", "number of experts", "top-k", "dtype of the tokens")
+AGREED_ARGS = ("x.shape[1]", "num_experts", "topk_idx.shape[1]", "x.dtype")
 # Every dtype of this torch, in a fixed order, so that ranks can compare dtypes as integers.
 _DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
 # Local expert ids travel as float32 in the metadata rows: exact below 2**24.
 _MAX_LOCAL_EXPERTS = 1 << 24
+_FIELD_LIMIT = 1 << 62  # fields travel as int64: an absurd expert count is clamped, still unequal to a sane one
 
 
 def dtype_code(dtype: torch.dtype) -> int:
@@ -40,18 +43,46 @@ def layer_fields(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int) -> L
     """The `AGREED_FIELDS` of one call, as integers (0 where a shape is too malformed to tell)."""
     hidden = x.shape[-1] if x.dim() else 0
     k = topk_idx.shape[-1] if topk_idx.dim() else 0
-    return [int(hidden), int(num_experts), int(k), dtype_code(x.dtype)]
+    experts = max(-_FIELD_LIMIT, min(_FIELD_LIMIT, int(num_experts)))
+    return [int(hidden), experts, int(k), dtype_code(x.dtype)]
 
 
-def disagreement(lo: Sequence[int], hi: Sequence[int]) -> Optional[str]:
+def _field_value(i: int, code: int) -> str:
+    """Field ``i``'s value as the user wrote it (a dtype's name for the dtype's code)."""
+    if AGREED_ARGS[i] == "x.dtype":
+        return str(_DTYPES[code - 1]) if 0 < code <= len(_DTYPES) else "another dtype"
+    return str(code)
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    """``rank 3`` or ``ranks 0-2, 5``."""
+    spans: List[List[int]] = []
+    for r in ranks:
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
+
+
+def disagreement(lo: Sequence[int], hi: Sequence[int],
+                 by_rank: Optional[Sequence[Sequence[int]]] = None) -> Optional[str]:
     """The message for the first of the `AGREED_FIELDS` whose smallest and largest value over the
-    ranks (``lo``, ``hi``) differ; None when they all agree."""
-    for name, a, b in zip(AGREED_FIELDS, lo, hi):
-        if a != b:
-            if name == AGREED_FIELDS[3]:
-                a, b = (_DTYPES[c - 1] if 0 < c <= len(_DTYPES) else "another dtype" for c in (a, b))
-            return (f"ranks disagree on the {name}: {a} to {b}; every rank of the expert-parallel group must "
-                    f"build the same layer and pass tokens of the same hidden size and dtype")
+    ranks (``lo``, ``hi``) differ, naming its argument; with ``by_rank`` (each rank's fields, in
+    rank order) it also says which rank passed which value. None when they all agree."""
+    for i, (name, a, b) in enumerate(zip(AGREED_FIELDS, lo, hi)):
+        if a == b:
+            continue
+        values = f"{_field_value(i, a)} to {_field_value(i, b)}"
+        if by_rank is not None:
+            holders: Dict[int, List[int]] = {}
+            for r, fields in enumerate(by_rank):
+                holders.setdefault(fields[i], []).append(r)
+            values += " (" + ", ".join(f"{_field_value(i, v)} on {_ranks(rs)}" for v, rs in holders.items()) + ")"
+        return (f"ranks disagree on the {name} ({AGREED_ARGS[i]}): {values}; every rank of the expert-parallel "
+                f"group must pass the same {AGREED_ARGS[i]} (build the same layer, pass tokens of one hidden size "
+                f"and dtype)")
     return None
 
 

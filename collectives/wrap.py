@@ -2,16 +2,21 @@
 
 Blocks are recognised by their parts, not by class name (`collectives._recognise`): a child ``experts``
 (fused 3-D expert tensors or an ``nn.ModuleList`` of gated MLPs), the routing the block's own forward
-computes, and optional shared experts with an optional sigmoid output gate. This covers the toolkit's
-`collectives.reference.MoE` and the sparse MoE blocks of Hugging Face transformers (the families checked
-are listed in docs/expert-parallel.md). The router and the shared experts are reused as they are (no copy);
-this rank's experts are copied once into the stacked layout, and nothing else of the full expert weights is
-kept. A block whose experts a checkpoint loader already sharded (``block.experts.ep_shard = (first_expert,
-total_experts)``) is used as it is.
+computes, and optional shared experts with an optional sigmoid output gate; or a routed block as a child
+with shared experts beside it (summed). This covers the toolkit's `collectives.reference.MoE` and the sparse
+MoE blocks of Hugging Face transformers (the families checked are listed in docs/expert-parallel.md). The
+router and the shared experts are reused as they are (no copy); this rank's experts are copied once into the
+stacked layout, and nothing else of the full expert weights is kept. A block whose experts a checkpoint
+loader already sharded (``block.experts.ep_shard = (first_expert, total_experts)``) is used as it is.
+
+What the experts compute is checked, not assumed: their biases, the GLU their attributes suggest (a clamped
+SwiGLU for a ``limit``), identity experts past the weighted ones (`IdentitySlots`), and tokens scaled by
+dense router scores before the experts (`collectives._recognise.DenseTopK`) are each modelled only where
+the experts' own forward, run on a probe, computes exactly that.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -29,7 +34,7 @@ PROBE_TOKENS = 16
 _EXAMPLES = ("collectives.reference.MoE or a transformers sparse MoE block (MixtralSparseMoeBlock, "
              "Qwen2MoeSparseMoeBlock, Qwen3MoeSparseMoeBlock, DeepseekV3MoE, ...; see docs/expert-parallel.md)")
 
-__all__ = ["TransformersRouter", "find_moe_blocks", "wrap_expert_parallel"]
+__all__ = ["IdentitySlots", "TransformersRouter", "find_moe_blocks", "wrap_expert_parallel"]
 
 
 class TransformersRouter(nn.Module):
@@ -64,9 +69,19 @@ def _placement(routed: RoutedExperts, rank: int, world: int) -> Tuple[int, int]:
     return lo, n
 
 
-def _glu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act) -> torch.Tensor:
-    g, u = F.linear(x, gate_up).chunk(2, dim=-1)
-    return F.linear(act(g) * u, down)
+def _output(out):
+    """A block's output tensor: itself, or the first item of the ``(output, router logits)`` some blocks return."""
+    if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    return out
+
+
+def _expert(x: torch.Tensor, routed: RoutedExperts, e: int, glu) -> torch.Tensor:
+    """Expert ``e`` (counted within the module) on rows ``x``; ``glu`` None is ``act(gate) * up``."""
+    gu, d = routed.weights(e)
+    b_gu, b_d = routed.bias(e)
+    g, u = F.linear(x, gu, b_gu).chunk(2, dim=-1)
+    return F.linear(routed.act(g) * u if glu is None else glu(g, u), d, b_d)
 
 
 def _differs(want: torch.Tensor, got: torch.Tensor, dtype: torch.dtype) -> Optional[str]:
@@ -79,13 +94,16 @@ def _differs(want: torch.Tensor, got: torch.Tensor, dtype: torch.dtype) -> Optio
     return f"max difference {err:.3g} against a largest value of {scale:.3g}"
 
 
-def _dense_routed(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, routed: RoutedExperts) -> torch.Tensor:
-    """Every token's routed experts, weighted, from the full expert weights (float32)."""
+def _dense_routed(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, routed: RoutedExperts, glu,
+                  scores: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Every token's routed experts, weighted, from the full expert weights (float32); ids past the weighted
+    experts are identity experts; with ``scores``, each expert's input is the token times its score."""
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     for e in torch.unique(idx).tolist():
         tok, slot = (idx == e).nonzero(as_tuple=True)
-        gu, d = routed.weights(e)
-        out.index_add_(0, tok, _glu(x[tok], gu, d, routed.act).float() * w[tok, slot, None].float())
+        rows = x[tok] if scores is None else x[tok] * scores[tok, e, None].to(x.dtype)
+        y = rows if e >= routed.count else _expert(rows, routed, e, glu)
+        out.index_add_(0, tok, y.float() * w[tok, slot, None].float())
     return out
 
 
@@ -93,31 +111,59 @@ def _name(fn) -> str:
     return getattr(fn, "__name__", type(fn).__name__)
 
 
-def _check_experts(block: nn.Module, routed: RoutedExperts, roles, idx_dtype: torch.dtype,
-                   w_dtype: torch.dtype) -> None:
-    """The experts' own forward, on a few experts and on tokens large enough to reach any clamp, must be
-    ``down(act(gate) * up)`` of the weights we take."""
+def _their_experts(routed: RoutedExperts, roles, x: torch.Tensor, ids: List[int], idx_dtype: torch.dtype,
+                   w_dtype: torch.dtype, dense: bool, k: int = 1) -> torch.Tensor:
+    """The experts' own forward, row ``i`` of ``x`` through expert ``ids[i]`` alone (weight 1)."""
+    if routed.layout == "list":
+        return torch.cat([routed.module[e](x[i:i + 1]) for i, e in enumerate(ids)])
+    if dense:  # one tensor: expert after expert, each its block of rows (zero rows elsewhere)
+        outs = []
+        for i, e in enumerate(ids):
+            h = x.new_zeros(routed.count, 1, x.shape[1])
+            h[e, 0] = x[i]
+            outs.append(routed.module(h.reshape(-1, x.shape[1])).reshape(routed.count, 1, -1)[e])
+        return torch.cat(outs)
+    # as many slots as the block passes (some experts' forward assumes k > 1), all on the expert, the first of weight 1
+    idx = torch.tensor(ids, device=x.device, dtype=idx_dtype)[:, None].repeat(1, k)
+    w = torch.zeros(len(ids), k, device=x.device, dtype=w_dtype)
+    w[:, 0] = 1
+    return call_experts(routed.module, roles, x, idx, w)
+
+
+def _check_experts(block: nn.Module, routed: RoutedExperts, roles, idx_dtype: torch.dtype, w_dtype: torch.dtype,
+                   identity_ids: Sequence[int] = (), dense: bool = False, k: int = 1):
+    """The experts' own forward, on a few experts and on tokens large enough to reach any clamp, must be one of
+    the GLUs their attributes suggest (`glu_candidates`) of the weights (and biases) we take: the one that
+    matches is returned. Ids past the weighted experts (``identity_ids``) must return their token."""
     picks = sorted({round(i * (routed.count - 1) / 3) for i in range(4)})
     gen = torch.Generator().manual_seed(1)
     ref = routed.weight
     x = torch.randn(2 * len(picks), routed.hidden, generator=gen).to(device=ref.device, dtype=ref.dtype)
     ids = [e for e in picks for _ in range(2)]
-    ours = []
     for i, e in enumerate(ids):
-        gu, d = routed.weights(e)
+        gu, _ = routed.weights(e)
         x[i] *= 16.0 / max(float(F.linear(x[i].float(), gu.float()).abs().max()), 1e-30)
-        ours.append(_glu(x[i:i + 1], gu, d, routed.act))
-    ours = torch.cat(ours)
-    if routed.layout == "list":
-        theirs = torch.cat([routed.module[e](x[i:i + 1]) for i, e in enumerate(ids)])
+    theirs = _their_experts(routed, roles, x, ids, idx_dtype, w_dtype, dense, k)
+    diffs = []
+    for glu in routed.glus:
+        ours = torch.cat([_expert(x[i:i + 1], routed, e, glu) for i, e in enumerate(ids)])
+        diff = _differs(theirs, ours, ref.dtype)
+        if diff is None:
+            break
+        diffs.append(diff)
     else:
-        idx = torch.tensor(ids, device=x.device, dtype=idx_dtype)[:, None]
-        theirs = call_experts(routed.module, roles, x, idx, torch.ones(len(ids), 1, device=x.device, dtype=w_dtype))
-    diff = _differs(theirs, ours, ref.dtype)
-    if diff is not None:
-        raise _fail(block, f"its experts ({type(routed.module).__name__}) do not compute down(act(gate) * up) of "
-                           f"their weights with act = {_name(routed.act)} ({diff} on large tokens): a "
-                           f"clamped or custom activation, or a norm, is not modelled")
+        forms = ", nor ".join("down(act(gate) * up)" if glu is None else f"down({glu!r}(gate, up))"
+                              for glu in routed.glus)
+        bias = " (and biases)" if routed.biases else ""
+        raise _fail(block, f"its experts ({type(routed.module).__name__}) do not compute {forms} of their weights"
+                           f"{bias} with act = {_name(routed.act)} ({diffs[-1]} on large tokens): a clamped or "
+                           f"custom activation, or a norm, is not modelled")
+    for e in identity_ids:
+        y = _their_experts(routed, roles, x[:1], [e], idx_dtype, w_dtype, dense, k)
+        if _differs(x[:1], y, ref.dtype) is not None:
+            raise _fail(block, f"its router picks expert {e}, past its {routed.count} weighted experts, and its "
+                               f"experts do not return the token there (an identity expert)")
+    return glu
 
 
 def _why_not(block: nn.Module, want: torch.Tensor, routed: torch.Tensor, shared: Optional[torch.Tensor],
@@ -146,8 +192,9 @@ def _runs(block: nn.Module, fn):
 
 
 def _probe(block: nn.Module, routed: RoutedExperts, router: nn.Module, shared: Optional[SharedExperts],
-           x: torch.Tensor, seen: Optional[Observed]) -> None:
-    """The block's own output on the probe batch ``x`` must be routed experts + shared part."""
+           x: torch.Tensor, seen: Optional[Observed]):
+    """The block's own output on the probe batch ``x`` must be routed experts + shared part; returns the GLU its
+    experts compute (see `_check_experts`)."""
     h = x.shape[-1]
     flat = x.reshape(-1, h)
     dtype = routed.weight.dtype
@@ -159,21 +206,86 @@ def _probe(block: nn.Module, routed: RoutedExperts, router: nn.Module, shared: O
         if hs.shape[-1] != h or hs.numel() != flat.numel() or not torch.equal(hs.reshape(-1, h), flat):
             raise _fail(block, "its router transforms the tokens before the experts (they get other hidden "
                                "states than the block's input, e.g. scaled by the router scores)")
-        want = _runs(block, lambda: block(x))
+        want = _output(_runs(block, lambda: block(x)))
         if not isinstance(want, torch.Tensor):
             raise _fail(block, f"its forward returns {type(want).__name__}, not the output tensor")
         idx, w = idx.reshape(-1, idx.shape[-1]), w.reshape(-1, w.shape[-1])
-        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= routed.total):
+        top = int(idx.max()) if idx.numel() else 0
+        if idx.numel() and (int(idx.min()) < 0 or (top >= routed.total and not routed.has_identity)):
             raise _fail(block, f"its router picks expert ids outside 0..{routed.total - 1} (e.g. zero or identity "
                                f"experts), which have no weights to shard")
-        _check_experts(block, routed, roles, idx.dtype, w.dtype)
-        got = _dense_routed(flat, idx, w, routed)
+        identity = sorted({e for e in idx.unique().tolist() if e >= routed.count})
+        glu = _check_experts(block, routed, roles, idx.dtype, w.dtype, identity,
+                             seen is not None and seen.scale is not None, idx.shape[-1])
+        got = _dense_routed(flat, idx, w, routed, glu, None if seen is None else seen.scores)
         extra = shared(flat).float() if shared is not None else None
         want = want.reshape(-1, h).float()
         diff = _differs(want, got if extra is None else got + extra, dtype)
         if diff is not None:
             raise _fail(block, f"its output is not routed experts + shared part on a probe batch ({diff}): "
                                + _why_not(block, want, got, extra, dtype))
+    return glu
+
+
+def _settled_glu(block: nn.Module, routed: RoutedExperts, roles, dense: bool):
+    """The GLU of experts the probe did not check (a loader's shard, ``check=False``): verified on the experts'
+    own forward where it can run, else the first candidate."""
+    if len(routed.glus) == 1:
+        return routed.glus[0]
+    try:
+        with torch.no_grad():
+            return _check_experts(block, routed, roles, torch.int64, routed.weight.dtype, (), dense)
+    except Exception:  # their forward needs more than we can give it here, or matches none: not verified
+        return routed.glus[0]
+
+
+class IdentitySlots(nn.Module):
+    """Routing for a block with identity (zero-compute) experts past its ``n`` weighted ones, over ``world``
+    ranks: each rank holds its ``n / world`` weighted experts and, after them, one identity expert. A weighted
+    expert ``e`` becomes ``(e // per) * (per + 1) + e % per``; any identity pick becomes this rank's own
+    identity expert, so those slots never travel and cost no compute."""
+
+    def __init__(self, router: nn.Module, n: int, world: int, rank: int):
+        super().__init__()
+        self.router, self.n, self.world, self.rank = router, n, world, rank
+        self.per = n // world
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        idx, w = self.router(x)
+        per = self.per
+        mapped = (idx // per) * (per + 1) + idx % per
+        return torch.where(idx < self.n, mapped, torch.full_like(idx, self.rank * (per + 1) + per)), w
+
+
+def _routed_child(module: nn.Module) -> Optional[Tuple[str, nn.Module]]:
+    """The one child of ``module`` that has routed experts (a routed block inside a block), or None."""
+    found = [(n, m) for n, m in module.named_children() if isinstance(m._modules.get(ROUTED), nn.Module)]
+    return found[0] if len(found) == 1 else None
+
+
+def _wrap_beside(module: nn.Module, name: str, inner: nn.Module, group, overlap_shared: bool, impl: str,
+                 check: bool) -> ExpertParallelMoE:
+    """A block made of a routed block (its child ``name``) and shared experts beside it, summed (e.g. Granite's
+    ``block_sparse_moe`` with its layer's ``shared_mlp``)."""
+    ep = wrap_expert_parallel(inner, group, overlap_shared=overlap_shared, impl=impl, check=check)
+    shared, names = shared_part(module)
+    others = [n for n in module._modules if n not in {name, *names}]
+    if ep.shared is not None or others:
+        raise _fail(module, f"beside its routed block {name} it has "
+                            + ("shared experts of its own inside that block" if ep.shared is not None
+                               else f"other parts ({', '.join(others)})"))
+    if check:
+        gen = torch.Generator().manual_seed(0)
+        ref = ep.experts.gate_up
+        x = torch.randn(1, PROBE_TOKENS, ref.shape[-1], generator=gen).to(device=ref.device, dtype=ref.dtype)
+        with torch.no_grad():
+            want = _output(_runs(module, lambda: module(x)))
+            got = _output(inner(x)).float() + (shared(x.reshape(-1, x.shape[-1])).reshape(x.shape).float()
+                                               if shared is not None else 0)
+        diff = _differs(want, got, ref.dtype) if isinstance(want, torch.Tensor) else "not a tensor"
+        if diff is not None:
+            raise _fail(module, f"its output is not its routed block {name} plus its shared experts ({diff})")
+    return ExpertParallelMoE(ep.router, ep.experts, ep.num_experts, group, shared, overlap_shared)
 
 
 def wrap_expert_parallel(module: nn.Module, group: Optional[dist.ProcessGroup] = None, *,
@@ -188,6 +300,9 @@ def wrap_expert_parallel(module: nn.Module, group: Optional[dist.ProcessGroup] =
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     experts = getattr(module, "_modules", {}).get(ROUTED)
     if not isinstance(experts, nn.Module):
+        inner = _routed_child(module) if isinstance(module, nn.Module) else None
+        if inner is not None:
+            return _wrap_beside(module, *inner, group, overlap_shared, impl, check)
         raise TypeError(f"wrap_expert_parallel: unsupported module {type(module).__name__}: no routed experts found "
                         f"(no child named {ROUTED!r}); expected an MoE block such as {_EXAMPLES}")
     routed = RoutedExperts(module, experts)
@@ -203,15 +318,23 @@ def wrap_expert_parallel(module: nn.Module, group: Optional[dist.ProcessGroup] =
         router = CapturedRouter(module, shared_names)
         try:
             with torch.no_grad():
-                seen = _runs(module, lambda: router.observe(x))
+                seen = _runs(module, lambda: router.observe(x, routed.count))
         except TypeError:
             if probe:
                 raise
         if seen is not None and seen.shortcut is not None:
             router = seen.shortcut
+    scale = None if seen is None else seen.scale
     lo, n = _placement(routed, rank, world)
     if probe:
-        _probe(module, routed, router, shared, x, seen)
+        glu = _probe(module, routed, router, shared, x, seen)
+    else:
+        glu = _settled_glu(module, routed, None if seen is None else seen.roles, scale is not None)
     gate_up, down = routed.stacked(lo - routed.first, n)
-    return ExpertParallelMoE(router, LocalExperts(gate_up, down, lo, routed.act, impl), routed.total, group, shared,
-                             overlap_shared)
+    gate_up_bias, down_bias = routed.stacked_biases(lo - routed.first, n)
+    total, first = routed.total, lo
+    if routed.has_identity and scale is None:  # one identity expert after each rank's weighted ones
+        router, total, first = IdentitySlots(router, routed.total, world, rank), routed.total + world, rank * (n + 1)
+    local = LocalExperts(gate_up, down, first, routed.act, impl, gate_up_bias=gate_up_bias, down_bias=down_bias,
+                         glu=glu, identity=int(routed.has_identity and scale is None), input_scale=scale)
+    return ExpertParallelMoE(router, local, total, group, shared, overlap_shared)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from .config import ConfigError, JobConfig
 
 _PREFIX = "overlap/job"
+_DEFAULT_FROM = {"--cpu-link": "$OVERLAP_CPU_LINK", "--cpu-comm-priority": "$OVERLAP_CPU_COMM_PRIORITY"}
 _MODEL_OPTIONS = {"n_layers": "--layers", "n_dense_layers": "--dense-layers", "hidden": "--hidden",
                   "n_experts": "--experts", "top_k": "--top-k", "n_shared": "--shared-experts"}
 
@@ -30,7 +31,16 @@ class JobMismatch(ConfigError):
 
 
 def fingerprint(job: JobConfig) -> Dict[str, Any]:
-    """What must be equal on every rank, by the option a user would change (JSON-friendly)."""
+    """What must be equal on every rank, by the option or environment variable a user would change
+    (JSON-friendly).
+
+    Every option that shapes the run is here. Left out on purpose: ``--batch``, ``--seq-len`` and
+    ``--seq-lens`` (each rank brings its own requests; the split is agreed by one all-reduce) and
+    ``--out`` (rank 0 writes the results; each rank's mmap KV files go under its own ``--out``).
+    The environment variables are those `launch.config.environment` keeps (that docstring says why
+    the others need not agree); ``--cpu-link`` and ``--cpu-comm-priority`` take their defaults from
+    theirs, which a difference names too (`_DEFAULT_FROM`).
+    """
     if job.transformers:
         out = {f"--model (its {k})": v for k, v in job.model_fields().items()}
     else:
@@ -38,9 +48,10 @@ def fingerprint(job: JobConfig) -> Dict[str, Any]:
     out.update({"--model": job.model_name, "--mode": list(job.modes), "--device": job.device, "--path": job.path,
                 "--kv-offload": job.kv_offload, "--kv-store": job.kv_store,
                 "--dtype": str(job.dtype).replace("torch.", ""), "--warmup": job.warmup, "--iters": job.iters,
-                "--seed": job.seed, "--check": job.check, "--cpu-link": str(job.link) if job.link else "off",
-                "--cpu-comm-priority": job.comm_priority,
+                "--seed": job.seed, "--check": job.check,
+                "--cpu-link": str(job.link) if job.link else "off", "--cpu-comm-priority": job.comm_priority,
                 "--timeout": job.timeout})
+    out.update(dict(job.environment))
     return out
 
 
@@ -53,7 +64,8 @@ def _differences(posts: Sequence[Dict[str, Any]]) -> List[str]:
             by_value: Dict[str, List[int]] = {}
             for rank, v in enumerate(values):
                 by_value.setdefault(json.dumps(v), []).append(rank)
-            lines.append(f"ranks disagree on {key}: " + "; ".join(
+            named = f"{key} (or its default {_DEFAULT_FROM[key]})" if key in _DEFAULT_FROM else key
+            lines.append(f"ranks disagree on {named}: " + "; ".join(
                 f"rank{'s' if len(r) > 1 else ''} {','.join(map(str, r))}: {json.loads(v)!r}" for v, r in by_value.items()))
     return lines
 

@@ -34,6 +34,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import socket
@@ -52,7 +53,7 @@ from microbatch import CostModel, Interconnect, Linear, OpCost, Prediction, Tran
 from overlap import Span, Timeline, backends
 
 from .model import Batch
-from .probes import barrier, contention_fit, grouped, max_over_ranks, notice, sweep
+from .probes import PEER_QUANTILES, barrier, contention_fit, grouped, max_over_ranks, notice, sweep
 from .runner import run_schedule, serial_plan
 
 logger = logging.getLogger(__name__)
@@ -398,20 +399,165 @@ def cache_file(key: Mapping[str, Any], directory: Optional[str] = None) -> str:
     return os.path.join(cache_dir(directory), f"{digest}.json")
 
 
-def load(key: Mapping[str, Any], directory: Optional[str] = None) -> Optional[Calibration]:
-    """The cached calibration of ``key``, or None (none there, another key, or unreadable)."""
+def load(key: Mapping[str, Any], directory: Optional[str] = None, model: Any = None) -> Optional[Calibration]:
+    """The cached calibration of ``key``, or None (none there, another key, unreadable, or holding what a
+    calibration cannot: `check_cached`; with ``model``, also one whose layers or operations are not the
+    model's). A file that is there but not usable is named in a warning."""
     path = cache_file(key, directory)
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
-        if _canonical(data.get("key", {})) != _canonical(key) or data.get("format") != FORMAT:
-            return None
-        return Calibration.from_dict(data["calibration"])
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         logger.warning("ignoring the unreadable calibration %s (%s): measuring again", path, e)
         return None
+    if isinstance(data, dict) and (data.get("format") != FORMAT
+                                   or _canonical(data.get("key", {})) != _canonical(key)):
+        return None  # another format or key (a digest shared by chance): not this calibration, nothing wrong
+    try:
+        cal = check_cached(data, key)
+        if model is not None:
+            _check_model(cal, model)
+    except ValueError as e:
+        logger.warning("ignoring the calibration %s: %s; measuring again", path, e)
+        return None
+    return cal
+
+
+# ---- checking a cached calibration -------------------------------------------------------------
+
+
+def check_cached(data: Any, key: Mapping[str, Any]) -> Calibration:
+    """The `Calibration` a cache file's JSON ``data`` holds for ``key``, checked; ValueError saying what no
+    calibration can hold: another structure, a value that is not a finite number (or one below what a fit
+    gives: costs, sizes and times are >= 0), lengths that do not agree (layers, token counts, quantiles)."""
+    if not isinstance(data, dict):
+        raise ValueError(f"it holds {_json_kind(data)}, not an object with a calibration")
+    if data.get("format") != FORMAT or _canonical(data.get("key", {})) != _canonical(key):
+        raise ValueError("it holds another key or format")
+    raw = data.get("calibration")
+    if not isinstance(raw, dict):
+        raise ValueError(f"its 'calibration' is {_json_kind(raw)}, not an object")
+    fields = {f.name: f for f in dataclasses.fields(Calibration)}
+    unknown = sorted(set(raw) - set(fields))
+    missing = sorted(n for n, f in fields.items() if n not in raw)
+    if unknown or missing:
+        raise ValueError("its calibration has " + ", ".join(
+            ([f"unknown fields {unknown}"] if unknown else []) + ([f"no {missing}"] if missing else [])))
+    if _canonical(raw["key"]) != _canonical(key):
+        raise ValueError("its calibration holds another key than the file")
+    layers = _list(raw["layers"], "layers")
+    if not layers or not all(isinstance(m, bool) for m in layers):
+        raise ValueError(f"'layers' is {raw['layers']!r}, not a non-empty list of true / false")
+    ops = [_op_fit(f, f"ops[{i}]", None) for i, f in enumerate(_list(raw["ops"], "ops"))]
+    layer_ops = [_op_fit(f, f"layer_ops[{i}]", layers) for i, f in enumerate(_list(raw["layer_ops"], "layer_ops"))]
+    transfers = [_transfer_fit(t, f"transfers[{i}]") for i, t in enumerate(_list(raw["transfers"], "transfers"))]
+    kinds = {(f.op, f.moe) for f in ops}
+    for what, names in (("ops", [(f.op, f.moe) for f in ops]), ("layer_ops", [(f.op, f.layer) for f in layer_ops]),
+                        ("transfers", [(t.op, t.moe, t.name) for t in transfers])):
+        if len(set(names)) != len(names):
+            raise ValueError(f"'{what}' holds an entry twice")
+    if {(f.op, f.moe) for f in layer_ops} != kinds:
+        raise ValueError("'ops' and 'layer_ops' name different operations: they are fitted from the same runs")
+    if any((t.op, t.moe) not in kinds for t in transfers):
+        raise ValueError("'transfers' name an operation 'ops' does not have")
+    tokens = _list(raw["tokens"], "tokens")
+    if tokens != list(key.get("tokens", tokens)) or not all(isinstance(n, int) and n >= 1 for n in tokens):
+        raise ValueError(f"'tokens' is {tokens!r}, not the token counts of its key {key.get('tokens')!r}")
+    link = raw["link"]
+    if _canonical(link) != _canonical(key.get("link")):
+        raise ValueError(f"'link' is {link!r}, not the link of its key {key.get('link')!r}")
+    pair = {name: [_number(v, f"{name}[{i}]") for i, v in enumerate(_list(raw[name], name))]
+            for name in ("collective", "frame")}
+    if any(len(v) != 2 for v in pair.values()):
+        raise ValueError("'collective' and 'frame' must each hold 2 numbers (a + b * x)")
+    peer = [_number(v, f"async_peer_s[{i}]") for i, v in enumerate(_list(raw["async_peer_s"], "async_peer_s"))]
+    if len(peer) not in (0, PEER_QUANTILES) or peer != sorted(peer):
+        raise ValueError(f"'async_peer_s' holds {len(peer)} value(s), not 0 or {PEER_QUANTILES} in increasing order")
+    scalars = {name: _number(raw[name], name) for name in ("host_overhead_s", "elapsed_s", "async_host_s",
+                                                           "async_host_per_byte", "async_issue_s",
+                                                           "async_issue_per_byte", "async_notice_s")}
+    return Calibration(dict(raw["key"]), list(layers), ops, layer_ops, transfers, tokens=list(tokens),
+                       link=None if link is None else dict(link), collective=tuple(pair["collective"]),
+                       frame=tuple(pair["frame"]), async_peer_s=peer, **scalars)
+
+
+def _check_model(cal: Calibration, model: Any) -> None:
+    """ValueError unless ``cal``'s layers and operations are ``model``'s (a cache of this key is of this
+    model's shape; this catches a file edited, or written by another version of a layer)."""
+    layers = model.layer_operations()
+    moe = [_is_moe(model, i) for i in range(len(layers))]
+    if cal.layers != moe:
+        raise ValueError(f"its layers (MoE: {cal.layers}) are not the model's ({moe})")
+    for f in cal.layer_ops:
+        if f.op not in {op.name for op in layers[f.layer]}:
+            raise ValueError(f"layer {f.layer} has no operation {f.op!r}")
+
+
+def _json_kind(value: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), "a number")
+
+
+def _list(value: Any, what: str) -> List[Any]:
+    if not isinstance(value, list):
+        raise ValueError(f"'{what}' is {_json_kind(value)}, not a list")
+    return value
+
+
+def _number(value: Any, what: str, low: Optional[float] = 0.0) -> float:
+    """``value`` as a float: a finite JSON number (not a boolean), at least ``low`` (None: any)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"'{what}' is {value!r}, not a number")
+    try:
+        value = float(value)
+    except OverflowError:  # an integer of hundreds of digits
+        value = math.inf
+    if not math.isfinite(value):
+        raise ValueError(f"'{what}' is {value}, not a finite number")
+    if low is not None and value < low:
+        raise ValueError(f"'{what}' is {value}, below {low:g}: no measurement gives that")
+    return value
+
+
+def _entry(value: Any, what: str, cls: type) -> Dict[str, Any]:
+    """A JSON object with exactly the fields of the dataclass ``cls`` (those with a default may be left out)."""
+    if not isinstance(value, dict):
+        raise ValueError(f"'{what}' is {_json_kind(value)}, not an object")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    needed = {n for n, f in fields.items() if f.default is dataclasses.MISSING}
+    if set(value) - set(fields) or needed - set(value):
+        raise ValueError(f"'{what}' has the fields {sorted(value)}, not those of a {cls.__name__} {sorted(fields)}")
+    for name in ("op", "name"):
+        if name in fields and not (isinstance(value[name], str) and value[name]):
+            raise ValueError(f"'{what}.{name}' is {value[name]!r}, not a name")
+    for name in ("moe", "blocking"):
+        if name in fields and not isinstance(value[name], bool):
+            raise ValueError(f"'{what}.{name}' is {value[name]!r}, not true / false")
+    return value
+
+
+def _op_fit(value: Any, what: str, layers: Optional[List[bool]]) -> OpFit:
+    d = _entry(value, what, OpFit)
+    layer = d.get("layer")
+    if layers is None and layer is not None:
+        raise ValueError(f"'{what}.layer' is {layer!r}: a fit of every layer of a kind has none")
+    if layers is not None:
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < len(layers):
+            raise ValueError(f"'{what}.layer' is {layer!r}, not a layer of the {len(layers)} in 'layers'")
+        if d["moe"] != layers[layer]:
+            raise ValueError(f"'{what}.moe' is {d['moe']}, but 'layers' says layer {layer} is "
+                             f"{'' if layers[layer] else 'not '}MoE")
+    return OpFit(d["op"], d["moe"], _number(d["a"], f"{what}.a"), _number(d["b"], f"{what}.b"), layer)
+
+
+def _transfer_fit(value: Any, what: str) -> TransferFit:
+    d = _entry(value, what, TransferFit)
+    # a collective's wait beyond the interconnect may be less than the link's time: wait_s of either sign
+    return TransferFit(d["op"], d["moe"], d["name"], _number(d["a"], f"{what}.a"), _number(d["b"], f"{what}.b"),
+                       d["blocking"], _number(d.get("wait_s", 0.0), f"{what}.wait_s", None),
+                       _number(d.get("wait_per_token", 0.0), f"{what}.wait_per_token"))
 
 
 def save(cal: Calibration, directory: Optional[str] = None) -> Optional[str]:
@@ -606,16 +752,19 @@ def agree(cal: Calibration, group: Any = None) -> Calibration:
 _COLLECTIVE_SETTINGS = ("world", "model", "dtype", "tokens", "repeats", "seq_len")
 
 
-def _everyone_has(have: bool, key: Mapping[str, Any], group: Any) -> bool:
-    """Whether every rank found the calibration (one all-reduce, which also checks the settings agree)."""
+def _everyone_has(cached: Optional[Calibration], key: Mapping[str, Any], group: Any) -> Tuple[bool, bool]:
+    """``(every rank found the calibration, the ranks' cached calibrations differ in structure)``: one
+    all-reduce, which also checks that the settings agree."""
     if not grouped(group):
-        return have
+        return cached is not None, False
     tag = zlib.crc32(_canonical({k: key.get(k) for k in _COLLECTIVE_SETTINGS}).encode())
-    missing, hi, lo = max_over_ranks([0 if have else 1, tag, -tag], group, torch.int64)
+    shape = zlib.crc32(cached.structure().encode()) if cached is not None else 0
+    missing, hi, lo, shape_hi, shape_lo = max_over_ranks([0 if cached is not None else 1, tag, -tag, shape, -shape],
+                                                         group, torch.int64)
     if (hi, -lo) != (tag, tag):
         raise ValueError("the ranks asked for different calibrations (model, dtype, token counts, repeats or "
                          "request length differ): every rank must call calibrate with the same model and arguments")
-    return missing == 0
+    return missing == 0, missing == 0 and shape_hi != -shape_lo
 
 
 def calibrate(model: Any, group: Any = None, *, max_tokens: int = 256, points: int = 5, repeats: int = 3,
@@ -631,14 +780,18 @@ def calibrate(model: Any, group: Any = None, *, max_tokens: int = 256, points: i
     """
     tokens = token_points(max_tokens, points)
     key = calibration_key(model, group, tokens, repeats, seq_len)
-    cached = None if refresh else load(key, cache)
-    if _everyone_has(cached is not None, key, group):
+    cached = None if refresh else load(key, cache, model)
+    everyone, differ = _everyone_has(cached, key, group)
+    if everyone and not differ:
         if report is not None:
             report(f"calibration: cached ({cache_file(key, cache)})")
         return agree(cached, group)
+    if differ:  # each file is a calibration, but not of one model on every rank: none can be trusted
+        logger.warning("ignoring the calibration %s: the ranks' cached files of this key differ in their "
+                       "operations or collectives; measuring again on every rank", cache_file(key, cache))
     if report is not None:
         why = "refreshing" if refresh else "none cached for this machine and model" if cached is None else \
-            "not cached on every rank"
+            "the ranks' cached files differ" if differ else "not cached on every rank"
         report(f"calibrating the operations and the interconnect ({why}; cached after this run in "
                f"{cache_file(key, cache)})")
     cal = agree(measure(model, group, tokens, repeats, seq_len), group)
@@ -660,5 +813,6 @@ def predict_mode(cal: Calibration, model: Any, mode: str, tokens: Sequence[int],
 
 
 __all__ = ["Calibration", "ENV_CACHE", "OpFit", "Run", "TransferFit", "agree", "cache_dir", "cache_file",
-           "calibrate", "calibration_key", "request_length", "fit_collective", "fit_linear", "fit_runs", "load", "measure",
+           "calibrate", "check_cached", "calibration_key", "request_length", "fit_collective", "fit_linear",
+           "fit_runs", "load", "measure",
            "predict_mode", "save", "token_points"]

@@ -12,25 +12,35 @@ Routed experts are found by structure: a module whose ``experts`` child holds 3-
 checkpoint may store them per expert (``...experts.3.gate_proj.weight``, or Mixtral's
 ``...block_sparse_moe.experts.3.w1.weight``), which is what ``save_pretrained`` writes, or fused
 (``...experts.gate_up_proj``). After loading, that ``experts`` child holds this rank's experts only
-and carries ``ep_shard = (first_expert, total_experts)``. See docs/checkpoints.md.
+and carries ``ep_shard = (first_expert, total_experts)``.
+
+A checkpoint is used whole or refused: before any read, every rank checks the config's fields, the
+files and the whole checkpoint against the model (every rank's tensors, from the headers), and
+refuses tensors the model has no place for; what the model does not use by design (a
+multi-token-prediction layer, a tied copy, weights in another format beside the safetensors) is
+not read and named in `LoadReport.skipped`. After reading, a tensor holding NaN or inf is refused.
+See docs/checkpoints.md.
 """
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
+import errno
 import functools
 import glob
 import json
 import math
 import os
 import re
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+import stat
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["CheckpointError", "LoadReport", "check_checkpoint", "load_checkpoint"]
+__all__ = ["CheckpointError", "LoadReport", "check_checkpoint", "check_moe_config", "load_checkpoint"]
 
 CONFIG, SINGLE, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
 # A part of an in-memory name -> the same part in older checkpoints (Mixtral's MoE block).
@@ -39,6 +49,17 @@ RENAMES = ((".mlp.", ".block_sparse_moe."),)
 PROJ_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 # Reopen a file after reading this much from it: its pages touched so far leave the process.
 REOPEN_BYTES = 1 << 30
+# The dtypes a model can be loaded in (a float8 or integer dtype would need a quantized format's scales).
+HELD_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# Values of a tensor checked for NaN / inf at a time (a bool mask of this many bytes).
+FINITE_CHUNK = 1 << 26
+# Files of a folder that hold weights; those the loader does not read are named (`LoadReport.skipped`).
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
+# A config's routed-expert count, under the names the families give it.
+EXPERT_FIELDS = ("n_routed_experts", "num_local_experts", "num_experts")
+# A config's count of multi-token-prediction layers, stored after the model's own layers.
+MTP_FIELDS = ("num_nextn_predict_layers", "num_mtp_layers")
+_LAYER_KEY = re.compile(r"^(.*\blayers)\.(\d+)\.")
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -60,7 +81,8 @@ class LoadReport:
     tensors_read: int        # checkpoint tensors read, whole or in part
     checkpoint_bytes: int    # tensor bytes of the whole checkpoint, from the file headers
     sharded: Dict[str, Tuple[int, int]]  # experts module -> its ep_shard (first_expert, total_experts)
-    ignored: Tuple[str, ...]  # checkpoint tensors the model has no place for (not read)
+    ignored: Tuple[str, ...]  # checkpoint tensors the model does not use by design (not read by any rank)
+    skipped: Tuple[str, ...] = ()  # what no rank reads on purpose, one phrase per kind (tensors, files)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,24 +113,85 @@ Catalog = Dict[str, _Stored]
 # ---------------------------------------------------------------- the folder
 
 
-def _weight_files(path: str) -> Tuple[List[str], Optional[Dict[str, str]]]:
-    """The safetensors files, and the index's name -> file map when there is one."""
+def _weight_files(path: str) -> Tuple[List[str], Optional[Dict[str, str]], List[str]]:
+    """The safetensors files, the index's name -> file map when there is one, and the weight files of
+    the folder that are not read (other formats; safetensors files beside the index or model.safetensors)."""
     index = os.path.join(path, INDEX)
     if os.path.isfile(index):
-        try:
-            with open(index, encoding="utf-8") as f:
-                weight_map = json.load(f)["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index}: not a safetensors index with a weight_map ({e})") from None
-        files = sorted(set(weight_map.values()))
-        for name in files:
-            if not os.path.isfile(os.path.join(path, name)):
-                raise CheckpointError(f"{index} names {name}, which is not in {path}")
-        return [os.path.join(path, n) for n in files], weight_map
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        weight_map = _weight_map(index)
+        names = sorted(set(weight_map.values()))
+        for name in names:
+            problem = _file_problem(os.path.join(path, name))
+            if problem:
+                raise CheckpointError(f"{index} names {name}, which {problem}")
+        files = [os.path.join(path, n) for n in names]
+    else:  # model.safetensors alone, as transformers reads it; else every safetensors file of the folder
+        weight_map = None
+        single = os.path.join(path, SINGLE)
+        files = [single] if os.path.lexists(single) else sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        for file in files:
+            problem = _file_problem(file)
+            if problem:
+                raise CheckpointError(f"{file} {problem}")
+    read = {os.path.realpath(f) for f in files}
+    unread = sorted(n for n in os.listdir(path) if n.endswith(WEIGHT_SUFFIXES) and not n.startswith(".")
+                    and os.path.realpath(os.path.join(path, n)) not in read)
     if not files:
-        raise CheckpointError(f"{path}: no safetensors weights ({SINGLE}, or shards with {INDEX})")
-    return files, None
+        others = f" (it holds {', '.join(unread[:3])}{' ...' if len(unread) > 3 else ''}: the loader reads " \
+                 f"safetensors only, convert them)" if unread else ""
+        raise CheckpointError(f"{path}: no safetensors weights ({SINGLE}, or shards with {INDEX}){others}")
+    return files, weight_map, unread
+
+
+def _weight_map(index: str) -> Dict[str, str]:
+    """The index's tensor name -> file name map, checked to be one."""
+    try:
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index}: not a safetensors index with a weight_map ({_one_line(e)})") from None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index}: its weight_map is a {type(weight_map).__name__}, not a map of tensor "
+                              f"names to file names")
+    if not weight_map:
+        raise CheckpointError(f"{index}: its weight_map names no tensor")
+    for key, name in weight_map.items():
+        if not isinstance(name, str) or not name or os.path.isabs(name) or \
+                os.path.normpath(name).split(os.sep)[0] == os.pardir:
+            raise CheckpointError(f"{index}: its weight_map places tensor {key} in {name!r}, which is not the name of "
+                                  f"a file in the checkpoint's folder")
+    return weight_map
+
+
+def _file_problem(file: str) -> Optional[str]:
+    """Why ``file`` cannot be read as a weights file (completing "... which ..."), or None."""
+    try:
+        os.lstat(file)
+    except FileNotFoundError:
+        return f"is not in {os.path.dirname(file)}"
+    except OSError as e:
+        return f"cannot be looked at ({e.strerror})"
+    try:
+        mode = os.stat(file).st_mode
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "is a symbolic link loop (following it never reaches a file)"
+        if e.errno == errno.ENOENT:
+            return f"is a symbolic link to {os.readlink(file)}, which does not exist"
+        return f"cannot be looked at ({e.strerror})"
+    if stat.S_ISDIR(mode):
+        return "is a directory, not a safetensors file"
+    if not stat.S_ISREG(mode):
+        return "is not a regular file"
+    if not os.access(file, os.R_OK):
+        return "is not readable (permission denied)"
+    return None
+
+
+def _one_line(exc: BaseException) -> str:
+    """An exception's message on one line (a library's may span several), at most 300 characters."""
+    text = " ".join(part.strip() for part in str(exc).splitlines() if part.strip()) or type(exc).__name__
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def _header(file: str) -> Catalog:
@@ -128,7 +211,7 @@ def _header(file: str) -> Catalog:
     except CheckpointError:
         raise
     except Exception as e:  # safetensors raises its own error types for a damaged header
-        raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
+        raise CheckpointError(f"{file}: not a readable safetensors file ({_one_line(e)})") from None
     return out
 
 
@@ -136,7 +219,7 @@ class _Checkpoint:
     """The tensors of a checkpoint folder: file, dtype and shape of each, from the headers only."""
 
     def __init__(self, path: str):
-        files, weight_map = _weight_files(path)
+        files, weight_map, self.unread = _weight_files(path)
         self.catalog: Catalog = {}
         for file in files:
             for key, stored in _header(file).items():
@@ -148,6 +231,7 @@ class _Checkpoint:
             if stored is None or os.path.basename(stored.file) != name:
                 raise CheckpointError(f"{os.path.join(path, INDEX)} places tensor {key} in {name}, which does not "
                                       f"hold it")
+        self.indexed = weight_map is not None
         self.where = os.path.join(path, INDEX) if weight_map is not None else \
             ", ".join(os.path.join(path, os.path.basename(f)) for f in files)
 
@@ -184,8 +268,8 @@ def _config(path: str) -> Any:
 
     try:
         config = AutoConfig.from_pretrained(path)
-    except (OSError, ValueError, KeyError) as e:
-        raise CheckpointError(f"{os.path.join(path, CONFIG)}: not a transformers config ({e})") from None
+    except Exception as e:  # transformers and its dataclass checks raise many kinds for a bad config
+        raise CheckpointError(f"{os.path.join(path, CONFIG)}: not a transformers config ({_one_line(e)})") from None
     quantized = getattr(config, "quantization_config", None)
     if quantized:
         get = quantized.get if isinstance(quantized, dict) else functools.partial(getattr, quantized)
@@ -193,6 +277,64 @@ def _config(path: str) -> Any:
         raise CheckpointError(f"{os.path.join(path, CONFIG)}: a quantized checkpoint ({method}) is not supported: "
                               f"the loader reads float weights (convert it to bf16 first)")
     return config
+
+
+def check_moe_config(config: Any, world: int = 1, where: str = "the config") -> None:
+    """Check what the loader, the model's router and the toolkit assume of an MoE config and no tensor
+    shape shows: counts of layers and heads, the routed experts (shared equally by ``world`` ranks),
+    top-k within them, DeepSeek-style expert groups, the dense and multi-token-prediction layers.
+    `CheckpointError` names ``where``, the field and its value; fields the family lacks are skipped."""
+    def field(name: str, low: int, high: Optional[int] = None, rule: str = "") -> Optional[int]:
+        value = getattr(config, name, None)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+            bounds = f"an integer >= {low}" if high is None else f"an integer in {low}..{high}"
+            raise CheckpointError(f"{where}: {name} is {value!r}, must be {bounds}{rule}")
+        return value
+
+    layers = field("num_hidden_layers", 1)
+    for name in ("hidden_size", "vocab_size"):
+        field(name, 1)
+    heads = field("num_attention_heads", 1)
+    kv = field("num_key_value_heads", 1, heads)
+    if heads and kv and heads % kv:
+        raise CheckpointError(f"{where}: num_attention_heads is {heads} and num_key_value_heads {kv}: the query "
+                              f"heads must be a multiple of the key-value heads")
+    if heads and kv and kv != heads and getattr(config, "kv_lora_rank", None):
+        raise CheckpointError(f"{where}: num_key_value_heads is {kv}, must equal num_attention_heads {heads} with "
+                              f"multi-head latent attention (kv_lora_rank): the keys are expanded to every head")
+    stored = vars(config)
+    name = next((n for n in EXPERT_FIELDS if n in stored), None) or next(
+        (n for n in EXPERT_FIELDS if hasattr(config, n)), None)
+    experts = field(name, 1, rule=" (the routed experts per MoE layer)") if name else None
+    if experts and experts % world:
+        raise CheckpointError(f"{where}: {name} is {experts}, and {experts} experts cannot be shared equally by "
+                              f"{world} ranks (the expert count must be a multiple of the ranks)")
+    top_k = field("num_experts_per_tok", 1, experts, f" (the experts each token is routed to, of {name} {experts})"
+                  if experts else "")
+    method = getattr(config, "topk_method", None)
+    groups = field("n_group", 1, experts) if method != "greedy" else None  # greedy routing has no groups
+    if groups and experts:
+        # a group's score: its best expert (DeepSeek-V2's group_limited_greedy), else the sum of its best two
+        per_group, least = experts // groups, 1 if method == "group_limited_greedy" else 2
+        if experts % groups or per_group < least:
+            raise CheckpointError(f"{where}: n_group is {groups}: the router splits the {experts} experts ({name}) "
+                                  f"into n_group equal groups of at least {least}")
+        chosen = field("topk_group", 1, groups, f" (of n_group {groups})")
+        if chosen and top_k and top_k > chosen * per_group:
+            raise CheckpointError(f"{where}: num_experts_per_tok is {top_k}, more than the {chosen * per_group} "
+                                  f"experts of the topk_group {chosen} groups the router picks ({per_group} each)")
+    if layers:
+        field("first_k_dense_replace", 0, layers - 1, f" (the leading dense layers, of num_hidden_layers {layers})")
+        field("decoder_sparse_step", 1, layers)
+        dense = getattr(config, "mlp_only_layers", None)
+        if dense is not None and (not isinstance(dense, (list, tuple)) or any(
+                isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < layers for i in dense)):
+            raise CheckpointError(f"{where}: mlp_only_layers is {dense!r}, must list layer indices in "
+                                  f"0..{layers - 1} (num_hidden_layers {layers})")
+    for name in MTP_FIELDS:
+        field(name, 0)
 
 
 def _skeleton(config: Any) -> nn.Module:
@@ -206,6 +348,9 @@ def _skeleton(config: Any) -> nn.Module:
         first = (str(e).splitlines() or [""])[0]  # the rest lists every causal LM transformers has
         raise CheckpointError(f"model type {config.model_type!r} is not a causal LM transformers can build ({first})") \
             from None
+    except Exception as e:  # a config value the family's modules cannot be built with
+        raise CheckpointError(f"transformers cannot build a {config.model_type} model from this config "
+                              f"({type(e).__name__}: {_one_line(e)})") from None
 
 
 # ---------------------------------------------------------------- ranks and dtypes
@@ -223,12 +368,16 @@ def _rank_world(rank: Optional[int], world: Optional[int], group: Any) -> Tuple[
     return rank, world
 
 
-def _as_dtype(dtype: Union[torch.dtype, str, None]) -> Optional[torch.dtype]:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    found = getattr(torch, str(dtype).replace("torch.", ""), None)
+def _as_dtype(dtype: Union[torch.dtype, str, None], where: str = "dtype") -> Optional[torch.dtype]:
+    """``dtype`` as a torch dtype the model can be held in (a float of 16 bits or more), or None."""
+    if dtype is None:
+        return None
+    found = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype).replace("torch.", ""), None)
     if not isinstance(found, torch.dtype):
-        raise CheckpointError(f"{dtype!r} is not a torch dtype")
+        raise CheckpointError(f"{where}: {dtype!r} is not a torch dtype")
+    if found not in HELD_DTYPES:
+        raise CheckpointError(f"{where}: {str(found).replace('torch.', '')} is not a dtype to hold a model in "
+                              f"(one of {', '.join(str(d).replace('torch.', '') for d in HELD_DTYPES)})")
     return found
 
 
@@ -520,41 +669,182 @@ def _runs(reads: Sequence[_Read], ckpt: _Checkpoint) -> Iterator[Tuple[str, List
 
 
 def _execute(reads: Sequence[_Read], ckpt: _Checkpoint) -> int:
-    """Fill every destination from the files, one file open at a time; the bytes read."""
+    """Fill every destination from the files, one file open at a time, and check each holds finite values;
+    the bytes read."""
     from safetensors import safe_open
 
     total = 0
     with torch.no_grad():
         for file, run in _runs(reads, ckpt):
-            with safe_open(file, framework="pt", device="cpu") as f:
+            try:
+                opened = safe_open(file, framework="pt", device="cpu")
+            except Exception as e:  # changed or gone since its header was read
+                raise CheckpointError(f"{file}: cannot be read now ({_one_line(e)})") from None
+            with opened as f:
                 for r in run:
-                    src = f.get_slice(r.key)[r.index] if r.index else f.get_tensor(r.key)
+                    try:
+                        src = f.get_slice(r.key)[r.index] if r.index else f.get_tensor(r.key)
+                    except Exception as e:
+                        raise CheckpointError(f"{file}: cannot read tensor {r.key} ({_one_line(e)})") from None
                     r.dest.copy_(src.reshape(r.dest.shape))
                     total += src.numel() * src.element_size()
                     del src  # it maps the file: let the mapping go with the file
+        _check_finite(reads, ckpt)
     return total
 
 
-def _ignored(ckpt: _Checkpoint, reads: Sequence[_Read], experts: Sequence[str]) -> Tuple[str, ...]:
-    """Checkpoint tensors neither read nor another rank's experts."""
-    read = {r.key for r in reads}
-    prefixes = {c for p in experts for c in _candidates(p)}
-    return tuple(k for k in sorted(ckpt.catalog) if k not in read and k.rsplit(".", 1)[0] not in prefixes
-                 and k.rsplit(".", 3)[0] not in prefixes)
+def _finite(t: torch.Tensor) -> torch.Tensor:
+    """Whether every value of ``t`` is finite, as a 0-d tensor on its device (no synchronisation); a large
+    tensor is looked at in chunks, so that the mask never needs more than FINITE_CHUNK bytes."""
+    if t.numel() <= FINITE_CHUNK or not t.is_contiguous():
+        return torch.isfinite(t).all()
+    return torch.stack([torch.isfinite(c).all() for c in t.view(-1).split(FINITE_CHUNK)]).all()
+
+
+def _check_finite(reads: Sequence[_Read], ckpt: _Checkpoint) -> None:
+    """`CheckpointError` naming the first tensor read that holds NaN or inf, as stored or once cast (one
+    device synchronisation when every value is finite)."""
+    floating = [r for r in reads if r.dest.is_floating_point()]
+    if not floating or bool(torch.stack([_finite(r.dest) for r in floating]).all()):
+        return
+    from safetensors import safe_open
+
+    r = next(r for r in floating if not bool(_finite(r.dest)))
+    stored = ckpt[r.key]
+    bad = int((~torch.isfinite(r.dest)).sum())
+    cast = ""
+    if r.dest.dtype != stored.dtype:  # finite as stored, then? Read it again to say which (an error path only)
+        with safe_open(stored.file, framework="pt", device="cpu") as f:
+            src = f.get_slice(r.key)[r.index] if r.index else f.get_tensor(r.key)
+            if bool(torch.isfinite(src).all()):
+                cast = f" once cast to {str(r.dest.dtype).replace('torch.', '')} (stored " \
+                       f"{str(stored.dtype).replace('torch.', '')}: out of its range)"
+            del src
+    raise CheckpointError(f"tensor {r.key} in {stored.file} holds {bad} NaN or inf value{'s' if bad > 1 else ''}"
+                          f"{cast}: the model would compute NaN or inf")
+
+
+# ---------------------------------------------------------------- the whole checkpoint
+
+
+@dataclasses.dataclass(frozen=True)
+class _Unread:
+    """What of a checkpoint no rank reads, on purpose: its tensors, and one phrase for each kind."""
+
+    tensors: Tuple[str, ...]
+    phrases: Tuple[str, ...]
+
+
+def _whole(model: nn.Module, ckpt: _Checkpoint, config: Any, world: int, where: str) -> _Unread:
+    """Check the whole checkpoint against ``model`` (left unchanged: a copy is planned), as every rank
+    alike would: routed experts that ``world`` ranks share equally, every tensor of every rank there
+    with its shape, and nothing left over but what the model does not use by design."""
+    experts = _experts_modules(model)
+    for path, _, module in experts:
+        _shard(path, module, 0, world)
+    plan = copy.deepcopy(model)
+    alloc = _Alloc(torch.device("meta"), None, ())
+    reads, sharded = _plan_experts(plan, ckpt, 0, 1, alloc)
+    more, _ = _plan_replicated(plan, ckpt, list(sharded), alloc)
+    used = {r.key for r in reads + more}
+    return _left_over(model, ckpt, config, used, [p for p, _, _ in experts], where)
+
+
+def _left_over(model: nn.Module, ckpt: _Checkpoint, config: Any, used: Set[str], experts: Sequence[str],
+               where: str) -> _Unread:
+    """The checkpoint's tensors outside ``used``: `CheckpointError` naming them, but for those the model
+    does not use by design (a multi-token-prediction layer, a tied copy, a buffer it computes itself,
+    what its class declares unused)."""
+    layers = getattr(config, "num_hidden_layers", None)
+    layers = layers if isinstance(layers, int) else math.inf  # a family that counts its layers otherwise
+    n_mtp = next((int(getattr(config, f)) for f in MTP_FIELDS if getattr(config, f, None) is not None), 0)
+    declared = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
+    tied: Dict[str, str] = {}
+    computed: Set[str] = set()
+    for names in _replicated(model, experts):
+        keys = [k for n, _, _ in names for k in _candidates(n) if k in ckpt]
+        if not names[0][2]:
+            computed |= {k for n, _, _ in names for k in _candidates(n)}
+        elif len(names) > 1 and keys:
+            tied.update({k: next((u for u in keys if u in used), names[0][0]) for k in keys if k not in used})
+    mtp: Dict[int, List[str]] = {}
+    kinds: Dict[str, List[str]] = {"tied": [], "declared": [], "computed": []}
+    unexpected = []
+    for key in sorted(set(ckpt.catalog) - used):
+        layer = _LAYER_KEY.match(key)
+        if key in tied:
+            kinds["tied"].append(key)
+        elif layer and int(layer[2]) >= layers:
+            i = int(layer[2])
+            if i < layers + n_mtp and f"{layer[1]}.{i}.eh_proj.weight" in ckpt:  # the MTP layer's own projection
+                mtp.setdefault(i, []).append(key)
+            else:
+                unexpected.append(key)
+        elif any(p.search(key) for p in declared):
+            kinds["declared"].append(key)
+        elif key in computed or key.endswith("rotary_emb.inv_freq"):
+            kinds["computed"].append(key)
+        else:
+            unexpected.append(key)
+    if unexpected:
+        beyond = sorted({int(m[2]) for m in map(_LAYER_KEY.match, unexpected) if m and int(m[2]) >= layers})
+        hint = f" (num_hidden_layers is {layers}, yet the files hold layer{'s' if len(beyond) > 1 else ''} " \
+               f"{', '.join(map(str, beyond[:5]))}{' ...' if len(beyond) > 5 else ''})" if beyond else ""
+        n = len(unexpected)
+        raise CheckpointError(f"{n} tensor{'s' if n > 1 else ''} of the checkpoint {'have' if n > 1 else 'has'} no "
+                              f"place in the model {where} describes{hint}: {', '.join(unexpected[:3])}"
+                              f"{f' and {n - 3} more' if n > 3 else ''}; a checkpoint is used whole or not at all")
+    phrases = [f"{len(keys)} tensor{'s' if len(keys) > 1 else ''} of multi-token-prediction layer {i} "
+               f"({_LAYER_KEY.match(keys[0])[1]}.{i}.*), which the model does not run" for i, keys in mtp.items()]
+    if kinds["tied"]:
+        phrases.append(", ".join(f"{k} (tied to {tied[k]}, which is read)" for k in kinds["tied"]))
+    if kinds["declared"]:
+        phrases.append(_some(kinds["declared"], f"that {type(model).__name__} declares unused"))
+    if kinds["computed"]:
+        phrases.append(_some(kinds["computed"], "that the model computes itself"))
+    other = [n for n in ckpt.unread if not n.endswith(".safetensors")]
+    if other:
+        phrases.append(_files(other, "of weights in another format (the safetensors files are read)"))
+    if len(other) < len(ckpt.unread):
+        phrases.append(_files([n for n in ckpt.unread if n not in other],
+                              f"that {INDEX} does not name" if ckpt.indexed else f"beside {SINGLE}"))
+    tensors = [k for keys in mtp.values() for k in keys] + [k for keys in kinds.values() for k in keys]
+    return _Unread(tuple(sorted(tensors)), tuple(phrases))
+
+
+def _files(names: Sequence[str], what: str) -> str:
+    n = len(names)
+    return f"{n} file{'s' if n > 1 else ''} {what}: {', '.join(names[:3])}{' ...' if n > 3 else ''}"
+
+
+def _some(keys: Sequence[str], what: str) -> str:
+    n = len(keys)
+    return f"{n} tensor{'s' if n > 1 else ''} {what} ({', '.join(keys[:2])}{' ...' if n > 2 else ''})"
+
+
+def _open(path: str, world: int) -> Tuple[Any, _Checkpoint, nn.Module, _Unread]:
+    """The config, the files' catalog and the model's skeleton, each checked, then the whole checkpoint
+    against the skeleton: what every rank finds alike, without reading a weight."""
+    config = _config(path)
+    where = os.path.join(path, CONFIG)
+    _as_dtype(getattr(config, "dtype", None), f"{where}: dtype")  # the model is built in it
+    check_moe_config(config, world, where)
+    ckpt = _Checkpoint(path)
+    model = _skeleton(config)
+    return config, ckpt, model, _whole(model, ckpt, config, world, where)
 
 
 # ---------------------------------------------------------------- the entry points
 
 
-def check_checkpoint(path: Union[str, "os.PathLike[str]"]) -> Any:
+def check_checkpoint(path: Union[str, "os.PathLike[str]"], world: int = 1) -> Any:
     """The checkpoint's transformers config, after the checks every rank makes alike without reading a
-    weight: a readable, unquantized ``config.json``; safetensors files with readable headers that agree
-    with the index. Raises `CheckpointError` (what `load_checkpoint` would raise first)."""
-    path = os.fspath(path)
-    config = _config(path)
-    _Checkpoint(path)
-    return config
-
+    weight: a readable, unquantized ``config.json`` whose MoE fields hold (`check_moe_config`, with
+    experts ``world`` ranks share equally); safetensors files with readable headers that agree with the
+    index; every tensor the model needs, on any rank, there with its shape; and no tensor the model has
+    no place for, but those it does not use by design. Raises `CheckpointError` (what `load_checkpoint`
+    would raise first)."""
+    return _open(os.fspath(path), world)[0]
 
 
 def load_checkpoint(path: Union[str, "os.PathLike[str]"], *, rank: Optional[int] = None,
@@ -564,15 +854,15 @@ def load_checkpoint(path: Union[str, "os.PathLike[str]"], *, rank: Optional[int]
 
     ``rank`` / ``world`` default to ``group``'s (or the default group's, when one is initialised),
     else 0 / 1. ``dtype`` defaults to the config's, else each tensor's stored dtype. Raises
-    `CheckpointError` for anything it cannot load; all but an unfillable tensor before any read.
+    `CheckpointError` for anything it cannot load: what `check_checkpoint` finds before any read; a
+    file that cannot be read, or a tensor that holds NaN or inf (as stored or in ``dtype``), after.
     """
     path = os.fspath(path)
     rank, world = _rank_world(rank, world, group)
-    config = _config(path)
-    ckpt = _Checkpoint(path)
-    dtype = _as_dtype(dtype) or _as_dtype(getattr(config, "dtype", None))
+    dtype = _as_dtype(dtype)
+    config, ckpt, model, unread = _open(path, world)
+    dtype = dtype or _as_dtype(getattr(config, "dtype", None))
     device = torch.device(device)
-    model = _skeleton(config)
     alloc = _Alloc(device, dtype, _fp32_patterns(model, dtype))
     reads, sharded = _plan_experts(model, ckpt, rank, world, alloc)
     more, pending = _plan_replicated(model, ckpt, list(sharded), alloc)
@@ -587,4 +877,4 @@ def load_checkpoint(path: Union[str, "os.PathLike[str]"], *, rank: Optional[int]
     return model, LoadReport(rank=rank, world=world, bytes_read=bytes_read, bytes_held=sum(held.values()),
                              tensors_read=len({r.key for r in reads}),
                              checkpoint_bytes=sum(s.nbytes for s in ckpt.catalog.values()), sharded=sharded,
-                             ignored=_ignored(ckpt, reads, list(sharded)))
+                             ignored=unread.tensors, skipped=unread.phrases)

@@ -9,13 +9,14 @@ import dataclasses
 import json
 import math
 import os
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import click
 import torch
 
 import microbatch
 import overlap
+from overlap.state import MAX_WAIT_TIMEOUT
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -54,6 +55,7 @@ class JobConfig:
     model_name: str = REFERENCE  # --model: "reference", a transformers model type, or a checkpoint folder
     comm_priority: str = "off"  # --cpu-comm-priority: gloo's threads real-time ("rt") or not ("off"); CPU only
     asked_modes: Tuple[str, ...] = ()  # the modes --mode names, expanded ("all"), before serial is added
+    environment: Tuple[Tuple[str, Any], ...] = ()  # ("$NAME", value) of the variables that shape the run
 
     @property
     def serial_added(self) -> bool:
@@ -139,7 +141,10 @@ def parse_seq_lens(text: Optional[str], batch: int, seq_len: int) -> List[int]:
 
 def resolve_device(device: str, path: Optional[str]) -> str:
     """The device to run on: ``auto`` is npu if torch_npu sees one, else cuda, else cpu."""
-    found = overlap.backends.get(overlap.detect_path()).device_type
+    try:
+        found = overlap.backends.get(overlap.detect_path()).device_type
+    except ValueError as exc:  # $OVERLAP_GRAPH_PATH, read on the way
+        raise ConfigError(str(exc)) from None
     if device == "auto":
         device = found
     if device == "cuda" and not torch.cuda.is_available():
@@ -153,12 +158,73 @@ def resolve_device(device: str, path: Optional[str]) -> str:
 
 
 def parse_cpu_link(text: str, device: str) -> Optional[overlap.Link]:
-    if device != "cpu" or text.strip().lower() in ("off", "none", "0", ""):
+    """The simulated link of ``--cpu-link`` (None: ``off``, or a device that is not the CPU); a number that is
+    not a finite rate > 0 (``0`` included: ``off`` says no link) is a `ConfigError`."""
+    if text.strip().lower() in ("off", "none"):
         return None
     try:
-        return overlap.parse_link(text, "--cpu-link")
+        link = overlap.parse_link(text, "--cpu-link")
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    return link if device == "cpu" else None
+
+
+def environment(device: str, path: Optional[str]) -> Tuple[Tuple[str, Any], ...]:
+    """The toolkit's environment variables, checked for a run on ``device`` (``path``: ``--path``, None for
+    the device's eager path): ``(("$NAME", value), ...)`` of those that shape the run, which every rank must
+    agree on (`launch.agreement.fingerprint`); a `ConfigError` naming a variable with a bad value.
+
+    Every ``OVERLAP_*`` variable the toolkit reads is checked here, bad values refused even where the
+    launcher does not use them. Those left out of the agreement, and why:
+
+    - ``OVERLAP_PATH``: must name this run's path, which ``--device`` / ``--path`` choose (and the ranks
+      agree on); anything else is refused, so no thread of the job can lower on another path;
+    - ``OVERLAP_GRAPH_PATH``: the lowering of a compiled region with no path set; the launcher compiles
+      under ``--path`` (``overlap.use_path``);
+    - ``OVERLAP_CPU_LINK``, ``OVERLAP_CPU_COMM_PRIORITY``: the defaults of ``--cpu-link`` and
+      ``--cpu-comm-priority``, agreed on as those options;
+    - ``OVERLAP_CALIBRATION_CACHE``: each rank's own folder; `launch.calibrate.calibrate` checks that every
+      rank found the same calibration and measures again, on every rank, where they differ;
+    - ``OVERLAP_FAULT``: the tests' fault injection, meant for one rank;
+    - ``OVERLAP_RANK_TIMEOUT``, ``OVERLAP_TEST_TIMEOUT``, ``OVERLAP_START_METHOD``: the test harness's
+      (`overlap.multirank`), not read by the launcher.
+    """
+    from overlap.comm_threads import env_comm_priority
+    from overlap.context import ENV_PATH, env_enabled, env_graph_path, env_path
+    from overlap.cores import ENV_BUDGET, ENV_SOC, env_core_budget
+    from overlap.link import env_link
+    from overlap.observability.sanitizer import ENV_SANITIZE, env_mode
+
+    try:
+        forced = env_path()
+        env_graph_path()
+        env_link()
+        env_comm_priority()
+        enabled = env_enabled()
+        sanitize = env_mode() or "off"
+        budget = env_core_budget()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    run_path = path or device
+    if forced is not None and forced != run_path:
+        raise ConfigError(f"{ENV_PATH}={forced} but this run's path is {run_path}: --device and --path choose the "
+                          f"launcher's path (unset {ENV_PATH}, or pass --device / --path)")
+    out: List[Tuple[str, Any]] = [
+        (f"${overlap.ENV_ENABLE}", "on" if enabled else "off"),  # off: every mode runs single-stream
+        (f"${ENV_SANITIZE}", sanitize),  # a rank that checks ordering runs slower, and raise stops it
+        # the core budget limit_cores checks against (the launcher sets no limit yet: the same job must
+        # not pass on one rank and fail on another once it does)
+        (f"${ENV_BUDGET}", None if budget is None else f"{budget.aic}|{budget.aiv}"),
+        (f"${ENV_SOC}", os.environ.get(ENV_SOC, "").strip() or None),
+    ]
+    if device == "npu":  # HCCL sizes every communicator's buffer from it, and MC2's window must fit alike
+        from collectives.mc2 import ENV_BUFFSIZE, MC2Error, hccl_buffsize_mb
+
+        try:
+            out.append((f"${ENV_BUFFSIZE}", hccl_buffsize_mb()[0]))
+        except MC2Error as exc:
+            raise ConfigError(str(exc)) from None
+    return tuple(out)
 
 
 def build_model_config(preset_name: str, overrides: Dict[str, Any]) -> Any:
@@ -185,20 +251,30 @@ def transformers_config(model_name: str, overrides: Dict[str, Any]) -> Any:
         if not os.path.isfile(os.path.join(model_name, "config.json")):
             raise ConfigError(f"--model {model_name}: a checkpoint folder needs a config.json")
         from launch.checkpoint import CheckpointError, check_checkpoint
+        from launch.transformers_model import check_family
 
         try:  # its config and the headers of its files: what every rank finds alike, before any group
-            return check_checkpoint(model_name)
+            config = check_checkpoint(model_name)
         except CheckpointError as exc:
             raise ConfigError(str(exc).splitlines()[0]) from None  # it names the folder or file
+        try:  # a family the adapter does not run is refused here, not halfway through the load
+            check_family(config.model_type)
+        except Exception as exc:  # noqa: BLE001 (transformers' own config errors are not all ValueErrors)
+            why = " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
+            raise ConfigError(f"--model {model_name}: a {config.model_type} checkpoint: {why}") from None
+        return config
     if model_name not in transformers.CONFIG_MAPPING:
         raise ConfigError(f"--model {model_name}: neither 'reference', a folder, nor a transformers model type "
                           f"(e.g. qwen3_moe, deepseek_v3, mixtral, qwen2_moe, glm4_moe)")
-    from launch.transformers_model import small_config
+    from launch.transformers_model import check_family, small_config
 
-    try:
-        return small_config(model_name, given)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"--model {model_name}: {str(exc).splitlines()[0]}") from None
+    try:  # the family must run through the adapter (a small model of it, on this rank alone): else one line
+        config = small_config(model_name, given)
+        check_family(model_name, given)
+    except Exception as exc:  # noqa: BLE001 (transformers' own config errors are not all ValueErrors)
+        why = " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
+        raise ConfigError(f"--model {model_name}: {why}") from None
+    return config
 
 
 _OPTION_OF = {"n_layers": "layers", "n_dense_layers": "dense-layers", "n_experts": "experts", "top_k": "top-k",
@@ -209,10 +285,112 @@ def n_experts(job_model: Any) -> int:
     """Routed experts per MoE layer of a model config (the reference's or a transformers one); 0 if none."""
     if hasattr(job_model, "n_experts"):
         return int(job_model.n_experts)
-    for field in ("n_routed_experts", "num_local_experts", "num_experts"):
+    for field in ("n_routed_experts", "num_local_experts", "num_experts", "moe_num_experts"):
         if getattr(job_model, field, None):
             return int(getattr(job_model, field))
     return 0
+
+
+_TOP_K_FIELDS = ("num_experts_per_tok", "moe_topk", "top_k_experts", "moe_top_k")
+_GROUPED_MM_BYTES = 16  # torch's grouped matmul (transformers' experts) takes rows of a multiple of 16 bytes
+
+
+def check_transformers_model(model_name: str, cfg: Any, dtype: torch.dtype) -> None:
+    """Routing, layer counts and sizes of the transformers config ``cfg`` that its model cannot run with,
+    found before any rank builds it: a `ConfigError` naming the option (for a checkpoint, the field of its
+    config.json) and the valid range, instead of an error from inside the model."""
+    checkpoint = os.path.isdir(model_name)
+
+    def name(option: str, field: str) -> str:
+        return f"{field} in {model_name}/config.json" if checkpoint else f"--{option}"
+
+    experts = n_experts(cfg)
+    layers = getattr(cfg, "num_hidden_layers", None)
+    if isinstance(layers, int) and layers < 1:
+        raise ConfigError(f"{name('layers', 'num_hidden_layers')} must be >= 1, got {layers}")
+    _check_dense_layers(cfg, layers, name)
+    top_field = next((f for f in _TOP_K_FIELDS if isinstance(getattr(cfg, f, None), int)), None)
+    top_k = getattr(cfg, top_field) if top_field else None
+    most = _check_groups(model_name, cfg, experts, name)
+    if top_k is not None and not 1 <= top_k <= most:
+        why = f"the {experts} experts" if most == experts else \
+            f"the experts of the topk_group={cfg.topk_group} of n_group={cfg.n_group} groups it routes within"
+        raise ConfigError(f"{name('top-k', top_field)} must be between 1 and {most} ({why}), got {top_k}")
+    per_row = _GROUPED_MM_BYTES // torch.empty((), dtype=dtype).element_size()
+    for option, field in (("hidden", "hidden_size"), ("", "moe_intermediate_size")):
+        size = getattr(cfg, field, None)
+        if isinstance(size, int) and size % per_row:
+            what = name(option, field) if option or checkpoint else f"{model_name}'s {field}"
+            raise ConfigError(f"{what} must be a multiple of {per_row} with {str(dtype).replace('torch.', '')}: "
+                              f"{model_name}'s experts run torch's grouped matmul, which takes rows of a multiple of "
+                              f"{_GROUPED_MM_BYTES} bytes; got {size}")
+
+
+def _check_transformers_overrides(model_name: str, overrides: Dict[str, Any], dtype: torch.dtype) -> None:
+    """`check_transformers_model` on the small config of ``--model NAME`` with the overrides, before
+    `transformers_config` builds and runs a model of it (whose failure would be the model's own words);
+    nothing where that config cannot be made at all: `transformers_config` says why."""
+    try:
+        import transformers
+
+        from launch.transformers_model import small_config
+
+        if model_name not in transformers.CONFIG_MAPPING:
+            return
+        cfg = small_config(model_name, {k: v for k, v in overrides.items() if v is not None})
+    except Exception:  # noqa: BLE001 - reported by transformers_config, with its own words
+        return
+    check_transformers_model(model_name, cfg, dtype)
+
+
+def _check_dense_layers(cfg: Any, layers: Optional[int], name: Callable[[str, str], str]) -> None:
+    """The leading dense layers fit the layers (the reference model refuses more, so does this)."""
+    if not isinstance(layers, int):
+        return
+    dense = getattr(cfg, "first_k_dense_replace", None)
+    if isinstance(dense, int) and not 0 <= dense <= layers:
+        raise ConfigError(f"{name('dense-layers', 'first_k_dense_replace')} must be between 0 and the {layers} "
+                          f"layers ({name('layers', 'num_hidden_layers')}), got {dense}")
+    only = getattr(cfg, "mlp_only_layers", None)
+    if isinstance(only, (list, tuple)) and any(not isinstance(i, int) or not 0 <= i < layers for i in only):
+        raise ConfigError(f"{name('dense-layers', 'mlp_only_layers')} must be between 0 and the {layers} layers "
+                          f"({name('layers', 'num_hidden_layers')}), got {len(only)} dense layer(s): {list(only)}")
+
+
+def _check_groups(model_name: str, cfg: Any, experts: int, name: Callable[[str, str], str]) -> int:
+    """DeepSeek-style group routing (``n_group`` groups, the best ``topk_group`` of them, top-k within those):
+    the experts must split into the groups, each holding enough to score it; the most top-k can pick."""
+    groups, chosen = getattr(cfg, "n_group", None), getattr(cfg, "topk_group", None)
+    method = getattr(cfg, "topk_method", None)
+    if not (isinstance(groups, int) and isinstance(chosen, int)) or method == "greedy" or experts < 1:
+        return experts
+    if groups < 1 or not 1 <= chosen <= groups:
+        raise ConfigError(f"{model_name}: topk_group={chosen} must be between 1 and n_group={groups} (>= 1)")
+    # a group's score: its best expert (DeepSeek-V2's group_limited_greedy), else the sum of its best two
+    least = 1 if method == "group_limited_greedy" else 2
+    if experts % groups or experts // groups < least:
+        field = next(f for f in ("n_routed_experts", "num_local_experts", "num_experts") if getattr(cfg, f, None))
+        raise ConfigError(f"{name('experts', field)} {experts}: {model_name} routes within "
+                          f"n_group={groups} groups of experts, scoring each by its best {least}: the experts must "
+                          f"be a multiple of {groups}, at least {least * groups}")
+    return min(experts, chosen * (experts // groups))
+
+
+MAX_SEED = 2 ** 32 - 1  # the weights' and tokens' generators are seeded from it and the rank, within 64 bits
+
+
+def _check_numbers(seed: int, timeout: float, warmup: int, iters: int, out_dir: Optional[str]) -> None:
+    """The options that are plain numbers (and ``--out``), each against its valid range."""
+    if not 0 <= seed <= MAX_SEED:
+        raise ConfigError(f"--seed must be an integer between 0 and {MAX_SEED}, got {seed}")
+    if iters < 1 or warmup < 0:
+        raise ConfigError(f"--iters must be >= 1 and --warmup >= 0, got {iters} and {warmup}")
+    if not (math.isfinite(timeout) and 0 < timeout <= MAX_WAIT_TIMEOUT):
+        raise ConfigError(f"--timeout must be a positive number of seconds, got {timeout:g}"
+                          + (f" (at most {MAX_WAIT_TIMEOUT:.3g}: the waits it bounds overflow beyond)"
+                             if timeout > MAX_WAIT_TIMEOUT else ""))
+    if out_dir is not None and not out_dir.strip():
+        raise ConfigError("--out is empty: give the folder to write the results to (or leave --out out)")
 
 
 def job_config(*, world: int, device: str, exec_path: str, mode: Union[str, Sequence[str]], kv_offload: bool,
@@ -220,7 +398,7 @@ def job_config(*, world: int, device: str, exec_path: str, mode: Union[str, Sequ
                preset_name: str, overrides: Dict[str, Any], batch: int, seq_len: int, seq_lens: Optional[str],
                dtype: str, warmup: int, iters: int, seed: int, check: bool, out_dir: Optional[str], cpu_link: str,
                timeout: float, model_name: str = REFERENCE, cpu_comm_priority: str = "off") -> JobConfig:
-    """The job of the command-line options, checked; `ConfigError` names the first problem.
+    """The job of the command-line options and the environment, checked; `ConfigError` names the first problem.
 
     ``mode`` is one comma-separated list, or several (``--mode`` given more than once: they add up).
     """
@@ -229,6 +407,9 @@ def job_config(*, world: int, device: str, exec_path: str, mode: Union[str, Sequ
         asked = [n for text in ([mode] if isinstance(mode, str) else mode) for n in split_modes(text)]
     except ValueError as exc:
         raise ConfigError(f"--mode: {exc}") from None
+    _check_numbers(seed, timeout, warmup, iters, out_dir)
+    if model_name != REFERENCE and not os.path.isdir(model_name):
+        _check_transformers_overrides(model_name, overrides, DTYPES[dtype])  # before transformers_config builds one
     model = (build_model_config(preset_name, overrides) if model_name == REFERENCE
              else transformers_config(model_name, overrides))
     lens = parse_seq_lens(seq_lens, batch, seq_len)
@@ -238,16 +419,15 @@ def job_config(*, world: int, device: str, exec_path: str, mode: Union[str, Sequ
     if experts % world:
         raise ConfigError(f"{experts} experts cannot be split evenly over {world} ranks "
                           f"(--experts must be a multiple of the number of ranks)")
-    if iters < 1 or warmup < 0:
-        raise ConfigError(f"--iters must be >= 1 and --warmup >= 0, got {iters} and {warmup}")
-    if not (math.isfinite(timeout) and timeout > 0):
-        raise ConfigError(f"--timeout must be a positive number of seconds, got {timeout}")
+    if model_name != REFERENCE and os.path.isdir(model_name):
+        check_transformers_model(model_name, model, DTYPES[dtype])  # the checkpoint's own config.json
     device = resolve_device(device, path)
+    env = environment(device, path)  # first: a bad $OVERLAP_CPU_LINK (--cpu-link's default) is named as such
     link = parse_cpu_link(cpu_link, device)
     modes, expanded = resolve_modes(asked, check)
     job = JobConfig(model, tuple(lens), modes, device, path,
                     kv_offload, kv_store, DTYPES[dtype], warmup, iters, seed, check, out_dir, link, timeout,
-                    model_name, cpu_comm_priority, expanded)
+                    model_name, cpu_comm_priority, expanded, env)
     if job.graph and AUTO in modes:
         raise ConfigError(f"--mode auto plans the eager paths; on --path {path} pick a mode")
     if job.graph and job.transformers:

@@ -29,6 +29,28 @@ def check_out_dir(out_dir: str) -> Optional[str]:
     return None
 
 
+def check_kv_dir(folder: str, rank: int) -> Optional[str]:
+    """None when ``folder`` can hold this rank's mmap KV store file (``kv-rank<rank>.kv``, created or replaced),
+    else the problem in words: a folder that is a file, a store file that is not a regular file, no write access."""
+    file = os.path.join(folder, f"kv-rank{rank}.kv")
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        return f"the KV store folder {folder} is not a folder (--kv-store mmap keeps one file per rank in it)"
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as exc:
+        return f"cannot create the KV store folder {folder} ({exc.strerror or exc})"
+    if os.path.lexists(file) and not os.path.isfile(file):
+        return f"the KV store file {file} is not a regular file: remove it, or give another --out"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"the KV store folder {folder} is not writable (Permission denied)"
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-test-"):
+            pass
+    except OSError as exc:
+        return f"the KV store folder {folder} is not writable ({exc.strerror or exc})"
+    return None
+
+
 def _atomic(file: str, write: Callable[[str], Any]) -> None:
     """``write(name)`` to a temporary name beside ``file`` (same extension), then rename it to ``file``."""
     folder, base = os.path.split(file)

@@ -98,7 +98,7 @@ def _progress(msg: str, first: bool = False) -> None:
               help="Compare every mode with serial (added to the modes if they leave it out), and serial with the "
                    "model's own forward where each rank holds the whole model; exit 1 if one differs.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), help="Write results.json, traces and timelines.")
-@click.option("--cpu-link", default="0.1",
+@click.option("--cpu-link", default="0.1", envvar="OVERLAP_CPU_LINK", show_envvar=True,
               help="CPU only: simulated interconnect 'GBPS[,LATENCY_US]' that collectives take at least as long "
                    "as (a sleep, so it overlaps like a real network); 'off' for plain loopback gloo.")
 @click.option("--cpu-comm-priority", type=click.Choice(["off", "rt"]), default="off",
@@ -204,16 +204,17 @@ def run_job(job: JobConfig) -> int:
     """Join the group, agree on the job, build the model and batch, measure every mode, check, print
     and write; the exit status (0 fine, 1 a failure or a wrong answer, 2 a job the ranks cannot run)."""
     import overlap
-    from launch.agreement import JobMismatch, agree
+    from launch.agreement import JobMismatch, agree, agree_ready
     from launch.health import BEFORE_JOINING, Fault, Peers, StartError, is_peer_failure, join_group
     from launch.measure import check_against_serial, max_over_ranks, measure, not_finite, table
     from launch.memory import check as check_memory
     from launch.model import Batch
-    from launch.outputs import OutputError, check_out_dir, write_outputs
+    from launch.outputs import OutputError, check_kv_dir, check_out_dir, write_outputs
     from launch.runner import graph_prefill, make_capacity_expert_parallel, make_expert_parallel
+    from overlap.link import OFF
 
     overlap.set_path(job.device)
-    overlap.set_link(job.link)
+    overlap.set_link(job.link or OFF)  # --cpu-link off is off, whatever $OVERLAP_CPU_LINK says
     overlap.set_comm_priority(job.comm_priority)
     overlap.set_wait_timeout(job.timeout)  # every wait of the toolkit, as the collectives' own timeout
     overlap.sanitize_from_env()
@@ -231,7 +232,8 @@ def run_job(job: JobConfig) -> int:
     try:
         # before the first collective: every rank runs the same job, and each can
         problems = [p for p in (check_memory(job, world, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), dev),
-                                check_out_dir(job.out_dir) if job.out_dir and rank == 0 else None) if p]
+                                check_out_dir(job.out_dir) if job.out_dir and rank == 0 else None,
+                                check_kv_dir(_kv_dir(job), rank) if _kv_dir(job) else None) if p]
         tokens = sum(agree(job, sum(job.seq_lens), problems, job.timeout))
         model = _build_model(job, rank, world, dev)  # a rank that cannot load a checkpoint stops every rank
         batch = Batch.random(job.seq_lens, model.cfg.vocab, seed=job.seed * 1000 + rank + 1, device=dev)
@@ -245,7 +247,9 @@ def run_job(job: JobConfig) -> int:
             compile_mode = functools.partial(graph_prefill, model, batch, path=job.path)
         else:
             make_expert_parallel(model, dist.group.WORLD)
-        cache = _offload_cache(job, model, batch, dev, rank) if job.kv_offload else None
+        if job.kv_offload:  # every rank creates its store, then all go on or all stop (exit 2), collective-free
+            cache, problem = _offload_cache(job, model, batch, dev, rank)
+            agree_ready("creating the KV store", problem, job.timeout)
         say(_headline(job, model, world, cache))
         if job.serial_added:
             say(f"modes: {', '.join(job.modes)} (serial added: the reference of "
@@ -335,6 +339,8 @@ def _build_model(job: JobConfig, rank: int, world: int, dev: torch.device) -> An
     dist.all_gather(every, held)  # every rank reaches this point: it is after the job agreement
     say("weights: " + ", ".join(f"rank {r} holds {_mib(h[0])} (read {_mib(h[1])})" for r, h in enumerate(every))
         + f" of a {_mib(report.checkpoint_bytes)} checkpoint")
+    if report.skipped:  # what the checkpoint holds that no rank reads, by design: said, never silently
+        say("weights: not read, by design: " + "; ".join(report.skipped))
     # with several ranks its blocks hold only this rank's experts: no forward of the whole model to check
     return adapt(hf, check=_holds_whole_model(job, world))
 
@@ -413,22 +419,33 @@ def _write_prediction(out_dir: str, choice: Any, model: Any, results: Any) -> No
         f"{out_dir}/trace_auto.predicted.json compares them)", err=True)
 
 
-def _offload_cache(job: JobConfig, model: Any, batch: Any, dev: torch.device, rank: int) -> Any:
-    """The KV offload cache of ``--kv-offload`` (mmap files under ``--out/kv`` when there is one)."""
-    from overlap import OffloadCache
+def _kv_dir(job: JobConfig) -> Optional[str]:
+    """The folder of the mmap KV store's files (one per rank): ``--out/kv``, or None (a temporary file)."""
+    return os.path.join(job.out_dir, "kv") if job.kv_offload and job.out_dir and job.kv_store == "mmap" else None
 
-    folder = None
-    if job.out_dir and job.kv_store == "mmap":  # a folder: one file per rank in it
-        folder = os.path.join(job.out_dir, "kv")
-        os.makedirs(folder, exist_ok=True)
-        stale = os.path.join(folder, f"kv-rank{rank}.kv")  # a scratch tier: start empty
-        if os.path.exists(stale):
-            os.remove(stale)
+
+def _offload_cache(job: JobConfig, model: Any, batch: Any, dev: torch.device, rank: int) -> Tuple[Any, Optional[str]]:
+    """The KV offload cache of ``--kv-offload`` (mmap files under ``--out/kv`` when there is one), or None and
+    why it cannot be made (a full disk, a file someone else holds: `OffloadError`'s line)."""
+    from overlap import OffloadCache, OffloadError
+
+    folder = _kv_dir(job)  # checked before the first collective (launch.outputs.check_kv_dir)
     cfg = model.cfg
-    cache = OffloadCache(cfg.n_layers, batch.seq.num_tokens, cfg.k_shape, job.dtype, dev, v_shape=cfg.v_shape,
-                         store=job.kv_store, file=folder, name="kv")
-    cache.check_capacity(batch.seq.num_tokens)
-    return cache
+    try:
+        if folder is not None:
+            stale = os.path.join(folder, f"kv-rank{rank}.kv")  # a scratch tier: start empty
+            if os.path.isfile(stale):
+                os.remove(stale)
+        cache = OffloadCache(cfg.n_layers, batch.seq.num_tokens, cfg.k_shape, job.dtype, dev, v_shape=cfg.v_shape,
+                             store=job.kv_store, file=folder, name="kv")
+    except (OffloadError, OSError) as exc:
+        return None, f"{type(exc).__name__}: {exc}".splitlines()[0]
+    try:
+        cache.check_capacity(batch.seq.num_tokens)
+    except OffloadError as exc:
+        cache.close()
+        return None, f"{type(exc).__name__}: {exc}".splitlines()[0]
+    return cache, None
 
 
 def _headline(job: JobConfig, model: Any, world: int, cache: Any) -> str:
@@ -442,7 +459,8 @@ def _headline(job: JobConfig, model: Any, world: int, cache: Any) -> str:
             f"{sum(job.seq_lens)} tokens per rank | {str(job.dtype).replace('torch.', '')} | kv offload "
             f"{'on (' + job.kv_store + ')' if cache else 'off'}" + (f" | simulated link {job.link}" if job.link else "")
             + (f" | comm threads {overlap.describe_comm_priority()}" if job.device == "cpu" else "")
-            + (f" | {job.path} graph" if job.graph else ""))
+            + (f" | {job.path} graph" if job.graph else "")
+            + ("" if overlap.is_enabled() else f" | overlap off (${overlap.ENV_ENABLE}): every mode single-stream"))
 
 
 if __name__ == "__main__":

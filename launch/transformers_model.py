@@ -1,23 +1,30 @@
 """A Hugging Face transformers MoE causal LM as the toolkit's model: the same schedules, EP and KV offload.
 
 `build_transformers_model` makes a small model of a family (``deepseek_v3``, ``qwen3_moe``,
-``qwen2_moe``, ``mixtral``, ``glm4_moe``, ``qwen3_next``, ...) with seeded weights; `adapt` wraps a
-model the user already has. The adapter (`TransformersModel`) offers what `launch.runner` needs of
-`launch.model.Model`, with the same value names, and runs each decoder layer with the family's
-own modules:
+``gpt_oss``, ``llama4_text``, ``longcat_flash``, ...) with seeded weights; `adapt` wraps a model the
+user already has; `check_family` says, before any process group exists, whether the adapter runs a
+config's family (`refused_families` walks every MoE family of the installed transformers). The
+adapter (`TransformersModel`) offers what `launch.runner` needs of `launch.model.Model`, with the
+same value names, and runs each decoder layer with the family's own modules, found by their parts:
 
 ``attn``      input norm, then per request (batch 1, positions after the request's prefix) the
-              family's attention module with its rotary embeddings and an explicit causal mask
-              aligned to the bottom right (banded on sliding-window layers); the keys and values
-              are read back from a `transformers.DynamicCache` handed to the module, pre-filled
-              with the prefix for a cut request's later part (its rows in every earlier
-              micro-batch, concatenated); residual. Writes ``"resid"``,
-              ``K``, ``V`` (packed ``[tokens, kv_heads, head_dim]``, in whatever layout the family
-              caches: DeepSeek-V3 caches its compressed latent and its rotary key, of two shapes)
+              family's attention module with its rotary embeddings (if it has any) and an explicit
+              causal mask aligned to the bottom right (banded on sliding-window layers, blocked on
+              chunked ones); the keys and values are read back from a `transformers.DynamicCache`
+              handed to the module, pre-filled with the prefix for a cut request's later part (its
+              rows in every earlier micro-batch, concatenated); residual (times the layer's
+              ``residual_multiplier``, Granite). Writes ``"resid"``, ``K``, ``V`` (packed
+              ``[tokens, kv_heads, head_dim]``, in whatever layout the family caches: DeepSeek-V3
+              caches its compressed latent and its rotary key, of two shapes)
 ``ffn_norm``  post-attention norm -> ``MOE_IN``
 MoE / MLP     the expert-parallel layer's stages after `TransformersModel.replace_moe`, else the
-              family's block as one operation -> ``MOE_OUT``
+              family's block (``mlp``, ``feed_forward`` or ``block_sparse_moe``, plus the layer's
+              ``shared_mlp`` beside it) as one operation -> ``MOE_OUT``
 ``residual``  -> ``OUT``
+
+A LongCat-Flash layer (two attention sublayers, two dense MLPs and a shortcut MoE that reads the
+first MLP's input and is added at the end) is `ShortcutLayer`: its MoE exchange runs under the first
+MLP and the second attention, its keys and values are both sublayers' side by side.
 
 Layers that are not attention (a hybrid model's linear-attention layers) run their token mixer
 per request and have no keys or values: such a model cannot continue a request from a prefix,
@@ -29,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -38,11 +46,13 @@ import overlap
 from collectives import MOE_IN, MOE_OUT
 from microbatch import HIDDEN, OUT, Operation, State, as_operation
 from microbatch.split import SeqInfo, SplitPlan
+from overlap import EP_COMM
 
 from .model import K, PREFIX_KV, SEQ, V, Batch, _param_seed, forward_layer_by_layer
 
-__all__ = ["FAMILIES", "TransformersConfig", "TransformersLayer", "TransformersModel", "adapt",
-           "build_transformers_model", "causal_mask", "from_config", "seed_weights", "small_config"]
+__all__ = ["FAMILIES", "ShortcutLayer", "TransformersConfig", "TransformersLayer", "TransformersModel", "adapt",
+           "build_transformers_model", "causal_mask", "check_family", "from_config", "is_moe_config",
+           "moe_families", "refused_families", "seed_weights", "small_config"]
 
 KV = Tuple[torch.Tensor, torch.Tensor]
 
@@ -63,19 +73,55 @@ FAMILIES: Dict[str, Dict[str, Any]] = {
     "qwen3_next": dict(_COMMON, head_dim=16, shared_expert_intermediate_size=32, full_attention_interval=2,
                        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
                        linear_value_head_dim=8),
+    "gpt_oss": dict(_COMMON, head_dim=16, sliding_window=8),  # layers alternate sliding (8 tokens) and full
+    "llama4_text": dict(_COMMON, head_dim=16, attention_chunk_size=8, interleave_moe_layer_step=1),
 }
-_N_EXPERTS = ("n_routed_experts", "num_local_experts", "num_experts")
+# Sizes of a full-size model under other names, made small wherever a family's config has them (after
+# _COMMON, before FAMILIES); a field whose default is None (no such part) stays None.
+_SMALL_IF_PRESENT = dict(
+    q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+    intermediate_size_mlp=96, shared_intermediate_size=32, shared_expert_intermediate_size=32,
+    shared_experts_intermediate_size=32, moe_shared_expert_intermediate_size=32, ffn_hidden_size=96,
+    expert_ffn_hidden_size=32, vocab_size_per_layer_input=128, hidden_size_per_layer_input=16,
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+    n_group=1, topk_group=1, num_expert_group=1)
+_N_EXPERTS = ("n_routed_experts", "num_local_experts", "num_experts", "moe_num_experts")
+_IDENTITY_EXPERTS = ("zero_expert_num",)  # zero-compute experts beside the routed ones: half as many (LongCat-Flash)
+_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
 _OVERRIDES = ("n_layers", "n_dense_layers", "hidden", "n_experts", "top_k", "n_shared")
-_ATTENTION_KINDS = ("full_attention", "sliding_attention")
-_MIXERS = ("linear_attn",)  # token mixers other than attention, called as mixer(hidden_states=x)
-_LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "mlp")
-_MODEL_PARTS = ("embed_tokens", "layers", "norm", "rotary_emb")
+_ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
+_MIXERS = ("linear_attn", "mamba")  # token mixers other than attention, called as mixer(hidden_states=x)
+_NORMS = ("input_layernorm", "post_attention_layernorm")  # LongCat-Flash's, two of each
+_PRE_FFN = ("pre_feedforward_layernorm", "pre_mlp_layernorm", "pre_ff_layernorm")  # the FFN's input norm, if named so
+_POST_FFN = ("post_feedforward_layernorm", "post_mlp_layernorm")  # a norm of the FFN's output (sandwich norms)
+_POST_ATTN = ("post_self_attn_layernorm",)  # a norm of the attention's output, where post_attention_layernorm is not
+_FINAL_NORMS = ("norm", "final_layernorm", "norm_f", "final_norm")  # the model's last norm
+_FFNS = ("mlp", "feed_forward", "block_sparse_moe")  # the layer's feed-forward block, one of these
+_BESIDE = ("shared_mlp",)  # a shared MLP the layer adds beside its routed block (Granite-MoE-Shared)
+_MODEL_PARTS = ("embed_tokens", "layers")
+_PROBE_LAYERS = 4  # `check_family` builds at most this many layers
 
 
 # --- the family's config --------------------------------------------------------------------------
 
+def _has(config: Any, name: str) -> bool:
+    """``hasattr``, where a config's own accessor may raise anything (a per-layer field read globally: it has it)."""
+    try:
+        return hasattr(config, name)
+    except Exception:  # noqa: BLE001
+        return True
+
+
 def _first_field(config: Any, names: Sequence[str]) -> Optional[str]:
     return next((n for n in names if hasattr(config, n)), None)
+
+
+def _layers_field(base: Any) -> str:
+    """The family's field for its decoder layers (LongCat-Flash derives ``num_hidden_layers`` from ``num_layers``)."""
+    saved = base.to_dict()
+    if "num_hidden_layers" not in saved:
+        return next((n for n in ("num_layers", "n_layers", "n_layer") if n in saved), "num_hidden_layers")
+    return "num_hidden_layers"
 
 
 def _override_fields(base: Any, overrides: Mapping[str, Any], expert_ffn: int) -> Dict[str, Any]:
@@ -84,7 +130,7 @@ def _override_fields(base: Any, overrides: Mapping[str, Any], expert_ffn: int) -
     if unknown:
         raise ValueError(f"unknown overrides {unknown}; known: {list(_OVERRIDES)}")
     out: Dict[str, Any] = {}
-    simple = {"n_layers": "num_hidden_layers", "hidden": "hidden_size", "top_k": "num_experts_per_tok",
+    simple = {"n_layers": _layers_field(base), "hidden": "hidden_size", "top_k": "num_experts_per_tok",
               "n_experts": _first_field(base, _N_EXPERTS)}
     for name, field in simple.items():
         if name in overrides and field is None:
@@ -108,29 +154,133 @@ def _dense_fields(base: Any, n: int) -> Dict[str, Any]:
     return {}
 
 
+_SHARED_COUNTS = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")
+
+
 def _shared_fields(base: Any, n: int, expert_ffn: int) -> Dict[str, Any]:
-    if hasattr(base, "n_shared_experts"):
-        return {"n_shared_experts": n}
-    if hasattr(base, "shared_expert_intermediate_size"):
-        if n < 1:  # the family always builds its shared expert
-            raise ValueError(f"{base.model_type} has one gated shared expert; n_shared sets its size and must be >= 1")
-        return {"shared_expert_intermediate_size": n * expert_ffn}
+    field = _first_field(base, _SHARED_COUNTS)
+    if field is not None:
+        return {field: n}
+    for field in ("shared_expert_intermediate_size", "shared_intermediate_size"):
+        if hasattr(base, field):
+            if n < 1 and field == "shared_expert_intermediate_size":  # the family always builds its shared expert
+                raise ValueError(f"{base.model_type} has one gated shared expert; n_shared sets its size and must "
+                                 f"be >= 1")
+            return {field: n * expert_ffn}
     if n:
         raise ValueError(f"{base.model_type} has no shared experts (n_shared must be 0)")
     return {}
 
 
-def small_config(model_type: str, overrides: Optional[Mapping[str, Any]] = None, **fields: Any) -> Any:
-    """The family's config made small for the CPU, then ``overrides`` (toolkit names) and ``fields`` (its own)."""
-    from transformers import AutoConfig
-
-    base = AutoConfig.for_model(model_type)
-    small = dict(FAMILIES.get(model_type, _COMMON))
+def _small_fields(base: Any, model_type: str) -> Dict[str, Any]:
+    """`_COMMON`, then the sizes of `_SMALL_IF_PRESENT` the family has, then the family's own `FAMILIES` entry."""
+    saved = base.to_dict()
+    # only the fields the family has: a dense family gets no expert fields (the launcher then says it has no experts)
+    small = {k: v for k, v in _COMMON.items() if k != "num_hidden_layers" and (k in saved or _has(base, k))}
+    small[_layers_field(base)] = _COMMON["num_hidden_layers"]
+    small.update({k: v for k, v in _SMALL_IF_PRESENT.items() if saved.get(k) is not None})
+    top_k = saved.get("num_experts_per_tok", getattr(base, "num_experts_per_tok", None))
+    if isinstance(top_k, int) and 0 < top_k < small.get("num_experts_per_tok", 0):
+        small["num_experts_per_tok"] = top_k  # a family built for fewer (ZAYA takes top-1 only)
+    small.update(FAMILIES.get(model_type, {}))
     experts = _first_field(base, _N_EXPERTS)
     if experts is not None:
         small[experts] = 8
-    expert_ffn = fields.get("moe_intermediate_size", small["moe_intermediate_size"])
-    return AutoConfig.for_model(model_type, **{**small, **_override_fields(base, overrides or {}, expert_ffn), **fields})
+    return small
+
+
+def _fill_unset(base: Any, fields: Dict[str, Any], overrides: Mapping[str, Any]) -> Dict[str, Any]:
+    """Fields the family's default config leaves unset (None) but its model needs, from the overrides or a
+    sensible default, and the small model's consistency: MLA attention (``kv_lora_rank``) has as many
+    key / value heads as heads, identity experts are half the routed ones, token ids fit the vocabulary,
+    an unset ``head_dim`` is ``hidden / heads``, sizes the default derives from others (MLA's rotary
+    ``head_dim`` and ``qk_head_dim``) follow them, and the default's leading dense layers leave at least
+    one MoE layer (unless ``n_dense_layers`` says otherwise)."""
+    saved = base.to_dict()
+    out = dict(fields)
+    get = lambda name: out.get(name, saved.get(name))  # noqa: E731
+    if "n_shared_experts" in saved and get("n_shared_experts") is None:
+        out["n_shared_experts"] = int(overrides.get("n_shared", 1))
+    if "head_dim" in saved and get("head_dim") is None and get("num_attention_heads"):
+        out["head_dim"] = int(get("hidden_size")) // int(get("num_attention_heads"))
+    if saved.get("kv_lora_rank") is not None and "num_key_value_heads" in saved:
+        out["num_key_value_heads"] = get("num_attention_heads")
+    rope, nope = saved.get("qk_rope_head_dim"), saved.get("qk_nope_head_dim")
+    if rope is not None and saved.get("head_dim") == rope:  # the rotary part's size, under another name
+        out["head_dim"] = get("qk_rope_head_dim")
+    if rope is not None and nope is not None and saved.get("qk_head_dim") == rope + nope:
+        out["qk_head_dim"] = get("qk_rope_head_dim") + get("qk_nope_head_dim")
+    experts = _first_field(base, _N_EXPERTS)
+    layers = get(_layers_field(base))
+    if "n_dense_layers" not in overrides and isinstance(layers, int) and layers > 0:
+        # the family's leading dense layers (a full-size default), cut to leave a MoE layer in the small model
+        dense = get("first_k_dense_replace")
+        if isinstance(dense, int) and dense >= layers:
+            out["first_k_dense_replace"] = layers - 1
+        only = get("mlp_only_layers")
+        if isinstance(only, (list, tuple)) and any(isinstance(i, int) and i >= layers - 1 for i in only):
+            out["mlp_only_layers"] = [i for i in only if isinstance(i, int) and i < layers - 1]
+    for field in _IDENTITY_EXPERTS:
+        if saved.get(field) and experts is not None:
+            out[field] = max(1, int(get(experts)) // 2)
+    vocab = get("vocab_size")
+    for field in _TOKEN_IDS:
+        value = get(field)
+        if isinstance(value, int) and isinstance(vocab, int) and not 0 <= value < vocab:
+            out[field] = None
+    return out
+
+
+def small_config(model_type: str, overrides: Optional[Mapping[str, Any]] = None, **fields: Any) -> Any:
+    """The family's config made small for the CPU, then ``overrides`` (toolkit names) and ``fields`` (its own).
+
+    A field the family's default leaves unset (None) gets a value from the overrides or a sensible
+    default (`_fill_unset`), so that its model can be built.
+    """
+    from transformers import AutoConfig
+
+    overrides = dict(overrides or {})
+    base = AutoConfig.for_model(model_type)
+    small = _small_fields(base, model_type)
+    expert_ffn = fields.get("moe_intermediate_size",
+                            small.get("moe_intermediate_size", _COMMON["moe_intermediate_size"]))
+    chosen = {**small, **_override_fields(base, overrides, expert_ffn), **fields}
+    return AutoConfig.for_model(model_type, **_fill_unset(base, chosen, overrides))
+
+
+def is_moe_config(config: Any) -> bool:
+    """Whether a transformers config describes a mixture of experts: it has a routed-expert count field
+    (``num_experts``, ``n_routed_experts``, ``num_local_experts``, ``moe_num_experts``, ... : a name ending in
+    ``experts`` that is not about shared experts, nor per token) holding a number, or left unset."""
+    for name, value in config.to_dict().items():
+        if re.search(r"(^|_)experts$", name) and "shared" not in name and "per_tok" not in name \
+                and (value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0)):
+            return True
+    return False
+
+
+def moe_families() -> List[str]:
+    """Every causal-LM model type of the installed transformers (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``) whose
+    default config is a MoE (`is_moe_config`): those ``--model NAME`` may name (`check_family` refuses any
+    other model type in one line, without building it)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    out = []
+    for model_type in sorted(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) & set(CONFIG_MAPPING_NAMES)):
+        try:
+            moe = is_moe_config(_default_config(model_type))
+        except Exception:  # noqa: BLE001 (its default config does not build: no family to bring)
+            continue
+        if moe:
+            out.append(model_type)
+    return out
+
+
+def _default_config(model_type: str) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(model_type)
 
 
 # --- weights ----------------------------------------------------------------------------------------
@@ -173,13 +323,32 @@ def build_transformers_model(model_type: str, *, seed: int = 0, dtype: torch.dty
                        attn_implementation=attn_implementation)
 
 
-def from_config(config: Any, *, seed: int = 0, dtype: torch.dtype = torch.float32, device: Any = "cpu",
-                attn_implementation: str = "sdpa") -> "TransformersModel":
-    """The causal LM of a transformers ``config`` with weights from ``seed`` (the same on every rank), adapted."""
+def _attention_for(config: Any, asked: str) -> str:
+    """``asked`` (``sdpa`` or ``eager``), or ``eager`` for a family without scaled-dot-product attention (gpt-oss's
+    sinks): both take the adapter's explicit masks."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if asked != "sdpa":
+        return asked
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    return "sdpa" if cls is None or getattr(cls, "_supports_sdpa", False) else "eager"
+
+
+def _build(config: Any, dtype: torch.dtype, attn_implementation: str) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     with torch.random.fork_rng(devices=[]):  # from_config draws its own init: leave the caller's RNG alone
-        hf = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+        return AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                attn_implementation=_attention_for(config, attn_implementation))
+
+
+def from_config(config: Any, *, seed: int = 0, dtype: torch.dtype = torch.float32, device: Any = "cpu",
+                attn_implementation: str = "sdpa") -> "TransformersModel":
+    """The causal LM of a transformers ``config`` with weights from ``seed`` (the same on every rank), adapted.
+
+    ``attn_implementation`` ``sdpa`` falls back to ``eager`` for a family that has no scaled-dot-product
+    attention (gpt-oss)."""
+    hf = _build(config, dtype, attn_implementation)
     seed_weights(hf, seed)
     return adapt(hf.to(device).requires_grad_(False))
 
@@ -188,14 +357,17 @@ def adapt(hf_model: nn.Module, check: bool = True) -> "TransformersModel":
     """The toolkit's view of a transformers causal LM (``.model`` with decoder layers, ``.lm_head``); no copy.
 
     With ``check``, a few tokens through the adapter must give what the model's own forward gives:
-    a family whose layers do more than the adapter runs (a residual multiplier, an embedding
-    scale) raises TypeError here instead of computing something else later.
+    a family whose layers do more than the adapter runs (a residual multiplier the layer does not
+    name, an embedding scale) raises TypeError here instead of computing something else later.
     """
     base = getattr(hf_model, "model", None)
     missing = [n for n in _MODEL_PARTS if not isinstance(getattr(base, n, None), nn.Module)]
+    if base is not None and _child(base, _FINAL_NORMS) is None:
+        missing.append(" / ".join(_FINAL_NORMS))
     if missing or not isinstance(getattr(hf_model, "lm_head", None), nn.Module):
         raise TypeError(f"{type(hf_model).__name__} is not a decoder-only causal LM the adapter knows: it needs "
-                        f".model.{{{', '.join(_MODEL_PARTS)}}} and .lm_head (missing: {missing or ['lm_head']})")
+                        f".model.{{{', '.join(_MODEL_PARTS)}, {' / '.join(_FINAL_NORMS)}}} and .lm_head (missing: "
+                        f"{missing or ['lm_head']})")
     model = TransformersModel(hf_model)
     if check:
         model.check_against_own_forward()
@@ -204,14 +376,18 @@ def adapt(hf_model: nn.Module, check: bool = True) -> "TransformersModel":
 
 # --- attention ---------------------------------------------------------------------------------------
 
-def causal_mask(n: int, n_prefix: int, window: Optional[int], dtype: torch.dtype, device: Any) -> torch.Tensor:
+def causal_mask(n: int, n_prefix: int, window: Optional[int], dtype: torch.dtype, device: Any,
+                chunk: Optional[int] = None) -> torch.Tensor:
     """Additive mask [1, 1, n, n_prefix + n]: query i (position n_prefix + i) sees keys up to its position,
-    the last ``window`` of them on a sliding-window layer."""
+    the last ``window`` of them on a sliding-window layer, those of its own ``chunk`` of positions on a
+    chunked-attention layer (Llama 4)."""
     q = torch.arange(n_prefix, n_prefix + n, device=device)[:, None]
     k = torch.arange(n_prefix + n, device=device)[None, :]
     allowed = k <= q
     if window is not None:
         allowed &= q - k < window
+    if chunk is not None:
+        allowed &= q // chunk == k // chunk
     mask = torch.zeros(n, n_prefix + n, dtype=dtype, device=device)
     return mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
 
@@ -259,60 +435,207 @@ def _layer_kind(config: Any, index: int) -> str:
     return "sliding_attention" if getattr(config, "sliding_window", None) is not None else "full_attention"
 
 
-class TransformersLayer(nn.Module):
-    """One decoder layer of a transformers model as the toolkit's operations (see the module docstring)."""
+def _child(module: nn.Module, names: Sequence[str]) -> Optional[Tuple[str, nn.Module]]:
+    return next(((n, getattr(module, n)) for n in names if isinstance(getattr(module, n, None), nn.Module)), None)
 
-    def __init__(self, hf_model: nn.Module, index: int):
-        super().__init__()
-        hf_layer, config = hf_model.model.layers[index], hf_model.config
-        missing = [n for n in _LAYER_PARTS if not isinstance(getattr(hf_layer, n, None), nn.Module)]
-        if missing:
-            raise TypeError(f"layer {index} ({type(hf_layer).__name__}) lacks {missing}")
-        self.index, self.kind = index, _layer_kind(config, index)
-        self.input_norm, self.ffn_norm = hf_layer.input_layernorm, hf_layer.post_attention_layernorm
-        self.rotary = hf_model.model.rotary_emb
-        self.window = config.sliding_window if self.kind == "sliding_attention" else None
-        self.mixer, self.is_attention = self._find_mixer(hf_layer)
-        unknown = {n for n, _ in hf_layer.named_children()} - set(_LAYER_PARTS) - {"self_attn", *_MIXERS}
-        if unknown:  # e.g. extra post-norms: running without them would be silently wrong
-            raise TypeError(f"layer {index} ({type(hf_layer).__name__}) has modules the adapter does not "
-                            f"run: {sorted(unknown)}")
-        self.cache_keyword = _cache_keyword(self.mixer) if self.is_attention else ""
-        self.attn_index = getattr(self.mixer, "layer_idx", index)
-        self.is_moe = isinstance(getattr(hf_layer.mlp, "experts", None), nn.Module)
-        if self.is_moe:
-            self.moe: nn.Module = hf_layer.mlp
-        else:
-            self.mlp = hf_layer.mlp
 
-    def _find_mixer(self, hf_layer: nn.Module) -> Tuple[nn.Module, bool]:
-        if self.kind in _ATTENTION_KINDS and isinstance(getattr(hf_layer, "self_attn", None), nn.Module):
-            return hf_layer.self_attn, True
-        for name in _MIXERS:
-            if isinstance(getattr(hf_layer, name, None), nn.Module):
-                return getattr(hf_layer, name), False
-        raise TypeError(f"layer {self.index} ({type(hf_layer).__name__}, {self.kind}) has no attention or "
-                        f"token mixer the adapter knows ({', '.join(('self_attn',) + _MIXERS)})")
+class _Attention:
+    """One attention (sub)layer: the module, its input norm, where its keys and values live in a cache, its mask
+    and rotary embeddings (``rotary`` None: the family has none, e.g. Jamba)."""
 
-    # --- attention ---------------------------------------------------------------------------------
-    def _attend(self, x: torch.Tensor, n_prefix: int, prefix: Optional[KV]) -> Tuple[torch.Tensor, torch.Tensor,
+    def __init__(self, module: nn.Module, norm: nn.Module, kind: str, config: Any, rotary: Optional[nn.Module],
+                 layer: int, out_norm: Optional[nn.Module] = None):
+        self.module, self.norm, self.kind, self.rotary, self.layer = module, norm, kind, rotary, layer
+        self.out_norm = out_norm if out_norm is not None else nn.Identity()
+        self.window = config.sliding_window if kind == "sliding_attention" else None
+        self.chunk = getattr(config, "attention_chunk_size", None) if kind == "chunked_attention" else None
+        self.cache_keyword = _cache_keyword(module)
+        self.index = getattr(module, "layer_idx", layer)
+        self.typed_rotary = rotary is not None and "layer_type" in inspect.signature(rotary.forward).parameters
+        self.k_shape: Tuple[int, ...] = ()
+        self.v_shape: Tuple[int, ...] = ()
+
+    def _position(self, x: torch.Tensor, pos: torch.Tensor) -> Any:
+        if self.rotary is None:
+            return None
+        try:
+            return self.rotary(x, pos, layer_type=self.kind) if self.typed_rotary else self.rotary(x, pos)
+        except Exception as err:  # noqa: BLE001 (the family's own code: say which part the adapter drives wrong)
+            raise TypeError(f"layer {self.layer}: the model's rotary embedding does not take a {self.kind} layer as "
+                            f"the adapter calls it ({_one_line(err)})") from err
+
+    def attend(self, x: torch.Tensor, n_prefix: int, prefix: Optional[KV]) -> Tuple[torch.Tensor, torch.Tensor,
                                                                                       torch.Tensor]:
-        """One request: x [n, hidden] after ``n_prefix`` tokens whose keys / values are ``prefix``."""
+        """One request: x [n, hidden] (normed) after ``n_prefix`` tokens whose keys / values are ``prefix``."""
         from transformers import DynamicCache
 
         n = x.shape[0]
         pos = torch.arange(n_prefix, n_prefix + n, device=x.device)[None]
         cache = DynamicCache()
         if n_prefix:
-            cache.update(_to_cache(prefix[0]), _to_cache(prefix[1]), self.attn_index)
-        mask = causal_mask(n, n_prefix, self.window, x.dtype, x.device)
-        out = _first(self.mixer(hidden_states=x[None], position_embeddings=self.rotary(x[None], pos),
-                                attention_mask=mask, position_ids=pos, **{self.cache_keyword: cache}))
-        held = cache.layers[self.attn_index] if len(cache.layers) > self.attn_index else None
+            cache.update(_to_cache(prefix[0]), _to_cache(prefix[1]), self.index)
+        mask = causal_mask(n, n_prefix, self.window, x.dtype, x.device, self.chunk)
+        out = _first(self.module(hidden_states=x[None], position_embeddings=self._position(x[None], pos),
+                                 attention_mask=mask, position_ids=pos, **{self.cache_keyword: cache}))
+        held = cache.layers[self.index] if len(cache.layers) > self.index else None
         if held is None or not held.is_initialized or held.keys.shape[-2] != n_prefix + n:
-            raise RuntimeError(f"layer {self.index}: {type(self.mixer).__name__} did not cache the {n_prefix + n} "
+            raise RuntimeError(f"layer {self.layer}: {type(self.module).__name__} did not cache the {n_prefix + n} "
                                f"keys and values of the request")
         return out[0], _from_cache(held.keys, n), _from_cache(held.values, n)
+
+    @torch.no_grad()
+    def probe(self, dtype: torch.dtype, device: Any, hidden: int) -> None:
+        """Learn the per-token shapes of the keys and values it caches (one token through it)."""
+        _, k, v = self.attend(torch.zeros(1, hidden, dtype=dtype, device=device), 0, None)
+        self.k_shape, self.v_shape = tuple(k.shape[1:]), tuple(v.shape[1:])
+
+    def cached(self, cache: Any, n: int) -> Optional[KV]:
+        """The last ``n`` tokens' keys and values in the model's own ``cache`` (None if it kept fewer)."""
+        held = cache.layers[self.index]
+        if held.keys.shape[-2] < n:
+            return None
+        return _from_cache(held.keys, n), _from_cache(held.values, n)
+
+
+def _norm_roles(hf_layer: nn.Module) -> Dict[str, Optional[str]]:
+    """The names of a layer's norms by role (None: none): ``attn_in`` / ``ffn_in`` normalise a sublayer's input,
+    ``attn_out`` / ``ffn_out`` its output before the residual (sandwich norms, OLMo-2's post-norms).
+    ``post_attention_layernorm`` is the FFN's input norm, unless the layer names that one otherwise
+    (`_PRE_FFN`) or has norms of outputs only: then it normalises the attention's output."""
+    has = lambda name: isinstance(getattr(hf_layer, name, None), nn.Module)  # noqa: E731
+    first = lambda names: next((n for n in names if has(n)), None)  # noqa: E731
+    attn_in = "input_layernorm" if has("input_layernorm") else None
+    post_attn = "post_attention_layernorm" if has("post_attention_layernorm") else None
+    pre_ffn, post_ffn, attn_out = first(_PRE_FFN), first(_POST_FFN), first(_POST_ATTN)
+    if pre_ffn is not None or (attn_in is None and post_ffn is not None):
+        ffn_in, attn_out = pre_ffn, attn_out or post_attn
+    else:
+        ffn_in = post_attn
+    return dict(attn_in=attn_in, attn_out=attn_out, ffn_in=ffn_in, ffn_out=post_ffn)
+
+
+class _Beside(nn.Module):
+    """A layer's routed block and the shared MLP it adds beside it (Granite-MoE-Shared's ``shared_mlp``), summed:
+    one block for `collectives.wrap_expert_parallel`, which finds the routed block in ``moe``."""
+
+    def __init__(self, moe: nn.Module, name: str, shared: nn.Module):
+        super().__init__()
+        self.moe = moe
+        self.add_module(name, shared)
+        self._shared = name
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _first(self.moe(x)).reshape(x.shape) + getattr(self, self._shared)(x)
+
+
+def _split_heads(prefix: Optional[KV], at: Sequence[Tuple[int, int]], i: int) -> Optional[KV]:
+    """Sublayer ``i``'s part of a layer's packed keys / values (``at``: its key heads and value heads slices)."""
+    if prefix is None:
+        return None
+    (k0, k1), (v0, v1) = at[i]
+    return prefix[0][:, k0:k1], prefix[1][:, v0:v1]
+
+
+def _number(obj: Any, name: str) -> Optional[float]:
+    value = getattr(obj, name, None)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+class TransformersLayer(nn.Module):
+    """One decoder layer of a transformers model as the toolkit's operations (see the module docstring)."""
+
+    def __init__(self, hf_model: nn.Module, index: int):
+        super().__init__()
+        hf_layer, config = hf_model.model.layers[index], hf_model.config
+        self.index, self.kind = index, _layer_kind(config, index)
+        self.residual_scale = _number(hf_layer, "residual_multiplier") or 1.0  # Granite scales both branches
+        self._rotary = getattr(hf_model.model, "rotary_emb", None)
+        self.attns: List[_Attention] = []
+        known = self._find_parts(hf_layer, config)
+        unknown = {n for n, _ in hf_layer.named_children()} - known
+        if unknown:  # e.g. extra post-norms: running without them would be silently wrong
+            raise TypeError(f"layer {index} ({type(hf_layer).__name__}) has modules the adapter does not "
+                            f"run: {sorted(unknown)}")
+        self.is_attention = bool(self.attns)
+        self.attn_index = self.attns[-1].index if self.attns else index
+        self.window = self.attns[0].window if self.attns else None
+
+    def _attention(self, module: nn.Module, norm: nn.Module, config: Any,
+                   out_norm: Optional[nn.Module] = None) -> _Attention:
+        return _Attention(module, norm, self.kind, config, self._rotary, self.index, out_norm)
+
+    def _find_norms(self, hf_layer: nn.Module) -> set:
+        """The layer's norms by their roles (`_norm_roles`): missing ones are identities. A layer with an input
+        norm alone is parallel (Cohere): its feed-forward block reads the same normed input as its attention,
+        and both are added to the layer's input."""
+        roles = _norm_roles(hf_layer)
+        self.parallel = roles["attn_in"] is not None and not any(v for k, v in roles.items() if k != "attn_in")
+        if self.parallel:
+            roles["ffn_in"] = roles["attn_in"]
+        if (roles["attn_in"] or roles["attn_out"]) is None or (roles["ffn_in"] or roles["ffn_out"]) is None:
+            raise TypeError(f"layer {self.index} ({type(hf_layer).__name__}) lacks its norms ("
+                            f"{' or '.join(('input_layernorm', 'post_attention_layernorm'))}, ...)")
+        norm = {role: getattr(hf_layer, name) if name else nn.Identity() for role, name in roles.items()}
+        self.input_norm, self.attn_out_norm = norm["attn_in"], norm["attn_out"]
+        self.ffn_norm, self.ffn_out_norm = norm["ffn_in"], norm["ffn_out"]
+        self._sandwich = roles["ffn_out"] is not None
+        return {name for name in roles.values() if name}
+
+    def _find_parts(self, hf_layer: nn.Module, config: Any) -> set:
+        """Take the layer's norms, token mixer and feed-forward block; the names of the children it runs."""
+        ffn = _child(hf_layer, _FFNS)
+        if ffn is None:
+            raise TypeError(f"layer {self.index} ({type(hf_layer).__name__}) lacks {[' / '.join(_FFNS)]}")
+        norms = self._find_norms(hf_layer)
+        mixer_name = self._find_mixer(hf_layer, config)
+        beside = _child(hf_layer, _BESIDE)
+        self._set_ffn(ffn[1], beside)
+        return {*norms, mixer_name, ffn[0], *([beside[0]] if beside else [])}
+
+    def _set_ffn(self, block: nn.Module, beside: Optional[Tuple[str, nn.Module]]) -> None:
+        self.is_moe = isinstance(getattr(block, "experts", None), nn.Module)
+        if beside is not None:
+            if not self.is_moe:
+                raise TypeError(f"layer {self.index} has a {beside[0]} beside a dense MLP")
+            block = _Beside(block, *beside)
+        if self.is_moe:
+            self.moe: nn.Module = block
+        else:
+            self.mlp = block
+
+    def _find_mixer(self, hf_layer: nn.Module, config: Any) -> str:
+        attn = getattr(hf_layer, "self_attn", None)
+        if self.kind in _ATTENTION_KINDS and isinstance(attn, nn.Module) and not isinstance(attn, nn.ModuleList):
+            self.attns = [self._attention(attn, self.input_norm, config, self.attn_out_norm)]
+            self.mixer = attn
+            return "self_attn"
+        for name in _MIXERS:
+            if isinstance(getattr(hf_layer, name, None), nn.Module):
+                self.mixer = getattr(hf_layer, name)
+                return name
+        kinds = ", ".join(k.replace("_attention", "") for k in _ATTENTION_KINDS)
+        parts = ", ".join(n for n, _ in hf_layer.named_children())
+        what = f"is {self.kind}" if self.kind not in _ATTENTION_KINDS else \
+            f"has no attention module the adapter knows (its parts: {parts})"
+        raise TypeError(f"layer {self.index} ({type(hf_layer).__name__}) {what}: the adapter runs attention "
+                        f"(self_attn) of the kinds {kinds}, and the token mixers {', '.join(_MIXERS)}")
+
+    # --- attention ---------------------------------------------------------------------------------
+    def _scaled(self, branch: torch.Tensor) -> torch.Tensor:
+        return branch if self.residual_scale == 1.0 else branch * self.residual_scale
+
+    def _sublayer(self, att: _Attention, hidden: torch.Tensor, seq: SeqInfo, prefix: Optional[KV]
+                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Norm, one attention within each request (after its prefix), residual: ``(resid, k, v)``."""
+        x = att.norm(hidden)
+        outs, ks, vs = [], [], []
+        for start, n, pstart, p in _requests(seq):
+            out, k, v = att.attend(x[start:start + n], p, _rows(prefix, pstart, p))
+            outs.append(out)
+            ks.append(k)
+            vs.append(v)
+        resid = hidden + self._scaled(att.out_norm(torch.cat(outs))) if outs else hidden.clone()
+        return resid, _pack(ks, att.k_shape, hidden), _pack(vs, att.v_shape, hidden)
 
     def _mix(self, x: torch.Tensor) -> torch.Tensor:
         return _first(self.mixer(hidden_states=x[None]))[0]
@@ -324,20 +647,11 @@ class TransformersLayer(nn.Module):
         ``k``, ``v`` are packed ``[tokens, *k_shape]``, ``[tokens, *v_shape]``; None on a layer that
         is not attention."""
         self._check(hidden, seq, prefix)
+        if self.is_attention:
+            return self._sublayer(self.attns[0], hidden, seq, prefix)
         x = self.input_norm(hidden)
-        outs, ks, vs = [], [], []
-        for start, n, pstart, p in _requests(seq):
-            if self.is_attention:
-                out, k, v = self._attend(x[start:start + n], p, _rows(prefix, pstart, p))
-                ks.append(k)
-                vs.append(v)
-            else:
-                out = self._mix(x[start:start + n])
-            outs.append(out)
-        resid = hidden + torch.cat(outs) if outs else hidden.clone()
-        if not self.is_attention:
-            return resid, None, None
-        return resid, _pack(ks, self.k_shape, hidden), _pack(vs, self.v_shape, hidden)
+        outs = [self._mix(x[start:start + n]) for start, n, _, _ in _requests(seq)]
+        return (hidden + self._scaled(self.attn_out_norm(torch.cat(outs))) if outs else hidden.clone()), None, None
 
     def _mixer_op(self, hidden: torch.Tensor, seq: SeqInfo, prefix: Optional[KV]) -> torch.Tensor:
         return self.attention(hidden, seq, prefix)[0]
@@ -354,17 +668,35 @@ class TransformersLayer(nn.Module):
 
     @torch.no_grad()
     def probe_kv_shapes(self, dtype: torch.dtype, device: Any, hidden: int) -> Tuple[Tuple[int, ...], Tuple[int, ...]]:
-        """The per-token shapes of the keys and values this layer caches (one token through its attention)."""
-        _, k, v = self._attend(torch.zeros(1, hidden, dtype=dtype, device=device), 0, None)
-        self.k_shape, self.v_shape = tuple(k.shape[1:]), tuple(v.shape[1:])
+        """The per-token shapes of the keys and values this layer caches (one token through its attention;
+        a layer of several attentions caches theirs side by side, along the first axis)."""
+        for att in self.attns:
+            att.probe(dtype, device, hidden)
+        first = self.attns[0]
+        if any(a.k_shape[1:] != first.k_shape[1:] or a.v_shape[1:] != first.v_shape[1:] for a in self.attns):
+            raise TypeError(f"layer {self.index}: its attentions cache keys / values of different shapes")
+        self.k_shape = (sum(a.k_shape[0] for a in self.attns),) + first.k_shape[1:]
+        self.v_shape = (sum(a.v_shape[0] for a in self.attns),) + first.v_shape[1:]
+        self._heads, k, v = [], 0, 0
+        for a in self.attns:
+            self._heads.append(((k, k + a.k_shape[0]), (v, v + a.v_shape[0])))
+            k, v = k + a.k_shape[0], v + a.v_shape[0]
         return self.k_shape, self.v_shape
+
+    def cached_kv(self, cache: Any, n: int) -> Optional[KV]:
+        """This layer's last ``n`` keys and values in the model's own cache, packed (None if it kept fewer)."""
+        parts = [a.cached(cache, n) for a in self.attns]
+        if any(p is None for p in parts):
+            return None
+        return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)
 
     # --- feed-forward --------------------------------------------------------------------------------
     def _ffn(self) -> nn.Module:
         return self.moe if self.is_moe else self.mlp
 
     def _call_ffn(self, x: torch.Tensor) -> torch.Tensor:
-        return _first(self._ffn()(x[None]))[0]  # transformers blocks take [batch, tokens, hidden]
+        # transformers blocks take [batch, tokens, hidden]; some return [tokens, hidden] (Llama 4)
+        return _first(self._ffn()(x[None])).reshape(x.shape)
 
     def ffn_operations(self) -> List[Operation]:
         """The operations from ``MOE_IN`` to ``MOE_OUT``: the EP layer's stages, or one call of the block."""
@@ -373,13 +705,17 @@ class TransformersLayer(nn.Module):
             return [as_operation(s) for s in stages()]
         return [Operation("moe" if self.is_moe else "mlp", self._call_ffn, (MOE_IN,), (MOE_OUT,))]
 
+    def _residual(self, resid: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
+        return resid + self._scaled(self.ffn_out_norm(branch))
+
     def operations(self) -> List[Operation]:
         """This layer as operations, from ``HIDDEN``, ``SEQ``, ``PREFIX_KV`` to ``OUT`` (and ``K``, ``V``)."""
         mix = (Operation("attn", self.attention, (HIDDEN, SEQ, PREFIX_KV), ("resid", K, V)) if self.is_attention
                else Operation("attn", self._mixer_op, (HIDDEN, SEQ, PREFIX_KV), ("resid",)))
-        return ([mix, Operation("ffn_norm", self.ffn_norm, ("resid",), (MOE_IN,))]
+        residual = torch.add if self.residual_scale == 1.0 and not self._sandwich else self._residual
+        return ([mix, Operation("ffn_norm", self.ffn_norm, (HIDDEN if self.parallel else "resid",), (MOE_IN,))]
                 + self.ffn_operations()
-                + [Operation("residual", torch.add, ("resid", MOE_OUT), (OUT,))])
+                + [Operation("residual", residual, ("resid", MOE_OUT), (OUT,))])
 
     def run(self, hidden: torch.Tensor, seq: SeqInfo, prefix: Optional[KV] = None, **meta: Any
             ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
@@ -392,6 +728,75 @@ class TransformersLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, seq: SeqInfo, prefix: Optional[KV] = None) -> torch.Tensor:
         return self.run(hidden, seq, prefix)[0]
+
+
+class ShortcutLayer(TransformersLayer):
+    """A LongCat-Flash layer (shortcut-connected MoE): two attention sublayers, each with a dense MLP, and a MoE
+    that reads the first MLP's input and is added to the layer's output::
+
+        resid  = x + attn0(ln0(x));            moe_in = post_ln0(resid)
+        resid1 = resid + mlp0(moe_in)          (beside the MoE, which reads moe_in)
+        resid2 = resid1 + attn1(ln1(resid1));  resid3 = resid2 + mlp1(post_ln1(resid2))
+        out    = resid3 + moe(moe_in)
+
+    As operations the first MLP and the second attention follow the MoE's first exchange, the second MLP its
+    second, so they run while the tokens travel. ``K`` / ``V`` hold both attentions' keys / values side by
+    side; they are written by the second attention, so a request is never cut across micro-batches (a later
+    part's first attention would wait for the earlier part's second)."""
+
+    NO_CUT = ("its layers attend twice, the second time after the MoE's dispatch, so a cut request's later part "
+              "could not start before the earlier part's layer ended: requests are not cut across micro-batches")
+
+    def _find_parts(self, hf_layer: nn.Module, config: Any) -> set:
+        lists = {n: getattr(hf_layer, n, None) for n in ("self_attn", *_NORMS, "mlps")}
+        if not all(isinstance(m, nn.ModuleList) and len(m) == 2 for m in lists.values()) \
+                or not isinstance(getattr(hf_layer, "mlp", None), nn.Module):
+            raise TypeError(f"layer {self.index} ({type(hf_layer).__name__}) is not a shortcut-MoE layer of two "
+                            f"attentions (self_attn, input_layernorm, post_attention_layernorm and mlps: two each) "
+                            f"and a MoE (mlp)")
+        if self.kind not in _ATTENTION_KINDS:
+            raise TypeError(f"layer {self.index} ({type(hf_layer).__name__}) is {self.kind}, not attention")
+        norms_in, norms_ffn = hf_layer.input_layernorm, hf_layer.post_attention_layernorm
+        self.attns = [self._attention(hf_layer.self_attn[i], norms_in[i], config) for i in range(2)]
+        self.input_norm, self.ffn_norm, self.ffn_norm1 = norms_in[0], norms_ffn[0], norms_ffn[1]
+        self.dense0, self.dense1 = hf_layer.mlps[0], hf_layer.mlps[1]
+        self._set_ffn(hf_layer.mlp, None)
+        return {*lists, "mlp"}
+
+    def attention(self, hidden: torch.Tensor, seq: SeqInfo, prefix: Optional[KV] = None
+                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The first attention sublayer: ``(resid, k0, v0)``."""
+        self._check(hidden, seq, prefix)
+        return self._sublayer(self.attns[0], hidden, seq, _split_heads(prefix, self._heads, 0))
+
+    def second_attention(self, hidden: torch.Tensor, seq: SeqInfo, prefix: Optional[KV], k0: torch.Tensor,
+                         v0: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The second attention sublayer: ``(resid2, k, v)``, the keys / values of both sublayers side by side."""
+        resid, k1, v1 = self._sublayer(self.attns[1], hidden, seq, _split_heads(prefix, self._heads, 1))
+        return resid, torch.cat([k0, k1], dim=1), torch.cat([v0, v1], dim=1)
+
+    def _dense0(self, resid: torch.Tensor, moe_in: torch.Tensor) -> torch.Tensor:
+        return resid + self.dense0(moe_in)
+
+    def _dense1(self, resid: torch.Tensor) -> torch.Tensor:
+        return resid + self.dense1(self.ffn_norm1(resid))
+
+    def operations(self) -> List[Operation]:
+        moe = self.ffn_operations()
+        comm = [i for i, op in enumerate(moe) if op.stream == EP_COMM]
+        first, second = (comm[0] + 1, comm[1] + 1) if len(comm) >= 2 else (len(moe), len(moe))
+        under_dispatch = [Operation("dense0", self._dense0, ("resid", MOE_IN), ("resid1",)),
+                          Operation("attn1", self.second_attention, ("resid1", SEQ, PREFIX_KV, "k0", "v0"),
+                                    ("resid2", K, V))]
+        under_combine = [Operation("dense1", self._dense1, ("resid2",), ("resid3",))]
+        return ([Operation("attn", self.attention, (HIDDEN, SEQ, PREFIX_KV), ("resid", "k0", "v0")),
+                 Operation("ffn_norm", self.ffn_norm, ("resid",), (MOE_IN,))]
+                + moe[:first] + under_dispatch + moe[first:second] + under_combine + moe[second:]
+                + [Operation("residual", torch.add, ("resid3", MOE_OUT), (OUT,))])
+
+
+def _layer_class(hf_layer: nn.Module) -> type:
+    return ShortcutLayer if isinstance(getattr(hf_layer, "self_attn", None), nn.ModuleList) else TransformersLayer
 
 
 # --- the model ---------------------------------------------------------------------------------------
@@ -434,9 +839,11 @@ class TransformersConfig:
 
 
 def _n_shared(config: Any) -> int:
-    if hasattr(config, "n_shared_experts"):
-        return int(config.n_shared_experts or 0)
-    size = getattr(config, "shared_expert_intermediate_size", 0) or 0
+    field = _first_field(config, _SHARED_COUNTS)
+    if field is not None:
+        return int(getattr(config, field) or 0)
+    size = next((getattr(config, f, 0) for f in ("shared_expert_intermediate_size", "shared_intermediate_size")
+                 if hasattr(config, f)), 0) or 0
     return 1 if size else 0
 
 
@@ -444,8 +851,9 @@ class TransformersModel(nn.Module):
     """A transformers causal LM seen as `launch.model.Model`: ``embed_tokens``, ``layers``, ``norm``, ops.
 
     ``hf`` is the model itself (its MoE blocks stay in place for `reference`); `replace_moe` swaps
-    the adapter's blocks only. ``no_cut_reason`` is None when every layer is attention (a cut
-    request's later parts can attend to its earlier parts' keys and values), else why not.
+    the adapter's blocks only. ``no_cut_reason`` is None when a cut request's later parts can attend
+    to its earlier parts' keys and values (every layer is attention, one at a time), else why not.
+    The model's ``embedding_multiplier`` and ``logits_scaling`` (Granite) are applied as its forward does.
     """
 
     def __init__(self, hf_model: nn.Module):
@@ -455,12 +863,23 @@ class TransformersModel(nn.Module):
             raise ValueError(f"the adapter passes explicit attention masks: use attn_implementation 'sdpa' or "
                              f"'eager', not {impl!r}")
         self.hf = hf_model.eval()
-        self.layers = nn.ModuleList(TransformersLayer(hf_model, i) for i in range(len(hf_model.model.layers)))
+        config = hf_model.config
+        self.final_norm = _child(hf_model.model, _FINAL_NORMS)[1]
+        self.embed_scale = _number(config, "embedding_multiplier") or 1.0
+        self.logits_scale = _number(config, "logits_scaling") or 1.0
+        self.layers = nn.ModuleList(_layer_class(hf_model.model.layers[i])(hf_model, i)
+                                    for i in range(len(hf_model.model.layers)))
         self.cfg = self._config()
+        self.no_cut_reason = self._no_cut_reason()
+
+    def _no_cut_reason(self) -> Optional[str]:
         mixers = [f"{layer.index} ({layer.kind})" for layer in self.layers if not layer.is_attention]
-        self.no_cut_reason: Optional[str] = (
-            f"{self.cfg.model_type} layers {', '.join(mixers)} keep no keys and values to continue a request "
-            f"from, so requests are not cut across micro-batches" if mixers else None)
+        if mixers:
+            return (f"{self.cfg.model_type} layers {', '.join(mixers)} keep no keys and values to continue a "
+                    f"request from, so requests are not cut across micro-batches")
+        if any(isinstance(layer, ShortcutLayer) for layer in self.layers):
+            return f"{self.cfg.model_type}: {ShortcutLayer.NO_CUT}"
+        return None
 
     def _config(self) -> TransformersConfig:
         c = self.hf.config
@@ -483,14 +902,16 @@ class TransformersModel(nn.Module):
                 int(tokens.min()) < 0 or int(tokens.max()) >= self.cfg.vocab):
             raise ValueError(f"token ids must be in [0, {self.cfg.vocab}), got [{int(tokens.min())}, "
                              f"{int(tokens.max())}]")
-        return self.hf.model.embed_tokens(tokens)
+        embedded = self.hf.model.embed_tokens(tokens)
+        return embedded if self.embed_scale == 1.0 else embedded * self.embed_scale
 
     def norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.hf.model.norm(hidden)
+        return self.final_norm(hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits of final hidden states, by the family's ``lm_head``."""
-        return self.hf.lm_head(hidden)
+        """Logits of final hidden states, by the family's ``lm_head`` (and its ``logits_scaling``)."""
+        out = self.hf.lm_head(hidden)
+        return out if self.logits_scale == 1.0 else out / self.logits_scale
 
     def moe_layers(self) -> Iterator[TransformersLayer]:
         return (layer for layer in self.layers if layer.is_moe)
@@ -563,9 +984,101 @@ class TransformersModel(nn.Module):
             keyword = _cache_keyword(self.hf.model)
             self.hf.model(input_ids=t[None], use_cache=True, **{keyword: cache})
             for i in per_layer:
-                held = cache.layers[self.layers[i].attn_index]
-                if held.keys.shape[-2] < t.shape[0]:
-                    raise ValueError(f"layer {i} keeps only its sliding window of {held.keys.shape[-2]} tokens in the "
-                                     f"model's own cache; compare requests of at most that many tokens")
-                per_layer[i].append((_from_cache(held.keys, t.shape[0]), _from_cache(held.values, t.shape[0])))
+                held = self.layers[i].cached_kv(cache, t.shape[0])
+                if held is None:
+                    raise ValueError(f"layer {i} keeps only its sliding window or chunk in the model's own cache; "
+                                     f"compare requests that fit in it")
+                per_layer[i].append(held)
         return {i: (torch.cat([k for k, _ in kv]), torch.cat([v for _, v in kv])) for i, kv in per_layer.items() if kv}
+
+
+# --- which families the adapter runs ---------------------------------------------------------------
+
+def _probe_overrides(overrides: Mapping[str, Any]) -> Dict[str, Any]:
+    """The overrides of a small model of the same structure: the family's small hidden size, at most
+    `_PROBE_LAYERS` layers (the leading dense ones kept where they fit)."""
+    out = {k: v for k, v in overrides.items() if k != "hidden" and v is not None}
+    if int(out.get("n_layers", 0)) > _PROBE_LAYERS:
+        out["n_layers"] = _PROBE_LAYERS
+        if "n_dense_layers" in out:
+            out["n_dense_layers"] = min(int(out["n_dense_layers"]), _PROBE_LAYERS - 1)
+    return out
+
+
+def _check_routing(config: Any) -> None:
+    """Top-k must pick between 1 and the routed experts (else the family's router fails with an unclear error)."""
+    field = _first_field(config, _N_EXPERTS)
+    n, k = (getattr(config, field, None) if field else None), getattr(config, "num_experts_per_tok", None)
+    if isinstance(n, int) and isinstance(k, int) and not 1 <= k <= n:
+        raise ValueError(f"top-k {k} must pick between 1 and the {n} routed experts per token")
+
+
+def _one_line(exc: BaseException) -> str:
+    """The exception as one line: its type and message, lines joined (transformers puts the reason on the second)."""
+    text = " ".join(line.strip() for line in str(exc).strip().splitlines() if line.strip())
+    return f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__
+
+
+@torch.no_grad()
+def _runs_small(config: Any) -> None:
+    """Build ``config``'s model, adapt it (checked against its own forward), make every MoE block expert-parallel
+    on one rank (checked by `collectives.wrap_expert_parallel`'s probe) and prefill two requests: the result
+    must be the model's own forward."""
+    from collectives import wrap_expert_parallel
+
+    model = from_config(config, seed=0)
+    batch = Batch.random([5, 3], model.cfg.vocab, seed=1)
+    want = model.reference(batch)
+    model.replace_moe(lambda layer: wrap_expert_parallel(layer.moe, None))
+    got = model(batch)
+    diff, scale = (got - want).abs().max().item(), want.abs().max().item()
+    if not diff <= 1e-3 * max(scale, 1.0):
+        raise TypeError(f"its expert-parallel layers do not compute its MoE blocks (difference {diff:.3g} at "
+                        f"magnitude {scale:.3g})")
+
+
+def check_family(model_type: str, overrides: Optional[Mapping[str, Any]] = None) -> None:
+    """Whether the adapter runs the MoE family ``model_type`` with ``overrides`` (the toolkit's names), decided
+    before any process group exists: a ValueError of one line naming what it lacks, else None (also for a
+    model type that is no MoE: nothing to check).
+
+    The config with the overrides must build a model (checked on the meta device, at no cost); a small model
+    of the same structure (`_probe_overrides`) must then run through the adapter and the expert-parallel
+    layers on one rank and equal its own forward (`_runs_small`: a second or so on a CPU).
+    """
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(f"{model_type} is not a causal LM AutoModelForCausalLM builds (the text part of a "
+                         f"multimodal model, an encoder-decoder or an encoder): the adapter runs decoder-only causal "
+                         f"LMs")
+    overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
+    try:
+        config = small_config(model_type, overrides)
+    except Exception as exc:  # noqa: BLE001 (transformers' own config errors are not all ValueErrors)
+        raise ValueError(f"the family's config does not take these sizes ({_one_line(exc)})") from None
+    if not is_moe_config(config):
+        return  # not a MoE: the launcher says so in its own words
+    _check_routing(config)
+    try:
+        with torch.device("meta"):
+            AutoModelForCausalLM.from_config(config, attn_implementation=_attention_for(config, "sdpa"))
+    except Exception as exc:  # noqa: BLE001 (any failure of the family's own code is a one-line refusal)
+        raise ValueError(f"the family's model cannot be built from this config ({_one_line(exc)})") from None
+    try:
+        _runs_small(small_config(model_type, _probe_overrides(overrides)))
+    except Exception as exc:  # noqa: BLE001
+        raise ValueError(f"the adapter cannot run {model_type}: {_one_line(exc)}") from None
+
+
+def refused_families(families: Optional[Sequence[str]] = None) -> Dict[str, Optional[str]]:
+    """Per MoE family (default: `moe_families`), None where the adapter runs it, else the one-line reason."""
+    out: Dict[str, Optional[str]] = {}
+    for model_type in moe_families() if families is None else families:
+        try:
+            check_family(model_type)
+            out[model_type] = None
+        except ValueError as exc:
+            out[model_type] = str(exc)
+    return out

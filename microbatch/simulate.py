@@ -126,12 +126,15 @@ class Prediction:
     spans: List[Span]
     total_s: float
     device: bool = False
+    schedule: Optional[str] = None  # the predicted schedule's name, when it has one
 
     def save_chrome_trace(self, file: str) -> str:
-        """Write the spans as a Chrome trace, comparable with a measured one (``overlap-report --plan``)."""
+        """Write the spans as a Chrome trace, comparable with a measured one (``overlap-report --plan``);
+        the trace says it is a prediction, and of which schedule."""
         from overlap.observability import save_chrome_trace
 
-        return save_chrome_trace(self.spans, file)
+        return save_chrome_trace(self.spans, file, prediction={"schedule": self.schedule, "total_s": self.total_s,
+                                                               "device": self.device})
 
 
 Source = Union[Schedule, Plan]
@@ -295,7 +298,7 @@ def simulate(source: Source, flow: Flow, tokens: Sequence[int], costs: CostModel
             sim.asynchronous[i], sim.pending = sim.pending, []
     total = max([sim.host] + done) + costs.frame(sum(tokens[:n_mb]))
     spans = sorted(sim.spans, key=lambda s: (s.start, s.end))
-    return Prediction(spans, total, device)
+    return Prediction(spans, total, device, source.name if isinstance(source, Schedule) else None)
 
 
 def placeholder_inputs(layers: Layers, n_micro: int) -> List[Dict[str, Any]]:

@@ -10,6 +10,12 @@ named instead of cross-matching collectives with its peers. Every wait is bounde
 Groups: on gloo each call gets a fresh group, so a collective a failed peer left unmatched can
 never pair with a later call's. On NCCL / HCCL, where a communicator is costly, the group of each
 size is kept and dropped as soon as a call on it fails.
+
+Liveness: every rank posts a heartbeat to the store (a counter, from a thread and a store client of
+its own, so it goes on while the rank computes or waits). A rank waiting for its peers names one
+whose heartbeat has not moved for ``$OVERLAP_RANK_TIMEOUT`` seconds (a frozen, dead or unreachable
+rank: `RankTimeout`, "rank 1 stopped responding"), however long the wait's own bound, and every
+later wait on it fails at once. Time is each rank's own clock: nodes need not agree on the time.
 """
 from __future__ import annotations
 
@@ -18,6 +24,8 @@ import datetime
 import itertools
 import os
 import pickle
+import threading
+import time
 import traceback
 import unittest
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
@@ -30,6 +38,93 @@ _kept_groups: Dict[int, Any] = {}  # size -> group, on device backends
 _abandoned: List[Any] = []  # groups a failed call left behind: never reused, never destroyed mid-flight
 _in_body = 0  # > 0 while a run_ranks body runs (see hide_group_outside_bodies)
 _SECONDARY = ("Connection closed by peer", "Timed out waiting", "Connection reset by peer")
+_ALIVE = "alive"  # store key prefix of the heartbeats
+_POLL_MAX_S = 0.05  # longest pause between two looks at the store while waiting
+
+
+class _Heartbeat:
+    """This rank's sign of life: a counter posted under ``alive/<rank>`` every ``interval`` seconds, from a
+    thread with a store client of its own (a long wait on the main client would hold a shared one)."""
+
+    def __init__(self, store: Any, rank: int, interval: float) -> None:
+        self._store, self._key, self._interval = store, f"{_ALIVE}/{rank}", interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="overlap-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        beats = 0
+        while True:
+            beats += 1
+            try:
+                self._store.set(self._key, str(beats))
+            except Exception:  # the store is gone: the job is ending
+                return
+            if self._stop.wait(self._interval):
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2 * self._interval + 1)
+
+
+class _Liveness:
+    """When this rank last saw each peer's heartbeat move, by its own clock, and the peers it found silent."""
+
+    def __init__(self) -> None:
+        self._seen: Dict[int, Tuple[Optional[bytes], float]] = {}
+        self.lost: Dict[int, float] = {}  # rank -> seconds it had been silent when found so
+
+    def silent(self, store: Any, ranks: Iterable[int], limit: float) -> Dict[int, float]:
+        """The ranks of ``ranks`` whose heartbeat has not moved for more than ``limit`` s since this rank
+        first saw it where it is (with how long), remembered as lost for good."""
+        now, ranks = time.monotonic(), list(ranks)
+        for r in ranks:
+            if r in self.lost:
+                continue
+            key = f"{_ALIVE}/{r}"
+            beat = store.get(key) if store.check([key]) else None
+            seen = self._seen.get(r)
+            if seen is None or seen[0] != beat:
+                self._seen[r] = (beat, now)
+            elif now - seen[1] > limit:
+                self.lost[r] = now - seen[1]
+        return {r: self.lost[r] for r in ranks if r in self.lost}
+
+
+_heartbeat: Optional[_Heartbeat] = None
+_liveness = _Liveness()
+
+
+def lost_ranks() -> Dict[int, float]:
+    """The peers this rank found silent for longer than ``$OVERLAP_RANK_TIMEOUT`` (rank -> seconds silent)."""
+    return dict(_liveness.lost)
+
+
+def _silence_limit() -> float:
+    from .multirank import default_timeout
+
+    return default_timeout()
+
+
+def _start_heartbeat() -> None:
+    global _heartbeat
+    if _heartbeat is not None:
+        return
+    store = dist.distributed_c10d._get_default_store()
+    try:
+        store = store.clone()  # a client of its own (TCPStore); a store without clone is shared
+    except Exception:
+        pass
+    _heartbeat = _Heartbeat(dist.PrefixStore("overlap/", store), dist.get_rank(),
+                            interval=min(1.0, _silence_limit() / 10))
+
+
+def _stop_heartbeat() -> None:
+    global _heartbeat
+    if _heartbeat is not None:
+        _heartbeat.stop()
+        _heartbeat = None
 
 
 class _Missing(RuntimeError):
@@ -63,9 +158,11 @@ def ensure_initialized(timeout: float) -> None:
         if local > cards:
             raise RuntimeError(f"{local} ranks on this node but {cards} {kind} card(s): {backend} needs one card "
                                f"per rank (torchrun --nproc-per-node {cards} or fewer)")
+    _silence_limit()  # a bad $OVERLAP_RANK_TIMEOUT is refused before joining, naming the variable
     default_device()  # selects this rank's card (LOCAL_RANK)
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
     atexit.register(_leave_together)
+    _start_heartbeat()
 
 
 def _leave_together() -> None:
@@ -76,8 +173,11 @@ def _leave_together() -> None:
             from .streams import synchronize
 
             synchronize()  # nothing of this rank's still in flight on a side stream
-            exchange("exit", True, range(dist.get_world_size()), timeout=60.0)
-            dist.destroy_process_group()
+            live = [r for r in range(dist.get_world_size()) if r not in _liveness.lost]
+            exchange("exit", True, live, timeout=60.0)  # the ranks that still answer leave together
+            _stop_heartbeat()
+            if len(live) == dist.get_world_size():
+                dist.destroy_process_group()
     except Exception:  # a peer is gone already: nothing left to wait for
         pass
 
@@ -86,24 +186,42 @@ def _store() -> Any:
     return dist.PrefixStore("overlap/", dist.distributed_c10d._get_default_store())
 
 
+def _stopped_responding(silent: Dict[int, float], key: str) -> str:
+    from .multirank import ENV_TIMEOUT
+
+    who = ", ".join(f"rank {r}" for r in sorted(silent))
+    return (f"{who} stopped responding: no sign of life for {max(silent.values()):.0f} s ({ENV_TIMEOUT} "
+            f"{_silence_limit():g} s; frozen, dead, or its node unreachable), while waiting for it at {key!r}")
+
+
 def exchange(key: str, value: Any, ranks: Iterable[int], timeout: float, post: bool = True) -> Dict[int, Any]:
     """Post this rank's ``value`` under ``key`` (unless ``post`` is False) and return the value of every
-    rank in ``ranks``, waiting at most ``timeout`` seconds; `RankTimeout` names the ranks that never posted."""
+    rank in ``ranks``, waiting at most ``timeout`` seconds; `RankTimeout` names the ranks that never posted,
+    and, at once, a rank whose heartbeat stopped for ``$OVERLAP_RANK_TIMEOUT`` seconds (see the module
+    docstring)."""
     from .multirank import RankTimeout
 
     store, ranks = _store(), list(ranks)
     if post:
         store.set(f"{key}/{dist.get_rank()}", pickle.dumps(value))
-    keys = [f"{key}/{r}" for r in ranks]
-    try:
-        store.wait(keys, datetime.timedelta(seconds=timeout))
-    except RuntimeError:  # DistStoreError: some never posted
-        missing = [r for r, k in zip(ranks, keys) if not store.check([k])]
+    keys = {r: f"{key}/{r}" for r in ranks}
+    limit = _silence_limit()
+    deadline, pause = time.monotonic() + timeout, 0.001
+    missing = list(ranks)
+    # polled, not one long store.wait: a waiting rank must watch its peers' heartbeats
+    while True:
+        missing = [r for r in missing if not store.check([keys[r]])]
         if not missing:
-            raise
-        raise RankTimeout(f"ranks {missing} of {len(ranks)} did not reach {key!r} within {timeout:.0f}s "
-                          f"(dead, hung in a collective, or running other code)") from None
-    return {r: pickle.loads(store.get(k)) for r, k in zip(ranks, keys)}
+            break
+        silent = _liveness.silent(store, [r for r in missing if r != dist.get_rank()], limit)
+        if silent:
+            raise RankTimeout(_stopped_responding(silent, key), missing=sorted(silent))
+        if time.monotonic() > deadline:
+            raise RankTimeout(f"ranks {missing} of {len(ranks)} did not reach {key!r} within {timeout:.0f}s "
+                              f"(alive, but hung in a collective or running other code)", missing=missing)
+        time.sleep(pause)
+        pause = min(2 * pause, _POLL_MAX_S)
+    return {r: pickle.loads(store.get(keys[r])) for r in ranks}
 
 
 def forget(key: str) -> None:
@@ -187,7 +305,7 @@ def _primary_first(errors: Dict[int, str]) -> List[Tuple[int, str]]:
 
 def run(fn: Callable[..., Any], n: int, timeout: float, env: Dict[str, str], args: tuple, kwargs: dict) -> List[Any]:
     """`run_ranks` on the first ``n`` ranks of the torchrun job; see the module docstring."""
-    from .multirank import RankContext, RankFailure, default_backend, default_device
+    from .multirank import RankContext, RankFailure, RankTimeout, default_backend, default_device
 
     ensure_initialized(timeout)
     backend = default_backend()
@@ -209,7 +327,13 @@ def run(fn: Callable[..., Any], n: int, timeout: float, env: Dict[str, str], arg
     if me < n:
         outcome = _body(fn, RankContext(me, n, group, default_device()), env, args, kwargs)
     # a participant stuck in a collective a failed peer never joins gives up after the group's timeout
-    outcomes = exchange(f"result/{seq}", outcome, range(n), timeout * 1.5 + 30, post=me < n)
+    try:
+        outcomes = exchange(f"result/{seq}", outcome, range(n), timeout * 1.5 + 30, post=me < n)
+    except RankTimeout as e:
+        _release(group, n, failed=True, backend=backend)
+        if outcome is not None and outcome[0] == "error":  # what this rank saw of it, often the cause's effect
+            raise RankTimeout(f"{e}; rank {me} of {n} failed meanwhile:\n{outcome[1]}", missing=e.missing) from None
+        raise
     errors = {r: o[1] for r, o in outcomes.items() if o[0] == "error"}
     _release(group, n, failed=bool(errors), backend=backend)
     if errors:

@@ -78,12 +78,17 @@ def _parse(mode: str, source: str) -> str:
     return value
 
 
+def env_comm_priority() -> Optional[str]:
+    """``$OVERLAP_CPU_COMM_PRIORITY`` (``rt`` or ``off``), None when unset or empty; ValueError naming it otherwise."""
+    env = os.environ.get(ENV_COMM_PRIORITY, "")
+    return _parse(env, f"${ENV_COMM_PRIORITY}") if env.strip() else None
+
+
 def requested_mode() -> str:
     """The mode asked for: `set_comm_priority`'s, else ``$OVERLAP_CPU_COMM_PRIORITY``'s, else `DEFAULT_MODE`."""
     if STATE.comm_priority is not None:
         return STATE.comm_priority
-    env = os.environ.get(ENV_COMM_PRIORITY)
-    return _parse(env, ENV_COMM_PRIORITY) if env else DEFAULT_MODE
+    return env_comm_priority() or DEFAULT_MODE
 
 
 def set_comm_priority(mode: Optional[str]) -> None:

@@ -19,6 +19,7 @@ from typing import Iterator, Optional
 import torch
 
 PATHS = ("ge", "aclgraph", "npu", "cuda", "cpu")
+GRAPH_PATHS = ("ge", "aclgraph")  # what $OVERLAP_GRAPH_PATH may name: a compiled region lowers to a graph
 ENV_PATH = "OVERLAP_PATH"
 ENV_GRAPH_PATH = "OVERLAP_GRAPH_PATH"
 ENV_ENABLE = "OVERLAP_ENABLE"
@@ -28,6 +29,7 @@ _path_override: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("
 _enable_override: contextvars.ContextVar[Optional[bool]] = contextvars.ContextVar("overlap_enable", default=None)
 _stream_tag: contextvars.ContextVar[str] = contextvars.ContextVar("overlap_stream", default=DEFAULT)
 _FALSE_WORDS = ("0", "false", "off", "no")
+_TRUE_WORDS = ("", "1", "true", "on", "yes")  # unset or empty: on
 
 
 def eager_in_trace(fn):  # type: ignore[no-untyped-def]
@@ -61,10 +63,40 @@ def _npu_available() -> bool:
         return False
 
 
+def env_path() -> Optional[str]:
+    """``$OVERLAP_PATH`` as a path name (None when unset or empty); ValueError naming it for anything else."""
+    env = os.environ.get(ENV_PATH, "").strip().lower()
+    return check_path(env, f"${ENV_PATH}") if env else None
+
+
+def env_graph_path() -> str:
+    """``$OVERLAP_GRAPH_PATH`` (default ``ge``): the lowering inside a compiled region; ValueError naming it
+    for anything but a graph path."""
+    value = os.environ.get(ENV_GRAPH_PATH, "").strip().lower() or "ge"
+    if value not in GRAPH_PATHS:
+        raise ValueError(f"unknown graph path {value!r} from ${ENV_GRAPH_PATH}; expected one of "
+                         f"{', '.join(GRAPH_PATHS)}")
+    return value
+
+
+def env_enabled() -> bool:
+    """``$OVERLAP_ENABLE``: on unless it says 0, false, off or no; ValueError naming it for a word that is
+    neither (``maybe`` is not taken for on)."""
+    raw = os.environ.get(ENV_ENABLE, "")
+    value = raw.strip().lower()
+    if value in _FALSE_WORDS:
+        return False
+    if value not in _TRUE_WORDS:
+        raise ValueError(f"${ENV_ENABLE}={raw!r}: expected 1, true, on, yes (overlap on) or 0, false, off, no "
+                         f"(single-stream)")
+    return True
+
+
 def detect_path() -> str:
     """The execution path without overrides: compiled region, NPU, CUDA or CPU."""
+    graph = env_graph_path()  # checked wherever it is read from: a bad value fails here, not only in a graph
     if torch.compiler.is_compiling() and "torch_npu" in sys.modules:
-        return check_path(os.environ.get(ENV_GRAPH_PATH, "ge"), f"${ENV_GRAPH_PATH}")
+        return graph
     if _npu_available():
         return "npu"
     if torch.cuda.is_available():
@@ -87,10 +119,7 @@ def current_path() -> str:
     path = _path_override_value()
     if path is not None:
         return path
-    env = os.environ.get(ENV_PATH)
-    if env:
-        return check_path(env.strip().lower(), f"${ENV_PATH}")
-    return detect_path()
+    return env_path() or detect_path()
 
 
 def set_path(path: Optional[str]) -> None:
@@ -113,7 +142,7 @@ def is_enabled() -> bool:
     flag = _enable_override_value()
     if flag is not None:
         return flag
-    return os.environ.get(ENV_ENABLE, "1").strip().lower() not in _FALSE_WORDS
+    return env_enabled()
 
 
 def set_enabled(flag: Optional[bool]) -> None:

@@ -91,13 +91,20 @@ def set_core_budget(budget: Optional[CoreBudget]) -> None:
     STATE.core_budget = budget
 
 
+def env_core_budget() -> Optional[CoreBudget]:
+    """``$OVERLAP_CORE_BUDGET``'s budget, None when unset or empty; `CoreBudgetError` (a ValueError) naming it
+    for anything but ``aic|aiv`` with aic >= 1 and aiv >= 0."""
+    env = os.environ.get(ENV_BUDGET, "")
+    return parse_budget(env) if env.strip() else None
+
+
 def core_budget() -> Optional[CoreBudget]:
     """The device's core budget, or None when it cannot be known."""
     if STATE.core_budget is not None:
         return STATE.core_budget
-    env = os.environ.get(ENV_BUDGET)
-    if env:
-        return parse_budget(env)
+    env = env_core_budget()
+    if env is not None:
+        return env
     ini = find_soc_config()
     return read_soc_config(ini) if ini else None
 

@@ -11,7 +11,9 @@ the completion time is the booking's end, not when a loaded host gets round to n
 What this leaves out: a peer that issues later delays a rank only once its bytes arrive, so rank
 skew shorter than the transfer is absorbed in the link time rather than added to it.
 A transfer longer than the wait bound (`overlap.set_wait_timeout`) is refused before it is issued.
-Off by default (tests run plain gloo); the launcher and the benchmarks turn it on and print it. Set by `set_link` or ``$OVERLAP_CPU_LINK="GBPS[,LATENCY_US]"`` (e.g. "2,20").
+Off by default (tests run plain gloo); the launcher and the benchmarks turn it on and print it. Set
+by `set_link` or ``$OVERLAP_CPU_LINK="GBPS[,LATENCY_US]"`` (e.g. "2,20"); ``set_link(OFF)`` turns it
+off whatever the environment says.
 """
 from __future__ import annotations
 
@@ -23,12 +25,14 @@ import math
 import os
 import threading
 import time
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple, Union
 
 from .comm_threads import enrol_current_thread
 from .state import STATE, WaitTimeout, wait_timeout
 
 ENV_LINK = "OVERLAP_CPU_LINK"
+OFF = "off"  # set_link(OFF): plain gloo, even where $OVERLAP_CPU_LINK names a link
+_OFF_WORDS = ("off", "none")
 _LOG = logging.getLogger(__name__)
 
 
@@ -116,17 +120,27 @@ def wait_until(until: float) -> None:
     time.sleep(max(0.0, until - time.perf_counter()))
 
 
-def set_link(link: Optional[Link]) -> None:
-    """Simulate ``link`` for CPU collectives (None: plain gloo, unless ``$OVERLAP_CPU_LINK`` is set)."""
+def set_link(link: Union[Link, str, None]) -> None:
+    """Simulate ``link`` for CPU collectives; `OFF` (``"off"``): plain gloo whatever ``$OVERLAP_CPU_LINK``
+    says; None: ``$OVERLAP_CPU_LINK``'s link, plain gloo where it is unset."""
+    if not (link is None or isinstance(link, Link) or link == OFF):
+        raise ValueError(f"set_link takes a Link, {OFF!r} or None, got {link!r}")
     STATE.link = link
 
 
+def env_link() -> Optional[Link]:
+    """``$OVERLAP_CPU_LINK``'s link: None when it is unset, empty, ``off`` or ``none``; ValueError naming it
+    for anything but ``GBPS[,LATENCY_US]``."""
+    env = os.environ.get(ENV_LINK, "")
+    return None if env.strip().lower() in _OFF_WORDS + ("",) else parse_link(env)
+
+
 def current_link() -> Optional[Link]:
-    """The simulated link in use: `set_link`'s, else ``$OVERLAP_CPU_LINK``'s, else None."""
+    """The simulated link in use: `set_link`'s (None after ``set_link(OFF)``), else ``$OVERLAP_CPU_LINK``'s,
+    else None."""
     if STATE.link is not None:
-        return STATE.link
-    env = os.environ.get(ENV_LINK)
-    return parse_link(env) if env else None
+        return STATE.link if isinstance(STATE.link, Link) else None
+    return env_link()
 
 
 class _Clock:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 import multiprocessing as mp
 import os
 import pickle
@@ -20,7 +21,7 @@ import shutil
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,7 +31,31 @@ from .observability import enable_from_env
 from .streams import synchronize
 
 ENV_TIMEOUT = "OVERLAP_RANK_TIMEOUT"
-DEFAULT_TIMEOUT = float(os.environ.get(ENV_TIMEOUT, "90"))
+ENV_START_METHOD = "OVERLAP_START_METHOD"
+DEFAULT_RANK_TIMEOUT_S = 90.0
+_MAX_SECONDS = 1e7  # ~115 days: beyond it a bound is a typo (and overflows timedelta arithmetic)
+
+
+def seconds_from_env(name: str, default: float) -> float:
+    """The number of seconds in ``$name`` (``default`` when unset or empty); `ValueError` naming the
+    variable when it is not a finite number of seconds > 0."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (0 < value <= _MAX_SECONDS):  # NaN fails too
+        raise ValueError(f"{name}={text!r}: expected a number of seconds > 0 (at most {_MAX_SECONDS:g}); "
+                         f"unset, it is {default:g}")
+    return value
+
+
+def default_timeout() -> float:
+    """The bound of a multi-rank call and of a silent peer: ``$OVERLAP_RANK_TIMEOUT`` seconds, 90 by default
+    (read at each call; `ValueError` naming the variable when it is not a positive number)."""
+    return seconds_from_env(ENV_TIMEOUT, DEFAULT_RANK_TIMEOUT_S)
 
 
 class RankFailure(RuntimeError):
@@ -38,7 +63,12 @@ class RankFailure(RuntimeError):
 
 
 class RankTimeout(RuntimeError):
-    """Some ranks did not finish in time (a hang, most often a collective issued on some ranks only)."""
+    """Some ranks did not finish in time (a hang, most often a collective issued on some ranks only), or
+    stopped responding; ``missing`` names them when known."""
+
+    def __init__(self, message: str, missing: Sequence[int] = ()) -> None:
+        super().__init__(message)
+        self.missing = tuple(missing)
 
 
 @dataclasses.dataclass
@@ -96,7 +126,10 @@ def _child(fn: Callable[..., Any], rank: int, world: int, store_dir: str, timeou
 
 
 def _context() -> Any:
-    method = os.environ.get("OVERLAP_START_METHOD", "forkserver")
+    method = os.environ.get(ENV_START_METHOD, "forkserver")
+    if method not in mp.get_all_start_methods():
+        raise ValueError(f"{ENV_START_METHOD}={method!r}: expected one of {', '.join(mp.get_all_start_methods())}; "
+                         f"unset, it is forkserver")
     ctx = mp.get_context(method)
     if method == "forkserver":
         ctx.set_forkserver_preload(["torch", "torch.distributed", "overlap"])
@@ -126,7 +159,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: Opti
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    timeout = DEFAULT_TIMEOUT if timeout is None else timeout
+    timeout = default_timeout() if timeout is None else timeout
     if under_torchrun():
         from . import _torchrun
 

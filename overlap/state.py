@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from .context import DEFAULT, set_enabled, set_path, swap_stream_tag
 
 DEFAULT_WAIT_TIMEOUT = 300.0  # seconds
+MAX_WAIT_TIMEOUT = threading.TIMEOUT_MAX  # threading's waits overflow past it (about 292 years)
 
 
 class WaitTimeout(RuntimeError):
@@ -66,10 +67,9 @@ def set_wait_timeout(seconds: Optional[float]) -> None:
         STATE.wait_timeout = DEFAULT_WAIT_TIMEOUT
         return
     value = float(seconds)
-    # threading's waits overflow past TIMEOUT_MAX (about 292 years)
-    if not (math.isfinite(value) and 0 < value <= threading.TIMEOUT_MAX):
+    if not (math.isfinite(value) and 0 < value <= MAX_WAIT_TIMEOUT):
         raise ValueError(f"the wait bound must be a finite number of seconds > 0 (at most "
-                         f"{threading.TIMEOUT_MAX:.3g}), got {seconds!r}")
+                         f"{MAX_WAIT_TIMEOUT:.3g}), got {seconds!r}")
     STATE.wait_timeout = value
 
 

@@ -30,8 +30,12 @@ def _clean_overlap_state(monkeypatch):
 @pytest.hookimpl(trylast=True)  # after the terminal reporter exists: torchrun mode quiets it on ranks > 0
 def pytest_configure(config):
     import overlap
-    from overlap.multirank import under_torchrun
+    from overlap.multirank import default_timeout, under_torchrun
 
+    try:
+        default_timeout()  # a bad OVERLAP_RANK_TIMEOUT: one line naming it, not a failure in every multi-rank test
+    except ValueError as e:
+        raise pytest.UsageError(str(e)) from None
     overlap.sanitize_from_env()  # OVERLAP_SANITIZE=1|raise checks every test's stream ordering
     config.addinivalue_line("markers", "cpu_only: checks the CPU path (its engine model or CPU tensors); "
                                        "skipped where the tests run on NPU / CUDA ranks")

@@ -309,3 +309,35 @@ def test_expert_path_setting():
             expert_path("grouped", x, layer.experts)
     with pytest.raises(ValueError, match="expert_path"):
         CapacityExpertParallelMoE.wrap(_moe(cfg), expert_path="fast")
+
+
+def _experts_disagree(ctx):
+    """num_experts 8 on rank 0 and 4 on rank 1: caught in the validation all-reduce (one size on every rank)."""
+    experts = 8 if ctx.rank == 0 else 4
+    x, idx = torch.randn(6, 8), torch.randint(0, experts, (6, 2))
+    try:
+        capacity_dispatch(x, idx, torch.rand(6, 2), experts, ctx.group, capacity=6)
+    except LayoutError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_ranks_that_pass_different_expert_counts_all_raise_naming_the_argument():
+    for message in run_ranks(_experts_disagree, 2, timeout=60):
+        assert "ranks disagree on the number of experts (num_experts): 4 to 8; every rank of the expert-parallel " \
+               "group must pass the same num_experts" in message, message
+
+
+def test_combine_refuses_outputs_of_another_hidden_size():
+    """Every rank sends back rows of the dispatched hidden size: another size is refused before the exchange."""
+    from collectives import capacity_combine
+
+    x, idx = torch.randn(5, 8), torch.randint(0, 4, (5, 2))
+    h = capacity_dispatch(x, idx, torch.rand(5, 2), 4)
+    batch = h.expand()
+    wide = torch.cat([batch.x, batch.x], 1)
+    with pytest.raises(LayoutError, match=r"grouped expert output must be \[10, 8\] .*got shape \(10, 16\)"):
+        capacity_combine(wide, h, grouped=batch.grouped)
+    with pytest.raises(LayoutError, match=r"expert output must be \[local experts, 5, 8\] .*got shape \(4, 5, 16\)"):
+        capacity_combine(torch.randn(4, 5, 16), h)
+    assert capacity_combine(batch.x, h, grouped=batch.grouped).wait().shape == (5, 8)

@@ -186,3 +186,21 @@ def test_main_stream_inside_a_side_scope_is_refused_on_graph_paths(monkeypatch):
         with pytest.raises(ValueError, match="main stream cannot be entered inside"):
             with overlap.stream(overlap.EP_COMM), overlap.stream(overlap.DEFAULT):
                 pass
+
+
+@pytest.mark.parametrize("value, words", [
+    ("abc", "such as '24|48', got 'abc'"), ("-1", "aic >= 1 and aiv >= 0, got '-1'"), ("24|48|1", "got '24|48|1'"),
+    ("24|-8", "aiv >= 0, got '24|-8'"),
+])
+def test_a_bad_budget_in_the_environment_is_refused_naming_it(monkeypatch, value, words):
+    """What the launcher checks before the run (before: accepted there, since it limits no stream)."""
+    from overlap.cores import env_core_budget
+
+    monkeypatch.setenv("OVERLAP_CORE_BUDGET", value)
+    with pytest.raises(overlap.CoreBudgetError) as err:
+        env_core_budget()
+    assert str(err.value).startswith("OVERLAP_CORE_BUDGET: expected 'aic|aiv'") and words in str(err.value)
+    with pytest.raises(ValueError, match="OVERLAP_CORE_BUDGET"):
+        overlap.core_budget()
+    monkeypatch.setenv("OVERLAP_CORE_BUDGET", " ")
+    assert env_core_budget() is None

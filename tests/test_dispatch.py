@@ -201,7 +201,7 @@ def _bad_input_body(ctx):
 
 def test_bad_input_rejected_before_any_collective():
     for messages, comm in run_ranks(_bad_input_body, 2):
-        assert comm == ["dispatch.counts"] * 7, comm  # not for an indivisible expert count or given splits
+        assert comm == ["dispatch.counts"] * 8, comm  # not for given splits (no count exchange to join)
         assert len(messages) == 10, sorted(messages)
         assert "out of range" in messages["out of range"]
         assert "multiple of the group size" in messages["not divisible"]
@@ -361,3 +361,108 @@ def test_handles_carry_events_only_for_a_side_stream_exchange():
             assert seen[f"combine {mode} waited"] == (False, False, True, True)
         assert seen["combine async"] == (True, True)
         assert seen["combine sync"] == seen["combine caller"] == (False, False)
+
+
+def _many_experts_body(ctx):
+    """More experts per rank than the count exchange's fixed slots hold: `expand` counts them instead."""
+    import sys
+
+    module = sys.modules["collectives.dispatch"]  # `collectives.dispatch` is the function
+    kept, module._FOLDED_EXPERTS = module._FOLDED_EXPERTS, 2  # 1 slot per destination on 2 ranks, 4 experts per rank
+    try:  # torchrun mode: this process runs other tests afterwards
+        x, idx, w = _routing(ctx.rank, 10, 8, 2, seed=6)
+        h = dispatch(x, idx, w, 8, ctx.group)
+        y, batch = _scale_experts(h, ctx.rank, 4)
+        return h.num_recv_tokens_per_expert, combine(y, batch, h).wait(), _dense(x, idx, w)
+    finally:
+        module._FOLDED_EXPERTS = kept
+
+
+def test_expert_counts_past_the_fixed_slots_are_counted_on_the_receiver():
+    for counts, out, dense in run_ranks(_many_experts_body, 2, timeout=60):
+        assert counts is None
+        torch.testing.assert_close(out, dense)
+
+
+def _outside_the_group(ctx):
+    """Rank 1 calls on a group made of rank 0 alone: every entry point names the group and this rank."""
+    import torch.distributed as dist
+
+    from collectives import ExpertParallelMoE, MoEConfig, capacity_dispatch
+    from overlap.multirank import under_torchrun
+
+    x, idx, w = _routing(ctx.rank, 6, 4, 2, seed=7)
+    if not under_torchrun():
+        group = dist.new_group([0])  # rank 1 gets GroupMember.NON_GROUP_MEMBER
+        if ctx.rank == 0:  # a group of one works
+            return dispatch(x, idx, w, 4, group).recv_x.shape[1] == H
+    elif ctx.rank == 0:  # under torchrun every rank of the job would have to create the group
+        return True
+    else:
+        group = dist.GroupMember.NON_GROUP_MEMBER  # what new_group gives rank 1
+    calls = {
+        "dispatch": lambda: dispatch(x, idx, w, 4, group),
+        "capacity_dispatch": lambda: capacity_dispatch(x, idx, w, 4, group),
+        "layer": lambda: ExpertParallelMoE.from_config(MoEConfig(hidden=H, ffn=8, n_experts=4, top_k=2), group),
+        "all_to_all_single": lambda: overlap.all_to_all_single(torch.empty(2, 1), torch.zeros(2, 1), group=group),
+        "all_reduce": lambda: overlap.all_reduce(torch.zeros(1), group=group),
+    }
+    out = {}
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = "no error"
+        except ValueError as err:  # LayoutError is one
+            out[name] = f"{type(err).__name__}: {err}"
+    return out, f"global rank {dist.get_rank()} of {dist.get_world_size()}"
+
+
+def test_a_rank_outside_the_group_is_told_so():
+    ok, (out, me) = run_ranks(_outside_the_group, 2, timeout=60)
+    assert ok
+    for name, message in out.items():
+        assert f"this rank ({me}) is not in the" in message, (name, message)
+        assert "GroupMember.NON_GROUP_MEMBER" in message and "-1 ranks" not in message, (name, message)
+        assert message.startswith("ValueError" if name.startswith("all_") else "LayoutError"), (name, message)
+
+
+def _own_split_body(ctx):
+    """Rank 0 passes splits that disagree on the rows it sends itself; rank 1 issues nothing."""
+    out = {}
+    cases = {
+        "both given": ([2, 2], [1, 3]),
+        "output even": (None, [1, 3]),
+        "input even": ([3, 1], None),
+    }
+    if ctx.rank == 1:
+        return out
+    for name, (out_splits, in_splits) in cases.items():
+        try:
+            overlap.all_to_all_single(torch.empty(4, 2), torch.zeros(4, 2), out_splits, in_splits, group=ctx.group)
+            overlap.synchronize()
+            out[name] = "no error"
+        except Exception as err:  # the old code failed inside gloo with a RuntimeError
+            out[name] = f"{type(err).__name__}: {err}"
+    return out
+
+
+def test_an_inconsistent_own_split_is_refused_before_the_exchange():
+    out, _ = run_ranks(_own_split_body, 2, timeout=60)
+    assert out["both given"].startswith("ValueError: all_to_all_single: rank 0 sends itself 1 rows (input split "
+                                        "sizes [1, 3]) but expects 2 from itself (output split sizes [2, 2])"), out
+    assert "expects 2 from itself (output split sizes None: 4 rows in 2 even parts)" in out["output even"], out
+    assert "sends itself 2 rows (input split sizes None: 4 rows in 2 even parts) but expects 3" in out["input even"]
+
+
+def test_combine_refuses_outputs_of_another_hidden_size():
+    """Every rank's combine sends rows of the dispatched hidden size (agreed in the count exchange), so an
+    output of another size is refused on the rank that passes it, before the exchange."""
+    x, idx, w = _routing(0, 6, 4, 2, seed=8)
+    h = dispatch(x, idx, w, 4)
+    batch = h.expand()
+    with pytest.raises(LayoutError, match=rf"expert output must be \[12, {H}\] .*got shape \(12, {2 * H}\)"):
+        combine(torch.cat([batch.x, batch.x], 1), batch, h)
+    other = dispatch(x[:3], idx[:3], w[:3], 4).expand()
+    with pytest.raises(LayoutError, match="the batch expands 3 received rows, but this dispatch received 6"):
+        combine(other.x, other, h)
+    torch.testing.assert_close(combine(batch.x, batch, h).wait(), x * w.sum(1, keepdim=True))

@@ -124,11 +124,11 @@ def test_static_shape_reductions_select_masked_slots(bad):
 
 # --- ranks that disagree ------------------------------------------------------------------------------
 
-MISMATCHES = {  # field: (rank 0's value, rank 1's value, the message's name for it)
-    "hidden": (64, 128, "hidden size"),
-    "n_experts": (4, 8, "number of experts"),
-    "top_k": (2, 1, "top-k"),
-    "dtype": (torch.float32, torch.bfloat16, "dtype of the tokens"),
+MISMATCHES = {  # field: (rank 0's value, rank 1's value, the message's name for it and the argument it names)
+    "hidden": (64, 128, "hidden size (x.shape[1])"),
+    "n_experts": (4, 8, "number of experts (num_experts)"),
+    "top_k": (2, 1, "top-k (topk_idx.shape[1])"),
+    "dtype": (torch.float32, torch.bfloat16, "dtype of the tokens (x.dtype)"),
 }
 
 
@@ -232,16 +232,19 @@ def test_experts_that_do_not_fit_the_tokens_on_one_rank_stop_every_rank(kind):
 
 def _raw_dispatch_faults(ctx):
     out = {}
-    cases = {
-        "bad id on one rank": lambda x, idx: (x, idx.index_fill(0, torch.tensor([0]), 99) if ctx.rank else idx),
-        "hidden": lambda x, idx: (torch.randn(6, 16 * (1 + ctx.rank)), idx),
-        "top-k": lambda x, idx: (x, idx[:, : 2 - ctx.rank]),
-        "dtype": lambda x, idx: (x.to(torch.bfloat16) if ctx.rank else x, idx),
+    cases = {  # (tokens, ids) -> (tokens, ids, num_experts) on this rank
+        "bad id on one rank": lambda x, idx: (x, idx.index_fill(0, torch.tensor([0]), 99) if ctx.rank else idx, 4),
+        "hidden": lambda x, idx: (torch.randn(6, 16 * (1 + ctx.rank)), idx, 4),
+        "top-k": lambda x, idx: (x, idx[:, : 2 - ctx.rank], 4),
+        "dtype": lambda x, idx: (x.to(torch.bfloat16) if ctx.rank else x, idx, 4),
+        # count rows of another width on each rank: a native gloo abort before the expert count was agreed
+        "experts": lambda x, idx: (x, idx if ctx.rank else idx * 2 + 1, 4 if ctx.rank else 8),
+        "experts indivisible on one rank": lambda x, idx: (x, idx % 3 if ctx.rank else idx, 3 if ctx.rank else 4),
     }
     for name, change in cases.items():
-        x, idx = change(torch.randn(6, 16), torch.tensor([[0, 3]] * 6))
+        x, idx, experts = change(torch.randn(6, 16), torch.tensor([[0, 3]] * 6))
         try:
-            dispatch(x, idx, torch.rand(idx.shape), 4, ctx.group)
+            dispatch(x, idx, torch.rand(idx.shape), experts, ctx.group)
             out[name] = "no error"
         except LayoutError as err:
             out[name] = str(err)
@@ -256,10 +259,16 @@ def test_raw_dispatch_checks_agreement_in_its_count_exchange():
     r0, r1 = run_ranks(_raw_dispatch_faults, 2, timeout=60)
     assert "another rank of the expert-parallel group rejected its input" in r0["bad id on one rank"]
     assert "99" in r1["bad id on one rank"]
+    assert "ranks disagree on the number of experts (num_experts): 3 to 4 (4 on rank 0, 3 on rank 1)" in \
+        r0["experts indivisible on one rank"]
+    assert "3 experts cannot be placed" in r1["experts indivisible on one rank"]
     for r in (r0, r1):
-        assert "ranks disagree on the hidden size: 16 to 32" in r["hidden"]
-        assert "ranks disagree on the top-k: 1 to 2" in r["top-k"]
-        assert "ranks disagree on the dtype of the tokens: torch.bfloat16 to torch.float32" in r["dtype"]
+        assert "ranks disagree on the hidden size (x.shape[1]): 16 to 32 (16 on rank 0, 32 on rank 1)" in r["hidden"]
+        assert "ranks disagree on the top-k (topk_idx.shape[1]): 1 to 2 (2 on rank 0, 1 on rank 1)" in r["top-k"]
+        assert ("ranks disagree on the dtype of the tokens (x.dtype): torch.bfloat16 to torch.float32 "
+                "(torch.float32 on rank 0, torch.bfloat16 on rank 1)") in r["dtype"]
+        assert ("ranks disagree on the number of experts (num_experts): 4 to 8 (8 on rank 0, 4 on rank 1); every "
+                "rank of the expert-parallel group must pass the same num_experts") in r["experts"]
         assert r["after"]
 
 

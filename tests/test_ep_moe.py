@@ -213,3 +213,29 @@ def test_grouped_matmul_equals_loop(dtype):
     assert resolve_impl("auto", x, gate_up, down) == "loop"  # CPU default: the loop
     with pytest.raises(ValueError, match="do not split"):
         grouped_mlp(x, [1, 2, 3], gate_up, down)
+
+
+def _float64_tokens_body(ctx, kind: str):
+    """float64 tokens into a float32 layer on every rank: refused in the gate, before any collective."""
+    from collectives import CapacityExpertParallelMoE
+    from test_ep_faults import _comm_names
+
+    cfg = MoEConfig(hidden=16, ffn=8, n_experts=4, top_k=2, n_shared=1)
+    layer = wrap_expert_parallel(MoE(cfg), ctx.group) if kind == "eager" else \
+        CapacityExpertParallelMoE.wrap(MoE(cfg), ctx.group)
+    comm = _comm_names()
+    try:
+        layer(torch.randn(5, 16, dtype=torch.float64))
+        message = "no error"
+    except Exception as err:  # the old code failed in an expert's matmul, after the exchange
+        message = f"{type(err).__name__}: {err}"
+    return message, list(comm)
+
+
+@pytest.mark.parametrize("kind", ["eager", "capacity"])
+def test_tokens_of_another_dtype_than_the_layer_are_refused_before_any_collective(kind):
+    for message, comm in run_ranks(_float64_tokens_body, 2, kind, timeout=60):
+        assert message == ("LayoutError: the tokens are torch.float64 but this layer's experts are torch.float32: "
+                           "cast the tokens (x.to(torch.float32)) or the layer (layer.to(torch.float64)) "
+                           "first"), message
+        assert comm == [], comm

@@ -6,6 +6,7 @@ test needs different options per rank or a rank that starts late. See docs/relia
 import errno
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,13 +22,15 @@ SMALL = TINY + ["--batch", "2", "--seq-len", "16"]
 
 
 def _by_hand(per_rank_args, env=None, timeout=120):
-    """Start one process per entry of ``per_rank_args`` as the ranks of one job (no torchrun); their results."""
+    """Start one process per entry of ``per_rank_args`` as the ranks of one job (no torchrun); their results.
+    ``env``: added to every rank's environment, or a list of one such dict per rank."""
     port = free_port()
     procs = []
     for rank, args in enumerate(per_rank_args):
+        extra = env[rank] if isinstance(env, list) else env
         rank_env = dict(os.environ, PYTHONPATH=ROOT, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                         WORLD_SIZE=str(len(per_rank_args)), RANK=str(rank), LOCAL_RANK=str(rank),
-                        LOCAL_WORLD_SIZE=str(len(per_rank_args)), **(env or {}))
+                        LOCAL_WORLD_SIZE=str(len(per_rank_args)), **(extra or {}))
         rank_env.pop("OVERLAP_FAULT", None)
         procs.append(subprocess.Popen([sys.executable, SCRIPT] + list(args), env=rank_env, cwd=ROOT,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
@@ -63,6 +66,19 @@ def test_ranks_started_with_different_options_stop_with_one_clear_error(option, 
     assert [rc for rc, _, _ in outs] == [2, 2], _all_text(outs)[-3000:]
     assert _all_text(outs).count(words) == 1, _all_text(outs)[-3000:]
     assert "running serial" not in _all_text(outs)  # stopped before the first prefill
+
+
+@pytest.mark.parametrize("name, values, words", [
+    ("OVERLAP_ENABLE", ("1", "0"), "ranks disagree on $OVERLAP_ENABLE: rank 0: 'on'; rank 1: 'off'"),
+    ("OVERLAP_CPU_LINK", ("0.1", "2"),
+     "ranks disagree on --cpu-link (or its default $OVERLAP_CPU_LINK): rank 0: '0.1 GB/s'; rank 1: '2 GB/s'"),
+])
+def test_ranks_started_with_a_different_environment_stop_with_one_line_naming_the_variable(name, values, words):
+    """Before: each rank ran with its own value (one of them single-stream, or on another link), exit 0."""
+    outs = _by_hand([SMALL, SMALL], env=[{name: v} for v in values])
+    assert [rc for rc, _, _ in outs] == [2, 2], _all_text(outs)[-3000:]
+    assert _all_text(outs).count(words) == 1, _all_text(outs)[-3000:]
+    assert "running serial" not in _all_text(outs)
 
 
 def test_ranks_agree_on_the_mode_list_they_run_however_it_is_spelled():
@@ -119,6 +135,48 @@ def test_an_unwritable_out_is_refused_before_the_run(tmp_path):
     proc = _run(SMALL + ["--out", str(blocked / "out")], ranks=2)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and out.count("is not writable") == 1 and "running serial" not in out, out[-3000:]
+
+
+def _kv_folder_is_a_file(out):
+    (out / "kv").write_text("not a folder")
+
+
+def _kv_file_is_a_folder(out):
+    (out / "kv" / "kv-rank0.kv").mkdir(parents=True)
+
+
+def _kv_folder_read_only(out):
+    (out / "kv").mkdir(parents=True)
+    (out / "kv").chmod(0o500)
+
+
+# root writes anywhere: a root run gives up overriding file permissions (kept out of its capability bounding set)
+_AS_OWNER = (["setpriv", "--bounding-set=-dac_override,-dac_read_search"]
+             if os.geteuid() == 0 and shutil.which("setpriv") else [])
+
+
+@pytest.mark.parametrize("spoil, words", [
+    (_kv_folder_is_a_file, "the KV store folder {out}/kv is not a folder"),
+    (_kv_file_is_a_folder, "the KV store file {out}/kv/kv-rank0.kv is not a regular file"),
+    pytest.param(_kv_folder_read_only, "the KV store folder {out}/kv is not writable",
+                 marks=pytest.mark.skipif(os.geteuid() == 0 and not _AS_OWNER, reason="root writes anywhere")),
+])
+def test_a_kv_store_folder_that_cannot_hold_the_files_is_refused_before_the_run(tmp_path, spoil, words):
+    """``--kv-offload --kv-store mmap --out D`` keeps each rank's store in D/kv (before: a traceback, exit 1)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    spoil(out)
+    try:
+        proc = subprocess.run(_AS_OWNER + [sys.executable, SCRIPT] + SMALL + [
+            "--kv-offload", "--kv-store", "mmap", "--out", str(out), "--mode", "serial"], capture_output=True,
+            text=True, timeout=180, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    finally:
+        if (out / "kv").is_dir():
+            (out / "kv").chmod(0o700)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 2, text[-3000:]
+    assert text.count(words.format(out=out)) == 1 and "Traceback" not in text, text[-3000:]
+    assert "running serial" not in text
 
 
 def test_outputs_are_written_whole_or_not_at_all(tmp_path):

@@ -1,6 +1,7 @@
 """`launch/prefill.py --model NAME|PATH` and `bench_pipeline --model NAME` on transformers MoE models (no downloads)."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -95,6 +96,38 @@ def test_bad_models_are_one_line(args, message):
     proc = _run(TINY + args)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2 and out.count(message) == 1 and "Traceback" not in out, out[-3000:]
+
+
+BROUGHT = ["--layers", "2", "--hidden", "128", "--experts", "8", "--top-k", "2", "--batch", "2", "--seq-len", "32",
+           "--mode", "all", "--check", "--warmup", "0", "--iters", "1"]
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "llama4_text", "longcat_flash", "dots1"])
+def test_a_family_users_bring_runs_every_mode_on_two_ranks(family):
+    """The command of issue 25: before, gpt-oss had no scaled-dot-product attention, Llama 4 no ``mlp``,
+    LongCat-Flash modules the adapter did not run, and dots1 failed inside its own model."""
+    proc = _run(BROUGHT + ["--model", family], ranks=2)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.stdout.count(f"check: serial matches {family}'s own forward") == 1, proc.stdout[-3000:]
+    assert "check: every mode matches serial" in proc.stdout
+
+
+@pytest.mark.parametrize("family, ranks, message", [
+    ("deepseek_v32", 2, "--model deepseek_v32: the adapter cannot run deepseek_v32: TypeError: layer 0 "
+                        "(DeepseekV32DecoderLayer) is indexed_attention: the adapter runs attention (self_attn) of "
+                        "the kinds full, sliding, chunked"),
+    ("glm4v_moe_text", None, "--model glm4v_moe_text: glm4v_moe_text is not a causal LM AutoModelForCausalLM builds"),
+])
+def test_a_family_the_adapter_cannot_run_is_one_line_before_any_collective(family, ranks, message):
+    """Once per node (torchrun's status is 1 when a rank exits 2, and its agent prints its own traceback), exit
+    2 on its own; no traceback of ours, no rank joins a group."""
+    proc = _run(BROUGHT + ["--model", family], ranks=ranks)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == (2 if ranks is None else 1), out[-3000:]
+    assert out.count(message) == 1, out[-3000:]
+    assert ("Traceback" not in out) if ranks is None else not re.search(r'File ".*/(launch|collectives)/', out), \
+        out[-3000:]
+    assert "unexpected error" not in out and "prefill:" not in out  # no headline: no group was joined
 
 
 def test_a_checkpoint_keeps_its_shapes(tmp_path):

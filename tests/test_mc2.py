@@ -219,15 +219,17 @@ def _refused_body(ctx, how: str):
     CALLS.clear()  # a rank's process may have run other tests (torchrun mode)
     comm = _comm_spans()
     x = torch.randn(4, 64).to(torch.bfloat16)
-    idx, w = torch.randint(0, 8, (4, 2)), torch.rand(4, 2)
-    env = {"HCCL_BUFFSIZE": "1" if (how == "small_buffer" or ctx.rank == 1) else "200"}
+    experts = 4 if how == "experts" and ctx.rank == 1 else 8  # "experts": the ranks pass different num_experts
+    idx, w = torch.randint(0, experts, (4, 2)), torch.rand(4, 2)
+    env = {"HCCL_BUFFSIZE": "1" if (how == "small_buffer" or (how == "small_on_one_rank" and ctx.rank == 1))
+           else "200"}
     try:
         if how == "cpu":  # no torch_npu: refused on the cpu path
             mc2_dispatch(x, idx, w, 8, ctx.group, max_tokens_per_rank=4)
         else:
             with installed(fake_npu(*MC2_OPS)), mock.patch.object(mc2, "_group_name", lambda g: "ep"), \
                     mock.patch.dict("os.environ", env), mock.patch.object(mc2, "mc2_buffer_mb", lambda *a, **k: 2):
-                mc2_dispatch(x, idx, w, 8, ctx.group, max_tokens_per_rank=4)
+                mc2_dispatch(x, idx, w, experts, ctx.group, max_tokens_per_rank=4)
         return "no error", comm, list(CALLS)
     except (MC2Error, LayoutError) as err:
         return f"{type(err).__name__}: {err}", comm, list(CALLS)
@@ -255,6 +257,14 @@ def test_an_undersized_buffer_stops_every_rank_before_the_fused_operator(how):
         assert "another rank of the expert-parallel group rejected its input" in m0, m0
     for comm, seen in ((comm0, seen0), (comm1, seen1)):
         assert comm == ["mc2.agree"] and seen == [], (comm, seen)  # the agreement only: no fused operator
+
+
+@pytest.mark.cpu_only
+def test_ranks_that_pass_different_expert_counts_stop_before_the_fused_operator():
+    for message, comm, seen in run_ranks(_refused_body, 2, "experts", timeout=60):
+        assert message.startswith("LayoutError: ranks disagree on the number of experts (num_experts): 4 to 8; "
+                                  "every rank of the expert-parallel group must pass the same num_experts"), message
+        assert comm == ["mc2.agree"] and seen == [], (comm, seen)
 
 
 # --- the buffer formula and the selection rule ---------------------------------------------------------------

@@ -94,3 +94,36 @@ def test_under_torchrun_uses_the_existing_group(tmp_path):
     # every rank gets every participant's result, as with spawned ranks; rank 1 sits out the 1-rank call
     assert lines == ["RESULT 0 [(0, 2, 1.0), (1, 2, 1.0)] [(0, 1, 0.0)]",
                      "RESULT 1 [(0, 2, 1.0), (1, 2, 1.0)] [(0, 1, 0.0)]"]
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-5", "nan", "inf", "1e400"])
+def test_a_bad_rank_timeout_is_one_line_naming_the_variable(monkeypatch, value):
+    """Not a float() traceback at import: the harness imports, and each use says which variable is wrong."""
+    env = dict(os.environ, OVERLAP_RANK_TIMEOUT=value, PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "-c", "import overlap.multirank"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    monkeypatch.setenv("OVERLAP_RANK_TIMEOUT", value)
+    with pytest.raises(ValueError, match=f"OVERLAP_RANK_TIMEOUT='{value}': expected a number of seconds > 0"):
+        run_ranks(_sum_ranks, 1, 1.0)
+    monkeypatch.setenv("OVERLAP_RANK_TIMEOUT", " 12.5 ")
+    from overlap.multirank import default_timeout
+
+    assert default_timeout() == 12.5
+
+
+def test_the_suite_refuses_a_bad_rank_timeout_in_one_line():
+    env = dict(os.environ, OVERLAP_RANK_TIMEOUT="abc", PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "-m", "pytest", os.path.join(ROOT, "tests", "test_multirank.py"), "-q",
+                           "-p", "no:cacheprovider", "-p", "no:xdist", "-k", "no_test_has_this_name"], env=env,
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == pytest.ExitCode.USAGE_ERROR, out[-3000:]
+    assert "OVERLAP_RANK_TIMEOUT='abc'" in out and "Traceback" not in out, out[-3000:]
+
+
+@pytest.mark.spawns_ranks
+def test_a_bad_start_method_is_one_line_naming_the_variable(monkeypatch):
+    monkeypatch.setenv("OVERLAP_START_METHOD", "bogus")
+    with pytest.raises(ValueError, match="OVERLAP_START_METHOD='bogus': expected one of"):
+        run_ranks(_sum_ranks, 2, 1.0)

@@ -528,6 +528,15 @@ def test_bad_mmap_file_is_refused_and_nothing_is_created(where, kw, match, tmp_p
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_folder_in_the_store_files_place_is_refused_as_not_a_regular_file(tmp_path):
+    """In a folder given as ``file=`` (the launcher's ``--out/kv``), this rank's file name taken by a folder
+    (before: "cannot open the host store file ... for reading and writing: Is a directory")."""
+    (tmp_path / "kv-rank0.kv").mkdir()
+    with pytest.raises(OffloadError, match=r"host store file .*kv-rank0.kv is not a regular file \(a folder\)"):
+        _cache(store="mmap", file=str(tmp_path), name="kv")
+    assert [p.name for p in tmp_path.iterdir()] == ["kv-rank0.kv"] and not os.listdir(tmp_path / "kv-rank0.kv")
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
 def test_folder_or_file_without_write_permission_is_refused(tmp_path):
     folder = tmp_path / "ro"

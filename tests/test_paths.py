@@ -1,4 +1,4 @@
-"""Execution-path selection and the global enable switch."""
+"""Execution-path selection, the global enable switch, and the environment variables behind them."""
 import pytest
 
 import overlap
@@ -63,3 +63,43 @@ def test_one_stream_object_per_tag():
     assert overlap.get_stream("x") is a
     assert overlap.get_stream("y") is not a
     assert overlap.event("e") is overlap.event("e")
+
+
+@pytest.mark.parametrize("var, value, match", [
+    ("OVERLAP_ENABLE", "maybe", r"\$OVERLAP_ENABLE='maybe': expected 1, true, on, yes .* or 0, false, off, no"),
+    ("OVERLAP_ENABLE", "2", r"\$OVERLAP_ENABLE='2'"),
+    ("OVERLAP_GRAPH_PATH", "bogus",
+     r"unknown graph path 'bogus' from \$OVERLAP_GRAPH_PATH; expected one of ge, aclgraph"),
+    ("OVERLAP_GRAPH_PATH", "cpu", r"unknown graph path 'cpu' from \$OVERLAP_GRAPH_PATH"),  # not a graph path
+])
+def test_a_bad_switch_or_graph_path_in_the_environment_is_a_value_error_naming_it(monkeypatch, var, value, match):
+    """Before: ``maybe`` (anything but 0, false, off, no) was taken for on, and $OVERLAP_GRAPH_PATH was read
+    only inside a compiled region on an NPU, so a typo went unnoticed everywhere else."""
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError, match=match):
+        overlap.is_enabled() if var == "OVERLAP_ENABLE" else overlap.current_path()
+
+
+@pytest.mark.parametrize("value, on", [("", True), ("1", True), (" Yes ", True), ("TRUE", True), ("on", True),
+                                       ("0", False), ("no", False), ("Off", False), ("false", False)])
+def test_the_switch_takes_the_usual_words(monkeypatch, value, on):
+    monkeypatch.setenv(overlap.ENV_ENABLE, value)
+    assert overlap.is_enabled() is on
+
+
+def test_a_link_set_off_stays_off_whatever_the_environment_says(monkeypatch):
+    from overlap.link import OFF
+
+    monkeypatch.setenv("OVERLAP_CPU_LINK", "2,20")
+    assert overlap.current_link() == overlap.Link(2.0, 20.0)  # set_link(None): the environment's
+    overlap.set_link(OFF)
+    assert overlap.current_link() is None
+    monkeypatch.setenv("OVERLAP_CPU_LINK", "abc")  # not even read
+    assert overlap.current_link() is None
+    overlap.set_link(None)
+    with pytest.raises(ValueError, match="OVERLAP_CPU_LINK: expected 'GBPS"):
+        overlap.current_link()
+    monkeypatch.setenv("OVERLAP_CPU_LINK", "off")
+    assert overlap.current_link() is None
+    with pytest.raises(ValueError, match="set_link takes a Link, 'off' or None"):
+        overlap.set_link("0.1")

@@ -229,3 +229,110 @@ def test_sigterm_while_leaving_neither_prints_a_traceback_nor_loses_the_report(w
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.count("--timeout must be a positive number of seconds") == 1, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("options, env, message", [
+    (dict(timeout=1e15), {}, "--timeout must be a positive number of seconds, got 1e+15 (at most 9.22e+09"),
+    (dict(seed=99999999999999999999), {}, "--seed must be an integer between 0 and 4294967295, got 9999"),
+    (dict(seed=-1), {}, "--seed must be an integer between 0 and 4294967295, got -1"),
+    (dict(out_dir=""), {}, "--out is empty"),
+    (dict(cpu_link="0"), {}, "--cpu-link: expected 'GBPS[,LATENCY_US]' with a finite GBPS > 0"),
+    (dict(model_name="qwen3_moe", overrides=dict(top_k=0)), {},
+     "--top-k must be between 1 and 8 (the 8 experts), got 0"),
+    (dict(model_name="qwen3_moe", overrides=dict(top_k=9)), {}, "--top-k must be between 1 and 8"),
+    (dict(model_name="qwen3_moe", overrides=dict(hidden=30)), {},
+     "--hidden must be a multiple of 4 with float32: qwen3_moe's experts run torch's grouped matmul"),
+    (dict(model_name="qwen3_moe", overrides=dict(hidden=36), dtype="bfloat16"), {},
+     "--hidden must be a multiple of 8 with bfloat16"),
+    (dict(model_name="deepseek_v3", overrides=dict(n_experts=6, top_k=4)), {},
+     "--top-k must be between 1 and 3 (the experts of the topk_group=1 of n_group=2 groups it routes within), got 4"),
+    (dict(model_name="deepseek_v3", overrides=dict(n_experts=4, top_k=3)), {},
+     "--top-k must be between 1 and 2 (the experts of the topk_group=1 of n_group=2 groups it routes within), got 3"),
+    (dict(model_name="deepseek_v3", overrides=dict(n_layers=2, n_dense_layers=5)), {},
+     "--dense-layers must be between 0 and the 2 layers (--layers), got 5"),
+    (dict(model_name="qwen3_moe", overrides=dict(n_dense_layers=3)), {}, "--dense-layers must be between 0 and the 2"),
+    (dict(), {"OVERLAP_PATH": "bogus"}, "unknown execution path 'bogus' from $OVERLAP_PATH"),
+    (dict(), {"OVERLAP_PATH": "cuda"}, "OVERLAP_PATH=cuda but this run's path is cpu: --device and --path choose"),
+    (dict(), {"OVERLAP_ENABLE": "maybe"}, "$OVERLAP_ENABLE='maybe': expected 1, true, on, yes"),
+    (dict(), {"OVERLAP_CORE_BUDGET": "abc"}, "OVERLAP_CORE_BUDGET: expected 'aic|aiv' such as '24|48', got 'abc'"),
+    (dict(), {"OVERLAP_CORE_BUDGET": "-1"}, "OVERLAP_CORE_BUDGET: expected 'aic|aiv' with aic >= 1"),
+    (dict(), {"OVERLAP_GRAPH_PATH": "bogus"}, "unknown graph path 'bogus' from $OVERLAP_GRAPH_PATH"),
+    (dict(), {"OVERLAP_SANITIZE": "bogus"}, "$OVERLAP_SANITIZE='bogus': expected 0, 1, warn or raise"),
+    (dict(cpu_link="off"), {"OVERLAP_CPU_LINK": "abc"}, "OVERLAP_CPU_LINK: expected 'GBPS[,LATENCY_US]'"),
+    (dict(), {"OVERLAP_CPU_COMM_PRIORITY": "high"}, "$OVERLAP_CPU_COMM_PRIORITY: expected one of rt, off"),
+])
+def test_a_bad_option_or_environment_value_is_one_configuration_error_naming_it(monkeypatch, options, env, message):
+    """Checked with the options, before any rank joins a group (exit 2 from the command line); before,
+    each of these was accepted, or failed later with a traceback or an error from inside the model."""
+    from launch.config import ConfigError
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError) as err:
+        _job(**options)
+    assert message in err.value.message and "\n" not in err.value.message, err.value.message
+
+
+@pytest.mark.parametrize("args, env, message", [
+    (["--timeout", "1e15"], {}, "--timeout must be a positive number of seconds"),
+    (["--seed", "99999999999999999999"], {}, "--seed must be an integer between 0 and 4294967295"),
+    (["--out", ""], {}, "--out is empty"),
+    (["--cpu-link", "0"], {}, "--cpu-link: expected"),
+    (["--model", "qwen3_moe", "--top-k", "0"], {}, "--top-k must be between 1 and 8"),
+    ([], {"OVERLAP_SANITIZE": "bogus"}, "$OVERLAP_SANITIZE='bogus'"),
+    (["--cpu-link", "off"], {"OVERLAP_CPU_LINK": "abc"}, "OVERLAP_CPU_LINK: expected"),
+    ([], {"OVERLAP_PATH": "bogus"}, "$OVERLAP_PATH"),
+])
+def test_the_command_prints_one_line_and_exits_2(args, env, message):
+    proc = _run(TINY + ["--mode", "serial"] + args, env=env, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    assert out.count(message) == 1 and "Traceback" not in out, out[-3000:]
+
+
+def test_the_cpu_link_is_the_options_or_its_environment_default_and_off_is_off():
+    """``$OVERLAP_CPU_LINK`` is ``--cpu-link``'s default; ``--cpu-link off`` is plain gloo whatever it says
+    (before: the environment's link was used under 'off', here one too slow for the wait bound)."""
+    proc = _run(TINY + ["--mode", "serial", "--cpu-link", "off", "--timeout", "10"],
+                env={"OVERLAP_CPU_LINK": "1e-9"}, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "simulated link" not in proc.stdout and "WaitTimeout" not in proc.stderr
+    proc = _run(TINY + ["--mode", "serial"], env={"OVERLAP_CPU_LINK": "2,20"}, timeout=120)
+    assert proc.returncode == 0 and "| simulated link 2 GB/s, 20 us" in proc.stdout, proc.stdout[-2000:]
+
+
+@pytest.mark.parametrize("env, key, values", [
+    ({"OVERLAP_ENABLE": "0"}, "$OVERLAP_ENABLE", ("on", "off")),
+    ({"OVERLAP_SANITIZE": "raise"}, "$OVERLAP_SANITIZE", ("off", "raise")),
+    ({"OVERLAP_CORE_BUDGET": "24|48"}, "$OVERLAP_CORE_BUDGET", (None, "24|48")),
+    ({"OVERLAP_SOC_VERSION": "Ascend910B1"}, "$OVERLAP_SOC_VERSION", (None, "Ascend910B1")),
+])
+def test_the_environment_that_shapes_the_run_is_part_of_what_the_ranks_agree_on(monkeypatch, env, key, values):
+    from launch.agreement import fingerprint
+
+    for name in env:  # the suite may run with one of them set (OVERLAP_SANITIZE=1)
+        monkeypatch.delenv(name, raising=False)
+    plain = fingerprint(_job())
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert (plain[key], fingerprint(_job())[key]) == values
+
+
+def test_group_routing_that_does_not_fit_the_experts_is_named_with_its_valid_range():
+    """DeepSeek-V3 scores each of n_group groups by its best 2 experts and picks top-k in the best topk_group:
+    a config whose groups do not hold that (a checkpoint's, or one edited) is refused before any model runs
+    (its router failed with 'selected index k out of range')."""
+    import torch
+    from transformers import AutoConfig
+
+    from launch.config import ConfigError, check_transformers_model
+
+    cfg = AutoConfig.for_model("deepseek_v3", n_routed_experts=2, num_experts_per_tok=2, n_group=1, topk_group=1)
+    check_transformers_model("deepseek_v3", cfg, torch.float32)
+    cfg.n_group = 2
+    with pytest.raises(ConfigError, match=r"--experts 2: deepseek_v3 routes within n_group=2 groups of experts, "
+                                          r"scoring each by its best 2: the experts must be a multiple of 2, at least 4"):
+        check_transformers_model("deepseek_v3", cfg, torch.float32)
+    cfg.n_group, cfg.topk_group = 1, 2
+    with pytest.raises(ConfigError, match="topk_group=2 must be between 1 and n_group=1"):
+        check_transformers_model("deepseek_v3", cfg, torch.float32)

@@ -470,9 +470,10 @@ def _plan_traces(tmp_path):
                 at("attn", "default", "compute", 1, 4, 0, rank=1, origin=50.0)]  # rank 1 was not planned
     planned = [at("attn", "default", "compute", 0, 4, 0), at("dispatch", "ep_comm", "issue", 4, 4.5, 0),
                at("dispatch", "ep_comm", "comm", 4.5, 7.5, 0), at("attn", "default", "compute", 4.5, 8.5, 1),
-               at("experts", "default", "compute", 8.5, 10.5, 0), at("finalize", "default", "compute", 10.5, 11, 0)]
+               at("experts", "default", "compute", 8.5, 10.5, 0),
+               at("dispatch.counts", "ep_comm", "comm", 10.5, 11, 0)]  # a transfer the run did not make
     return (save_chrome_trace(measured, str(tmp_path / "measured.json")),
-            save_chrome_trace(planned, str(tmp_path / "plan.json")))
+            save_chrome_trace(planned, str(tmp_path / "plan.json"), prediction={"schedule": "two-batch"}))
 
 
 def test_plan_compares_measured_with_predicted(tmp_path):
@@ -498,20 +499,86 @@ def test_plan_compares_measured_with_predicted(tmp_path):
         ("dispatch", "comm"), ("dispatch", "issue"), ("experts", "compute")]
     assert data["top_start_drift"][0]["name"] == "experts" and len(data["top_start_drift"]) == 5
     assert [s["name"] for s in data["only_measured"]] == ["attn"] and data["only_measured"][0]["rank"] == 1
-    assert [s["name"] for s in data["only_planned"]] == ["finalize"]
+    assert [s["name"] for s in data["only_planned"]] == ["dispatch.counts"]
 
 
-def test_plan_of_a_simulated_prediction_matches_itself(tmp_path):
+def _predicted(mode, n_layers=2, names=("attn", "send", "fin"), tokens=(16, 16)):
     from microbatch import CostModel, Interconnect, Linear, OpCost, Operation, Transfer, predict
 
-    layers = [[Operation("attn", None, ("hidden",), ("x",)), Operation("send", None, ("x",), ("y",), "ep_comm"),
-               Operation("fin", None, ("y",), ("out",))]] * 2
-    costs = CostModel({"attn": OpCost(Linear(1e-3)), "fin": OpCost(Linear(2e-4)),
-                       "send": OpCost(Linear(1e-4), (Transfer("send", Linear(1e4)),))}, Interconnect(1e-4, 1e-9))
-    path = predict("two-batch", layers, [16, 16], costs).save_chrome_trace(str(tmp_path / "plan.json"))
-    data = json.loads(_run(path, "--plan", path, "--json").output)
+    attn, send, fin = names
+    layers = [[Operation(attn, None, ("hidden",), ("x",)), Operation(send, None, ("x",), ("y",), "ep_comm"),
+               Operation(fin, None, ("y",), ("out",))]] * n_layers
+    costs = CostModel({attn: OpCost(Linear(1e-3)), fin: OpCost(Linear(2e-4)),
+                       send: OpCost(Linear(1e-4), (Transfer(send, Linear(1e4)),))}, Interconnect(1e-4, 1e-9))
+    return predict(mode, layers, list(tokens), costs)
+
+
+def test_plan_of_a_simulated_prediction_matches_its_spans(tmp_path):
+    prediction = _predicted("two-batch")
+    plan = prediction.save_chrome_trace(str(tmp_path / "plan.json"))
+    assert json.load(open(plan))["otherData"]["prediction"]["schedule"] == "two-batch"
+    measured = save_chrome_trace(prediction.spans, str(tmp_path / "measured.json"))  # as if measured exactly so
+    data = json.loads(_run(measured, "--plan", plan, "--json").output)
     assert len(data["operations"]) == 2 * 2 * 4 and not data["only_measured"] and not data["only_planned"]
     assert all(o["duration_drift_s"] == 0 and o["start_drift_s"] == 0 for o in data["operations"])
+
+
+def test_plan_must_be_a_plan_of_the_measured_schedule(tmp_path):
+    """A measured trace given as the plan, a plan given as the measured trace, or a plan of another mode,
+    micro-batch count, layer count or model is refused in one line naming what differs (before: a drift
+    table and a "measured / predicted" ratio between two different runs, with only an unmatched count)."""
+    plan = _predicted("two-batch").save_chrome_trace(str(tmp_path / "plan.json"))
+
+    def measured(name, prediction):
+        return save_chrome_trace(prediction.spans, str(tmp_path / name))
+
+    two = measured("two.json", _predicted("two-batch"))
+    assert _run(two, "--plan", plan).exit_code == 0
+    _bad(two, "two.json", "not a plan", "measured", args=("--plan", two), names_file=False)
+    _bad(plan, "a plan", "not a measured one", args=("--plan", plan))
+    _bad(measured("serial.json", _predicted("serial", tokens=(32,))), "(two-batch)", "micro-batches",
+         "measured 1 (mb0), planned 2 (mb0, mb1)", args=("--plan", plan))
+    _bad(measured("three.json", _predicted("two-batch", n_layers=3)), "layers", "measured 3 (L0-L2), planned 2",
+         args=("--plan", plan))
+    _bad(measured("model.json", _predicted("two-batch", names=("attn", "send", "mlp"))), "operations",
+         "only measured: mlp", "only planned: fin", args=("--plan", plan))
+    serial_plan = _predicted("serial", tokens=(32,)).save_chrome_trace(str(tmp_path / "serial_plan.json"))
+    _bad(measured("shared.json", _predicted("shared", tokens=(32,))), "(serial)", "streams",
+         "send of mb0 L0 runs on ep_comm measured, on default planned", args=("--plan", serial_plan))
+    twice = _predicted("two-batch")
+    _bad(save_chrome_trace(twice.spans + twice.spans[:1], str(tmp_path / "twice.json")), "launches", "2 time(s)",
+         args=("--plan", plan))
+    (tmp_path / "array.json").write_text(json.dumps(json.load(open(two))["traceEvents"]))
+    _bad(two, "array.json", "not a plan", "JSON array format", args=("--plan", tmp_path / "array.json"),
+         names_file=False)
+    assert _run(tmp_path / "array.json", "--plan", plan).exit_code == 0  # a measured trace may be an array
+
+
+def test_toolkit_trace_in_the_json_array_format(tmp_path):
+    """Chrome's other layout, a bare array of events, with no otherData (before: "no timed events found")."""
+    path, spans = _toolkit_trace(tmp_path, comm_start=0.0025)
+    (tmp_path / "array.json").write_text(json.dumps(json.load(open(path))["traceEvents"]))
+    trace, m = analyse(str(tmp_path / "array.json"))
+    assert trace.format == "overlap timeline, JSON array format"
+    assert m == analyse(path)[1] and m.per_rank["rank 0"].busy == pytest.approx({"default": 3e-3, "ep_comm": 2e-3})
+    other = [dict(e, cat="other") for e in json.load(open(path))["traceEvents"] if e["ph"] == "X"]
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    _bad(tmp_path / "other.json", "3 complete slices, none the report can place")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no named pipes here")
+def test_a_named_pipe_or_a_device_is_refused_not_waited_on(tmp_path):
+    """A pipe with no writer blocked the report forever; only regular files and folders are read."""
+    fifo = tmp_path / "trace.json"
+    os.mkfifo(fifo)
+    path, _ = _toolkit_trace(tmp_path, comm_start=0.0025)
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    for args, named in (([fifo], fifo), ([path, "--plan", fifo], fifo), ([os.devnull], os.devnull)):
+        proc = subprocess.run([sys.executable, "-m", "overlap.observability.report"] + [str(a) for a in args],
+                              env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == EXIT_BAD_INPUT and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert str(named) in proc.stderr and "not a regular file or a folder" in proc.stderr, proc.stderr
+    _bad(path, "a folder, not a trace file", args=("--plan", tmp_path), names_file=False)
 
 
 def test_plan_bad_inputs_are_one_line(tmp_path):
@@ -523,5 +590,6 @@ def test_plan_bad_inputs_are_one_line(tmp_path):
     _bad(measured, "--plan", "--min-overlap", args=("--plan", plan, "--min-overlap", 0.5), names_file=False)
     (tmp_path / "cut.json").write_text(open(plan).read()[:100])
     _bad(measured, "cut.json", "not valid JSON", args=("--plan", tmp_path / "cut.json"), names_file=False)
-    other = save_chrome_trace([Span("gemm", "default", "compute", 3, 0.0, 1.0)], str(tmp_path / "other.json"))
+    other = save_chrome_trace([Span("gemm", "default", "compute", 3, 0.0, 1.0)], str(tmp_path / "other.json"),
+                              prediction={})
     _bad(measured, "no span matches", "other.json", args=("--plan", other))

@@ -3,9 +3,11 @@
 Each case starts torchrun (gloo on CPU) over a generated test folder whose conftest loads the
 same plugin as the real suite (tests/_torchrun_mode.py), with tests that pass, fail on one rank
 only, fail in a body while the peer waits in a collective, skip on one rank only, and run on a
-subgroup; then checks what rank 0 reported and the exit status.
+subgroup; then checks what rank 0 reported and the exit status. Another suite freezes a rank
+(SIGSTOP) in the middle of a test, as a hung node would be.
 """
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -168,3 +170,124 @@ def pytest_collection_modifyitems(items):
     assert proc.returncode != 0, out[-4000:]
     assert "the ranks collected different tests (rank 0: 7 tests" in out and "rank 1: 6 tests" in out, out[-4000:]
     assert "passed" not in proc.stdout  # nothing ran
+
+
+FROZEN_CONFTEST = CONFTEST + '''
+
+import os
+
+_OUT = os.environ["FROZEN_OUT"]
+with open(os.path.join(_OUT, f"pid-{os.environ['RANK']}"), "w") as f:
+    f.write(str(os.getpid()))
+
+
+def pytest_runtest_logreport(report):
+    if report.failed:
+        with open(os.path.join(_OUT, f"failed-{os.environ['RANK']}"), "a") as f:
+            f.write(f"{report.nodeid} {report.when}\\n")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    with open(os.path.join(_OUT, f"status-{os.environ['RANK']}"), "w") as f:
+        f.write(str(int(exitstatus)))
+'''
+
+FROZEN_SUITE = '''
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+from overlap.multirank import run_ranks
+
+
+def _sum(ctx):
+    x = torch.tensor([float(ctx.rank + 1)])
+    dist.all_reduce(x, group=ctx.group)
+    return x.item()
+
+
+def test_a_together():
+    world = int(os.environ["WORLD_SIZE"])
+    assert run_ranks(_sum, world) == [world * (world + 1) / 2] * world
+
+
+def test_b_a_rank_freezes():
+    if os.environ["RANK"] == os.environ["FROZEN_RANK"]:
+        if os.environ["FAULT"] == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)  # a frozen node: no exit, no message, no heartbeat
+        else:
+            time.sleep(600)  # alive, but far behind its peers
+
+
+def test_c_never_runs():
+    pass
+'''
+
+
+def _kill_leftovers(out, marker):
+    """SIGKILL the ranks of this run that are still there (the frozen one, unless torchrun killed it)."""
+    for name in os.listdir(out):
+        if not name.startswith("pid-"):
+            continue
+        pid = int(open(os.path.join(out, name)).read())
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker.encode() not in f.read():
+                    continue  # not ours any more
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
+@pytest.mark.parametrize("fault, frozen", [("stop", 1), ("stop", 0), ("sleep", 1)])
+def test_a_frozen_rank_is_named_and_fails_the_test_on_every_other_rank(tmp_path, fault, frozen):
+    """A rank stopped with SIGSTOP mid-test: every other rank names it within OVERLAP_RANK_TIMEOUT (10 s
+    here; OVERLAP_TEST_TIMEOUT stays at its 900 s), fails that test, stops the suite and exits 1; the
+    summary names the rank and the test (before: nothing for 900 s, then a warning and "no test failed").
+    A rank alive but far behind is named the same way after OVERLAP_TEST_TIMEOUT (5 s here)."""
+    suite, out = tmp_path / "suite", tmp_path / "out"
+    suite.mkdir()
+    out.mkdir()
+    env = _suite(suite)
+    (suite / "conftest.py").write_text(FROZEN_CONFTEST)
+    (suite / "test_suite.py").write_text(FROZEN_SUITE)
+    env.update(FROZEN_OUT=str(out), FROZEN_RANK=str(frozen), FAULT=fault)
+    env.pop("OVERLAP_TEST_TIMEOUT", None)
+    if fault == "sleep":
+        env["OVERLAP_TEST_TIMEOUT"] = "5"
+    world = 3
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
+           "--master-port", str(free_port())] + _pytest_args(suite)
+    proc = subprocess.Popen(cmd, env=env, cwd=str(suite), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=180)
+    except subprocess.TimeoutExpired:
+        _kill_leftovers(str(out), str(suite))
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"the job did not end within 180 s of the fault ({fault} on rank {frozen}): no rank noticed "
+                    f"it\n{stdout[-3000:]}")
+    finally:
+        _kill_leftovers(str(out), str(suite))
+    live = [r for r in range(world) if r != frozen]
+    assert proc.returncode != 0, stdout[-3000:]
+    report = stdout if frozen else stderr  # rank 0 reports; when it is the frozen one, the lowest rank left does
+    if fault == "stop":
+        named, note = f"rank {frozen} stopped responding: no sign of life for", f"rank {frozen} stopped responding"
+    else:
+        named = f"ranks [{frozen}] of {world} did not reach 'pytest/5' within 5s (alive, but hung"
+        note = f"rank {frozen} did not finish it within OVERLAP_TEST_TIMEOUT 5 s"
+    assert named in report, (stdout[-4000:], stderr[-4000:])
+    assert f"FAILED test_suite.py::test_b_a_rank_freezes on rank(s) {', '.join(map(str, live))} ({note})" in report, \
+        (stdout[-4000:], stderr[-4000:])
+    assert "no test failed on any rank" not in report and "PluggyTeardownRaisedWarning" not in stdout + stderr
+    for r in live:  # the test in progress failed on every rank still running, and each stopped there with 1
+        assert (out / f"failed-{r}").read_text() == "test_suite.py::test_b_a_rank_freezes call\n", r
+        assert (out / f"status-{r}").read_text() == "1", r
+    assert not (out / f"status-{frozen}").exists()
+    if frozen:  # rank 0's own report
+        assert "1 failed, 1 passed" in stdout and "test_c_never_runs" not in stdout, stdout[-4000:]

@@ -11,6 +11,7 @@ import functools
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -23,7 +24,8 @@ from microbatch.split import SeqInfo, plan_split
 from overlap.multirank import run_ranks
 
 transformers = pytest.importorskip("transformers")
-from launch.transformers_model import adapt, build_transformers_model, small_config  # noqa: E402
+from launch.transformers_model import (adapt, build_transformers_model, check_family, is_moe_config,  # noqa: E402
+                                       moe_families, small_config)
 
 pytestmark = pytest.mark.cpu_only
 
@@ -214,6 +216,18 @@ def test_sliding_window_layers_take_a_prefix():
     torch.testing.assert_close(prefill(model, batch, "two-batch", plan), model.reference(batch), **TOL)
 
 
+def test_chunked_attention_layers_take_a_prefix():
+    """Llama 4's chunked attention: a cut request's later part sees only the keys of its own chunk."""
+    model = make_expert_parallel(build_transformers_model("llama4_text", seed=SEED, attention_chunk_size=5), None)
+    assert all(layer.attns[0].chunk == 5 for layer in model.layers)
+    batch = Batch.random([3, 17, 2], model.cfg.vocab, seed=5)
+    for n in (2, 3):
+        plan = plan_split(batch.seq.seq_lens, n, **SPLIT)
+        assert plan.cut is not None
+        torch.testing.assert_close(prefill(model, batch, "two-batch" if n == 2 else "three-batch", plan),
+                                   model.reference(batch), **TOL)
+
+
 def test_continuing_from_an_offloaded_prefix_equals_the_whole_prefill():
     model = make_expert_parallel(build_transformers_model("deepseek_v3", seed=SEED), None)
     cfg = model.cfg
@@ -331,3 +345,117 @@ def test_the_package_imports_without_transformers():
     env = dict(os.environ, PYTHONPATH=ROOT)
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+# --- the families users bring -----------------------------------------------------------------------
+
+# what users run most, and the seed guide's own multi-stream case (LongCat-Flash's shortcut MoE): each must run
+BROUGHT = ("deepseek_v2", "gpt_oss", "llama4_text", "granitemoe", "granitemoeshared", "longcat_flash")
+NOT_CAUSAL = ("glm4v_moe_text", "qwen3_vl_moe_text", "switch_transformers")  # MoE configs, not causal LMs
+
+
+def test_every_moe_family_runs_or_is_refused_in_one_line():
+    """Every MoE causal-LM family of the installed transformers (from its auto mappings: a new release cannot
+    add one unseen) either runs, small, through the adapter and expert-parallel layers on one rank and equals
+    its own forward (`check_family`), or is refused with one line saying why; the families users bring run."""
+    start = time.monotonic()
+    families = moe_families()
+    assert set(BROUGHT) | set(FAMILIES) <= set(families), sorted(set(BROUGHT) - set(families))
+    runs, refused, broken = [], {}, {}
+    for family in families:
+        try:
+            check_family(family)
+            runs.append(family)
+        except ValueError as exc:
+            refused[family] = str(exc)
+        except Exception as exc:  # noqa: BLE001 (anything else is a bug: a traceback where one line was due)
+            broken[family] = f"{type(exc).__name__}: {exc}"
+    took = time.monotonic() - start
+    print(f"\n{len(families)} MoE causal-LM families in {took:.1f} s; {len(runs)} run: {', '.join(runs)}")
+    print(f"{len(refused)} refused:\n" + "\n".join(f"  {f}: {why}" for f, why in sorted(refused.items())))
+    assert not broken, broken
+    assert all(why and "\n" not in why for why in refused.values()), refused
+    assert not set(BROUGHT) & set(refused), {f: refused[f] for f in BROUGHT if f in refused}
+
+
+@pytest.mark.parametrize("family", NOT_CAUSAL)
+def test_a_moe_model_type_that_is_no_causal_lm_is_refused_in_one_line(family):
+    with pytest.raises(ValueError, match=f"^{family} is not a causal LM AutoModelForCausalLM builds") as err:
+        check_family(family)
+    assert "\n" not in str(err.value)
+
+
+def test_a_family_the_adapter_cannot_run_is_refused_naming_what_it_lacks():
+    with pytest.raises(ValueError, match="the adapter cannot run deepseek_v32: .*is indexed_attention: the "
+                                         "adapter runs attention \\(self_attn\\) of the kinds full, sliding"):
+        check_family("deepseek_v32")
+    with pytest.raises(ValueError, match="top-k 9 must pick between 1 and the 8 routed experts"):
+        check_family("qwen3_moe", dict(top_k=9))
+
+
+def test_moe_configs_are_told_by_their_expert_count_field():
+    from transformers import AutoConfig
+
+    assert is_moe_config(AutoConfig.for_model("longcat_flash"))  # n_routed_experts
+    assert is_moe_config(AutoConfig.for_model("dots1"))  # its n_routed_experts is unset (None)
+    assert is_moe_config(AutoConfig.for_model("aria_text"))  # moe_num_experts
+    assert not is_moe_config(AutoConfig.for_model("llama"))
+    assert not is_moe_config(AutoConfig.for_model("qwen2"))
+
+
+@pytest.mark.parametrize("family, overrides, fields", [
+    ("dots1", {}, dict(n_shared_experts=1, num_experts_per_tok=2, n_routed_experts=8)),  # unset in its default
+    ("dots1", dict(n_shared=2), dict(n_shared_experts=2)),
+    ("deepseek_v2", {}, dict(num_experts_per_tok=2, num_key_value_heads=4)),  # MLA: as many K/V heads as heads
+    ("flex_olmo", {}, dict(pad_token_id=None)),  # its pad id 100277 is past the small vocabulary
+    ("longcat_flash", dict(n_layers=3, n_experts=8), dict(num_layers=3, zero_expert_num=4, head_dim=8)),
+    ("deepseek_v32", dict(n_layers=2), dict(first_k_dense_replace=1)),  # its default 3 leaves no MoE layer
+    ("zaya", {}, dict(num_experts_per_tok=1)),  # built for top-1 only
+])
+def test_a_default_config_gets_its_unset_fields_from_the_overrides_or_a_sensible_default(family, overrides, fields):
+    config = small_config(family, overrides)
+    assert {k: getattr(config, k) for k in fields} == fields
+
+
+def _every_mode(ctx, families):
+    """Each family built alike on every rank, its MoE blocks expert-parallel over the group: every mode (and the
+    KV offload in serial and two-batch) against its own forward, per rank."""
+    transformers.logging.set_verbosity_error()
+    out = {}
+    for family in families:
+        model = build_transformers_model(family, seed=SEED)
+        batch = Batch.random(BATCHES["boundary"](ctx.rank), model.cfg.vocab, seed=100 + ctx.rank)
+        ref, ref_kv = model.reference(batch), model.reference_kv(batch)
+        make_expert_parallel(model, ctx.group)
+        plain = _Recorder()
+        model(batch, kv_sink=plain)
+        for mode in MODES:
+            if mode in ("serial", "two-batch"):
+                out[family, mode] = _mode(model, batch, mode, ctx.group, ref, ref_kv, plain.kv)
+            else:
+                got = prefill(model, batch, mode, plan_for(mode, batch, ctx.group, model=model, **SPLIT))
+                out[family, mode] = dict(hidden=_max_diff(got, ref), scale=ref.abs().max().item(), races=[])
+    return out
+
+
+def test_the_families_users_bring_run_every_mode_on_two_ranks_and_equal_their_own_forward():
+    """deepseek_v2, gpt-oss (sinks, sliding windows, biased clamped-SwiGLU experts), Llama 4 (tokens scaled by
+    the router before the experts, chunked attention), Granite (multipliers, a shared MLP beside the routed
+    block) and LongCat-Flash (zero-compute experts, the shortcut MoE under the dense path)."""
+    for rank, runs in enumerate(run_ranks(_every_mode, 2, BROUGHT, timeout=300)):
+        assert {f for f, _ in runs} == set(BROUGHT)
+        for (family, mode), r in runs.items():
+            where = f"{family}, rank {rank}, {mode}"
+            assert r["hidden"] <= TOL["atol"] + TOL["rtol"] * r["scale"], (where, r)
+            assert not r["races"], (where, r["races"])
+            if "kv" in r:
+                assert r["kv"] <= 1e-4 and (mode != "serial" or r["kv_equals_plain"]), (where, r["kv"])
+
+
+def test_longcat_flash_runs_its_dense_path_under_the_moe_exchange():
+    model = make_expert_parallel(build_transformers_model("longcat_flash", seed=SEED), None)
+    names = [op.name for op in model.layers[0].operations()]
+    dispatch, combine = names.index("dispatch"), names.index("combine")
+    assert names.index("dense0") == dispatch + 1 and names.index("attn1") < names.index("experts") < combine
+    assert names.index("dense1") == combine + 1
+    assert model.cfg.k_shape[0] == 2 and "not cut" in model.no_cut_reason  # both attentions' latents, side by side

@@ -1,18 +1,28 @@
 """Measured against predicted: match two of this toolkit's Chrome traces span by span (``overlap-report --plan``).
 
+The plan must say it is one (``otherData.prediction``, written by a prediction's
+``save_chrome_trace``), the measured trace must not, and both must run the same schedule: on each
+rank the plan covers, the same launches (operation, stream, micro-batch, layer), so the same
+mode, micro-batches, layers and operations. Anything else is refused with one line naming what
+differs: a drift table between two different schedules would be a wrong answer.
+
 Spans are matched by (rank, stream, name, micro-batch, layer); where a key holds several spans
 (an operation and a collective of the same name), spans of the same kind pair first, each in
 start order. Starts are relative to the first span of the same rank in each trace.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Counter, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from ._traces import TraceError, _events, _load_json, _meta, _names, _slices
+from ._traces import TraceError, _events, _load_json, _meta, _names, _slices, is_toolkit_trace
 from .timeline import GENERATOR
 
 Key = Tuple[Any, str, str, Any, Any]  # rank, stream, name, mb, layer
+Launch = Tuple[Any, Any, str, str]  # mb, layer, operation, stream
+# the executor's launches (one per scheduled operation); "comm" and "copy" spans are the work they start
+_LAUNCH_KINDS = ("compute", "issue")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,11 +85,21 @@ def _hashable(v: Any) -> Any:
     return v if isinstance(v, (str, int, float, bool)) or v is None else str(v)
 
 
-def read_spans(source: str) -> List[TraceSpan]:
-    """The spans of a Chrome trace written by this toolkit; `TraceError` for anything else."""
+@dataclasses.dataclass
+class ToolkitTrace:
+    """A toolkit trace's spans, and what its ``otherData.prediction`` says (None: a measured trace)."""
+
+    source: str
+    spans: List[TraceSpan]
+    prediction: Optional[Dict[str, Any]]
+    array_format: bool = False
+
+
+def read_trace(source: str) -> ToolkitTrace:
+    """A Chrome trace written by this toolkit (either JSON format); `TraceError` for anything else."""
     data = _load_json(source)
     events = _events(data, source)
-    if _meta(data, "otherData").get("generator") != GENERATOR:
+    if not is_toolkit_trace(data, events):
         raise TraceError(f"{source}: not a trace of this toolkit (no otherData.generator {GENERATOR!r}): --plan "
                          f"compares two traces written by overlap's save_chrome_trace")
     threads = _names(events, "thread_name")
@@ -95,7 +115,90 @@ def read_spans(source: str) -> List[TraceSpan]:
     first: Dict[Any, float] = {}
     for sp in raw:
         first[sp.rank] = min(first.get(sp.rank, sp.start), sp.start)
-    return [dataclasses.replace(sp, start=sp.start - first[sp.rank], end=sp.end - first[sp.rank]) for sp in raw]
+    spans = [dataclasses.replace(sp, start=sp.start - first[sp.rank], end=sp.end - first[sp.rank]) for sp in raw]
+    prediction = _meta(data, "otherData").get("prediction")
+    return ToolkitTrace(source, spans, prediction if isinstance(prediction, dict) else None, isinstance(data, list))
+
+
+def read_spans(source: str) -> List[TraceSpan]:
+    """The spans of a Chrome trace written by this toolkit; `TraceError` for anything else."""
+    return read_trace(source).spans
+
+
+def _launches(spans: Iterable[TraceSpan], rank: Any) -> Counter[Launch]:
+    return collections.Counter((s.mb, s.layer, s.name, s.stream) for s in spans
+                               if s.rank == rank and s.kind in _LAUNCH_KINDS and s.mb is not None
+                               and s.layer is not None)
+
+
+def _listed(values: Iterable[Any], prefix: str) -> str:
+    """``values`` as ``N (mb0-mb3)`` when they are consecutive integers, else ``N (a, b, ...)``."""
+    vs = sorted(set(values), key=lambda v: (not isinstance(v, int), str(v) if not isinstance(v, int) else v))
+    ints = all(isinstance(v, int) and not isinstance(v, bool) for v in vs)
+    if ints and len(vs) > 2 and vs[-1] - vs[0] == len(vs) - 1:
+        return f"{len(vs)} ({prefix}{vs[0]}-{prefix}{vs[-1]})"
+    shown = ", ".join(f"{prefix}{v}" for v in vs[:6]) + (", ..." if len(vs) > 6 else "")
+    return f"{len(vs)} ({shown})"
+
+
+def _launch_label(mb: Any, layer: Any, name: str) -> str:
+    return f"{name} of mb{mb} L{layer}"
+
+
+def _difference(m: Counter[Launch], p: Counter[Launch]) -> Optional[str]:
+    """What differs between the measured launches ``m`` and the planned ``p`` of one rank, in words."""
+    for what, at, prefix in (("micro-batches", 0, "mb"), ("layers", 1, "L")):
+        a, b = {k[at] for k in m}, {k[at] for k in p}
+        if a != b:
+            return f"{what}: measured {_listed(a, prefix)}, planned {_listed(b, prefix)}"
+    a, b = {k[2] for k in m}, {k[2] for k in p}
+    if a != b:
+        only = [f"only measured: {', '.join(sorted(a - b))}" if a - b else "",
+                f"only planned: {', '.join(sorted(b - a))}" if b - a else ""]
+        return f"operations: {'; '.join(x for x in only if x)}"
+    where_m: Dict[Tuple[Any, Any, str], List[str]] = {}
+    where_p: Dict[Tuple[Any, Any, str], List[str]] = {}
+    for counts, where in ((m, where_m), (p, where_p)):
+        for k in sorted(counts, key=str):
+            where.setdefault(k[:3], []).append(k[3])
+    for op in sorted(set(where_m) | set(where_p), key=str):
+        a_streams, b_streams = where_m.get(op, []), where_p.get(op, [])
+        if a_streams != b_streams:
+            return (f"streams (another mode?): {_launch_label(*op)} runs on {', '.join(a_streams) or 'none'} "
+                    f"measured, on {', '.join(b_streams) or 'none'} planned")
+    for k in sorted(set(m) | set(p), key=str):
+        if m[k] != p[k]:
+            return f"launches: {_launch_label(*k[:3])} @{k[3]} {m[k]} time(s) measured, {p[k]} planned"
+    return None
+
+
+def check_pair(measured: ToolkitTrace, plan: ToolkitTrace) -> None:
+    """`TraceError` unless ``plan`` is a plan, ``measured`` is not, and both run the same schedule."""
+    if measured.prediction is not None:
+        raise TraceError(f"{measured.source}: a plan (a predicted trace), not a measured one: overlap-report "
+                         f"MEASURED --plan PREDICTED takes the measured trace first")
+    if plan.prediction is None:
+        layout = " (the JSON array format keeps no otherData)" if plan.array_format else ""
+        raise TraceError(f"{plan.source}: not a plan but a measured trace: it has no otherData.prediction{layout}, "
+                         f"which a prediction's save_chrome_trace writes (the launcher's trace_auto.predicted.json)")
+    name = plan.prediction.get("schedule")
+    of = f" ({name})" if name else ""
+    ranks = sorted({s.rank for s in plan.spans}, key=str)
+    for rank in ranks:
+        p = _launches(plan.spans, rank)
+        if not p:
+            continue  # nothing scheduled to compare on this rank: the spans still match by key
+        m = _launches(measured.spans, rank)
+        where = f"rank {rank}: " if len(ranks) > 1 else ""
+        if not m:
+            have = ", ".join(map(str, sorted({s.rank for s in measured.spans}, key=str)))
+            diff = f"{where}no launch of rank {rank} measured (ranks measured: {have})"
+        else:
+            diff = _difference(m, p)
+            diff = diff and where + diff
+        if diff:
+            raise TraceError(f"{measured.source}: not the schedule of the plan {plan.source}{of}: {diff}; compare a "
+                             f"trace with the plan of the same run (mode, micro-batches, layers, operations)")
 
 
 def _length(spans: Sequence[TraceSpan]) -> float:
@@ -121,8 +224,11 @@ def _pair(measured: List[TraceSpan], predicted: List[TraceSpan]) -> Tuple[List[M
 
 
 def compare(measured: str, predicted: str) -> Comparison:
-    """Match the spans of the trace ``measured`` with those of ``predicted``; `TraceError` when nothing matches."""
-    ms, ps = read_spans(measured), read_spans(predicted)
+    """Match the spans of the trace ``measured`` with those of the plan ``predicted``; `TraceError` when either is
+    not what its place needs (see `check_pair`) or nothing matches."""
+    m_trace, p_trace = read_trace(measured), read_trace(predicted)
+    check_pair(m_trace, p_trace)
+    ms, ps = m_trace.spans, p_trace.spans
     by_key: Dict[Key, Tuple[List[TraceSpan], List[TraceSpan]]] = {}
     for s in ms:
         by_key.setdefault(s.key, ([], []))[0].append(s)

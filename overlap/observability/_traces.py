@@ -24,8 +24,10 @@ import json
 import math
 import os
 import re
+import stat
 from typing import Any, Dict, List, Optional, Tuple
 
+from .timeline import GENERATOR
 Item = Tuple[str, str, str, float, float]  # process, stream, kind, start s, end s
 
 COMM_PATTERN = re.compile(r"nccl|hccl|hcom|gloo|c10d|all_?reduce|all_?to_?all|all_?gather|reduce_?scatter|"
@@ -86,12 +88,47 @@ def _time(value: Any, source: str, what: str, duration: bool = False) -> float:
     return x
 
 
-def _read_text(source: str) -> str:
+def _not_a_file(mode: int) -> Optional[str]:
+    """What a path that is not a regular file is, in words (None for a regular file)."""
+    if stat.S_ISREG(mode):
+        return None
+    kinds = ((stat.S_ISFIFO, "a named pipe"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+             (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a folder"))
+    return next((what for test, what in kinds if test(mode)), "not a regular file")
+
+
+def _read_bytes(source: str) -> bytes:
+    """The whole of the regular file ``source``, never waiting for data: opened without blocking (a pipe
+    swapped in after a check cannot hold the open), refused unless it is a regular file, read up to the
+    size it had when opened."""
     try:
-        with open(source, "rb") as f:
-            raw = f.read()
+        fd = os.open(source, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
         raise TraceError(f"{source}: cannot read it ({e.strerror})") from None
+    try:
+        info = os.fstat(fd)
+        what = _not_a_file(info.st_mode)
+        if stat.S_ISDIR(info.st_mode):
+            raise TraceError(f"{source}: a folder, not a trace file")
+        if what is not None:
+            raise TraceError(f"{source}: {what}, not a regular file or a folder: the report reads trace files "
+                             f"and profiler folders only")
+        chunks, left = [], info.st_size
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 24))
+            if not chunk:  # truncated while read: what is there is what the readers judge
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    except OSError as e:
+        raise TraceError(f"{source}: cannot read it ({e.strerror})") from None
+    finally:
+        os.close(fd)
+
+
+def _read_text(source: str) -> str:
+    raw = _read_bytes(source)
     if not raw or raw.isspace():
         raise TraceError(f"{source}: empty file")
     if raw[:2] == b"\x1f\x8b":
@@ -144,6 +181,17 @@ def _meta(data: Any, key: str) -> Dict[str, Any]:
     """An optional top-level object of a trace; empty when absent or not an object."""
     value = data.get(key) if isinstance(data, dict) else None
     return value if isinstance(value, dict) else {}
+
+
+def is_toolkit_trace(data: Any, events: List[Dict[str, Any]]) -> bool:
+    """A trace written by `overlap.Timeline`: ``otherData.generator`` says so in the JSON object format; in
+    the bare-array format, which has no such field, every complete event is as the toolkit writes it
+    (``args`` with its rank, stream and kind, ``cat`` the kind)."""
+    if _meta(data, "otherData").get("generator") == GENERATOR:
+        return True
+    slices = [e for e in events if e.get("ph") == "X"]
+    return isinstance(data, list) and bool(slices) and all(
+        {"rank", "stream", "kind"} <= set(e.get("args", {})) and e.get("cat") == e["args"]["kind"] for e in slices)
 
 
 def _slices(events: List[Dict[str, Any]], source: str) -> List[Tuple[Dict[str, Any], float, float]]:
@@ -203,6 +251,10 @@ def _torch_profiler(data: Any, events: List[Dict[str, Any]], source: str) -> Lis
         # the launching thread's c10d op only enqueues (or waits for) work run on the backend's threads
         if e.get("cat") in _HOST_CATS and not name.startswith("c10d::"):
             items.append((f"{prefix}process {e.get('pid')}", f"thread {e.get('tid')}", classify(name), s, t))
+    if slices and not items:
+        raise TraceError(f"{source}: {len(slices)} complete slices, none the report can place: not an overlap "
+                         f"timeline, a torch.profiler trace (categories {', '.join(_DEVICE_CATS + _HOST_CATS)}) "
+                         f"or a torch_npu trace_view.json")
     return items
 
 
@@ -373,8 +425,9 @@ def load(source: str) -> Trace:
         return Trace(source, "torch_npu kernel_details.csv", _kernel_details(source, base))
     data = _load_json(source)
     events = _events(data, source)
-    if _meta(data, "otherData").get("generator") == "npu-overlap":
-        return Trace(source, "overlap timeline", _toolkit(events, source))
+    if is_toolkit_trace(data, events):
+        layout = "" if isinstance(data, dict) else ", JSON array format"
+        return Trace(source, f"overlap timeline{layout}", _toolkit(events, source))
     if "Ascend Hardware" in _names(events, "process_name").values():
         items, summary = _ascend_hardware(events, source, base)
         return Trace(source, "torch_npu trace_view.json", items, {base: summary} if summary else {})

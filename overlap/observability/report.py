@@ -8,7 +8,11 @@ with a verdict (>= 0.5 real overlap, <= 0.05 serialized) and the hidden share of
 
 With ``--plan PREDICTED`` (a trace written from `microbatch.simulate`'s prediction) it compares
 instead: per operation the measured and the planned duration and start, and the operations that
-drift most from the plan (`overlap.observability._compare`).
+drift most from the plan (`overlap.observability._compare`). A plan that is not one (a measured
+trace), or of another schedule than the measured trace, is refused.
+
+Only regular files and folders are read, each file at most to the size it has when opened: a
+named pipe or a device is refused rather than waited on.
 
 Exit status: 0 fine, 1 below ``--min-overlap`` / ``--min-hidden``, 2 unreadable input or bad options.
 """
@@ -118,7 +122,8 @@ def _not_nan(ctx: click.Context, param: click.Parameter, value: Optional[float])
               help="Fail (exit 1) when the hidden share of communication is below this.")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as JSON instead of text.")
 @click.option("--plan", type=click.Path(), default=None,
-              help="Compare SOURCE with this predicted trace (both written by this toolkit) instead.")
+              help="Compare SOURCE with this predicted trace of the same schedule (both written by this toolkit) "
+                   "instead.")
 def main(source: str, min_overlap: Optional[float], pair: Optional[Tuple[str, str]], min_hidden: Optional[float],
          as_json: bool, plan: Optional[str]) -> None:
     """Report per-stream busy time and overlap of the trace at SOURCE (or compare it with --plan)."""

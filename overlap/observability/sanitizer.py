@@ -512,20 +512,32 @@ class Sanitizer:
         return "\n".join(map(str, self.races)) or "no stream races"
 
 
+def env_mode() -> Optional[str]:
+    """What ``$OVERLAP_SANITIZE`` asks for: None (unset, 0, false, off, no), ``"warn"`` (1, true, on, yes,
+    warn) or ``"raise"``; ValueError naming the variable for anything else."""
+    raw = os.environ.get(ENV_SANITIZE, "")
+    value = raw.strip().lower()
+    if value in ("", "0", "false", "off", "no"):
+        return None
+    if value in ("1", "true", "on", "yes", "warn"):
+        return "warn"
+    if value == "raise":
+        return "raise"
+    raise ValueError(f"${ENV_SANITIZE}={raw!r}: expected 0, 1, warn or raise")
+
+
 def enable_from_env() -> Optional[Sanitizer]:
     """Start a process-wide sanitizer when ``$OVERLAP_SANITIZE`` asks for one (idempotent).
 
     ``1`` / ``warn`` logs each race and prints a summary at exit; ``raise`` raises on the first.
     The dispatch mode is entered on the calling thread, which should be the one launching work.
     """
-    value = os.environ.get(ENV_SANITIZE, "").strip().lower()
-    if value in ("", "0", "false", "off", "no"):
+    mode = env_mode()
+    if mode is None:
         return None
-    if value not in ("1", "true", "on", "yes", "warn", "raise"):
-        raise ValueError(f"${ENV_SANITIZE}={value!r}: expected 0, 1, warn or raise")
     with STATE.lock:
         if STATE.sanitizer is None:
-            san = STATE.sanitizer = Sanitizer(raise_on_race=value == "raise").__enter__()
+            san = STATE.sanitizer = Sanitizer(raise_on_race=mode == "raise").__enter__()
             atexit.register(lambda: san.races and log.warning(
                 "overlap sanitizer: %d stream race(s)\n%s", len(san.races), san.report()))
         return STATE.sanitizer

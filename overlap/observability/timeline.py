@@ -20,7 +20,7 @@ import json
 import os
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence, Set
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set
 
 from .. import backends, hooks
 from ..hooks import Span
@@ -62,8 +62,12 @@ def _jsonable(v: Any) -> Any:
     return v if isinstance(v, (str, int, float, bool)) or v is None else str(v)
 
 
-def chrome_trace(spans: Sequence[Span]) -> Dict[str, Any]:
-    """A Chrome trace (JSON object format): one process per rank, one thread per stream, times in us."""
+def chrome_trace(spans: Sequence[Span], prediction: Optional[Mapping[str, Any]] = None) -> Dict[str, Any]:
+    """A Chrome trace (JSON object format): one process per rank, one thread per stream, times in us.
+
+    ``prediction`` marks the spans as predicted, not measured (``otherData.prediction``: what was
+    predicted, such as the schedule's name); ``overlap-report --plan`` takes only such a trace as the plan.
+    """
     done = sorted((s for s in spans if s.end is not None), key=lambda s: (s.rank, s.start))
     origin = min((s.start for s in done), default=0.0)
     tids = _stream_ids(done)
@@ -81,15 +85,17 @@ def chrome_trace(spans: Sequence[Span]) -> Dict[str, Any]:
         events.append({"ph": "X", "name": s.name, "cat": s.kind, "pid": s.rank, "tid": tids[s.stream],
                        "ts": round((s.start - origin) * 1e6, 3), "dur": round((s.end - s.start) * 1e6, 3),
                        "args": args})
-    return {"traceEvents": events, "displayTimeUnit": "ms",
-            "otherData": {"generator": GENERATOR, "origin_epoch_s": origin}}
+    other: Dict[str, Any] = {"generator": GENERATOR, "origin_epoch_s": origin}
+    if prediction is not None:
+        other["prediction"] = {k: _jsonable(v) for k, v in prediction.items()}
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
 
 
-def save_chrome_trace(spans: Sequence[Span], file: str) -> str:
+def save_chrome_trace(spans: Sequence[Span], file: str, prediction: Optional[Mapping[str, Any]] = None) -> str:
     """Write `chrome_trace` to ``file`` (opens in Perfetto, chrome://tracing, MindStudio Insight)."""
     os.makedirs(os.path.dirname(os.path.abspath(file)), exist_ok=True)
     with open(file, "w") as f:
-        json.dump(chrome_trace(spans), f)
+        json.dump(chrome_trace(spans, prediction), f)
     return file
 
 

@@ -134,6 +134,8 @@ def _open_file(target: str, must_exist: bool, what: str) -> Tuple[int, bool]:
     """An fd open for reading and writing on ``target`` and whether this call created it."""
     folder = os.path.dirname(os.path.abspath(target))
     cloexec = getattr(os, "O_CLOEXEC", 0)
+    if os.path.isdir(target):  # a folder in the store file's place (in a folder given as file=: its rank's name)
+        raise StoreError(f"host store file {target} is not a regular file (a folder)")
     try:
         return os.open(target, os.O_RDWR | cloexec), False
     except FileNotFoundError:
