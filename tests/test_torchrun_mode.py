@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 from _ports import free_port
@@ -227,19 +228,23 @@ def test_c_never_runs():
 '''
 
 
+def _kill_rank(out, marker, rank):
+    """SIGKILL rank ``rank`` of this run if it is still there."""
+    try:
+        pid = int(open(os.path.join(out, f"pid-{rank}")).read())
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if marker.encode() not in f.read():
+                return  # not ours any more
+        os.kill(pid, signal.SIGKILL)
+    except (OSError, ValueError):
+        pass
+
+
 def _kill_leftovers(out, marker):
     """SIGKILL the ranks of this run that are still there (the frozen one, unless torchrun killed it)."""
     for name in os.listdir(out):
-        if not name.startswith("pid-"):
-            continue
-        pid = int(open(os.path.join(out, name)).read())
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if marker.encode() not in f.read():
-                    continue  # not ours any more
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
+        if name.startswith("pid-"):
+            _kill_rank(out, marker, name[len("pid-"):])
 
 
 @pytest.mark.parametrize("fault, frozen", [("stop", 1), ("stop", 0), ("sleep", 1)])
@@ -263,8 +268,15 @@ def test_a_frozen_rank_is_named_and_fails_the_test_on_every_other_rank(tmp_path,
            "--master-port", str(free_port())] + _pytest_args(suite)
     proc = subprocess.Popen(cmd, env=env, cwd=str(suite), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
+    live = [r for r in range(world) if r != frozen]
     try:
-        stdout, stderr = proc.communicate(timeout=180)
+        # once every live rank has ended its session, end the frozen one: torchrun would, after its grace period
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and proc.poll() is None and \
+                not all((out / f"status-{r}").exists() for r in live):
+            time.sleep(0.2)
+        _kill_rank(str(out), str(suite), frozen)
+        stdout, stderr = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         _kill_leftovers(str(out), str(suite))
         os.killpg(proc.pid, signal.SIGKILL)
@@ -273,7 +285,6 @@ def test_a_frozen_rank_is_named_and_fails_the_test_on_every_other_rank(tmp_path,
                     f"it\n{stdout[-3000:]}")
     finally:
         _kill_leftovers(str(out), str(suite))
-    live = [r for r in range(world) if r != frozen]
     assert proc.returncode != 0, stdout[-3000:]
     report = stdout if frozen else stderr  # rank 0 reports; when it is the frozen one, the lowest rank left does
     if fault == "stop":
