@@ -28,7 +28,7 @@ class ConfigError(click.ClickException):
 
 
 REFERENCE = "reference"
-AUTO = "auto"  # --mode auto: the planner's choice (launch/planner.py), measured beside serial
+AUTO = "auto"  # --mode auto: the planner's choice (microbatch/planning/choice.py), measured beside serial
 ALL_MODES = tuple(name for name, m in microbatch.MODES.items() if m.in_all)
 MODE_NAMES = tuple(microbatch.MODES) + ("all", AUTO)  # what --mode takes, in a comma-separated list
 
@@ -37,7 +37,7 @@ MODE_NAMES = tuple(microbatch.MODES) + ("all", AUTO)  # what --mode takes, in a 
 class JobConfig:
     """One launcher run: the model, the batch per rank, the modes and where and how to run them."""
 
-    model: Any  # launch.presets.ModelConfig, or the transformers config of --model NAME|PATH
+    model: Any  # launch.models.presets.ModelConfig, or the transformers config of --model NAME|PATH
     seq_lens: Tuple[int, ...]
     modes: Tuple[str, ...]
     device: str  # cpu, cuda or npu
@@ -183,8 +183,8 @@ def environment(device: str, path: Optional[str]) -> Tuple[Tuple[str, Any], ...]
       under ``--path`` (``overlap.use_path``);
     - ``OVERLAP_CPU_LINK``, ``OVERLAP_CPU_COMM_PRIORITY``: the defaults of ``--cpu-link`` and
       ``--cpu-comm-priority``, agreed on as those options;
-    - ``OVERLAP_CALIBRATION_CACHE``: each rank's own folder; `launch.calibrate.calibrate` checks that every
-      rank found the same calibration and measures again, on every rank, where they differ;
+    - ``OVERLAP_CALIBRATION_CACHE``: each rank's own folder; `microbatch.planning.calibrate` checks that
+      every rank found the same calibration and measures again, on every rank, where they differ;
     - ``OVERLAP_FAULT``: the tests' fault injection, meant for one rank;
     - ``OVERLAP_RANK_TIMEOUT``, ``OVERLAP_TEST_TIMEOUT``, ``OVERLAP_START_METHOD``: the test harness's
       (`overlap.multirank`), not read by the launcher.
@@ -228,7 +228,7 @@ def environment(device: str, path: Optional[str]) -> Tuple[Tuple[str, Any], ...]
 
 
 def build_model_config(preset_name: str, overrides: Dict[str, Any]) -> Any:
-    from launch.presets import preset
+    from launch.models.presets import preset
 
     try:
         return preset(preset_name, **{k: v for k, v in overrides.items() if v is not None})
@@ -250,8 +250,8 @@ def transformers_config(model_name: str, overrides: Dict[str, Any]) -> Any:
                               f"(drop {', '.join('--' + _OPTION_OF.get(k, k) for k in given)})")
         if not os.path.isfile(os.path.join(model_name, "config.json")):
             raise ConfigError(f"--model {model_name}: a checkpoint folder needs a config.json")
-        from launch.checkpoint import CheckpointError, check_checkpoint
-        from launch.transformers_model import check_family
+        from launch.models.checkpoint import CheckpointError, check_checkpoint
+        from launch.models.families import check_family
 
         try:  # its config and the headers of its files: what every rank finds alike, before any group
             config = check_checkpoint(model_name)
@@ -266,7 +266,7 @@ def transformers_config(model_name: str, overrides: Dict[str, Any]) -> Any:
     if model_name not in transformers.CONFIG_MAPPING:
         raise ConfigError(f"--model {model_name}: neither 'reference', a folder, nor a transformers model type "
                           f"(e.g. qwen3_moe, deepseek_v3, mixtral, qwen2_moe, glm4_moe)")
-    from launch.transformers_model import check_family, small_config
+    from launch.models.families import check_family, small_config
 
     try:  # the family must run through the adapter (a small model of it, on this rank alone): else one line
         config = small_config(model_name, given)
@@ -333,7 +333,7 @@ def _check_transformers_overrides(model_name: str, overrides: Dict[str, Any], dt
     try:
         import transformers
 
-        from launch.transformers_model import small_config
+        from launch.models.families import small_config
 
         if model_name not in transformers.CONFIG_MAPPING:
             return

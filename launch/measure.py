@@ -30,10 +30,13 @@ import overlap
 from overlap import Span, Timeline
 from overlap.observability import gather, metrics
 
-from .model import Batch, Model
-from .probes import max_over_ranks  # one all-reduce helper for the launcher, calibration and probes
+from microbatch.batch import Batch
+from microbatch.forward import cut_refusal
+from microbatch.planning import max_over_ranks  # one all-reduce helper for the launcher, calibration and probes
+
 from .config import AUTO
-from .runner import cut_refusal, plan_for, prefill
+from .models.reference import Model
+from .runner import plan_for, prefill
 
 
 @dataclasses.dataclass
@@ -53,7 +56,7 @@ class ModeResult:
     max_diff: Optional[float] = None  # largest |output - serial output| over all ranks (inf if not finite)
     ref_scale: Optional[float] = None  # serial only: largest |output| over all ranks
     finite: bool = True  # no NaN or inf in the output on any rank
-    plan: Any = None  # this rank's split (microbatch.split.SplitPlan)
+    plan: Any = None  # this rank's split (microbatch.planning.SplitPlan)
 
     @property
     def median_s(self) -> float:
@@ -91,7 +94,7 @@ def measure(model: Model, batch: Batch, modes: Sequence[str], group: Any, *, war
     ``compile_mode(mode, plan)`` returns a compiled prefill to run instead of the eager executor
     (the graph paths); a compiled graph's launches are not seen one by one, so it gets no timeline
     (profile it with the device profiler and ``overlap-report``). A mode named ``"auto"`` runs the
-    planner's ``choice`` (`launch.planner.Choice`): its split and its schedule.
+    planner's ``choice`` (`microbatch.planning.Choice`): its split and its schedule.
     """
     plans, steps = {}, {}
     for mode in modes:  # every rank agrees on the splits in the same order (one all-reduce each)

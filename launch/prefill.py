@@ -13,8 +13,9 @@ at the median hidden share (the table's figure). Installed, the same command is
 ``overlap-prefill``.
 
 This file is the command line and the job, top to bottom; the configuration checks are in
-`launch.config`, rank health in `launch.health`, the measurement in `launch.measure`, the
-prefill itself in `launch.runner` and the files written in `launch.outputs`.
+`launch.config`, rank health in `launch.health`, the models in `launch.models`, the measurement
+in `launch.measure`, the prefill itself in `launch.runner`, the planner of ``--mode auto`` in
+`microbatch.planning` and the files written in `launch.outputs`.
 """
 from __future__ import annotations
 
@@ -206,9 +207,10 @@ def run_job(job: JobConfig) -> int:
     import overlap
     from launch.agreement import JobMismatch, agree, agree_ready
     from launch.health import BEFORE_JOINING, Fault, Peers, StartError, is_peer_failure, join_group
-    from launch.measure import check_against_serial, max_over_ranks, measure, not_finite, table
+    from launch.measure import check_against_serial, measure, not_finite, table
     from launch.memory import check as check_memory
-    from launch.model import Batch
+    from microbatch.batch import Batch
+    from microbatch.planning import max_over_ranks
     from launch.outputs import OutputError, check_kv_dir, check_out_dir, write_outputs
     from launch.runner import graph_prefill, make_capacity_expert_parallel, make_expert_parallel
     from overlap.link import OFF
@@ -318,15 +320,15 @@ def run_job(job: JobConfig) -> int:
 def _build_model(job: JobConfig, rank: int, world: int, dev: torch.device) -> Any:
     """The job's model on ``dev``: the reference decoder, a small transformers model, or a checkpoint's."""
     if not job.transformers:
-        from launch.model import build_model
+        from launch.models.reference import build_model
 
         return build_model(job.model, seed=job.seed, dtype=job.dtype, device=dev)
-    from launch.transformers_model import adapt, from_config
+    from launch.models.transformers_adapter import adapt, from_config
 
     if job.checkpoint is None:
         return from_config(job.model, seed=job.seed, dtype=job.dtype, device=dev)
     from launch.agreement import agree_ready
-    from launch.checkpoint import CheckpointError, load_checkpoint
+    from launch.models.checkpoint import CheckpointError, load_checkpoint
 
     try:
         hf, report = load_checkpoint(job.checkpoint, rank=rank, world=world, dtype=job.dtype, device=dev)
@@ -368,7 +370,7 @@ def _own_forward(job: JobConfig, model: Any, batch: Any, world: int) -> Any:
 
 def _check_own_forward(job: JobConfig, results: Any, own: Any) -> list:
     """Serial against the model's own forward (every rank takes part: one all-reduce), as failure lines."""
-    from launch.measure import max_over_ranks
+    from microbatch.planning import max_over_ranks
 
     if own is None:
         return []
@@ -387,9 +389,8 @@ def _check_own_forward(job: JobConfig, results: Any, own: Any) -> list:
 
 def _plan_auto(job: JobConfig, model: Any, batch: Any) -> Any:
     """``--mode auto``: calibrate (cached per machine, model and dtype) and choose; the same on every rank."""
-    from launch.calibrate import calibrate, request_length
-    from launch.planner import choose, gather_lens
-    from launch.runner import cut_refusal
+    from microbatch.forward import cut_refusal
+    from microbatch.planning import calibrate, choose, gather_lens, request_length
 
     all_lens = gather_lens(batch.seq.seq_lens, dist.group.WORLD)
     cal = calibrate(model, dist.group.WORLD, max_tokens=max(sum(lens) for lens in all_lens),

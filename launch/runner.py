@@ -1,10 +1,13 @@
 """Prefill of a model in one mode: eagerly through the micro-batch executor, or compiled as one
 torchair graph (`graph_prefill`), or continued from an offloaded prefix (`continue_prefill`).
 
-The model is the reference model (`launch.model.Model`) or anything with its interface, such as
-a transformers MoE model adapted by `launch.transformers_model`. A model whose layers cannot
-continue a request from a prefix says why in ``no_cut_reason``: `plan_for` (given the model)
-then splits only at request boundaries, and a plan that cuts a request is refused before it runs.
+The model is the reference model (`launch.models.reference.Model`) or anything with its interface,
+such as a transformers MoE model adapted by `launch.models.transformers_adapter`. A model whose
+layers cannot continue a request from a prefix says why in ``no_cut_reason``: `plan_for` (given
+the model) then splits only at request boundaries, and a plan that cuts a request is refused
+before it runs. Running the layers through a schedule is `microbatch.forward.run_schedule`; this
+module adds what needs collectives or the launcher: the expert-parallel MoE, the agreed split,
+the KV offload, the compiled graph.
 
 Modes are `microbatch.MODES`: ``serial`` (everything on the main stream: the reference),
 ``shared`` (one batch, shared experts on their side stream beside dispatch / experts / combine
@@ -17,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -25,11 +28,12 @@ import torch.distributed as dist
 import microbatch
 import overlap
 from collectives import CapacityExpertParallelMoE, wrap_expert_parallel
-from microbatch import HIDDEN, FromMicroBatch, Operation
-from microbatch.split import (DEFAULT_MAX_IMBALANCE, DEFAULT_MIN_TOKENS, SplitPlan, decide_split, merge_outputs,
-                              prefix_kv, prefix_sources)
+from microbatch import Operation
+from microbatch.batch import K, V, Batch
+from microbatch.forward import cut_refusal, run_schedule, serial_plan
+from microbatch.planning.split import DEFAULT_MAX_IMBALANCE, DEFAULT_MIN_TOKENS, SplitPlan, decide_split
 
-from .model import K, PREFIX_KV, SEQ, V, Batch, Model
+from .models.reference import Model
 
 
 def make_expert_parallel(model: Model, group: Optional[dist.ProcessGroup], impl: str = "auto") -> Model:
@@ -42,10 +46,6 @@ def make_capacity_expert_parallel(model: Model, group: Optional[dist.ProcessGrou
     """Replace every MoE block by its static-shape expert-parallel form (graph paths; in place)."""
     model.replace_moe(lambda layer: CapacityExpertParallelMoE.wrap(layer.moe, group, capacity=capacity))
     return model
-
-
-def serial_plan(batch: Batch, reason: str = "mode runs one batch") -> SplitPlan:
-    return SplitPlan(tuple(batch.seq.seq_lens), None, reason)
 
 
 def _offload(cache: Any, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -73,11 +73,6 @@ def layer_operations(model: Model, cache: Any = None) -> List[List[Operation]]:
     return out
 
 
-def cut_refusal(model: Any) -> Optional[str]:
-    """Why ``model`` cannot continue a request cut across micro-batches (its ``no_cut_reason``), or None."""
-    return getattr(model, "no_cut_reason", None)
-
-
 def plan_for(mode: str, batch: Batch, group: Optional[dist.ProcessGroup], *, model: Any = None,
              min_tokens: int = DEFAULT_MIN_TOKENS, max_imbalance: float = DEFAULT_MAX_IMBALANCE) -> SplitPlan:
     """The micro-batch split of ``mode``: agreed by every rank of ``group`` where it splits (one all-reduce).
@@ -94,45 +89,6 @@ def plan_for(mode: str, batch: Batch, group: Optional[dist.ProcessGroup], *, mod
     plan = decide_split(batch.seq.seq_lens, group, n=n, min_tokens=min_tokens, max_imbalance=max_imbalance,
                         allow_cut=refusal is None)
     return plan if refusal is None else dataclasses.replace(plan, reason=f"{plan.reason}; {refusal}")
-
-
-def _check_cut(model: Any, plan: SplitPlan) -> None:
-    refusal = cut_refusal(model)
-    if plan.cut is not None and refusal:
-        raise ValueError(f"the plan cuts request {plan.cut[0]} across micro-batches, but {refusal}; "
-                         f"plan with plan_for(..., model=model)")
-
-
-def micro_batch_inputs(model: Model, batch: Batch, plan: SplitPlan) -> List[Dict[str, Any]]:
-    """The executor's initial values of each micro-batch of ``plan`` (one when it is serial).
-
-    A micro-batch whose first request was cut has a ``PREFIX_KV`` that reads ``K``, ``V`` of the
-    same layer from the earlier micro-batches holding that request's earlier parts (their rows of
-    it, concatenated: `prefix_kv`); the others' is None. A cut plan for a model that refuses
-    cuts (`cut_refusal`) raises before anything runs.
-    """
-    _check_cut(model, plan)
-    parts = [batch] if plan.serial else list(batch.split(plan))
-    return [{HIDDEN: model.embed_tokens(part.tokens), SEQ: part.seq, PREFIX_KV: _prefix_input(plan, i)}
-            for i, part in enumerate(parts)]
-
-
-def _prefix_input(plan: SplitPlan, mb: int) -> Optional[FromMicroBatch]:
-    sources = prefix_sources(plan, mb)
-    return FromMicroBatch(sources, K, V, fn=functools.partial(prefix_kv, plan, mb=mb)) if sources else None
-
-
-def run_schedule(model: Model, batch: Batch, plan: SplitPlan, layers: List[List[Operation]],
-                 make: Callable[[List[List[Operation]], int], microbatch.Schedule]) -> torch.Tensor:
-    """Final hidden states of ``batch`` when the schedule ``make(layers, micro-batches)`` runs ``layers``.
-
-    Split the batch as ``plan`` says, give each micro-batch its inputs, build the schedule, run
-    it, and merge the micro-batches' normed outputs back into packed order.
-    """
-    inputs = micro_batch_inputs(model, batch, plan)
-    outputs = microbatch.run(make(layers, len(inputs)), layers, inputs)
-    finals = [model.norm(h) for h in outputs]
-    return finals[0] if plan.serial else merge_outputs(plan, *finals)
 
 
 @torch.no_grad()

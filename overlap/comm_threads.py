@@ -15,7 +15,7 @@ are never touched. Where it is not permitted (or not Linux) everything runs as b
 `describe_comm_priority` says why.
 
 It is off by default: on a host the job has to itself it made serial prefill about 1.2x faster
-(`launch.bench_comm_threads`), but beside a process computing on one core serial prefill took 2x
+(`launch.bench.comm_threads`), but beside a process computing on one core serial prefill took 2x
 and two-batch 3x as long as with normal threads: the raised threads take the core from this job's
 own compute as well as from the other work. A setting that can make a user's job slower on a
 shared host is not a default (docs/planning.md has the figures).

@@ -49,6 +49,51 @@ def test_the_chain_check_can_fail():
     assert _chain_violations(("launch", "collectives", "overlap", "microbatch"))
 
 
+def _imported_modules(file):
+    """Full dotted names a module imports, relative imports resolved; ``from a import b`` also names ``a.b``."""
+    rel = os.path.relpath(file, ROOT)[:-len(".py")].split(os.sep)
+    package = rel[:-1]  # a module's package; for an __init__.py, the package itself
+    tree = ast.parse(open(file, encoding="utf-8").read())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[:len(package) - node.level + 1] + [node.module or ""]).strip(".") \
+                if node.level else node.module
+            yield base
+            yield from (f"{base}.{a.name}" for a in node.names)
+
+
+def _launch_imports_outside(folder, inside):
+    """Imports of launch modules by ``folder``'s modules that are not ``inside`` (a dotted package)."""
+    bad = []
+    for file in _modules(folder):
+        for name in set(_imported_modules(file)):
+            if name.startswith("launch.") and not (name == inside or name.startswith(inside + ".")):
+                bad.append(f"{os.path.relpath(file, ROOT)} imports {name}")
+    return sorted(bad)
+
+
+def _bench_importers(packages=CHAIN):
+    """Modules of ``packages`` outside launch/bench that import a benchmark."""
+    bench = os.path.join(ROOT, "launch", "bench")
+    return sorted(f"{os.path.relpath(file, ROOT)} imports {name}" for pkg in packages for file in _modules(pkg)
+                  if not file.startswith(bench + os.sep)
+                  for name in set(_imported_modules(file)) if name.startswith("launch.bench"))
+
+
+def test_models_and_benchmarks_keep_their_place():
+    """launch/models imports nothing of the rest of launch; no production module imports a benchmark."""
+    assert _launch_imports_outside(os.path.join("launch", "models"), "launch.models") == []
+    assert _bench_importers() == []
+
+
+def test_the_place_checks_can_fail():
+    # the benchmarks use the launcher's modules, and the tests run the benchmarks
+    assert _launch_imports_outside(os.path.join("launch", "bench"), "launch.bench")
+    assert _bench_importers(("tests",))
+
+
 def _relative_targets(file):
     tree = ast.parse(open(file, encoding="utf-8").read())
     for node in ast.walk(tree):

@@ -10,13 +10,15 @@ import torch
 import torch.distributed as dist
 
 import overlap
-from launch import calibrate as cal_mod
-from launch.calibrate import (Calibration, OpFit, Run, TransferFit, agree, cache_file, calibrate,
-                              calibration_key, fit_collective, fit_linear, fit_runs, load, predict_mode, token_points)
-from launch.model import Batch, build_model, preset
-from launch.probes import PEER_QUANTILES
+from launch.models import build_model, preset
 from launch.runner import make_expert_parallel, plan_for, prefill
 from microbatch import Interconnect, Linear
+from microbatch.batch import Batch
+from microbatch.planning import calibration as cal_mod
+from microbatch.planning.calibration import (Calibration, OpFit, Run, TransferFit, agree, cache_file, calibrate,
+                                             calibration_key, fit_collective, fit_linear, fit_runs, load, predict_mode,
+                                             token_points)
+from microbatch.planning.probes import PEER_QUANTILES
 from overlap import DEFAULT, Span
 from overlap.multirank import run_ranks
 
@@ -274,7 +276,7 @@ def test_a_cache_no_calibration_can_hold_is_measured_again_with_a_warning(tmp_pa
         data = json.load(f)
     with open(path, "w") as f:
         json.dump(corrupt(data), f)
-    with caplog.at_level("WARNING", logger="launch.calibrate"):
+    with caplog.at_level("WARNING", logger="microbatch.planning.calibration"):
         again = calibrate(model, **opts)
     assert len(counted) == 2, "the corrupt cache was used as if it were measured"
     assert any(path in r.getMessage() and "measuring again" in r.getMessage() for r in caplog.records), caplog.text
@@ -452,13 +454,13 @@ def test_ranks_whose_cached_calibrations_differ_measure_again_naming_the_file(tm
 
 
 def test_contention_is_nothing_without_peers():
-    from launch.probes import contention, notice
+    from microbatch.planning.probes import contention, notice
     assert contention(None, 4, 16, torch.float32, 3) == 0.0  # no group: no collective, no measurement
     assert notice(None, 16, torch.float32) == (0.0, [])
 
 
 def test_request_length_is_the_token_weighted_mean():
-    from launch.calibrate import request_length
+    from microbatch.planning.calibration import request_length
 
     assert request_length([[128] * 8, [128] * 8]) == 128  # equal lengths: that length
     assert request_length([[128, 128], [64]]) == round((2 * 128 ** 2 + 64 ** 2) / 320)  # 115, not the plain mean 107

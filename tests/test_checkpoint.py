@@ -1,4 +1,4 @@
-"""launch/checkpoint.py: each rank loads a transformers MoE checkpoint holding its own routed experts only.
+"""launch/models/checkpoint.py: each rank loads a transformers MoE checkpoint holding its own routed experts only.
 
 Tiny checkpoints of five families are written with ``save_pretrained`` (no downloads), whole and
 in several shards, and in the fused layout; every rank of 1, 2 and 4 must hold exactly the
@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from launch.checkpoint import CheckpointError, LoadReport, check_checkpoint, load_checkpoint
+from launch.models.checkpoint import CheckpointError, LoadReport, check_checkpoint, load_checkpoint
 from overlap.multirank import default_device, run_ranks
 
 transformers = pytest.importorskip("transformers")
@@ -255,7 +255,7 @@ class _MLP(nn.Module):
 
 def _list_skeleton(names):
     """The loader's skeleton with every fused experts module replaced by an nn.ModuleList of MLPs."""
-    from launch import checkpoint
+    from launch.models import checkpoint
 
     build = checkpoint._skeleton
 
@@ -276,7 +276,7 @@ def test_experts_held_as_a_list_of_mlps(written, tmp_path, monkeypatch, layout, 
     original, path, _ = written["qwen3_moe"]
     if layout == "fused":
         path = _write(original.state_dict(), str(tmp_path / "fused"), path)
-    monkeypatch.setattr("launch.checkpoint._skeleton", _list_skeleton(names))
+    monkeypatch.setattr("launch.models.checkpoint._skeleton", _list_skeleton(names))
     ref = original.state_dict()
     for rank in range(2):
         loaded, report = load_checkpoint(path, rank=rank, world=2)
@@ -311,7 +311,7 @@ def test_a_file_is_reopened_after_reopen_bytes(written, monkeypatch):
     monkeypatch.setattr(safetensors, "safe_open", lambda *a, **k: opened.append(a[0]) or real(*a, **k))
     load_checkpoint(path, rank=1, world=2)
     assert len(opened) == 2  # its header, then its tensors
-    monkeypatch.setattr("launch.checkpoint.REOPEN_BYTES", 1)
+    monkeypatch.setattr("launch.models.checkpoint.REOPEN_BYTES", 1)
     loaded, report = load_checkpoint(path, rank=1, world=2)
     assert len(opened) == 2 + 1 + report.tensors_read  # its header, then every tensor on its own
     _check_holds(original, loaded, report, 1, 2)
@@ -779,7 +779,7 @@ def test_non_finite_weights_are_refused_by_the_rank_that_reads_them(written, tmp
     naming the tensor, from the rank that reads it (the launcher stops every rank with it); the same
     when large tensors are looked at in chunks."""
     if chunk:
-        monkeypatch.setattr("launch.checkpoint.FINITE_CHUNK", chunk)
+        monkeypatch.setattr("launch.models.checkpoint.FINITE_CHUNK", chunk)
     key = "model.layers.1.mlp.experts.5.up_proj.weight"  # rank 1 of 2 holds experts 4-7
 
     def poison(t, value):
@@ -866,7 +866,7 @@ def test_the_launcher_says_what_it_does_not_read(written, tmp_path):
 _MEASURE = r"""
 import re, sys, torch
 from transformers import AutoConfig, AutoModelForCausalLM
-from launch.checkpoint import load_checkpoint
+from launch.models.checkpoint import load_checkpoint
 
 def peak():
     return int(re.search(r"VmHWM:\s+(\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
@@ -907,7 +907,7 @@ def test_a_ranks_peak_memory_stays_below_the_checkpoint(tmp_path):
 def test_a_checkpoint_of_a_family_the_adapter_does_not_run_is_refused_before_the_load(tmp_path):
     """--model PATH passes the family check that --model NAME does: one line, not a failure halfway through."""
     from launch.config import ConfigError, job_config
-    from launch.transformers_model import small_config
+    from launch.models.families import small_config
 
     torch.manual_seed(0)
     config = small_config("deepseek_v32", {"n_layers": 2, "hidden": 64, "n_experts": 4, "top_k": 2})

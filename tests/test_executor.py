@@ -336,8 +336,9 @@ def test_event_tag_names_microbatch_op_and_stream():
 
 def _model_body(ctx, per_rank_lens):
     from collectives import wrap_expert_parallel
-    from launch.model import PRESETS, Batch, build_model
-    from microbatch.split import decide_split, merge_outputs, prefix_kv
+    from launch.models import PRESETS, build_model
+    from microbatch.batch import Batch
+    from microbatch.planning.split import decide_split, merge_outputs, prefix_kv, split_batch
     from overlap.observability.sanitizer import Sanitizer
 
     cfg = PRESETS["tiny"]
@@ -352,7 +353,7 @@ def _model_body(ctx, per_rank_lens):
     results = {}
     with torch.no_grad():
         ref = model.forward_microbatches(batch, plan)
-        b0, b1 = batch.split(plan)
+        b0, b1 = split_batch(batch, plan)
         inputs = [{"hidden": model.embed_tokens(b0.tokens), "seq": b0.seq, "prefix_kv": None},
                   {"hidden": model.embed_tokens(b1.tokens), "seq": b1.seq,
                    "prefix_kv": FromMicroBatch(0, "k", "v", fn=lambda k, v: prefix_kv(plan, k, v))}]

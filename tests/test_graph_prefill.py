@@ -16,10 +16,11 @@ import pytest
 
 import overlap
 from collectives import CapacityExpertParallelMoE
-from launch.model import Batch, build_model, preset
-from launch.runner import micro_batch_inputs, run_schedule
+from launch.models import build_model, preset
 from microbatch import lower, serial, two_batch
-from microbatch.split import plan_split
+from microbatch.batch import Batch
+from microbatch.forward import micro_batch_inputs, run_schedule
+from microbatch.planning.split import plan_split
 from overlap.multirank import run_ranks
 
 pytestmark = pytest.mark.spawns_ranks

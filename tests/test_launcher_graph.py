@@ -4,9 +4,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from launch.model import Batch, build_model, preset
-from microbatch import MODES
+from launch.models import build_model, preset
 from launch.runner import graph_prefill, make_capacity_expert_parallel, plan_for, prefill
+from microbatch import MODES
+from microbatch.batch import Batch
 from overlap.multirank import run_ranks
 
 pytestmark = pytest.mark.spawns_ranks

@@ -1,4 +1,4 @@
-"""`launch/prefill.py --model NAME|PATH` and `bench_pipeline --model NAME` on transformers MoE models (no downloads)."""
+"""`launch/prefill.py --model NAME|PATH` and `launch.bench.pipeline --model NAME` on transformers MoE models (no downloads)."""
 import json
 import os
 import re
@@ -34,7 +34,7 @@ def test_two_ranks_expert_parallel_with_kv_offload_and_overrides(tmp_path):
 
 
 def _checkpoint(folder, model_type="qwen2_moe"):
-    code = ("from launch.transformers_model import build_transformers_model\n"
+    code = ("from launch.models.families import build_transformers_model\n"
             f"build_transformers_model({model_type!r}, seed=5).hf.save_pretrained({str(folder)!r}, "
             "max_shard_size='200KB')\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
@@ -144,7 +144,7 @@ def test_a_family_that_cannot_cut_a_request_says_so():
 
 
 def test_the_pipeline_benchmark_runs_a_family():
-    proc = subprocess.run([sys.executable, "-m", "launch.bench_pipeline", "--model", "mixtral", "--preset", "tiny",
+    proc = subprocess.run([sys.executable, "-m", "launch.bench.pipeline", "--model", "mixtral", "--preset", "tiny",
                            "--batch", "2", "--seq-len", "16", "--warmup", "0", "--iters", "1"], cwd=ROOT,
                           env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -235,7 +235,7 @@ def test_a_speedup_above_the_ideal_is_said_in_words(one_rank):
 
 
 def test_a_speedup_its_hidden_communication_cannot_explain_is_said_in_words(one_rank):
-    # bench_pipeline's case: 16% of a 25% share hidden explains 1/(1 - 0.04) = 1.04x, not 1.26x
+    # launch.bench.pipeline's case: 16% of a 25% share hidden explains 1/(1 - 0.04) = 1.04x, not 1.26x
     assert explained_speedup(0.16, 0.25) == pytest.approx(1 / 0.96)
     assert explained_speedup(1.0, 1.0) == float("inf") and explained_speedup(0.0, 0.4) == 1.0
     results = _compared([1.26] * 3, {"two-batch": ([1.0] * 3, 0.16)})
@@ -324,7 +324,7 @@ def test_measure_interleaves_rounds_and_records_every_timed_round():
 
 
 def test_the_pipeline_benchmarks_verdict_says_when_it_is_noise(one_rank):
-    from launch.bench_pipeline import verdict
+    from launch.bench.pipeline import verdict
 
     serial, two = _compared([0.8, 0.9, 1.0, 1.1, 1.2], {"two-batch": ([0.95] * 5, 0.5)})
     assert verdict({"serial": serial, "two-batch": two}) == \

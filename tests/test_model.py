@@ -10,10 +10,11 @@ import dataclasses
 import pytest
 import torch
 
-from launch.model import K, PREFIX_KV, PRESETS, SEQ, V, Batch, build_model, preset
+from launch.models import PRESETS, build_model, preset
 from microbatch import HIDDEN, OUT
+from microbatch.batch import K, PREFIX_KV, SEQ, V, Batch, SeqInfo
 from microbatch.operations import State
-from microbatch.split import SeqInfo, plan_split
+from microbatch.planning.split import plan_split, split_batch
 from overlap.multirank import run_ranks
 
 TINY = PRESETS["tiny"]
@@ -48,6 +49,13 @@ def _weights_checksum(ctx):
 def test_weights_are_the_same_on_every_rank(model):
     local = [float(p.double().sum()) for p in model.parameters()]
     assert run_ranks(_weights_checksum, 2, timeout=60) == [local, local]
+
+
+def test_the_model_offers_what_the_forward_needs(model):
+    from microbatch import ForwardModel
+
+    assert isinstance(model, ForwardModel)
+    assert not isinstance(model.layers[0], ForwardModel)  # a layer has no embedding: the check can fail
 
 
 def test_presets_and_parameter_count():
@@ -102,17 +110,17 @@ def test_micro_batches_match_the_whole_batch(model, lens, cut):
 
 def test_cut_request_needs_its_prefix(model):
     plan = plan_split([41], min_tokens=4)
-    b0, b1 = Batch.random([41], TINY.vocab).split(plan)
+    b0, b1 = split_batch(Batch.random([41], TINY.vocab), plan)
     hidden = model.embed_tokens(b1.tokens)
     with pytest.raises(ValueError, match="prefix"):
         model.layers[0].run(hidden, b1.seq, None)
 
 
 def test_one_token_batch_runs_serially(model, caplog):
-    from microbatch.split import agree_split
+    from microbatch.planning.split import agree_split
 
     plan = plan_split([1])
-    with caplog.at_level("INFO", logger="microbatch.split"):
+    with caplog.at_level("INFO", logger="microbatch.planning.split"):
         plan = agree_split(plan)
     assert plan.serial and "1 token" in caplog.text
     batch = Batch.random([1], TINY.vocab, seed=5)
@@ -183,7 +191,7 @@ def test_layer_operations_run_by_hand_match_run(model):
 
 def _ep_body(ctx, per_rank_lens):
     from collectives import wrap_expert_parallel
-    from microbatch.split import decide_split
+    from microbatch.planning.split import decide_split
 
     lens = per_rank_lens[ctx.rank]
     batch = Batch.random(lens, TINY.vocab, seed=10 + ctx.rank)
@@ -210,7 +218,7 @@ def test_expert_parallel_moe_plugs_in():
 @pytest.mark.parametrize("lens", [[41], [6, 3, 8, 5, 7, 4, 6, 5], [1]])
 def test_pipeline_executor_runs_the_layers(model, lens):
     """The layers' operations under the two-batch schedule give the whole-batch result."""
-    from launch.runner import run_schedule
+    from microbatch.forward import run_schedule
     from microbatch import serial, two_batch
 
     plan = plan_split(lens, min_tokens=4)

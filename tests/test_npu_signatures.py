@@ -29,7 +29,7 @@ ALLOW = {
     ("overlap/backends/device.py", "DeviceBackend.mod", "getattr(torch, self.device_type)"):
         (("torch.npu",), "torch.cuda or torch.npu by the backend's device type (same stream / event API); "
                          "the CUDA side is torch's own"),
-    ("launch/calibrate.py", "_device_name", "getattr(torch, backend.device_type, None)"):
+    ("microbatch/planning/calibration.py", "_device_name", "getattr(torch, backend.device_type, None)"):
         (("torch.npu",), "the device module of the current backend, for get_device_name"),
     ("launch/memory.py", "available", "getattr(torch, device.type)"):
         (("torch.npu",), "the device module of the rank's device, for mem_get_info"),

@@ -639,7 +639,7 @@ def test_timeline_shows_copies_under_compute():
 def test_benchmark_runs_and_prints_both_modes():
     from click.testing import CliRunner
 
-    from launch.bench_offload import main
+    from launch.bench.offload import main
 
     res = CliRunner().invoke(main, ["--layers", "2", "--tokens", "32", "--hidden", "32", "--heads", "2",
                                     "--head-dim", "8", "--repeats", "1"])
@@ -649,8 +649,8 @@ def test_benchmark_runs_and_prints_both_modes():
 
 
 def test_reference_model_kv_sink_is_offload():
-    from launch.model import Batch, build_model
-    from launch.presets import preset
+    from launch.models import build_model, preset
+    from microbatch.batch import Batch
 
     cfg = preset("tiny")
     model, batch = build_model(cfg), Batch.random([20, 12], cfg.vocab)

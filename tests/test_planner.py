@@ -7,8 +7,7 @@ import sys
 import pytest
 
 import microbatch
-from launch.planner import choose
-from microbatch.simulate import CostModel, Interconnect, Linear, OpCost, Transfer
+from microbatch.planning import CostModel, Interconnect, Linear, OpCost, Transfer, choose
 from overlap.multirank import run_ranks
 
 from _ports import free_port
@@ -72,11 +71,12 @@ def test_a_choices_split_reason_says_its_split_once():
 
 def _decide_and_run(ctx, lens):
     import overlap
-    from launch.calibrate import calibrate
+    from microbatch.planning import calibrate
     from launch.measure import measure
-    from launch.model import Batch, build_model, preset
-    from launch.planner import gather_lens
+    from launch.models import build_model, preset
     from launch.runner import make_expert_parallel
+    from microbatch.batch import Batch
+    from microbatch.planning import gather_lens
 
     overlap.set_link(overlap.Link(0.05))
     model = make_expert_parallel(build_model(preset("tiny"), seed=3), ctx.group)
@@ -141,7 +141,7 @@ def test_auto_in_a_mode_list_says_whether_its_calibration_is_cached(tmp_path):
 @pytest.mark.spawns_ranks
 def test_the_planning_benchmark_runs_at_a_tiny_size(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT, OVERLAP_CALIBRATION_CACHE=str(tmp_path))
-    proc = subprocess.run([sys.executable, "-m", "launch.bench_plan", "--preset", "tiny", "--tokens", "48",
+    proc = subprocess.run([sys.executable, "-m", "launch.bench.plan", "--preset", "tiny", "--tokens", "48",
                            "--links", "0.1", "--warmup", "0", "--iters", "1", "--min-seconds", "0", "--repeats", "2"], capture_output=True, text=True,
                           timeout=300, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -151,7 +151,7 @@ def test_the_planning_benchmark_runs_at_a_tiny_size(tmp_path):
 
 
 def _point(tokens, link, times, same_as=None, predicted=None):
-    """A benchmark point as `launch.bench_plan._point` returns it: measured (and predicted) ms per mode."""
+    """A benchmark point as `launch.bench.plan._point` returns it: measured (and predicted) ms per mode."""
     predicted = predicted or times
     rows = [(m, times[m] / 1e3, predicted[m] / 1e3, (times[m] / 1e3, times[m] / 1e3)) for m in times]
     return {"tokens": tokens, "link": link, "choice": same_as or "two-batch", "comm_share": 0.4, "rounds": 5,
@@ -159,7 +159,7 @@ def _point(tokens, link, times, same_as=None, predicted=None):
 
 
 def test_the_planning_benchmark_judges_auto_by_the_schedule_it_ran():
-    from launch.bench_plan import _report
+    from launch.bench.plan import _report
 
     modes = dict(serial=100.0, shared=90.0, **{"two-batch": 95.0, "three-batch": 120.0, "four-batch": 130.0})
     # auto ran shared's schedule and split: its own rounds were 10% slower, a second sample of the same schedule

@@ -7,9 +7,11 @@ import torch
 
 import microbatch
 import overlap
-from launch.model import Batch, build_model, preset
+from launch.models import build_model, preset
+from launch.runner import layer_operations, make_expert_parallel, plan_for, prefill
 from microbatch import MODES
-from launch.runner import layer_operations, make_expert_parallel, plan_for, prefill, run_schedule
+from microbatch.batch import Batch
+from microbatch.forward import run_schedule
 from overlap.multirank import run_ranks
 from overlap.observability.timeline import intersects
 
@@ -223,9 +225,9 @@ def test_offloaded_cache_equals_the_keys_and_values_of_a_plain_run(world):
 
 
 def _continue_from_offloaded_prefix(ctx):
-    from launch.model import Batch as B
-    from launch.runner import continue_prefill, serial_plan
-    from microbatch.split import SeqInfo
+    from launch.runner import continue_prefill
+    from microbatch.batch import Batch as B, SeqInfo
+    from microbatch.forward import serial_plan
     from overlap import OffloadCache
 
     full = Batch.random([30, 20], CFG.vocab, seed=7 + ctx.rank)
@@ -254,7 +256,7 @@ def test_continuing_a_prefill_from_an_offloaded_prefix_equals_one_prefill(world)
 
 def test_continuing_needs_the_prefix_the_cache_holds():
     from launch.runner import continue_prefill
-    from microbatch.split import SeqInfo
+    from microbatch.batch import SeqInfo
     from overlap import OffloadCache
 
     model = build_model(CFG, seed=5)

@@ -5,7 +5,7 @@ import pytest
 
 from microbatch import (CostModel, Interconnect, Linear, OpCost, Operation, Schedule, ScheduledOp, Transfer, lower,
                         predict, serial, simulate, validate)
-from microbatch.simulate import cross_stream_edges, placeholder_inputs
+from microbatch.planning.simulation import cross_stream_edges, placeholder_inputs
 from overlap import DEFAULT, EP_COMM, SHARED_EXPERT
 from overlap.observability.timeline import intersects
 

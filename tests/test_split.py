@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import overlap
-from microbatch.split import (SeqInfo, SplitPlan, agree_split, decide_split, merge_outputs, micro_batches,
+from microbatch.batch import SeqInfo
+from microbatch.planning.split import (SplitPlan, agree_split, decide_split, merge_outputs, micro_batches,
                               plan_split, prefix_kv, prefix_sources, split_tokens)
 from overlap.multirank import run_ranks
 
@@ -114,7 +115,7 @@ def test_seq_info():
 
 def test_agree_without_process_group_keeps_the_plan(caplog):
     plan = plan_split([1])
-    with caplog.at_level("INFO", logger="microbatch.split"):
+    with caplog.at_level("INFO", logger="microbatch.planning.split"):
         assert agree_split(plan) == plan
     assert "1 token" in caplog.text
 
@@ -196,7 +197,7 @@ def test_ranks_agree_when_one_rank_cannot_split_without_a_cut():
 
 
 def _one_rank_has_bad_input(ctx):
-    from microbatch.split import decide_split
+    from microbatch.planning.split import decide_split
 
     lens = [-3, 5] if ctx.rank == 1 else [20, 20]
     try:

@@ -17,15 +17,16 @@ import pytest
 import torch
 
 import overlap
-from launch.model import Batch
-from launch.runner import continue_prefill, layer_operations, make_expert_parallel, plan_for, prefill, serial_plan
+from launch.runner import continue_prefill, layer_operations, make_expert_parallel, plan_for, prefill
 from microbatch import MODES
-from microbatch.split import SeqInfo, plan_split
+from microbatch.batch import Batch, SeqInfo
+from microbatch.forward import serial_plan
+from microbatch.planning.split import plan_split
 from overlap.multirank import run_ranks
 
 transformers = pytest.importorskip("transformers")
-from launch.transformers_model import (adapt, build_transformers_model, check_family, is_moe_config,  # noqa: E402
-                                       moe_families, small_config)
+from launch.models import (adapt, build_transformers_model, check_family, is_moe_config,  # noqa: E402
+                           moe_families, small_config)
 
 pytestmark = pytest.mark.cpu_only
 
@@ -244,7 +245,10 @@ def test_continuing_from_an_offloaded_prefix_equals_the_whole_prefill():
 
 
 def test_micro_batches_layer_by_layer_equal_the_models_own_forward():
+    from microbatch import ForwardModel
+
     model = build_transformers_model("qwen2_moe", seed=SEED)
+    assert isinstance(model, ForwardModel)  # the adapter offers what microbatch.forward needs of a model
     batch = Batch.random([3, 17, 2], model.cfg.vocab, seed=8)
     plan = plan_split(batch.seq.seq_lens, **SPLIT)
     assert plan.cut is not None
@@ -340,7 +344,7 @@ def test_adapt_refuses_a_model_whose_layers_do_more_than_the_adapter_runs():
 
 
 def test_the_package_imports_without_transformers():
-    code = ("import sys, launch.transformers_model, launch.runner, collectives, microbatch\n"
+    code = ("import sys, launch.models, launch.runner, collectives, microbatch\n"
             "assert 'transformers' not in sys.modules\n")
     env = dict(os.environ, PYTHONPATH=ROOT)
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)

@@ -6,7 +6,7 @@ Prints, per rank or device: busy time per stream, overlap per pair of streams, o
 with a verdict (>= 0.5 real overlap, <= 0.05 serialized) and the hidden share of communication
 (the launcher's "hidden comm"), all as `overlap.observability._intervals` defines them.
 
-With ``--plan PREDICTED`` (a trace written from `microbatch.simulate`'s prediction) it compares
+With ``--plan PREDICTED`` (a trace written from `microbatch.planning.simulation`'s prediction) it compares
 instead: per operation the measured and the planned duration and start, and the operations that
 drift most from the plan (`overlap.observability._compare`). A plan that is not one (a measured
 trace), or of another schedule than the measured trace, is refused.

@@ -1,11 +1,11 @@
 """A Hugging Face transformers MoE causal LM as the toolkit's model: the same schedules, EP and KV offload.
 
-`build_transformers_model` makes a small model of a family (``deepseek_v3``, ``qwen3_moe``,
-``gpt_oss``, ``llama4_text``, ``longcat_flash``, ...) with seeded weights; `adapt` wraps a model the
-user already has; `check_family` says, before any process group exists, whether the adapter runs a
-config's family (`refused_families` walks every MoE family of the installed transformers). The
-adapter (`TransformersModel`) offers what `launch.runner` needs of `launch.model.Model`, with the
-same value names, and runs each decoder layer with the family's own modules, found by their parts:
+`from_config` builds the model of a family's config (``deepseek_v3``, ``qwen3_moe``, ``gpt_oss``,
+``llama4_text``, ``longcat_flash``, ...) with seeded weights and adapts it; `adapt` wraps a model
+the user already has. Which families it runs, and their configs made small, are
+`launch.models.families`. The adapter (`TransformersModel`) offers what `launch.runner` needs of
+`launch.models.reference.Model`, with the same value names (`microbatch.batch`), and runs each
+decoder layer with the family's own modules, found by their parts:
 
 ``attn``      input norm, then per request (batch 1, positions after the request's prefix) the
               family's attention module with its rotary embeddings (if it has any) and an explicit
@@ -36,8 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import re
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -45,50 +44,20 @@ from torch import nn
 import overlap
 from collectives import MOE_IN, MOE_OUT
 from microbatch import HIDDEN, OUT, Operation, State, as_operation
-from microbatch.split import SeqInfo, SplitPlan
+from microbatch.batch import K, PREFIX_KV, SEQ, V, Batch, SeqInfo
+from microbatch.planning.split import SplitPlan
 from overlap import EP_COMM
 
-from .model import K, PREFIX_KV, SEQ, V, Batch, _param_seed, forward_layer_by_layer
+from .reference import forward_layer_by_layer, param_seed
 
-__all__ = ["FAMILIES", "ShortcutLayer", "TransformersConfig", "TransformersLayer", "TransformersModel", "adapt",
-           "build_transformers_model", "causal_mask", "check_family", "from_config", "is_moe_config",
-           "moe_families", "refused_families", "seed_weights", "small_config"]
+__all__ = ["EXPERT_COUNTS", "SHARED_COUNTS", "ShortcutLayer", "TransformersConfig", "TransformersLayer",
+           "TransformersModel", "adapt", "attention_for", "causal_mask", "first_field", "from_config", "one_line",
+           "seed_weights"]
 
 KV = Tuple[torch.Tensor, torch.Tensor]
 
-_COMMON = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
-               moe_intermediate_size=32, vocab_size=128, num_experts_per_tok=2, max_position_embeddings=512,
-               num_hidden_layers=2)
-
-# Per family: the config fields that make it small on the CPU (every family gets 8 experts, top-2).
-FAMILIES: Dict[str, Dict[str, Any]] = {
-    "deepseek_v3": dict(_COMMON, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
-                        qk_nope_head_dim=16, v_head_dim=16, n_group=2, topk_group=1, n_shared_experts=1,
-                        num_hidden_layers=3, first_k_dense_replace=1),
-    "glm4_moe": dict(_COMMON, head_dim=16, use_qk_norm=True, n_group=1, topk_group=1, n_shared_experts=1,
-                     num_hidden_layers=3, first_k_dense_replace=1),
-    "qwen3_moe": dict(_COMMON, head_dim=16),
-    "qwen2_moe": dict(_COMMON, shared_expert_intermediate_size=32),
-    "mixtral": dict(_COMMON),
-    "qwen3_next": dict(_COMMON, head_dim=16, shared_expert_intermediate_size=32, full_attention_interval=2,
-                       linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-                       linear_value_head_dim=8),
-    "gpt_oss": dict(_COMMON, head_dim=16, sliding_window=8),  # layers alternate sliding (8 tokens) and full
-    "llama4_text": dict(_COMMON, head_dim=16, attention_chunk_size=8, interleave_moe_layer_step=1),
-}
-# Sizes of a full-size model under other names, made small wherever a family's config has them (after
-# _COMMON, before FAMILIES); a field whose default is None (no such part) stays None.
-_SMALL_IF_PRESENT = dict(
-    q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
-    intermediate_size_mlp=96, shared_intermediate_size=32, shared_expert_intermediate_size=32,
-    shared_experts_intermediate_size=32, moe_shared_expert_intermediate_size=32, ffn_hidden_size=96,
-    expert_ffn_hidden_size=32, vocab_size_per_layer_input=128, hidden_size_per_layer_input=16,
-    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
-    n_group=1, topk_group=1, num_expert_group=1)
-_N_EXPERTS = ("n_routed_experts", "num_local_experts", "num_experts", "moe_num_experts")
-_IDENTITY_EXPERTS = ("zero_expert_num",)  # zero-compute experts beside the routed ones: half as many (LongCat-Flash)
-_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
-_OVERRIDES = ("n_layers", "n_dense_layers", "hidden", "n_experts", "top_k", "n_shared")
+EXPERT_COUNTS = ("n_routed_experts", "num_local_experts", "num_experts", "moe_num_experts")  # routed experts' count
+SHARED_COUNTS = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")  # shared experts' count
 _ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
 _MIXERS = ("linear_attn", "mamba")  # token mixers other than attention, called as mixer(hidden_states=x)
 _NORMS = ("input_layernorm", "post_attention_layernorm")  # LongCat-Flash's, two of each
@@ -99,188 +68,19 @@ _FINAL_NORMS = ("norm", "final_layernorm", "norm_f", "final_norm")  # the model'
 _FFNS = ("mlp", "feed_forward", "block_sparse_moe")  # the layer's feed-forward block, one of these
 _BESIDE = ("shared_mlp",)  # a shared MLP the layer adds beside its routed block (Granite-MoE-Shared)
 _MODEL_PARTS = ("embed_tokens", "layers")
-_PROBE_LAYERS = 4  # `check_family` builds at most this many layers
 
 
-# --- the family's config --------------------------------------------------------------------------
+# --- reading a config ------------------------------------------------------------------------------
 
-def _has(config: Any, name: str) -> bool:
-    """``hasattr``, where a config's own accessor may raise anything (a per-layer field read globally: it has it)."""
-    try:
-        return hasattr(config, name)
-    except Exception:  # noqa: BLE001
-        return True
-
-
-def _first_field(config: Any, names: Sequence[str]) -> Optional[str]:
+def first_field(config: Any, names: Sequence[str]) -> Optional[str]:
+    """The first of ``names`` that ``config`` has (families name one thing differently), or None."""
     return next((n for n in names if hasattr(config, n)), None)
 
 
-def _layers_field(base: Any) -> str:
-    """The family's field for its decoder layers (LongCat-Flash derives ``num_hidden_layers`` from ``num_layers``)."""
-    saved = base.to_dict()
-    if "num_hidden_layers" not in saved:
-        return next((n for n in ("num_layers", "n_layers", "n_layer") if n in saved), "num_hidden_layers")
-    return "num_hidden_layers"
-
-
-def _override_fields(base: Any, overrides: Mapping[str, Any], expert_ffn: int) -> Dict[str, Any]:
-    """The toolkit's override names in the family's own field names (``base``: its default config)."""
-    unknown = sorted(set(overrides) - set(_OVERRIDES))
-    if unknown:
-        raise ValueError(f"unknown overrides {unknown}; known: {list(_OVERRIDES)}")
-    out: Dict[str, Any] = {}
-    simple = {"n_layers": _layers_field(base), "hidden": "hidden_size", "top_k": "num_experts_per_tok",
-              "n_experts": _first_field(base, _N_EXPERTS)}
-    for name, field in simple.items():
-        if name in overrides and field is None:
-            raise ValueError(f"{base.model_type} has no expert count field ({', '.join(_N_EXPERTS)})")
-        if name in overrides:
-            out[field] = int(overrides[name])
-    if "n_dense_layers" in overrides:
-        out.update(_dense_fields(base, int(overrides["n_dense_layers"])))
-    if "n_shared" in overrides:
-        out.update(_shared_fields(base, int(overrides["n_shared"]), expert_ffn))
-    return out
-
-
-def _dense_fields(base: Any, n: int) -> Dict[str, Any]:
-    if hasattr(base, "first_k_dense_replace"):
-        return {"first_k_dense_replace": n}
-    if hasattr(base, "mlp_only_layers"):
-        return {"mlp_only_layers": list(range(n))}
-    if n:
-        raise ValueError(f"{base.model_type} has no dense layers (n_dense_layers must be 0)")
-    return {}
-
-
-_SHARED_COUNTS = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")
-
-
-def _shared_fields(base: Any, n: int, expert_ffn: int) -> Dict[str, Any]:
-    field = _first_field(base, _SHARED_COUNTS)
-    if field is not None:
-        return {field: n}
-    for field in ("shared_expert_intermediate_size", "shared_intermediate_size"):
-        if hasattr(base, field):
-            if n < 1 and field == "shared_expert_intermediate_size":  # the family always builds its shared expert
-                raise ValueError(f"{base.model_type} has one gated shared expert; n_shared sets its size and must "
-                                 f"be >= 1")
-            return {field: n * expert_ffn}
-    if n:
-        raise ValueError(f"{base.model_type} has no shared experts (n_shared must be 0)")
-    return {}
-
-
-def _small_fields(base: Any, model_type: str) -> Dict[str, Any]:
-    """`_COMMON`, then the sizes of `_SMALL_IF_PRESENT` the family has, then the family's own `FAMILIES` entry."""
-    saved = base.to_dict()
-    # only the fields the family has: a dense family gets no expert fields (the launcher then says it has no experts)
-    small = {k: v for k, v in _COMMON.items() if k != "num_hidden_layers" and (k in saved or _has(base, k))}
-    small[_layers_field(base)] = _COMMON["num_hidden_layers"]
-    small.update({k: v for k, v in _SMALL_IF_PRESENT.items() if saved.get(k) is not None})
-    top_k = saved.get("num_experts_per_tok", getattr(base, "num_experts_per_tok", None))
-    if isinstance(top_k, int) and 0 < top_k < small.get("num_experts_per_tok", 0):
-        small["num_experts_per_tok"] = top_k  # a family built for fewer (ZAYA takes top-1 only)
-    small.update(FAMILIES.get(model_type, {}))
-    experts = _first_field(base, _N_EXPERTS)
-    if experts is not None:
-        small[experts] = 8
-    return small
-
-
-def _fill_unset(base: Any, fields: Dict[str, Any], overrides: Mapping[str, Any]) -> Dict[str, Any]:
-    """Fields the family's default config leaves unset (None) but its model needs, from the overrides or a
-    sensible default, and the small model's consistency: MLA attention (``kv_lora_rank``) has as many
-    key / value heads as heads, identity experts are half the routed ones, token ids fit the vocabulary,
-    an unset ``head_dim`` is ``hidden / heads``, sizes the default derives from others (MLA's rotary
-    ``head_dim`` and ``qk_head_dim``) follow them, and the default's leading dense layers leave at least
-    one MoE layer (unless ``n_dense_layers`` says otherwise)."""
-    saved = base.to_dict()
-    out = dict(fields)
-    get = lambda name: out.get(name, saved.get(name))  # noqa: E731
-    if "n_shared_experts" in saved and get("n_shared_experts") is None:
-        out["n_shared_experts"] = int(overrides.get("n_shared", 1))
-    if "head_dim" in saved and get("head_dim") is None and get("num_attention_heads"):
-        out["head_dim"] = int(get("hidden_size")) // int(get("num_attention_heads"))
-    if saved.get("kv_lora_rank") is not None and "num_key_value_heads" in saved:
-        out["num_key_value_heads"] = get("num_attention_heads")
-    rope, nope = saved.get("qk_rope_head_dim"), saved.get("qk_nope_head_dim")
-    if rope is not None and saved.get("head_dim") == rope:  # the rotary part's size, under another name
-        out["head_dim"] = get("qk_rope_head_dim")
-    if rope is not None and nope is not None and saved.get("qk_head_dim") == rope + nope:
-        out["qk_head_dim"] = get("qk_rope_head_dim") + get("qk_nope_head_dim")
-    experts = _first_field(base, _N_EXPERTS)
-    layers = get(_layers_field(base))
-    if "n_dense_layers" not in overrides and isinstance(layers, int) and layers > 0:
-        # the family's leading dense layers (a full-size default), cut to leave a MoE layer in the small model
-        dense = get("first_k_dense_replace")
-        if isinstance(dense, int) and dense >= layers:
-            out["first_k_dense_replace"] = layers - 1
-        only = get("mlp_only_layers")
-        if isinstance(only, (list, tuple)) and any(isinstance(i, int) and i >= layers - 1 for i in only):
-            out["mlp_only_layers"] = [i for i in only if isinstance(i, int) and i < layers - 1]
-    for field in _IDENTITY_EXPERTS:
-        if saved.get(field) and experts is not None:
-            out[field] = max(1, int(get(experts)) // 2)
-    vocab = get("vocab_size")
-    for field in _TOKEN_IDS:
-        value = get(field)
-        if isinstance(value, int) and isinstance(vocab, int) and not 0 <= value < vocab:
-            out[field] = None
-    return out
-
-
-def small_config(model_type: str, overrides: Optional[Mapping[str, Any]] = None, **fields: Any) -> Any:
-    """The family's config made small for the CPU, then ``overrides`` (toolkit names) and ``fields`` (its own).
-
-    A field the family's default leaves unset (None) gets a value from the overrides or a sensible
-    default (`_fill_unset`), so that its model can be built.
-    """
-    from transformers import AutoConfig
-
-    overrides = dict(overrides or {})
-    base = AutoConfig.for_model(model_type)
-    small = _small_fields(base, model_type)
-    expert_ffn = fields.get("moe_intermediate_size",
-                            small.get("moe_intermediate_size", _COMMON["moe_intermediate_size"]))
-    chosen = {**small, **_override_fields(base, overrides, expert_ffn), **fields}
-    return AutoConfig.for_model(model_type, **_fill_unset(base, chosen, overrides))
-
-
-def is_moe_config(config: Any) -> bool:
-    """Whether a transformers config describes a mixture of experts: it has a routed-expert count field
-    (``num_experts``, ``n_routed_experts``, ``num_local_experts``, ``moe_num_experts``, ... : a name ending in
-    ``experts`` that is not about shared experts, nor per token) holding a number, or left unset."""
-    for name, value in config.to_dict().items():
-        if re.search(r"(^|_)experts$", name) and "shared" not in name and "per_tok" not in name \
-                and (value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0)):
-            return True
-    return False
-
-
-def moe_families() -> List[str]:
-    """Every causal-LM model type of the installed transformers (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``) whose
-    default config is a MoE (`is_moe_config`): those ``--model NAME`` may name (`check_family` refuses any
-    other model type in one line, without building it)."""
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    out = []
-    for model_type in sorted(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) & set(CONFIG_MAPPING_NAMES)):
-        try:
-            moe = is_moe_config(_default_config(model_type))
-        except Exception:  # noqa: BLE001 (its default config does not build: no family to bring)
-            continue
-        if moe:
-            out.append(model_type)
-    return out
-
-
-def _default_config(model_type: str) -> Any:
-    from transformers import AutoConfig
-
-    return AutoConfig.for_model(model_type)
+def one_line(exc: BaseException) -> str:
+    """The exception as one line: its type and message, lines joined (transformers puts the reason on the second)."""
+    text = " ".join(line.strip() for line in str(exc).strip().splitlines() if line.strip())
+    return f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__
 
 
 # --- weights ----------------------------------------------------------------------------------------
@@ -294,7 +94,7 @@ def seed_weights(model: nn.Module, seed: int) -> None:
     """
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     for name, param in model.named_parameters():
-        gen = torch.Generator().manual_seed(_param_seed(seed, name))
+        gen = torch.Generator().manual_seed(param_seed(seed, name))
         noise = torch.randn(param.shape, generator=gen)
         if id(param) in embeddings:
             values = noise
@@ -307,23 +107,11 @@ def seed_weights(model: nn.Module, seed: int) -> None:
         param.copy_(values)
     for name, buf in model.named_buffers():
         if name.endswith("correction_bias") and buf.is_floating_point():
-            gen = torch.Generator().manual_seed(_param_seed(seed, name))
+            gen = torch.Generator().manual_seed(param_seed(seed, name))
             buf.copy_(torch.randn(buf.shape, generator=gen) * 0.1)
 
 
-def build_transformers_model(model_type: str, *, seed: int = 0, dtype: torch.dtype = torch.float32,
-                             device: Any = "cpu", overrides: Optional[Mapping[str, Any]] = None,
-                             attn_implementation: str = "sdpa", **fields: Any) -> "TransformersModel":
-    """A small ``model_type`` causal LM with weights from ``seed`` (the same on every rank), adapted.
-
-    ``overrides`` take the toolkit's names (``n_layers``, ``n_dense_layers``, ``hidden``,
-    ``n_experts``, ``top_k``, ``n_shared``); ``fields`` set the family's own config fields.
-    """
-    return from_config(small_config(model_type, overrides, **fields), seed=seed, dtype=dtype, device=device,
-                       attn_implementation=attn_implementation)
-
-
-def _attention_for(config: Any, asked: str) -> str:
+def attention_for(config: Any, asked: str) -> str:
     """``asked`` (``sdpa`` or ``eager``), or ``eager`` for a family without scaled-dot-product attention (gpt-oss's
     sinks): both take the adapter's explicit masks."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
@@ -339,7 +127,7 @@ def _build(config: Any, dtype: torch.dtype, attn_implementation: str) -> nn.Modu
 
     with torch.random.fork_rng(devices=[]):  # from_config draws its own init: leave the caller's RNG alone
         return AutoModelForCausalLM.from_config(config, dtype=dtype,
-                                                attn_implementation=_attention_for(config, attn_implementation))
+                                                attn_implementation=attention_for(config, attn_implementation))
 
 
 def from_config(config: Any, *, seed: int = 0, dtype: torch.dtype = torch.float32, device: Any = "cpu",
@@ -462,7 +250,7 @@ class _Attention:
             return self.rotary(x, pos, layer_type=self.kind) if self.typed_rotary else self.rotary(x, pos)
         except Exception as err:  # noqa: BLE001 (the family's own code: say which part the adapter drives wrong)
             raise TypeError(f"layer {self.layer}: the model's rotary embedding does not take a {self.kind} layer as "
-                            f"the adapter calls it ({_one_line(err)})") from err
+                            f"the adapter calls it ({one_line(err)})") from err
 
     def attend(self, x: torch.Tensor, n_prefix: int, prefix: Optional[KV]) -> Tuple[torch.Tensor, torch.Tensor,
                                                                                       torch.Tensor]:
@@ -839,7 +627,7 @@ class TransformersConfig:
 
 
 def _n_shared(config: Any) -> int:
-    field = _first_field(config, _SHARED_COUNTS)
+    field = first_field(config, SHARED_COUNTS)
     if field is not None:
         return int(getattr(config, field) or 0)
     size = next((getattr(config, f, 0) for f in ("shared_expert_intermediate_size", "shared_intermediate_size")
@@ -848,7 +636,7 @@ def _n_shared(config: Any) -> int:
 
 
 class TransformersModel(nn.Module):
-    """A transformers causal LM seen as `launch.model.Model`: ``embed_tokens``, ``layers``, ``norm``, ops.
+    """A transformers causal LM seen as `reference.Model`: ``embed_tokens``, ``layers``, ``norm``, ops.
 
     ``hf`` is the model itself (its MoE blocks stay in place for `reference`); `replace_moe` swaps
     the adapter's blocks only. ``no_cut_reason`` is None when a cut request's later parts can attend
@@ -887,7 +675,7 @@ class TransformersModel(nn.Module):
         weight = self.hf.model.embed_tokens.weight
         shapes = [layer.probe_kv_shapes(weight.dtype, weight.device, c.hidden_size) for layer in attention]
         k_shape, v_shape = shapes[0] if shapes else ((), ())
-        experts = _first_field(c, _N_EXPERTS)
+        experts = first_field(c, EXPERT_COUNTS)
         return TransformersConfig(
             model_type=c.model_type, vocab=c.vocab_size, n_layers=len(self.layers), hidden=c.hidden_size,
             n_heads=c.num_attention_heads, n_experts=int(getattr(c, experts, 0) or 0) if experts else 0,
@@ -937,7 +725,7 @@ class TransformersModel(nn.Module):
 
     @torch.no_grad()
     def forward_microbatches(self, batch: Batch, plan: SplitPlan) -> torch.Tensor:
-        """The plan's micro-batches layer by layer, without overlap (see `launch.model.Model.forward_microbatches`)."""
+        """The plan's micro-batches layer by layer, without overlap (see `reference.Model.forward_microbatches`)."""
         if plan.cut and self.no_cut_reason:
             raise ValueError(f"the plan cuts a request, but {self.no_cut_reason}")
         return forward_layer_by_layer(self, batch, plan)
@@ -991,94 +779,3 @@ class TransformersModel(nn.Module):
                 per_layer[i].append(held)
         return {i: (torch.cat([k for k, _ in kv]), torch.cat([v for _, v in kv])) for i, kv in per_layer.items() if kv}
 
-
-# --- which families the adapter runs ---------------------------------------------------------------
-
-def _probe_overrides(overrides: Mapping[str, Any]) -> Dict[str, Any]:
-    """The overrides of a small model of the same structure: the family's small hidden size, at most
-    `_PROBE_LAYERS` layers (the leading dense ones kept where they fit)."""
-    out = {k: v for k, v in overrides.items() if k != "hidden" and v is not None}
-    if int(out.get("n_layers", 0)) > _PROBE_LAYERS:
-        out["n_layers"] = _PROBE_LAYERS
-        if "n_dense_layers" in out:
-            out["n_dense_layers"] = min(int(out["n_dense_layers"]), _PROBE_LAYERS - 1)
-    return out
-
-
-def _check_routing(config: Any) -> None:
-    """Top-k must pick between 1 and the routed experts (else the family's router fails with an unclear error)."""
-    field = _first_field(config, _N_EXPERTS)
-    n, k = (getattr(config, field, None) if field else None), getattr(config, "num_experts_per_tok", None)
-    if isinstance(n, int) and isinstance(k, int) and not 1 <= k <= n:
-        raise ValueError(f"top-k {k} must pick between 1 and the {n} routed experts per token")
-
-
-def _one_line(exc: BaseException) -> str:
-    """The exception as one line: its type and message, lines joined (transformers puts the reason on the second)."""
-    text = " ".join(line.strip() for line in str(exc).strip().splitlines() if line.strip())
-    return f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__
-
-
-@torch.no_grad()
-def _runs_small(config: Any) -> None:
-    """Build ``config``'s model, adapt it (checked against its own forward), make every MoE block expert-parallel
-    on one rank (checked by `collectives.wrap_expert_parallel`'s probe) and prefill two requests: the result
-    must be the model's own forward."""
-    from collectives import wrap_expert_parallel
-
-    model = from_config(config, seed=0)
-    batch = Batch.random([5, 3], model.cfg.vocab, seed=1)
-    want = model.reference(batch)
-    model.replace_moe(lambda layer: wrap_expert_parallel(layer.moe, None))
-    got = model(batch)
-    diff, scale = (got - want).abs().max().item(), want.abs().max().item()
-    if not diff <= 1e-3 * max(scale, 1.0):
-        raise TypeError(f"its expert-parallel layers do not compute its MoE blocks (difference {diff:.3g} at "
-                        f"magnitude {scale:.3g})")
-
-
-def check_family(model_type: str, overrides: Optional[Mapping[str, Any]] = None) -> None:
-    """Whether the adapter runs the MoE family ``model_type`` with ``overrides`` (the toolkit's names), decided
-    before any process group exists: a ValueError of one line naming what it lacks, else None (also for a
-    model type that is no MoE: nothing to check).
-
-    The config with the overrides must build a model (checked on the meta device, at no cost); a small model
-    of the same structure (`_probe_overrides`) must then run through the adapter and the expert-parallel
-    layers on one rank and equal its own forward (`_runs_small`: a second or so on a CPU).
-    """
-    from transformers import AutoModelForCausalLM
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise ValueError(f"{model_type} is not a causal LM AutoModelForCausalLM builds (the text part of a "
-                         f"multimodal model, an encoder-decoder or an encoder): the adapter runs decoder-only causal "
-                         f"LMs")
-    overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
-    try:
-        config = small_config(model_type, overrides)
-    except Exception as exc:  # noqa: BLE001 (transformers' own config errors are not all ValueErrors)
-        raise ValueError(f"the family's config does not take these sizes ({_one_line(exc)})") from None
-    if not is_moe_config(config):
-        return  # not a MoE: the launcher says so in its own words
-    _check_routing(config)
-    try:
-        with torch.device("meta"):
-            AutoModelForCausalLM.from_config(config, attn_implementation=_attention_for(config, "sdpa"))
-    except Exception as exc:  # noqa: BLE001 (any failure of the family's own code is a one-line refusal)
-        raise ValueError(f"the family's model cannot be built from this config ({_one_line(exc)})") from None
-    try:
-        _runs_small(small_config(model_type, _probe_overrides(overrides)))
-    except Exception as exc:  # noqa: BLE001
-        raise ValueError(f"the adapter cannot run {model_type}: {_one_line(exc)}") from None
-
-
-def refused_families(families: Optional[Sequence[str]] = None) -> Dict[str, Optional[str]]:
-    """Per MoE family (default: `moe_families`), None where the adapter runs it, else the one-line reason."""
-    out: Dict[str, Optional[str]] = {}
-    for model_type in moe_families() if families is None else families:
-        try:
-            check_family(model_type)
-            out[model_type] = None
-        except ValueError as exc:
-            out[model_type] = str(exc)
-    return out

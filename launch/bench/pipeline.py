@@ -11,9 +11,9 @@ serial time, the share reported for prefill on NPU clusters. ``--model NAME`` ru
 MoE family instead of the reference decoder, built from its config at the shapes of the preset
 (layers, hidden size, experts, top-k) with random weights. Example::
 
-    python -m launch.bench_pipeline --iters 5
-    python -m launch.bench_pipeline --cpu-link off      # plain loopback gloo
-    python -m launch.bench_pipeline --model qwen3_moe   # a transformers family (needs transformers)
+    python -m launch.bench.pipeline --iters 5
+    python -m launch.bench.pipeline --cpu-link off      # plain loopback gloo
+    python -m launch.bench.pipeline --model qwen3_moe   # a transformers family (needs transformers)
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import os
 import sys
 
 if __package__ in (None, ""):
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from typing import Any, Dict, List, Optional
 
@@ -29,12 +29,12 @@ import click
 
 
 def _build(preset_name: str, model_name: str, seed: int) -> Any:
-    from launch.model import build_model, preset
+    from launch.models import build_model, preset
 
     cfg = preset(preset_name)
     if model_name == "reference":
         return build_model(cfg, seed=seed)
-    from launch.transformers_model import build_transformers_model
+    from launch.models import build_transformers_model
 
     shapes = dict(n_layers=cfg.n_layers, hidden=cfg.hidden, n_experts=cfg.n_experts, top_k=cfg.top_k)
     return build_transformers_model(model_name, seed=seed, overrides=shapes)
@@ -45,8 +45,8 @@ def _rank_body(ctx: Any, preset_name: str, seq_lens: List[int], warmup: int, ite
     import microbatch
     import overlap
     from launch.measure import measure, table
-    from launch.model import Batch
     from launch.runner import make_expert_parallel
+    from microbatch.batch import Batch
 
     overlap.set_link(overlap.parse_link(link) if link else None)
     model = make_expert_parallel(_build(preset_name, model_name, seed), ctx.group)

@@ -23,12 +23,18 @@ between barriers):
 
 Example::
 
-    python -m launch.bench_collectives --tokens 4096 --hidden 1024
+    python -m launch.bench.collectives --tokens 4096 --hidden 1024
 """
 from __future__ import annotations
 
+import os
 import statistics
+import sys
 import time
+
+if __package__ in (None, ""):  # run as a file: the repository's collectives package, not this file, is `collectives`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
 from typing import Any, Callable, Dict, List, Optional
 
 import click

@@ -7,8 +7,9 @@ Serial prefill of it (`Model.forward`) is the reference for every other mode.
 
 Each decoder layer is also a list of operations (`DecoderLayer.operations`) for the pipeline
 executor. A layer reads the executor's ``HIDDEN`` ([tokens, hidden] of one micro-batch) and two
-context values of the micro-batch: ``SEQ``, its `SeqInfo` (request lengths and, for a cut request,
-its prefix length), and ``PREFIX_KV``, ``(k, v)`` of the prefix tokens at this layer or None. It
+context values of the micro-batch (named in `microbatch.batch`): ``SEQ``, its `SeqInfo` (request
+lengths and, for a cut request, its prefix length), and ``PREFIX_KV``, ``(k, v)`` of the prefix
+tokens at this layer or None. It
 writes the executor's ``OUT`` (the layer output) and ``K``, ``V`` ([tokens, heads, head_dim], keys
 after the rotary embedding), for the later micro-batches' prefix and KV offload. In between:
 ``"attn"`` writes ``"resid"``, ``K``, ``V``; ``"ffn_norm"`` writes the MoE's input (``MOE_IN``);
@@ -18,7 +19,6 @@ stages become the layer's MoE operations.
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
@@ -30,49 +30,14 @@ import overlap
 from collectives import MOE_IN, MOE_OUT
 from collectives.reference import MoE, Expert
 from microbatch import HIDDEN, OUT, Operation, State, as_operation
-from microbatch.split import SeqInfo, SplitPlan, merge_outputs, micro_batches, prefix_kv, prefix_sources, split_tokens
+from microbatch.batch import K, PREFIX_KV, SEQ, V, Batch, SeqInfo
+from microbatch.planning.split import SplitPlan, merge_outputs, prefix_kv, prefix_sources, split_batch
 
-from .presets import PRESETS, ModelConfig, preset
+from .presets import ModelConfig
 
-__all__ = ["Batch", "DecoderLayer", "K", "Model", "ModelConfig", "PREFIX_KV", "PRESETS", "RMSNorm", "SEQ", "V",
-           "build_model", "forward_layer_by_layer", "init_weights", "preset"]
-
-SEQ, PREFIX_KV = "seq", "prefix_kv"  # a micro-batch's context values, read by attention at every layer
-K, V = "k", "v"  # a layer's keys and values, written by attention
+__all__ = ["DecoderLayer", "Model", "RMSNorm", "build_model", "forward_layer_by_layer", "init_weights", "param_seed"]
 
 KV = Tuple[torch.Tensor, torch.Tensor]
-
-
-@dataclasses.dataclass(frozen=True)
-class Batch:
-    """Token ids of packed requests ([num_tokens] int64) and their `SeqInfo`."""
-
-    tokens: torch.Tensor
-    seq: SeqInfo
-
-    def __post_init__(self) -> None:
-        if self.tokens.dim() != 1 or self.tokens.shape[0] != self.seq.num_tokens:
-            raise ValueError(f"tokens {tuple(self.tokens.shape)} do not match seq_lens {list(self.seq.seq_lens)} "
-                             f"({self.seq.num_tokens} tokens)")
-
-    @classmethod
-    def random(cls, seq_lens: Sequence[int], vocab: int, seed: int = 0, device: Any = None) -> "Batch":
-        """Random token ids for requests of ``seq_lens`` tokens, deterministic from ``seed``."""
-        seq = SeqInfo.from_lens(seq_lens)
-        gen = torch.Generator().manual_seed(seed)
-        tokens = torch.randint(0, vocab, (seq.num_tokens,), generator=gen)
-        return cls(tokens.to(device) if device is not None else tokens, seq)
-
-    @classmethod
-    def pack(cls, requests: Sequence[torch.Tensor]) -> "Batch":
-        """Pack the token ids of several requests into one batch."""
-        return cls(torch.cat(list(requests)), SeqInfo.from_lens([r.shape[0] for r in requests]))
-
-    def split(self, plan: SplitPlan) -> Tuple["Batch", ...]:
-        """The micro-batches of ``plan`` (two, or N)."""
-        if plan.seq_lens != self.seq.seq_lens:
-            raise ValueError(f"the plan is for seq_lens {list(plan.seq_lens)}, the batch has {list(self.seq.seq_lens)}")
-        return tuple(Batch(t, s) for t, s in zip(split_tokens(plan, self.tokens), micro_batches(plan)))
 
 
 class RMSNorm(nn.Module):
@@ -257,7 +222,7 @@ def forward_layer_by_layer(model: Any, batch: Batch, plan: SplitPlan) -> torch.T
     """
     if plan.serial:
         return model.forward(batch)
-    parts = batch.split(plan)
+    parts = split_batch(batch, plan)
     hidden = [model.embed_tokens(p.tokens) for p in parts]
     for layer in model.layers:
         kvs: List[Tuple[Any, Any]] = []
@@ -267,7 +232,8 @@ def forward_layer_by_layer(model: Any, batch: Batch, plan: SplitPlan) -> torch.T
     return merge_outputs(plan, *[model.norm(h) for h in hidden])
 
 
-def _param_seed(seed: int, name: str) -> int:
+def param_seed(seed: int, name: str) -> int:
+    """The seed of parameter ``name``'s generator: a hash of ``(seed, name)``, the same on every rank and machine."""
     digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
@@ -289,7 +255,7 @@ def init_weights(module: nn.Module, seed: int, prefix: str = "") -> None:
             elif param.dim() == 1:
                 values = torch.zeros(param.shape)
             else:
-                gen = torch.Generator().manual_seed(_param_seed(seed, full))
+                gen = torch.Generator().manual_seed(param_seed(seed, full))
                 std = 1.0 if isinstance(mod, nn.Embedding) else param.shape[-1] ** -0.5
                 values = torch.randn(param.shape, generator=gen) * std
             param.copy_(values)

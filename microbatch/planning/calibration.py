@@ -13,7 +13,7 @@ at a few token counts, records each run on a `Timeline`, and fits:
   (`overlap.current_link`, CPU path) plus what a collective costs beyond it, from a sweep of
   `overlap.all_to_all_single` sizes (on a device, the sweep is the whole cost);
 - CPU path only: the host time an asynchronous collective takes from the compute it completes
-  under (`launch.probes.contention`): gloo's threads finish it on the cores that compute;
+  under (`microbatch.planning.probes.contention`): gloo's threads finish it on the cores that compute;
 - CPU path only: the host time to issue an asynchronous collective, beyond what a synchronous
   call spends outside its span (timed in `contention` and `sweep`);
 - CPU path only: how late an asynchronous collective completes on a busy host (`probes.notice`): after
@@ -25,7 +25,7 @@ at a few token counts, records each run on a `Timeline`, and fits:
 The result is a `Calibration` (JSON), cached per machine, model shape, dtype, link and settings
 in ``$OVERLAP_CALIBRATION_CACHE`` (default ``~/.cache/npu-overlap/calibration/``). Every rank of the
 group runs the same collectives in the same order, and every rank ends with the same numbers:
-the element-wise maximum over the ranks. `Calibration.cost_model` feeds `microbatch.simulate`;
+the element-wise maximum over the ranks. `Calibration.cost_model` feeds `microbatch.planning.simulation`;
 `predict_mode` predicts one mode's prefill for given micro-batch token counts.
 """
 from __future__ import annotations
@@ -47,14 +47,15 @@ from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Seque
 import torch
 import torch.distributed as dist
 
-import microbatch
 import overlap
-from microbatch import CostModel, Interconnect, Linear, OpCost, Prediction, Transfer
 from overlap import Span, Timeline, backends
 
-from .model import Batch
+from ..batch import Batch
+from ..forward import run_schedule, serial_plan
+from ..operations import Operation
+from ..schedules import serial
 from .probes import PEER_QUANTILES, barrier, contention_fit, grouped, max_over_ranks, notice, sweep
-from .runner import run_schedule, serial_plan
+from .simulation import CostModel, Interconnect, Linear, OpCost, Prediction, Transfer, predict
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +150,7 @@ class Calibration:
         return own if abs(o - g) > max(LAYER_REL * g, LAYER_ABS_S) else group
 
     def cost_model(self) -> CostModel:
-        """The costs as `microbatch.simulate` takes them, for every calibrated layer."""
+        """The costs as `microbatch.planning.simulation` takes them, for every calibrated layer."""
         per_layer: Dict[Tuple[int, str], OpCost] = {}
         names = {(f.op, f.layer) for f in self.layer_ops}
         for op, layer in sorted(names, key=lambda k: (k[1], k[0])):
@@ -669,15 +670,15 @@ def _batch(model: Any, tokens: int, seq_len: int, seed: int) -> Batch:
     return Batch.random(lens, model.cfg.vocab, seed=seed, device=device)
 
 
-def _serial(model: Any, layers: List[List[microbatch.Operation]], batch: Batch) -> float:
+def _serial(model: Any, layers: List[List[Operation]], batch: Batch) -> float:
     """One serial prefill as the launcher runs it (embedding to final norm); its wall seconds."""
     t0 = time.perf_counter()
-    run_schedule(model, batch, serial_plan(batch, "calibration"), layers, microbatch.serial)
+    run_schedule(model, batch, serial_plan(batch, "calibration"), layers, serial)
     overlap.synchronize()
     return time.perf_counter() - t0
 
 
-def _recorded(model: Any, layers: List[List[microbatch.Operation]], batch: Batch, group: Any) -> Run:
+def _recorded(model: Any, layers: List[List[Operation]], batch: Batch, group: Any) -> Run:
     seen, tl = _Collectives(), Timeline()
     barrier(group)
     overlap.add_observer(seen)
@@ -809,7 +810,7 @@ def predict_mode(cal: Calibration, model: Any, mode: str, tokens: Sequence[int],
     layers = model.layer_operations() if hasattr(model, "layer_operations") else model
     if device is None:
         device = backends.current().device_type != "cpu"
-    return microbatch.predict(mode, layers, list(tokens), cal.cost_model(), device=device)
+    return predict(mode, layers, list(tokens), cal.cost_model(), device=device)
 
 
 __all__ = ["Calibration", "ENV_CACHE", "OpFit", "Run", "TransferFit", "agree", "cache_dir", "cache_file",

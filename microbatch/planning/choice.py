@@ -1,7 +1,7 @@
 """Choose how to run a batch before running it: the mode, the number of micro-batches, the split, the tails.
 
-From a calibration (`launch.calibrate`: each operation's cost as a function of its tokens, the
-interconnect as latency + bandwidth) the simulation of the streams (`microbatch.simulate`)
+From a calibration (`microbatch.planning.calibration`: each operation's cost as a function of its tokens, the
+interconnect as latency + bandwidth) the simulation of the streams (`microbatch.planning.simulation`)
 predicts every candidate's prefill time on every rank's batch:
 
 - the modes of `microbatch.MODES` (serial, shared, two-, three- and four-batch);
@@ -24,9 +24,12 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-import microbatch
 import overlap
-from microbatch.split import DEFAULT_MIN_TOKENS, SplitPlan, decide_split, plan_split
+
+from .. import schedules
+from .calibration import predict_mode
+from .simulation import predict
+from .split import DEFAULT_MIN_TOKENS, SplitPlan, decide_split, plan_split
 
 # plan_split's max_imbalance per candidate split: boundaries only (no cut), cut above 10%, cut whenever uneven
 _SPLITS = ((None, "at request boundaries"), (0.1, "cut inside a request above 10% imbalance"),
@@ -49,16 +52,16 @@ class Candidate:
         split = dict(_SPLITS)[self.max_imbalance]
         return f"{self.mode}, {split}, {'tail deferred' if self.defer_tail else 'tail in its layer'}"
 
-    def make(self) -> Callable[..., microbatch.Schedule]:
+    def make(self) -> Callable[..., schedules.Schedule]:
         """The schedule generator this candidate runs (``make(layers, n_micro)``)."""
-        spec = microbatch.mode(self.mode)
+        spec = schedules.mode(self.mode)
         if self.micro_batches == 1:
             return spec.make
         return functools.partial(_named, self.mode, self.defer_tail)
 
 
-def _named(name: str, defer_tail: bool, layers: Any, n_micro: int) -> microbatch.Schedule:
-    return dataclasses.replace(microbatch.n_batch(layers, n_micro, defer_tail=defer_tail), name=name)
+def _named(name: str, defer_tail: bool, layers: Any, n_micro: int) -> schedules.Schedule:
+    return dataclasses.replace(schedules.n_batch(layers, n_micro, defer_tail=defer_tail), name=name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,15 +71,15 @@ class Choice:
     best: Candidate
     candidates: Tuple[Candidate, ...]
     serial_s: float
-    calibration: Any = None  # what the predictions came from (launch.calibrate.Calibration)
+    calibration: Any = None  # what the predictions came from (microbatch.planning.calibration.Calibration)
     device: bool = False  # device semantics in the simulation (compute off the host)
 
     def predict(self, model: Any, plan: SplitPlan) -> Any:
-        """The chosen schedule's predicted timeline (`microbatch.simulate.Prediction`) for this rank's ``plan``."""
+        """The chosen schedule's predicted timeline (`simulation.Prediction`) for this rank's ``plan``."""
         layers = model.layer_operations() if hasattr(model, "layer_operations") else model
         tokens = [plan.num_tokens] if plan.serial else list(plan.token_counts)
         schedule = self.best.make()(layers, len(tokens))
-        return microbatch.predict(schedule, layers, tokens, self.calibration.cost_model(), device=self.device)
+        return predict(schedule, layers, tokens, self.calibration.cost_model(), device=self.device)
 
     @property
     def speedup(self) -> float:
@@ -136,16 +139,14 @@ def choose(cal: Any, model: Any, all_lens: Sequence[Tuple[int, ...]], *, allow_c
     Pure and deterministic: every rank given the same inputs returns the same `Choice`.
     ``allow_cut=False`` for models that cannot continue a request from a prefix.
     """
-    from launch.calibrate import predict_mode
-
     layers = model.layer_operations() if hasattr(model, "layer_operations") else model
     if device is None:
         device = overlap.backends.current().device_type != "cpu"
     costs = cal.cost_model()
     found: List[Candidate] = []
     seen = set()  # (mode, tail, every rank's split): knobs that give the same splits are one candidate
-    for name in modes or list(microbatch.MODES):
-        spec = microbatch.mode(name)
+    for name in modes or list(schedules.MODES):
+        spec = schedules.mode(name)
         if spec.micro_batches == 1:
             t = max(predict_mode(cal, layers, name, [sum(lens)], device=device).total_s for lens in all_lens)
             found.append(Candidate(name, None, True, t, 1))
@@ -161,9 +162,12 @@ def choose(cal: Any, model: Any, all_lens: Sequence[Tuple[int, ...]], *, allow_c
                 seen.add((name, defer, splits))
                 cand = Candidate(name, imbalance, defer, 0.0, spec.micro_batches)
                 schedule = cand.make()(layers, spec.micro_batches)
-                t = max(microbatch.predict(schedule, layers, list(p.token_counts), costs, device=device).total_s
+                t = max(predict(schedule, layers, list(p.token_counts), costs, device=device).total_s
                         for p in plans)
                 found.append(dataclasses.replace(cand, predicted_s=t))
     found.sort(key=lambda c: (c.predicted_s, c.micro_batches, c.mode != "serial"))
     serial = next(c for c in found if c.mode == "serial")
     return Choice(found[0], tuple(found), serial.predicted_s, cal, device)
+
+
+__all__ = ["Candidate", "Choice", "choose", "gather_lens"]

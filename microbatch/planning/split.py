@@ -1,6 +1,6 @@
 """Splitting a packed prefill batch into N balanced micro-batches (N = 2 by default), agreed by every rank.
 
-A packed batch is the tokens of several requests laid end to end; `SeqInfo` describes it.
+A packed batch is the tokens of several requests laid end to end; `microbatch.batch.SeqInfo` describes it.
 `plan_split` decides, from the request lengths alone, where micro-batches 1..N-1 start:
 
 1. at the N-1 request boundaries that balance the token counts best (the smallest spread
@@ -25,77 +25,19 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import itertools
 import logging
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
+from ..batch import Batch, SeqInfo, check_lens
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MIN_TOKENS = 32
 DEFAULT_MAX_IMBALANCE = 0.1
 MAX_MICRO_BATCHES = 30  # the agreement votes one bit per micro-batch count in an int32
-
-
-def _check_lens(name: str, lens: Sequence[int]) -> Tuple[int, ...]:
-    out = tuple(int(n) for n in lens)
-    if any(n < 0 for n in out):
-        raise ValueError(f"{name} must be non-negative token counts, got {list(out)}")
-    return out
-
-
-@dataclasses.dataclass(frozen=True)
-class SeqInfo:
-    """The requests packed in one (micro-)batch.
-
-    ``seq_lens[i]`` tokens of request ``i`` are in this batch; ``prefix_lens[i]`` tokens of the same
-    request came before them (computed in an earlier micro-batch; their keys and values are passed
-    to attention as ``prefix_kv``, packed in request order). Positions continue after the prefix.
-    """
-
-    seq_lens: Tuple[int, ...]
-    prefix_lens: Tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        lens = _check_lens("seq_lens", self.seq_lens)
-        prefix = _check_lens("prefix_lens", self.prefix_lens) if self.prefix_lens else (0,) * len(lens)
-        if len(prefix) != len(lens):
-            raise ValueError(f"prefix_lens {list(prefix)} and seq_lens {list(lens)} differ in length")
-        object.__setattr__(self, "seq_lens", lens)
-        object.__setattr__(self, "prefix_lens", prefix)
-
-    @classmethod
-    def from_lens(cls, seq_lens: Sequence[int]) -> "SeqInfo":
-        """A batch of new requests (no prefixes)."""
-        return cls(tuple(seq_lens))
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.seq_lens)
-
-    @property
-    def num_requests(self) -> int:
-        return len(self.seq_lens)
-
-    @property
-    def num_prefix_tokens(self) -> int:
-        return sum(self.prefix_lens)
-
-    @property
-    def cu_seqlens(self) -> Tuple[int, ...]:
-        """Cumulative token offsets ``(0, n0, n0 + n1, ...)`` of the requests in the packed batch."""
-        return (0,) + tuple(itertools.accumulate(self.seq_lens))
-
-    def cu_seqlens_tensor(self, device: Any = None) -> torch.Tensor:
-        return torch.tensor(self.cu_seqlens, dtype=torch.int32, device=device)
-
-    def positions(self, device: Any = None) -> torch.Tensor:
-        """Position of every packed token within its request ([num_tokens] int64)."""
-        parts = [torch.arange(p, p + n, dtype=torch.int64) for n, p in zip(self.seq_lens, self.prefix_lens)]
-        pos = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
-        return pos.to(device) if device is not None else pos
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,7 +229,7 @@ def plan_split(seq_lens: Sequence[int], n: int = 2, *, min_tokens: int = DEFAULT
     or no balanced boundaries without cuts) gets the most parts it can, with the reason for not
     ``n``; one that cannot take two is serial. ``plan.fewer`` holds its plans with fewer parts.
     """
-    lens = _check_lens("seq_lens", seq_lens)
+    lens = check_lens("seq_lens", seq_lens)
     if not 0.0 <= max_imbalance < 1.0:
         raise ValueError(f"max_imbalance must be in [0, 1), got {max_imbalance}")
     if min_tokens < 0:
@@ -449,6 +391,13 @@ def split_tokens(plan: SplitPlan, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
     return tuple(x[a:b] for a, b in zip(edges, edges[1:]))
 
 
+def split_batch(batch: Batch, plan: SplitPlan) -> Tuple[Batch, ...]:
+    """The micro-batches of ``batch`` that ``plan`` says (two, or N): token ids and `SeqInfo` of each."""
+    if plan.seq_lens != batch.seq.seq_lens:
+        raise ValueError(f"the plan is for seq_lens {list(plan.seq_lens)}, the batch has {list(batch.seq.seq_lens)}")
+    return tuple(Batch(t, s) for t, s in zip(split_tokens(plan, batch.tokens), micro_batches(plan)))
+
+
 def _and(items: Sequence[Any]) -> str:
     items = [str(i) for i in items]
     return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
@@ -501,3 +450,8 @@ def prefix_kv(plan: SplitPlan, *kv: torch.Tensor, mb: int = 1) -> Optional[Tuple
     if len(sources) == 1:
         return ks[0], vs[0]
     return torch.cat(ks), torch.cat(vs)
+
+
+__all__ = ["DEFAULT_MAX_IMBALANCE", "DEFAULT_MIN_TOKENS", "MAX_MICRO_BATCHES", "SplitPlan", "agree_split",
+           "decide_split", "merge_outputs", "micro_batches", "plan_split", "prefix_kv", "prefix_sources", "split_batch",
+           "split_tokens"]

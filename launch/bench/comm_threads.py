@@ -17,8 +17,8 @@ default of ``--cpu-comm-priority`` is the setting that holds up under all of the
 
 Example::
 
-    python -m launch.bench_comm_threads
-    python -m launch.bench_comm_threads --tokens 1024 --rounds 10 --loads none,job
+    python -m launch.bench.comm_threads
+    python -m launch.bench.comm_threads --tokens 1024 --rounds 10 --loads none,job
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ import tempfile
 import time
 
 if __package__ in (None, ""):
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from typing import Any, Dict, List, Sequence, Tuple
 
@@ -51,7 +51,7 @@ while os.getppid() == parent:
 
 def _job_command() -> List[str]:
     """Another job of this toolkit: a 2-rank two-batch prefill that runs until stopped, comm threads at the default."""
-    launcher = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prefill.py")
+    launcher = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "prefill.py")
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", launcher,
             "--preset", "tiny", "--batch", "4", "--seq-len", "64", "--mode", "two-batch", "--warmup", "0",
             "--iters", "1000000", "--timeout", "3600"]
@@ -143,8 +143,9 @@ def _rank_body(ctx: Any, preset_name: str, tokens: int, seq_len: int, link: floa
     import torch.distributed as dist
 
     import overlap
-    from launch.model import Batch, build_model, preset
+    from launch.models import build_model, preset
     from launch.runner import make_expert_parallel, plan_for, prefill
+    from microbatch.batch import Batch
 
     overlap.set_link(overlap.Link(link))
     model = make_expert_parallel(build_model(preset(preset_name), seed=seed), ctx.group)

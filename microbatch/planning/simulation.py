@@ -38,8 +38,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Uni
 
 from overlap import DEFAULT, Span
 
-from .executor import Plan
-from .schedules import HIDDEN, OUT, Flow, Layers, Schedule, ScheduledOp, normalize_layers, schedule_for, validate
+from ..executor import Plan
+from ..schedules import HIDDEN, OUT, Flow, Layers, Schedule, ScheduledOp, normalize_layers, schedule_for, validate
 
 
 @dataclasses.dataclass(frozen=True)

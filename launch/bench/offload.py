@@ -12,7 +12,7 @@ ratio to ``keep`` (target for ``offload``: at most 1.05 when one layer's copy is
 one layer's compute, which it also measures) and the peak device memory held by keys and
 values. Example::
 
-    python -m launch.bench_offload --layers 8 --tokens 1024 --store mmap
+    python -m launch.bench.offload --layers 8 --tokens 1024 --store mmap
 """
 from __future__ import annotations
 

@@ -25,8 +25,8 @@ two ranks start each collective.
 
 Calibrations are cached (``$OVERLAP_CALIBRATION_CACHE``); ``--refresh`` measures them again. Example::
 
-    python -m launch.bench_plan
-    python -m launch.bench_plan --tokens 64,1024 --links 0.1 --iters 3
+    python -m launch.bench.plan
+    python -m launch.bench.plan --tokens 64,1024 --links 0.1 --iters 3
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ import statistics
 import sys
 
 if __package__ in (None, ""):
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -99,9 +99,9 @@ def _skew(spans: List[Any]) -> Optional[float]:
 def _point(ctx: Any, model: Any, tokens: int, seq_len: int, cal: Any, warmup: int, iters: int, seed: int,
            min_seconds: float = 0.0) -> Dict[str, Any]:
     import microbatch
-    from launch.measure import max_over_ranks, measure
-    from launch.model import Batch
-    from launch.planner import choose, gather_lens
+    from launch.measure import measure
+    from microbatch.batch import Batch
+    from microbatch.planning import choose, gather_lens, max_over_ranks
 
     batch = Batch.random(_lens(tokens, seq_len), model.cfg.vocab, seed=seed + 97 * ctx.rank + tokens)
     choice = choose(cal, model, gather_lens(batch.seq.seq_lens, ctx.group))
@@ -133,7 +133,7 @@ def _point(ctx: Any, model: Any, tokens: int, seq_len: int, cal: Any, warmup: in
 
 def _same_schedule(best: Any, results: List[Any], group: Any) -> Optional[str]:
     """The fixed mode that ran exactly auto's schedule and split on every rank, if one did."""
-    from launch.measure import max_over_ranks
+    from microbatch.planning import max_over_ranks
 
     by_mode = {r.mode: r for r in results}
     fixed = by_mode.get(best.mode)
@@ -147,9 +147,9 @@ def _same_schedule(best: Any, results: List[Any], group: Any) -> Optional[str]:
 def _rank_body(ctx: Any, preset_name: str, tokens: List[int], links: List[float], seq_len: int, warmup: int,
                iters: int, seed: int, refresh: bool, repeats: int, min_seconds: float, comm_priority: str) -> Any:
     import overlap
-    from launch.calibrate import calibrate
-    from launch.model import build_model, preset
+    from launch.models import build_model, preset
     from launch.runner import make_expert_parallel
+    from microbatch.planning import calibrate
 
     overlap.set_comm_priority(comm_priority)
     model = make_expert_parallel(build_model(preset(preset_name), seed=seed), ctx.group)

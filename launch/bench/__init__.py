@@ -1,0 +1,9 @@
+"""Benchmarks, each a command that prints ratios measured side by side in one run (`python -m launch.bench.NAME`).
+
+- `pipeline`: the prefill modes (serial, shared, two-batch) of the reference model or a transformers family;
+- `collectives`: raw all-to-all vs dispatch + combine, deduplicated bytes, the EP layer's shared-expert overlap;
+- `offload`: prefill with and without the KV offload stream, and the device memory it holds;
+- `plan`: the planner's predictions against measured times over a sweep, and ``--mode auto`` against the best
+  fixed mode;
+- `comm_threads`: the CPU path's communication threads at real-time and normal priority, quiet and under load.
+"""
