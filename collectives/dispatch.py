@@ -40,7 +40,7 @@ import overlap
 from overlap import EP_COMM, backends, collective_device
 
 from . import _buffers
-from .layout import (AGREED_FIELDS, DispatchLayout, ExpertBatch, LayoutError, LocalPlan, ReceivedMetadata,
+from .layout import (AGREED_FIELDS, DispatchLayout, ExpertBatch, LayoutError, LocalBags, ReceivedMetadata,
                      check_routing, check_splits, compute_layout, disagreement, expand, layer_fields, local_plan,
                      pack_metadata, reduce_bags, reduce_local, reduce_ranks, sum_first)
 
@@ -334,7 +334,7 @@ def _gather_rows(out: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> N
 
 
 @dataclasses.dataclass
-class _DispatchPlan:
+class _SendLayout:
     """The send side of one dispatch, prepared on the calling stream before anything is exchanged."""
 
     layout: DispatchLayout
@@ -355,7 +355,7 @@ class _DispatchPlan:
 
 def _plan_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
                    group: Optional[dist.ProcessGroup], world: int, send_splits: Optional[Sequence[int]],
-                   recv_splits: Optional[Sequence[int]], check_ids: bool) -> _DispatchPlan:
+                   recv_splits: Optional[Sequence[int]], check_ids: bool) -> _SendLayout:
     """Validate, lay out and pack what travels; raises `LayoutError` before any collective."""
     check_routing(x, topk_idx, topk_weights, num_experts, world, check_ids)
     if (send_splits is None) != (recv_splits is None):
@@ -377,11 +377,11 @@ def _plan_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.
         _gather_rows(send_x, x.detach(), send_rows)
     else:
         send_x = x.index_select(0, send_rows)
-    return _DispatchPlan(layout, me, own, others, meta, send_x, send_meta, recv_splits, pooled,
+    return _SendLayout(layout, me, own, others, meta, send_x, send_meta, recv_splits, pooled,
                          layer_fields(x, topk_idx, num_experts))
 
 
-def _issue_dispatch(plan: _DispatchPlan, x: torch.Tensor, group: Optional[dist.ProcessGroup],
+def _issue_dispatch(plan: _SendLayout, x: torch.Tensor, group: Optional[dist.ProcessGroup],
                     previous_event: Optional[overlap.Event], stream_tag: Optional[str],
                     event_tag: str) -> DispatchHandle:
     """On ``stream_tag``: the count exchange (unless the splits are known), the receive buffers and the
@@ -403,7 +403,7 @@ def _issue_dispatch(plan: _DispatchPlan, x: torch.Tensor, group: Optional[dist.P
     return handle
 
 
-def _keep_own_rows(plan: _DispatchPlan, x: torch.Tensor, handle: DispatchHandle, event_tag: str) -> None:
+def _keep_own_rows(plan: _SendLayout, x: torch.Tensor, handle: DispatchHandle, event_tag: str) -> None:
     """The rows this rank keeps, into the first rows of the receive buffers on the calling stream, beside
     the exchange (disjoint rows of the same buffers); detached, as the rows that travel are (the
     exchange is not differentiable)."""
@@ -493,7 +493,7 @@ class CombineHandle:
 
 
 @dataclasses.dataclass
-class _CombinePlan:
+class _ReturnLayout:
     """The send side of one combine: the reduced rows that travel back, and how to reduce the own rows."""
 
     layout: DispatchLayout
@@ -502,7 +502,7 @@ class _CombinePlan:
     others: List[Tuple[int, int]]
     hidden: int
     travel: torch.dtype  # the dtype rows travel in
-    local: Optional[LocalPlan]  # None: the static-shape reduction (``full``)
+    local: Optional[LocalBags]  # None: the static-shape reduction (``full``)
     partial: torch.Tensor  # the reduced rows that travel back, in the order they were received
     full: Optional[torch.Tensor]  # static form: every received row reduced, own rows first
     spare: Optional[torch.Tensor]  # the dispatch's send buffer, to receive into
@@ -513,7 +513,7 @@ class _CombinePlan:
 
 
 def _plan_combine(expert_out: torch.Tensor, batch: ExpertBatch, handle: DispatchHandle,
-                  dtype: Optional[torch.dtype]) -> _CombinePlan:
+                  dtype: Optional[torch.dtype]) -> _ReturnLayout:
     """Validate, and reduce the rows that travel back (the own rows wait for `_reduce_own_rows`)."""
     if handle.event is not None:
         raise RuntimeError("combine before the dispatch handle was waited on")
@@ -538,10 +538,10 @@ def _plan_combine(expert_out: torch.Tensor, batch: ExpertBatch, handle: Dispatch
         partial = reduce_bags(expert_out, local, n_own, batch.num_rows,
                               out=_buffers.take(batch.num_rows - n_own, hidden, travel))
     spare, handle.spare = handle.spare, None  # a fresh buffer for a second combine of the same dispatch
-    return _CombinePlan(layout, me, own, others, hidden, travel, local, partial, full, spare)
+    return _ReturnLayout(layout, me, own, others, hidden, travel, local, partial, full, spare)
 
 
-def _combine_receive_buffer(plan: _CombinePlan) -> torch.Tensor:
+def _combine_receive_buffer(plan: _ReturnLayout) -> torch.Tensor:
     """Where the other ranks' rows come back: the dispatch's send buffer when it fits, else a pooled or fresh one."""
     rows, hidden = plan.layout.num_send - plan.n_own, plan.hidden
     spare = plan.spare
@@ -552,7 +552,7 @@ def _combine_receive_buffer(plan: _CombinePlan) -> torch.Tensor:
     return plan.partial.new_empty(rows, hidden)
 
 
-def _issue_combine(plan: _CombinePlan, handle: DispatchHandle, previous_event: Optional[overlap.Event],
+def _issue_combine(plan: _ReturnLayout, handle: DispatchHandle, previous_event: Optional[overlap.Event],
                    stream_tag: Optional[str], event_tag: str) -> CombineHandle:
     """On ``stream_tag``: send the reduced rows back (the reverse of the dispatch's splits)."""
     me = plan.rank
@@ -566,7 +566,7 @@ def _issue_combine(plan: _CombinePlan, handle: DispatchHandle, previous_event: O
     return result
 
 
-def _reduce_own_rows(plan: _CombinePlan, expert_out: torch.Tensor, result: CombineHandle, event_tag: str) -> None:
+def _reduce_own_rows(plan: _ReturnLayout, expert_out: torch.Tensor, result: CombineHandle, event_tag: str) -> None:
     """The own rows' contribution, straight into token order on the calling stream, beside the exchange:
     the first term of every token's sum (``result.out``)."""
     layout, (a, b) = plan.layout, plan.own
@@ -581,7 +581,7 @@ def _reduce_own_rows(plan: _CombinePlan, expert_out: torch.Tensor, result: Combi
     result.own_event = _own_event(result.event, event_tag, result.out)
 
 
-def _returned_blocks(plan: _CombinePlan) -> List[tuple]:
+def _returned_blocks(plan: _ReturnLayout) -> List[tuple]:
     """Per other rank, in rank order: its tokens and its rows of ``returned`` (``CombineHandle.blocks``)."""
     blocks, at = [], 0
     for a, b in plan.others:

@@ -332,7 +332,7 @@ def _reduce_local_dense(expert_out: torch.Tensor, batch: ExpertBatch, recv_weigh
 
 
 @dataclasses.dataclass
-class LocalPlan:
+class LocalBags:
     """Each received row's local slots as a bag of expanded rows (eager CPU form of `reduce_local`).
 
     Row r is the sum of ``weight[i] * expert_out[src[i]]`` for ``i`` in ``start[r]:start[r + 1]``,
@@ -351,7 +351,7 @@ def _eager_cpu(t: torch.Tensor) -> bool:
             and not (t.requires_grad and torch.is_grad_enabled()))
 
 
-def local_plan(expert_out: torch.Tensor, batch: ExpertBatch, recv_weights: torch.Tensor) -> Optional[LocalPlan]:
+def local_plan(expert_out: torch.Tensor, batch: ExpertBatch, recv_weights: torch.Tensor) -> Optional[LocalBags]:
     """The plan of `reduce_bags`, or None where the static-shape form must be used instead (not
     eager CPU, or no expanded rows)."""
     if not _eager_cpu(expert_out) or expert_out.shape[0] == 0:
@@ -361,13 +361,13 @@ def local_plan(expert_out: torch.Tensor, batch: ExpertBatch, recv_weights: torch
     start = torch.zeros(batch.num_rows + 1, dtype=torch.int64)
     torch.cumsum(here.sum(1), 0, out=start[1:])
     pairs = here.reshape(-1)
-    return LocalPlan(where.reshape(-1)[pairs], recv_weights.reshape(-1)[pairs].float(), start)
+    return LocalBags(where.reshape(-1)[pairs], recv_weights.reshape(-1)[pairs].float(), start)
 
 
 _CHUNK_BYTES = 1 << 20
 
 
-def reduce_bags(expert_out: torch.Tensor, plan: LocalPlan, lo: int, hi: int,
+def reduce_bags(expert_out: torch.Tensor, plan: LocalBags, lo: int, hi: int,
                 tokens: Optional[torch.Tensor] = None, num_tokens: int = 0,
                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Rows ``lo:hi`` of `reduce_local`, one pass over the expert outputs (``embedding_bag``).

@@ -36,7 +36,7 @@ from microbatch.planning import max_over_ranks  # one all-reduce helper for the 
 
 from .config import AUTO
 from .models.reference import Model
-from .runner import plan_for, prefill
+from .runner import split_for, prefill
 
 
 @dataclasses.dataclass
@@ -56,7 +56,7 @@ class ModeResult:
     max_diff: Optional[float] = None  # largest |output - serial output| over all ranks (inf if not finite)
     ref_scale: Optional[float] = None  # serial only: largest |output| over all ranks
     finite: bool = True  # no NaN or inf in the output on any rank
-    plan: Any = None  # this rank's split (microbatch.planning.SplitPlan)
+    plan: Any = None  # this rank's split (microbatch.planning.Split)
 
     @property
     def median_s(self) -> float:
@@ -84,7 +84,7 @@ def rounds(modes: Sequence[str], warmup: int, iters: int) -> List[List[str]]:
     return [list(modes) for _ in range(warmup)] + [[modes[(i + j) % n] for j in range(n)] for i in range(iters)]
 
 
-def measure(model: Model, batch: Batch, modes: Sequence[str], group: Any, *, warmup: int = 1, iters: int = 3,
+def measure_modes(model: Model, batch: Batch, modes: Sequence[str], group: Any, *, warmup: int = 1, iters: int = 3,
             cache: Any = None, before_iter: Optional[Callable[[str, int], None]] = None,
             compile_mode: Optional[Callable[[str, Any], Callable[[], torch.Tensor]]] = None,
             choice: Any = None) -> List[ModeResult]:
@@ -100,10 +100,10 @@ def measure(model: Model, batch: Batch, modes: Sequence[str], group: Any, *, war
     for mode in modes:  # every rank agrees on the splits in the same order (one all-reduce each)
         make = None
         if mode == AUTO:
-            plans[mode] = plan = choice.plan(batch.seq.seq_lens, group, allow_cut=cut_refusal(model) is None)
+            plans[mode] = plan = choice.split(batch.seq.seq_lens, group, allow_cut=cut_refusal(model) is None)
             make = choice.best.make()
         else:
-            plans[mode] = plan = plan_for(mode, batch, group, model=model)
+            plans[mode] = plan = split_for(mode, batch, group, model=model)
         if compile_mode is not None:
             steps[mode] = compile_mode(mode, plan)
         else:

@@ -207,7 +207,7 @@ def run_job(job: JobConfig) -> int:
     import overlap
     from launch.agreement import JobMismatch, agree, agree_ready
     from launch.health import BEFORE_JOINING, Fault, Peers, StartError, is_peer_failure, join_group
-    from launch.measure import check_against_serial, measure, not_finite, table
+    from launch.measure import check_against_serial, measure_modes, not_finite, table
     from launch.memory import check as check_memory
     from microbatch.batch import Batch
     from microbatch.planning import max_over_ranks
@@ -265,7 +265,7 @@ def run_job(job: JobConfig) -> int:
             peers.beat(f"{mode} iteration {i + 1}")
 
         choice = _plan_auto(job, model, batch) if AUTO in job.modes else None
-        results = measure(model, batch, job.modes, dist.group.WORLD, warmup=job.warmup, iters=job.iters,
+        results = measure_modes(model, batch, job.modes, dist.group.WORLD, warmup=job.warmup, iters=job.iters,
                           cache=cache, before_iter=before_iter, compile_mode=compile_mode, choice=choice)
         _progress("")
         failed = not_finite(results)  # a wrong answer whatever --check says

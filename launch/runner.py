@@ -3,7 +3,7 @@ torchair graph (`graph_prefill`), or continued from an offloaded prefix (`contin
 
 The model is the reference model (`launch.models.reference.Model`) or anything with its interface,
 such as a transformers MoE model adapted by `launch.models.transformers_adapter`. A model whose
-layers cannot continue a request from a prefix says why in ``no_cut_reason``: `plan_for` (given
+layers cannot continue a request from a prefix says why in ``no_cut_reason``: `split_for` (given
 the model) then splits only at request boundaries, and a plan that cuts a request is refused
 before it runs. Running the layers through a schedule is `microbatch.forward.run_schedule`; this
 module adds what needs collectives or the launcher: the expert-parallel MoE, the agreed split,
@@ -30,8 +30,8 @@ import overlap
 from collectives import CapacityExpertParallelMoE, wrap_expert_parallel
 from microbatch import Operation
 from microbatch.batch import K, V, Batch
-from microbatch.forward import cut_refusal, run_schedule, serial_plan
-from microbatch.planning.split import DEFAULT_MAX_IMBALANCE, DEFAULT_MIN_TOKENS, SplitPlan, decide_split
+from microbatch.forward import cut_refusal, run_schedule, serial_split
+from microbatch.planning.split import DEFAULT_MAX_IMBALANCE, DEFAULT_MIN_TOKENS, Split, decide_split
 
 from .models.reference import Model
 
@@ -73,8 +73,8 @@ def layer_operations(model: Model, cache: Any = None) -> List[List[Operation]]:
     return out
 
 
-def plan_for(mode: str, batch: Batch, group: Optional[dist.ProcessGroup], *, model: Any = None,
-             min_tokens: int = DEFAULT_MIN_TOKENS, max_imbalance: float = DEFAULT_MAX_IMBALANCE) -> SplitPlan:
+def split_for(mode: str, batch: Batch, group: Optional[dist.ProcessGroup], *, model: Any = None,
+             min_tokens: int = DEFAULT_MIN_TOKENS, max_imbalance: float = DEFAULT_MAX_IMBALANCE) -> Split:
     """The micro-batch split of ``mode``: agreed by every rank of ``group`` where it splits (one all-reduce).
 
     A mode of N micro-batches gets N where every rank's batch can take them, else the most that
@@ -84,7 +84,7 @@ def plan_for(mode: str, batch: Batch, group: Optional[dist.ProcessGroup], *, mod
     """
     n = microbatch.mode(mode).micro_batches
     if n == 1:
-        return serial_plan(batch)
+        return serial_split(batch)
     refusal = cut_refusal(model)
     plan = decide_split(batch.seq.seq_lens, group, n=n, min_tokens=min_tokens, max_imbalance=max_imbalance,
                         allow_cut=refusal is None)
@@ -92,7 +92,7 @@ def plan_for(mode: str, batch: Batch, group: Optional[dist.ProcessGroup], *, mod
 
 
 @torch.no_grad()
-def prefill(model: Model, batch: Batch, mode: str, plan: SplitPlan, cache: Any = None,
+def prefill(model: Model, batch: Batch, mode: str, plan: Split, cache: Any = None,
             make: Optional[Callable[..., microbatch.Schedule]] = None) -> torch.Tensor:
     """Final hidden states of ``batch`` computed with the schedule of ``mode`` (see the module docstring),
     or of ``make(layers, micro-batches)`` when given (the planner's choice)."""
@@ -134,7 +134,7 @@ def continue_prefill(model: Model, batch: Batch, cache: Any, offload: bool = Tru
     return model.norm(hidden)
 
 
-def graph_prefill(model: Model, batch: Batch, mode: str, plan: SplitPlan, path: str,
+def graph_prefill(model: Model, batch: Batch, mode: str, plan: Split, path: str,
                   backend: Any = None) -> Callable[[], torch.Tensor]:
     """The prefill of ``mode`` compiled as one graph on a torchair path (``ge`` or ``aclgraph``).
 

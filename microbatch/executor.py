@@ -38,7 +38,7 @@ class Step:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class Lowering:
     """A schedule lowered for one path: steps in order, the input event and the final waits."""
 
     path: str
@@ -48,12 +48,12 @@ class Plan:
     final_waits: Tuple[str, ...] = ()
 
     def events(self) -> List[str]:
-        """Tags of every event the plan records, each once."""
+        """Tags of every event the lowering records, each once."""
         tags = [s.record for s in self.steps if s.record] + ([self.input_event] if self.input_event else [])
         return sorted(set(tags))
 
     def format(self) -> str:
-        lines = [f"plan on {self.path} (caller stream {self.caller})"]
+        lines = [f"lowered on {self.path} (caller stream {self.caller})"]
         if self.input_event:
             lines.append(f"      record {self.input_event}")
         for s in self.steps:
@@ -100,7 +100,7 @@ class _Edges:
 
 
 def lower(schedule: Schedule, layers: Layers, inputs: Sequence[Mapping[str, Any]],
-          path: Optional[str] = None, caller: Optional[str] = None, output: str = OUT) -> Tuple[Plan, Flow]:
+          path: Optional[str] = None, caller: Optional[str] = None, output: str = OUT) -> Tuple[Lowering, Flow]:
     """Check ``schedule`` against ``layers`` and ``inputs`` and lower it for ``path`` (default: current)."""
     flow = validate(schedule, layers, inputs, output)
     path = path or overlap.current_path()
@@ -153,8 +153,8 @@ def lower(schedule: Schedule, layers: Layers, inputs: Sequence[Mapping[str, Any]
                 final_waits.append(tag)
     steps = tuple(Step(i, l, w, event_tag(l) if i in edges.recorded else None, c, a, f)
                   for i, l, w, c, a, f in partial)
-    plan = Plan(path, caller, steps, edges.input_tag if edges.input_used else None, tuple(final_waits))
-    return plan, flow
+    lowering = Lowering(path, caller, steps, edges.input_tag if edges.input_used else None, tuple(final_waits))
+    return lowering, flow
 
 
 def run(schedule: Schedule, layers: Layers, inputs: Sequence[Mapping[str, Any]], output: str = OUT) -> List[Any]:
@@ -167,20 +167,20 @@ def run(schedule: Schedule, layers: Layers, inputs: Sequence[Mapping[str, Any]],
     `ScheduleError` on every rank before any collective is issued.
     """
     layers = normalize_layers(layers)
-    plan, flow = lower(schedule, layers, inputs, output=output)
-    return execute(plan, flow, inputs)
+    lowering, flow = lower(schedule, layers, inputs, output=output)
+    return execute(lowering, flow, inputs)
 
 
-def execute(plan: Plan, flow: Flow, inputs: Sequence[Mapping[str, Any]]) -> List[Any]:
-    """Run a lowered plan (see `lower`); returns each micro-batch's final value."""
+def execute(lowering: Lowering, flow: Flow, inputs: Sequence[Mapping[str, Any]]) -> List[Any]:
+    """Run a `Lowering` (see `lower`); returns each micro-batch's final value."""
     states: Dict[Tuple[int, int], State] = defaultdict(State)
 
     def get(key: Key) -> Any:
         return inputs[key[1]][key[2]] if key[0] == "in" else states[key[0], key[1]][key[2]]
 
-    if plan.input_event:
-        overlap.event(plan.input_event).record()
-    for step in plan.steps:
+    if lowering.input_event:
+        overlap.event(lowering.input_event).record()
+    for step in lowering.steps:
         l, op = step.scheduled, flow.ops[step.index]
         with overlap.stream(l.stream):
             for tag in step.waits:
@@ -191,7 +191,7 @@ def execute(plan: Plan, flow: Flow, inputs: Sequence[Mapping[str, Any]]) -> List
             args = [_read(r, get) for r in flow.reads[step.index]]
             if step.after:
                 deps = [t for b in step.after for w in flow.ops[b].writes
-                        for t in tensors_in(get((plan.steps[b].scheduled.mb, plan.steps[b].scheduled.layer, w)))]
+                        for t in tensors_in(get((lowering.steps[b].scheduled.mb, lowering.steps[b].scheduled.layer, w)))]
                 args = _wait_tensors(args, deps)
             kind = "issue" if op.stream == EP_COMM else "compute"
             with overlap.span(l.op, kind=kind, mb=l.mb, layer=l.layer):
@@ -204,7 +204,7 @@ def execute(plan: Plan, flow: Flow, inputs: Sequence[Mapping[str, Any]]) -> List
                 overlap.event(step.record).record(*tensors_in(values))
         for key in step.frees:
             states[key[0], key[1]].pop(key[2], None)
-    for tag in plan.final_waits:
+    for tag in lowering.final_waits:
         overlap.event(tag).wait()
     return [get(key) for key in flow.outputs]
 
@@ -240,4 +240,4 @@ def _wait_tensors(args: List[Any], deps: Sequence[torch.Tensor]) -> List[Any]:
     return [visit(a) for a in args]
 
 
-__all__ = ["Plan", "Step", "event_tag", "execute", "lower", "run"]
+__all__ = ["Lowering", "Step", "event_tag", "execute", "lower", "run"]

@@ -19,13 +19,13 @@ from .batch import K, PREFIX_KV, SEQ, V, Batch
 from .executor import run
 from .model import ForwardModel
 from .operations import FromMicroBatch, Operation
-from .planning.split import SplitPlan, merge_outputs, prefix_kv, prefix_sources, split_batch
+from .planning.split import Split, merge_outputs, prefix_kv, prefix_sources, split_batch
 from .schedules import HIDDEN, Schedule
 
 
-def serial_plan(batch: Batch, reason: str = "mode runs one batch") -> SplitPlan:
+def serial_split(batch: Batch, reason: str = "mode runs one batch") -> Split:
     """The split of a mode that runs ``batch`` as one micro-batch: none."""
-    return SplitPlan(tuple(batch.seq.seq_lens), None, reason)
+    return Split(tuple(batch.seq.seq_lens), None, reason)
 
 
 def cut_refusal(model: Any) -> Optional[str]:
@@ -33,14 +33,14 @@ def cut_refusal(model: Any) -> Optional[str]:
     return getattr(model, "no_cut_reason", None)
 
 
-def _check_cut(model: Any, plan: SplitPlan) -> None:
+def _check_cut(model: Any, plan: Split) -> None:
     refusal = cut_refusal(model)
     if plan.cut is not None and refusal:
         raise ValueError(f"the plan cuts request {plan.cut[0]} across micro-batches, but {refusal}; "
-                         f"plan with plan_for(..., model=model)")
+                         f"plan with split_for(..., model=model)")
 
 
-def micro_batch_inputs(model: ForwardModel, batch: Batch, plan: SplitPlan) -> List[Dict[str, Any]]:
+def micro_batch_inputs(model: ForwardModel, batch: Batch, plan: Split) -> List[Dict[str, Any]]:
     """The executor's initial values of each micro-batch of ``plan`` (one when it is serial).
 
     A micro-batch whose first request was cut has a ``PREFIX_KV`` that reads ``K``, ``V`` of the
@@ -54,12 +54,12 @@ def micro_batch_inputs(model: ForwardModel, batch: Batch, plan: SplitPlan) -> Li
             for i, part in enumerate(parts)]
 
 
-def _prefix_input(plan: SplitPlan, mb: int) -> Optional[FromMicroBatch]:
+def _prefix_input(plan: Split, mb: int) -> Optional[FromMicroBatch]:
     sources = prefix_sources(plan, mb)
     return FromMicroBatch(sources, K, V, fn=functools.partial(prefix_kv, plan, mb=mb)) if sources else None
 
 
-def run_schedule(model: ForwardModel, batch: Batch, plan: SplitPlan, layers: List[List[Operation]],
+def run_schedule(model: ForwardModel, batch: Batch, plan: Split, layers: List[List[Operation]],
                  make: Callable[[List[List[Operation]], int], Schedule]) -> torch.Tensor:
     """Final hidden states of ``batch`` when the schedule ``make(layers, micro-batches)`` runs ``layers``.
 
@@ -72,4 +72,4 @@ def run_schedule(model: ForwardModel, batch: Batch, plan: SplitPlan, layers: Lis
     return finals[0] if plan.serial else merge_outputs(plan, *finals)
 
 
-__all__ = ["cut_refusal", "micro_batch_inputs", "run_schedule", "serial_plan"]
+__all__ = ["cut_refusal", "micro_batch_inputs", "run_schedule", "serial_split"]

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import overlap
 from launch.models import build_model, preset
-from launch.runner import make_expert_parallel, plan_for, prefill
+from launch.runner import make_expert_parallel, split_for, prefill
 from microbatch import Interconnect, Linear
 from microbatch.batch import Batch
 from microbatch.planning import calibration as cal_mod
@@ -165,13 +165,13 @@ def test_collective_cost_beyond_the_link():
 def counted(monkeypatch):
     """Counts the measurements `calibrate` makes (instead of loading)."""
     calls = []
-    real = cal_mod.measure
+    real = cal_mod.measure_costs
 
     def measure(*args, **kwargs):
         calls.append(args[2])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(cal_mod, "measure", measure)
+    monkeypatch.setattr(cal_mod, "measure_costs", measure)
     return calls
 
 
@@ -316,7 +316,7 @@ def _calibrate_and_predict(ctx, cache):
     for _ in range(3):  # a host busy with other work can slow one attempt down: look again
         got = {}
         for mode in ("serial", "two-batch"):
-            plan = plan_for(mode, batch, ctx.group, min_tokens=8)
+            plan = split_for(mode, batch, ctx.group, min_tokens=8)
             tokens = [plan.num_tokens] if plan.serial else list(plan.token_counts)
             got[mode] = (predict_mode(cal, model, mode, tokens).total_s, _timed(model, batch, mode, plan, ctx.group))
         measured = _slowest([m for _, m in got.values()], ctx.group)  # the same verdict on every rank
@@ -364,13 +364,13 @@ def test_two_ranks_calibrate_alike_and_predict_within_a_factor(tmp_path):
 def _mixed_cache(ctx, root):
     """Rank 0 finds the calibration in its cache, rank 1 does not: both must measure, or both would hang."""
     calls = []
-    real = cal_mod.measure
+    real = cal_mod.measure_costs
 
     def measure(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    cal_mod.measure = measure
+    cal_mod.measure_costs = measure
     try:
         model = make_expert_parallel(build_model(CFG, seed=5), ctx.group)
         cache = os.path.join(root, f"rank{ctx.rank}")
@@ -390,7 +390,7 @@ def _mixed_cache(ctx, root):
         except RuntimeError as e:
             refused.append(str(e))
     finally:  # under torchrun the rank's process goes on to other tests
-        cal_mod.measure = real
+        cal_mod.measure_costs = real
     return len(calls), second.to_dict(), third == second, refused
 
 
@@ -407,7 +407,7 @@ def _differing_caches(ctx, root):
     import logging
 
     calls, warned = [], []
-    real = cal_mod.measure
+    real = cal_mod.measure_costs
 
     def measure(*args, **kwargs):
         calls.append(1)
@@ -418,7 +418,7 @@ def _differing_caches(ctx, root):
             warned.append(record.getMessage())
 
     handler = Warned(logging.WARNING)
-    cal_mod.measure = measure
+    cal_mod.measure_costs = measure
     cal_mod.logger.addHandler(handler)
     try:
         model = make_expert_parallel(build_model(CFG, seed=5), ctx.group)
@@ -437,7 +437,7 @@ def _differing_caches(ctx, root):
         except Exception as e:  # noqa: BLE001 - the old answer: blame the model
             again = f"{type(e).__name__}: {e}"
     finally:  # under torchrun the rank's process goes on to other tests
-        cal_mod.measure = real
+        cal_mod.measure_costs = real
         cal_mod.logger.removeHandler(handler)
     return len(calls), again, [w for w in warned if path in w]
 

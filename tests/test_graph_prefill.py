@@ -20,7 +20,7 @@ from launch.models import build_model, preset
 from microbatch import lower, serial, two_batch
 from microbatch.batch import Batch
 from microbatch.forward import micro_batch_inputs, run_schedule
-from microbatch.planning.split import plan_split
+from microbatch.planning.split import propose_split
 from overlap.multirank import run_ranks
 
 pytestmark = pytest.mark.spawns_ranks
@@ -96,7 +96,7 @@ def _prefill_body(ctx):
     dense = build_model(cfg, seed=SEED)  # the reference MoE, every expert on this rank
     model.replace_moe(lambda layer: CapacityExpertParallelMoE.wrap(layer.moe, ctx.group))
     batch = Batch.random(SEQ_LENS, cfg.vocab, seed=100 + ctx.rank)
-    plan = plan_split(batch.seq.seq_lens, min_tokens=2)
+    plan = propose_split(batch.seq.seq_lens, min_tokens=2)
     assert not plan.serial and plan.cut, plan
     layers = model.layer_operations()
     schedule = two_batch(layers, 2)

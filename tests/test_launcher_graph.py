@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from launch.models import build_model, preset
-from launch.runner import graph_prefill, make_capacity_expert_parallel, plan_for, prefill
+from launch.runner import graph_prefill, make_capacity_expert_parallel, split_for, prefill
 from microbatch import MODES
 from microbatch.batch import Batch
 from overlap.multirank import run_ranks
@@ -23,7 +23,7 @@ def _compiled_equals_eager(ctx, path):
     model = make_capacity_expert_parallel(build_model(cfg, seed=3), ctx.group, int(capacity))
     out = {}
     for mode in [name for name, m in MODES.items() if m.in_all]:
-        plan = plan_for(mode, batch, ctx.group, min_tokens=2)
+        plan = split_for(mode, batch, ctx.group, min_tokens=2)
         eager = prefill(model, batch, mode, plan)
         graphs = []
 

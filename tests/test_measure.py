@@ -1,7 +1,7 @@
-"""The launcher's figures against timelines whose answers are computed by hand, and the order `measure` runs in.
+"""The launcher's figures against timelines whose answers are computed by hand, and the order `measure_modes` runs in.
 
 Speedup, ideal speedup, hidden share and communication share are checked on hand-built spans and
-results; `measure` itself runs on two gloo ranks with a stand-in prefill, so that only its
+results; `measure_modes` itself runs on two gloo ranks with a stand-in prefill, so that only its
 bookkeeping is under test (interleaving, the recorded round, the slowest rank's times).
 """
 import statistics
@@ -13,7 +13,7 @@ import torch
 
 import overlap
 from launch import measure as measure_mod
-from launch.measure import (ModeResult, _compare, comm_share, explained_speedup, ideal_speedup, measure, notes, rounds,
+from launch.measure import (ModeResult, _compare, comm_share, explained_speedup, ideal_speedup, measure_modes, notes, rounds,
                             spread, table)
 from overlap import DEFAULT, EP_COMM, SHARED_EXPERT, Span
 from overlap.multirank import run_ranks
@@ -252,7 +252,7 @@ def test_a_speedup_its_hidden_communication_cannot_explain_is_said_in_words(one_
     assert not any(line.startswith("two-batch") for line in notes(results))
 
 
-# --- the order `measure` runs the modes in ---
+# --- the order `measure_modes` runs the modes in ---
 
 def test_rounds_interleave_and_rotate():
     assert rounds(["a", "b", "c"], 2, 4) == [["a", "b", "c"], ["a", "b", "c"],  # warmup
@@ -265,10 +265,10 @@ SLOW_MODE_S = 0.03  # rank 1 sleeps this long in mode "x": the slowest rank's ti
 
 
 def _measure_rank(ctx):
-    """`measure` with a stand-in plan and prefill: what ran when, and the results."""
+    """`measure_modes` with a stand-in plan and prefill: what ran when, and the results."""
     calls, count = [], {}
 
-    def plan_for(mode, batch, group, model=None):
+    def split_for(mode, batch, group, model=None):
         return types.SimpleNamespace(reason=f"plan of {mode}")
 
     def prefill(model, batch, mode, plan, cache=None, make=None):
@@ -282,13 +282,13 @@ def _measure_rank(ctx):
             overlap.all_reduce(t, group=ctx.group)  # a comm span after the compute span
         return t
 
-    real = measure_mod.plan_for, measure_mod.prefill
-    measure_mod.plan_for, measure_mod.prefill = plan_for, prefill
+    real = measure_mod.split_for, measure_mod.prefill
+    measure_mod.split_for, measure_mod.prefill = split_for, prefill
     try:
-        results = measure(None, None, ["serial", "x", "y"], ctx.group, warmup=1, iters=3,
+        results = measure_modes(None, None, ["serial", "x", "y"], ctx.group, warmup=1, iters=3,
                           before_iter=lambda mode, i: calls.append(("before", mode, i)))
     finally:  # under torchrun the rank's process goes on to other tests
-        measure_mod.plan_for, measure_mod.prefill = real
+        measure_mod.split_for, measure_mod.prefill = real
     return calls, [dict(mode=r.mode, times=r.times_s, split=r.split, spans=r.spans, hidden=r.hidden_comm_share,
                         comm_share=r.comm_share, comm_shares=r.comm_shares, ideal=r.ideal_speedup,
                         speedup=r.speedup, median=r.median_s)

@@ -14,7 +14,7 @@ from launch.models import PRESETS, build_model, preset
 from microbatch import HIDDEN, OUT
 from microbatch.batch import K, PREFIX_KV, SEQ, V, Batch, SeqInfo
 from microbatch.operations import State
-from microbatch.planning.split import plan_split, split_batch
+from microbatch.planning.split import propose_split, split_batch
 from overlap.multirank import run_ranks
 
 TINY = PRESETS["tiny"]
@@ -102,14 +102,14 @@ def test_attention_is_causal(model):
     ([3, 30, 2], True),                  # boundaries too unbalanced: cut inside the middle request
 ])
 def test_micro_batches_match_the_whole_batch(model, lens, cut):
-    plan = plan_split(lens, min_tokens=4)
+    plan = propose_split(lens, min_tokens=4)
     assert not plan.serial and (plan.cut is not None) == cut
     batch = Batch.random(lens, TINY.vocab, seed=5)
     torch.testing.assert_close(model.forward_microbatches(batch, plan), model(batch), **TOL)
 
 
 def test_cut_request_needs_its_prefix(model):
-    plan = plan_split([41], min_tokens=4)
+    plan = propose_split([41], min_tokens=4)
     b0, b1 = split_batch(Batch.random([41], TINY.vocab), plan)
     hidden = model.embed_tokens(b1.tokens)
     with pytest.raises(ValueError, match="prefix"):
@@ -119,7 +119,7 @@ def test_cut_request_needs_its_prefix(model):
 def test_one_token_batch_runs_serially(model, caplog):
     from microbatch.planning.split import agree_split
 
-    plan = plan_split([1])
+    plan = propose_split([1])
     with caplog.at_level("INFO", logger="microbatch.planning.split"):
         plan = agree_split(plan)
     assert plan.serial and "1 token" in caplog.text
@@ -221,7 +221,7 @@ def test_pipeline_executor_runs_the_layers(model, lens):
     from microbatch.forward import run_schedule
     from microbatch import serial, two_batch
 
-    plan = plan_split(lens, min_tokens=4)
+    plan = propose_split(lens, min_tokens=4)
     batch = Batch.random(lens, TINY.vocab, seed=5)
     with torch.no_grad():
         got = run_schedule(model, batch, plan, model.layer_operations(), serial if plan.serial else two_batch)

@@ -63,16 +63,16 @@ def test_a_model_that_cannot_cut_gets_boundary_splits_only():
 def test_a_choices_split_reason_says_its_split_once():
     lens = (64, 64, 64, 64)
     one = choose(_Cal(0.0), _layers(), [lens], device=False)
-    assert one.plan(lens, None).reason == "one batch (serial)"
+    assert one.split(lens, None).reason == "one batch (serial)"
     several = choose(_Cal(2.5e-8), _layers(), [lens], device=False)
-    reason = several.plan(lens, None).reason
+    reason = several.split(lens, None).reason
     assert reason.startswith(several.best.describe() + "; request boundar") and "auto" not in reason, reason
 
 
 def _decide_and_run(ctx, lens):
     import overlap
     from microbatch.planning import calibrate
-    from launch.measure import measure
+    from launch.measure import measure_modes
     from launch.models import build_model, preset
     from launch.runner import make_expert_parallel
     from microbatch.batch import Batch
@@ -84,7 +84,7 @@ def _decide_and_run(ctx, lens):
     all_lens = gather_lens(batch.seq.seq_lens, ctx.group)
     cal = calibrate(model, ctx.group, max_tokens=128, repeats=1)
     choice = choose(cal, model, all_lens)
-    results = measure(model, batch, ["serial", "auto"], ctx.group, warmup=0, iters=1, choice=choice)
+    results = measure_modes(model, batch, ["serial", "auto"], ctx.group, warmup=0, iters=1, choice=choice)
     out = {r.mode: r.output for r in results}
     return all_lens, choice.best, (out["auto"] - out["serial"]).abs().max().item()
 

@@ -8,7 +8,7 @@ import torch
 import microbatch
 import overlap
 from launch.models import build_model, preset
-from launch.runner import layer_operations, make_expert_parallel, plan_for, prefill
+from launch.runner import layer_operations, make_expert_parallel, split_for, prefill
 from microbatch import MODES
 from microbatch.batch import Batch
 from microbatch.forward import run_schedule
@@ -32,7 +32,7 @@ def _modes_equal_serial(ctx, case):
     model = make_expert_parallel(build_model(CFG, seed=5, device=ctx.device), ctx.group)
     out, plans, races = {}, {}, {}
     for mode in ALL:
-        plan = plan_for(mode, batch, ctx.group, min_tokens=8)
+        plan = split_for(mode, batch, ctx.group, min_tokens=8)
         with overlap.Sanitizer(raise_on_race=False) as san:
             out[mode] = prefill(model, batch, mode, plan)
             overlap.synchronize()
@@ -62,7 +62,7 @@ def _hidden_exchanges(ctx, mode):
     """Per (micro-batch, layer) of ``mode``'s prefill: whether an exchange of it ran under another's compute."""
     batch = Batch.random([20, 12, 17, 15], CFG.vocab, seed=ctx.rank)
     model = make_expert_parallel(build_model(CFG, seed=5), ctx.group)
-    plan = plan_for(mode, batch, ctx.group, min_tokens=8)
+    plan = split_for(mode, batch, ctx.group, min_tokens=8)
     assert plan.n_parts == MODES[mode].micro_batches, plan.reason
     with overlap.Timeline() as tl:
         prefill(model, batch, mode, plan)
@@ -126,9 +126,9 @@ def _n_batch_modes(ctx):
     out = {}
     for case, lens in N_BATCHES.items():
         batch = Batch.random(lens(ctx.rank), CFG.vocab, seed=100 + ctx.rank, device=ctx.device)
-        ref = prefill(model, batch, "serial", plan_for("serial", batch, ctx.group))
+        ref = prefill(model, batch, "serial", split_for("serial", batch, ctx.group))
         for mode in N_BATCH:
-            plan = plan_for(mode, batch, ctx.group, min_tokens=8)
+            plan = split_for(mode, batch, ctx.group, min_tokens=8)
             san = overlap.Sanitizer(raise_on_race=False) if (case, mode) in SANITIZED else None
             with san or contextlib.nullcontext():
                 got = prefill(model, batch, mode, plan)
@@ -201,7 +201,7 @@ def _offloaded_equals_plain(ctx):
     model = make_expert_parallel(build_model(CFG, seed=5), ctx.group)
     ok = {}
     for mode in MODES:
-        plan = plan_for(mode, batch, ctx.group, min_tokens=8)
+        plan = split_for(mode, batch, ctx.group, min_tokens=8)
         plain = _Recorder()
         ref = prefill(model, batch, mode, plan, plain)
         cache = OffloadCache(CFG.n_layers, batch.seq.num_tokens, (CFG.n_heads, CFG.head_dim))
@@ -227,18 +227,18 @@ def test_offloaded_cache_equals_the_keys_and_values_of_a_plain_run(world):
 def _continue_from_offloaded_prefix(ctx):
     from launch.runner import continue_prefill
     from microbatch.batch import Batch as B, SeqInfo
-    from microbatch.forward import serial_plan
+    from microbatch.forward import serial_split
     from overlap import OffloadCache
 
     full = Batch.random([30, 20], CFG.vocab, seed=7 + ctx.rank)
     model = make_expert_parallel(build_model(CFG, seed=5), ctx.group)
-    ref = prefill(model, full, "serial", serial_plan(full))
+    ref = prefill(model, full, "serial", serial_split(full))
     t = full.tokens
     first = B(torch.cat([t[0:18], t[30:42]]), SeqInfo((18, 12)))
     second = B(torch.cat([t[18:30], t[42:50]]), SeqInfo((12, 8), (18, 12)))
     with overlap.Sanitizer(raise_on_race=True):
         cache = OffloadCache(CFG.n_layers, 50, (CFG.n_heads, CFG.head_dim), ring=2)
-        prefill(model, first, "serial", serial_plan(first), cache)
+        prefill(model, first, "serial", serial_split(first), cache)
         out = continue_prefill(model, second, cache)
         held = cache.tokens(0)
         cache.close()

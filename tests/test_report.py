@@ -542,9 +542,9 @@ def test_plan_must_be_a_plan_of_the_measured_schedule(tmp_path):
          args=("--plan", plan))
     _bad(measured("model.json", _predicted("two-batch", names=("attn", "send", "mlp"))), "operations",
          "only measured: mlp", "only planned: fin", args=("--plan", plan))
-    serial_plan = _predicted("serial", tokens=(32,)).save_chrome_trace(str(tmp_path / "serial_plan.json"))
+    serial_split = _predicted("serial", tokens=(32,)).save_chrome_trace(str(tmp_path / "serial_split.json"))
     _bad(measured("shared.json", _predicted("shared", tokens=(32,))), "(serial)", "streams",
-         "send of mb0 L0 runs on ep_comm measured, on default planned", args=("--plan", serial_plan))
+         "send of mb0 L0 runs on ep_comm measured, on default planned", args=("--plan", serial_split))
     twice = _predicted("two-batch")
     _bad(save_chrome_trace(twice.spans + twice.spans[:1], str(tmp_path / "twice.json")), "launches", "2 time(s)",
          args=("--plan", plan))

@@ -7,8 +7,8 @@ import torch
 
 import overlap
 from microbatch.batch import SeqInfo
-from microbatch.planning.split import (SplitPlan, agree_split, decide_split, merge_outputs, micro_batches,
-                              plan_split, prefix_kv, prefix_sources, split_tokens)
+from microbatch.planning.split import (Split, agree_split, decide_split, merge_outputs, micro_batches,
+                              propose_split, prefix_kv, prefix_sources, split_tokens)
 from overlap.multirank import run_ranks
 
 
@@ -28,7 +28,7 @@ def test_plan_matches_brute_force(seed):
     lens = [rng.choice([1, 2, 5, 17, 64, 300]) for _ in range(rng.randint(1, 6))] + [rng.randint(2, 9)]
     rng.shuffle(lens)
     limit = rng.choice([0.0, 0.05, 0.1, 0.3])
-    plan = plan_split(lens, min_tokens=2, max_imbalance=limit)
+    plan = propose_split(lens, min_tokens=2, max_imbalance=limit)
     total = sum(lens)
     n0, n1 = plan.token_counts
     assert not plan.serial and n0 + n1 == total and n0 >= 1 and n1 >= 1
@@ -52,16 +52,16 @@ def test_plan_matches_brute_force(seed):
 
 def test_threshold_decides_between_boundary_and_cut():
     lens = [12, 8]  # best boundary leaves 20% imbalance
-    loose = plan_split(lens, min_tokens=2, max_imbalance=0.25)
+    loose = propose_split(lens, min_tokens=2, max_imbalance=0.25)
     assert loose.split_at == 12 and loose.cut is None and "boundary" in loose.reason
-    tight = plan_split(lens, min_tokens=2, max_imbalance=0.1)
+    tight = propose_split(lens, min_tokens=2, max_imbalance=0.1)
     assert tight.split_at == 10 and tight.cut == (0, 10) and "cut request 0" in tight.reason
-    no_cut = plan_split(lens, min_tokens=2, max_imbalance=0.1, allow_cut=False)
+    no_cut = propose_split(lens, min_tokens=2, max_imbalance=0.1, allow_cut=False)
     assert no_cut.serial and "disabled" in no_cut.reason
 
 
 def test_one_long_request_is_cut_inside():
-    plan = plan_split([101], min_tokens=2)
+    plan = propose_split([101], min_tokens=2)
     assert plan.cut == (0, 51) and plan.token_counts == (51, 50)
     s0, s1 = micro_batches(plan)
     assert s0 == SeqInfo((51,)) and s1 == SeqInfo((50,), (51,))
@@ -74,7 +74,7 @@ def test_one_long_request_is_cut_inside():
 @pytest.mark.parametrize("lens,words", [([1], "1 token"), ([0, 1, 0], "1 token"), ([], "0 tokens"),
                                         ([5, 5], "min_tokens=32")])
 def test_small_batches_run_serially(lens, words):
-    plan = plan_split(lens)
+    plan = propose_split(lens)
     assert plan.serial and words in plan.reason and plan.token_counts == (sum(lens), 0)
     with pytest.raises(ValueError, match="serial"):
         micro_batches(plan)
@@ -82,18 +82,18 @@ def test_small_batches_run_serially(lens, words):
 
 def test_bad_input_is_named():
     with pytest.raises(ValueError, match="non-negative"):
-        plan_split([3, -1])
+        propose_split([3, -1])
     with pytest.raises(ValueError, match="max_imbalance"):
-        plan_split([3, 3], max_imbalance=1.5)
+        propose_split([3, 3], max_imbalance=1.5)
     with pytest.raises(ValueError, match="min_tokens"):
-        plan_split([3, 3], min_tokens=-1)
-    with pytest.raises(TypeError, match="SplitPlan"):
+        propose_split([3, 3], min_tokens=-1)
+    with pytest.raises(TypeError, match="Split"):
         agree_split([3, 3])
 
 
 def test_slicing_and_merging_round_trip():
     lens = [3, 0, 9, 4]
-    plan = plan_split(lens, min_tokens=2)
+    plan = propose_split(lens, min_tokens=2)
     x = torch.randn(sum(lens), 5)
     x0, x1 = split_tokens(plan, x)
     assert (x0.shape[0], x1.shape[0]) == plan.token_counts
@@ -114,7 +114,7 @@ def test_seq_info():
 
 
 def test_agree_without_process_group_keeps_the_plan(caplog):
-    plan = plan_split([1])
+    plan = propose_split([1])
     with caplog.at_level("INFO", logger="microbatch.planning.split"):
         assert agree_split(plan) == plan
     assert "1 token" in caplog.text
@@ -145,7 +145,7 @@ def _agree_body(ctx, cases):
 def _check_agreement(cases, results):
     for c, per_rank in enumerate(cases):
         got = [r[c] for r in results]
-        local = [plan_split(lens, min_tokens=8) for lens in per_rank]
+        local = [propose_split(lens, min_tokens=8) for lens in per_rank]
         assert [g[3] for g in got] == [1] * len(got), "exactly one collective per decision"
         assert len({g[0] for g in got}) == 1, f"ranks disagree: {got}"
         if any(p.serial for p in local):
@@ -253,7 +253,7 @@ def test_n_parts_match_brute_force(seed):
     lens = [rng.choice([1, 2, 5, 17, 64, 300]) for _ in range(rng.randint(1, 8))] + [rng.randint(4, 9)]
     rng.shuffle(lens)
     limit = rng.choice([0.0, 0.1, 0.3, 0.6])
-    plan = plan_split(lens, n, min_tokens=2, max_imbalance=limit)
+    plan = propose_split(lens, n, min_tokens=2, max_imbalance=limit)
     total = sum(lens)
     counts = plan.token_counts
     assert plan.n_parts == n and len(plan.points) == n - 1 and sum(counts) == total and min(counts) >= 1
@@ -268,14 +268,14 @@ def test_n_parts_match_brute_force(seed):
 
 
 def test_n_parts_at_boundaries_and_cut():
-    even = plan_split([10, 10, 10], 3, min_tokens=2)
+    even = propose_split([10, 10, 10], 3, min_tokens=2)
     assert even.points == (10, 20) and even.split_at == 10 and even.cut is None
     assert even.reason == "request boundaries: 10/10/10 tokens (imbalance 0.0%)"
-    once = plan_split([24, 30, 16], 3, min_tokens=2)
+    once = propose_split([24, 30, 16], 3, min_tokens=2)
     assert once.points == (24, 47) and once.cuts == ((1, 23),)
     assert once.reason.startswith("cut request 1 at token 23: 24/23/23 tokens (best request boundaries 24/30/16")
     assert micro_batches(once) == (SeqInfo((24,)), SeqInfo((23,)), SeqInfo((7, 16), (23, 0)))
-    twice = plan_split([101], 3, min_tokens=2)
+    twice = propose_split([101], 3, min_tokens=2)
     assert twice.cuts == ((0, 34), (0, 68)) and twice.cut == (0, 34) and twice.token_counts == (34, 34, 33)
     assert twice.reason == "cut request 0 at token 34, request 0 at token 68: 34/34/33 tokens (no request boundary)"
     assert micro_batches(twice) == (SeqInfo((34,)), SeqInfo((34,), (34,)), SeqInfo((33,), (68,)))
@@ -283,7 +283,7 @@ def test_n_parts_at_boundaries_and_cut():
 
 
 def test_a_request_cut_twice_gets_its_rows_of_every_earlier_part_as_prefix():
-    plan = plan_split([5, 40, 3], 4, min_tokens=2)  # shares 12/12/12/12: request 1 spans all four parts
+    plan = propose_split([5, 40, 3], 4, min_tokens=2)  # shares 12/12/12/12: request 1 spans all four parts
     assert plan.cuts == ((1, 7), (1, 19), (1, 31))
     k = torch.randn(48, 2, 3)
     parts = split_tokens(plan, k)
@@ -295,46 +295,46 @@ def test_a_request_cut_twice_gets_its_rows_of_every_earlier_part_as_prefix():
         prefix_kv(plan, parts[0], parts[0], mb=2)
     with pytest.raises(ValueError, match="micro-batch 1 keys/values have 11/12 rows, expected 12"):
         prefix_kv(plan, parts[0], parts[0], parts[1][1:], parts[1], mb=2)
-    assert prefix_kv(plan_split([10, 10, 10], 3, min_tokens=2), k[:10], k[:10], mb=1) is None
+    assert prefix_kv(propose_split([10, 10, 10], 3, min_tokens=2), k[:10], k[:10], mb=1) is None
 
 
 def test_too_few_tokens_for_n_parts_fall_back_to_fewer():
-    two = plan_split([5, 5], 3, min_tokens=8)
+    two = propose_split([5, 5], 3, min_tokens=8)
     assert two.n_parts == 2 and two.split_at == 5
     assert two.reason == ("request boundary: 5/5 tokens (imbalance 0.0%); not 3 micro-batches: a batch of 10 tokens "
                           "is below 3 x min_tokens/2 = 12 for 3 micro-batches")
-    three = plan_split([7, 7, 7, 4], 4, min_tokens=14)  # 25 tokens: enough for 3 parts of 7, not 4
+    three = propose_split([7, 7, 7, 4], 4, min_tokens=14)  # 25 tokens: enough for 3 parts of 7, not 4
     assert three.n_parts == 3 and "not 4 micro-batches" in three.reason and "4 x min_tokens/2 = 28" in three.reason
-    assert [p.n_parts for p in three.fewer] == [2] and three.fewer[0] == plan_split([7, 7, 7, 4], min_tokens=14)
-    assert plan_split([1, 1], 4, min_tokens=0).n_parts == 2  # one token per part at least
-    assert "cannot be split into 3" in plan_split([1, 1], 3, min_tokens=0).reason
+    assert [p.n_parts for p in three.fewer] == [2] and three.fewer[0] == propose_split([7, 7, 7, 4], min_tokens=14)
+    assert propose_split([1, 1], 4, min_tokens=0).n_parts == 2  # one token per part at least
+    assert "cannot be split into 3" in propose_split([1, 1], 3, min_tokens=0).reason
     for lens, words in (([1], "1 token"), ([5, 5], "min_tokens=32")):
-        serial = plan_split(lens, 4)
+        serial = propose_split(lens, 4)
         assert serial.serial and words in serial.reason and serial.fewer == ()
 
 
 def test_without_cuts_n_parts_fall_back_to_fewer_balanced_boundaries():
-    assert plan_split([10, 10, 10], 3, min_tokens=2, allow_cut=False).points == (10, 20)
-    two = plan_split([12, 3, 15], 3, min_tokens=2, allow_cut=False)  # 12/3/15 is too unbalanced, 15/15 is not
+    assert propose_split([10, 10, 10], 3, min_tokens=2, allow_cut=False).points == (10, 20)
+    two = propose_split([12, 3, 15], 3, min_tokens=2, allow_cut=False)  # 12/3/15 is too unbalanced, 15/15 is not
     assert two.points == (15,) and "not 3 micro-batches: best request boundaries 12/3/15" in two.reason
-    serial = plan_split([3, 17, 2], 3, min_tokens=2, allow_cut=False)
+    serial = propose_split([3, 17, 2], 3, min_tokens=2, allow_cut=False)
     assert serial.serial and "disabled" in serial.reason
-    assert "only 1 request boundary for 3" in plan_split([20, 20], 3, min_tokens=2, allow_cut=False).reason
+    assert "only 1 request boundary for 3" in propose_split([20, 20], 3, min_tokens=2, allow_cut=False).reason
 
 
 def test_two_part_plans_keep_their_api():
-    plan = SplitPlan((12, 8), 12, "given")
+    plan = Split((12, 8), 12, "given")
     assert plan.points == (12,) and plan.n_parts == 2 and plan.token_counts == (12, 8) and plan.edges == (0, 12, 20)
     serial = plan.as_serial("no")
     assert serial.serial and serial.points == () and serial.n_parts == 1 and serial.token_counts == (20, 0)
-    n_way = SplitPlan((30,), 10, "given", (10, 20))
+    n_way = Split((30,), 10, "given", (10, 20))
     assert n_way.token_counts == (10, 10, 10) and n_way.imbalance == 0.0 and n_way.cuts == ((0, 10), (0, 20))
     with pytest.raises(ValueError, match="increase strictly"):
-        SplitPlan((30,), 10, "bad", (10, 10))
+        Split((30,), 10, "bad", (10, 10))
     with pytest.raises(ValueError, match="increase strictly"):
-        SplitPlan((30,), 5, "bad", (10, 20))
+        Split((30,), 5, "bad", (10, 20))
     with pytest.raises(ValueError, match="number of micro-batches"):
-        plan_split([30], 1)
+        propose_split([30], 1)
     with pytest.raises(ValueError, match="outputs of 10, 10 and 9 rows do not match the plan's micro-batches of "
                                          "10, 10 and 10 tokens"):
         merge_outputs(n_way, torch.ones(10), torch.ones(10), torch.ones(9))
@@ -357,7 +357,7 @@ def _agree_n_body(ctx, cases):
 def _check_n_agreement(cases, results, expected):
     for c, (n, allow_cut, per_rank) in enumerate(cases):
         got = [r[c] for r in results]
-        local = [plan_split(lens, n, min_tokens=8, allow_cut=allow_cut) for lens in per_rank]
+        local = [propose_split(lens, n, min_tokens=8, allow_cut=allow_cut) for lens in per_rank]
         offers = [{p.n_parts: p for p in (plan,) + plan.fewer if not plan.serial and not p.serial} for plan in local]
         common = set.intersection(*[set(o) for o in offers])
         assert [g[2] for g in got] == [1] * len(got), "exactly one collective per decision"

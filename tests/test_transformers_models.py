@@ -17,11 +17,11 @@ import pytest
 import torch
 
 import overlap
-from launch.runner import continue_prefill, layer_operations, make_expert_parallel, plan_for, prefill
+from launch.runner import continue_prefill, layer_operations, make_expert_parallel, split_for, prefill
 from microbatch import MODES
 from microbatch.batch import Batch, SeqInfo
-from microbatch.forward import serial_plan
-from microbatch.planning.split import plan_split
+from microbatch.forward import serial_split
+from microbatch.planning.split import propose_split
 from overlap.multirank import run_ranks
 
 transformers = pytest.importorskip("transformers")
@@ -60,7 +60,7 @@ class _Recorder:
 def _mode(model, batch, mode, group, ref, ref_kv, plain):
     """One prefill in ``mode`` with the KV offload, under the sanitizer: what the parent checks."""
     cfg = model.cfg
-    plan = plan_for(mode, batch, group, model=model, **SPLIT)
+    plan = split_for(mode, batch, group, model=model, **SPLIT)
     cache = overlap.OffloadCache(cfg.n_layers, batch.seq.num_tokens, cfg.k_shape, v_shape=cfg.v_shape)
     with overlap.Sanitizer(raise_on_race=False) as san:
         out = prefill(model, batch, mode, plan, cache)
@@ -183,12 +183,12 @@ def test_hybrid_model_splits_only_at_request_boundaries(qwen3_next):
         batch = Batch.random(lens, model.cfg.vocab, seed=3)
         ref = model.reference(batch)
         for mode in MODES:
-            plan = plan_for(mode, batch, None, model=model, **SPLIT)
+            plan = split_for(mode, batch, None, model=model, **SPLIT)
             assert plan.cut is None
             if mode == "two-batch":
                 assert plan.serial == serial and model.no_cut_reason in plan.reason
             torch.testing.assert_close(prefill(model, batch, mode, plan), ref, **TOL)
-    cut = plan_split([3, 17, 2], **SPLIT)
+    cut = propose_split([3, 17, 2], **SPLIT)
     with pytest.raises(ValueError, match="cuts request 1.*linear_attention"):
         prefill(model, Batch.random([3, 17, 2], model.cfg.vocab), "two-batch", cut)
 
@@ -199,7 +199,7 @@ def test_hybrid_model_offloads_only_its_attention_layers(qwen3_next):
     names = [[op.name for op in ops] for ops in layer_operations(model, cache=object())]
     assert "kv_offload" not in names[0] and names[1][1] == "kv_offload"
     cache = overlap.OffloadCache(model.cfg.n_layers, batch.seq.num_tokens, model.cfg.k_shape)
-    prefill(model, batch, "two-batch", plan_for("two-batch", batch, None, model=model, **SPLIT), cache)
+    prefill(model, batch, "two-batch", split_for("two-batch", batch, None, model=model, **SPLIT), cache)
     assert cache.tokens(0) == 0 and cache.tokens(1) == batch.seq.num_tokens
     for got, want in zip(cache.host_kv(1), model.reference_kv(batch)[1]):
         torch.testing.assert_close(got, want, **TOL)
@@ -212,7 +212,7 @@ def test_sliding_window_layers_take_a_prefix():
     model = make_expert_parallel(build_transformers_model("mixtral", seed=SEED, sliding_window=5), None)
     assert model.no_cut_reason is None and all(layer.window == 5 for layer in model.layers)
     batch = Batch.random([3, 17, 2], model.cfg.vocab, seed=5)
-    plan = plan_for("two-batch", batch, None, model=model, **SPLIT)
+    plan = split_for("two-batch", batch, None, model=model, **SPLIT)
     assert plan.cut is not None
     torch.testing.assert_close(prefill(model, batch, "two-batch", plan), model.reference(batch), **TOL)
 
@@ -223,7 +223,7 @@ def test_chunked_attention_layers_take_a_prefix():
     assert all(layer.attns[0].chunk == 5 for layer in model.layers)
     batch = Batch.random([3, 17, 2], model.cfg.vocab, seed=5)
     for n in (2, 3):
-        plan = plan_split(batch.seq.seq_lens, n, **SPLIT)
+        plan = propose_split(batch.seq.seq_lens, n, **SPLIT)
         assert plan.cut is not None
         torch.testing.assert_close(prefill(model, batch, "two-batch" if n == 2 else "three-batch", plan),
                                    model.reference(batch), **TOL)
@@ -238,7 +238,7 @@ def test_continuing_from_an_offloaded_prefix_equals_the_whole_prefill():
     first = Batch(torch.cat([t[:8], t[14:19]]), SeqInfo((8, 5)))
     second = Batch(torch.cat([t[8:14], t[19:23]]), SeqInfo((6, 4), (8, 5)))
     cache = overlap.OffloadCache(cfg.n_layers, 23, cfg.k_shape, v_shape=cfg.v_shape)
-    prefill(model, first, "serial", serial_plan(first), cache)
+    prefill(model, first, "serial", serial_split(first), cache)
     out = continue_prefill(model, second, cache)
     cache.close()
     torch.testing.assert_close(out, torch.cat([ref[8:14], ref[19:23]]), **TOL)
@@ -250,10 +250,10 @@ def test_micro_batches_layer_by_layer_equal_the_models_own_forward():
     model = build_transformers_model("qwen2_moe", seed=SEED)
     assert isinstance(model, ForwardModel)  # the adapter offers what microbatch.forward needs of a model
     batch = Batch.random([3, 17, 2], model.cfg.vocab, seed=8)
-    plan = plan_split(batch.seq.seq_lens, **SPLIT)
+    plan = propose_split(batch.seq.seq_lens, **SPLIT)
     assert plan.cut is not None
     torch.testing.assert_close(model.forward_microbatches(batch, plan), model.reference(batch), **TOL)
-    three = plan_split(batch.seq.seq_lens, 3, **SPLIT)  # request 1 cut twice: its last part's prefix spans two
+    three = propose_split(batch.seq.seq_lens, 3, **SPLIT)  # request 1 cut twice: its last part's prefix spans two
     assert three.n_parts == 3 and [c[0] for c in three.cuts] == [1, 1]
     torch.testing.assert_close(model.forward_microbatches(batch, three), model.reference(batch), **TOL)
     hf_logits = model.hf(input_ids=batch.tokens[None, :3]).logits[0]
@@ -264,7 +264,7 @@ def test_eager_attention_equals_sdpa():
     eager = build_transformers_model("glm4_moe", seed=SEED, attn_implementation="eager")
     sdpa = build_transformers_model("glm4_moe", seed=SEED)
     batch = Batch.random([3, 17, 2], eager.cfg.vocab, seed=9)
-    plan = plan_split(batch.seq.seq_lens, **SPLIT)
+    plan = propose_split(batch.seq.seq_lens, **SPLIT)
     torch.testing.assert_close(eager.forward_microbatches(batch, plan), sdpa.reference(batch), **TOL)
 
 
@@ -282,7 +282,7 @@ def test_bfloat16_modes_equal_the_models_own_forward(family):
     ref = model.reference(batch)
     make_expert_parallel(model, None)
     for mode in MODES:
-        out = prefill(model, batch, mode, plan_for(mode, batch, None, model=model, **SPLIT))
+        out = prefill(model, batch, mode, split_for(mode, batch, None, model=model, **SPLIT))
         assert out.dtype == torch.bfloat16
         torch.testing.assert_close(out, ref, rtol=2e-2, atol=5e-2)
 
@@ -437,7 +437,7 @@ def _every_mode(ctx, families):
             if mode in ("serial", "two-batch"):
                 out[family, mode] = _mode(model, batch, mode, ctx.group, ref, ref_kv, plain.kv)
             else:
-                got = prefill(model, batch, mode, plan_for(mode, batch, ctx.group, model=model, **SPLIT))
+                got = prefill(model, batch, mode, split_for(mode, batch, ctx.group, model=model, **SPLIT))
                 out[family, mode] = dict(hidden=_max_diff(got, ref), scale=ref.abs().max().item(), races=[])
     return out
 

@@ -144,14 +144,14 @@ def _rank_body(ctx: Any, preset_name: str, tokens: int, seq_len: int, link: floa
 
     import overlap
     from launch.models import build_model, preset
-    from launch.runner import make_expert_parallel, plan_for, prefill
+    from launch.runner import make_expert_parallel, split_for, prefill
     from microbatch.batch import Batch
 
     overlap.set_link(overlap.Link(link))
     model = make_expert_parallel(build_model(preset(preset_name), seed=seed), ctx.group)
     full, rest = divmod(tokens, seq_len)
     batch = Batch.random([seq_len] * full + ([rest] if rest else []), model.cfg.vocab, seed=seed + ctx.rank)
-    plans = {m: plan_for(m, batch, ctx.group, model=model) for m in modes}
+    plans = {m: split_for(m, batch, ctx.group, model=model) for m in modes}
     probe: Dict[Tuple[str, str], List[Tuple[float, float]]] = {(n, s): [] for n in loads for s in settings}
     times: Dict[Tuple[str, str, str], List[float]] = {(n, s, m): [] for n in loads for s in settings for m in modes}
     said = {}

@@ -44,7 +44,7 @@ def _rank_body(ctx: Any, preset_name: str, seq_lens: List[int], warmup: int, ite
                seed: int, model_name: str = "reference") -> Optional[str]:
     import microbatch
     import overlap
-    from launch.measure import measure, table
+    from launch.measure import measure_modes, table
     from launch.runner import make_expert_parallel
     from microbatch.batch import Batch
 
@@ -52,7 +52,7 @@ def _rank_body(ctx: Any, preset_name: str, seq_lens: List[int], warmup: int, ite
     model = make_expert_parallel(_build(preset_name, model_name, seed), ctx.group)
     batch = Batch.random(seq_lens, model.cfg.vocab, seed=seed + ctx.rank + 1)
     modes = [name for name, m in microbatch.MODES.items() if m.in_all]
-    results = measure(model, batch, modes, ctx.group, warmup=warmup, iters=iters)
+    results = measure_modes(model, batch, modes, ctx.group, warmup=warmup, iters=iters)
     if ctx.rank != 0:
         return None
     return table(results, batch.seq.num_tokens * ctx.world_size) + "\n" + verdict({r.mode: r for r in results})

@@ -99,14 +99,14 @@ def _skew(spans: List[Any]) -> Optional[float]:
 def _point(ctx: Any, model: Any, tokens: int, seq_len: int, cal: Any, warmup: int, iters: int, seed: int,
            min_seconds: float = 0.0) -> Dict[str, Any]:
     import microbatch
-    from launch.measure import measure
+    from launch.measure import measure_modes
     from microbatch.batch import Batch
     from microbatch.planning import choose, gather_lens, max_over_ranks
 
     batch = Batch.random(_lens(tokens, seq_len), model.cfg.vocab, seed=seed + 97 * ctx.rank + tokens)
     choice = choose(cal, model, gather_lens(batch.seq.seq_lens, ctx.group))
     rounds = _rounds(iters, min_seconds, choice.serial_s)  # the same on every rank: one calibration, one choice
-    results = measure(model, batch, list(FIXED) + ["auto"], ctx.group, warmup=warmup, iters=rounds, choice=choice)
+    results = measure_modes(model, batch, list(FIXED) + ["auto"], ctx.group, warmup=warmup, iters=rounds, choice=choice)
     layers = model.layer_operations()
     costs = cal.cost_model()
     predicted, breakdown = [], {}

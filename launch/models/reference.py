@@ -31,7 +31,7 @@ from collectives import MOE_IN, MOE_OUT
 from collectives.reference import MoE, Expert
 from microbatch import HIDDEN, OUT, Operation, State, as_operation
 from microbatch.batch import K, PREFIX_KV, SEQ, V, Batch, SeqInfo
-from microbatch.planning.split import SplitPlan, merge_outputs, prefix_kv, prefix_sources, split_batch
+from microbatch.planning.split import Split, merge_outputs, prefix_kv, prefix_sources, split_batch
 
 from .presets import ModelConfig
 
@@ -192,7 +192,7 @@ class Model(nn.Module):
         return self.norm(hidden)
 
     @torch.no_grad()
-    def forward_microbatches(self, batch: Batch, plan: SplitPlan) -> torch.Tensor:
+    def forward_microbatches(self, batch: Batch, plan: Split) -> torch.Tensor:
         """Prefill as the plan's micro-batches, layer by layer (mb0, mb1, ...), without overlap.
 
         A cut request's later part attends to its earlier parts' keys and values of the same
@@ -205,7 +205,7 @@ class Model(nn.Module):
         return [layer.operations() for layer in self.layers]
 
 
-def _prefix(plan: SplitPlan, mb: int, kvs: Sequence[Tuple[Any, Any]]) -> Optional[KV]:
+def _prefix(plan: Split, mb: int, kvs: Sequence[Tuple[Any, Any]]) -> Optional[KV]:
     """Micro-batch ``mb``'s prefix from the earlier micro-batches' ``(k, v)`` of this layer (None without)."""
     sources = prefix_sources(plan, mb)
     if not sources or kvs[sources[0]][0] is None:  # no cut, or a layer without keys and values
@@ -214,7 +214,7 @@ def _prefix(plan: SplitPlan, mb: int, kvs: Sequence[Tuple[Any, Any]]) -> Optiona
 
 
 @torch.no_grad()
-def forward_layer_by_layer(model: Any, batch: Batch, plan: SplitPlan) -> torch.Tensor:
+def forward_layer_by_layer(model: Any, batch: Batch, plan: Split) -> torch.Tensor:
     """``model`` (`Model` or alike) on the micro-batches of ``plan``, layer by layer, without overlap.
 
     Each layer runs micro-batch 0, 1, ... in turn, so a cut request's later parts find their

@@ -45,7 +45,7 @@ import overlap
 from collectives import MOE_IN, MOE_OUT
 from microbatch import HIDDEN, OUT, Operation, State, as_operation
 from microbatch.batch import K, PREFIX_KV, SEQ, V, Batch, SeqInfo
-from microbatch.planning.split import SplitPlan
+from microbatch.planning.split import Split
 from overlap import EP_COMM
 
 from .reference import forward_layer_by_layer, param_seed
@@ -724,7 +724,7 @@ class TransformersModel(nn.Module):
         return self.norm(hidden)
 
     @torch.no_grad()
-    def forward_microbatches(self, batch: Batch, plan: SplitPlan) -> torch.Tensor:
+    def forward_microbatches(self, batch: Batch, plan: Split) -> torch.Tensor:
         """The plan's micro-batches layer by layer, without overlap (see `reference.Model.forward_microbatches`)."""
         if plan.cut and self.no_cut_reason:
             raise ValueError(f"the plan cuts a request, but {self.no_cut_reason}")

@@ -1,6 +1,6 @@
 """Planning a prefill before running it: the split into micro-batches, and the choice of schedule.
 
-- `split`: where a packed batch is cut into N balanced micro-batches (`plan_split`), agreed by
+- `split`: where a packed batch is cut into N balanced micro-batches (`propose_split`), agreed by
   every rank (`decide_split`), and how a batch and its outputs are cut and merged by that split;
 - `simulation`: a schedule's timeline and prefill time predicted from a cost model (`predict`);
 - `calibration`: that cost model measured on this machine for a model (`calibrate`), cached;
@@ -9,11 +9,11 @@
 
 Importable without the launcher: it needs the executor and the model's forward
 (`microbatch.forward`), the primitives (`overlap`) and torch.distributed. Names that mean
-something else elsewhere (the calibration's ``measure``, ``agree``, ``load`` and ``save``) are
+something else elsewhere (the calibration's ``agree``, ``load`` and ``save``) are
 reached through their module, `microbatch.planning.calibration`.
 """
-from .split import (DEFAULT_MAX_IMBALANCE, DEFAULT_MIN_TOKENS, MAX_MICRO_BATCHES, SplitPlan, agree_split,
-                    decide_split, merge_outputs, micro_batches, plan_split, prefix_kv, prefix_sources, split_batch,
+from .split import (DEFAULT_MAX_IMBALANCE, DEFAULT_MIN_TOKENS, MAX_MICRO_BATCHES, Split, agree_split,
+                    decide_split, merge_outputs, micro_batches, propose_split, prefix_kv, prefix_sources, split_batch,
                     split_tokens)
 from .simulation import (CostModel, Interconnect, Linear, OpCost, Prediction, Transfer, cross_stream_edges,
                          placeholder_inputs, predict, simulate)
@@ -25,8 +25,8 @@ from .choice import Candidate, Choice, choose, gather_lens
 
 __all__ = [
     # split
-    "DEFAULT_MAX_IMBALANCE", "DEFAULT_MIN_TOKENS", "MAX_MICRO_BATCHES", "SplitPlan", "agree_split", "decide_split",
-    "merge_outputs", "micro_batches", "plan_split", "prefix_kv", "prefix_sources", "split_batch", "split_tokens",
+    "DEFAULT_MAX_IMBALANCE", "DEFAULT_MIN_TOKENS", "MAX_MICRO_BATCHES", "Split", "agree_split", "decide_split",
+    "merge_outputs", "micro_batches", "propose_split", "prefix_kv", "prefix_sources", "split_batch", "split_tokens",
     # simulation
     "CostModel", "Interconnect", "Linear", "OpCost", "Prediction", "Transfer", "cross_stream_edges",
     "placeholder_inputs", "predict", "simulate",

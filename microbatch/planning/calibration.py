@@ -51,7 +51,7 @@ import overlap
 from overlap import Span, Timeline, backends
 
 from ..batch import Batch
-from ..forward import run_schedule, serial_plan
+from ..forward import run_schedule, serial_split
 from ..operations import Operation
 from ..schedules import serial
 from .probes import PEER_QUANTILES, barrier, contention_fit, grouped, max_over_ranks, notice, sweep
@@ -673,7 +673,7 @@ def _batch(model: Any, tokens: int, seq_len: int, seed: int) -> Batch:
 def _serial(model: Any, layers: List[List[Operation]], batch: Batch) -> float:
     """One serial prefill as the launcher runs it (embedding to final norm); its wall seconds."""
     t0 = time.perf_counter()
-    run_schedule(model, batch, serial_plan(batch, "calibration"), layers, serial)
+    run_schedule(model, batch, serial_split(batch, "calibration"), layers, serial)
     overlap.synchronize()
     return time.perf_counter() - t0
 
@@ -696,7 +696,7 @@ def _is_moe(model: Any, index: int) -> bool:
     return bool(getattr(layer, "is_moe", False))
 
 
-def measure(model: Any, group: Any = None, tokens: Sequence[int] = (32, 64, 128, 256), repeats: int = 3,
+def measure_costs(model: Any, group: Any = None, tokens: Sequence[int] = (32, 64, 128, 256), repeats: int = 3,
             seq_len: int = 64) -> Calibration:
     """Measure this rank's calibration (a collective: every rank of ``group`` calls it with the same arguments)."""
     if backends.current().is_graph:
@@ -795,7 +795,7 @@ def calibrate(model: Any, group: Any = None, *, max_tokens: int = 256, points: i
             "the ranks' cached files differ" if differ else "not cached on every rank"
         report(f"calibrating the operations and the interconnect ({why}; cached after this run in "
                f"{cache_file(key, cache)})")
-    cal = agree(measure(model, group, tokens, repeats, seq_len), group)
+    cal = agree(measure_costs(model, group, tokens, repeats, seq_len), group)
     save(cal, cache)
     return cal
 

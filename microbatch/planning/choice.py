@@ -6,7 +6,7 @@ predicts every candidate's prefill time on every rank's batch:
 
 - the modes of `microbatch.MODES` (serial, shared, two-, three- and four-batch);
 - for the N-batch modes, the split: at request boundaries only, or cut inside a request where
-  the boundaries leave more than 10% or more than 0% imbalance (`plan_split`'s ``max_imbalance``),
+  the boundaries leave more than 10% or more than 0% imbalance (`propose_split`'s ``max_imbalance``),
   so a cut is taken only where the prediction says it pays;
 - whether the last micro-batch's tail (finalize) is deferred into the next layer.
 
@@ -29,9 +29,9 @@ import overlap
 from .. import schedules
 from .calibration import predict_mode
 from .simulation import predict
-from .split import DEFAULT_MIN_TOKENS, SplitPlan, decide_split, plan_split
+from .split import DEFAULT_MIN_TOKENS, Split, decide_split, propose_split
 
-# plan_split's max_imbalance per candidate split: boundaries only (no cut), cut above 10%, cut whenever uneven
+# propose_split's max_imbalance per candidate split: boundaries only (no cut), cut above 10%, cut whenever uneven
 _SPLITS = ((None, "at request boundaries"), (0.1, "cut inside a request above 10% imbalance"),
            (0.0, "cut inside a request whenever boundaries are uneven"))
 
@@ -74,7 +74,7 @@ class Choice:
     calibration: Any = None  # what the predictions came from (microbatch.planning.calibration.Calibration)
     device: bool = False  # device semantics in the simulation (compute off the host)
 
-    def predict(self, model: Any, plan: SplitPlan) -> Any:
+    def predict(self, model: Any, plan: Split) -> Any:
         """The chosen schedule's predicted timeline (`simulation.Prediction`) for this rank's ``plan``."""
         layers = model.layer_operations() if hasattr(model, "layer_operations") else model
         tokens = [plan.num_tokens] if plan.serial else list(plan.token_counts)
@@ -85,19 +85,19 @@ class Choice:
     def speedup(self) -> float:
         return self.serial_s / self.best.predicted_s if self.best.predicted_s > 0 else 1.0
 
-    def plan(self, seq_lens: Sequence[int], group: Any, allow_cut: bool = True) -> SplitPlan:
+    def split(self, seq_lens: Sequence[int], group: Any, allow_cut: bool = True) -> Split:
         """This rank's split for the chosen candidate, agreed as `decide_split` does (one all-reduce); its
         reason is the split: ``one batch (shared)``, or the candidate and where it splits."""
         b = self.best
         if b.micro_batches == 1:
-            return SplitPlan(tuple(seq_lens), None, f"one batch ({b.mode})")
+            return Split(tuple(seq_lens), None, f"one batch ({b.mode})")
         imbalance = 0.999 if b.max_imbalance is None else b.max_imbalance
         plan = decide_split(seq_lens, group, n=b.micro_batches, max_imbalance=imbalance,
                             allow_cut=allow_cut and b.max_imbalance is not None)
         return dataclasses.replace(plan, reason=f"{b.describe()}; {plan.reason}")
 
     def format(self, top: int = 6) -> str:
-        """The plan and the best candidates with their predicted times, as text."""
+        """The choice and the best candidates with their predicted times, as text."""
         lines = [f"auto: chose {self.best.describe()}: predicted {self.best.predicted_s * 1e3:.1f} ms, "
                  f"{self.speedup:.2f}x serial's predicted {self.serial_s * 1e3:.1f} ms"]
         for c in self.candidates[:top]:
@@ -123,11 +123,11 @@ def gather_lens(seq_lens: Sequence[int], group: Any = None) -> List[Tuple[int, .
 
 
 def _plans(all_lens: Sequence[Tuple[int, ...]], n: int, max_imbalance: Optional[float], allow_cut: bool,
-           min_tokens: int) -> Optional[List[SplitPlan]]:
+           min_tokens: int) -> Optional[List[Split]]:
     """Every rank's plan of ``n`` micro-batches, or None when some rank cannot take exactly ``n``."""
     cut = allow_cut and max_imbalance is not None
     imbalance = 0.999 if max_imbalance is None else max_imbalance
-    plans = [plan_split(lens, n, min_tokens=min_tokens, max_imbalance=imbalance, allow_cut=cut) for lens in all_lens]
+    plans = [propose_split(lens, n, min_tokens=min_tokens, max_imbalance=imbalance, allow_cut=cut) for lens in all_lens]
     return plans if all(p.n_parts == n for p in plans) else None
 
 

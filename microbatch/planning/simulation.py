@@ -28,7 +28,7 @@ The predicted prefill time adds the cost model's ``frame``: the prefill's work o
 launches (embedding, split, merge, final norm), a function of the batch's tokens.
 
 Use `predict` for a schedule (or a mode's name) over layers, `simulate` for a schedule or a
-lowered `Plan` whose data flow you already have.
+`Lowering` (a lowered schedule) whose data flow you already have.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Uni
 
 from overlap import DEFAULT, Span
 
-from ..executor import Plan
+from ..executor import Lowering
 from ..schedules import HIDDEN, OUT, Flow, Layers, Schedule, ScheduledOp, normalize_layers, schedule_for, validate
 
 
@@ -137,20 +137,20 @@ class Prediction:
                                                                "device": self.device})
 
 
-Source = Union[Schedule, Plan]
+Source = Union[Schedule, Lowering]
 
 
 def _launches(source: Source) -> Tuple[ScheduledOp, ...]:
-    if isinstance(source, Plan):
+    if isinstance(source, Lowering):
         return tuple(s.scheduled for s in source.steps)
     return source.launches
 
 
-def _plan_edges(plan: Plan) -> List[Set[int]]:
-    """The launches each step waits for through the plan's events and ``wait_tensor`` edges."""
+def _lowering_edges(lowering: Lowering) -> List[Set[int]]:
+    """The launches each step waits for through the lowering's events and ``wait_tensor`` edges."""
     last: Dict[str, int] = {}
     edges: List[Set[int]] = []
-    for s in plan.steps:
+    for s in lowering.steps:
         edges.append({last[t] for t in s.waits if t in last} | set(s.after))
         if s.record:
             last[s.record] = s.index
@@ -161,7 +161,7 @@ def cross_stream_edges(source: Source, flow: Flow) -> List[Tuple[int, ...]]:
     """Per launch, the earlier launches on other streams it must wait for.
 
     From the data flow (the writer of every value it reads), the schedule's ordering intents, and
-    for a lowered `Plan` also its own event waits; edges within one stream are its order already.
+    for a `Lowering` also its own event waits; edges within one stream are its order already.
     """
     launches = _launches(source)
     if len(launches) != len(flow.ops):
@@ -174,8 +174,8 @@ def cross_stream_edges(source: Source, flow: Flow) -> List[Tuple[int, ...]]:
                 w = flow.writer.get(key)
                 if w is not None:
                     edges[i].add(w)
-    if isinstance(source, Plan):
-        for i, extra in enumerate(_plan_edges(source)):
+    if isinstance(source, Lowering):
+        for i, extra in enumerate(_lowering_edges(source)):
             edges[i] |= extra
     else:
         for b, a in source.orders:
@@ -276,7 +276,7 @@ class _Streams:
 
 def simulate(source: Source, flow: Flow, tokens: Sequence[int], costs: CostModel, *, device: bool = False,
              main: str = DEFAULT) -> Prediction:
-    """Predict the timeline of ``source`` (a `Schedule` or a lowered `Plan`) whose data flow is ``flow``.
+    """Predict the timeline of ``source`` (a `Schedule` or a `Lowering`) whose data flow is ``flow``.
 
     ``tokens[mb]`` is micro-batch ``mb``'s token count; ``costs`` prices each operation;
     ``device`` selects device semantics instead of the CPU path's (see the module docstring);

@@ -1,7 +1,7 @@
 """Splitting a packed prefill batch into N balanced micro-batches (N = 2 by default), agreed by every rank.
 
 A packed batch is the tokens of several requests laid end to end; `microbatch.batch.SeqInfo` describes it.
-`plan_split` decides, from the request lengths alone, where micro-batches 1..N-1 start:
+`propose_split` decides, from the request lengths alone, where micro-batches 1..N-1 start:
 
 1. at the N-1 request boundaries that balance the token counts best (the smallest spread
    ``(largest - smallest) / total``; for two parts ``|n0 - n1| / (n0 + n1)``);
@@ -41,7 +41,7 @@ MAX_MICRO_BATCHES = 30  # the agreement votes one bit per micro-batch count in a
 
 
 @dataclasses.dataclass(frozen=True)
-class SplitPlan:
+class Split:
     """Where micro-batches 1..N-1 start in a packed batch (``points``), or serial (``split_at`` None).
 
     ``split_at`` is the first split point (where micro-batch 1 starts), ``points`` all N-1 of them
@@ -56,7 +56,7 @@ class SplitPlan:
     split_at: Optional[int]
     reason: str
     points: Tuple[int, ...] = ()
-    fewer: Tuple["SplitPlan", ...] = dataclasses.field(default=(), compare=False, repr=False)
+    fewer: Tuple["Split", ...] = dataclasses.field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.split_at is None:  # serial, whatever the other fields say
@@ -112,7 +112,7 @@ class SplitPlan:
         cuts = self.cuts
         return cuts[0] if cuts else None
 
-    def as_serial(self, reason: str) -> "SplitPlan":
+    def as_serial(self, reason: str) -> "Split":
         return dataclasses.replace(self, split_at=None, reason=reason)
 
 
@@ -181,7 +181,7 @@ def _too_few_tokens(total: int, n: int, min_tokens: int) -> Optional[str]:
     return None
 
 
-def _where(plan: SplitPlan) -> str:
+def _where(plan: Split) -> str:
     """The split points in words: the requests cut, or that every point is a request boundary."""
     cuts = plan.cuts
     if not cuts:
@@ -190,12 +190,12 @@ def _where(plan: SplitPlan) -> str:
 
 
 def _plan_parts(lens: Tuple[int, ...], n: int, min_tokens: int, max_imbalance: float,
-                allow_cut: bool) -> SplitPlan:
+                allow_cut: bool) -> Split:
     """The plan of exactly ``n`` micro-batches, or a serial plan saying why there is none."""
     total = sum(lens)
     few = _too_few_tokens(total, n, min_tokens)
     if few:
-        return SplitPlan(lens, None, few)
+        return Split(lens, None, few)
     bounds = sorted({b for b in SeqInfo(lens).cu_seqlens if 0 < b < total})
     best = _balanced_boundaries(bounds, total, n)
     if best is None:
@@ -204,24 +204,24 @@ def _plan_parts(lens: Tuple[int, ...], n: int, min_tokens: int, max_imbalance: f
     else:
         imbalance = _spread(_counts(best, total)) / total
         if imbalance <= max_imbalance:
-            return _described(SplitPlan(lens, best[0], "", best), f"imbalance {imbalance:.1%}")
+            return _described(Split(lens, best[0], "", best), f"imbalance {imbalance:.1%}")
         shares = "/".join(map(str, _counts(best, total)))
         found = (f"best request boundary {shares} is {imbalance:.1%} unbalanced" if n == 2
                  else f"best request boundaries {shares} are {imbalance:.1%} unbalanced")
     if not allow_cut:
-        return SplitPlan(lens, None, f"{found} (limit {max_imbalance:.0%}) and cutting a request is disabled")
+        return Split(lens, None, f"{found} (limit {max_imbalance:.0%}) and cutting a request is disabled")
     points = tuple(-(-k * total // n) for k in range(1, n))  # even shares, the larger first
-    return _described(SplitPlan(lens, points[0], "", points), found)
+    return _described(Split(lens, points[0], "", points), found)
 
 
-def _described(plan: SplitPlan, why: str) -> SplitPlan:
+def _described(plan: Split, why: str) -> Split:
     """``plan`` with its reason: where it splits, the tokens of each part, and ``why``."""
     shares = "/".join(map(str, plan.token_counts))
     return dataclasses.replace(plan, reason=f"{_where(plan)}: {shares} tokens ({why})")
 
 
-def plan_split(seq_lens: Sequence[int], n: int = 2, *, min_tokens: int = DEFAULT_MIN_TOKENS,
-               max_imbalance: float = DEFAULT_MAX_IMBALANCE, allow_cut: bool = True) -> SplitPlan:
+def propose_split(seq_lens: Sequence[int], n: int = 2, *, min_tokens: int = DEFAULT_MIN_TOKENS,
+               max_imbalance: float = DEFAULT_MAX_IMBALANCE, allow_cut: bool = True) -> Split:
     """Plan ``n`` micro-batches for requests of ``seq_lens`` tokens; pure, no collectives.
 
     Balanced at the best request boundaries; cut inside requests (``allow_cut``) when they leave
@@ -265,7 +265,7 @@ def _vote(mine: int, group: Optional[dist.ProcessGroup], device: Optional[torch.
     return votes.tolist()
 
 
-def _options(plan: SplitPlan) -> Dict[int, SplitPlan]:
+def _options(plan: Split) -> Dict[int, Split]:
     """This rank's plans by number of micro-batches (none when it cannot split)."""
     return {p.n_parts: p for p in (plan,) + plan.fewer if not p.serial}
 
@@ -274,7 +274,7 @@ def _ranks(ranks: Sequence[int], world: int) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} of {world}"
 
 
-def _agreed(plan: SplitPlan, votes: Sequence[int], rank: int) -> SplitPlan:
+def _agreed(plan: Split, votes: Sequence[int], rank: int) -> Split:
     """This rank's plan for the largest micro-batch count every rank can split into, or serial."""
     world, common = len(votes), -1
     for v in votes:
@@ -298,8 +298,8 @@ def _agreed(plan: SplitPlan, votes: Sequence[int], rank: int) -> SplitPlan:
     return plan.as_serial(f"the ranks have no number of micro-batches in common ({counts})")
 
 
-def agree_split(plan: SplitPlan, group: Optional[dist.ProcessGroup] = None,
-                device: Optional[torch.device] = None) -> SplitPlan:
+def agree_split(plan: Split, group: Optional[dist.ProcessGroup] = None,
+                device: Optional[torch.device] = None) -> Split:
     """Every rank of ``group`` splits, into the same number of micro-batches, only if all can: one all-reduce.
 
     Each rank votes the micro-batch counts its plan offers (the plan and ``plan.fewer``); all take
@@ -308,8 +308,8 @@ def agree_split(plan: SplitPlan, group: Optional[dist.ProcessGroup] = None,
     (batches differ per rank); only the decision must be the same. Without an initialized
     process group the plan is returned as it is.
     """
-    if not isinstance(plan, SplitPlan):
-        raise TypeError(f"agree_split needs a SplitPlan, got {type(plan).__name__}")
+    if not isinstance(plan, Split):
+        raise TypeError(f"agree_split needs a Split, got {type(plan).__name__}")
     if _grouped(group):
         world = dist.get_world_size(group)
         votes = _vote(sum(1 << k for k in _options(plan)), group, device)
@@ -326,8 +326,8 @@ def agree_split(plan: SplitPlan, group: Optional[dist.ProcessGroup] = None,
 
 
 def decide_split(seq_lens: Sequence[int], group: Optional[dist.ProcessGroup] = None, *, n: int = 2,
-                 device: Optional[torch.device] = None, allow_cut: bool = True, **plan_kwargs: Any) -> SplitPlan:
-    """`plan_split` of ``n`` micro-batches on this rank's batch (``allow_cut`` and ``plan_kwargs`` go to it),
+                 device: Optional[torch.device] = None, allow_cut: bool = True, **plan_kwargs: Any) -> Split:
+    """`propose_split` of ``n`` micro-batches on this rank's batch (``allow_cut`` and ``plan_kwargs`` go to it),
     then `agree_split` across ``group``.
 
     ``allow_cut=False`` splits at request boundaries only (for a model that cannot continue a
@@ -336,7 +336,7 @@ def decide_split(seq_lens: Sequence[int], group: Optional[dist.ProcessGroup] = N
     the one all-reduce, so every rank raises instead of the others waiting for it forever.
     """
     try:
-        plan = plan_split(seq_lens, n, allow_cut=allow_cut, **plan_kwargs)
+        plan = propose_split(seq_lens, n, allow_cut=allow_cut, **plan_kwargs)
     except ValueError:
         if _grouped(group):
             _vote(_INVALID, group, device)
@@ -356,11 +356,11 @@ def _position(cu: Sequence[int], token: int) -> Tuple[int, int]:
     return r, token - cu[r]
 
 
-def _serial_error(plan: SplitPlan, what: str) -> ValueError:
+def _serial_error(plan: Split, what: str) -> ValueError:
     return ValueError(f"the plan is serial ({plan.reason}); {what}")
 
 
-def micro_batches(plan: SplitPlan) -> Tuple[SeqInfo, ...]:
+def micro_batches(plan: Split) -> Tuple[SeqInfo, ...]:
     """Each micro-batch's `SeqInfo`; a cut request's later part has its earlier parts as prefix."""
     if plan.serial:
         raise _serial_error(plan, "there are no micro-batches")
@@ -376,13 +376,13 @@ def micro_batches(plan: SplitPlan) -> Tuple[SeqInfo, ...]:
     return tuple(out)
 
 
-def _check_rows(plan: SplitPlan, x: torch.Tensor, what: str) -> None:
+def _check_rows(plan: Split, x: torch.Tensor, what: str) -> None:
     if x.shape[0] != plan.num_tokens:
         raise ValueError(f"{what} has {x.shape[0]} rows but the plan is for {plan.num_tokens} tokens "
                          f"(seq_lens {list(plan.seq_lens)})")
 
 
-def split_tokens(plan: SplitPlan, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+def split_tokens(plan: Split, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
     """Slice a packed per-token tensor (tokens first) into each micro-batch's rows (views)."""
     if plan.serial:
         raise _serial_error(plan, "there is nothing to split")
@@ -391,7 +391,7 @@ def split_tokens(plan: SplitPlan, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
     return tuple(x[a:b] for a, b in zip(edges, edges[1:]))
 
 
-def split_batch(batch: Batch, plan: SplitPlan) -> Tuple[Batch, ...]:
+def split_batch(batch: Batch, plan: Split) -> Tuple[Batch, ...]:
     """The micro-batches of ``batch`` that ``plan`` says (two, or N): token ids and `SeqInfo` of each."""
     if plan.seq_lens != batch.seq.seq_lens:
         raise ValueError(f"the plan is for seq_lens {list(plan.seq_lens)}, the batch has {list(batch.seq.seq_lens)}")
@@ -403,7 +403,7 @@ def _and(items: Sequence[Any]) -> str:
     return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
 
 
-def merge_outputs(plan: SplitPlan, *outputs: torch.Tensor) -> torch.Tensor:
+def merge_outputs(plan: Split, *outputs: torch.Tensor) -> torch.Tensor:
     """Concatenate the micro-batches' per-token outputs back into packed order."""
     counts = plan.token_counts
     if plan.serial or tuple(y.shape[0] for y in outputs) != counts:
@@ -412,7 +412,7 @@ def merge_outputs(plan: SplitPlan, *outputs: torch.Tensor) -> torch.Tensor:
     return torch.cat(list(outputs), dim=0)
 
 
-def prefix_sources(plan: SplitPlan, mb: int) -> Tuple[int, ...]:
+def prefix_sources(plan: Split, mb: int) -> Tuple[int, ...]:
     """The earlier micro-batches holding the start of micro-batch ``mb``'s first request, in order.
 
     Empty when that request starts in ``mb`` (no prefix); ``(mb - 1,)`` for a request cut once;
@@ -425,7 +425,7 @@ def prefix_sources(plan: SplitPlan, mb: int) -> Tuple[int, ...]:
     return tuple(j for j in range(mb) if edges[j + 1] > first)
 
 
-def prefix_kv(plan: SplitPlan, *kv: torch.Tensor, mb: int = 1) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+def prefix_kv(plan: Split, *kv: torch.Tensor, mb: int = 1) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
     """Micro-batch ``mb``'s prefix keys and values, or None when its first request starts in it.
 
     ``kv`` are the keys and values of each micro-batch of `prefix_sources` in order
@@ -452,6 +452,6 @@ def prefix_kv(plan: SplitPlan, *kv: torch.Tensor, mb: int = 1) -> Optional[Tuple
     return torch.cat(ks), torch.cat(vs)
 
 
-__all__ = ["DEFAULT_MAX_IMBALANCE", "DEFAULT_MIN_TOKENS", "MAX_MICRO_BATCHES", "SplitPlan", "agree_split",
-           "decide_split", "merge_outputs", "micro_batches", "plan_split", "prefix_kv", "prefix_sources", "split_batch",
+__all__ = ["DEFAULT_MAX_IMBALANCE", "DEFAULT_MIN_TOKENS", "MAX_MICRO_BATCHES", "Split", "agree_split",
+           "decide_split", "merge_outputs", "micro_batches", "propose_split", "prefix_kv", "prefix_sources", "split_batch",
            "split_tokens"]
