@@ -28,7 +28,7 @@ read on the host:
 Capacity: by default the number of tokens of the call, which can never overflow (a token goes at
 most once to each rank). The same capacity must be used on every rank (the splits must match),
 so ranks with different token counts pass an explicit one (e.g. the largest micro-batch). In
-eager mode the layer checks with one small ``all_reduce`` before the exchange that the ranks
+eager mode the layer checks with one small all-reduce (`overlap.agree`) before the exchange that the ranks
 agree on it and on the hidden size, expert count, top-k and dtype, that none rejected its input and
 that no rank sends more than ``capacity`` rows to one rank, and raises `LayoutError` on every rank
 otherwise (``validate=False`` skips it; the layer then checks the shapes once, on its first call).
@@ -51,13 +51,14 @@ import torch.distributed as dist
 from torch import nn
 
 import overlap
+from overlap import GroupTransport, agree
 
 from ._grouping import ROUTING_OPS, GroupedRows, group_rows, reduce_rows
-from .dispatch import _all_max, _peers, group_size, raise_unless_agreed, spread
+from .dispatch import _peers, group_size
 from .experts import LocalExperts, device_group_impl, grouped_mlp, torch_npu_with
 from .layer import ExpertParallelMoE, SharedExperts
-from .layout import AGREED_FIELDS, LayoutError, ReceivedMetadata, check_routing, layer_fields, local_metadata, \
-    token_in_rank
+from .layout import AGREED_HINTS, LayoutError, ReceivedMetadata, check_routing, fields_by_name, layer_fields, \
+    local_metadata, token_in_rank
 from .wrap import wrap_expert_parallel
 
 
@@ -151,38 +152,36 @@ def _slots(in_rank: torch.Tensor, capacity: int) -> torch.Tensor:
     return slots[:spill].view(world, capacity)
 
 
-def _agree(capacity: int, need: int, tokens: int, group: Optional[dist.ProcessGroup], validate: bool,
-           fields: Sequence[int] = (), rejected: Optional[LayoutError] = None) -> None:
-    """Raise `LayoutError` on every rank, before the exchange, if the ranks' capacities or ``fields``
-    (`collectives.layout.layer_fields`) differ, one rejected its input or one overflows.
+_CAPACITY = "the capacity"
+_CAPACITY_HINTS = {**AGREED_HINTS, _CAPACITY: "static split sizes need one capacity on every rank: pass the same "
+                                              "explicit capacity everywhere"}
 
-    ``rejected``: this rank's own error; it still takes part in the one all-reduce, so that the
-    other ranks raise too instead of waiting for it, then raises it.
+
+def _check_capacity(capacity: Optional[int], need: int, tokens: int, group: Optional[dist.ProcessGroup],
+                    validate: bool, fields: Sequence[int], rejected: Optional[LayoutError] = None) -> None:
+    """Raise `LayoutError` on every rank, before the exchange, if the ranks' capacities or ``fields``
+    (`collectives.layout.layer_fields`) differ, one rejected its input or one sends more than
+    ``capacity`` rows (``need``) to one rank: one all-reduce (`overlap.agree`).
+
+    ``rejected``: this rank's own error (``capacity`` None: not known); it still takes part in the
+    all-reduce, so that the other ranks raise too instead of waiting for it, then raises it.
     """
     if torch.compiler.is_compiling():
-        if capacity < tokens:
+        if capacity is not None and capacity < tokens:
             raise LayoutError(f"capacity {capacity} is below the {tokens} tokens of this call: under torch.compile "
                               f"an overflow cannot be detected, so the capacity must be at least the token count")
         return
     if not validate:
         return
-    if not _peers(group):
-        if rejected is not None:
-            raise rejected
-        lo = hi = capacity
-        worst = need - capacity
-    else:
-        fields = list(fields) or [0] * len(AGREED_FIELDS)
-        got = _all_max([capacity, -capacity, need - capacity] + spread(fields) + [int(rejected is not None)],
-                       group, "dispatch.capacity", "ep_dispatch.capacity")
-        hi, lo, worst, agreed = got[0], -got[1], got[2], got[3:-1]
-        raise_unless_agreed([-v for v in agreed[1::2]], agreed[0::2], bool(got[-1]), rejected)
-    if lo != hi:
-        raise LayoutError(f"the ranks use different capacities ({lo} to {hi}); static split sizes need one "
-                          f"capacity on every rank: pass the same explicit capacity everywhere")
-    if worst > 0:
-        raise LayoutError(f"a rank sends {capacity + worst} tokens to one expert-parallel rank, more than the "
-                          f"capacity {capacity}; raise the capacity (the token count per rank always suffices)")
+    values = fields_by_name(fields)
+    problems = []
+    if capacity is not None:
+        values[_CAPACITY] = capacity
+        if need > capacity:
+            problems.append(f"sends {need} tokens to one expert-parallel rank, more than the capacity {capacity}; "
+                            f"raise the capacity (the token count per rank always suffices)")
+    agree(values, GroupTransport(group, "dispatch.capacity"), problems=problems, own_error=rejected,
+          hints=_CAPACITY_HINTS, error=LayoutError)
 
 
 def _exchange(x: torch.Tensor, capacity: int, group: Optional[dist.ProcessGroup], name: str) -> torch.Tensor:
@@ -239,13 +238,13 @@ def _capacity_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: to
             precheck()
     except LayoutError as err:
         if validate and not torch.compiler.is_compiling():
-            _agree(0, 0, 0, group, validate, fields, rejected=err)  # the other ranks are in this all-reduce
+            _check_capacity(None, 0, 0, group, validate, fields, rejected=err)  # the others are in this all-reduce
         raise
     epr = num_experts // world
     idx = topk_idx.long()
     in_rank = token_in_rank(idx, epr, world)
     need = 0 if torch.compiler.is_compiling() or not validate or tokens == 0 else int(in_rank.sum(0).max())
-    _agree(cap, need, tokens, group, validate, fields)
+    _check_capacity(cap, need, tokens, group, validate, fields)
     slot_token = _slots(in_rank, cap)
     send_x, send_meta = _pack_blocks(x, idx, topk_weights, slot_token, epr)
     recv_x = _exchange(send_x, cap, group, "dispatch")
@@ -371,13 +370,13 @@ class CapacityExpertParallelMoE(ExpertParallelMoE):
 
     def _dispatch(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> CapacityDispatchHandle:
         if not self.validate:  # else the shapes are checked in the capacity all-reduce, at no extra collective
-            self._agree_once(x, idx)
+            self._check_shapes_once(x, idx)
             return capacity_dispatch(x, idx, weights, self.num_experts, self.group, self.capacity, validate=False)
-        first = self._needs_agreement()
+        first = self._shapes_unchecked()
         check = (lambda: self._check_experts(x)) if first else None
         handle = _capacity_dispatch(x, idx, weights, self.num_experts, self.group, self.capacity, True, check)
         if first:
-            self._agreed = True
+            self._shapes_checked = True
         return handle
 
     def _experts(self, handle: CapacityDispatchHandle) -> Tuple[torch.Tensor, Any]:

@@ -18,7 +18,9 @@ blocks until every rank has reached its dispatch). Callers that know the split s
 
 The count exchange also carries each rank's hidden size, expert count, top-k, dtype and whether it
 rejected its input, so that a mismatch or a bad input on one rank raises `LayoutError` on every rank
-before any tokens travel, instead of a hang or a native abort. Its width is the same on every rank
+before any tokens travel, instead of a hang or a native abort (the rows received are the ranks'
+posts to `overlap.compare_posts`: the one message of every agreement, with no extra collective;
+the rejecting rank raises its own error). Its width is the same on every rank
 whatever they pass (gloo aborts the process on a size mismatch, before a disagreement could be
 read): the pairs per expert ride in a fixed number of slots (`_FOLDED_EXPERTS` over the group), and
 beyond that (over 1024 experts) the receiver counts them in `DispatchHandle.expand` instead (a host
@@ -37,12 +39,12 @@ import torch
 import torch.distributed as dist
 
 import overlap
-from overlap import EP_COMM, backends, collective_device
+from overlap import EP_COMM, backends, collective_device, compare_posts
 
 from . import _buffers
-from .layout import (AGREED_FIELDS, DispatchLayout, ExpertBatch, LayoutError, LocalBags, ReceivedMetadata,
-                     check_routing, check_splits, compute_layout, disagreement, expand, layer_fields, local_plan,
-                     pack_metadata, reduce_bags, reduce_local, reduce_ranks, sum_first)
+from .layout import (AGREED_FIELDS, AGREED_HINTS, DispatchLayout, ExpertBatch, LayoutError, LocalBags,
+                     ReceivedMetadata, check_routing, check_splits, compute_layout, expand, fields_by_name,
+                     layer_fields, local_plan, pack_metadata, reduce_bags, reduce_local, reduce_ranks, sum_first)
 
 
 def group_size(group: Optional[dist.ProcessGroup]) -> int:
@@ -170,45 +172,8 @@ _HEAD = 2 + _N_FIELDS  # a count row: the rows, the fields, the rejection flag; 
 # on every rank whatever the ranks pass, or a disagreement on the expert count aborts in gloo before it can be
 # read. 1024: the most experts MC2 documents on any Atlas product.
 _FOLDED_EXPERTS = 1024
-_REJECTED = "another rank of the expert-parallel group rejected its input (see its error); every rank stops " \
-            "before the exchange"
-
-
-def _all_max(values: Sequence[int], group: Optional[dist.ProcessGroup], name: str, event_tag: str) -> List[int]:
-    """The element-wise MAX of ``values`` over the group: one small all-reduce, read on the host."""
-    t = torch.tensor(list(values), dtype=torch.int64, device=collective_device(group))
-    overlap.all_reduce(t, op=dist.ReduceOp.MAX, group=group, name=name)
-    return _host_read(t, _handle_event(event_tag))
-
-
-def spread(fields: Sequence[int]) -> List[int]:
-    """``[v, -v]`` per field: a MAX all-reduce of it gives every rank the largest and smallest value."""
-    return [s for v in fields for s in (int(v), -int(v))]
-
-
-def raise_unless_agreed(lo: Sequence[int], hi: Sequence[int], any_rejected: bool,
-                        rejected: Optional[BaseException] = None,
-                        by_rank: Optional[Sequence[Sequence[int]]] = None) -> None:
-    """After an exchange of the `AGREED_FIELDS` (smallest ``lo`` and largest ``hi`` over the ranks; each
-    rank's, ``by_rank``, where the exchange tells) and of the ranks' rejections: raise this rank's own
-    ``rejected`` error, the disagreement, or the other rank's rejection, so that every rank stops at
-    the same point."""
-    if rejected is not None:
-        raise rejected
-    message = disagreement(lo, hi, by_rank)
-    if message is not None:
-        raise LayoutError(message)
-    if any_rejected:
-        raise LayoutError(_REJECTED)
-
-
-def check_agreement(fields: Sequence[int], group: Optional[dist.ProcessGroup],
-                    rejected: Optional[BaseException] = None, name: str = "moe.agree") -> None:
-    """One fixed-shape all-reduce: every rank of ``group`` raises `LayoutError` unless all ranks pass the
-    same `AGREED_FIELDS` (`collectives.layout.layer_fields`) and none rejected its input (``rejected``:
-    this rank's error, raised here after taking part). Reads on the host: not while compiling."""
-    got = _all_max(spread(fields) + [int(rejected is not None)], group, name, f"ep_{name}")
-    raise_unless_agreed([-v for v in got[1:2 * _N_FIELDS:2]], got[0:2 * _N_FIELDS:2], bool(got[-1]), rejected)
+_REJECTED = "rejected its input (its own error says why); every rank of the expert-parallel group stops before " \
+            "the exchange"  # what a rank learns of another's rejection from the count rows, which carry a flag
 
 
 def _expert_slots(world: int) -> int:
@@ -244,9 +209,10 @@ def _exchange_count_rows(send: torch.Tensor, epr: int, group: Optional[dist.Proc
         recv = torch.empty_like(send)
         overlap.all_to_all_single(recv, send, group=group, name="dispatch.counts")
         rows = _host_read(recv[:, :used], overlap.event(event_tag))
-    got = [r[1:_HEAD] for r in rows]  # per source rank: its fields, then its rejection
-    lo, hi = ([f(r[i] for r in got) for i in range(_N_FIELDS)] for f in (min, max))
-    raise_unless_agreed(lo, hi, any(r[-1] for r in got), rejected, by_rank=[r[:_N_FIELDS] for r in got])
+    if rejected is not None:  # its words are in its own error; the others' posts say that it rejected
+        raise rejected
+    compare_posts([{"values": fields_by_name(r[1:_HEAD - 1]), "problems": [_REJECTED] if r[_HEAD - 1] else []}
+                   for r in rows], hints=AGREED_HINTS, error=LayoutError)
     per_expert = None
     if used > _HEAD:  # the ranks agree on the expert count, so on the slots used
         per_expert = [sum(r[_HEAD + e] for r in rows) for e in range(epr)]

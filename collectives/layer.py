@@ -46,11 +46,11 @@ from torch import nn
 
 import microbatch
 from microbatch import Operation
-from overlap import DEFAULT, EP_COMM, SHARED_EXPERT
+from overlap import DEFAULT, EP_COMM, SHARED_EXPERT, GroupTransport, agree
 
-from .dispatch import CombineHandle, DispatchHandle, _peers, check_agreement, combine, dispatch, group_size
+from .dispatch import CombineHandle, DispatchHandle, _peers, combine, dispatch, group_size
 from .experts import LocalExperts
-from .layout import ExpertBatch, LayoutError, layer_fields
+from .layout import AGREED_HINTS, ExpertBatch, LayoutError, fields_by_name, layer_fields
 from .reference import MoEConfig, Router
 
 
@@ -115,7 +115,7 @@ class ExpertParallelMoE(nn.Module):
         self.num_experts = num_experts
         self.group = group
         self.overlap_shared = overlap_shared
-        self._agreed = False  # set once the ranks agreed on the layer's shapes (see the module docstring)
+        self._shapes_checked = False  # set once the ranks agreed on the layer's shapes (see the module docstring)
 
     @classmethod
     def from_config(cls, cfg: MoEConfig, group: Optional[dist.ProcessGroup] = None, *, rank: Optional[int] = None,
@@ -161,24 +161,26 @@ class ExpertParallelMoE(nn.Module):
             raise LayoutError(f"this rank's experts take hidden size {hidden}, but the tokens are "
                               f"{tuple(x.shape)}")
 
-    def _needs_agreement(self) -> bool:
-        return not self._agreed and not torch.compiler.is_compiling() and _peers(self.group)
+    def _shapes_unchecked(self) -> bool:
+        """Whether the ranks have yet to check that they pass this layer the same shapes (never while compiling)."""
+        return not self._shapes_checked and not torch.compiler.is_compiling() and _peers(self.group)
 
-    def _agree_once(self, x: torch.Tensor, idx: torch.Tensor) -> None:
-        """On the first dispatch over more than one rank: one all-reduce, `LayoutError` on every rank
-        unless they agree (see the module docstring)."""
-        if not self._needs_agreement():
+    def _check_shapes_once(self, x: torch.Tensor, idx: torch.Tensor) -> None:
+        """On the first dispatch over more than one rank: one all-reduce (`overlap.agree`), `LayoutError` on
+        every rank unless they agree (see the module docstring)."""
+        if not self._shapes_unchecked():
             return
         try:
             self._check_experts(x)
             problem = None
         except LayoutError as err:
             problem = err
-        check_agreement(layer_fields(x, idx, self.num_experts), self.group, problem)
-        self._agreed = True
+        agree(fields_by_name(layer_fields(x, idx, self.num_experts)), GroupTransport(self.group, "moe.agree"),
+              own_error=problem, hints=AGREED_HINTS, error=LayoutError)
+        self._shapes_checked = True
 
     def _dispatch(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> DispatchHandle:
-        self._agree_once(x, idx)
+        self._check_shapes_once(x, idx)
         return dispatch(x, idx, weights, self.num_experts, self.group, stream_tag=None, async_finish=True)
 
     def _experts(self, handle: DispatchHandle) -> Tuple[torch.Tensor, ExpertBatch]:

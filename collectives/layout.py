@@ -11,7 +11,7 @@ known, so it traces under ``torch.compile(fullgraph=True)`` when the caller pass
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -47,43 +47,22 @@ def layer_fields(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int) -> L
     return [int(hidden), experts, int(k), dtype_code(x.dtype)]
 
 
-def _field_value(i: int, code: int) -> str:
+def _field_value(i: int, code: int) -> Union[int, str]:
     """Field ``i``'s value as the user wrote it (a dtype's name for the dtype's code)."""
     if AGREED_ARGS[i] == "x.dtype":
         return str(_DTYPES[code - 1]) if 0 < code <= len(_DTYPES) else "another dtype"
-    return str(code)
+    return int(code)
 
 
-def _ranks(ranks: Sequence[int]) -> str:
-    """``rank 3`` or ``ranks 0-2, 5``."""
-    spans: List[List[int]] = []
-    for r in ranks:
-        if spans and r == spans[-1][1] + 1:
-            spans[-1][1] = r
-        else:
-            spans.append([r, r])
-    text = ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
-    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
+def fields_by_name(fields: Sequence[int]) -> Dict[str, Union[int, str]]:
+    """`layer_fields` by the names `overlap.agree` says when ranks differ (`AGREED_HINTS` says what to do)."""
+    return {f"the {name} ({arg})": _field_value(i, code)
+            for i, (name, arg, code) in enumerate(zip(AGREED_FIELDS, AGREED_ARGS, fields))}
 
 
-def disagreement(lo: Sequence[int], hi: Sequence[int],
-                 by_rank: Optional[Sequence[Sequence[int]]] = None) -> Optional[str]:
-    """The message for the first of the `AGREED_FIELDS` whose smallest and largest value over the
-    ranks (``lo``, ``hi``) differ, naming its argument; with ``by_rank`` (each rank's fields, in
-    rank order) it also says which rank passed which value. None when they all agree."""
-    for i, (name, a, b) in enumerate(zip(AGREED_FIELDS, lo, hi)):
-        if a == b:
-            continue
-        values = f"{_field_value(i, a)} to {_field_value(i, b)}"
-        if by_rank is not None:
-            holders: Dict[int, List[int]] = {}
-            for r, fields in enumerate(by_rank):
-                holders.setdefault(fields[i], []).append(r)
-            values += " (" + ", ".join(f"{_field_value(i, v)} on {_ranks(rs)}" for v, rs in holders.items()) + ")"
-        return (f"ranks disagree on the {name} ({AGREED_ARGS[i]}): {values}; every rank of the expert-parallel "
-                f"group must pass the same {AGREED_ARGS[i]} (build the same layer, pass tokens of one hidden size "
-                f"and dtype)")
-    return None
+AGREED_HINTS = {f"the {name} ({arg})": f"every rank of the expert-parallel group must pass the same {arg} (build the "
+                                       f"same layer, pass tokens of one hidden size and dtype)"
+                for name, arg in zip(AGREED_FIELDS, AGREED_ARGS)}
 
 
 @dataclasses.dataclass

@@ -38,14 +38,13 @@ import torch.distributed as dist
 from torch import nn
 
 import overlap
-from overlap import EP_COMM, hooks
+from overlap import EP_COMM, GroupTransport, agree, hooks
 
-from .dispatch import (DispatchHandle, _all_max, _exchange_event, _peers, _rank, _side, dispatch, group_size,
-                       raise_unless_agreed, spread)
+from .dispatch import DispatchHandle, _exchange_event, _peers, _rank, _side, dispatch, group_size
 from .experts import LocalExperts, torch_npu_with
 from .handles import EPBatch, EPCombineHandle, EPDispatchHandle
 from .layer import ExpertParallelMoE, SharedExperts
-from .layout import LayoutError, check_routing, layer_fields
+from .layout import AGREED_HINTS, LayoutError, check_routing, fields_by_name, layer_fields
 
 BACKENDS = ("auto", "all_to_all", "mc2")
 MC2_MAX_TOKENS = 256  # default threshold of "auto": tokens per rank at or below it take MC2
@@ -198,16 +197,16 @@ def _check_call(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int, world
         raise MC2Error(f"MC2 on {chip} takes at most {limits['local']} experts per rank, got {num_experts // world}")
 
 
-def _agree(max_tokens: int, fields: Sequence[int], group: Optional[dist.ProcessGroup],
-           rejected: Optional[BaseException]) -> None:
-    """One small all-reduce: every rank raises if one rejected its input or the ranks disagree."""
-    got = _all_max([max_tokens, -max_tokens] + spread(fields) + [int(rejected is not None)], group, "mc2.agree",
-                   "ep_mc2.agree")
-    agreed = got[2:-1]
-    raise_unless_agreed([-v for v in agreed[1::2]], agreed[0::2], bool(got[-1]), rejected)
-    if got[0] != -got[1]:
-        raise LayoutError(f"the ranks pass different max_tokens_per_rank ({-got[1]} to {got[0]}); MC2's global "
-                          f"batch size needs one value on every rank")
+_MAX_TOKENS = "max_tokens_per_rank"
+_MC2_HINTS = {**AGREED_HINTS, _MAX_TOKENS: "MC2's global batch size needs one value on every rank"}
+
+
+def _check_ranks(max_tokens: int, fields: Sequence[int], group: Optional[dist.ProcessGroup],
+                 rejected: Optional[BaseException]) -> None:
+    """One small all-reduce (`overlap.agree`): every rank raises if one rejected its input (that rank its own
+    error, the others `LayoutError` naming it) or the ranks disagree."""
+    agree({_MAX_TOKENS: max_tokens, **fields_by_name(fields)}, GroupTransport(group, "mc2.agree"),
+          own_error=rejected, hints=_MC2_HINTS, error=LayoutError)
 
 
 @dataclasses.dataclass
@@ -328,7 +327,7 @@ def _validated(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
     except (LayoutError, MC2Error) as err:
         rejected = err
     if validate and _peers(group) and not torch.compiler.is_compiling():
-        _agree(max_tokens, layer_fields(x, topk_idx, num_experts), group, rejected)
+        _check_ranks(max_tokens, layer_fields(x, topk_idx, num_experts), group, rejected)
     elif rejected is not None:
         raise rejected
 
@@ -454,7 +453,7 @@ class MC2ExpertParallelMoE(ExpertParallelMoE):
             return super()._dispatch(x, idx, weights)
         if self.max_tokens_per_rank is None:
             raise LayoutError("backend='mc2' needs max_tokens_per_rank (the same bound on every rank)")
-        first = self._needs_agreement()
+        first = self._shapes_unchecked()
         if self.group_name is None and mc2_available():
             self.group_name = _group_name(self.group)
         handle = mc2_dispatch(x, idx, weights, self.num_experts, self.group,
@@ -462,7 +461,7 @@ class MC2ExpertParallelMoE(ExpertParallelMoE):
                               validate=self.validate or first, group_name=self.group_name,
                               precheck=(lambda: self._check_experts(x)) if first else None)
         if first:
-            self._agreed = True
+            self._shapes_checked = True
         return handle
 
     def _experts(self, handle: AnyDispatch) -> Tuple[torch.Tensor, EPBatch]:

@@ -5,22 +5,24 @@ issue different collectives: a mixed model that ``--check`` accepts, a hang, or 
 gloo / HCCL. So right after joining the group, and before any collective, each rank posts in the
 rendezvous store what must be equal on every rank (the model, the modes, the seed, ...), its own
 token count and any problem it found on its own (not enough memory, an unwritable ``--out``), and
-reads everyone's. A difference or a problem is one `JobMismatch` on every rank, naming the option
-(or the problem) and the ranks. `agree_ready` does the same after a step each rank takes on its own
-(loading its part of a checkpoint), so that a rank that cannot go on stops every rank before the
-collective that would wait for it.
+reads everyone's (`overlap.agree` through the store). A difference or a problem is one
+`JobMismatch` on every rank, naming the option (or the problem) and each rank's value.
+`agree_ready` does the same after a step each rank takes on its own (loading its part of a
+checkpoint), so that a rank that cannot go on stops every rank before the collective that would
+wait for it.
 """
 from __future__ import annotations
 
-import datetime
-import json
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch.distributed as dist
 
+from overlap import agreement
+
 from .config import ConfigError, JobConfig
 
 _PREFIX = "overlap/job"
+_TOKENS = "(this rank's token count)"  # posted beside the fingerprint, not compared
 _DEFAULT_FROM = {"--cpu-link": "$OVERLAP_CPU_LINK", "--cpu-comm-priority": "$OVERLAP_CPU_COMM_PRIORITY"}
 _MODEL_OPTIONS = {"n_layers": "--layers", "n_dense_layers": "--dense-layers", "hidden": "--hidden",
                   "n_experts": "--experts", "top_k": "--top-k", "n_shared": "--shared-experts"}
@@ -55,64 +57,34 @@ def fingerprint(job: JobConfig) -> Dict[str, Any]:
     return out
 
 
-def _differences(posts: Sequence[Dict[str, Any]]) -> List[str]:
-    first = posts[0]["config"]
-    lines = []
-    for key in first:
-        values = [p["config"].get(key) for p in posts]
-        if any(v != values[0] for v in values):
-            by_value: Dict[str, List[int]] = {}
-            for rank, v in enumerate(values):
-                by_value.setdefault(json.dumps(v), []).append(rank)
-            named = f"{key} (or its default {_DEFAULT_FROM[key]})" if key in _DEFAULT_FROM else key
-            lines.append(f"ranks disagree on {named}: " + "; ".join(
-                f"rank{'s' if len(r) > 1 else ''} {','.join(map(str, r))}: {json.loads(v)!r}" for v, r in by_value.items()))
-    return lines
+def _named(key: str) -> str:
+    """An option's name in a message, with the variable its default comes from."""
+    return f"{key} (or its default {_DEFAULT_FROM[key]})" if key in _DEFAULT_FROM else key
 
 
-def _exchange(stage: str, post: Dict[str, Any], timeout: float, late: str) -> List[Dict[str, Any]]:
-    """Post this rank's ``post`` under ``stage`` in the store and read every rank's (the store only: no
-    collective). `JobMismatch` naming the ranks that did not post within ``timeout`` s, as ``late`` says."""
+def _store(stage: str, timeout: float, late: str) -> agreement.StoreTransport:
+    """Torchrun's rendezvous store as the transport of ``stage`` (no collective), waiting at most ``timeout`` s."""
     store = dist.distributed_c10d._get_default_store()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    store.set(f"{_PREFIX}/{stage}/{rank}", json.dumps(post))
-    keys = [f"{_PREFIX}/{stage}/{r}" for r in range(world)]
-    try:
-        store.wait(keys, datetime.timedelta(seconds=timeout))
-    except Exception:
-        missing = [r for r, k in enumerate(keys) if not store.check([k])]
-        raise JobMismatch(f"rank(s) {', '.join(map(str, missing))} did not {late} within --timeout {timeout:g} s") \
-            from None
-    return [json.loads(store.get(k)) for k in keys]
-
-
-def _problems(posts: Sequence[Dict[str, Any]]) -> List[str]:
-    """Every rank's problems, once each, with the ranks that found it."""
-    by_problem: Dict[str, List[int]] = {}
-    for r, post in enumerate(posts):
-        for p in post["problems"]:
-            by_problem.setdefault(p, []).append(r)
-    return [f"rank{'s' if len(r) > 1 else ''} {','.join(map(str, r))}: {p}" for p, r in by_problem.items()]
-
-
-def _raise(lines: Sequence[str]) -> None:
-    if lines:
-        raise JobMismatch(lines[0] if len(lines) == 1 else "the ranks cannot run this job:\n  " + "\n  ".join(lines))
+    return agreement.StoreTransport(store, f"{_PREFIX}/{stage}", dist.get_rank(), dist.get_world_size(), timeout,
+                                    f"{late} within --timeout {timeout:g} s")
 
 
 def agree(job: JobConfig, tokens: int, problems: Sequence[str], timeout: float) -> List[int]:
-    """Post this rank's view of the job and check every rank's; returns each rank's token count.
+    """Post this rank's view of the job and check every rank's (`overlap.agree` through the store); returns
+    each rank's token count.
 
     Raises `JobMismatch` on every rank when the ranks differ or one reported a problem, and when a
     rank does not post within ``timeout`` seconds (naming it).
     """
-    posts = _exchange("start", {"config": fingerprint(job), "tokens": int(tokens), "problems": list(problems)},
-                      timeout, "reach the start of the job")
-    _raise(_problems(posts) + _differences(posts))
-    return [p["tokens"] for p in posts]
+    values = {_named(k): v for k, v in fingerprint(job).items()}
+    values[_TOKENS] = int(tokens)
+    posts = agreement.agree(values, _store("start", timeout, "reach the start of the job"), problems=problems,
+                            per_rank=(_TOKENS,), error=JobMismatch)
+    return [p[_TOKENS] for p in posts]
 
 
 def agree_ready(stage: str, problem: Optional[str], timeout: float) -> None:
     """After a step every rank takes on its own (loading its part of a checkpoint): `JobMismatch` on every
     rank, with every rank's problem, when one of them could not take it; before any collective needs it."""
-    _raise(_problems(_exchange(stage, {"problems": [problem] if problem else []}, timeout, f"finish {stage}")))
+    agreement.agree({}, _store(stage, timeout, f"finish {stage}"), problems=[problem] if problem else [],
+                    error=JobMismatch)

@@ -9,7 +9,7 @@ import dataclasses
 import json
 import math
 import os
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import click
 import torch
@@ -17,6 +17,15 @@ import torch
 import microbatch
 import overlap
 from overlap.state import MAX_WAIT_TIMEOUT
+
+if TYPE_CHECKING:  # imported where they are used: transformers only for --model NAME|PATH
+    from transformers import PretrainedConfig
+
+    from launch.models.presets import ModelConfig
+
+ModelSettings = Union["ModelConfig", "PretrainedConfig"]  # the reference's shapes, or a transformers config
+Overrides = Dict[str, Optional[int]]  # --layers, --hidden, ... by ModelConfig field; None: not given
+EnvValue = Union[str, int, None]  # the value of an environment variable that shapes the run, as agreed
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -37,7 +46,7 @@ MODE_NAMES = tuple(microbatch.MODES) + ("all", AUTO)  # what --mode takes, in a 
 class JobConfig:
     """One launcher run: the model, the batch per rank, the modes and where and how to run them."""
 
-    model: Any  # launch.models.presets.ModelConfig, or the transformers config of --model NAME|PATH
+    model: ModelSettings  # the reference's ModelConfig, or the transformers config of --model NAME|PATH
     seq_lens: Tuple[int, ...]
     modes: Tuple[str, ...]
     device: str  # cpu, cuda or npu
@@ -55,7 +64,7 @@ class JobConfig:
     model_name: str = REFERENCE  # --model: "reference", a transformers model type, or a checkpoint folder
     comm_priority: str = "off"  # --cpu-comm-priority: gloo's threads real-time ("rt") or not ("off"); CPU only
     asked_modes: Tuple[str, ...] = ()  # the modes --mode names, expanded ("all"), before serial is added
-    environment: Tuple[Tuple[str, Any], ...] = ()  # ("$NAME", value) of the variables that shape the run
+    environment: Tuple[Tuple[str, EnvValue], ...] = ()  # ("$NAME", value) of the variables that shape the run
 
     @property
     def serial_added(self) -> bool:
@@ -73,7 +82,7 @@ class JobConfig:
         return self.model_name != REFERENCE
 
     def model_fields(self) -> Dict[str, Any]:
-        """The model's configuration as plain values (what every rank must agree on)."""
+        """The model's configuration as plain values (what every rank must agree on): JSON, hence Any."""
         if not self.transformers:
             return dataclasses.asdict(self.model)
         return json.loads(self.model.to_json_string(use_diff=False))
@@ -89,10 +98,11 @@ class ModeList(click.ParamType):
 
     name = "mode list"
 
-    def get_metavar(self, param: Any, ctx: Any = None) -> str:
+    def get_metavar(self, param: click.Parameter, ctx: Optional[click.Context] = None) -> str:
         return "MODE[,MODE...]"
 
-    def convert(self, value: Any, param: Any, ctx: Any) -> Tuple[str, ...]:
+    def convert(self, value: Union[str, Tuple[str, ...]], param: Optional[click.Parameter],
+                ctx: Optional[click.Context]) -> Tuple[str, ...]:
         if isinstance(value, tuple):
             return value
         try:
@@ -169,7 +179,7 @@ def parse_cpu_link(text: str, device: str) -> Optional[overlap.Link]:
     return link if device == "cpu" else None
 
 
-def environment(device: str, path: Optional[str]) -> Tuple[Tuple[str, Any], ...]:
+def environment(device: str, path: Optional[str]) -> Tuple[Tuple[str, EnvValue], ...]:
     """The toolkit's environment variables, checked for a run on ``device`` (``path``: ``--path``, None for
     the device's eager path): ``(("$NAME", value), ...)`` of those that shape the run, which every rank must
     agree on (`launch.agreement.fingerprint`); a `ConfigError` naming a variable with a bad value.
@@ -209,7 +219,7 @@ def environment(device: str, path: Optional[str]) -> Tuple[Tuple[str, Any], ...]
     if forced is not None and forced != run_path:
         raise ConfigError(f"{ENV_PATH}={forced} but this run's path is {run_path}: --device and --path choose the "
                           f"launcher's path (unset {ENV_PATH}, or pass --device / --path)")
-    out: List[Tuple[str, Any]] = [
+    out: List[Tuple[str, EnvValue]] = [
         (f"${overlap.ENV_ENABLE}", "on" if enabled else "off"),  # off: every mode runs single-stream
         (f"${ENV_SANITIZE}", sanitize),  # a rank that checks ordering runs slower, and raise stops it
         # the core budget limit_cores checks against (the launcher sets no limit yet: the same job must
@@ -227,7 +237,8 @@ def environment(device: str, path: Optional[str]) -> Tuple[Tuple[str, Any], ...]
     return tuple(out)
 
 
-def build_model_config(preset_name: str, overrides: Dict[str, Any]) -> Any:
+def build_model_config(preset_name: str, overrides: Overrides) -> ModelConfig:
+    """The reference model's shapes: the preset with the options given; `ConfigError` naming a bad one."""
     from launch.models.presets import preset
 
     try:
@@ -237,7 +248,7 @@ def build_model_config(preset_name: str, overrides: Dict[str, Any]) -> Any:
         raise ConfigError(str(exc) + hint) from None
 
 
-def transformers_config(model_name: str, overrides: Dict[str, Any]) -> Any:
+def transformers_config(model_name: str, overrides: Overrides) -> PretrainedConfig:
     """The transformers config of ``--model NAME`` (small, with the overrides) or ``--model PATH`` (as saved)."""
     try:
         import transformers
@@ -281,7 +292,7 @@ _OPTION_OF = {"n_layers": "layers", "n_dense_layers": "dense-layers", "n_experts
               "n_shared": "shared-experts"}
 
 
-def n_experts(job_model: Any) -> int:
+def n_experts(job_model: ModelSettings) -> int:
     """Routed experts per MoE layer of a model config (the reference's or a transformers one); 0 if none."""
     if hasattr(job_model, "n_experts"):
         return int(job_model.n_experts)
@@ -295,7 +306,7 @@ _TOP_K_FIELDS = ("num_experts_per_tok", "moe_topk", "top_k_experts", "moe_top_k"
 _GROUPED_MM_BYTES = 16  # torch's grouped matmul (transformers' experts) takes rows of a multiple of 16 bytes
 
 
-def check_transformers_model(model_name: str, cfg: Any, dtype: torch.dtype) -> None:
+def check_transformers_model(model_name: str, cfg: PretrainedConfig, dtype: torch.dtype) -> None:
     """Routing, layer counts and sizes of the transformers config ``cfg`` that its model cannot run with,
     found before any rank builds it: a `ConfigError` naming the option (for a checkpoint, the field of its
     config.json) and the valid range, instead of an error from inside the model."""
@@ -326,7 +337,7 @@ def check_transformers_model(model_name: str, cfg: Any, dtype: torch.dtype) -> N
                               f"{_GROUPED_MM_BYTES} bytes; got {size}")
 
 
-def _check_transformers_overrides(model_name: str, overrides: Dict[str, Any], dtype: torch.dtype) -> None:
+def _check_transformers_overrides(model_name: str, overrides: Overrides, dtype: torch.dtype) -> None:
     """`check_transformers_model` on the small config of ``--model NAME`` with the overrides, before
     `transformers_config` builds and runs a model of it (whose failure would be the model's own words);
     nothing where that config cannot be made at all: `transformers_config` says why."""
@@ -343,7 +354,7 @@ def _check_transformers_overrides(model_name: str, overrides: Dict[str, Any], dt
     check_transformers_model(model_name, cfg, dtype)
 
 
-def _check_dense_layers(cfg: Any, layers: Optional[int], name: Callable[[str, str], str]) -> None:
+def _check_dense_layers(cfg: PretrainedConfig, layers: Optional[int], name: Callable[[str, str], str]) -> None:
     """The leading dense layers fit the layers (the reference model refuses more, so does this)."""
     if not isinstance(layers, int):
         return
@@ -357,7 +368,7 @@ def _check_dense_layers(cfg: Any, layers: Optional[int], name: Callable[[str, st
                           f"({name('layers', 'num_hidden_layers')}), got {len(only)} dense layer(s): {list(only)}")
 
 
-def _check_groups(model_name: str, cfg: Any, experts: int, name: Callable[[str, str], str]) -> int:
+def _check_groups(model_name: str, cfg: PretrainedConfig, experts: int, name: Callable[[str, str], str]) -> int:
     """DeepSeek-style group routing (``n_group`` groups, the best ``topk_group`` of them, top-k within those):
     the experts must split into the groups, each holding enough to score it; the most top-k can pick."""
     groups, chosen = getattr(cfg, "n_group", None), getattr(cfg, "topk_group", None)
@@ -395,7 +406,7 @@ def _check_numbers(seed: int, timeout: float, warmup: int, iters: int, out_dir: 
 
 def job_config(*, world: int, device: str, exec_path: str, mode: Union[str, Sequence[str]], kv_offload: bool,
                kv_store: str,
-               preset_name: str, overrides: Dict[str, Any], batch: int, seq_len: int, seq_lens: Optional[str],
+               preset_name: str, overrides: Overrides, batch: int, seq_len: int, seq_lens: Optional[str],
                dtype: str, warmup: int, iters: int, seed: int, check: bool, out_dir: Optional[str], cpu_link: str,
                timeout: float, model_name: str = REFERENCE, cpu_comm_priority: str = "off") -> JobConfig:
     """The job of the command-line options and the environment, checked; `ConfigError` names the first problem.

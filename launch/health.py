@@ -12,10 +12,13 @@ import dataclasses
 import datetime
 import os
 import time
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from microbatch.model import MoEModel
+from overlap.ranks import default_backend, default_device
 
 ENV_FAULT = "OVERLAP_FAULT"
 BEFORE_JOINING = -1  # Fault.at: before the rank joins the process group
@@ -25,7 +28,7 @@ class StartError(RuntimeError):
     """Not every rank joined the job's process group in time."""
 
 
-def _agent_store(timeout: float) -> Any:
+def _agent_store(timeout: float) -> Optional[dist.TCPStore]:
     """A client of torchrun's own store (there before any rank joins the group), or None outside torchrun."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
         return None
@@ -42,8 +45,6 @@ def join_group(timeout: float) -> torch.device:
     Under torchrun each rank first marks itself started in torchrun's own store, so a rank that
     never arrives is named when the others give up after ``timeout`` seconds (`StartError`).
     """
-    from overlap.multirank import default_backend, default_device
-
     device = default_device()  # LOCAL_RANK picks the card on NPU / CUDA
     td = datetime.timedelta(seconds=timeout)
     if "WORLD_SIZE" not in os.environ:
@@ -133,11 +134,12 @@ class Fault:
         spec = dict(kv.split("=", 1) for kv in text.split(","))
         return cls(int(spec.get("rank", 1)), int(spec.get("iter", 0)), spec.get("kind", "exit"))
 
-    def poison(self, rank: int, model: Any) -> None:
-        """Kinds ``nan`` / ``inf``: this rank's model gets a non-finite weight (every output row reads it)."""
+    def poison(self, rank: int, model: MoEModel) -> None:
+        """Kinds ``nan`` / ``inf``: this rank's model gets a non-finite weight, the final norm's (every output row
+        reads it)."""
         if rank == self.rank and self.kind in ("nan", "inf"):
             with torch.no_grad():
-                model.norm.weight[0] = float(self.kind)
+                model.final_norm.weight[0] = float(self.kind)
 
     def maybe_fail(self, rank: int, iteration: int) -> None:
         if rank != self.rank or iteration != self.at:

@@ -21,7 +21,7 @@ import dataclasses
 import math
 import statistics
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,13 +30,17 @@ import overlap
 from overlap import Span, Timeline
 from overlap.observability import gather, metrics
 
+from microbatch import Split
 from microbatch.batch import Batch
-from microbatch.forward import cut_refusal
-from microbatch.planning import max_over_ranks  # one all-reduce helper for the launcher, calibration and probes
+from microbatch.forward import MakeSchedule, cut_refusal
+from microbatch.model import MoEModel
+from microbatch.planning import Choice, max_over_ranks  # one all-reduce helper for the launcher, calibration and probes
+from overlap import OffloadCache
 
 from .config import AUTO
-from .models.reference import Model
 from .runner import split_for, prefill
+
+CompileMode = Callable[[str, Split], Callable[[], torch.Tensor]]  # (mode, split) -> a compiled prefill
 
 
 @dataclasses.dataclass
@@ -56,7 +60,7 @@ class ModeResult:
     max_diff: Optional[float] = None  # largest |output - serial output| over all ranks (inf if not finite)
     ref_scale: Optional[float] = None  # serial only: largest |output| over all ranks
     finite: bool = True  # no NaN or inf in the output on any rank
-    plan: Any = None  # this rank's split (microbatch.planning.Split)
+    plan: Optional[Split] = None  # this rank's split
 
     @property
     def median_s(self) -> float:
@@ -66,7 +70,7 @@ class ModeResult:
     def spread(self) -> Optional[float]:
         return spread(self.times_s)
 
-    def row(self, tokens: int) -> Dict[str, Any]:
+    def row(self, tokens: int) -> Dict[str, object]:
         """A JSON-friendly summary."""
         return {"mode": self.mode, "times_s": self.times_s, "spread": self.spread, "split": self.split,
                 "tokens_per_s": tokens / self.median_s, "hidden_comm_share": self.hidden_comm_share,
@@ -84,10 +88,10 @@ def rounds(modes: Sequence[str], warmup: int, iters: int) -> List[List[str]]:
     return [list(modes) for _ in range(warmup)] + [[modes[(i + j) % n] for j in range(n)] for i in range(iters)]
 
 
-def measure_modes(model: Model, batch: Batch, modes: Sequence[str], group: Any, *, warmup: int = 1, iters: int = 3,
-            cache: Any = None, before_iter: Optional[Callable[[str, int], None]] = None,
-            compile_mode: Optional[Callable[[str, Any], Callable[[], torch.Tensor]]] = None,
-            choice: Any = None) -> List[ModeResult]:
+def measure_modes(model: MoEModel, batch: Batch, modes: Sequence[str], group: Optional[dist.ProcessGroup], *,
+                  warmup: int = 1, iters: int = 3, cache: Optional[OffloadCache] = None,
+                  before_iter: Optional[Callable[[str, int], None]] = None,
+                  compile_mode: Optional[CompileMode] = None, choice: Optional[Choice] = None) -> List[ModeResult]:
     """Run each mode ``warmup + iters`` times, interleaved (see `rounds`); every timed round is recorded on a timeline.
 
     ``before_iter(mode, i)`` is called before every run with the mode's own iteration index.
@@ -96,10 +100,13 @@ def measure_modes(model: Model, batch: Batch, modes: Sequence[str], group: Any, 
     (profile it with the device profiler and ``overlap-report``). A mode named ``"auto"`` runs the
     planner's ``choice`` (`microbatch.planning.Choice`): its split and its schedule.
     """
-    plans, steps = {}, {}
+    plans: Dict[str, Split] = {}
+    steps: Dict[str, Callable[[], torch.Tensor]] = {}
     for mode in modes:  # every rank agrees on the splits in the same order (one all-reduce each)
-        make = None
+        make: Optional[MakeSchedule] = None
         if mode == AUTO:
+            if choice is None:
+                raise ValueError("the mode 'auto' runs the planner's choice: pass choice=")
             plans[mode] = plan = choice.split(batch.seq.seq_lens, group, allow_cut=cut_refusal(model) is None)
             make = choice.best.make()
         else:
@@ -107,7 +114,7 @@ def measure_modes(model: Model, batch: Batch, modes: Sequence[str], group: Any, 
         if compile_mode is not None:
             steps[mode] = compile_mode(mode, plan)
         else:
-            def step(mode: str = mode, plan: Any = plan, make: Any = make) -> torch.Tensor:
+            def step(mode: str = mode, plan: Split = plan, make: Optional[MakeSchedule] = make) -> torch.Tensor:
                 return prefill(model, batch, mode, plan, cache, make=make)
             steps[mode] = step
     times: Dict[str, List[float]] = {m: [] for m in modes}
@@ -164,7 +171,7 @@ def comm_share(spans: Sequence[Span]) -> Optional[float]:
     Each rank's figures come from its own spans, so ranks whose clocks disagree do not stretch it.
     """
     per_rank = metrics(spans).per_rank
-    extent: Dict[Any, List[float]] = {}
+    extent: Dict[int, List[float]] = {}
     for s in spans:
         if s.end is not None:
             lo, hi = extent.setdefault(s.rank, [s.start, s.end])
@@ -199,7 +206,7 @@ def spread(times: Sequence[float]) -> Optional[float]:
     return (q3 - q1) / statistics.median(times)
 
 
-def _compare(results: List[ModeResult], group: Any) -> None:
+def _compare(results: List[ModeResult], group: Optional[dist.ProcessGroup]) -> None:
     serial = next((r for r in results if r.mode == "serial"), None)
     if serial is None:
         return

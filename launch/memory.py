@@ -10,11 +10,11 @@ host KV store of ``--kv-offload``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
-from .config import JobConfig
+from .config import JobConfig, ModelSettings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +34,7 @@ def gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def _first(cfg: Any, *names: str, default: int = 0) -> int:
+def _first(cfg: ModelSettings, *names: str, default: int = 0) -> int:
     for name in names:
         value = getattr(cfg, name, None)
         if isinstance(value, int) and value > 0:
@@ -89,7 +89,7 @@ def available(device: torch.device) -> Optional[int]:
                     if line.startswith("MemAvailable:"):
                         return int(line.split()[1]) * 1024
             return None
-        mod: Any = getattr(torch, device.type)
+        mod = getattr(torch, device.type)  # torch.cuda, torch.npu: each has mem_get_info
         free, _total = mod.mem_get_info(device)
         return int(free)
     except Exception:  # no /proc, or a device API without mem_get_info

@@ -9,9 +9,13 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from typing import Any, Callable, List, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, List, Optional, Sequence
 
 from overlap.observability import save_chrome_trace, save_png
+
+if TYPE_CHECKING:
+    from .config import JobConfig
+    from .measure import ModeResult
 
 
 class OutputError(OSError):
@@ -51,7 +55,7 @@ def check_kv_dir(folder: str, rank: int) -> Optional[str]:
     return None
 
 
-def _atomic(file: str, write: Callable[[str], Any]) -> None:
+def _atomic(file: str, write: Callable[[str], object]) -> None:
     """``write(name)`` to a temporary name beside ``file`` (same extension), then rename it to ``file``."""
     folder, base = os.path.split(file)
     tmp = os.path.join(folder, f".partial-{base}")
@@ -66,8 +70,8 @@ def _atomic(file: str, write: Callable[[str], Any]) -> None:
         raise OutputError(exc.errno, f"cannot write {file}: {exc.strerror or exc}") from None
 
 
-def write_outputs(out_dir: str, job: Any, results: Sequence[Any], tokens: int, world: int, failed: List[str],
-                  say: Any) -> None:
+def write_outputs(out_dir: str, job: JobConfig, results: Sequence[ModeResult], tokens: int, world: int,
+                  failed: List[str], say: Callable[[str], None]) -> None:
     """Write ``out_dir``/results.json and each mode's ``trace_<mode>.json`` / ``timeline_<mode>.png``.
 
     ``job`` is the `launch.config.JobConfig`; ``failed`` the modes ``--check`` rejected; ``say``
@@ -78,7 +82,8 @@ def write_outputs(out_dir: str, job: Any, results: Sequence[Any], tokens: int, w
     def results_json(name: str) -> None:
         with open(name, "w") as f:
             json.dump({"world_size": world, "device": job.device, "dtype": str(job.dtype).replace("torch.", ""),
-                       "seq_lens": list(job.seq_lens), "tokens": tokens, "model": job.model_name, "config": job.model_fields(),
+                       "seq_lens": list(job.seq_lens), "tokens": tokens, "model": job.model_name,
+                       "config": job.model_fields(),
                        "kv_offload": job.kv_offload, "cpu_link": str(job.link) if job.link else None,
                        "cpu_comm_priority": job.comm_priority if job.device == "cpu" else None,
                        "rows": [r.row(tokens) for r in results],

@@ -31,7 +31,8 @@ import signal
 import tempfile
 import time
 import traceback
-from typing import Any, List, Optional, Tuple
+from types import FrameType
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple, Union
 
 import click
 import torch
@@ -39,6 +40,14 @@ import torch.distributed as dist
 
 import microbatch
 from launch.config import AUTO, DTYPES, JobConfig, ModeList, job_config
+
+if TYPE_CHECKING:  # the launcher's parts are imported where the job needs them (a bad option fails first)
+    from launch.measure import ModeResult
+    from microbatch import Batch, MoEModel
+    from microbatch.planning import Choice
+    from overlap import OffloadCache
+
+OwnForward = Union[torch.Tensor, str, None]  # the model's own forward for --check, why there is none, or no check
 
 
 def _rank() -> int:
@@ -110,7 +119,7 @@ def _progress(msg: str, first: bool = False) -> None:
 @click.option("--timeout", type=float, default=120.0, help="Seconds a rank waits for its peers before giving up.")
 def cli(mode: Tuple[Tuple[str, ...], ...], layers: Optional[int], dense_layers: Optional[int],
         hidden: Optional[int], experts: Optional[int], top_k: Optional[int], shared_experts: Optional[int],
-        **options: Any) -> None:
+        **options: Any) -> None:  # Any: click's values of every other option, each of its own type
     """Prefill of a MoE model (the toolkit's reference decoder, a transformers model type, or a checkpoint
     folder) with expert parallelism over all ranks, in each mode, compared side by side."""
     overrides = dict(n_layers=layers, n_dense_layers=dense_layers, hidden=hidden, n_experts=experts, top_k=top_k,
@@ -160,7 +169,7 @@ def script(prog_name: str = "overlap-prefill") -> None:
     os._exit(code)
 
 
-def _terminated(signum: int, frame: Any) -> None:
+def _terminated(signum: int, frame: Optional[FrameType]) -> None:
     raise SystemExit(128 + signum)
 
 
@@ -172,7 +181,7 @@ def _leaving() -> None:
     signal.signal(signal.SIGTERM, _ignored)
 
 
-def _ignored(signum: int, frame: Any) -> None:
+def _ignored(signum: int, frame: Optional[FrameType]) -> None:
     pass
 
 
@@ -317,7 +326,7 @@ def run_job(job: JobConfig) -> int:
             cache.close()  # on every way out: its files and device slots go
 
 
-def _build_model(job: JobConfig, rank: int, world: int, dev: torch.device) -> Any:
+def _build_model(job: JobConfig, rank: int, world: int, dev: torch.device) -> MoEModel:
     """The job's model on ``dev``: the reference decoder, a small transformers model, or a checkpoint's."""
     if not job.transformers:
         from launch.models.reference import build_model
@@ -347,7 +356,7 @@ def _build_model(job: JobConfig, rank: int, world: int, dev: torch.device) -> An
     return adapt(hf, check=_holds_whole_model(job, world))
 
 
-def _mib(n: Any) -> str:
+def _mib(n: Union[float, torch.Tensor]) -> str:
     return f"{float(n) / 2**20:.1f} MiB"
 
 
@@ -357,9 +366,11 @@ def _holds_whole_model(job: JobConfig, world: int) -> bool:
     return job.transformers and (job.checkpoint is None or world == 1)
 
 
-def _own_forward(job: JobConfig, model: Any, batch: Any, world: int) -> Any:
+def _own_forward(job: JobConfig, model: MoEModel, batch: Batch, world: int) -> OwnForward:
     """For ``--check`` on a transformers model: the model's own forward of this rank's batch, or why not."""
-    if not (job.check and job.transformers):
+    from launch.models.transformers_adapter import TransformersModel
+
+    if not (job.check and isinstance(model, TransformersModel)):
         return None
     if not _holds_whole_model(job, world):
         experts = model.cfg.n_experts
@@ -368,7 +379,7 @@ def _own_forward(job: JobConfig, model: Any, batch: Any, world: int) -> Any:
     return model.reference(batch).float()
 
 
-def _check_own_forward(job: JobConfig, results: Any, own: Any) -> list:
+def _check_own_forward(job: JobConfig, results: Sequence[ModeResult], own: OwnForward) -> List[str]:
     """Serial against the model's own forward (every rank takes part: one all-reduce), as failure lines."""
     from microbatch.planning import max_over_ranks
 
@@ -387,7 +398,7 @@ def _check_own_forward(job: JobConfig, results: Any, own: Any) -> list:
     return [f"serial differs from {job.model_name}'s own forward by {diff:.3e} (tolerance {tol:.1e})"]
 
 
-def _plan_auto(job: JobConfig, model: Any, batch: Any) -> Any:
+def _plan_auto(job: JobConfig, model: MoEModel, batch: Batch) -> Choice:
     """``--mode auto``: calibrate (cached per machine, model and dtype) and choose; the same on every rank."""
     from microbatch.forward import cut_refusal
     from microbatch.planning import calibrate, choose, gather_lens, request_length
@@ -401,7 +412,7 @@ def _plan_auto(job: JobConfig, model: Any, batch: Any) -> Any:
     return choice
 
 
-def _auto_summary(choice: Any, results: Any) -> str:
+def _auto_summary(choice: Choice, results: Sequence[ModeResult]) -> str:
     by = {r.mode: r for r in results}
     auto, serial = by[AUTO], by.get("serial")
     measured = f"measured {auto.median_s * 1e3:.1f} ms"
@@ -411,10 +422,10 @@ def _auto_summary(choice: Any, results: Any) -> str:
             f"{choice.speedup:.2f}x | {measured}")
 
 
-def _write_prediction(out_dir: str, choice: Any, model: Any, results: Any) -> None:
+def _write_prediction(out_dir: str, choice: Choice, model: MoEModel, results: Sequence[ModeResult]) -> None:
     """The chosen schedule's predicted timeline of rank 0's batch, beside its measured trace
     (compare them with ``overlap-report trace_auto.json --plan trace_auto.predicted.json``)."""
-    plan = next(r.plan for r in results if r.mode == AUTO)
+    plan = next(r.plan for r in results if r.mode == AUTO and r.plan is not None)
     choice.predict(model, plan).save_chrome_trace(os.path.join(out_dir, "trace_auto.predicted.json"))
     say(f"wrote {out_dir}/trace_auto.predicted.json (overlap-report {out_dir}/trace_auto.json --plan "
         f"{out_dir}/trace_auto.predicted.json compares them)", err=True)
@@ -425,7 +436,8 @@ def _kv_dir(job: JobConfig) -> Optional[str]:
     return os.path.join(job.out_dir, "kv") if job.kv_offload and job.out_dir and job.kv_store == "mmap" else None
 
 
-def _offload_cache(job: JobConfig, model: Any, batch: Any, dev: torch.device, rank: int) -> Tuple[Any, Optional[str]]:
+def _offload_cache(job: JobConfig, model: MoEModel, batch: Batch, dev: torch.device,
+                   rank: int) -> Tuple[Optional[OffloadCache], Optional[str]]:
     """The KV offload cache of ``--kv-offload`` (mmap files under ``--out/kv`` when there is one), or None and
     why it cannot be made (a full disk, a file someone else holds: `OffloadError`'s line)."""
     from overlap import OffloadCache, OffloadError
@@ -449,7 +461,7 @@ def _offload_cache(job: JobConfig, model: Any, batch: Any, dev: torch.device, ra
     return cache, None
 
 
-def _headline(job: JobConfig, model: Any, world: int, cache: Any) -> str:
+def _headline(job: JobConfig, model: MoEModel, world: int, cache: Optional[OffloadCache]) -> str:
     import overlap
 
     cfg = model.cfg

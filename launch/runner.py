@@ -1,8 +1,8 @@
 """Prefill of a model in one mode: eagerly through the micro-batch executor, or compiled as one
 torchair graph (`graph_prefill`), or continued from an offloaded prefix (`continue_prefill`).
 
-The model is the reference model (`launch.models.reference.Model`) or anything with its interface,
-such as a transformers MoE model adapted by `launch.models.transformers_adapter`. A model whose
+The model is any `microbatch.model.MoEModel`: the reference decoder (`launch.models.reference.Model`)
+or a transformers MoE model adapted by `launch.models.transformers_adapter`. A model whose
 layers cannot continue a request from a prefix says why in ``no_cut_reason``: `split_for` (given
 the model) then splits only at request boundaries, and a plan that cuts a request is refused
 before it runs. Running the layers through a schedule is `microbatch.forward.run_schedule`; this
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, List, Optional
+from typing import Callable, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -28,31 +28,31 @@ import torch.distributed as dist
 import microbatch
 import overlap
 from collectives import CapacityExpertParallelMoE, wrap_expert_parallel
-from microbatch import Operation
+from microbatch import Operation, Split
 from microbatch.batch import K, V, Batch
-from microbatch.forward import cut_refusal, run_schedule, serial_split
-from microbatch.planning.split import DEFAULT_MAX_IMBALANCE, DEFAULT_MIN_TOKENS, Split, decide_split
+from microbatch.forward import MakeSchedule, cut_refusal, run_schedule, serial_split
+from microbatch.model import ForwardModel, MoEModel
+from microbatch.planning.split import DEFAULT_MAX_IMBALANCE, DEFAULT_MIN_TOKENS, decide_split
+from overlap import OffloadCache
 
-from .models.reference import Model
 
-
-def make_expert_parallel(model: Model, group: Optional[dist.ProcessGroup], impl: str = "auto") -> Model:
+def make_expert_parallel(model: MoEModel, group: Optional[dist.ProcessGroup], impl: str = "auto") -> MoEModel:
     """Replace every MoE block of ``model`` by its expert-parallel form over ``group`` (in place)."""
     model.replace_moe(lambda layer: wrap_expert_parallel(layer.moe, group, impl=impl))
     return model
 
 
-def make_capacity_expert_parallel(model: Model, group: Optional[dist.ProcessGroup], capacity: int) -> Model:
+def make_capacity_expert_parallel(model: MoEModel, group: Optional[dist.ProcessGroup], capacity: int) -> MoEModel:
     """Replace every MoE block by its static-shape expert-parallel form (graph paths; in place)."""
     model.replace_moe(lambda layer: CapacityExpertParallelMoE.wrap(layer.moe, group, capacity=capacity))
     return model
 
 
-def _offload(cache: Any, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+def _offload(cache: OffloadCache, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
     cache.offload(layer, k, v)  # appends after what the layer holds: micro-batch 0 is issued first
 
 
-def layer_operations(model: Model, cache: Any = None) -> List[List[Operation]]:
+def layer_operations(model: MoEModel, cache: Optional[OffloadCache] = None) -> List[List[Operation]]:
     """The model's layers as operations; with ``cache``, an offload right after each attention.
 
     The offload operation runs on the main stream: the cache itself switches to the copy stream
@@ -73,8 +73,9 @@ def layer_operations(model: Model, cache: Any = None) -> List[List[Operation]]:
     return out
 
 
-def split_for(mode: str, batch: Batch, group: Optional[dist.ProcessGroup], *, model: Any = None,
-             min_tokens: int = DEFAULT_MIN_TOKENS, max_imbalance: float = DEFAULT_MAX_IMBALANCE) -> Split:
+def split_for(mode: str, batch: Batch, group: Optional[dist.ProcessGroup], *,
+              model: Optional[ForwardModel] = None, min_tokens: int = DEFAULT_MIN_TOKENS,
+              max_imbalance: float = DEFAULT_MAX_IMBALANCE) -> Split:
     """The micro-batch split of ``mode``: agreed by every rank of ``group`` where it splits (one all-reduce).
 
     A mode of N micro-batches gets N where every rank's batch can take them, else the most that
@@ -92,8 +93,8 @@ def split_for(mode: str, batch: Batch, group: Optional[dist.ProcessGroup], *, mo
 
 
 @torch.no_grad()
-def prefill(model: Model, batch: Batch, mode: str, plan: Split, cache: Any = None,
-            make: Optional[Callable[..., microbatch.Schedule]] = None) -> torch.Tensor:
+def prefill(model: MoEModel, batch: Batch, mode: str, plan: Split, cache: Optional[OffloadCache] = None,
+            make: Optional[MakeSchedule] = None) -> torch.Tensor:
     """Final hidden states of ``batch`` computed with the schedule of ``mode`` (see the module docstring),
     or of ``make(layers, micro-batches)`` when given (the planner's choice)."""
     out = run_schedule(model, batch, plan, layer_operations(model, cache), make or microbatch.mode(mode).make)
@@ -103,7 +104,7 @@ def prefill(model: Model, batch: Batch, mode: str, plan: Split, cache: Any = Non
 
 
 @torch.no_grad()
-def continue_prefill(model: Model, batch: Batch, cache: Any, offload: bool = True) -> torch.Tensor:
+def continue_prefill(model: MoEModel, batch: Batch, cache: OffloadCache, offload: bool = True) -> torch.Tensor:
     """Prefill ``batch``'s new tokens after prefixes whose keys and values ``cache`` holds.
 
     ``batch.seq.prefix_lens`` are the tokens each request already prefilled, in the order an
@@ -134,8 +135,8 @@ def continue_prefill(model: Model, batch: Batch, cache: Any, offload: bool = Tru
     return model.norm(hidden)
 
 
-def graph_prefill(model: Model, batch: Batch, mode: str, plan: Split, path: str,
-                  backend: Any = None) -> Callable[[], torch.Tensor]:
+def graph_prefill(model: MoEModel, batch: Batch, mode: str, plan: Split, path: str,
+                  backend: Optional[Union[str, Callable[..., object]]] = None) -> Callable[[], torch.Tensor]:
     """The prefill of ``mode`` compiled as one graph on a torchair path (``ge`` or ``aclgraph``).
 
     The model's MoE blocks must have static shapes (`make_capacity_expert_parallel`). ``backend``

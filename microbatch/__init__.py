@@ -6,25 +6,28 @@ every cross-stream event from the data flow; `run_schedule` (`microbatch.forward
 forward through one, on a `Batch` split as `microbatch.planning` decides: cut into N balanced
 micro-batches that every rank agrees on, or into the mode and split the planner predicts fastest.
 """
+from .batch import K, PREFIX_KV, SEQ, V, Batch, SeqInfo
 from .executor import Lowering, Step, event_tag, execute, lower, run
+from .forward import cut_refusal, forward_layer_by_layer, micro_batch_inputs, run_schedule, serial_split
+from .model import ForwardModel, Layer, MoELayer, MoEModel, ModelShape
 from .operations import FromMicroBatch, Operation, State, as_operation
+from .planning import CostModel, Interconnect, Linear, OpCost, Prediction, Transfer, predict, simulate
 from .schedules import (HIDDEN, MODES, OUT, Mode, Schedule, ScheduledOp, ScheduleError, as_listed, mode,
                         n_batch, n_batch_name, normalize_layers, schedule_for, serial, shared, two_batch,
                         validate)
-from .batch import K, PREFIX_KV, SEQ, V, Batch, SeqInfo
-from .model import ForwardModel
+from .split import Split, merge_outputs, micro_batches, prefix_kv, prefix_sources, split_batch, split_tokens
 
 __all__ = [
-    "HIDDEN", "MODES", "OUT", "FromMicroBatch", "Mode", "Operation", "Lowering", "Schedule", "ScheduleError", "ScheduledOp",
-    "State", "Step", "as_listed", "as_operation", "event_tag", "execute", "lower", "mode", "n_batch", "n_batch_name",
+    # the executor and the schedules
+    "HIDDEN", "MODES", "OUT", "FromMicroBatch", "Mode", "Operation", "Lowering", "Schedule", "ScheduleError",
+    "ScheduledOp", "State", "Step", "as_listed", "as_operation", "event_tag", "execute", "lower", "mode", "n_batch", "n_batch_name",
     "normalize_layers", "run", "schedule_for", "serial", "shared", "two_batch", "validate",
-    "Batch", "ForwardModel", "K", "PREFIX_KV", "SEQ", "SeqInfo", "V",
+    # a packed batch, a split of it, and the model contract
+    "Batch", "K", "PREFIX_KV", "SEQ", "SeqInfo", "V",
+    "Split", "merge_outputs", "micro_batches", "prefix_kv", "prefix_sources", "split_batch", "split_tokens",
+    "ForwardModel", "Layer", "MoELayer", "MoEModel", "ModelShape",
+    # a model's forward through a schedule
+    "cut_refusal", "forward_layer_by_layer", "micro_batch_inputs", "run_schedule", "serial_split",
+    # the simulation (`microbatch.planning`)
+    "CostModel", "Interconnect", "Linear", "OpCost", "Prediction", "Transfer", "predict", "simulate",
 ]
-
-# planning before the forward: the calibration (in planning) runs the forward, which reads the split
-# (`microbatch.planning.split`, loaded first by planning's own __init__)
-from .planning import CostModel, Interconnect, Linear, OpCost, Prediction, Transfer, predict, simulate  # noqa: E402
-from .forward import cut_refusal, micro_batch_inputs, run_schedule, serial_split  # noqa: E402
-
-__all__ += ["CostModel", "Interconnect", "Linear", "OpCost", "Prediction", "Transfer", "predict", "simulate",
-            "cut_refusal", "micro_batch_inputs", "run_schedule", "serial_split"]

@@ -7,20 +7,25 @@ schedule, on any number of micro-batches. It needs nothing of collectives: the s
 
 A model whose layers cannot continue a request from a prefix says why in ``no_cut_reason``
 (`cut_refusal`): a split that cuts a request is then refused before anything runs.
+
+`forward_layer_by_layer` is the same prefill without the executor, for checking it: every
+micro-batch of a layer in turn, on the current stream (both models' ``forward_microbatches``).
 """
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from .batch import K, PREFIX_KV, SEQ, V, Batch
 from .executor import run
-from .model import ForwardModel
+from .model import KV, ForwardModel, MoEModel
 from .operations import FromMicroBatch, Operation
-from .planning.split import Split, merge_outputs, prefix_kv, prefix_sources, split_batch
 from .schedules import HIDDEN, Schedule
+from .split import Split, merge_outputs, prefix_kv, prefix_sources, split_batch
+
+MakeSchedule = Callable[[List[List[Operation]], int], Schedule]  # a schedule of (layers, micro-batches)
 
 
 def serial_split(batch: Batch, reason: str = "mode runs one batch") -> Split:
@@ -28,19 +33,20 @@ def serial_split(batch: Batch, reason: str = "mode runs one batch") -> Split:
     return Split(tuple(batch.seq.seq_lens), None, reason)
 
 
-def cut_refusal(model: Any) -> Optional[str]:
-    """Why ``model`` cannot continue a request cut across micro-batches (its ``no_cut_reason``), or None."""
-    return getattr(model, "no_cut_reason", None)
+def cut_refusal(model: Optional[ForwardModel]) -> Optional[str]:
+    """Why ``model`` cannot continue a request cut across micro-batches (its ``no_cut_reason``), or None
+    (also for no model: a caller that names none takes the split as it is)."""
+    return None if model is None else model.no_cut_reason
 
 
-def _check_cut(model: Any, plan: Split) -> None:
+def _check_cut(model: ForwardModel, plan: Split) -> None:
     refusal = cut_refusal(model)
     if plan.cut is not None and refusal:
         raise ValueError(f"the plan cuts request {plan.cut[0]} across micro-batches, but {refusal}; "
                          f"plan with split_for(..., model=model)")
 
 
-def micro_batch_inputs(model: ForwardModel, batch: Batch, plan: Split) -> List[Dict[str, Any]]:
+def micro_batch_inputs(model: ForwardModel, batch: Batch, plan: Split) -> List[Dict[str, object]]:
     """The executor's initial values of each micro-batch of ``plan`` (one when it is serial).
 
     A micro-batch whose first request was cut has a ``PREFIX_KV`` that reads ``K``, ``V`` of the
@@ -60,7 +66,7 @@ def _prefix_input(plan: Split, mb: int) -> Optional[FromMicroBatch]:
 
 
 def run_schedule(model: ForwardModel, batch: Batch, plan: Split, layers: List[List[Operation]],
-                 make: Callable[[List[List[Operation]], int], Schedule]) -> torch.Tensor:
+                 make: MakeSchedule) -> torch.Tensor:
     """Final hidden states of ``batch`` when the schedule ``make(layers, micro-batches)`` runs ``layers``.
 
     Split the batch as ``plan`` says, give each micro-batch its inputs, build the schedule, run
@@ -72,4 +78,35 @@ def run_schedule(model: ForwardModel, batch: Batch, plan: Split, layers: List[Li
     return finals[0] if plan.serial else merge_outputs(plan, *finals)
 
 
-__all__ = ["cut_refusal", "micro_batch_inputs", "run_schedule", "serial_split"]
+def _prefix(plan: Split, mb: int, kvs: Sequence[Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]]
+            ) -> Optional[KV]:
+    """Micro-batch ``mb``'s prefix from the earlier micro-batches' ``(k, v)`` of this layer (None without)."""
+    sources = prefix_sources(plan, mb)
+    if not sources or kvs[sources[0]][0] is None:  # no cut, or a layer without keys and values
+        return None
+    return prefix_kv(plan, *[t for j in sources for t in kvs[j]], mb=mb)
+
+
+@torch.no_grad()
+def forward_layer_by_layer(model: MoEModel, batch: Batch, plan: Split) -> torch.Tensor:
+    """``model`` on the micro-batches of ``plan``, layer by layer, without overlap (a serial plan: its forward).
+
+    Each layer runs micro-batch 0, 1, ... in turn, so a cut request's later parts find their
+    prefix keys and values computed; the normed outputs are merged into packed order. A cut plan
+    for a model that refuses cuts (`cut_refusal`) raises before anything runs.
+    """
+    if plan.serial:
+        return model.forward(batch)
+    _check_cut(model, plan)
+    parts = split_batch(batch, plan)
+    hidden = [model.embed_tokens(p.tokens) for p in parts]
+    for layer in model.layers:
+        kvs: List[Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = []
+        for mb, part in enumerate(parts):
+            hidden[mb], k, v = layer.run(hidden[mb], part.seq, _prefix(plan, mb, kvs), mb=mb)
+            kvs.append((k, v))
+    return merge_outputs(plan, *[model.norm(h) for h in hidden])
+
+
+__all__ = ["MakeSchedule", "cut_refusal", "forward_layer_by_layer", "micro_batch_inputs", "run_schedule",
+           "serial_split"]

@@ -4,11 +4,12 @@ One vocabulary lowers to every path (one backend per path in `overlap.backends`)
 places work on a tagged stream, ``event(tag).record() / .wait()`` orders streams, ``wait_tensor``
 is an ordering edge, ``record_stream`` keeps memory alive across streams and ``limit_cores``
 splits the cores. Beside the primitives: `overlap.observability` (``Timeline``, ``Sanitizer``,
-the overlap report), `overlap.offload` (the KV-cache offload stream) and `overlap.multirank`
-(the multi-rank harness). Importing the package has no side effect; `reset` forgets the
-process-wide state (`overlap.state`).
+the overlap report), `overlap.offload` (the KV-cache offload stream), `overlap.agreement` (ranks
+that must agree check that they do: `agree`) and `overlap.multirank` (the multi-rank harness).
+Importing the package has no side effect; `reset` forgets the process-wide state (`overlap.state`).
 """
 from ._tree import tensors_in
+from .agreement import Disagreement, GroupTransport, StoreTransport, agree, compare_posts
 from .comm import all_reduce, all_to_all_single, collective_device
 from .comm_threads import ENV_COMM_PRIORITY, comm_priority, describe_comm_priority, set_comm_priority
 from .context import (DEFAULT, ENV_ENABLE, ENV_PATH, PATHS, current_path, current_stream_tag, detect_path, enabled,
@@ -28,9 +29,10 @@ from .streams import (EP_COMM, KV_OFFLOAD, SHARED_EXPERT, get_stream, issue_coll
 
 __all__ = [
     "DEFAULT", "EP_COMM", "KV_OFFLOAD", "SHARED_EXPERT", "PATHS", "ENV_COMM_PRIORITY", "ENV_ENABLE", "ENV_PATH",
-    "CoreBudget", "CoreBudgetError", "Event", "Link", "OffloadCache", "OffloadError", "Sanitizer", "Span",
-    "StreamRaceError", "Timeline", "WaitTimeout",
-    "add_observer", "all_reduce", "all_to_all_single", "collective_device", "comm_priority", "copy_", "core_budget",
+    "CoreBudget", "CoreBudgetError", "Disagreement", "Event", "GroupTransport", "Link", "OffloadCache",
+    "OffloadError", "Sanitizer", "Span", "StoreTransport", "StreamRaceError", "Timeline", "WaitTimeout",
+    "add_observer", "agree", "all_reduce", "all_to_all_single", "collective_device", "comm_priority",
+    "compare_posts", "copy_", "core_budget",
     "current_link", "current_path", "current_stream_tag", "describe_comm_priority", "detect_path", "enabled",
     "event", "get_stream", "is_enabled",
     "issue_collective", "issue_host", "limit_cores", "parse_budget", "parse_link", "read_soc_config",

@@ -33,6 +33,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from .ranks import ENV_TIMEOUT, RankContext, RankFailure, RankTimeout, default_backend, default_device, default_timeout
+
 _calls = itertools.count()  # per process, never reset: every rank counts the same calls
 _kept_groups: Dict[int, Any] = {}  # size -> group, on device backends
 _abandoned: List[Any] = []  # groups a failed call left behind: never reused, never destroyed mid-flight
@@ -102,8 +104,6 @@ def lost_ranks() -> Dict[int, float]:
 
 
 def _silence_limit() -> float:
-    from .multirank import default_timeout
-
     return default_timeout()
 
 
@@ -147,8 +147,6 @@ def hide_group_outside_bodies() -> None:
 
 def ensure_initialized(timeout: float) -> None:
     """Join torchrun's job (its env:// rendezvous) once per process, on the current path's backend."""
-    from .multirank import default_backend, default_device
-
     if _joined():
         return
     backend = default_backend()
@@ -187,8 +185,6 @@ def _store() -> Any:
 
 
 def _stopped_responding(silent: Dict[int, float], key: str) -> str:
-    from .multirank import ENV_TIMEOUT
-
     who = ", ".join(f"rank {r}" for r in sorted(silent))
     return (f"{who} stopped responding: no sign of life for {max(silent.values()):.0f} s ({ENV_TIMEOUT} "
             f"{_silence_limit():g} s; frozen, dead, or its node unreachable), while waiting for it at {key!r}")
@@ -199,8 +195,6 @@ def exchange(key: str, value: Any, ranks: Iterable[int], timeout: float, post: b
     rank in ``ranks``, waiting at most ``timeout`` seconds; `RankTimeout` names the ranks that never posted,
     and, at once, a rank whose heartbeat stopped for ``$OVERLAP_RANK_TIMEOUT`` seconds (see the module
     docstring)."""
-    from .multirank import RankTimeout
-
     store, ranks = _store(), list(ranks)
     if post:
         store.set(f"{key}/{dist.get_rank()}", pickle.dumps(value))
@@ -305,8 +299,6 @@ def _primary_first(errors: Dict[int, str]) -> List[Tuple[int, str]]:
 
 def run(fn: Callable[..., Any], n: int, timeout: float, env: Dict[str, str], args: tuple, kwargs: dict) -> List[Any]:
     """`run_ranks` on the first ``n`` ranks of the torchrun job; see the module docstring."""
-    from .multirank import RankContext, RankFailure, RankTimeout, default_backend, default_device
-
     ensure_initialized(timeout)
     backend = default_backend()
     world, me = dist.get_world_size(), dist.get_rank()

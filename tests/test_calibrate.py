@@ -402,6 +402,29 @@ def test_ranks_measure_together_when_one_lacks_the_cache(tmp_path):
         assert len(refused) == 2 and "same model and arguments" in refused[0] and "same model" in refused[1]
 
 
+def _agree_body(ctx):
+    out = {"max": agree(_calibration(host_overhead_s=1e-5 * (1 + ctx.rank)), ctx.group).host_overhead_s}
+    cases = {"structure": _calibration(layers=[False] * (2 + ctx.rank)),
+             "nan": _calibration(host_overhead_s=float("nan") if ctx.rank else 3e-5)}
+    for name, cal in cases.items():
+        try:
+            out[name] = agree(cal, ctx.group).host_overhead_s
+        except RuntimeError as e:
+            out[name] = str(e)
+    return out
+
+
+def test_agree_takes_the_maximum_or_stops_every_rank_naming_what_differs():
+    """Before: 'the ranks calibrated different models' without the numbers, and a NaN on one rank
+    silently dropped or kept by the maximum."""
+    r0, r1 = run_ranks(_agree_body, 2, timeout=60)
+    assert r0 == r1, (r0, r1)
+    assert r0["max"] == 2e-5
+    assert r0["structure"].startswith("the ranks cannot go on together:\n  ranks disagree on the calibrated "
+                                      "layers: rank 0: 2; rank 1: 3; every rank must pass the same model"), r0
+    assert r0["nan"] == "rank 1: its calibration holds 1 NaN or infinite number(s)", r0
+
+
 def _differing_caches(ctx, root):
     """Each rank finds a valid calibration of the key in its own cache, but rank 1's lacks a collective."""
     import logging

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import overlap
+from _protocols import protocol_problems
 from collectives import (CapacityBatch, CapacityExpertParallelMoE, EPBatch, EPCombineHandle, EPDispatchHandle,
                          ExpertParallelMoE, LayoutError, MoE, MoEConfig, capacity_dispatch)
 from overlap.multirank import run_ranks
@@ -65,7 +66,7 @@ def _bad_capacity_body(ctx, case):
     torch.manual_seed(ctx.rank)
     if case == "mismatch":  # default capacity = own token count, which differs between the ranks
         layer, x = CapacityExpertParallelMoE.wrap(_moe(cfg), ctx.group), torch.randn(4 + ctx.rank, 8)
-    else:  # every token of rank 1 picks an expert on rank 0: 5 rows for a capacity of 3
+    else:  # every token of every rank picks an expert on rank 0: 5 rows for a capacity of 3
         layer, x = CapacityExpertParallelMoE.wrap(_moe(cfg), ctx.group, capacity=3), torch.randn(5, 8)
         layer.router.weight[:] = 0
         layer.router.weight[0, 0] = 1e4
@@ -78,7 +79,12 @@ def _bad_capacity_body(ctx, case):
 
 
 @pytest.mark.cpu_only
-@pytest.mark.parametrize("case,message", [("mismatch", "different capacities"), ("overflow", "more than the capacity")])
+@pytest.mark.parametrize("case,message", [
+    ("mismatch", "ranks disagree on the capacity: rank 0: 4; rank 1: 5; static split sizes need one capacity on "
+                 "every rank: pass the same explicit capacity everywhere"),
+    ("overflow", "ranks 0, 1: sends 5 tokens to one expert-parallel rank, more than the capacity 3; raise the "
+                 "capacity"),
+])
 def test_bad_capacity_fails_on_every_rank_before_the_exchange(case, message):
     errors = run_ranks(_bad_capacity_body, 2, case, timeout=60)
     assert all(e is not None and message in e for e in errors), errors
@@ -93,13 +99,14 @@ def test_handle_and_batch_offer_the_interface_of_every_family():
     x = torch.randn(6, cfg.hidden)
     idx, weights = moe.router(x)
     h = capacity_dispatch(x, idx, weights, cfg.n_experts, capacity=9)  # 3 padding rows
-    assert isinstance(h, EPDispatchHandle) and h.wait() is h
+    assert isinstance(h, EPDispatchHandle) and protocol_problems(h, EPDispatchHandle) == []
+    assert h.wait() is h
     batch = h.expand()
-    assert isinstance(batch, CapacityBatch) and isinstance(batch, EPBatch)
+    assert isinstance(batch, CapacityBatch) and protocol_problems(batch, EPBatch) == []
     assert batch.x.shape == (9 * 2, cfg.hidden) and batch.group_list.dtype == torch.int64
     assert batch.group_list.tolist() == batch.counts and sum(batch.counts) == 6 * 2  # padding pairs last
     result = h.combine(experts(batch.x, batch.group_list), batch)
-    assert isinstance(result, EPCombineHandle)
+    assert isinstance(result, EPCombineHandle) and protocol_problems(result, EPCombineHandle) == []
     torch.testing.assert_close(result.wait(), moe(x), **TOL)
 
 
@@ -150,8 +157,8 @@ def _one_rank_routes_out_of_range(ctx):
 
 def test_bad_input_on_one_rank_stops_every_rank_before_the_exchange():
     r0, r1 = run_ranks(_one_rank_routes_out_of_range, 2, timeout=60)
-    assert "another rank of the expert-parallel group rejected its input" in r0
-    assert "99" in r1 or "out of range" in r1
+    assert r0.startswith("rank 1: LayoutError: expert id 99 in topk_idx is out of range"), r0
+    assert r1.startswith("expert id 99 in topk_idx is out of range"), r1
 
 
 def test_capacity_blocks_are_the_layouts_rows_padded():
@@ -324,8 +331,8 @@ def _experts_disagree(ctx):
 
 def test_ranks_that_pass_different_expert_counts_all_raise_naming_the_argument():
     for message in run_ranks(_experts_disagree, 2, timeout=60):
-        assert "ranks disagree on the number of experts (num_experts): 4 to 8; every rank of the expert-parallel " \
-               "group must pass the same num_experts" in message, message
+        assert "ranks disagree on the number of experts (num_experts): rank 0: 8; rank 1: 4; every rank of the " \
+               "expert-parallel group must pass the same num_experts" in message, message
 
 
 def test_combine_refuses_outputs_of_another_hidden_size():

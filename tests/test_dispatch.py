@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import overlap
+from _protocols import protocol_problems
 from collectives import EPBatch, EPCombineHandle, EPDispatchHandle, LayoutError, combine, compute_layout, dispatch
 from collectives.dispatch import DispatchHandle
 from overlap.multirank import run_ranks
@@ -152,18 +153,47 @@ def test_static_splits_skip_count_exchange():
 
 
 def test_handle_and_batch_offer_the_interface_of_every_family():
-    """`collectives.handles`: wait / expand / combine, and a batch with x, host counts and a device group list."""
+    """`collectives.handles`: wait / expand / combine, and a batch with x, host counts and a device group list;
+    every member of each protocol there with a signature that takes the protocol's calls (`tests/_protocols.py`)."""
     x, idx, w = _routing(0, 12, 4, 2, seed=3)
     h = dispatch(x, idx, w, 4, async_finish=True)
-    assert isinstance(h, EPDispatchHandle) and h.wait() is h
+    assert isinstance(h, EPDispatchHandle) and protocol_problems(h, EPDispatchHandle) == []
+    assert h.wait() is h
     y, batch = _scale_experts(h, 0, 4)
-    assert isinstance(batch, EPBatch)
+    assert isinstance(batch, EPBatch) and protocol_problems(batch, EPBatch) == []
     gl = batch.group_list
     assert gl.dtype == torch.int64 and gl.device == batch.x.device and gl.tolist() == batch.counts
     assert sum(batch.counts) == batch.x.shape[0] == 24
     result = h.combine(y, batch, async_finish=True)
-    assert isinstance(result, EPCombineHandle)
+    assert isinstance(result, EPCombineHandle) and protocol_problems(result, EPCombineHandle) == []
     torch.testing.assert_close(result.wait(), _dense(x, idx, w))
+
+
+def test_the_handle_protocol_check_sees_more_than_names():
+    """A handle with every name but a combine that takes no ``async_finish``, an ``expand`` that needs an
+    argument, and a batch whose ``counts`` is a method: ``isinstance`` passes them, the signature check does not."""
+
+    class Handle:
+        def wait(self):
+            return self
+
+        def expand(self, counts):
+            return Batch()
+
+        def combine(self, expert_out, batch):
+            return None
+
+    class Batch:
+        x = group_list = torch.zeros(1)
+
+        def counts(self):
+            return [1]
+
+    assert isinstance(Handle(), EPDispatchHandle) and isinstance(Batch(), EPBatch)
+    assert protocol_problems(Handle(), EPDispatchHandle) == [
+        "Handle.combine: takes no keyword 'async_finish'",
+        "Handle.expand: requires ['counts'], which the protocol does not pass"]
+    assert protocol_problems(Batch(), EPBatch) == ["Batch.counts: a method, but EPBatch has this property"]
 
 
 def _bad_input_body(ctx):

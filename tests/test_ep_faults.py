@@ -183,8 +183,9 @@ def test_ranks_that_build_different_layers_all_raise(kind):
     for rank, out in enumerate(run_ranks(_mismatch_body, 2, kind, timeout=60)):
         for field, (a, b, name) in MISMATCHES.items():
             message, comm = out[field]
-            lo, hi = sorted((a, b), key=str) if field == "dtype" else sorted((a, b))
-            assert f"ranks disagree on the {name}: {lo} to {hi}" in message, (rank, field, message)
+            shown = (repr(str(a)), repr(str(b))) if field == "dtype" else (a, b)  # a dtype by its name
+            assert f"ranks disagree on the {name}: rank 0: {shown[0]}; rank 1: {shown[1]}; every rank of the " \
+                   f"expert-parallel group must pass the same" in message, (rank, field, message)
             assert comm == ["dispatch.capacity" if kind == "capacity" else "moe.agree"], (rank, field, comm)
         assert out["after"]
 
@@ -196,7 +197,7 @@ def _once_body(ctx, kind: str):
     for _ in range(3):
         layer(x)
     with mock.patch("torch.compiler.is_compiling", return_value=True):
-        skipped_while_compiling = not _build(kind, MoEConfig(hidden=32), ctx.group)._needs_agreement()
+        skipped_while_compiling = not _build(kind, MoEConfig(hidden=32), ctx.group)._shapes_unchecked()
     return list(comm), skipped_while_compiling
 
 
@@ -226,8 +227,9 @@ def _experts_of_another_size(ctx, kind: str):
 @pytest.mark.parametrize("kind", ["eager", "capacity", "capacity_unvalidated"])
 def test_experts_that_do_not_fit_the_tokens_on_one_rank_stop_every_rank(kind):
     r0, r1 = run_ranks(_experts_of_another_size, 2, kind, timeout=60)
-    assert "another rank of the expert-parallel group rejected its input" in r0
-    assert "experts take hidden size 16" in r1
+    # rank 1 raises its own error; rank 0 names rank 1 and says why (its words travel in the agreement)
+    assert r0 == "rank 1: LayoutError: this rank's experts take hidden size 16, but the tokens are (5, 32)", r0
+    assert r1 == "this rank's experts take hidden size 16, but the tokens are (5, 32)", r1
 
 
 def _raw_dispatch_faults(ctx):
@@ -257,17 +259,22 @@ def _raw_dispatch_faults(ctx):
 
 def test_raw_dispatch_checks_agreement_in_its_count_exchange():
     r0, r1 = run_ranks(_raw_dispatch_faults, 2, timeout=60)
-    assert "another rank of the expert-parallel group rejected its input" in r0["bad id on one rank"]
+    # the count rows carry a rejection as a flag: the others name the rank, its own error says why
+    assert r0["bad id on one rank"].startswith("rank 1: rejected its input (its own error says why); every rank "
+                                               "of the expert-parallel group stops before the exchange")
     assert "99" in r1["bad id on one rank"]
-    assert "ranks disagree on the number of experts (num_experts): 3 to 4 (4 on rank 0, 3 on rank 1)" in \
-        r0["experts indivisible on one rank"]
+    assert r0["experts indivisible on one rank"] == (
+        "the ranks cannot go on together:\n  rank 1: rejected its input (its own error says why); every rank of the "
+        "expert-parallel group stops before the exchange\n  ranks disagree on the number of experts (num_experts): "
+        "rank 0: 4; rank 1: 3; every rank of the expert-parallel group must pass the same num_experts (build the "
+        "same layer, pass tokens of one hidden size and dtype)")
     assert "3 experts cannot be placed" in r1["experts indivisible on one rank"]
     for r in (r0, r1):
-        assert "ranks disagree on the hidden size (x.shape[1]): 16 to 32 (16 on rank 0, 32 on rank 1)" in r["hidden"]
-        assert "ranks disagree on the top-k (topk_idx.shape[1]): 1 to 2 (2 on rank 0, 1 on rank 1)" in r["top-k"]
-        assert ("ranks disagree on the dtype of the tokens (x.dtype): torch.bfloat16 to torch.float32 "
-                "(torch.float32 on rank 0, torch.bfloat16 on rank 1)") in r["dtype"]
-        assert ("ranks disagree on the number of experts (num_experts): 4 to 8 (8 on rank 0, 4 on rank 1); every "
+        assert "ranks disagree on the hidden size (x.shape[1]): rank 0: 16; rank 1: 32" in r["hidden"]
+        assert "ranks disagree on the top-k (topk_idx.shape[1]): rank 0: 2; rank 1: 1" in r["top-k"]
+        assert ("ranks disagree on the dtype of the tokens (x.dtype): rank 0: 'torch.float32'; "
+                "rank 1: 'torch.bfloat16'") in r["dtype"]
+        assert ("ranks disagree on the number of experts (num_experts): rank 0: 8; rank 1: 4; every "
                 "rank of the expert-parallel group must pass the same num_experts") in r["experts"]
         assert r["after"]
 

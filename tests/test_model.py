@@ -10,8 +10,9 @@ import dataclasses
 import pytest
 import torch
 
+from _protocols import Without, protocol_members, protocol_problems
 from launch.models import PRESETS, build_model, preset
-from microbatch import HIDDEN, OUT
+from microbatch import HIDDEN, OUT, ForwardModel, Layer, MoELayer, MoEModel, ModelShape
 from microbatch.batch import K, PREFIX_KV, SEQ, V, Batch, SeqInfo
 from microbatch.operations import State
 from microbatch.planning.split import propose_split, split_batch
@@ -51,11 +52,106 @@ def test_weights_are_the_same_on_every_rank(model):
     assert run_ranks(_weights_checksum, 2, timeout=60) == [local, local]
 
 
-def test_the_model_offers_what_the_forward_needs(model):
-    from microbatch import ForwardModel
+def test_the_reference_decoder_implements_the_model_contract(model):
+    """`microbatch.model.MoEModel`: every member, with a signature that takes the contract's calls; its shapes
+    (`ModelShape`), each layer (`Layer`) and each MoE layer (`MoELayer`) too."""
+    assert protocol_problems(model, MoEModel) == [] and isinstance(model, MoEModel)
+    assert protocol_problems(model.cfg, ModelShape) == []
+    assert [protocol_problems(layer, Layer) for layer in model.layers] == [[]] * TINY.n_layers
+    moe = list(model.moe_layers())
+    assert len(moe) == TINY.n_layers - TINY.n_dense_layers and all(protocol_problems(la, MoELayer) == [] for la in moe)
+    assert model.no_cut_reason is None  # every layer is attention: a request may be cut
 
-    assert isinstance(model, ForwardModel)
-    assert not isinstance(model.layers[0], ForwardModel)  # a layer has no embedding: the check can fail
+
+@pytest.mark.parametrize("member", sorted(protocol_members(MoEModel)))
+def test_the_contract_check_fails_on_a_member_removed(model, member):
+    """The check sees each member: the reference decoder without one of them fails it, naming that one."""
+    assert protocol_problems(Without(model, member), MoEModel, "Model") == [
+        f"Model.{member}: missing (MoEModel has this {protocol_members(MoEModel)[member]})"]
+
+
+@pytest.mark.parametrize("proto,member", [(ModelShape, "k_shape"), (ModelShape, "is_moe_layer"), (Layer, "run"),
+                                          (Layer, "is_moe"), (MoELayer, "moe")])
+def test_the_contract_check_fails_on_a_member_removed_from_a_part(model, proto, member):
+    """The check reaches the model's parts: its shapes, its layers (each one), its MoE layers."""
+    moe = next(model.moe_layers())
+    part = {ModelShape: model.cfg, Layer: model.layers[0], MoELayer: moe}[proto]
+    assert protocol_problems(Without(part, member), proto, "part") == [
+        f"part.{member}: missing ({proto.__name__} has this {protocol_members(proto)[member]})"]
+    if proto is Layer:  # through the model: its layers are checked one by one
+
+        class Shallow:
+            def __getattr__(self, name):
+                return [Without(model.layers[0], member)] + list(model.layers[1:]) if name == "layers" else \
+                    getattr(model, name)
+
+        assert protocol_problems(Shallow(), MoEModel, "Model") == [
+            f"Model.layers[0].{member}: missing (Layer has this {protocol_members(Layer)[member]})"]
+
+
+def test_the_contract_check_sees_signatures_and_kinds(model):
+    """Names alone pass ``isinstance``; an LM head that takes no hidden states, a norm with a required extra
+    argument, or an embedding that is not a method do not pass the check."""
+
+    class Off(type(model)):
+        def logits(self):
+            return None
+
+        def norm(self, hidden, extra):
+            return hidden
+
+    off = build_model(TINY, seed=3)
+    off.__class__ = Off
+    assert isinstance(off, MoEModel)
+    assert protocol_problems(off, MoEModel) == [
+        "Off.logits: takes no positional parameter 1 (hidden)",
+        "Off.norm: requires ['extra'], which the protocol does not pass"]
+    off.__class__ = type(model)
+    off.no_cut_reason = 3
+    assert protocol_problems(off, MoEModel) == ["Model.no_cut_reason: an int, not str or NoneType"]
+
+
+def test_the_forward_needs_only_its_part_of_the_contract(model):
+    """`run_schedule` reads `ForwardModel` alone (embedding, final norm, whether a request can be cut): an
+    object of those three runs the model's layers through a schedule."""
+    from microbatch import run_schedule, serial, two_batch
+
+    class Ends:
+        no_cut_reason = None
+        embed_tokens, norm = model.embed_tokens, model.norm
+
+    assert protocol_problems(Ends(), ForwardModel) == [] and not isinstance(Ends(), MoEModel)
+    batch = Batch.random([40, 24], TINY.vocab, seed=2)
+    plan = propose_split(batch.seq.seq_lens, min_tokens=4)
+    with torch.no_grad():
+        want = run_schedule(model, batch, plan, model.layer_operations(), two_batch)
+        got = run_schedule(Ends(), batch, plan, model.layer_operations(), two_batch)
+        assert torch.equal(got, want)
+        torch.testing.assert_close(run_schedule(Ends(), batch, plan.as_serial("one"), model.layer_operations(),
+                                                serial), model(batch), **TOL)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_lm_head(tied):
+    """Logits of the final hidden states: a head of its own drawn from the seed like every weight, or the
+    embedding's weight with ``tie_embeddings``; the greedy token is their argmax."""
+    cfg = dataclasses.replace(TINY, tie_embeddings=tied)
+    model = build_model(cfg, seed=3)
+    batch = Batch.random([5, 9], cfg.vocab, seed=1)
+    hidden = model(batch)
+    logits = model.logits(hidden)
+    assert logits.shape == (batch.seq.num_tokens, cfg.vocab) and torch.isfinite(logits).all()
+    head = model.embed.weight if tied else model.lm_head.weight
+    torch.testing.assert_close(logits, hidden @ head.T, **TOL)
+    assert (model.lm_head is None) == tied and ("lm_head.weight" in dict(model.named_parameters())) != tied
+    assert sum(p.numel() for p in model.parameters()) == cfg.num_params()
+    again = build_model(cfg, seed=3)
+    assert torch.equal(again.logits(hidden), logits)  # from the seed: the same on every rank
+    if not tied:
+        assert not torch.equal(build_model(cfg, seed=4).logits(hidden), logits)
+        assert not torch.equal(model.lm_head.weight, model.embed.weight)
+    greedy = logits.argmax(-1)
+    assert greedy.shape == (batch.seq.num_tokens,) and 0 <= int(greedy.min()) and int(greedy.max()) < cfg.vocab
 
 
 def test_presets_and_parameter_count():

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 import overlap
+from _protocols import Without, protocol_members, protocol_problems
 from launch.runner import continue_prefill, layer_operations, make_expert_parallel, split_for, prefill
-from microbatch import MODES
+from microbatch import MODES, Layer, MoELayer, MoEModel, ModelShape
 from microbatch.batch import Batch, SeqInfo
 from microbatch.forward import serial_split
 from microbatch.planning.split import propose_split
@@ -244,11 +245,36 @@ def test_continuing_from_an_offloaded_prefix_equals_the_whole_prefill():
     torch.testing.assert_close(out, torch.cat([ref[8:14], ref[19:23]]), **TOL)
 
 
-def test_micro_batches_layer_by_layer_equal_the_models_own_forward():
-    from microbatch import ForwardModel
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next", "longcat_flash"])
+def test_the_adapter_implements_the_model_contract(family):
+    """`microbatch.model.MoEModel`, as the reference decoder does: every member with a signature that takes the
+    contract's calls, its shapes, layers (attention, linear attention, LongCat's shortcut layers) and MoE
+    layers, before and after the MoE blocks become expert-parallel; a hybrid says why it cannot be cut."""
+    model = build_transformers_model(family, seed=SEED)
+    for expert_parallel in (False, True):
+        if expert_parallel:
+            make_expert_parallel(model, None)
+        assert protocol_problems(model, MoEModel) == [] and isinstance(model, MoEModel)
+        assert protocol_problems(model.cfg, ModelShape) == []
+        assert [protocol_problems(layer, Layer) for layer in model.layers] == [[]] * len(model.layers)
+        moe = list(model.moe_layers())
+        assert moe and [protocol_problems(layer, MoELayer) for layer in moe] == [[]] * len(moe)
+    assert (model.no_cut_reason is None) == (family == "qwen3_moe")
 
+
+@pytest.fixture(scope="module")
+def qwen3():
+    return build_transformers_model("qwen3_moe", seed=SEED)
+
+
+@pytest.mark.parametrize("member", sorted(protocol_members(MoEModel)))
+def test_the_contract_check_fails_on_a_member_removed_from_the_adapter(qwen3, member):
+    assert protocol_problems(Without(qwen3, member), MoEModel, "TransformersModel") == [
+        f"TransformersModel.{member}: missing (MoEModel has this {protocol_members(MoEModel)[member]})"]
+
+
+def test_micro_batches_layer_by_layer_equal_the_models_own_forward():
     model = build_transformers_model("qwen2_moe", seed=SEED)
-    assert isinstance(model, ForwardModel)  # the adapter offers what microbatch.forward needs of a model
     batch = Batch.random([3, 17, 2], model.cfg.vocab, seed=8)
     plan = propose_split(batch.seq.seq_lens, **SPLIT)
     assert plan.cut is not None

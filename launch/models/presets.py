@@ -33,6 +33,7 @@ class ModelConfig:
     score_func: str = "softmax"
     rope_theta: Optional[float] = 10000.0  # None: no rotary embedding
     norm_eps: float = 1e-6
+    tie_embeddings: bool = False  # the LM head reads the embedding's weight instead of a weight of its own
 
     def __post_init__(self) -> None:
         for name in ("vocab", "hidden", "n_layers", "n_heads", "head_dim", "dense_ffn", "moe_ffn", "n_experts"):
@@ -67,8 +68,9 @@ class ModelConfig:
         dense = 3 * self.hidden * self.dense_ffn
         moe = (self.n_experts * self.hidden + 3 * self.hidden * self.moe_ffn * (self.n_experts + self.n_shared))
         n_moe = self.n_layers - self.n_dense_layers
+        head = 0 if self.tie_embeddings else self.vocab * self.hidden
         return (self.vocab * self.hidden + self.hidden + self.n_layers * attn
-                + self.n_dense_layers * dense + n_moe * moe)
+                + self.n_dense_layers * dense + n_moe * moe + head)
 
 
 PRESETS: Dict[str, ModelConfig] = {

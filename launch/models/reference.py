@@ -2,8 +2,10 @@
 
 Embedding, then per layer RMSNorm + causal self-attention (each request attends only to itself,
 plus its prefix when a micro-batch split cut it) and RMSNorm + MLP (dense for the first
-``n_dense_layers``, the MoE block of ``collectives.reference`` after), then a final RMSNorm.
-Serial prefill of it (`Model.forward`) is the reference for every other mode.
+``n_dense_layers``, the MoE block of ``collectives.reference`` after), then a final RMSNorm, and
+an LM head (`Model.logits`: its own weight, or the embedding's with ``cfg.tie_embeddings``).
+Serial prefill of it (`Model.forward`) is the reference for every other mode. It implements
+`microbatch.model.MoEModel`, as the transformers adapter does.
 
 Each decoder layer is also a list of operations (`DecoderLayer.operations`) for the pipeline
 executor. A layer reads the executor's ``HIDDEN`` ([tokens, hidden] of one micro-batch) and two
@@ -19,8 +21,7 @@ stages become the layer's MoE operations.
 """
 from __future__ import annotations
 
-import hashlib
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -29,15 +30,15 @@ from torch import nn
 import overlap
 from collectives import MOE_IN, MOE_OUT
 from collectives.reference import MoE, Expert
-from microbatch import HIDDEN, OUT, Operation, State, as_operation
+from microbatch import HIDDEN, OUT, Operation, Split, State, as_operation
 from microbatch.batch import K, PREFIX_KV, SEQ, V, Batch, SeqInfo
-from microbatch.planning.split import Split, merge_outputs, prefix_kv, prefix_sources, split_batch
+from microbatch.forward import forward_layer_by_layer
+from microbatch.model import KV
 
+from .common import check_token_ids, param_seed
 from .presets import ModelConfig
 
-__all__ = ["DecoderLayer", "Model", "RMSNorm", "build_model", "forward_layer_by_layer", "init_weights", "param_seed"]
-
-KV = Tuple[torch.Tensor, torch.Tensor]
+__all__ = ["DecoderLayer", "Model", "RMSNorm", "build_model", "init_weights"]
 
 
 class RMSNorm(nn.Module):
@@ -152,22 +153,35 @@ class DecoderLayer(nn.Module):
 
 
 class Model(nn.Module):
-    """Embedding, `DecoderLayer` x n_layers, final RMSNorm; returns the final hidden states."""
+    """Embedding, `DecoderLayer` x n_layers, final RMSNorm; returns the final hidden states; `logits` is its LM head.
+
+    A `microbatch.model.MoEModel`: every layer is attention, so a cut request's later part always
+    continues from its earlier parts (``no_cut_reason`` None).
+    """
+
+    no_cut_reason: Optional[str] = None
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.final_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
+        self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden, cfg.vocab, bias=False)
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """Embedding of token ids; their range is checked on the host, except while compiling (no host reads)."""
-        if tokens.numel() and not torch.compiler.is_compiling() and (
-                int(tokens.min()) < 0 or int(tokens.max()) >= self.cfg.vocab):
-            raise ValueError(f"token ids must be in [0, {self.cfg.vocab}), got [{int(tokens.min())}, "
-                             f"{int(tokens.max())}]")
+        check_token_ids(tokens, self.cfg.vocab)
         return self.embed(tokens)
+
+    def norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The final RMSNorm of the last layer's output."""
+        return self.final_norm(hidden)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [tokens, vocab] of final hidden states: the LM head's weight, or the embedding's when tied."""
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)
 
     def moe_layers(self) -> Iterator[DecoderLayer]:
         return (layer for layer in self.layers if layer.is_moe)
@@ -196,46 +210,14 @@ class Model(nn.Module):
         """Prefill as the plan's micro-batches, layer by layer (mb0, mb1, ...), without overlap.
 
         A cut request's later part attends to its earlier parts' keys and values of the same
-        layer. The result equals `forward` up to rounding; a serial plan runs `forward`.
+        layer. The result equals `forward` up to rounding; a serial plan runs `forward`
+        (`microbatch.forward.forward_layer_by_layer`).
         """
         return forward_layer_by_layer(self, batch, plan)
 
     def layer_operations(self) -> List[List[Operation]]:
         """Every layer's operations, for the pipeline executor (``microbatch.run``)."""
         return [layer.operations() for layer in self.layers]
-
-
-def _prefix(plan: Split, mb: int, kvs: Sequence[Tuple[Any, Any]]) -> Optional[KV]:
-    """Micro-batch ``mb``'s prefix from the earlier micro-batches' ``(k, v)`` of this layer (None without)."""
-    sources = prefix_sources(plan, mb)
-    if not sources or kvs[sources[0]][0] is None:  # no cut, or a layer without keys and values
-        return None
-    return prefix_kv(plan, *[t for j in sources for t in kvs[j]], mb=mb)
-
-
-@torch.no_grad()
-def forward_layer_by_layer(model: Any, batch: Batch, plan: Split) -> torch.Tensor:
-    """``model`` (`Model` or alike) on the micro-batches of ``plan``, layer by layer, without overlap.
-
-    Each layer runs micro-batch 0, 1, ... in turn, so a cut request's later parts find their
-    prefix keys and values computed; the normed outputs are merged into packed order.
-    """
-    if plan.serial:
-        return model.forward(batch)
-    parts = split_batch(batch, plan)
-    hidden = [model.embed_tokens(p.tokens) for p in parts]
-    for layer in model.layers:
-        kvs: List[Tuple[Any, Any]] = []
-        for mb, part in enumerate(parts):
-            hidden[mb], k, v = layer.run(hidden[mb], part.seq, _prefix(plan, mb, kvs), mb=mb)
-            kvs.append((k, v))
-    return merge_outputs(plan, *[model.norm(h) for h in hidden])
-
-
-def param_seed(seed: int, name: str) -> int:
-    """The seed of parameter ``name``'s generator: a hash of ``(seed, name)``, the same on every rank and machine."""
-    digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
 @torch.no_grad()
@@ -245,7 +227,8 @@ def init_weights(module: nn.Module, seed: int, prefix: str = "") -> None:
     A parameter's values depend only on the seed, its full name and shape: not on the world
     size, the device, or which other parameters exist, so a module holding only some experts
     (named as in the dense model) gets the same values as the dense model. RMSNorm weights are
-    ones, the embedding N(0, 1), matrices N(0, 1/fan_in), biases zero; drawn in float32 on the CPU.
+    ones, the embedding N(0, 1), matrices N(0, 1/fan_in) (the LM head's too), biases zero; drawn in
+    float32 on the CPU.
     """
     for mod_name, mod in module.named_modules():
         for name, param in mod.named_parameters(recurse=False):
@@ -261,7 +244,8 @@ def init_weights(module: nn.Module, seed: int, prefix: str = "") -> None:
             param.copy_(values)
 
 
-def build_model(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32, device: Any = "cpu") -> Model:
+def build_model(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
+                device: Union[torch.device, str] = "cpu") -> Model:
     """The model of ``cfg`` with weights from ``seed`` (bitwise the same on every rank), for inference."""
     with torch.device("meta"):
         model = Model(cfg).to(dtype)

@@ -3,9 +3,10 @@
 `from_config` builds the model of a family's config (``deepseek_v3``, ``qwen3_moe``, ``gpt_oss``,
 ``llama4_text``, ``longcat_flash``, ...) with seeded weights and adapts it; `adapt` wraps a model
 the user already has. Which families it runs, and their configs made small, are
-`launch.models.families`. The adapter (`TransformersModel`) offers what `launch.runner` needs of
-`launch.models.reference.Model`, with the same value names (`microbatch.batch`), and runs each
-decoder layer with the family's own modules, found by their parts:
+`launch.models.families`. The adapter (`TransformersModel`) implements the model contract
+`microbatch.model.MoEModel`, as the reference decoder does, with the same value names
+(`microbatch.batch`), and runs each decoder layer with the family's own modules, found by their
+parts:
 
 ``attn``      input norm, then per request (batch 1, positions after the request's prefix) the
               family's attention module with its rotary embeddings (if it has any) and an explicit
@@ -43,18 +44,17 @@ from torch import nn
 
 import overlap
 from collectives import MOE_IN, MOE_OUT
-from microbatch import HIDDEN, OUT, Operation, State, as_operation
+from microbatch import HIDDEN, OUT, Operation, Split, State, as_operation
 from microbatch.batch import K, PREFIX_KV, SEQ, V, Batch, SeqInfo
-from microbatch.planning.split import Split
+from microbatch.forward import forward_layer_by_layer
+from microbatch.model import KV
 from overlap import EP_COMM
 
-from .reference import forward_layer_by_layer, param_seed
+from .common import check_token_ids, param_seed
 
 __all__ = ["EXPERT_COUNTS", "SHARED_COUNTS", "ShortcutLayer", "TransformersConfig", "TransformersLayer",
            "TransformersModel", "adapt", "attention_for", "causal_mask", "first_field", "from_config", "one_line",
            "seed_weights"]
-
-KV = Tuple[torch.Tensor, torch.Tensor]
 
 EXPERT_COUNTS = ("n_routed_experts", "num_local_experts", "num_experts", "moe_num_experts")  # routed experts' count
 SHARED_COUNTS = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")  # shared experts' count
@@ -636,7 +636,8 @@ def _n_shared(config: Any) -> int:
 
 
 class TransformersModel(nn.Module):
-    """A transformers causal LM seen as `reference.Model`: ``embed_tokens``, ``layers``, ``norm``, ops.
+    """A transformers causal LM as a `microbatch.model.MoEModel`, as the reference decoder is: ``embed_tokens``,
+    ``layers`` and their operations, ``norm``, the family's ``lm_head`` (`logits`).
 
     ``hf`` is the model itself (its MoE blocks stay in place for `reference`); `replace_moe` swaps
     the adapter's blocks only. ``no_cut_reason`` is None when a cut request's later parts can attend
@@ -686,14 +687,12 @@ class TransformersModel(nn.Module):
     # --- what launch.runner uses -------------------------------------------------------------------
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """Embedding of token ids; their range is checked on the host, except while compiling."""
-        if tokens.numel() and not torch.compiler.is_compiling() and (
-                int(tokens.min()) < 0 or int(tokens.max()) >= self.cfg.vocab):
-            raise ValueError(f"token ids must be in [0, {self.cfg.vocab}), got [{int(tokens.min())}, "
-                             f"{int(tokens.max())}]")
+        check_token_ids(tokens, self.cfg.vocab)
         embedded = self.hf.model.embed_tokens(tokens)
         return embedded if self.embed_scale == 1.0 else embedded * self.embed_scale
 
     def norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The family's final norm of the last layer's output."""
         return self.final_norm(hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -710,6 +709,7 @@ class TransformersModel(nn.Module):
             layer.moe = make(layer)
 
     def layer_operations(self) -> List[List[Operation]]:
+        """Every layer's operations, for the pipeline executor (``microbatch.run``)."""
         return [layer.operations() for layer in self.layers]
 
     @torch.no_grad()
@@ -725,9 +725,8 @@ class TransformersModel(nn.Module):
 
     @torch.no_grad()
     def forward_microbatches(self, batch: Batch, plan: Split) -> torch.Tensor:
-        """The plan's micro-batches layer by layer, without overlap (see `reference.Model.forward_microbatches`)."""
-        if plan.cut and self.no_cut_reason:
-            raise ValueError(f"the plan cuts a request, but {self.no_cut_reason}")
+        """The plan's micro-batches layer by layer, without overlap (`microbatch.forward.forward_layer_by_layer`;
+        a plan that cuts a request is refused when the model cannot continue one, ``no_cut_reason``)."""
         return forward_layer_by_layer(self, batch, plan)
 
     # --- the model's own forward ------------------------------------------------------------------

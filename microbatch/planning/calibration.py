@@ -42,7 +42,7 @@ import statistics
 import tempfile
 import time
 import zlib
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -52,6 +52,7 @@ from overlap import Span, Timeline, backends
 
 from ..batch import Batch
 from ..forward import run_schedule, serial_split
+from ..model import MoEModel
 from ..operations import Operation
 from ..schedules import serial
 from .probes import PEER_QUANTILES, barrier, contention_fit, grouped, max_over_ranks, notice, sweep
@@ -65,6 +66,11 @@ FORMAT = 7  # 2: link booked at issue (overlap.link); 3: waits; 5: contention pe
 # 7: the CPU path's comm threads real-time (overlap.comm_threads), in the key
 # A layer keeps its own fit where it differs from its group's at the largest token count by more than this.
 LAYER_REL, LAYER_ABS_S = 0.5, 10e-6
+
+# What a prediction reads of a model: its layers' operations (`MoEModel.layer_operations`), or those lists
+ModelOrLayers = Union[MoEModel, Sequence[Sequence[Operation]]]
+# A calibration's key and its cache file are JSON: typed Any (whatever json.load gives back; `check_cached`
+# checks what a file holds)
 
 
 # ---- the result --------------------------------------------------------------------------------
@@ -115,7 +121,7 @@ def _interconnect(link: Optional[Mapping[str, float]], collective: Tuple[float, 
 class Calibration:
     """The fitted costs of one model on one machine (see the module docstring); JSON via `to_dict`."""
 
-    key: Dict[str, Any]
+    key: Dict[str, Any]  # JSON: `calibration_key`
     layers: List[bool]  # whether each layer is MoE
     ops: List[OpFit]  # per (op, moe), all layers of that kind pooled
     layer_ops: List[OpFit]  # per (op, layer)
@@ -266,13 +272,13 @@ def _inside(comm: Span, op: Span) -> bool:
     return op.start <= comm.start <= op.end and comm.meta.get("layer") == op.meta.get("layer")
 
 
-def _median_fit(samples: Mapping[Tuple[int, Any], List[float]], relative: bool = True) -> Linear:
+def _median_fit(samples: Mapping[Tuple[int, Optional[int]], List[float]], relative: bool = True) -> Linear:
     """Fit over per-(tokens, layer) medians: one slow repeat does not move the line."""
     points = [(k[0], statistics.median(v)) for k, v in sorted(samples.items())]
     return fit_linear([x for x, _ in points], [y for _, y in points], relative=relative)
 
 
-Samples = Dict[Tuple[int, Any], List[float]]  # (tokens, layer) -> one value per repeat
+Samples = Dict[Tuple[int, Optional[int]], List[float]]  # (tokens, layer or None) -> one value per repeat
 
 
 @dataclasses.dataclass
@@ -400,7 +406,8 @@ def cache_file(key: Mapping[str, Any], directory: Optional[str] = None) -> str:
     return os.path.join(cache_dir(directory), f"{digest}.json")
 
 
-def load(key: Mapping[str, Any], directory: Optional[str] = None, model: Any = None) -> Optional[Calibration]:
+def load(key: Mapping[str, Any], directory: Optional[str] = None,
+         model: Optional[MoEModel] = None) -> Optional[Calibration]:
     """The cached calibration of ``key``, or None (none there, another key, unreadable, or holding what a
     calibration cannot: `check_cached`; with ``model``, also one whose layers or operations are not the
     model's). A file that is there but not usable is named in a warning."""
@@ -484,7 +491,7 @@ def check_cached(data: Any, key: Mapping[str, Any]) -> Calibration:
                        frame=tuple(pair["frame"]), async_peer_s=peer, **scalars)
 
 
-def _check_model(cal: Calibration, model: Any) -> None:
+def _check_model(cal: Calibration, model: MoEModel) -> None:
     """ValueError unless ``cal``'s layers and operations are ``model``'s (a cache of this key is of this
     model's shape; this catches a file edited, or written by another version of a layer)."""
     layers = model.layer_operations()
@@ -576,11 +583,11 @@ def save(cal: Calibration, directory: Optional[str] = None) -> Optional[str]:
         return None
 
 
-def _config_fields(model: Any) -> Any:
-    cfg = getattr(model, "cfg", None)
-    if dataclasses.is_dataclass(cfg):
+def _config_fields(model: MoEModel) -> object:
+    cfg = model.cfg
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
         return dataclasses.asdict(cfg)
-    return repr(cfg) if cfg is not None else type(model).__name__
+    return repr(cfg)
 
 
 def _device_name() -> str:
@@ -592,17 +599,17 @@ def _device_name() -> str:
     return str(getter()) if getter is not None else backend.device_type
 
 
-def _model_dtype(model: Any) -> torch.dtype:
+def _model_dtype(model: MoEModel) -> torch.dtype:
     p = next(iter(model.parameters()), None)
     return p.dtype if p is not None else torch.float32
 
 
-def _world(group: Any) -> int:
+def _world(group: Optional[dist.ProcessGroup]) -> int:
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
-def calibration_key(model: Any, group: Any = None, tokens: Sequence[int] = (), repeats: int = 0,
-                    seq_len: int = 0) -> Dict[str, Any]:
+def calibration_key(model: MoEModel, group: Optional[dist.ProcessGroup] = None, tokens: Sequence[int] = (),
+                    repeats: int = 0, seq_len: int = 0) -> Dict[str, Any]:
     """What a calibration is valid for: machine, torch, path, ranks, model shape, dtype, link and settings."""
     link = overlap.current_link()
     key = {"format": FORMAT, "host": socket.gethostname(), "cpus": os.cpu_count(), "device": _device_name(),
@@ -664,13 +671,13 @@ def request_length(all_lens: Sequence[Sequence[int]]) -> int:
     return max(1, round(sum(n * n for n in lens) / total)) if total else 64
 
 
-def _batch(model: Any, tokens: int, seq_len: int, seed: int) -> Batch:
+def _batch(model: MoEModel, tokens: int, seq_len: int, seed: int) -> Batch:
     lens = [seq_len] * (tokens // seq_len) + ([tokens % seq_len] if tokens % seq_len else [])
     device = next(iter(model.parameters())).device
     return Batch.random(lens, model.cfg.vocab, seed=seed, device=device)
 
 
-def _serial(model: Any, layers: List[List[Operation]], batch: Batch) -> float:
+def _serial(model: MoEModel, layers: List[List[Operation]], batch: Batch) -> float:
     """One serial prefill as the launcher runs it (embedding to final norm); its wall seconds."""
     t0 = time.perf_counter()
     run_schedule(model, batch, serial_split(batch, "calibration"), layers, serial)
@@ -678,7 +685,8 @@ def _serial(model: Any, layers: List[List[Operation]], batch: Batch) -> float:
     return time.perf_counter() - t0
 
 
-def _recorded(model: Any, layers: List[List[Operation]], batch: Batch, group: Any) -> Run:
+def _recorded(model: MoEModel, layers: List[List[Operation]], batch: Batch,
+              group: Optional[dist.ProcessGroup]) -> Run:
     seen, tl = _Collectives(), Timeline()
     barrier(group)
     overlap.add_observer(seen)
@@ -691,13 +699,12 @@ def _recorded(model: Any, layers: List[List[Operation]], batch: Batch, group: An
     return Run(batch.seq.num_tokens, tl.spans, seen.nbytes, seen.blocking, wall)
 
 
-def _is_moe(model: Any, index: int) -> bool:
-    layer = model.layers[index]
-    return bool(getattr(layer, "is_moe", False))
+def _is_moe(model: MoEModel, index: int) -> bool:
+    return bool(model.layers[index].is_moe)
 
 
-def measure_costs(model: Any, group: Any = None, tokens: Sequence[int] = (32, 64, 128, 256), repeats: int = 3,
-            seq_len: int = 64) -> Calibration:
+def measure_costs(model: MoEModel, group: Optional[dist.ProcessGroup] = None,
+                  tokens: Sequence[int] = (32, 64, 128, 256), repeats: int = 3, seq_len: int = 64) -> Calibration:
     """Measure this rank's calibration (a collective: every rank of ``group`` calls it with the same arguments)."""
     if backends.current().is_graph:
         raise ValueError(f"calibrate on an eager path: inside a compiled graph ({backends.current().name}) the "
@@ -735,25 +742,30 @@ def measure_costs(model: Any, group: Any = None, tokens: Sequence[int] = (32, 64
 def agree(cal: Calibration, group: Any = None) -> Calibration:
     """The element-wise maximum of ``cal``'s numbers over the ranks of ``group`` (a collective).
 
-    One all-reduce checks that every rank holds the same structure (`RuntimeError` on every rank
-    otherwise), a second takes the maximum.
+    `overlap.agree` first checks that every rank holds the same structure (layers, numbers, operations
+    and collectives) and only finite numbers, `RuntimeError` on every rank otherwise, naming each
+    rank's value; a second all-reduce takes the maximum (a reduction, not an agreement: it is only
+    checked to line up).
     """
     if not grouped(group):
         return cal
-    tag = zlib.crc32(cal.structure().encode())
-    n = len(cal.values())
-    hi_n, lo_n, hi_tag, lo_tag = max_over_ranks([n, -n, tag, -tag], group, torch.int64)
-    if (hi_n, -lo_n, hi_tag, -lo_tag) != (n, n, tag, tag):
-        raise RuntimeError("the ranks calibrated different models (their operations or collectives differ): "
-                           "every rank must pass the same model")
-    return cal.with_values(max_over_ranks(cal.values(), group))
+    numbers = cal.values()
+    bad = sum(not math.isfinite(v) for v in numbers)
+    checksum = f"{zlib.crc32(cal.structure().encode()):08x}"
+    structure = {"the calibrated layers": len(cal.layers), "the calibrated numbers": len(numbers),
+                 "the calibrated operations and collectives (a checksum)": checksum}
+    overlap.agree(structure, overlap.GroupTransport(group, "calibrate.agree"),
+                  problems=[f"its calibration holds {bad} NaN or infinite number(s)"] if bad else [],
+                  hints=dict.fromkeys(structure, "every rank must pass the same model"), error=RuntimeError)
+    return cal.with_values(max_over_ranks(numbers, group))
 
 
 # what decides which collectives a measurement issues: every rank must pass the same
 _COLLECTIVE_SETTINGS = ("world", "model", "dtype", "tokens", "repeats", "seq_len")
 
 
-def _everyone_has(cached: Optional[Calibration], key: Mapping[str, Any], group: Any) -> Tuple[bool, bool]:
+def _everyone_has(cached: Optional[Calibration], key: Mapping[str, Any],
+                  group: Optional[dist.ProcessGroup]) -> Tuple[bool, bool]:
     """``(every rank found the calibration, the ranks' cached calibrations differ in structure)``: one
     all-reduce, which also checks that the settings agree."""
     if not grouped(group):
@@ -768,8 +780,8 @@ def _everyone_has(cached: Optional[Calibration], key: Mapping[str, Any], group: 
     return missing == 0, missing == 0 and shape_hi != -shape_lo
 
 
-def calibrate(model: Any, group: Any = None, *, max_tokens: int = 256, points: int = 5, repeats: int = 3,
-              seq_len: int = 64, refresh: bool = False, cache: Optional[str] = None,
+def calibrate(model: MoEModel, group: Optional[dist.ProcessGroup] = None, *, max_tokens: int = 256, points: int = 5,
+              repeats: int = 3, seq_len: int = 64, refresh: bool = False, cache: Optional[str] = None,
               report: Optional[Callable[[str], None]] = None) -> Calibration:
     """This machine's calibration of ``model`` over ``group``, from the cache when every rank has it.
 
@@ -800,20 +812,24 @@ def calibrate(model: Any, group: Any = None, *, max_tokens: int = 256, points: i
     return cal
 
 
-def predict_mode(cal: Calibration, model: Any, mode: str, tokens: Sequence[int],
+def layers_of(model: ModelOrLayers) -> Sequence[Sequence[Operation]]:
+    """The layers' operations a prediction runs on: ``model.layer_operations()``, or ``model`` when it is the lists."""
+    return model if isinstance(model, Sequence) else model.layer_operations()
+
+
+def predict_mode(cal: Calibration, model: ModelOrLayers, mode: str, tokens: Sequence[int],
                  device: Optional[bool] = None) -> Prediction:
     """Predicted prefill of ``mode`` for micro-batches of ``tokens`` tokens each (one count for a serial mode).
 
     ``model`` is the model (its ``layer_operations()``) or the layers' operation lists; ``device``
     selects device semantics (default: where the current path runs compute off the host).
     """
-    layers = model.layer_operations() if hasattr(model, "layer_operations") else model
+    layers = layers_of(model)
     if device is None:
         device = backends.current().device_type != "cpu"
     return predict(mode, layers, list(tokens), cal.cost_model(), device=device)
 
 
-__all__ = ["Calibration", "ENV_CACHE", "OpFit", "Run", "TransferFit", "agree", "cache_dir", "cache_file",
-           "calibrate", "check_cached", "calibration_key", "request_length", "fit_collective", "fit_linear",
-           "fit_runs", "load", "measure",
-           "predict_mode", "save", "token_points"]
+__all__ = ["Calibration", "ENV_CACHE", "ModelOrLayers", "OpFit", "Run", "TransferFit", "agree", "cache_dir",
+           "cache_file", "calibrate", "check_cached", "calibration_key", "request_length", "fit_collective",
+           "fit_linear", "fit_runs", "layers_of", "load", "measure_costs", "predict_mode", "save", "token_points"]

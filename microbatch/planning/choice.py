@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -27,8 +27,10 @@ import torch.distributed as dist
 import overlap
 
 from .. import schedules
-from .calibration import predict_mode
-from .simulation import predict
+from ..forward import MakeSchedule
+from ..operations import Operation
+from .calibration import Calibration, ModelOrLayers, layers_of, predict_mode
+from .simulation import Prediction, predict
 from .split import DEFAULT_MIN_TOKENS, Split, decide_split, propose_split
 
 # propose_split's max_imbalance per candidate split: boundaries only (no cut), cut above 10%, cut whenever uneven
@@ -52,7 +54,7 @@ class Candidate:
         split = dict(_SPLITS)[self.max_imbalance]
         return f"{self.mode}, {split}, {'tail deferred' if self.defer_tail else 'tail in its layer'}"
 
-    def make(self) -> Callable[..., schedules.Schedule]:
+    def make(self) -> MakeSchedule:
         """The schedule generator this candidate runs (``make(layers, n_micro)``)."""
         spec = schedules.mode(self.mode)
         if self.micro_batches == 1:
@@ -60,7 +62,7 @@ class Candidate:
         return functools.partial(_named, self.mode, self.defer_tail)
 
 
-def _named(name: str, defer_tail: bool, layers: Any, n_micro: int) -> schedules.Schedule:
+def _named(name: str, defer_tail: bool, layers: List[List[Operation]], n_micro: int) -> schedules.Schedule:
     return dataclasses.replace(schedules.n_batch(layers, n_micro, defer_tail=defer_tail), name=name)
 
 
@@ -71,12 +73,14 @@ class Choice:
     best: Candidate
     candidates: Tuple[Candidate, ...]
     serial_s: float
-    calibration: Any = None  # what the predictions came from (microbatch.planning.calibration.Calibration)
+    calibration: Optional[Calibration] = None  # what the predictions came from
     device: bool = False  # device semantics in the simulation (compute off the host)
 
-    def predict(self, model: Any, plan: Split) -> Any:
+    def predict(self, model: ModelOrLayers, plan: Split) -> Prediction:
         """The chosen schedule's predicted timeline (`simulation.Prediction`) for this rank's ``plan``."""
-        layers = model.layer_operations() if hasattr(model, "layer_operations") else model
+        if self.calibration is None:
+            raise ValueError("this choice holds no calibration to predict from")
+        layers = layers_of(model)
         tokens = [plan.num_tokens] if plan.serial else list(plan.token_counts)
         schedule = self.best.make()(layers, len(tokens))
         return predict(schedule, layers, tokens, self.calibration.cost_model(), device=self.device)
@@ -85,7 +89,7 @@ class Choice:
     def speedup(self) -> float:
         return self.serial_s / self.best.predicted_s if self.best.predicted_s > 0 else 1.0
 
-    def split(self, seq_lens: Sequence[int], group: Any, allow_cut: bool = True) -> Split:
+    def split(self, seq_lens: Sequence[int], group: Optional[dist.ProcessGroup], allow_cut: bool = True) -> Split:
         """This rank's split for the chosen candidate, agreed as `decide_split` does (one all-reduce); its
         reason is the split: ``one batch (shared)``, or the candidate and where it splits."""
         b = self.best
@@ -105,7 +109,7 @@ class Choice:
         return "\n".join(lines)
 
 
-def gather_lens(seq_lens: Sequence[int], group: Any = None) -> List[Tuple[int, ...]]:
+def gather_lens(seq_lens: Sequence[int], group: Optional[dist.ProcessGroup] = None) -> List[Tuple[int, ...]]:
     """Every rank's request lengths, in rank order (two small all-gathers; no group: this rank's alone)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return [tuple(int(n) for n in seq_lens)]
@@ -131,7 +135,7 @@ def _plans(all_lens: Sequence[Tuple[int, ...]], n: int, max_imbalance: Optional[
     return plans if all(p.n_parts == n for p in plans) else None
 
 
-def choose(cal: Any, model: Any, all_lens: Sequence[Tuple[int, ...]], *, allow_cut: bool = True,
+def choose(cal: Calibration, model: ModelOrLayers, all_lens: Sequence[Tuple[int, ...]], *, allow_cut: bool = True,
            min_tokens: int = DEFAULT_MIN_TOKENS, device: Optional[bool] = None,
            modes: Optional[Sequence[str]] = None) -> Choice:
     """The fastest predicted way to run batches of ``all_lens`` (one tuple of request lengths per rank).
@@ -139,7 +143,7 @@ def choose(cal: Any, model: Any, all_lens: Sequence[Tuple[int, ...]], *, allow_c
     Pure and deterministic: every rank given the same inputs returns the same `Choice`.
     ``allow_cut=False`` for models that cannot continue a request from a prefix.
     """
-    layers = model.layer_operations() if hasattr(model, "layer_operations") else model
+    layers = layers_of(model)
     if device is None:
         device = overlap.backends.current().device_type != "cpu"
     costs = cal.cost_model()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -27,18 +27,19 @@ NOTICE_SAMPLES = 20  # `notice`'s samples
 PEER_QUANTILES = 10  # how many quantiles of `notice`'s peer samples it returns
 
 
-def grouped(group: Any) -> bool:
+def grouped(group: Optional[dist.ProcessGroup]) -> bool:
     """Whether ``group`` has peers to exchange with (an initialised process group of more than one rank)."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
-def barrier(group: Any) -> None:
+def barrier(group: Optional[dist.ProcessGroup]) -> None:
     """A barrier over ``group`` when it has peers."""
     if grouped(group):
         dist.barrier(group=group)
 
 
-def max_over_ranks(values: Sequence[float], group: Any, dtype: torch.dtype = torch.float64) -> List[float]:
+def max_over_ranks(values: Sequence[float], group: Optional[dist.ProcessGroup],
+                   dtype: torch.dtype = torch.float64) -> List[float]:
     """The element-wise maximum of ``values`` over the ranks of ``group`` (one all-reduce)."""
     device = collective_device(group)
     if device.type != "cpu" and dtype == torch.float64:
@@ -48,13 +49,13 @@ def max_over_ranks(values: Sequence[float], group: Any, dtype: torch.dtype = tor
     return t.tolist()
 
 
-def _cpu_async(group: Any) -> bool:
+def _cpu_async(group: Optional[dist.ProcessGroup]) -> bool:
     """Whether the CPU probes have something to measure: peers, gloo on the CPU, asynchronous side streams."""
     return (grouped(group) and collective_device(group).type == "cpu"
             and backends.current().is_asynchronous(overlap.EP_COMM))
 
 
-def sweep(group: Any, rows: Sequence[int], hidden: int, dtype: torch.dtype, repeats: int
+def sweep(group: Optional[dist.ProcessGroup], rows: Sequence[int], hidden: int, dtype: torch.dtype, repeats: int
            ) -> List[Tuple[int, float, float]]:
     """(bytes to other ranks, seconds, seconds of the call) of `overlap.all_to_all_single` on the main
     stream, per size and repeat: the call takes a little longer than the collective's span."""
@@ -80,8 +81,8 @@ def sweep(group: Any, rows: Sequence[int], hidden: int, dtype: torch.dtype, repe
     return samples
 
 
-def contention_fit(group: Any, rows: Tuple[int, int], hidden: int, dtype: torch.dtype, repeats: int
-                   ) -> Tuple[Tuple[float, float], Tuple[float, float]]:
+def contention_fit(group: Optional[dist.ProcessGroup], rows: Tuple[int, int], hidden: int, dtype: torch.dtype,
+                   repeats: int) -> Tuple[Tuple[float, float], Tuple[float, float]]:
     """What an asynchronous collective takes from the host: from the compute it completes under, and
     to issue it, each ``(seconds, seconds per byte)``, from `contention` at two sizes (``rows`` per
     rank, small and large). Zeros off the CPU path."""
@@ -103,7 +104,8 @@ def contention_fit(group: Any, rows: Tuple[int, int], hidden: int, dtype: torch.
     return line(0), line(1)
 
 
-def contention(group: Any, rows: int, hidden: int, dtype: torch.dtype, repeats: int, in_flight: int = 8) -> float:
+def contention(group: Optional[dist.ProcessGroup], rows: int, hidden: int, dtype: torch.dtype, repeats: int,
+               in_flight: int = 8) -> float:
     """Host seconds each asynchronous collective takes from compute that runs while it completes (CPU path).
 
     On a CPU host gloo's threads move the bytes and finish the collective on the cores that compute,
@@ -116,8 +118,8 @@ def contention(group: Any, rows: int, hidden: int, dtype: torch.dtype, repeats: 
     return _contention(group, rows, hidden, dtype, repeats, in_flight)[0]
 
 
-def _contention(group: Any, rows: int, hidden: int, dtype: torch.dtype, repeats: int, in_flight: int = 8
-                ) -> Tuple[float, float]:
+def _contention(group: Optional[dist.ProcessGroup], rows: int, hidden: int, dtype: torch.dtype, repeats: int,
+                in_flight: int = 8) -> Tuple[float, float]:
     """`contention`, and the host seconds each of those asynchronous collectives took to issue."""
     if not _cpu_async(group):
         return 0.0, 0.0
@@ -155,7 +157,7 @@ def _contention(group: Any, rows: int, hidden: int, dtype: torch.dtype, repeats:
     return max(0.0, (statistics.median(loaded) - statistics.median(alone)) / in_flight), statistics.median(issue)
 
 
-def notice(group: Any, hidden: int, dtype: torch.dtype, samples: int = NOTICE_SAMPLES
+def notice(group: Optional[dist.ProcessGroup], hidden: int, dtype: torch.dtype, samples: int = NOTICE_SAMPLES
            ) -> Tuple[float, List[float]]:
     """How late an asynchronous collective completes on a busy CPU host: ``(busy, peer)`` (CPU path;
     ``(0, [])`` off it or without a group).

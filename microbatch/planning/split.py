@@ -16,10 +16,11 @@ A packed batch is the tokens of several requests laid end to end; `microbatch.ba
    model whose layers cannot continue a request from a prefix) there is no step 2: a batch
    without balanced enough boundaries for n parts tries fewer, else runs serially.
 
-Micro-batch ``i`` is always the packed tokens ``[points[i-1], points[i])``, so slicing and
-merging are cuts along the token dimension. `agree_split` makes every rank of a group take the
-same decision, split-or-serial and the number of micro-batches, with one small all-reduce:
-ranks that split differently would issue different collectives and hang.
+The split itself (`Split`) and what applies it (`split_batch`, `merge_outputs`, `prefix_kv`, ...)
+are `microbatch.split`'s, which the forward imports too; they are re-exported here. `agree_split`
+makes every rank of a group take the same decision, split-or-serial and the number of
+micro-batches, with one small all-reduce: ranks that split differently would issue different
+collectives and hang.
 """
 from __future__ import annotations
 
@@ -31,89 +32,14 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..batch import Batch, SeqInfo, check_lens
+from ..batch import SeqInfo, check_lens
+from ..split import Split, merge_outputs, micro_batches, prefix_kv, prefix_sources, split_batch, split_tokens
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MIN_TOKENS = 32
 DEFAULT_MAX_IMBALANCE = 0.1
-MAX_MICRO_BATCHES = 30  # the agreement votes one bit per micro-batch count in an int32
-
-
-@dataclasses.dataclass(frozen=True)
-class Split:
-    """Where micro-batches 1..N-1 start in a packed batch (``points``), or serial (``split_at`` None).
-
-    ``split_at`` is the first split point (where micro-batch 1 starts), ``points`` all N-1 of them
-    (a plan built with ``split_at`` alone has two parts). ``reason`` says why, in words (logged by
-    `agree_split`). ``cut`` is ``(request, offset)`` of the first split point that falls inside a
-    request (its first ``offset`` tokens are in earlier micro-batches), ``cuts`` every such point.
-    ``fewer`` are this batch's plans with fewer micro-batches, most first, that `agree_split`
-    falls back to when another rank cannot split into as many.
-    """
-
-    seq_lens: Tuple[int, ...]
-    split_at: Optional[int]
-    reason: str
-    points: Tuple[int, ...] = ()
-    fewer: Tuple["Split", ...] = dataclasses.field(default=(), compare=False, repr=False)
-
-    def __post_init__(self) -> None:
-        if self.split_at is None:  # serial, whatever the other fields say
-            object.__setattr__(self, "points", ())
-            object.__setattr__(self, "fewer", ())
-            return
-        points = tuple(self.points) or (self.split_at,)
-        total = sum(self.seq_lens)
-        if points[0] != self.split_at or not all(a < b for a, b in zip((0,) + points, points + (total,))):
-            raise ValueError(f"split points {list(points)} (split_at {self.split_at}) must increase strictly inside "
-                             f"the batch's {total} tokens, starting at split_at")
-        object.__setattr__(self, "points", points)
-
-    @property
-    def serial(self) -> bool:
-        return self.split_at is None
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.seq_lens)
-
-    @property
-    def n_parts(self) -> int:
-        """The number of micro-batches (1 when serial)."""
-        return len(self.points) + 1
-
-    @property
-    def edges(self) -> Tuple[int, ...]:
-        """``(0, *points, num_tokens)``: micro-batch ``i`` holds the packed tokens ``[edges[i], edges[i + 1])``."""
-        return (0,) + self.points + (self.num_tokens,)
-
-    @property
-    def token_counts(self) -> Tuple[int, ...]:
-        """Tokens in each micro-batch (``(num_tokens, 0)`` when serial)."""
-        if self.split_at is None:
-            return self.num_tokens, 0
-        edges = self.edges
-        return tuple(b - a for a, b in zip(edges, edges[1:]))
-
-    @property
-    def imbalance(self) -> float:
-        """``(largest - smallest) / total`` of the micro-batches' tokens (1.0 when serial)."""
-        return _spread(self.token_counts) / self.num_tokens if self.split_at is not None else 1.0
-
-    @property
-    def cuts(self) -> Tuple[Tuple[int, int], ...]:
-        """``(request, offset)`` of every split point inside a request, in order."""
-        cu = SeqInfo(self.seq_lens).cu_seqlens
-        return tuple(at for at in (_position(cu, p) for p in self.points) if at[1])
-
-    @property
-    def cut(self) -> Optional[Tuple[int, int]]:
-        cuts = self.cuts
-        return cuts[0] if cuts else None
-
-    def as_serial(self, reason: str) -> "Split":
-        return dataclasses.replace(self, split_at=None, reason=reason)
+MAX_MICRO_BATCHES = 30  # the agreement votes one bit per micro-batch count
 
 
 def _spread(counts: Sequence[int]) -> int:
@@ -246,23 +172,24 @@ def propose_split(seq_lens: Sequence[int], n: int = 2, *, min_tokens: int = DEFA
     return dataclasses.replace(plan, fewer=tuple(reversed(split[:-1])))
 
 
-_INVALID = -1  # a vote: this rank's batch could not be planned
+_VOTE = "micro-batch counts"  # a rank's vote: the bit mask of the micro-batch counts it can split into
 
 
 def _grouped(group: Optional[dist.ProcessGroup]) -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
-def _vote(mine: int, group: Optional[dist.ProcessGroup], device: Optional[torch.device]) -> List[int]:
-    """Every rank's vote (a bit mask of the micro-batch counts it can split into, or invalid) in one all-reduce."""
+def _vote(mine: int, group: Optional[dist.ProcessGroup], device: Optional[torch.device],
+          problem: Optional[ValueError] = None) -> List[int]:
+    """Every rank's vote (`_VOTE`) in one all-reduce (`overlap.agree`); `ValueError` on every rank when one
+    could not plan its batch (``problem``: this rank's own error, raised here once the others know of it)."""
     import overlap
-    from overlap import collective_device
 
-    votes = torch.zeros(dist.get_world_size(group), dtype=torch.int32, device=device or collective_device(group))
-    votes[dist.get_rank(group)] = mine
+    words = [f"could not plan a split of its batch: {problem}"] if problem is not None else []
     with overlap.stream(overlap.DEFAULT):  # synchronous: the decision is needed right away
-        overlap.all_reduce(votes, group=group, name="agree_split")
-    return votes.tolist()
+        posts = overlap.agree({_VOTE: mine}, overlap.GroupTransport(group, "agree_split", device), problems=words,
+                              own_error=problem, per_rank=(_VOTE,))
+    return [p[_VOTE] for p in posts]
 
 
 def _options(plan: Split) -> Dict[int, Split]:
@@ -274,7 +201,7 @@ def _ranks(ranks: Sequence[int], world: int) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} of {world}"
 
 
-def _agreed(plan: Split, votes: Sequence[int], rank: int) -> Split:
+def _common_plan(plan: Split, votes: Sequence[int], rank: int) -> Split:
     """This rank's plan for the largest micro-batch count every rank can split into, or serial."""
     world, common = len(votes), -1
     for v in votes:
@@ -302,8 +229,9 @@ def agree_split(plan: Split, group: Optional[dist.ProcessGroup] = None,
                 device: Optional[torch.device] = None) -> Split:
     """Every rank of ``group`` splits, into the same number of micro-batches, only if all can: one all-reduce.
 
-    Each rank votes the micro-batch counts its plan offers (the plan and ``plan.fewer``); all take
-    the largest count every rank offers, falling back to this rank's plan with that many parts,
+    Each rank votes the micro-batch counts its plan offers (the plan and ``plan.fewer``); `overlap.agree`
+    gathers the votes, and all take the largest count every rank offers (a decision every rank computes
+    alike from the same votes, not an equality), falling back to this rank's plan with that many parts,
     or run serially naming the ranks that could not split. Ranks keep their own split points
     (batches differ per rank); only the decision must be the same. Without an initialized
     process group the plan is returned as it is.
@@ -311,13 +239,8 @@ def agree_split(plan: Split, group: Optional[dist.ProcessGroup] = None,
     if not isinstance(plan, Split):
         raise TypeError(f"agree_split needs a Split, got {type(plan).__name__}")
     if _grouped(group):
-        world = dist.get_world_size(group)
         votes = _vote(sum(1 << k for k in _options(plan)), group, device)
-        invalid = [r for r, v in enumerate(votes) if v == _INVALID]
-        if invalid:
-            raise ValueError(f"rank(s) {invalid} of {world} could not plan a split of their batch (see their "
-                             f"error); every rank stops here instead of hanging in a later collective")
-        plan = _agreed(plan, votes, dist.get_rank(group))
+        plan = _common_plan(plan, votes, dist.get_rank(group))
     if plan.serial:
         logger.info("running serially: %s", plan.reason)
     else:
@@ -337,119 +260,11 @@ def decide_split(seq_lens: Sequence[int], group: Optional[dist.ProcessGroup] = N
     """
     try:
         plan = propose_split(seq_lens, n, allow_cut=allow_cut, **plan_kwargs)
-    except ValueError:
+    except ValueError as err:
         if _grouped(group):
-            _vote(_INVALID, group, device)
+            _vote(0, group, device, err)  # raises err here, and a ValueError naming this rank on the others
         raise
     return agree_split(plan, group, device=device)
-
-
-def _request_at(cu: Sequence[int], token: int) -> int:
-    """The request holding packed position ``token`` (``bisect_right(cu, token) - 1``), in plain Python so
-    that Dynamo traces it: a prefill compiled with its split calls it."""
-    return sum(1 for c in cu if c <= token) - 1
-
-
-def _position(cu: Sequence[int], token: int) -> Tuple[int, int]:
-    """``(request, offset)`` of packed position ``token``: the request holding it and its tokens before it."""
-    r = _request_at(cu, token)
-    return r, token - cu[r]
-
-
-def _serial_error(plan: Split, what: str) -> ValueError:
-    return ValueError(f"the plan is serial ({plan.reason}); {what}")
-
-
-def micro_batches(plan: Split) -> Tuple[SeqInfo, ...]:
-    """Each micro-batch's `SeqInfo`; a cut request's later part has its earlier parts as prefix."""
-    if plan.serial:
-        raise _serial_error(plan, "there are no micro-batches")
-    lens, cu = plan.seq_lens, SeqInfo(plan.seq_lens).cu_seqlens
-    starts = [_position(cu, p) for p in plan.points]
-    out = []
-    for (r0, o0), (r1, o1) in zip([(0, 0)] + starts, starts + [(len(lens), 0)]):
-        if r0 == r1:  # one piece of one request
-            part: Tuple[int, ...] = (o1 - o0,)
-        else:
-            part = (lens[r0] - o0,) + lens[r0 + 1:r1] + ((o1,) if o1 else ())
-        out.append(SeqInfo(part, (o0,) + (0,) * (len(part) - 1)))
-    return tuple(out)
-
-
-def _check_rows(plan: Split, x: torch.Tensor, what: str) -> None:
-    if x.shape[0] != plan.num_tokens:
-        raise ValueError(f"{what} has {x.shape[0]} rows but the plan is for {plan.num_tokens} tokens "
-                         f"(seq_lens {list(plan.seq_lens)})")
-
-
-def split_tokens(plan: Split, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
-    """Slice a packed per-token tensor (tokens first) into each micro-batch's rows (views)."""
-    if plan.serial:
-        raise _serial_error(plan, "there is nothing to split")
-    _check_rows(plan, x, "the tensor to split")
-    edges = plan.edges
-    return tuple(x[a:b] for a, b in zip(edges, edges[1:]))
-
-
-def split_batch(batch: Batch, plan: Split) -> Tuple[Batch, ...]:
-    """The micro-batches of ``batch`` that ``plan`` says (two, or N): token ids and `SeqInfo` of each."""
-    if plan.seq_lens != batch.seq.seq_lens:
-        raise ValueError(f"the plan is for seq_lens {list(plan.seq_lens)}, the batch has {list(batch.seq.seq_lens)}")
-    return tuple(Batch(t, s) for t, s in zip(split_tokens(plan, batch.tokens), micro_batches(plan)))
-
-
-def _and(items: Sequence[Any]) -> str:
-    items = [str(i) for i in items]
-    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
-
-
-def merge_outputs(plan: Split, *outputs: torch.Tensor) -> torch.Tensor:
-    """Concatenate the micro-batches' per-token outputs back into packed order."""
-    counts = plan.token_counts
-    if plan.serial or tuple(y.shape[0] for y in outputs) != counts:
-        raise ValueError(f"outputs of {_and([y.shape[0] for y in outputs])} rows do not match the plan's "
-                         f"micro-batches of {_and(counts)} tokens")
-    return torch.cat(list(outputs), dim=0)
-
-
-def prefix_sources(plan: Split, mb: int) -> Tuple[int, ...]:
-    """The earlier micro-batches holding the start of micro-batch ``mb``'s first request, in order.
-
-    Empty when that request starts in ``mb`` (no prefix); ``(mb - 1,)`` for a request cut once;
-    more for a request cut several times, which spans them all.
-    """
-    if plan.serial or mb <= 0:
-        return ()
-    edges, cu = plan.edges, SeqInfo(plan.seq_lens).cu_seqlens
-    first = cu[_request_at(cu, edges[mb])]  # where the request starts in the packed batch
-    return tuple(j for j in range(mb) if edges[j + 1] > first)
-
-
-def prefix_kv(plan: Split, *kv: torch.Tensor, mb: int = 1) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
-    """Micro-batch ``mb``'s prefix keys and values, or None when its first request starts in it.
-
-    ``kv`` are the keys and values of each micro-batch of `prefix_sources` in order
-    (``k0, v0`` for micro-batch 1 of two parts): the rows of the cut request, concatenated.
-    """
-    sources = prefix_sources(plan, mb)
-    if not sources:
-        return None
-    if len(kv) != 2 * len(sources):
-        raise ValueError(f"micro-batch {mb}'s prefix is in micro-batches {list(sources)}: pass their keys and "
-                         f"values ({2 * len(sources)} tensors), got {len(kv)}")
-    edges, cu = plan.edges, SeqInfo(plan.seq_lens).cu_seqlens
-    first = cu[_request_at(cu, edges[mb])]
-    ks, vs = [], []
-    for j, k, v in zip(sources, kv[0::2], kv[1::2]):
-        n = edges[j + 1] - edges[j]
-        if k.shape[0] != n or v.shape[0] != n:
-            raise ValueError(f"micro-batch {j} keys/values have {k.shape[0]}/{v.shape[0]} rows, expected {n}")
-        skip = max(first - edges[j], 0)
-        ks.append(k[skip:])
-        vs.append(v[skip:])
-    if len(sources) == 1:
-        return ks[0], vs[0]
-    return torch.cat(ks), torch.cat(vs)
 
 
 __all__ = ["DEFAULT_MAX_IMBALANCE", "DEFAULT_MIN_TOKENS", "MAX_MICRO_BATCHES", "Split", "agree_split",

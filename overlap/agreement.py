@@ -1,0 +1,264 @@
+"""Ranks that must agree check that they do: every rank's values, or the same error on every rank.
+
+Wherever the ranks of a job must hold the same thing or take the same decision (the launcher's
+job, a calibration's structure, the micro-batch split, an expert-parallel layer's shapes, a
+capacity, MC2's bound), each rank *posts* its named values and its problems, a *transport* brings
+every rank's post to every rank, and `compare_posts` reads them: agreed when every value is equal
+on every rank that posts it (the names in ``per_rank`` are each rank's own, gathered and not
+compared: a token count) and no rank has a problem; otherwise one message, the problems rank by
+rank, then each value that differs with each rank's value (``nothing`` where a rank without a
+problem did not post it)::
+
+    ranks disagree on num_experts: rank 0: 8; rank 1: 4
+
+`agree` does the three steps and returns every rank's values. Every rank raises alike: ``error``
+(`Disagreement` by default, or the class a place's users catch: `LayoutError`, `JobMismatch`)
+with that message, built from the same posts on every rank; only a rank that passes its own
+exception (``own_error``: the input it rejected) raises that one, the precise message for its
+input, while the others name it. Values compare as JSON does, NaN equal to NaN (a NaN on one
+rank and a number on another is a difference, shown as ``nan``).
+
+A reduction is not an agreement: where a place takes the largest micro-batch count every rank
+offers, or the element-wise maximum of the calibrations, it computes it from the values `agree`
+returns, or in its own all-reduce once `agree` has checked that the numbers line up.
+
+Transports, each waiting a bounded time:
+
+- `GroupTransport`: one all-reduce of a fixed-size tensor over a process group: each rank's post,
+  as JSON, in its own row of ``[world, _WORDS]`` int64 (zeros elsewhere, MAX-reduced: an
+  all-gather). Its size never depends on what a rank posts, so ranks that disagree cannot make
+  gloo abort or hang on a size mismatch; a post too long for its row is shortened (long values to
+  a digest that still compares, problems clipped). Without peers it is local.
+- `StoreTransport`: the rendezvous store (torchrun's), before any collective exists; it waits at
+  most ``timeout`` seconds and names the ranks that did not post.
+
+Where the values ride on an exchange that happens anyway (the dispatch's count exchange), that
+exchange builds the posts from what it received and calls `compare_posts`: no extra collective.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import zlib
+from typing import Any, Collection, Dict, List, Mapping, Optional, Protocol, Sequence, Type
+
+import torch
+import torch.distributed as dist
+
+from . import backends
+from .comm import all_reduce, collective_device
+from .events import Event
+
+Post = Dict[str, Any]  # one rank's post: {"values": {name: value}, "problems": [words]}
+
+_WORDS = 147  # one rank's row: its post's length in bytes, then 7 bytes of JSON per int64 (never negative)
+_BYTES = 7 * (_WORDS - 1)
+_HEADER = "the ranks cannot go on together:"
+
+
+class Disagreement(ValueError):
+    """Ranks that must agree do not, or one of them cannot go on; raised alike on every rank (`agree`)."""
+
+
+class Transport(Protocol):
+    """What brings every rank's post to every rank."""
+
+    def exchange(self, post: Post, error: Type[Exception]) -> List[Post]:
+        """Every rank's post (JSON-decoded), in rank order, this rank's included; ``error`` naming the ranks
+        that did not take part in time."""
+
+
+def agree(values: Mapping[str, Any], transport: Transport, *, problems: Sequence[str] = (),
+          own_error: Optional[BaseException] = None, per_rank: Collection[str] = (),
+          hints: Optional[Mapping[str, str]] = None, error: Type[Exception] = Disagreement) -> List[Dict[str, Any]]:
+    """Every rank's ``values`` (rank order, as JSON gives them back), once every rank agrees.
+
+    ``values``: this rank's named values (JSON-able; anything else travels as its ``str``), equal on
+    every rank but those named in ``per_rank``. ``problems``: this rank's problems, in words.
+    ``own_error``: the exception this rank raises once every rank has heard of it (its words travel
+    as ``"Type: message"`` unless ``problems`` says it). ``hints``: what to do, by value name, added
+    to the line of a value that differs. Raises ``error`` with one message on every rank (see the
+    module docstring), or ``own_error`` on its rank.
+    """
+    words = [str(p) for p in problems]
+    if own_error is not None and not words:
+        words = [f"{type(own_error).__name__}: {own_error}"]
+    posts = transport.exchange({"values": dict(values), "problems": words}, error)
+    if own_error is not None:
+        raise own_error
+    compare_posts(posts, per_rank=per_rank, hints=hints, error=error)
+    return [dict(p["values"]) for p in posts]
+
+
+def compare_posts(posts: Sequence[Post], *, per_rank: Collection[str] = (),
+                  hints: Optional[Mapping[str, str]] = None, error: Type[Exception] = Disagreement) -> None:
+    """Raise ``error`` naming every problem and every value that differs in ``posts`` (every rank's, in rank
+    order; see `agree`), or nothing when they agree. Pure: the same posts give the same message on every rank."""
+    lines = _problem_lines(posts) + _difference_lines(posts, set(per_rank), hints or {})
+    if lines:
+        raise error(lines[0] if len(lines) == 1 else _HEADER + "\n  " + "\n  ".join(lines))
+
+
+def _rank_words(ranks: Sequence[int]) -> str:
+    """``rank 3``, ``ranks 0, 1`` or ``ranks 0-2, 5``."""
+    spans: List[List[int]] = []
+    for r in ranks:
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    parts = []
+    for a, b in spans:
+        parts += [f"{a}-{b}"] if b - a > 1 else [str(r) for r in range(a, b + 1)]
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(parts)}"
+
+
+def _problem_lines(posts: Sequence[Post]) -> List[str]:
+    """Each problem once, with the ranks that have it, in the order of the first rank to have it."""
+    by_words: Dict[str, List[int]] = {}
+    for rank, post in enumerate(posts):
+        for words in post.get("problems", []):
+            holders = by_words.setdefault(words, [])
+            if rank not in holders:
+                holders.append(rank)
+    return [f"{_rank_words(ranks)}: {words}" for words, ranks in by_words.items()]
+
+
+class _Nothing:
+    """The value of a name a rank did not post."""
+
+    def __repr__(self) -> str:
+        return "nothing"
+
+
+_NOTHING = _Nothing()
+
+
+def _difference_lines(posts: Sequence[Post], per_rank: Collection[str], hints: Mapping[str, str]) -> List[str]:
+    """One line per value that differs between the ranks, each distinct value with its ranks. A rank with a
+    problem is named for it: a value it did not post (it failed before it knew it) is not held against it."""
+    names: Dict[str, None] = {}
+    for post in posts:
+        names.update(dict.fromkeys(k for k in post.get("values", {}) if k not in per_rank))
+    lines = []
+    for name in names:
+        groups: List[List[Any]] = []  # [value, its ranks]
+        for rank, post in enumerate(posts):
+            value = post.get("values", {}).get(name, _NOTHING)
+            if value is _NOTHING and post.get("problems"):
+                continue
+            same = next((g for g in groups if _same(g[0], value)), None)
+            if same is None:
+                groups.append([value, [rank]])
+            else:
+                same[1].append(rank)
+        if len(groups) > 1:
+            line = f"ranks disagree on {name}: " + "; ".join(f"{_rank_words(r)}: {v!r}" for v, r in groups)
+            lines.append(line + (f"; {hints[name]}" if hints.get(name) else ""))
+    return lines
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal as values (``1 == 1.0``), NaN equal to NaN, at any depth."""
+    if a is _NOTHING or b is _NOTHING:
+        return a is b
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    try:
+        if a == b:
+            return True
+    except Exception:  # noqa: BLE001 - a value without a plain comparison: its JSON decides
+        pass
+    return _dumps(a) == _dumps(b)
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), sort_keys=True, default=str).encode()
+
+
+# ---- the transports ----------------------------------------------------------------------------------------
+
+class GroupTransport:
+    """One all-reduce of a fixed-size tensor over ``group`` (default: the default group), named ``name``
+    on the timeline, on the current stream, read on the host; local without peers. ``device``: where the
+    tensor lives (default: the group's collective device)."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, name: str = "agree",
+                 device: Optional[torch.device] = None):
+        self.group, self.name, self.device = group, name, device
+
+    def exchange(self, post: Post, error: Type[Exception]) -> List[Post]:
+        data = _fitted(post, _BYTES)
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(self.group) < 2:
+            return [json.loads(data)]
+        world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        device = self.device or collective_device(self.group)
+        rows = torch.zeros(world, _WORDS, dtype=torch.int64, device=device)
+        rows[rank] = torch.tensor(_packed(data), dtype=torch.int64, device=device)
+        all_reduce(rows, op=dist.ReduceOp.MAX, group=self.group, name=self.name)
+        return [json.loads(_unpacked(row)) for row in _host_read(rows, f"{self.name}.read")]
+
+
+class StoreTransport:
+    """The rendezvous store ``store`` (no collective): this rank sets its post under ``key/rank`` and waits
+    at most ``timeout`` seconds for the ``world`` ranks' posts; on time out ``error`` says which ranks did
+    not ``late`` (e.g. ``"reach the start of the job within --timeout 5 s"``)."""
+
+    def __init__(self, store: dist.Store, key: str, rank: int, world: int, timeout: float, late: str):
+        self.store, self.key, self.rank, self.world, self.timeout, self.late = store, key, rank, world, timeout, late
+
+    def exchange(self, post: Post, error: Type[Exception]) -> List[Post]:
+        keys = [f"{self.key}/{r}" for r in range(self.world)]
+        self.store.set(keys[self.rank], _dumps(post))
+        try:
+            self.store.wait(keys, datetime.timedelta(seconds=self.timeout))
+        except Exception:  # noqa: BLE001 - the store's time-out; its type varies with the torch version
+            missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
+            if missing:
+                raise error(f"{_rank_words(missing)} did not {self.late}") from None
+        return [json.loads(self.store.get(k)) for k in keys]
+
+
+def _fitted(post: Post, limit: int) -> bytes:
+    """``post`` as JSON of at most ``limit`` bytes: as it is; else long values as a digest (equal values keep
+    equal digests) and problems clipped; else one problem saying that it does not fit."""
+    data = _dumps(post)
+    for clip in (240, 80):
+        if len(data) <= limit:
+            return data
+        data = _dumps({"values": {k: _digest(v) for k, v in post["values"].items()},
+                       "problems": [p if len(p) <= clip else p[:clip - 3] + "..." for p in post["problems"]]})
+    if len(data) <= limit:
+        return data
+    return _dumps({"values": {}, "problems": [f"its post ({len(_dumps(post))} bytes: {len(post['values'])} values, "
+                                              f"{len(post['problems'])} problems) does not fit the {limit} bytes a "
+                                              f"rank posts in an agreement over a process group"]})
+
+
+def _digest(value: Any) -> Any:
+    text = _dumps(value)
+    return value if len(text) <= 40 else f"<{len(text)} bytes of JSON, crc32 {zlib.crc32(text):08x}>"
+
+
+def _packed(data: bytes) -> List[int]:
+    words = [len(data)] + [int.from_bytes(data[i:i + 7], "little") for i in range(0, len(data), 7)]
+    return words + [0] * (_WORDS - len(words))
+
+
+def _unpacked(words: Sequence[int]) -> bytes:
+    return b"".join(int(w).to_bytes(7, "little") for w in words[1:])[:int(words[0])]
+
+
+def _host_read(t: torch.Tensor, tag: str) -> List[List[int]]:
+    """``t.tolist()`` once the work issued so far on the current stream (the all-reduce that fills it) is done:
+    an event of its own (a CPU side stream completes it asynchronously); on a graph path, outside any graph
+    (nothing is read on the host inside one), the device's stream order."""
+    if not backends.current().is_graph:
+        ev = Event(tag)
+        ev.record(t)
+        ev.synchronize()
+    return t.tolist()
+
+
+__all__ = ["Disagreement", "GroupTransport", "Post", "StoreTransport", "Transport", "agree", "compare_posts"]
