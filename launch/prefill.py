@@ -321,6 +321,13 @@ def run_job(job: JobConfig) -> int:
                 click.echo(f"rank {rank}: (another rank printed the traceback of the first unexpected error)",
                            err=True)
         return 1
+    except SystemExit as exc:  # torchrun's SIGTERM, sent when another rank exited first: say why, if it said
+        if world > 1 and exc.code == 128 + signal.SIGTERM:
+            _leaving()
+            detail = peers.diagnose()
+            if " failed: " in detail:
+                click.echo(f"rank {rank}: stopped by torchrun after another rank's failure: {detail}", err=True)
+        raise
     finally:
         if cache is not None:
             cache.close()  # on every way out: its files and device slots go

@@ -41,15 +41,26 @@ def pytest_configure(config):
                                        "skipped where the tests run on NPU / CUDA ranks")
     config.addinivalue_line("markers", "spawns_ranks: starts its own processes; skipped under torchrun")
     if under_torchrun():
-        from _torchrun_mode import TorchrunMode
+        from support.torchrun_mode import TorchrunMode
 
         config.pluginmanager.register(TorchrunMode(config), "overlap-torchrun-mode")
 
 
+# The files whose tests start processes or compile graphs, slowest first: they go to the front, so that
+# pytest-xdist's workers finish together instead of one running a 30 s test while the other idles.
+_SLOW_FIRST = ("test_graph_prefill.py", "test_launcher_graph.py", "test_torchrun_mode.py",
+               "test_transformers_models.py", "test_wrap.py", "test_prefill_cli.py", "test_launcher_faults.py",
+               "test_launcher_models.py", "test_multirank.py", "test_planner.py", "test_examples.py")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Under torchrun on devices, run the tests that exercise the devices' collectives and skip the rest."""
+    """Slow files first (`_SLOW_FIRST`; the order inside a file is kept); under torchrun on devices, run the
+    tests that exercise the devices' collectives and skip the rest."""
     import overlap
     from overlap.multirank import under_torchrun
+
+    rank = {name: i for i, name in enumerate(_SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
     on_cpu = overlap.current_path() == "cpu"
     torchrun = under_torchrun()

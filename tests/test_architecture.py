@@ -477,3 +477,103 @@ def test_the_agreement_check_can_fail():
     # a reduction is not an agreement, and an entry point on the helper passes
     assert _agreement_problems("def worst(x, group):\n    return max_over_ranks([x, 0.0], group)[0]\n", here) == []
     assert _agreement_problems("import overlap\ndef agree_split(p, g):\n    return overlap.agree({}, g)\n", split) == []
+
+
+# --- tests/: test files, conftest, data, and two packages; no test file imports another ----------------------------
+
+TESTS = os.path.join(ROOT, "tests")
+TEST_FOLDERS = ("data", "support", "tools")  # recorded data; shared fakes and helpers; tools that are not tests
+_PACKAGES_IN_TESTS = ("support", "tools")
+_IMPORT_CALLS = {"import_module", "importorskip", "__import__"}  # each with a module name as a literal
+# the text of a script a test writes (``probe.write_text("from test_x import f")``), or any other string
+_TEST_IMPORT_TEXT = re.compile(r"\b(?:from\s+(?:[\w.]+\.)?test_\w*\s+import|import\s+(?:[\w.]+\.)?test_\w*)")
+
+
+def _is_test_module(name):
+    return any(part.startswith("test_") for part in name.split("."))
+
+
+def _test_file_imports(folder=TESTS):
+    """Each import of a test file (a ``test_*`` module) by a module under ``folder``: import statements (inside
+    functions too), ``importlib.import_module`` / ``pytest.importorskip`` / ``__import__`` of a literal name,
+    and string literals holding one (the scripts tests write and run)."""
+    bad = []
+    for file in sorted(glob.glob(os.path.join(folder, "**", "*.py"), recursive=True)):
+        rel = os.path.relpath(file, folder)
+        for node in ast.walk(ast.parse(open(file, encoding="utf-8").read())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [f"{node.module or ''}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Call) and _callee(node) in _IMPORT_CALLS and node.args \
+                    and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+                names = [node.args[0].value]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                bad += [f"{rel}:{node.lineno}: a string holds {m.group(0)!r}"
+                        for m in _TEST_IMPORT_TEXT.finditer(node.value)]
+            tests = [name for name in names if _is_test_module(name)]
+            bad += [f"{rel}:{node.lineno}: imports {tests[0]}"] if tests else []  # one line per import
+    return bad
+
+
+def test_no_test_file_imports_another():
+    """What test files share lives in tests/support/ (or tests/tools/), which import no test file either."""
+    assert _test_file_imports() == []
+
+
+def test_the_test_import_check_can_fail(tmp_path):
+    imported = "test_grouping"  # spelled apart here, so that this file's own strings hold no such import
+    files = {
+        "test_a.py": f"from {imported} import fake_npu\n",
+        "test_b.py": f"def helper():\n    import {imported} as g\n",
+        "test_c.py": f"import pytest\ng = pytest.importorskip({imported!r})\n",
+        "test_d.py": f"SCRIPT = 'import sys\\nfrom {imported} import fake_npu\\n'\n",
+        "support/fakes.py": f"from tests.{imported} import fake_npu\n",
+        "test_fine.py": "from support.fake_npu import fake_npu\nfrom tools import npu_schema\n"
+                        "TEXT = 'no test file imports another; run_test_suite'\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert _test_file_imports(str(tmp_path)) == [
+        f"support{os.sep}fakes.py:1: imports tests.{imported}",
+        f"test_a.py:1: imports {imported}",
+        f"test_b.py:2: imports {imported}",
+        f"test_c.py:2: imports {imported}",
+        f"test_d.py:1: a string holds 'from {imported} import'",
+    ]
+
+
+def _layout_problems(folder=TESTS):
+    """What the top of ``folder`` (tests/) holds besides test files (``test_*.py``), ``conftest.py`` and the
+    folders of `TEST_FOLDERS` (Python's and pytest's caches aside), and a package there without ``__init__.py``."""
+    bad = []
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if os.path.isdir(path):
+            if name not in TEST_FOLDERS + ("__pycache__", ".pytest_cache"):
+                bad.append(f"{name}/: not one of {', '.join(TEST_FOLDERS)}")
+            elif name in _PACKAGES_IN_TESTS and not os.path.isfile(os.path.join(path, "__init__.py")):
+                bad.append(f"{name}/: a package without __init__.py")
+        elif name != "conftest.py" and not (name.startswith("test_") and name.endswith(".py")):
+            bad.append(f"{name}: neither a test file nor conftest.py")
+    return bad
+
+
+def test_tests_holds_only_tests_conftest_and_its_folders():
+    """Fakes, helpers and tools go to tests/support/ or tests/tools/, never beside the test files."""
+    assert _layout_problems() == []
+
+
+def test_the_layout_check_can_fail(tmp_path):
+    for name in ("test_ok.py", "conftest.py", "_ports.py", "npu_schema.py", "data/trace.json", "support/x.py",
+                 "tools/__init__.py", "helpers/__init__.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("")
+    assert _layout_problems(str(tmp_path)) == [
+        "_ports.py: neither a test file nor conftest.py",
+        "helpers/: not one of data, support, tools",
+        "npu_schema.py: neither a test file nor conftest.py",
+        "support/: a package without __init__.py",
+    ]

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import overlap
-from _protocols import protocol_problems
 from collectives import (CapacityBatch, CapacityExpertParallelMoE, EPBatch, EPCombineHandle, EPDispatchHandle,
                          ExpertParallelMoE, LayoutError, MoE, MoEConfig, capacity_dispatch)
 from overlap.multirank import run_ranks
+from support.protocols import protocol_problems
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -225,7 +225,7 @@ def _routed_moe(cfg: MoEConfig, routing: str, dtype) -> MoE:
 
 def _grouping_body(ctx, npu: bool):
     from collectives.capacity import expert_path
-    from test_grouping import calls, fake_npu, installed
+    from support.fake_npu import calls, fake_npu, installed
 
     out = []
     for name, cfg, routing, dtype in _grouping_cases(ctx.world_size):
@@ -288,7 +288,7 @@ def test_grouped_experts_equal_the_previous_path_and_dense(world, npu):
 
 @pytest.mark.parametrize("npu", [False, True], ids=["torch", "fake_npu"])
 def test_a_nan_expert_spoils_only_the_rows_that_chose_it_on_the_grouped_path(npu):
-    from test_grouping import fake_npu, installed
+    from support.fake_npu import fake_npu, installed
 
     cfg = MoEConfig(hidden=16, ffn=8, n_experts=4, top_k=2, n_shared=0)
     layer = CapacityExpertParallelMoE.wrap(_moe(cfg), capacity=12)

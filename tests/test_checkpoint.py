@@ -382,10 +382,10 @@ def test_a_quantized_checkpoint_is_refused_before_any_read(written, tmp_path):
 
 def _launch_two_ranks(path: str, *more: str):
     """The launcher on 2 ranks started by hand (each rank's own exit status) on the checkpoint ``path``."""
-    from test_launcher_faults import _all_text, _by_hand
+    from support.launcher import all_text, by_hand
 
-    outs = _by_hand([["--model", path, "--warmup", "0", "--iters", "1", "--batch", "2", "--seq-len", "8", *more]] * 2)
-    return [rc for rc, _, _ in outs], _all_text(outs)
+    outs = by_hand([["--model", path, "--warmup", "0", "--iters", "1", "--batch", "2", "--seq-len", "8", *more]] * 2)
+    return [rc for rc, _, _ in outs], all_text(outs)
 
 
 @pytest.mark.spawns_ranks

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 import overlap
-from _protocols import protocol_problems
 from collectives import EPBatch, EPCombineHandle, EPDispatchHandle, LayoutError, combine, compute_layout, dispatch
 from collectives.dispatch import DispatchHandle
 from overlap.multirank import run_ranks
+from support.protocols import protocol_problems
 
 H = 16
 
@@ -154,7 +154,8 @@ def test_static_splits_skip_count_exchange():
 
 def test_handle_and_batch_offer_the_interface_of_every_family():
     """`collectives.handles`: wait / expand / combine, and a batch with x, host counts and a device group list;
-    every member of each protocol there with a signature that takes the protocol's calls (`tests/_protocols.py`)."""
+    every member of each protocol there with a signature that takes the protocol's calls
+    (`tests/support/protocols.py`)."""
     x, idx, w = _routing(0, 12, 4, 2, seed=3)
     h = dispatch(x, idx, w, 4, async_finish=True)
     assert isinstance(h, EPDispatchHandle) and protocol_problems(h, EPDispatchHandle) == []
@@ -281,7 +282,7 @@ def _traced(x, idx, w, send, recv, counts, group):
 
 
 def _compile_body(ctx):
-    import torchair_contract as tc
+    from tools import torchair_contract as tc
 
     tokens = 3
     x, idx, w = torch.randn(tokens, H), torch.tensor([[0, 3]] * tokens), torch.rand(tokens, 2)
@@ -296,7 +297,7 @@ def _compile_body(ctx):
 
 
 def test_traces_under_compile_fullgraph_with_static_splits():
-    import torchair_contract as tc
+    from tools import torchair_contract as tc
 
     tc.load_torchair()  # skips when the torch_npu wheel cannot be had
     for out in run_ranks(_compile_body, 2, timeout=240):

@@ -9,12 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-import overlap
 from collectives import (CapacityExpertParallelMoE, ExpertParallelMoE, LayoutError, MoE, MoEConfig, combine,
                          dispatch, expand, wrap_expert_parallel)
 from collectives.capacity import reduce_slots
 from collectives.experts import LocalExperts
 from overlap.multirank import run_ranks
+from support.spans import comm_span_names
 
 pytestmark = pytest.mark.cpu_only  # CPU tensors and gloo-only fakes; run_ranks uses torchrun ranks where there are
 
@@ -142,20 +142,8 @@ def _build(kind: str, cfg: MoEConfig, group, dtype=torch.float32):
     return CapacityExpertParallelMoE.wrap(moe, group, capacity=8, validate=kind == "capacity")
 
 
-def _comm_names():
-    names = []
-
-    class Obs:
-        def on_span_start(self, s):
-            if s.kind == "comm":
-                names.append(s.name)
-
-    overlap.add_observer(Obs())
-    return names
-
-
 def _mismatch_body(ctx, kind: str):
-    comm = _comm_names()
+    comm = comm_span_names()
     out = {}
     for field, values in MISMATCHES.items():
         cfg = MoEConfig(hidden=64, ffn=16, n_experts=4, top_k=2, n_shared=1)
@@ -191,7 +179,7 @@ def test_ranks_that_build_different_layers_all_raise(kind):
 
 
 def _once_body(ctx, kind: str):
-    comm = _comm_names()
+    comm = comm_span_names()
     layer = _build(kind, MoEConfig(hidden=32, ffn=16, n_experts=2 * ctx.world_size, top_k=2), ctx.group)
     x = torch.randn(6, 32)
     for _ in range(3):

@@ -218,12 +218,12 @@ def test_grouped_matmul_equals_loop(dtype):
 def _float64_tokens_body(ctx, kind: str):
     """float64 tokens into a float32 layer on every rank: refused in the gate, before any collective."""
     from collectives import CapacityExpertParallelMoE
-    from test_ep_faults import _comm_names
+    from support.spans import comm_span_names
 
     cfg = MoEConfig(hidden=16, ffn=8, n_experts=4, top_k=2, n_shared=1)
     layer = wrap_expert_parallel(MoE(cfg), ctx.group) if kind == "eager" else \
         CapacityExpertParallelMoE.wrap(MoE(cfg), ctx.group)
-    comm = _comm_names()
+    comm = comm_span_names()
     try:
         layer(torch.randn(5, 16, dtype=torch.float64))
         message = "no error"

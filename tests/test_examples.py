@@ -2,7 +2,7 @@
 
 Each block is written to ``example.py`` in a fresh folder and run with ``python example.py``, or,
 when its first line says ``# torchrun --nproc-per-node N example.py``, under torchrun on N gloo
-ranks; through tests/_example_runner.py, which turns the stream sanitizer on
+ranks; through tests/support/example_runner.py, which turns the stream sanitizer on
 (``OVERLAP_SANITIZE=raise``: a missing event wait fails the example). Blocks are found, not
 listed: a new example is run as soon as it is written, and a fragment fails (there are none by
 design). An example that needs what may be missing (the torch_npu wheel of the graph-mode
@@ -21,10 +21,11 @@ import textwrap
 from typing import List, Optional
 
 import pytest
-from _ports import free_port
+
+from support.ports import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RUNNER = os.path.join(ROOT, "tests", "_example_runner.py")
+RUNNER = os.path.join(ROOT, "tests", "support", "example_runner.py")
 TIMEOUT_S = 150  # one example, start to exit (torchrun and a transformers import included)
 _OPEN = re.compile(r"^(?P<indent>[ \t]*)```(?P<lang>[\w+-]*)[ \t]*$")
 _TORCHRUN = re.compile(r"^#\s*torchrun\s+--nproc-per-node[ =](?P<n>\d+)\s+example\.py\b")

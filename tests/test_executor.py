@@ -11,6 +11,7 @@ from overlap.state import STATE
 from microbatch import (FromMicroBatch, ScheduledOp, Operation, Schedule, ScheduleError, event_tag, lower, run, serial,
                         shared, two_batch)
 from overlap.multirank import run_ranks
+from support.layers import weightless_layer
 
 pytestmark = pytest.mark.cpu_only
 
@@ -385,23 +386,8 @@ def test_overlap_switched_off_runs_every_schedule_on_one_stream():
 
 # ---- graph mode: the executor traced by torch.compile(fullgraph=True) against torchair's own code ----
 
-def _weightless_layer():
-    """The toy MoE layer without captured weights, so a captured graph's only inputs are the hidden states."""
-    def exchange(x):
-        return x.flip(0) * 2
-    return [
-        Operation("attn", lambda h: torch.tanh(h) + h, ("hidden",), ("x",)),
-        Operation("gate", lambda x: x * 0.5 + 0.1, ("x",), ("moe_in",)),
-        Operation("dispatch", exchange, ("moe_in",), ("recv",), overlap.EP_COMM),
-        Operation("experts", torch.relu, ("recv",), ("y",)),
-        Operation("combine", exchange, ("y",), ("back",), overlap.EP_COMM),
-        Operation("shared", torch.sin, ("moe_in",), ("sh",), overlap.SHARED_EXPERT),
-        Operation("finalize", lambda x, b, s: x + b + s, ("x", "back", "sh"), ("out",)),
-    ]
-
-
 def _graph_case(n_layers=2):
-    layers = [_weightless_layer() for _ in range(n_layers)]
+    layers = [weightless_layer() for _ in range(n_layers)]
     schedule = two_batch(layers, 2)
 
     def fn(h0, h1):
@@ -415,7 +401,7 @@ def _serial_eager(layers, args):
 
 
 def test_ge_graph_has_wait_tensor_per_intent_and_no_events():
-    tc = pytest.importorskip("torchair_contract")
+    tc = pytest.importorskip("tools.torchair_contract")
     tc.load_torchair()
     layers, schedule, fn, args = _graph_case()
     gm = tc.capture_graph(fn, *args, path="ge")
@@ -431,7 +417,7 @@ def test_ge_graph_has_wait_tensor_per_intent_and_no_events():
 
 
 def test_aclgraph_graph_records_before_every_wait():
-    tc = pytest.importorskip("torchair_contract")
+    tc = pytest.importorskip("tools.torchair_contract")
     tc.load_torchair()
     layers, schedule, fn, args = _graph_case()
     gm = tc.capture_graph(fn, *args, path="aclgraph")

@@ -2,7 +2,7 @@
 
 A small two-stream function written only with the toolkit's primitives, and the executor's
 two-batch schedule, are traced with ``torch.compile(fullgraph=True)`` against torchair's and
-npugraph_ex's own ``scope`` / ``ops`` code from the torch_npu wheel (see tests/torchair_contract.py):
+npugraph_ex's own ``scope`` / ``ops`` code from the torch_npu wheel (see tests/tools/torchair_contract.py):
 the scopes, events and edges in the graph, and that every cross-stream read is ordered. Skipped, with
 the reason, when the wheel cannot be fetched.
 """
@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import overlap
-import torchair_contract as tc
+from support.layers import weightless_layer
+from tools import torchair_contract as tc
 
 EVENT = "contract_comm_done"  # event tags of their own: tagged events are process-wide
 READY = "contract_h_ready"
@@ -187,13 +188,10 @@ def test_side_limit_beside_an_unlimited_main_stream_is_refused_while_tracing():
 
 # ---- every cross-stream read ordered: the executor's graphs, and the check's own negative controls ----
 
-from test_executor import _weightless_layer  # noqa: E402  (the toy MoE layer without captured weights)
-
-
 def _executor_graph(path, n_layers=2):
     from microbatch import run, two_batch
 
-    layers = [_weightless_layer() for _ in range(n_layers)]
+    layers = [weightless_layer() for _ in range(n_layers)]
     schedule = two_batch(layers, 2)
 
     def fn(h0, h1):

@@ -3,7 +3,7 @@
 Two gloo ranks each build the tiny model (both layers MoE), replace its MoE by the static-shape
 `CapacityExpertParallelMoE` over the two ranks, split a batch into two micro-batches and capture
 ``embed -> microbatch.run(two_batch) -> final norm`` with torchair's own scope / ops code (see
-tests/torchair_contract.py). The captured FX graphs are checked for the lowering's contract, and
+tests/tools/torchair_contract.py). The captured FX graphs are checked for the lowering's contract, and
 the graph without its ``air`` nodes is run (collectives included) and compared with eager serial.
 """
 from __future__ import annotations
@@ -89,7 +89,7 @@ def _summary(tc, gm, path):
 
 
 def _prefill_body(ctx):
-    import torchair_contract as tc
+    from tools import torchair_contract as tc
 
     cfg = preset("tiny", n_dense_layers=0, n_layers=N_LAYERS)
     model = build_model(cfg, seed=SEED)
@@ -125,7 +125,7 @@ def _prefill_body(ctx):
 
 @pytest.fixture(scope="module")
 def captured():
-    import torchair_contract as tc
+    from tools import torchair_contract as tc
 
     tc.load_torchair()  # skips when the torch_npu wheel cannot be had
     return run_ranks(_prefill_body, 2, timeout=400)

@@ -14,40 +14,11 @@ import time
 
 import pytest
 
-from _ports import free_port
-from test_prefill_cli import ROOT, SCRIPT, TINY, _run
+from support.launcher import ROOT, SCRIPT, TINY, all_text, by_hand, run_launcher
+from support.ports import free_port
 
 pytestmark = pytest.mark.spawns_ranks
 SMALL = TINY + ["--batch", "2", "--seq-len", "16"]
-
-
-def _by_hand(per_rank_args, env=None, timeout=120):
-    """Start one process per entry of ``per_rank_args`` as the ranks of one job (no torchrun); their results.
-    ``env``: added to every rank's environment, or a list of one such dict per rank."""
-    port = free_port()
-    procs = []
-    for rank, args in enumerate(per_rank_args):
-        extra = env[rank] if isinstance(env, list) else env
-        rank_env = dict(os.environ, PYTHONPATH=ROOT, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                        WORLD_SIZE=str(len(per_rank_args)), RANK=str(rank), LOCAL_RANK=str(rank),
-                        LOCAL_WORLD_SIZE=str(len(per_rank_args)), **(extra or {}))
-        rank_env.pop("OVERLAP_FAULT", None)
-        procs.append(subprocess.Popen([sys.executable, SCRIPT] + list(args), env=rank_env, cwd=ROOT,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outs = []
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        outs.append((p.returncode, out, err))
-    return outs
-
-
-def _all_text(outs):
-    return "".join(o + e for _, o, e in outs)
 
 
 @pytest.mark.parametrize("option, values, words", [
@@ -62,10 +33,10 @@ def _all_text(outs):
     ("--iters", ("1", "2"), "ranks disagree on --iters"),
 ])
 def test_ranks_started_with_different_options_stop_with_one_clear_error(option, values, words):
-    outs = _by_hand([SMALL + [option, v] for v in values])
-    assert [rc for rc, _, _ in outs] == [2, 2], _all_text(outs)[-3000:]
-    assert _all_text(outs).count(words) == 1, _all_text(outs)[-3000:]
-    assert "running serial" not in _all_text(outs)  # stopped before the first prefill
+    outs = by_hand([SMALL + [option, v] for v in values])
+    assert [rc for rc, _, _ in outs] == [2, 2], all_text(outs)[-3000:]
+    assert all_text(outs).count(words) == 1, all_text(outs)[-3000:]
+    assert "running serial" not in all_text(outs)  # stopped before the first prefill
 
 
 @pytest.mark.parametrize("name, values, words", [
@@ -75,21 +46,21 @@ def test_ranks_started_with_different_options_stop_with_one_clear_error(option, 
 ])
 def test_ranks_started_with_a_different_environment_stop_with_one_line_naming_the_variable(name, values, words):
     """Before: each rank ran with its own value (one of them single-stream, or on another link), exit 0."""
-    outs = _by_hand([SMALL, SMALL], env=[{name: v} for v in values])
-    assert [rc for rc, _, _ in outs] == [2, 2], _all_text(outs)[-3000:]
-    assert _all_text(outs).count(words) == 1, _all_text(outs)[-3000:]
-    assert "running serial" not in _all_text(outs)
+    outs = by_hand([SMALL, SMALL], env=[{name: v} for v in values])
+    assert [rc for rc, _, _ in outs] == [2, 2], all_text(outs)[-3000:]
+    assert all_text(outs).count(words) == 1, all_text(outs)[-3000:]
+    assert "running serial" not in all_text(outs)
 
 
 def test_ranks_agree_on_the_mode_list_they_run_however_it_is_spelled():
-    outs = _by_hand([SMALL + ["--mode", "all,two-batch"], SMALL + ["--mode", "serial,shared", "--mode", "two-batch"]])
-    assert [rc for rc, _, _ in outs] == [0, 0], _all_text(outs)[-3000:]
-    assert "disagree" not in _all_text(outs)
+    outs = by_hand([SMALL + ["--mode", "all,two-batch"], SMALL + ["--mode", "serial,shared", "--mode", "two-batch"]])
+    assert [rc for rc, _, _ in outs] == [0, 0], all_text(outs)[-3000:]
+    assert "disagree" not in all_text(outs)
 
 
 def test_tokens_per_second_counts_every_rank(tmp_path):
-    outs = _by_hand([SMALL + ["--seq-lens", "3", "--out", str(tmp_path)], SMALL + ["--seq-lens", "40,21"]])
-    assert [rc for rc, _, _ in outs] == [0, 0], _all_text(outs)[-3000:]
+    outs = by_hand([SMALL + ["--seq-lens", "3", "--out", str(tmp_path)], SMALL + ["--seq-lens", "40,21"]])
+    assert [rc for rc, _, _ in outs] == [0, 0], all_text(outs)[-3000:]
     res = json.loads((tmp_path / "results.json").read_text())
     assert res["tokens"] == 64
     row = res["rows"][0]
@@ -99,7 +70,7 @@ def test_tokens_per_second_counts_every_rank(tmp_path):
 def test_a_configuration_error_reaches_the_user_when_rank_0_starts_late():
     outs = _by_hand_late_rank0(SMALL + ["--experts", "7"])  # rank 1 has exited before rank 0 starts
     assert [rc for rc, _, _ in outs] == [2, 2]
-    assert _all_text(outs).count("7 experts cannot be split evenly over 2 ranks") == 1
+    assert all_text(outs).count("7 experts cannot be split evenly over 2 ranks") == 1
 
 
 def _by_hand_late_rank0(args):
@@ -115,15 +86,15 @@ def _by_hand_late_rank0(args):
 
 
 def test_non_finite_weights_fail_the_run_with_or_without_check():
-    proc = _run(SMALL + ["--check"], ranks=2, env={"OVERLAP_FAULT": "rank=1,kind=nan"})
+    proc = run_launcher(SMALL + ["--check"], ranks=2, env={"OVERLAP_FAULT": "rank=1,kind=nan"})
     assert proc.returncode == 1 and "holds NaN or inf" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "every mode matches serial" not in proc.stdout
-    proc = _run(SMALL + ["--mode", "serial"], ranks=2, env={"OVERLAP_FAULT": "rank=0,kind=inf"})
+    proc = run_launcher(SMALL + ["--mode", "serial"], ranks=2, env={"OVERLAP_FAULT": "rank=0,kind=inf"})
     assert proc.returncode == 1 and "FAILED: serial's output holds NaN or inf" in proc.stdout, proc.stdout[-2000:]
 
 
 def test_a_run_too_big_for_the_memory_is_refused_with_the_numbers():
-    proc = _run(TINY + ["--preset", "deepseek-v3", "--experts", "8", "--batch", "1", "--seq-len", "8"], ranks=2)
+    proc = run_launcher(TINY + ["--preset", "deepseek-v3", "--experts", "8", "--batch", "1", "--seq-len", "8"], ranks=2)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and out.count("needs about") == 1 and "GiB of host memory" in out, out[-3000:]
     assert "running serial" not in out
@@ -132,7 +103,7 @@ def test_a_run_too_big_for_the_memory_is_refused_with_the_numbers():
 def test_an_unwritable_out_is_refused_before_the_run(tmp_path):
     blocked = tmp_path / "file"
     blocked.write_text("not a folder")
-    proc = _run(SMALL + ["--out", str(blocked / "out")], ranks=2)
+    proc = run_launcher(SMALL + ["--out", str(blocked / "out")], ranks=2)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and out.count("is not writable") == 1 and "running serial" not in out, out[-3000:]
 
@@ -196,14 +167,15 @@ def test_outputs_are_written_whole_or_not_at_all(tmp_path):
 
 
 def test_a_rank_that_never_starts_is_named():
-    proc = _run(SMALL + ["--timeout", "5"], ranks=2, env={"OVERLAP_FAULT": "rank=1,iter=-1,kind=hang"}, timeout=120)
+    proc = run_launcher(SMALL + ["--timeout", "5"], ranks=2, env={"OVERLAP_FAULT": "rank=1,iter=-1,kind=hang"},
+                        timeout=120)
     assert proc.returncode != 0
     assert "not every rank joined the job within --timeout 5 s: rank 1 never started" in proc.stderr, \
         proc.stderr[-3000:]
 
 
 def test_usage_errors_are_printed_once_under_torchrun():
-    proc = _run(SMALL + ["--mode", "bogus"], ranks=2)
+    proc = run_launcher(SMALL + ["--mode", "bogus"], ranks=2)
     assert proc.returncode != 0
     assert (proc.stdout + proc.stderr).count("Invalid value for '--mode'") == 1
 
@@ -224,7 +196,7 @@ def test_interrupted_runs_leave_no_kv_files(tmp_path, sig, status):
 
 
 def test_a_link_too_slow_for_the_timeout_is_one_line_not_a_hang():
-    proc = _run(SMALL + ["--cpu-link", "1e-9", "--timeout", "10", "--mode", "serial"], ranks=2, timeout=90)
+    proc = run_launcher(SMALL + ["--cpu-link", "1e-9", "--timeout", "10", "--mode", "serial"], ranks=2, timeout=90)
     assert proc.returncode != 0
     assert "needs" in proc.stderr and "more than the 10 s wait bound" in proc.stderr, proc.stderr[-3000:]
     assert "unexpected error" not in proc.stderr

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.spawns_ranks
 
 
 def _compiled_equals_eager(ctx, path):
-    import torchair_contract as tc
+    from tools import torchair_contract as tc
 
     cfg = preset("tiny", n_dense_layers=0, n_layers=2)
     batch = Batch.random([5, 9, 4 + ctx.rank], cfg.vocab, seed=20 + ctx.rank)
@@ -42,7 +42,7 @@ def _compiled_equals_eager(ctx, path):
 
 @pytest.mark.parametrize("path", ["ge", "aclgraph"])
 def test_every_mode_compiles_to_one_graph_equal_to_eager(path):
-    import torchair_contract as tc
+    from tools import torchair_contract as tc
 
     tc.load_torchair()  # skips when the torch_npu wheel cannot be had
     for per_mode in run_ranks(_compiled_equals_eager, 2, path, timeout=400):

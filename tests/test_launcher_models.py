@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from test_prefill_cli import ROOT, TINY, _run
+from support.launcher import ROOT, TINY, run_launcher
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.spawns_ranks
@@ -15,7 +15,7 @@ SMALL = ["--warmup", "0", "--iters", "1", "--batch", "3", "--seq-len", "12"]
 
 
 def test_a_model_type_runs_every_mode_and_matches_its_own_forward():
-    proc = _run(SMALL + ["--model", "qwen3_moe", "--check"])
+    proc = run_launcher(SMALL + ["--model", "qwen3_moe", "--check"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "prefill: qwen3_moe" in proc.stdout
     assert "check: serial matches qwen3_moe's own forward" in proc.stdout
@@ -23,8 +23,8 @@ def test_a_model_type_runs_every_mode_and_matches_its_own_forward():
 
 
 def test_two_ranks_expert_parallel_with_kv_offload_and_overrides(tmp_path):
-    proc = _run(SMALL + ["--model", "deepseek_v3", "--check", "--kv-offload", "--experts", "4", "--top-k", "2",
-                         "--seq-lens", "20,7,9", "--out", str(tmp_path)], ranks=2)
+    proc = run_launcher(SMALL + ["--model", "deepseek_v3", "--check", "--kv-offload", "--experts", "4", "--top-k", "2",
+                                 "--seq-lens", "20,7,9", "--out", str(tmp_path)], ranks=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("check: serial matches deepseek_v3's own forward") == 1
     assert "4 experts top-2" in proc.stdout and "kv offload on" in proc.stdout
@@ -42,10 +42,16 @@ def _checkpoint(folder, model_type="qwen2_moe"):
     return folder
 
 
-def test_a_checkpoint_folder_is_read_per_rank(tmp_path):
-    folder = _checkpoint(tmp_path / "ckpt")
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """One sharded qwen2_moe checkpoint for the tests that only read it (building one takes a process)."""
+    return _checkpoint(tmp_path_factory.mktemp("ckpt") / "ckpt")
+
+
+def test_a_checkpoint_folder_is_read_per_rank(checkpoint):
+    folder = checkpoint
     assert len(list(folder.glob("*.safetensors"))) > 1  # sharded
-    proc = _run(SMALL + ["--model", str(folder), "--check"], ranks=2)
+    proc = run_launcher(SMALL + ["--model", str(folder), "--check"], ranks=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert out.count("weights: rank 0 holds") == 1 and "rank 1 holds" in out
@@ -54,9 +60,9 @@ def test_a_checkpoint_folder_is_read_per_rank(tmp_path):
     assert "check: every mode matches serial" in out
 
 
-def test_a_checkpoint_on_one_rank_is_compared_with_its_own_forward(tmp_path):
-    folder = _checkpoint(tmp_path / "ckpt")
-    proc = _run(SMALL + ["--model", str(folder), "--check"])
+def test_a_checkpoint_on_one_rank_is_compared_with_its_own_forward(checkpoint):
+    folder = checkpoint
+    proc = run_launcher(SMALL + ["--model", str(folder), "--check"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"check: serial matches {folder}'s own forward" in proc.stdout, proc.stdout[-3000:]
     assert "not compared" not in proc.stdout and "check: every mode matches serial" in proc.stdout
@@ -80,8 +86,8 @@ p.script()
 """
 
 
-def test_the_comparison_with_a_checkpoints_own_forward_catches_a_difference(tmp_path):
-    folder = _checkpoint(tmp_path / "ckpt")
+def test_the_comparison_with_a_checkpoints_own_forward_catches_a_difference(checkpoint):
+    folder = checkpoint
     proc = subprocess.run([sys.executable, "-c", _SKEWED] + SMALL + ["--model", str(folder), "--check"],
                           capture_output=True, text=True, timeout=300, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -93,7 +99,7 @@ def test_the_comparison_with_a_checkpoints_own_forward_catches_a_difference(tmp_
     (["--model", "llama"], "has no routed experts"),
 ])
 def test_bad_models_are_one_line(args, message):
-    proc = _run(TINY + args)
+    proc = run_launcher(TINY + args)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2 and out.count(message) == 1 and "Traceback" not in out, out[-3000:]
 
@@ -107,7 +113,7 @@ def test_a_family_users_bring_runs_every_mode_on_two_ranks(family):
     """The command of issue 25 end to end: before, gpt-oss had no scaled-dot-product attention and
     LongCat-Flash modules the adapter did not run. (Llama 4, dots1 and the other families it names run
     every mode on two ranks in-process: tests/test_transformers_models.py, which costs a launch less each.)"""
-    proc = _run(BROUGHT + ["--model", family], ranks=2)
+    proc = run_launcher(BROUGHT + ["--model", family], ranks=2)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert proc.stdout.count(f"check: serial matches {family}'s own forward") == 1, proc.stdout[-3000:]
     assert "check: every mode matches serial" in proc.stdout
@@ -122,7 +128,7 @@ def test_a_family_users_bring_runs_every_mode_on_two_ranks(family):
 def test_a_family_the_adapter_cannot_run_is_one_line_before_any_collective(family, ranks, message):
     """Once per node (torchrun's status is 1 when a rank exits 2, and its agent prints its own traceback), exit
     2 on its own; no traceback of ours, no rank joins a group."""
-    proc = _run(BROUGHT + ["--model", family], ranks=ranks)
+    proc = run_launcher(BROUGHT + ["--model", family], ranks=ranks)
     out = proc.stdout + proc.stderr
     assert proc.returncode == (2 if ranks is None else 1), out[-3000:]
     assert out.count(message) == 1, out[-3000:]
@@ -131,14 +137,14 @@ def test_a_family_the_adapter_cannot_run_is_one_line_before_any_collective(famil
     assert "unexpected error" not in out and "prefill:" not in out  # no headline: no group was joined
 
 
-def test_a_checkpoint_keeps_its_shapes(tmp_path):
-    folder = _checkpoint(tmp_path / "ckpt")
-    proc = _run(TINY + ["--model", str(folder), "--layers", "3"])
+def test_a_checkpoint_keeps_its_shapes(checkpoint):
+    folder = checkpoint
+    proc = run_launcher(TINY + ["--model", str(folder), "--layers", "3"])
     assert proc.returncode == 2 and "is a checkpoint: its shapes are its own (drop --layers)" in proc.stderr
 
 
 def test_a_family_that_cannot_cut_a_request_says_so():
-    proc = _run(SMALL + ["--model", "qwen3_next", "--mode", "two-batch", "--seq-lens", "30,6"])
+    proc = run_launcher(SMALL + ["--model", "qwen3_next", "--mode", "two-batch", "--seq-lens", "30,6"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "requests are not cut across micro-batches" in proc.stdout
 

@@ -9,16 +9,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _protocols import protocol_problems
 from collectives import EPBatch, EPCombineHandle, EPDispatchHandle, LayoutError, MoE, MoEConfig, combine_dense, mc2
 from collectives.mc2 import (MC2_MAX_TOKENS, MC2Error, MC2ExpertParallelMoE, check_mc2_buffer, choose_backend,
                              ep_combine, ep_dispatch, mc2_buffer_bytes, mc2_buffer_mb, mc2_dispatch)
 from overlap.multirank import run_ranks
-from test_grouping import CALLS, calls, check_against_schema, fake_npu, installed
+from support.fake_npu import CALLS, UNDEFINED, calls, check_against_schema, fake_npu, installed
+from support.protocols import protocol_problems
+from support.spans import comm_span_names
 
 BF16 = dict(rtol=2e-2, atol=2e-2)
 GROUPS: Dict[str, Optional[dist.ProcessGroup]] = {}  # group_ep name -> process group, for the fake
-UNDEFINED = float("nan")
 
 
 # --- the fake operators: documented semantics, exchanged over gloo -----------------------------------------
@@ -177,7 +177,7 @@ def calls_of(seen, name):
 
 def _portable_moe(x, topk_idx, topk_weights, num_experts, group, local_experts, backend, max_tokens):
     """The MC2 example's code, written once against `collectives.handles`; what each object lacks of its protocol
-    (`tests/_protocols.py`: every member, with a signature that takes the protocol's calls)."""
+    (`tests/support/protocols.py`: every member, with a signature that takes the protocol's calls)."""
     h = ep_dispatch(x, topk_idx, topk_weights, num_experts, group, backend=backend, max_tokens_per_rank=max_tokens,
                     async_finish=True)
     h.wait()
@@ -214,13 +214,10 @@ def test_the_same_code_runs_on_every_backend():
 
 # --- errors before any collective ------------------------------------------------------------------------
 
-from test_ep_faults import _comm_names as _comm_spans  # noqa: E402  (names of the comm spans issued)
-
-
 def _refused_body(ctx, how: str):
     GROUPS["ep"] = ctx.group
     CALLS.clear()  # a rank's process may have run other tests (torchrun mode)
-    comm = _comm_spans()
+    comm = comm_span_names()
     x = torch.randn(4, 64).to(torch.bfloat16)
     experts = 4 if how == "experts" and ctx.rank == 1 else 8  # "experts": the ranks pass different num_experts
     idx, w = torch.randint(0, experts, (4, 2)), torch.rand(4, 2)

@@ -10,13 +10,13 @@ import dataclasses
 import pytest
 import torch
 
-from _protocols import Without, protocol_members, protocol_problems
 from launch.models import PRESETS, build_model, preset
 from microbatch import HIDDEN, OUT, ForwardModel, Layer, MoELayer, MoEModel, ModelShape
 from microbatch.batch import K, PREFIX_KV, SEQ, V, Batch, SeqInfo
 from microbatch.operations import State
 from microbatch.planning.split import propose_split, split_batch
 from overlap.multirank import run_ranks
+from support.protocols import Without, protocol_members, protocol_problems
 
 TINY = PRESETS["tiny"]
 TOL = dict(rtol=1e-5, atol=1e-5)

@@ -5,24 +5,17 @@ import sys
 import time
 
 import pytest
-import torch
-import torch.distributed as dist
 
 from overlap.multirank import RankFailure, RankTimeout, run_ranks
-from _ports import free_port
+from support.ports import free_port
+from support.ranks import sum_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _sum_ranks(ctx, scale):
-    t = torch.tensor([float(ctx.rank)], device=ctx.device)
-    dist.all_reduce(t, group=ctx.group)
-    return ctx.rank, ctx.world_size, t.item() * scale
-
-
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_results_in_rank_order(world):
-    out = run_ranks(_sum_ranks, world, 2.0)
+    out = run_ranks(sum_ranks, world, 2.0)
     total = sum(range(world)) * 2.0
     assert out == [(r, world, total) for r in range(world)]
 
@@ -80,10 +73,10 @@ def test_under_torchrun_uses_the_existing_group(tmp_path):
     probe.write_text(
         "import sys; sys.path.insert(0, %r)\n"
         "from overlap.multirank import run_ranks\n"
-        "from test_multirank import _sum_ranks\n"
+        "from support.ranks import sum_ranks\n"
         "import torch.distributed as dist\n"
-        "two = run_ranks(_sum_ranks, 2, 1.0)\n"
-        "one = run_ranks(_sum_ranks, 1, 1.0)\n"
+        "two = run_ranks(sum_ranks, 2, 1.0)\n"
+        "one = run_ranks(sum_ranks, 1, 1.0)\n"
         "print('RESULT', dist.get_rank(), two, one, flush=True)\n" % os.path.join(ROOT, "tests"))
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.path.join(ROOT, "tests"))
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
@@ -105,7 +98,7 @@ def test_a_bad_rank_timeout_is_one_line_naming_the_variable(monkeypatch, value):
     assert proc.returncode == 0, proc.stderr[-2000:]
     monkeypatch.setenv("OVERLAP_RANK_TIMEOUT", value)
     with pytest.raises(ValueError, match=f"OVERLAP_RANK_TIMEOUT='{value}': expected a number of seconds > 0"):
-        run_ranks(_sum_ranks, 1, 1.0)
+        run_ranks(sum_ranks, 1, 1.0)
     monkeypatch.setenv("OVERLAP_RANK_TIMEOUT", " 12.5 ")
     from overlap.multirank import default_timeout
 
@@ -126,4 +119,4 @@ def test_the_suite_refuses_a_bad_rank_timeout_in_one_line():
 def test_a_bad_start_method_is_one_line_naming_the_variable(monkeypatch):
     monkeypatch.setenv("OVERLAP_START_METHOD", "bogus")
     with pytest.raises(ValueError, match="OVERLAP_START_METHOD='bogus': expected one of"):
-        run_ranks(_sum_ranks, 2, 1.0)
+        run_ranks(sum_ranks, 2, 1.0)

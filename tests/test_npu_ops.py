@@ -34,10 +34,10 @@ def _moe(cfg: MoEConfig, device: torch.device) -> MoE:
 def test_grouped_matmul_with_a_device_group_list_equals_the_loop():
     from collectives.experts import grouped_mlp, group_list
 
-    from test_grouping import _weights
+    from support.fake_npu import expert_weights
 
     dev = _on_npu()
-    gate_up, down = (t.to(dev) for t in _weights(4, torch.bfloat16, hidden=64, ffn=32))
+    gate_up, down = (t.to(dev) for t in expert_weights(4, torch.bfloat16, hidden=64, ffn=32))
     x = torch.randn(40, 64, device=dev).to(torch.bfloat16)
     counts = [10, 0, 25, 3]  # 2 padding rows past the group list's sum
     got = grouped_mlp(x, group_list(counts, dev), gate_up, down, impl="npu_grouped")

@@ -3,11 +3,11 @@
 The toolkit's sources (overlap/, collectives/, microbatch/, launch/) are parsed with ``ast`` and
 every call that reaches ``torch_npu``, ``torch.npu``, ``torch.ops.{npu,air,npugraph_ex}``,
 ``torchair`` or ``npugraph_ex`` is found, through aliases; each is checked against the wheel's schemas: the native
-operators' yaml and ``Library.define`` schemas, the Python APIs' signatures (see tests/npu_schema.py
+operators' yaml and ``Library.define`` schemas, the Python APIs' signatures (see tests/tools/npu_schema.py
 for what is resolved and how). A renamed operator, argument or method in a new torch_npu release
 fails here, not on an NPU node.
 
-The wheel is the one tests/torchair_contract.py fetches for the installed torch (``$OVERLAP_NPU_WHEEL``
+The wheel is the one tests/tools/torchair_contract.py fetches for the installed torch (``$OVERLAP_NPU_WHEEL``
 names another); without one the wheel check skips with the reason, while the discovery checks
 and the self-tests (on a small synthetic wheel) still run.
 """
@@ -17,23 +17,11 @@ import zipfile
 
 import pytest
 
-import npu_schema as ns
-import torchair_contract as tc
+from tools import npu_schema as ns
+from tools import torchair_contract as tc
+from tools.npu_allow import ALLOW
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-# The few dynamic sites: (file, function, expression) -> (the NPU paths it stands for, why).
-# Calls through such a site are checked against those paths; a site missing here fails
-# test_every_npu_call_is_resolved, an entry that matches nothing fails test_allowlist_is_current.
-ALLOW = {
-    ("overlap/backends/device.py", "DeviceBackend.mod", "getattr(torch, self.device_type)"):
-        (("torch.npu",), "torch.cuda or torch.npu by the backend's device type (same stream / event API); "
-                         "the CUDA side is torch's own"),
-    ("microbatch/planning/calibration.py", "_device_name", "getattr(torch, backend.device_type, None)"):
-        (("torch.npu",), "the device module of the current backend, for get_device_name"),
-    ("launch/memory.py", "available", "getattr(torch, device.type)"):
-        (("torch.npu",), "the device module of the rank's device, for mem_get_info"),
-}
 
 
 @pytest.fixture(scope="module")

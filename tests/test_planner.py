@@ -10,8 +10,8 @@ import microbatch
 from microbatch.planning import CostModel, Interconnect, Linear, OpCost, Transfer, choose
 from overlap.multirank import run_ranks
 
-from _ports import free_port
-from test_prefill_cli import ROOT, SCRIPT
+from support.launcher import ROOT, SCRIPT
+from support.ports import free_port
 
 
 def _layers(n=2):

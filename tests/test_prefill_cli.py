@@ -6,22 +6,10 @@ import subprocess
 import sys
 
 import pytest
-from _ports import free_port
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "launch", "prefill.py")
+from support.launcher import ROOT, SCRIPT, TINY, run_launcher
+
 pytestmark = pytest.mark.spawns_ranks  # drives torchrun itself
-TINY = ["--preset", "tiny", "--warmup", "0", "--iters", "1"]
-
-
-def _run(args, ranks=None, env=None, timeout=180):
-    cmd = [sys.executable, SCRIPT] if ranks is None else [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-        "--master-port", str(free_port()), SCRIPT]
-    full_env = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
-    full_env.pop("OVERLAP_FAULT", None)
-    full_env.update(env or {})
-    return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
 
 
 def _trace_lanes(path):
@@ -34,7 +22,7 @@ def _trace_lanes(path):
 
 
 def test_single_process_all_modes_check_and_outputs(tmp_path):
-    proc = _run(TINY + ["--seq-lens", "16,9,7", "--check", "--out", str(tmp_path)])
+    proc = run_launcher(TINY + ["--seq-lens", "16,9,7", "--check", "--out", str(tmp_path)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "check: every mode matches serial" in proc.stdout
     assert "prefill: 3 layers (1 dense, 2 MoE)," in proc.stdout  # the tiny preset's first layer is dense
@@ -50,8 +38,8 @@ def test_single_process_all_modes_check_and_outputs(tmp_path):
 
 
 def test_two_ranks_under_torchrun_with_kv_offload(tmp_path):
-    proc = _run(TINY + ["--seq-lens", "24,20,9", "--check", "--kv-offload", "--kv-store", "mmap",
-                        "--out", str(tmp_path)], ranks=2)
+    proc = run_launcher(TINY + ["--seq-lens", "24,20,9", "--check", "--kv-offload", "--kv-store", "mmap",
+                                "--out", str(tmp_path)], ranks=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("check: every mode matches serial") == 1  # rank 0 alone prints
     res = json.loads((tmp_path / "results.json").read_text())
@@ -86,7 +74,7 @@ def test_invalid_configuration_is_reported_once_and_every_rank_fails(args, ranks
 
         if torch.cuda.is_available():
             pytest.skip("this machine has CUDA")
-    proc = _run(TINY + args, ranks=ranks, timeout=120)
+    proc = run_launcher(TINY + args, ranks=ranks, timeout=120)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert out.count(message) == 1, out[-3000:]
@@ -98,8 +86,8 @@ def test_invalid_configuration_is_reported_once_and_every_rank_fails(args, ranks
     ("raise", "rank 1 failed: RuntimeError: injected fault"),
 ])
 def test_a_dead_rank_is_named_and_the_others_exit(kind, expect):
-    proc = _run(TINY + ["--seq-lens", "40,9", "--iters", "2", "--timeout", "8", "--mode", "serial"], ranks=2,
-                env={"OVERLAP_FAULT": f"rank=1,iter=1,kind={kind}"}, timeout=150)
+    proc = run_launcher(TINY + ["--seq-lens", "40,9", "--iters", "2", "--timeout", "8", "--mode", "serial"], ranks=2,
+                        env={"OVERLAP_FAULT": f"rank=1,iter=1,kind={kind}"}, timeout=150)
     assert proc.returncode != 0
     assert expect in proc.stderr, proc.stderr[-3000:]
     # an unexpected exception shows its traceback once (from the rank that hit it); a hung peer does not
@@ -107,7 +95,7 @@ def test_a_dead_rank_is_named_and_the_others_exit(kind, expect):
 
 
 def test_an_unexpected_error_prints_its_traceback_and_fails():
-    proc = _run(TINY + ["--mode", "serial"], env={"OVERLAP_FAULT": "rank=0,iter=0,kind=raise"}, timeout=120)
+    proc = run_launcher(TINY + ["--mode", "serial"], env={"OVERLAP_FAULT": "rank=0,iter=0,kind=raise"}, timeout=120)
     assert proc.returncode == 1
     assert "rank 0: RuntimeError: injected fault on rank 0 at iteration 0" in proc.stderr
     assert "Traceback (most recent call last)" in proc.stderr and 'prefill.py", line' in proc.stderr
@@ -117,8 +105,8 @@ def test_an_unexpected_error_prints_its_traceback_and_fails():
 def test_check_runs_serial_beside_a_mode_list_that_leaves_it_out(tmp_path):
     """`--mode` takes comma-separated lists, given more than once they add up (repeats dropped, order
     kept), and `--check` adds serial as the reference, says so, and shows it in the table and the JSON."""
-    proc = _run(TINY + ["--seq-lens", "40,24", "--mode", "three-batch,four-batch", "--mode", "three-batch", "--check",
-                        "--out", str(tmp_path)])
+    proc = run_launcher(TINY + ["--seq-lens", "40,24", "--mode", "three-batch,four-batch", "--mode", "three-batch",
+                                "--check", "--out", str(tmp_path)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert "modes: serial, three-batch, four-batch (serial added: the reference of --check)" in out, out
@@ -284,7 +272,7 @@ def test_a_bad_option_or_environment_value_is_one_configuration_error_naming_it(
     ([], {"OVERLAP_PATH": "bogus"}, "$OVERLAP_PATH"),
 ])
 def test_the_command_prints_one_line_and_exits_2(args, env, message):
-    proc = _run(TINY + ["--mode", "serial"] + args, env=env, timeout=120)
+    proc = run_launcher(TINY + ["--mode", "serial"] + args, env=env, timeout=120)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out[-3000:]
     assert out.count(message) == 1 and "Traceback" not in out, out[-3000:]
@@ -293,11 +281,11 @@ def test_the_command_prints_one_line_and_exits_2(args, env, message):
 def test_the_cpu_link_is_the_options_or_its_environment_default_and_off_is_off():
     """``$OVERLAP_CPU_LINK`` is ``--cpu-link``'s default; ``--cpu-link off`` is plain gloo whatever it says
     (before: the environment's link was used under 'off', here one too slow for the wait bound)."""
-    proc = _run(TINY + ["--mode", "serial", "--cpu-link", "off", "--timeout", "10"],
-                env={"OVERLAP_CPU_LINK": "1e-9"}, timeout=120)
+    proc = run_launcher(TINY + ["--mode", "serial", "--cpu-link", "off", "--timeout", "10"],
+                        env={"OVERLAP_CPU_LINK": "1e-9"}, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "simulated link" not in proc.stdout and "WaitTimeout" not in proc.stderr
-    proc = _run(TINY + ["--mode", "serial"], env={"OVERLAP_CPU_LINK": "2,20"}, timeout=120)
+    proc = run_launcher(TINY + ["--mode", "serial"], env={"OVERLAP_CPU_LINK": "2,20"}, timeout=120)
     assert proc.returncode == 0 and "| simulated link 2 GB/s, 20 us" in proc.stdout, proc.stdout[-2000:]
 
 

@@ -85,7 +85,7 @@ def test_issue_spans_are_no_busy_time(tmp_path):
 def test_the_report_prints_the_launchers_figures_on_its_own_trace(tmp_path):
     """``overlap-report`` on the launcher's two-batch trace: the launcher's hidden comm, and busy times
     without the host's issue spans (the two quantities related as `_intervals` says)."""
-    from _ports import free_port
+    from support.ports import free_port
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            os.path.join(ROOT, "launch", "prefill.py"), "--preset", "tiny", "--batch", "2", "--seq-len", "32",

@@ -1,7 +1,7 @@
 """The suite's torchrun mode, run on a small suite of its own: outcomes decided together, one report.
 
 Each case starts torchrun (gloo on CPU) over a generated test folder whose conftest loads the
-same plugin as the real suite (tests/_torchrun_mode.py), with tests that pass, fail on one rank
+same plugin as the real suite (tests/support/torchrun_mode.py), with tests that pass, fail on one rank
 only, fail in a body while the peer waits in a collective, skip on one rank only, and run on a
 subgroup; then checks what rank 0 reported and the exit status. Another suite freezes a rank
 (SIGSTOP) in the middle of a test, as a hung node would be.
@@ -14,7 +14,8 @@ import textwrap
 import time
 
 import pytest
-from _ports import free_port
+
+from support.ports import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.spawns_ranks
@@ -25,7 +26,7 @@ import pytest
 
 @pytest.hookimpl(trylast=True)
 def pytest_configure(config):
-    from _torchrun_mode import TorchrunMode
+    from support.torchrun_mode import TorchrunMode
 
     config.pluginmanager.register(TorchrunMode(config), "overlap-torchrun-mode")
 '''
@@ -249,7 +250,7 @@ def _kill_leftovers(out, marker):
 
 @pytest.mark.parametrize("fault, frozen", [("stop", 1), ("stop", 0), ("sleep", 1)])
 def test_a_frozen_rank_is_named_and_fails_the_test_on_every_other_rank(tmp_path, fault, frozen):
-    """A rank stopped with SIGSTOP mid-test: every other rank names it within OVERLAP_RANK_TIMEOUT (10 s
+    """A rank stopped with SIGSTOP mid-test: every other rank names it within OVERLAP_RANK_TIMEOUT (7 s
     here; OVERLAP_TEST_TIMEOUT stays at its 900 s), fails that test, stops the suite and exits 1; the
     summary names the rank and the test (before: nothing for 900 s, then a warning and "no test failed").
     A rank alive but far behind is named the same way after OVERLAP_TEST_TIMEOUT (5 s here)."""
@@ -259,7 +260,7 @@ def test_a_frozen_rank_is_named_and_fails_the_test_on_every_other_rank(tmp_path,
     env = _suite(suite)
     (suite / "conftest.py").write_text(FROZEN_CONFTEST)
     (suite / "test_suite.py").write_text(FROZEN_SUITE)
-    env.update(FROZEN_OUT=str(out), FROZEN_RANK=str(frozen), FAULT=fault)
+    env.update(FROZEN_OUT=str(out), FROZEN_RANK=str(frozen), FAULT=fault, OVERLAP_RANK_TIMEOUT="7")
     env.pop("OVERLAP_TEST_TIMEOUT", None)
     if fault == "sleep":
         env["OVERLAP_TEST_TIMEOUT"] = "5"

@@ -17,13 +17,13 @@ import pytest
 import torch
 
 import overlap
-from _protocols import Without, protocol_members, protocol_problems
 from launch.runner import continue_prefill, layer_operations, make_expert_parallel, split_for, prefill
 from microbatch import MODES, Layer, MoELayer, MoEModel, ModelShape
 from microbatch.batch import Batch, SeqInfo
 from microbatch.forward import serial_split
 from microbatch.planning.split import propose_split
 from overlap.multirank import run_ranks
+from support.protocols import Without, protocol_members, protocol_problems
 
 transformers = pytest.importorskip("transformers")
 from launch.models import (adapt, build_transformers_model, check_family, is_moe_config,  # noqa: E402

@@ -1093,11 +1093,8 @@ class _Analysis:
                 return [(k.value, v, scope) for k, v in zip(node.keys, node.values)]  # type: ignore[union-attr]
             return None
         if isinstance(node, ast.Name):
-            s = _binding_scope(scope, node.id)
-            bs = s.bindings.get(node.id, []) if s is not None else []
-            if len(bs) == 1 and bs[0][0] == "expr":
-                return self._dict_keys(bs[0][1], s, depth + 1)  # type: ignore[arg-type]
-            return None
+            bound = _single_binding(scope, node.id)
+            return None if bound is None else self._dict_keys(bound[0], bound[1], depth + 1)
         if not isinstance(node, ast.Call):
             return None
         if isinstance(node.func, ast.Name) and node.func.id == "dict" and not self._bound(scope, "dict"):
@@ -1158,10 +1155,8 @@ class _Analysis:
             a, b = self._const_str(node.left, scope, depth + 1), self._const_str(node.right, scope, depth + 1)
             return None if a is None or b is None else a + b
         if isinstance(node, ast.Name):
-            s = _binding_scope(scope, node.id)
-            bs = s.bindings.get(node.id, []) if s is not None else []
-            if len(bs) == 1 and bs[0][0] == "expr":
-                return self._const_str(bs[0][1], s, depth + 1)  # type: ignore[arg-type]
+            bound = _single_binding(scope, node.id)
+            return None if bound is None else self._const_str(bound[0], bound[1], depth + 1)
         return None
 
     def _callee(self, v: Val) -> Optional[Tuple[_Scope, bool]]:
@@ -1197,10 +1192,8 @@ class _Analysis:
         kind = _literal_kind(node)
         if kind is None and isinstance(node, ast.Name):
             # a name bound exactly once, to a literal (a module or function constant)
-            s = _binding_scope(scope, node.id)
-            bs = s.bindings.get(node.id, []) if s is not None else []
-            if len(bs) == 1 and bs[0][0] == "expr":
-                kind = _literal_kind(bs[0][1])
+            bound = _single_binding(scope, node.id)
+            kind = None if bound is None else _literal_kind(bound[0])
         return kind
 
 
@@ -1209,6 +1202,15 @@ def _binding_scope(scope: _Scope, name: str) -> Optional[_Scope]:
     while s is not None and name not in s.bindings:
         s = s.parent
     return s
+
+
+def _single_binding(scope: _Scope, name: str) -> Optional[Tuple[ast.AST, _Scope]]:
+    """The expression ``name`` is bound to and the scope binding it, when it is bound exactly once, to an expression."""
+    s = _binding_scope(scope, name)
+    bs = s.bindings.get(name, []) if s is not None else []
+    if s is None or len(bs) != 1 or bs[0][0] != "expr":
+        return None
+    return bs[0][1], s  # type: ignore[return-value]
 
 
 def _own_nodes(fn: ast.AST) -> Iterable[ast.AST]:
@@ -2052,20 +2054,35 @@ def format_verdicts(verdicts: List[Verdict]) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """``python tests/npu_schema.py [WHEEL]``: every NPU call of the toolkit and its verdict against WHEEL."""
+    """``python tests/tools/npu_schema.py [WHEEL]``: every NPU call of the toolkit and its verdict against WHEEL
+    (by default the wheel `torchair_contract.find_wheel` gives for the installed torch)."""
     import sys
 
     argv = sys.argv[1:] if argv is None else argv
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(tests)
+    if tests not in sys.path:  # run as a script: sys.path[0] is tests/tools, and `tools` lives in tests/
+        sys.path.insert(0, tests)
+    from tools.npu_allow import ALLOW
+
+    if argv[:1] in (["-h"], ["--help"]) or len(argv) > 1:
+        print("usage: python tests/tools/npu_schema.py [WHEEL]\n\nEvery torch_npu / torchair call of the toolkit "
+              "and its verdict against WHEEL (default: the torch_npu wheel for the installed torch, fetched "
+              "into the cache of tests/tools/torchair_contract.py); exit status 1 when a call does not match.")
+        return 0 if len(argv) == 1 else 2
     if argv:
         wheel_file = argv[0]
+        if not os.path.isfile(wheel_file):
+            print(f"npu_schema: {wheel_file}: no such wheel file", file=sys.stderr)
+            return 2
     else:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        import torchair_contract
+        from tools import torchair_contract
 
-        wheel_file = torchair_contract.find_wheel()
-    from test_npu_signatures import ALLOW
-
+        try:
+            wheel_file = torchair_contract.find_wheel()
+        except RuntimeError as e:
+            print(f"npu_schema: no torch_npu wheel given and none to fetch: {e}", file=sys.stderr)
+            return 2
     found = discover(toolkit_sources(root), ALLOW)
     wheel = Wheel(wheel_file)
     verdicts = check_all(wheel, found)

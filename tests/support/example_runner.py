@@ -1,6 +1,6 @@
 """Run a documentation example as its user would, with the toolkit's stream sanitizer on.
 
-``python tests/_example_runner.py EXAMPLE.py [ARGS...]``, or the same under torchrun: starts the
+``python tests/support/example_runner.py EXAMPLE.py [ARGS...]``, or the same under torchrun: starts the
 sanitizer `overlap.sanitize_from_env` asks for (``OVERLAP_SANITIZE=raise``: the first race raises),
 then runs EXAMPLE.py as ``__main__`` with the ``sys.argv`` and ``sys.path[0]`` that
 ``python EXAMPLE.py`` gives it. The example itself holds no test plumbing (tests/test_examples.py).
@@ -14,10 +14,10 @@ import sys
 
 def main() -> None:
     if len(sys.argv) < 2:
-        raise SystemExit("usage: python tests/_example_runner.py EXAMPLE.py [ARGS...]")
+        raise SystemExit("usage: python tests/support/example_runner.py EXAMPLE.py [ARGS...]")
     example = os.path.abspath(sys.argv[1])
     sys.argv = [example] + sys.argv[2:]
-    sys.path[0] = os.path.dirname(example)  # as for `python EXAMPLE.py`: not this folder (tests/)
+    sys.path[0] = os.path.dirname(example)  # as for `python EXAMPLE.py`: not this folder (tests/support/)
     import overlap
 
     overlap.sanitize_from_env()

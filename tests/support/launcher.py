@@ -1,0 +1,59 @@
+"""``launch/prefill.py`` run as its users run it: one process, under torchrun, or ranks started by hand."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+from support.ports import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "launch", "prefill.py")
+TINY = ["--preset", "tiny", "--warmup", "0", "--iters", "1"]
+
+
+def run_launcher(args: Sequence[str], ranks: Optional[int] = None, env: Optional[Dict[str, str]] = None,
+                 timeout: float = 180) -> subprocess.CompletedProcess:
+    """The launcher with ``args``: one process, or ``ranks`` under torchrun; no $OVERLAP_FAULT unless ``env`` sets
+    it."""
+    cmd = [sys.executable, SCRIPT] if ranks is None else [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+        "--master-port", str(free_port()), SCRIPT]
+    full_env = dict(os.environ, PYTHONPATH=ROOT)
+    full_env.pop("OVERLAP_FAULT", None)
+    full_env.update(env or {})
+    return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
+
+
+def by_hand(per_rank_args: Sequence[Sequence[str]], env: Union[None, Dict[str, str], List[Dict[str, str]]] = None,
+            timeout: float = 120) -> List[Tuple[int, str, str]]:
+    """Start one process per entry of ``per_rank_args`` as the ranks of one job (no torchrun); their results
+    (exit status, stdout, stderr) in rank order. ``env``: added to every rank's environment, or a list of one such
+    dict per rank; no $OVERLAP_FAULT unless it sets one."""
+    port = free_port()
+    procs = []
+    for rank, args in enumerate(per_rank_args):
+        extra = env[rank] if isinstance(env, list) else env
+        rank_env = dict(os.environ, PYTHONPATH=ROOT, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                        WORLD_SIZE=str(len(per_rank_args)), RANK=str(rank), LOCAL_RANK=str(rank),
+                        LOCAL_WORLD_SIZE=str(len(per_rank_args)))
+        rank_env.pop("OVERLAP_FAULT", None)
+        rank_env.update(extra or {})
+        procs.append(subprocess.Popen([sys.executable, SCRIPT] + list(args), env=rank_env, cwd=ROOT,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        outs.append((p.returncode, out, err))
+    return outs
+
+
+def all_text(outs: Sequence[Tuple[int, str, str]]) -> str:
+    """Every rank's stdout and stderr of `by_hand`'s results, in rank order."""
+    return "".join(o + e for _, o, e in outs)
