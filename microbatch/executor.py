@@ -20,6 +20,7 @@ import torch
 import overlap
 from overlap import EP_COMM, backends, tensors_in
 
+from . import replay
 from .operations import State, split_outputs
 from .schedules import OUT, Flow, Key, Layers, Schedule, ScheduledOp, normalize_layers, validate
 
@@ -165,10 +166,18 @@ def run(schedule: Schedule, layers: Layers, inputs: Sequence[Mapping[str, Any]],
     micro-batch's values). Each micro-batch's result is the last layer's ``output`` value. The
     schedule is checked completely before the first launch, so a bad schedule fails with
     `ScheduleError` on every rank before any collective is issued.
+
+    On the eager paths the check and the lowering are done once per schedule, layer signature,
+    inputs' structure, path and caller stream, and replayed by later calls (`microbatch.replay`).
     """
-    layers = normalize_layers(layers)
-    lowering, flow = lower(schedule, layers, inputs, output=output)
-    return execute(lowering, flow, inputs)
+    if not replay.replays():
+        normalized = normalize_layers(layers)
+        lowering, flow = lower(schedule, normalized, inputs, output=output)
+        return execute(lowering, flow, inputs)
+    fns, sig = replay.layer_signature(layers)
+    program = replay.program_for(schedule, sig, inputs, output,
+                                 lambda: lower(schedule, normalize_layers(layers), inputs, output=output))
+    return program.replay(fns, inputs)
 
 
 def execute(lowering: Lowering, flow: Flow, inputs: Sequence[Mapping[str, Any]]) -> List[Any]:

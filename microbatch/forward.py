@@ -22,6 +22,7 @@ from .batch import K, PREFIX_KV, SEQ, V, Batch
 from .executor import run
 from .model import KV, ForwardModel, MoEModel
 from .operations import FromMicroBatch, Operation
+from .replay import schedule_of
 from .schedules import HIDDEN, Schedule
 from .split import Split, merge_outputs, prefix_kv, prefix_sources, split_batch
 
@@ -73,7 +74,7 @@ def run_schedule(model: ForwardModel, batch: Batch, plan: Split, layers: List[Li
     it, and merge the micro-batches' normed outputs back into packed order.
     """
     inputs = micro_batch_inputs(model, batch, plan)
-    outputs = run(make(layers, len(inputs)), layers, inputs)
+    outputs = run(schedule_of(make, layers, len(inputs)), layers, inputs)
     finals = [model.norm(h) for h in outputs]
     return finals[0] if plan.serial else merge_outputs(plan, *finals)
 

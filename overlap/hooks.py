@@ -9,12 +9,11 @@ checker can follow the ordering edges. With no observer installed every call is 
 """
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import dataclasses
 import itertools
 import time
-from typing import Any, Dict, Iterator, Optional, Sequence
+from typing import Any, ContextManager, Dict, Optional, Sequence
 
 import torch
 
@@ -95,19 +94,32 @@ def end_span(span: Optional[Span], end: Optional[float] = None) -> None:
     _notify("on_span_end", span)
 
 
-@contextlib.contextmanager
-def span(name: str, kind: str = "compute", **meta: Any) -> Iterator[Optional[Span]]:
+class _SpanBlock:
+    """The block of `span`: a class rather than a generator, as it wraps every observed launch."""
+
+    __slots__ = ("name", "kind", "meta", "span", "token")
+
+    def __init__(self, name: str, kind: str, meta: Dict[str, Any]):
+        self.name, self.kind, self.meta = name, kind, meta
+        self.span: Optional[Span] = None
+        self.token: Any = None
+
+    def __enter__(self) -> Optional[Span]:
+        if not STATE.observers:
+            return None
+        self.span = start_span(self.name, current_stream_tag(), self.kind, meta=self.meta)
+        self.token = _context_meta.set({**_context_meta.get(), **self.meta})
+        return self.span
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.token is not None:
+            _context_meta.reset(self.token)
+            end_span(self.span)
+
+
+def span(name: str, kind: str = "compute", **meta: Any) -> ContextManager[Optional[Span]]:
     """Mark a block of inline work on the current stream, e.g. ``with span("attn", mb=0, layer=3)``."""
-    if not STATE.observers:
-        yield None
-        return
-    s = start_span(name, current_stream_tag(), kind, meta=meta)
-    token = _context_meta.set({**_context_meta.get(), **meta})
-    try:
-        yield s
-    finally:
-        _context_meta.reset(token)
-        end_span(s)
+    return _SpanBlock(name, kind, meta)
 
 
 def event_recorded(event_name: str, stream: str) -> None:

@@ -13,6 +13,7 @@ which npugraph_ex itself cannot forget.
 """
 from __future__ import annotations
 
+import collections
 import math
 import threading
 from typing import Any, Dict, List, Optional, Tuple
@@ -48,6 +49,7 @@ class ProcessState:
         self.link_busy_until = 0.0  # perf_counter time the simulated link is booked until
         self.pools: Dict[str, List[Any]] = {}  # reusable buffers other packages keep, by name
         self.wait_timeout = DEFAULT_WAIT_TIMEOUT  # seconds any one wait may block (set_wait_timeout)
+        self.programs: "collections.OrderedDict[Any, Any]" = collections.OrderedDict()  # microbatch.replay's
 
     def reset(self) -> None:
         with self.lock:

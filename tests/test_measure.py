@@ -333,3 +333,24 @@ def test_the_pipeline_benchmarks_verdict_says_when_it_is_noise(one_rank):
     assert verdict({"serial": serial, "two-batch": two}) == "two-batch not slower than serial: NO"
     serial, two = _compared([1.0], {"two-batch": ([0.8], 0.5)})
     assert verdict({"serial": serial, "two-batch": two}).endswith("yes (one round: not a result)")
+
+
+def test_the_pipeline_benchmark_names_the_host_time_in_exchanges_and_what_it_held_back():
+    from launch.bench.pipeline import host_blocking, host_blocking_table
+
+    def launch(name, kind, mb, start, end, rank=0):
+        return Span(name, DEFAULT if kind == "compute" else EP_COMM, kind, rank=rank, start=start, end=end,
+                    meta={"mb": mb, "layer": 0})
+
+    spans = [launch("attn", "compute", 0, 0.000, 0.010),
+             launch("dispatch", "issue", 0, 0.010, 0.015),  # then mb1's attention: held back 5 ms
+             launch("attn", "compute", 1, 0.015, 0.025),
+             launch("dispatch", "issue", 1, 0.025, 0.027),  # then mb1's own experts: not another's
+             launch("experts", "compute", 1, 0.027, 0.030),
+             Span("dispatch", EP_COMM, "comm", start=0.010, end=0.020, meta={"mb": 0, "layer": 0}),  # not a launch
+             launch("dispatch", "issue", 0, 0.0, 0.001, rank=1)]
+    blocked = host_blocking(spans)
+    assert blocked[0] == pytest.approx((0.007, 0.005))
+    assert blocked[1] == pytest.approx((0.001, 0.0))
+    result = types.SimpleNamespace(mode="two-batch", spans=spans)
+    assert "two-batch        7.00 ms in exchanges,     5.00 ms of it holding back" in host_blocking_table([result])

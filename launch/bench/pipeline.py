@@ -5,7 +5,9 @@ same run (`launch.measure.table`): each mode's median time per prefill and the r
 speedup over serial, the hidden share of communication, the share of communication in serial time
 and the ideal speedup (compute + comm) / max(compute, comm); then, in words, every difference
 within the rounds' spread and every speedup more than the ideal or than the hidden communication
-explains. Medians of 5 rounds by default: fewer leave the spread unknown or the medians unsteady.
+explains; then, per mode, how long the host spent in the exchanges' launches (on CPU the count
+exchange's host read is one) and how much of that held back another micro-batch's work
+(`host_blocking`). Medians of 5 rounds by default: fewer leave the spread unknown or the medians unsteady.
 The default preset with the default simulated link puts communication at roughly 25-50% of
 serial time, the share reported for prefill on NPU clusters. ``--model NAME`` runs a transformers
 MoE family instead of the reference decoder, built from its config at the shapes of the preset
@@ -23,7 +25,7 @@ import sys
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import click
 
@@ -55,7 +57,45 @@ def _rank_body(ctx: Any, preset_name: str, seq_lens: List[int], warmup: int, ite
     results = measure_modes(model, batch, modes, ctx.group, warmup=warmup, iters=iters)
     if ctx.rank != 0:
         return None
-    return table(results, batch.seq.num_tokens * ctx.world_size) + "\n" + verdict({r.mode: r for r in results})
+    return (table(results, batch.seq.num_tokens * ctx.world_size) + "\n" + verdict({r.mode: r for r in results})
+            + "\n" + host_blocking_table(results))
+
+
+def host_blocking(spans: List[Any]) -> Dict[int, Tuple[float, float]]:
+    """Per rank: the host's seconds inside the exchanges' launches (the executor's ``issue`` spans: the
+    count exchange's host read included), and how much of it held back another micro-batch's work (the
+    host's next launch, within 0.2 ms of the exchange's end, was another micro-batch's)."""
+    by_rank: Dict[int, List[Any]] = {}
+    for sp in spans:
+        if sp.kind in ("compute", "issue") and "mb" in sp.meta and sp.end is not None:
+            by_rank.setdefault(sp.rank, []).append(sp)
+    out = {}
+    for rank, launches in by_rank.items():
+        launches.sort(key=lambda sp: sp.start)
+        blocked = held = 0.0
+        for i, sp in enumerate(launches):
+            if sp.kind != "issue":
+                continue
+            blocked += sp.end - sp.start
+            after = [n for n in launches[i + 1:] if n.start >= sp.end - 1e-9]
+            if after and after[0].meta.get("mb") != sp.meta.get("mb") and after[0].start - sp.end < 2e-4:
+                held += sp.end - sp.start
+        out[rank] = (blocked, held)
+    return out
+
+
+def host_blocking_table(results: List[Any]) -> str:
+    """`host_blocking` of each mode's median round, the slowest rank's, in milliseconds per prefill."""
+    lines = ["host in exchange launches per prefill (slowest rank), and what held back another micro-batch:"]
+    for r in results:
+        per_rank = host_blocking(r.spans)
+        if not per_rank:
+            lines.append(f"  {r.mode:12} (no timeline)")
+            continue
+        blocked, held = max(per_rank.values())
+        lines.append(f"  {r.mode:12} {blocked * 1e3:8.2f} ms in exchanges, {held * 1e3:8.2f} ms of it holding back "
+                     f"another micro-batch")
+    return "\n".join(lines)
 
 
 def verdict(by: Dict[str, Any]) -> str:

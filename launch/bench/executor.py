@@ -1,0 +1,203 @@
+"""Benchmark the executor's host cost: microseconds per launch, first call and replayed, beside a plain loop.
+
+One process, no ranks: what the host spends to issue each operation of a schedule. For serial,
+shared and two-batch, measured side by side with the modes interleaved round by round (medians):
+
+- ``first``: a call that finds no kept lowering (checked, lowered and compiled, then run);
+- ``replayed``: a later call with new inputs (`microbatch.replay`);
+- ``timeline``: replayed with a `Timeline` attached (every launch a span);
+- ``loop``: a plain Python loop calling the same operations' functions in the same order.
+
+Two workloads: ``synthetic``, ``--layers`` layers of ``--ops`` operations that return their input
+(so the figures are the host's cost alone, as in DeepSeek-V3's 61 layers), and ``reference``, the
+reference decoder's real operations (``--preset``) at 1 and 64 tokens, where ``loop`` runs each
+operation on a plain dict of values. Targets on a 2-core host: a replayed launch at most 3 us more
+than the loop in serial and 5 us in two-batch; a `Timeline` at most 10 us more per launch. It also
+prints the prefill's work outside the executor (split, merge, embedding, final norm, building the
+layers' operations) as a share of a 64-token serial prefill (target: at most 5%). Example::
+
+    python -m launch.bench.executor --layers 61 --rounds 20
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple
+
+import click
+import torch
+
+import microbatch
+import overlap
+from microbatch import Batch, Operation, serial_split
+from microbatch.planning import propose_split
+from overlap import EP_COMM, Timeline
+from overlap.state import STATE
+
+MODES = ("serial", "shared", "two-batch")
+MEASURES = ("first", "replayed", "timeline", "loop")
+
+
+def synthetic_layers(n_layers: int, n_ops: int) -> List[List[Operation]]:
+    """``n_layers`` layers of ``n_ops`` (at least 6) operations that return their input, in the shape of a
+    MoE layer: attention, gate, a dispatch and a combine on the exchange stream around the experts, then
+    ``n_ops - 6`` more compute operations and the output."""
+    names = ["attn", "gate", "dispatch", "experts", "combine"] + [f"op{i}" for i in range(n_ops - 6)] + ["out"]
+
+    def ident(x: Any) -> Any:
+        return x
+
+    def layer() -> List[Operation]:
+        reads = ["hidden"] + names[:-1]
+        return [Operation(n, ident, (r,), (n,), EP_COMM if n in ("dispatch", "combine") else overlap.DEFAULT)
+                for n, r in zip(names, reads)]
+
+    return [layer() for _ in range(n_layers)]
+
+
+def _loop(schedule: microbatch.Schedule, layers: Sequence[Sequence[Operation]],
+          inputs: Sequence[Mapping[str, Any]]) -> Callable[[], None]:
+    """The same operations in the schedule's order, values in plain dicts: the floor of any executor."""
+    by_name = [{o.name: o for o in layer} for layer in layers]
+    plan = [(l.mb, l.layer, by_name[l.layer][l.op]) for l in schedule.launches]
+    n_layers = len(layers)
+
+    def run() -> None:
+        states: List[List[Dict[str, Any]]] = [[dict(inp) for _ in range(n_layers)] for inp in inputs]
+        for mb, li, op in plan:
+            state = states[mb][li]
+            if li and "hidden" not in state:
+                state["hidden"] = states[mb][li - 1]["out"]
+            out = op.fn(*[_value(states, mb, li, r) for r in op.reads])
+            if len(op.writes) == 1:
+                state[op.writes[0]] = out
+            else:
+                state.update(zip(op.writes, out))
+
+    return run
+
+
+def _value(states: List[List[Dict[str, Any]]], mb: int, li: int, name: str) -> Any:
+    v = states[mb][li][name]
+    if isinstance(v, microbatch.FromMicroBatch):
+        vals = [states[m][li][n] for m in v.mbs for n in v.names]
+        return v.fn(*vals) if v.fn is not None else (tuple(vals) if len(vals) > 1 else vals[0])
+    return v
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    overlap.synchronize()
+    return time.perf_counter() - t0
+
+
+def measure(layers_of: Callable[[], List[List[Operation]]], inputs_of: Callable[[int], List[Dict[str, Any]]],
+            rounds: int, modes: Sequence[str] = MODES) -> Dict[str, Dict[str, float]]:
+    """Median microseconds per launch of every mode and measure, the modes interleaved round by round."""
+    samples: Dict[str, Dict[str, List[float]]] = {m: {k: [] for k in MEASURES} for m in modes}
+    launches: Dict[str, int] = {}
+    for _ in range(rounds + 1):  # the first round warms up every path
+        for m in modes:
+            layers = layers_of()
+            mode = microbatch.mode(m)
+            inputs = inputs_of(mode.micro_batches)
+            schedule = mode.make(layers, len(inputs))
+            launches[m] = n = len(schedule.launches)
+            STATE.programs.clear()
+            first = _timed(lambda: microbatch.run(schedule, layers, inputs))
+            replayed = _timed(lambda: microbatch.run(schedule, layers, inputs))
+            with Timeline():
+                timeline = _timed(lambda: microbatch.run(schedule, layers, inputs))
+            loop = _timed(_loop(schedule, layers, inputs))
+            for k, v in zip(MEASURES, (first, replayed, timeline, loop)):
+                samples[m][k].append(v / n * 1e6)
+    return {m: {k: statistics.median(v[1:]) for k, v in samples[m].items()} | {"launches": launches[m]}
+            for m in modes}
+
+
+def _reference(preset_name: str, tokens: int) -> Tuple[Any, Callable[[], List[List[Operation]]],
+                                                      Callable[[int], List[Dict[str, Any]]]]:
+    from launch.models import build_model, preset
+
+    model = build_model(preset(preset_name))
+    lens = [tokens] if tokens < 4 else [tokens // 2, tokens - tokens // 2]
+    batch = Batch.random(lens, model.cfg.vocab)
+
+    def inputs_of(n: int) -> List[Dict[str, Any]]:
+        split = serial_split(batch) if n == 1 else propose_split(batch.seq.seq_lens, n, min_tokens=1)
+        if not split.serial and len(split.points) + 1 != n:
+            split = serial_split(batch)
+        return microbatch.micro_batch_inputs(model, batch, split)
+
+    return model, model.layer_operations, inputs_of
+
+
+def outside_share(preset_name: str, tokens: int, rounds: int) -> Tuple[float, float]:
+    """Milliseconds of a serial prefill of ``tokens`` tokens, and the share of it outside the executor's run."""
+    from launch.models import build_model, preset
+
+    model = build_model(preset(preset_name))
+    batch = Batch.random([tokens], model.cfg.vocab)
+    split = serial_split(batch)
+    make = microbatch.mode("serial").make
+    totals, inside = [], []
+    real_run = microbatch.forward.run
+
+    def timed_run(*a: Any, **k: Any) -> Any:
+        t0 = time.perf_counter()
+        out = real_run(*a, **k)
+        inside.append(time.perf_counter() - t0)
+        return out
+
+    microbatch.forward.run = timed_run
+    try:
+        with torch.no_grad():
+            for _ in range(rounds + 1):
+                totals.append(_timed(lambda: microbatch.run_schedule(model, batch, split, model.layer_operations(),
+                                                                     make)))
+    finally:
+        microbatch.forward.run = real_run
+    total = statistics.median(totals[1:])
+    return total * 1e3, 1 - statistics.median(inside[1:]) / total
+
+
+def _table(title: str, figures: Dict[str, Dict[str, float]]) -> None:
+    print(f"\n{title}: us per launch (median)")
+    print(f"{'mode':10} {'launches':>8} " + " ".join(f"{k:>9}" for k in MEASURES) + f" {'replay-loop':>12} "
+          f"{'timeline-replay':>16}")
+    for m, f in figures.items():
+        print(f"{m:10} {int(f['launches']):8d} " + " ".join(f"{f[k]:9.2f}" for k in MEASURES)
+              + f" {f['replayed'] - f['loop']:12.2f} {f['timeline'] - f['replayed']:16.2f}")
+
+
+@click.command()
+@click.option("--layers", default=61, show_default=True, help="synthetic layers (DeepSeek-V3 has 61)")
+@click.option("--ops", default=6, show_default=True, help="operations per synthetic layer")
+@click.option("--preset", "preset_name", default="small", show_default=True, help="the reference decoder's shapes")
+@click.option("--tokens", default="1,64", show_default=True, help="tokens of the reference workload, comma-separated")
+@click.option("--rounds", default=10, show_default=True, help="interleaved rounds (the median is printed)")
+def main(layers: int, ops: int, preset_name: str, tokens: str, rounds: int) -> None:
+    """Microseconds per launch of the executor, first call and replayed, beside a plain loop."""
+    if layers < 1 or ops < 6 or rounds < 1:
+        raise click.UsageError("--layers and --rounds must be at least 1, --ops at least 6")
+    try:
+        token_counts = [int(t) for t in tokens.split(",") if t.strip()]
+    except ValueError:
+        raise click.UsageError(f"--tokens {tokens!r}: expected comma-separated counts, e.g. 1,64") from None
+    if not token_counts or min(token_counts) < 1:
+        raise click.UsageError(f"--tokens {tokens!r}: expected counts of at least 1")
+    x = torch.zeros(4)
+    _table(f"synthetic: {layers} layers x {ops} operations that return their input",
+           measure(lambda: synthetic_layers(layers, ops), lambda n: [{"hidden": x} for _ in range(n)], rounds))
+    for t in token_counts:
+        with torch.no_grad():
+            _, layers_of, inputs_of = _reference(preset_name, t)
+            _table(f"reference decoder ({preset_name}), {t} tokens", measure(layers_of, inputs_of, rounds))
+    ms, share = outside_share(preset_name, 64, rounds)
+    print(f"\nserial prefill of 64 tokens ({preset_name}): {ms:.2f} ms, {share:.1%} of it outside the executor's "
+          f"launches (split, merge, embedding, final norm, the layers' operations); target at most 5%")
+
+
+if __name__ == "__main__":
+    main()
