@@ -27,6 +27,7 @@ call, as a compiler captures the launches once anyway.
 from __future__ import annotations
 
 import collections
+import threading
 from typing import Any, Callable, Dict, Hashable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -101,7 +102,7 @@ class Program:
     def replay(self, fns: Sequence[Callable[..., Any]], inputs: Sequence[Mapping[str, Any]]) -> List[Any]:
         """Run the program: ``fns`` are the operations' functions in layer order, ``inputs`` each
         micro-batch's initial values (of the structure it was lowered for); each micro-batch's output."""
-        _STATS["replayed"] += 1
+        _STATS["replayed"] += 1  # a statistic: an increment lost between threads is no harm
         slots: List[Any] = [None] * self.n_slots
         for s, mb, name in self.inputs:
             slots[s] = inputs[mb][name]
@@ -243,11 +244,11 @@ def program_for(schedule: Schedule, sig: Tuple[Any, ...], inputs: Sequence[Mappi
     lowered with ``lower()`` and kept when there is none."""
     key = _Key((_fingerprint(schedule), sig, _input_signature(inputs), overlap.current_path(),
                 overlap.current_stream_tag(), output))
-    programs = STATE.programs
-    program = programs.get(key)
-    if program is not None:
-        programs.move_to_end(key)
-        return program
+    with STATE.lock:  # another thread may evict it between the lookup and the move
+        program = STATE.programs.get(key)
+        if program is not None:
+            STATE.programs.move_to_end(key)
+            return program
     lowering, flow = lower()
     program = Program(lowering, flow, _fn_positions(sig))
     _STATS["lowered"] += 1
@@ -264,6 +265,7 @@ def replay_stats() -> Dict[str, int]:
 
 
 _SCHEDULES: "collections.OrderedDict[Hashable, Schedule]" = collections.OrderedDict()
+_SCHEDULES_LOCK = threading.Lock()
 
 
 def schedule_of(make: Callable[[Any, int], Schedule], layers: Sequence[Sequence[Any]], n_micro: int) -> Schedule:
@@ -276,13 +278,16 @@ def schedule_of(make: Callable[[Any, int], Schedule], layers: Sequence[Sequence[
         key = _Key((make, n_micro, layer_signature(layers)[1]))
     except TypeError:  # an unhashable generator: build it every time
         return make(layers, n_micro)
-    schedule = _SCHEDULES.get(key)
-    if schedule is None:
-        schedule = _SCHEDULES[key] = make(layers, n_micro)
+    with _SCHEDULES_LOCK:
+        schedule = _SCHEDULES.get(key)
+        if schedule is not None:
+            _SCHEDULES.move_to_end(key)
+            return schedule
+    schedule = make(layers, n_micro)
+    with _SCHEDULES_LOCK:
+        _SCHEDULES[key] = schedule
         while len(_SCHEDULES) > CACHE_SIZE:
             _SCHEDULES.popitem(last=False)
-    else:
-        _SCHEDULES.move_to_end(key)
     return schedule
 
 
