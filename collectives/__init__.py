@@ -14,7 +14,8 @@ family's handles and batches offer one interface (`collectives.handles`: `EPDisp
 from ._buffers import release as release_buffers
 from .capacity import (CapacityBatch, CapacityCombineHandle, CapacityDispatchHandle, CapacityExpertParallelMoE,
                        capacity_combine, capacity_dispatch)
-from .dispatch import CombineHandle, DispatchHandle, combine, dispatch, exchange_counts, group_size
+from .dispatch import (CombineHandle, DispatchHandle, PendingDispatch, combine, dispatch, dispatch_counts,
+                       exchange_counts, group_size)
 from .experts import LocalExperts, grouped_mlp, resolve_impl
 from .handles import EPBatch, EPCombineHandle, EPDispatchHandle
 from .layer import MOE_IN, MOE_OUT, ExpertParallelMoE, SharedExperts
@@ -27,11 +28,11 @@ from .wrap import TransformersRouter, find_moe_blocks, wrap_expert_parallel
 
 __all__ = [
     "CapacityBatch", "CapacityCombineHandle", "CapacityDispatchHandle", "CapacityExpertParallelMoE",
-    "capacity_combine", "capacity_dispatch", "CombineHandle", "DispatchHandle", "DispatchLayout", "EPBatch",
+    "capacity_combine", "capacity_dispatch", "CombineHandle", "PendingDispatch", "DispatchHandle", "DispatchLayout", "EPBatch",
     "EPCombineHandle", "EPDispatchHandle", "ExpertBatch", "ExpertParallelMoE", "LayoutError", "LocalExperts",
     "MC2Batch", "MC2CombineHandle", "MC2DispatchHandle", "MC2Error", "MC2ExpertParallelMoE", "MOE_IN", "MOE_OUT",
     "MoE", "MoEConfig", "SharedExperts", "TransformersRouter", "check_mc2_buffer", "check_routing",
     "choose_backend", "combine", "combine_dense", "compute_layout", "dispatch", "ep_combine", "ep_dispatch",
-    "exchange_counts", "expand", "find_moe_blocks", "group_size", "grouped_mlp", "mc2_buffer_mb", "mc2_combine",
+    "dispatch_counts", "exchange_counts", "expand", "find_moe_blocks", "group_size", "grouped_mlp", "mc2_buffer_mb", "mc2_combine",
     "mc2_dispatch", "reduce_local", "reduce_ranks", "release_buffers", "resolve_impl", "wrap_expert_parallel",
 ]

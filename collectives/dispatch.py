@@ -14,7 +14,10 @@ exchange is issued on the current stream and ordering is the caller's job (the p
 Host synchronisation: the receiver must know how many rows it gets before it can allocate and
 issue the exchange, so ``dispatch`` first exchanges the counts and reads them on the host (it
 blocks until every rank has reached its dispatch). Callers that know the split sizes pass
-``send_splits`` and ``recv_splits`` and skip it; that is required under ``torch.compile``.
+``send_splits`` and ``recv_splits`` and skip it; that is required under ``torch.compile``. The two
+halves are separate calls too: `dispatch_counts` issues the count exchange without reading it and
+returns a `PendingDispatch`, whose ``dispatch()`` reads the counts and issues the tokens, so work
+issued in between is not held back by a slower rank.
 
 The count exchange also carries each rank's hidden size, expert count, top-k, dtype and whether it
 rejected its input, so that a mismatch or a bad input on one rank raises `LayoutError` on every rank
@@ -197,26 +200,52 @@ def _count_rows(world: int, layout: Optional[DispatchLayout], fields: Sequence[i
     return send
 
 
-def _exchange_count_rows(send: torch.Tensor, epr: int, group: Optional[dist.ProcessGroup], event_tag: str,
-                         rejected: Optional[BaseException]) -> tuple:
-    """Exchange `_count_rows`, check agreement (every rank raises alike), and return ``(recv_splits,
-    recv_per_expert)``; ``recv_per_expert`` is None where the pairs per expert did not fit the slots."""
+@dataclasses.dataclass
+class PendingCounts:
+    """A count exchange issued and not yet read on the host (`_issue_count_rows`): ``read`` waits for it."""
+
+    send: torch.Tensor  # [W, _HEAD + slots] the rows this rank sent
+    recv: Optional[torch.Tensor]  # the rows every rank sent us (None without peers: our own rows)
+    used: int  # the columns read on the host: the head, and the pairs per expert where they fit
+    event: Optional[overlap.Event]  # recorded on the issuing stream right after the exchange
+
+    def read(self, rejected: Optional[BaseException] = None) -> tuple:
+        """Wait for the exchange, check agreement (every rank raises alike; a rank passing ``rejected`` raises
+        that) and return ``(recv_splits, recv_per_expert)``; ``recv_per_expert`` None where the pairs per
+        expert did not fit the slots."""
+        if self.recv is None:
+            rows = self.send[:, :self.used].tolist()
+        else:
+            self.event.synchronize()
+            rows = self.recv[:, :self.used].tolist()
+        if rejected is not None:  # its words are in its own error; the others' posts say that it rejected
+            raise rejected
+        compare_posts([{"values": fields_by_name(r[1:_HEAD - 1]), "problems": [_REJECTED] if r[_HEAD - 1] else []}
+                       for r in rows], hints=AGREED_HINTS, error=LayoutError)
+        per_expert = None
+        if self.used > _HEAD:  # the ranks agree on the expert count, so on the slots used
+            per_expert = [sum(r[_HEAD + e] for r in rows) for e in range(self.used - _HEAD)]
+        return [r[0] for r in rows], per_expert
+
+
+def _issue_count_rows(send: torch.Tensor, epr: int, group: Optional[dist.ProcessGroup],
+                      event_tag: str) -> PendingCounts:
+    """Issue the exchange of `_count_rows` on the current stream, without reading it."""
     world = send.shape[0]
     used = _HEAD + (epr if 0 < epr <= _expert_slots(world) else 0)  # read on the host only what is needed
     if world == 1 and not dist.is_initialized():
-        rows = send[:, :used].tolist()
-    else:
-        recv = torch.empty_like(send)
-        overlap.all_to_all_single(recv, send, group=group, name="dispatch.counts")
-        rows = _host_read(recv[:, :used], overlap.event(event_tag))
-    if rejected is not None:  # its words are in its own error; the others' posts say that it rejected
-        raise rejected
-    compare_posts([{"values": fields_by_name(r[1:_HEAD - 1]), "problems": [_REJECTED] if r[_HEAD - 1] else []}
-                   for r in rows], hints=AGREED_HINTS, error=LayoutError)
-    per_expert = None
-    if used > _HEAD:  # the ranks agree on the expert count, so on the slots used
-        per_expert = [sum(r[_HEAD + e] for r in rows) for e in range(epr)]
-    return [r[0] for r in rows], per_expert
+        return PendingCounts(send, None, used, None)
+    recv = torch.empty_like(send)
+    overlap.all_to_all_single(recv, send, group=group, name="dispatch.counts")
+    event = _handle_event(event_tag)  # one per exchange: two in flight are read apart
+    event.record(recv)
+    return PendingCounts(send, recv, used, event)
+
+
+def _exchange_count_rows(send: torch.Tensor, epr: int, group: Optional[dist.ProcessGroup], event_tag: str,
+                         rejected: Optional[BaseException]) -> tuple:
+    """Exchange `_count_rows` and read them (`PendingCounts.read`)."""
+    return _issue_count_rows(send, epr, group, event_tag).read(rejected)
 
 
 def exchange_counts(layout: DispatchLayout, group: Optional[dist.ProcessGroup],
@@ -349,14 +378,16 @@ def _plan_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.
 
 def _issue_dispatch(plan: _SendLayout, x: torch.Tensor, group: Optional[dist.ProcessGroup],
                     previous_event: Optional[overlap.Event], stream_tag: Optional[str],
-                    event_tag: str) -> DispatchHandle:
-    """On ``stream_tag``: the count exchange (unless the splits are known), the receive buffers and the
-    two exchanges (tokens, metadata) into all but their first ``n_own`` rows."""
+                    event_tag: str, counts: Optional[PendingCounts] = None) -> DispatchHandle:
+    """On ``stream_tag``: the count exchange's read (``counts``, issued before, else issued now; none where
+    the splits are known), the receive buffers and the two exchanges (tokens, metadata) into all but
+    their first ``n_own`` rows."""
     layout, me, n_own = plan.layout, plan.rank, plan.n_own
     with _side(stream_tag, previous_event, event_tag) as caller:
         recv_splits, per_expert = plan.recv_splits, None
         if recv_splits is None:
-            recv_splits, per_expert = exchange_counts(layout, group, fields=plan.fields)
+            recv_splits, per_expert = (counts.read() if counts is not None
+                                       else exchange_counts(layout, group, fields=plan.fields))
         rows = sum(recv_splits)
         recv_x = x.new_empty(rows, x.shape[1])
         recv_meta = plan.meta.new_empty(rows, plan.meta.shape[1])
@@ -404,20 +435,77 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
     skip the count exchange and its host synchronisation. Input is validated before any tokens travel;
     a rank that rejects its input still takes part in the count exchange, so that every rank raises.
     Rows a rank keeps are gathered straight into its receive buffer, while the exchange is in flight.
+    Without the splits this is ``dispatch_counts(...).dispatch(async_finish)``.
     """
+    if send_splits is None and recv_splits is None:
+        return dispatch_counts(x, topk_idx, topk_weights, num_experts, group, previous_event=previous_event,
+                               stream_tag=stream_tag, event_tag=event_tag,
+                               check_ids=check_ids).dispatch(async_finish=async_finish)
     world = group_size(group)  # a group this rank is not in: nothing to join
-    try:
-        plan = _plan_dispatch(x, topk_idx, topk_weights, num_experts, group, world, send_splits, recv_splits,
-                              check_ids)
-    except LayoutError as err:
-        if send_splits is None and recv_splits is None:
-            _join_as_rejected(err, x, topk_idx, num_experts, group, world, previous_event, stream_tag, event_tag)
-        raise
-    handle = _issue_dispatch(plan, x, group, previous_event, stream_tag, event_tag)
+    plan = _plan_dispatch(x, topk_idx, topk_weights, num_experts, group, world, send_splits, recv_splits, check_ids)
+    return _finish_dispatch(plan, x, group, previous_event, stream_tag, event_tag, None, async_finish)
+
+
+def _finish_dispatch(plan: _SendLayout, x: torch.Tensor, group: Optional[dist.ProcessGroup],
+                     previous_event: Optional[overlap.Event], stream_tag: Optional[str], event_tag: str,
+                     counts: Optional[PendingCounts], async_finish: bool) -> DispatchHandle:
+    handle = _issue_dispatch(plan, x, group, previous_event, stream_tag, event_tag, counts)
     _keep_own_rows(plan, x, handle, event_tag)
     if not async_finish:
         handle.wait()
     return handle
+
+
+@dataclasses.dataclass
+class PendingDispatch:
+    """A dispatch whose count exchange is in flight (`dispatch_counts`): nothing has been read on the host.
+
+    `dispatch` reads the counts (the host waits until every rank has issued its count exchange),
+    then issues the tokens and returns the `DispatchHandle`. Work issued in between, on any stream,
+    does not wait for the other ranks: that is the point of the two steps. Call `dispatch` exactly
+    once, and issue the same collectives in the same order on every rank in between.
+    """
+
+    plan: _SendLayout
+    x: torch.Tensor
+    group: Optional[dist.ProcessGroup]
+    counts: PendingCounts
+    previous_event: Optional[overlap.Event]
+    stream_tag: Optional[str]
+    event_tag: str
+    done: bool = False
+
+    def dispatch(self, *, async_finish: bool = False) -> DispatchHandle:
+        """Read the counts (`LayoutError` on every rank where the ranks disagree or one rejected its
+        input), allocate the receive buffers and issue the tokens; see `dispatch` for ``async_finish``."""
+        if self.done:
+            raise RuntimeError("this dispatch was already issued: PendingDispatch.dispatch() runs once")
+        self.done = True
+        return _finish_dispatch(self.plan, self.x, self.group, self.previous_event, self.stream_tag, self.event_tag,
+                                self.counts, async_finish)
+
+
+def dispatch_counts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
+                    group: Optional[dist.ProcessGroup] = None, *, previous_event: Optional[overlap.Event] = None,
+                    stream_tag: Optional[str] = EP_COMM, event_tag: str = "ep_dispatch",
+                    check_ids: bool = True) -> PendingDispatch:
+    """The first half of `dispatch`: validate and lay out ``x [T, H]`` and issue the count exchange on
+    ``stream_tag`` without reading it; `PendingDispatch.dispatch` reads it and sends the tokens.
+
+    A rank that rejects its input takes part in the count exchange and raises here; the other ranks
+    raise the same `LayoutError` from `PendingDispatch.dispatch`.
+    """
+    world = group_size(group)  # a group this rank is not in: nothing to join
+    try:
+        plan = _plan_dispatch(x, topk_idx, topk_weights, num_experts, group, world, None, None, check_ids)
+    except LayoutError as err:
+        _join_as_rejected(err, x, topk_idx, num_experts, group, world, previous_event, stream_tag, event_tag)
+        raise
+    layout = plan.layout
+    with _side(stream_tag, previous_event, event_tag):
+        send = _count_rows(layout.world_size, layout, plan.fields, False, layout.num_tokens_per_rank.device)
+        counts = _issue_count_rows(send, layout.experts_per_rank, group, f"{event_tag}.counts")
+    return PendingDispatch(plan, x, group, counts, previous_event, stream_tag, event_tag)
 
 
 @dataclasses.dataclass
@@ -581,4 +669,5 @@ def combine(expert_out: torch.Tensor, batch: ExpertBatch, handle: DispatchHandle
     return result
 
 
-__all__ = ["CombineHandle", "DispatchHandle", "combine", "dispatch", "exchange_counts", "group_size"]
+__all__ = ["CombineHandle", "DispatchHandle", "PendingDispatch", "combine", "dispatch", "dispatch_counts",
+           "exchange_counts", "group_size"]

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import overlap
-from collectives import EPBatch, EPCombineHandle, EPDispatchHandle, LayoutError, combine, compute_layout, dispatch
+from collectives import (EPBatch, EPCombineHandle, EPDispatchHandle, LayoutError, combine, compute_layout, dispatch,
+                         dispatch_counts)
 from collectives.dispatch import DispatchHandle
 from overlap.multirank import run_ranks
 from support.protocols import protocol_problems
@@ -497,3 +498,79 @@ def test_combine_refuses_outputs_of_another_hidden_size():
     with pytest.raises(LayoutError, match="the batch expands 3 received rows, but this dispatch received 6"):
         combine(other.x, other, h)
     torch.testing.assert_close(combine(batch.x, batch, h).wait(), x * w.sum(1, keepdim=True))
+
+
+def _two_steps_body(ctx):
+    """dispatch_counts then, after other work, PendingDispatch.dispatch: what dispatch gives, for two
+    dispatches in flight at once (issued in the same order on every rank), sync and async."""
+    epr = 8 // ctx.world_size
+    ok = []
+    for async_finish in (False, True):
+        calls = [_routing(ctx.rank, 20 + 4 * i, 8, 2, 30 + i) for i in range(2)]
+        pending = [dispatch_counts(x, idx, w, 8, ctx.group) for x, idx, w in calls]
+        torch.randn(64, 64) @ torch.randn(64, 64)  # other work while the counts travel
+        handles = [p.dispatch(async_finish=async_finish) for p in pending]
+        for h, call in zip(handles, calls):
+            ref = dispatch(*call, 8, ctx.group)
+            h.wait()
+            ok.append(torch.equal(h.recv_x, ref.recv_x) and h.recv_splits == ref.recv_splits)
+            y, batch = _scale_experts(h, ctx.rank, epr)
+            ok.append(torch.allclose(combine(y, batch, h).wait(), _dense(*call), rtol=1e-5, atol=1e-5))
+    try:
+        pending[0].dispatch()
+        ok.append(False)
+    except RuntimeError as err:
+        ok.append("runs once" in str(err))
+    return ok
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_dispatch_in_two_steps_equals_one(world):
+    for ok in run_ranks(_two_steps_body, world):
+        assert ok and all(ok), ok
+
+
+def _counts_do_not_hold_the_host_body(ctx):
+    """Rank 1 issues its count exchange 2 s after rank 0: rank 0's dispatch_counts returns at once (its host
+    goes on), and only its PendingDispatch.dispatch waits for rank 1."""
+    import time
+
+    import torch.distributed as dist
+
+    x, idx, w = _routing(ctx.rank, 12, 8, 2, 5)
+    dist.barrier(group=ctx.group)
+    if ctx.rank == 1:
+        time.sleep(2.0)
+    issued = time.time()
+    pending = dispatch_counts(x, idx, w, 8, ctx.group)
+    returned = time.time()
+    handle = pending.dispatch()
+    read = time.time()
+    return issued, returned, read, handle.recv_splits
+
+
+def test_the_count_exchange_does_not_hold_the_host_until_it_is_read():
+    (issued0, returned0, read0, _), (issued1, _, _, _) = run_ranks(_counts_do_not_hold_the_host_body, 2)
+    assert returned0 < issued1  # rank 0 went on before rank 1 had even issued its counts
+    assert read0 >= issued1  # the read waited for them
+
+
+def _rejected_in_two_steps_body(ctx):
+    x, idx, w = _routing(ctx.rank, 6, 8, 2, 0)
+    if ctx.rank == 1:
+        idx = idx + 8  # out of range on rank 1 only
+    try:
+        pending = dispatch_counts(x, idx, w, 8, ctx.group)
+    except LayoutError as err:
+        return "counts", str(err)
+    try:
+        pending.dispatch()
+    except LayoutError as err:
+        return "dispatch", str(err)
+    return "none", ""
+
+
+def test_a_rank_that_rejects_its_input_stops_every_rank_in_the_two_steps():
+    (where0, msg0), (where1, msg1) = run_ranks(_rejected_in_two_steps_body, 2)
+    assert where1 == "counts" and "out of range" in msg1  # the rank at fault, with its own words
+    assert where0 == "dispatch" and "rank 1" in msg0, msg0  # the other, when it reads the counts
