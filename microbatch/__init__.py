@@ -7,7 +7,7 @@ forward through one, on a `Batch` split as `microbatch.planning` decides: cut in
 micro-batches that every rank agrees on, or into the mode and split the planner predicts fastest.
 """
 from .batch import K, PREFIX_KV, SEQ, V, Batch, SeqInfo
-from .executor import Lowering, Step, event_tag, execute, lower, run
+from .executor import Lowering, Step, event_tag, execute, lower, run, run_made
 from .forward import cut_refusal, forward_layer_by_layer, micro_batch_inputs, run_schedule, serial_split
 from .model import ForwardModel, Layer, MoELayer, MoEModel, ModelShape
 from .operations import FromMicroBatch, Operation, State, as_operation
@@ -22,7 +22,7 @@ __all__ = [
     # the executor and the schedules
     "HIDDEN", "MODES", "OUT", "FromMicroBatch", "Mode", "Operation", "Lowering", "Schedule", "ScheduleError",
     "ScheduledOp", "State", "Step", "as_listed", "as_operation", "event_tag", "execute", "lower", "mode", "n_batch", "n_batch_name",
-    "normalize_layers", "replay_stats", "run", "schedule_for", "serial", "shared", "two_batch", "validate",
+    "normalize_layers", "replay_stats", "run", "run_made", "schedule_for", "serial", "shared", "two_batch", "validate",
     # a packed batch, a split of it, and the model contract
     "Batch", "K", "PREFIX_KV", "SEQ", "SeqInfo", "V",
     "Split", "merge_outputs", "micro_batches", "prefix_kv", "prefix_sources", "split_batch", "split_tokens",

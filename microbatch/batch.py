@@ -86,7 +86,7 @@ class SeqInfo:
 class Batch:
     """Token ids of packed requests ([num_tokens] int64) and their `SeqInfo`.
 
-    `microbatch.planning.split_batch` cuts it into the micro-batches of a split.
+    `microbatch.split.split_batch` cuts it into the micro-batches of a split.
     """
 
     tokens: torch.Tensor

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -171,10 +171,31 @@ def run(schedule: Schedule, layers: Layers, inputs: Sequence[Mapping[str, Any]],
     inputs' structure, path and caller stream, and replayed by later calls (`microbatch.replay`).
     """
     if not replay.replays():
-        normalized = normalize_layers(layers)
-        lowering, flow = lower(schedule, normalized, inputs, output=output)
-        return execute(lowering, flow, inputs)
+        return _lower_and_execute(schedule, layers, inputs, output)
     fns, sig = replay.layer_signature(layers)
+    return _replay(schedule, layers, fns, sig, inputs, output)
+
+
+def run_made(make: Callable[[Layers, int], Schedule], layers: Layers, inputs: Sequence[Mapping[str, Any]],
+             output: str = OUT) -> List[Any]:
+    """`run` of the schedule ``make(layers, len(inputs))``. Where the path replays, that schedule is kept per
+    generator, micro-batch count and layer signature (`replay.schedule_of`), and the signature is computed
+    once for both: `run_schedule`'s call on every prefill or decode step."""
+    if not replay.replays():
+        return _lower_and_execute(make(layers, len(inputs)), layers, inputs, output)
+    fns, sig = replay.layer_signature(layers)
+    schedule = replay.schedule_of(make, layers, len(inputs), sig)
+    return _replay(schedule, layers, fns, sig, inputs, output)
+
+
+def _lower_and_execute(schedule: Schedule, layers: Layers, inputs: Sequence[Mapping[str, Any]],
+                       output: str) -> List[Any]:
+    lowering, flow = lower(schedule, normalize_layers(layers), inputs, output=output)
+    return execute(lowering, flow, inputs)
+
+
+def _replay(schedule: Schedule, layers: Layers, fns: List[Callable[..., Any]], sig: Tuple[Any, ...],
+            inputs: Sequence[Mapping[str, Any]], output: str) -> List[Any]:
     program = replay.program_for(schedule, sig, inputs, output,
                                  lambda: lower(schedule, normalize_layers(layers), inputs, output=output))
     return program.replay(fns, inputs)
@@ -249,4 +270,4 @@ def _wait_tensors(args: List[Any], deps: Sequence[torch.Tensor]) -> List[Any]:
     return [visit(a) for a in args]
 
 
-__all__ = ["Lowering", "Step", "event_tag", "execute", "lower", "run"]
+__all__ = ["Lowering", "Step", "event_tag", "execute", "lower", "run", "run_made"]

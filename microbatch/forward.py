@@ -19,10 +19,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .batch import K, PREFIX_KV, SEQ, V, Batch
-from .executor import run
+from .executor import run_made
 from .model import KV, ForwardModel, MoEModel
 from .operations import FromMicroBatch, Operation
-from .replay import schedule_of
 from .schedules import HIDDEN, Schedule
 from .split import Split, merge_outputs, prefix_kv, prefix_sources, split_batch
 
@@ -74,7 +73,7 @@ def run_schedule(model: ForwardModel, batch: Batch, plan: Split, layers: List[Li
     it, and merge the micro-batches' normed outputs back into packed order.
     """
     inputs = micro_batch_inputs(model, batch, plan)
-    outputs = run(schedule_of(make, layers, len(inputs)), layers, inputs)
+    outputs = run_made(make, layers, inputs)
     finals = [model.norm(h) for h in outputs]
     return finals[0] if plan.serial else merge_outputs(plan, *finals)
 

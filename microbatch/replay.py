@@ -259,6 +259,12 @@ def program_for(schedule: Schedule, sig: Tuple[Any, ...], inputs: Sequence[Mappi
     return program
 
 
+def forget() -> None:
+    """Drop every kept program (the next run of each lowers again); `overlap.reset` does it too."""
+    with STATE.lock:
+        STATE.programs.clear()
+
+
 def replay_stats() -> Dict[str, int]:
     """How many programs were lowered and how many runs replayed one, since the process started."""
     return dict(_STATS, kept=len(STATE.programs))
@@ -268,14 +274,14 @@ _SCHEDULES: "collections.OrderedDict[Hashable, Schedule]" = collections.OrderedD
 _SCHEDULES_LOCK = threading.Lock()
 
 
-def schedule_of(make: Callable[[Any, int], Schedule], layers: Sequence[Sequence[Any]], n_micro: int) -> Schedule:
-    """``make(layers, n_micro)``, kept per (``make``, ``n_micro``, layer signature) where the path replays: a
-    generator's schedule depends only on the operations' names, reads, writes and streams, so the same
-    object comes back (and its program is found without hashing its launches again)."""
-    if not replays():
-        return make(layers, n_micro)
+def schedule_of(make: Callable[[Any, int], Schedule], layers: Sequence[Sequence[Any]], n_micro: int,
+                sig: Optional[Tuple[Any, ...]] = None) -> Schedule:
+    """``make(layers, n_micro)``, kept per (``make``, ``n_micro``, layer signature ``sig``, computed when not
+    given): a generator's schedule depends only on the operations' names, reads, writes and streams, so
+    the same object comes back (and its program is found without hashing its launches again). Outside
+    tracing only (`executor.run_made` checks)."""
     try:
-        key = _Key((make, n_micro, layer_signature(layers)[1]))
+        key = _Key((make, n_micro, layer_signature(layers)[1] if sig is None else sig))
     except TypeError:  # an unhashable generator: build it every time
         return make(layers, n_micro)
     with _SCHEDULES_LOCK:
@@ -291,4 +297,5 @@ def schedule_of(make: Callable[[Any, int], Schedule], layers: Sequence[Sequence[
     return schedule
 
 
-__all__ = ["CACHE_SIZE", "Program", "layer_signature", "program_for", "replay_stats", "replays", "schedule_of"]
+__all__ = ["CACHE_SIZE", "Program", "forget", "layer_signature", "program_for", "replay_stats", "replays",
+           "schedule_of"]

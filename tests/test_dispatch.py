@@ -531,28 +531,34 @@ def test_a_dispatch_in_two_steps_equals_one(world):
 
 
 def _counts_do_not_hold_the_host_body(ctx):
-    """Rank 1 issues its count exchange 2 s after rank 0: rank 0's dispatch_counts returns at once (its host
-    goes on), and only its PendingDispatch.dispatch waits for rank 1."""
-    import time
+    """Rank 1 issues its count exchange only once rank 0's dispatch_counts has returned (a key in the
+    store, waited for at most 60 s): were the first step to read the counts, rank 0 would wait for rank 1
+    and rank 1 for rank 0. Rank 1 then issues anyway, so that no rank is left waiting, and says whether the
+    key came."""
+    import datetime
 
     import torch.distributed as dist
 
+    store = dist.distributed_c10d._get_default_store()
+    key = f"test_dispatch/counts-returned/{ctx.world_size}"
     x, idx, w = _routing(ctx.rank, 12, 8, 2, 5)
-    dist.barrier(group=ctx.group)
+    came = True
     if ctx.rank == 1:
-        time.sleep(2.0)
-    issued = time.time()
+        try:
+            store.wait([key], datetime.timedelta(seconds=60))
+        except Exception:  # a timeout: rank 0 is still inside dispatch_counts
+            came = False
     pending = dispatch_counts(x, idx, w, 8, ctx.group)
-    returned = time.time()
+    if ctx.rank == 0:
+        store.set(key, "1")
     handle = pending.dispatch()
-    read = time.time()
-    return issued, returned, read, handle.recv_splits
+    return came, handle.recv_splits
 
 
 def test_the_count_exchange_does_not_hold_the_host_until_it_is_read():
-    (issued0, returned0, read0, _), (issued1, _, _, _) = run_ranks(_counts_do_not_hold_the_host_body, 2)
-    assert returned0 < issued1  # rank 0 went on before rank 1 had even issued its counts
-    assert read0 >= issued1  # the read waited for them
+    (_, splits0), (came, splits1) = run_ranks(_counts_do_not_hold_the_host_body, 2, timeout=180)
+    assert came  # rank 0's host went on before rank 1 had issued its counts
+    assert splits0 and splits1
 
 
 def _rejected_in_two_steps_body(ctx):

@@ -339,7 +339,8 @@ def _model_body(ctx, per_rank_lens):
     from collectives import wrap_expert_parallel
     from launch.models import PRESETS, build_model
     from microbatch.batch import Batch
-    from microbatch.planning.split import decide_split, merge_outputs, prefix_kv, split_batch
+    from microbatch.planning.split import decide_split
+    from microbatch.split import merge_outputs, prefix_kv, split_batch
     from overlap.observability.sanitizer import Sanitizer
 
     cfg = PRESETS["tiny"]

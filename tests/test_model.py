@@ -14,7 +14,8 @@ from launch.models import PRESETS, build_model, preset
 from microbatch import HIDDEN, OUT, ForwardModel, Layer, MoELayer, MoEModel, ModelShape
 from microbatch.batch import K, PREFIX_KV, SEQ, V, Batch, SeqInfo
 from microbatch.operations import State
-from microbatch.planning.split import propose_split, split_batch
+from microbatch.planning.split import propose_split
+from microbatch.split import split_batch
 from overlap.multirank import run_ranks
 from support.protocols import Without, protocol_members, protocol_problems
 

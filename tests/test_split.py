@@ -7,8 +7,8 @@ import torch
 
 import overlap
 from microbatch.batch import SeqInfo
-from microbatch.planning.split import (Split, agree_split, decide_split, merge_outputs, micro_batches,
-                              propose_split, prefix_kv, prefix_sources, split_tokens)
+from microbatch.planning.split import agree_split, decide_split, propose_split
+from microbatch.split import Split, merge_outputs, micro_batches, prefix_kv, prefix_sources, split_tokens
 from overlap.multirank import run_ranks
 
 

@@ -29,10 +29,9 @@ import torch
 
 import microbatch
 import overlap
-from microbatch import Batch, Operation, serial_split
+from microbatch import Batch, Operation, replay, serial_split
 from microbatch.planning import propose_split
 from overlap import EP_COMM, Timeline
-from overlap.state import STATE
 
 MODES = ("serial", "shared", "two-batch")
 MEASURES = ("first", "replayed", "timeline", "loop")
@@ -104,7 +103,7 @@ def measure(layers_of: Callable[[], List[List[Operation]]], inputs_of: Callable[
             inputs = inputs_of(mode.micro_batches)
             schedule = mode.make(layers, len(inputs))
             launches[m] = n = len(schedule.launches)
-            STATE.programs.clear()
+            replay.forget()
             first = _timed(lambda: microbatch.run(schedule, layers, inputs))
             replayed = _timed(lambda: microbatch.run(schedule, layers, inputs))
             with Timeline():
@@ -134,7 +133,9 @@ def _reference(preset_name: str, tokens: int) -> Tuple[Any, Callable[[], List[Li
 
 
 def outside_share(preset_name: str, tokens: int, rounds: int) -> Tuple[float, float]:
-    """Milliseconds of a serial prefill of ``tokens`` tokens, and the share of it outside the executor's run."""
+    """Milliseconds of a serial prefill of ``tokens`` tokens (`run_schedule`, building the layers' operations
+    included), and the share of it outside the executor's run: the same prefill minus the run alone on
+    inputs built beforehand, the two interleaved round by round."""
     from launch.models import build_model, preset
 
     model = build_model(preset(preset_name))
@@ -142,22 +143,13 @@ def outside_share(preset_name: str, tokens: int, rounds: int) -> Tuple[float, fl
     split = serial_split(batch)
     make = microbatch.mode("serial").make
     totals, inside = [], []
-    real_run = microbatch.forward.run
-
-    def timed_run(*a: Any, **k: Any) -> Any:
-        t0 = time.perf_counter()
-        out = real_run(*a, **k)
-        inside.append(time.perf_counter() - t0)
-        return out
-
-    microbatch.forward.run = timed_run
-    try:
-        with torch.no_grad():
-            for _ in range(rounds + 1):
-                totals.append(_timed(lambda: microbatch.run_schedule(model, batch, split, model.layer_operations(),
-                                                                     make)))
-    finally:
-        microbatch.forward.run = real_run
+    with torch.no_grad():
+        layers = model.layer_operations()
+        inputs = microbatch.micro_batch_inputs(model, batch, split)
+        for _ in range(rounds + 1):
+            totals.append(_timed(lambda: microbatch.run_schedule(model, batch, split, model.layer_operations(),
+                                                                 make)))
+            inside.append(_timed(lambda: microbatch.run_made(make, layers, inputs)))
     total = statistics.median(totals[1:])
     return total * 1e3, 1 - statistics.median(inside[1:]) / total
 

@@ -77,8 +77,8 @@ def host_blocking(spans: List[Any]) -> Dict[int, Tuple[float, float]]:
             if sp.kind != "issue":
                 continue
             blocked += sp.end - sp.start
-            after = [n for n in launches[i + 1:] if n.start >= sp.end - 1e-9]
-            if after and after[0].meta.get("mb") != sp.meta.get("mb") and after[0].start - sp.end < 2e-4:
+            nxt = next((n for n in launches[i + 1:] if n.start >= sp.end - 1e-9), None)  # not one inside it
+            if nxt is not None and nxt.meta.get("mb") != sp.meta.get("mb") and nxt.start - sp.end < 2e-4:
                 held += sp.end - sp.start
         out[rank] = (blocked, held)
     return out

@@ -12,9 +12,7 @@ Importable without the launcher: it needs the executor and the model's forward
 something else elsewhere (the calibration's ``agree``, ``load`` and ``save``) are
 reached through their module, `microbatch.planning.calibration`.
 """
-from .split import (DEFAULT_MAX_IMBALANCE, DEFAULT_MIN_TOKENS, MAX_MICRO_BATCHES, Split, agree_split,
-                    decide_split, merge_outputs, micro_batches, propose_split, prefix_kv, prefix_sources, split_batch,
-                    split_tokens)
+from .split import DEFAULT_MAX_IMBALANCE, DEFAULT_MIN_TOKENS, MAX_MICRO_BATCHES, agree_split, decide_split, propose_split
 from .simulation import (CostModel, Interconnect, Linear, OpCost, Prediction, Transfer, cross_stream_edges,
                          placeholder_inputs, predict, simulate)
 from .probes import barrier, contention, contention_fit, grouped, max_over_ranks, notice, sweep
@@ -25,8 +23,7 @@ from .choice import Candidate, Choice, choose, gather_lens
 
 __all__ = [
     # split
-    "DEFAULT_MAX_IMBALANCE", "DEFAULT_MIN_TOKENS", "MAX_MICRO_BATCHES", "Split", "agree_split", "decide_split",
-    "merge_outputs", "micro_batches", "propose_split", "prefix_kv", "prefix_sources", "split_batch", "split_tokens",
+    "DEFAULT_MAX_IMBALANCE", "DEFAULT_MIN_TOKENS", "MAX_MICRO_BATCHES", "agree_split", "decide_split", "propose_split",
     # simulation
     "CostModel", "Interconnect", "Linear", "OpCost", "Prediction", "Transfer", "cross_stream_edges",
     "placeholder_inputs", "predict", "simulate",

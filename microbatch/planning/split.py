@@ -17,7 +17,7 @@ A packed batch is the tokens of several requests laid end to end; `microbatch.ba
    without balanced enough boundaries for n parts tries fewer, else runs serially.
 
 The split itself (`Split`) and what applies it (`split_batch`, `merge_outputs`, `prefix_kv`, ...)
-are `microbatch.split`'s, which the forward imports too; they are re-exported here. `agree_split`
+are `microbatch.split`'s, which the forward imports too. `agree_split`
 makes every rank of a group take the same decision, split-or-serial and the number of
 micro-batches, with one small all-reduce: ranks that split differently would issue different
 collectives and hang.
@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ..batch import SeqInfo, check_lens
-from ..split import Split, merge_outputs, micro_batches, prefix_kv, prefix_sources, split_batch, split_tokens
+from ..split import Split
 
 logger = logging.getLogger(__name__)
 
@@ -267,6 +267,5 @@ def decide_split(seq_lens: Sequence[int], group: Optional[dist.ProcessGroup] = N
     return agree_split(plan, group, device=device)
 
 
-__all__ = ["DEFAULT_MAX_IMBALANCE", "DEFAULT_MIN_TOKENS", "MAX_MICRO_BATCHES", "Split", "agree_split",
-           "decide_split", "merge_outputs", "micro_batches", "propose_split", "prefix_kv", "prefix_sources", "split_batch",
-           "split_tokens"]
+__all__ = ["DEFAULT_MAX_IMBALANCE", "DEFAULT_MIN_TOKENS", "MAX_MICRO_BATCHES", "agree_split", "decide_split",
+           "propose_split"]
