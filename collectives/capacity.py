@@ -336,7 +336,8 @@ def capacity_combine(expert_out: torch.Tensor, handle: CapacityDispatchHandle,
 class CapacityExpertParallelMoE(ExpertParallelMoE):
     """`ExpertParallelMoE` with static shapes: traceable under ``torch.compile(fullgraph=True)``.
 
-    Same stages (names, streams, reads, writes) as `ExpertParallelMoE`; ``moe_dispatch`` is a
+    Same stages (names, streams, reads, writes) as `ExpertParallelMoE` with its dispatch in one step
+    (there is no count exchange to issue apart); ``moe_dispatch`` is a
     `CapacityDispatchHandle`; ``moe_expert_out`` and ``moe_expert_batch`` are the grouped pairs'
     outputs and their `GroupedRows`, or (``"all"``) every local expert over every received row and
     the received expert ids and weights; ``moe_combine`` a `CapacityCombineHandle`. ``capacity``:

@@ -464,6 +464,10 @@ class PendingDispatch:
     then issues the tokens and returns the `DispatchHandle`. Work issued in between, on any stream,
     does not wait for the other ranks: that is the point of the two steps. Call `dispatch` exactly
     once, and issue the same collectives in the same order on every rank in between.
+
+    `issue_ahead` hands the read and the tokens to the exchange stream's own thread where the path
+    has one (`overlap.issue_ahead`: the CPU path's side streams), which sends them as soon as the
+    counts arrive, as a device's comm stream would; `dispatch` then takes that handle.
     """
 
     plan: _SendLayout
@@ -474,13 +478,31 @@ class PendingDispatch:
     stream_tag: Optional[str]
     event_tag: str
     done: bool = False
+    ahead: Optional[overlap.backends.Ahead] = None  # `issue_ahead`'s work
+
+    def issue_ahead(self) -> bool:
+        """Read the counts and issue the tokens on the exchange stream's own thread, as soon as the counts
+        arrive, where the path has such a thread (`overlap.issue_ahead`); the caller goes on at once.
+        False where it has none: `dispatch` does both, in place."""
+        if self.done or self.ahead is not None:
+            raise RuntimeError("this dispatch was already issued: issue_ahead() comes before dispatch(), once")
+        tag = self.stream_tag or overlap.current_stream_tag()
+        self.ahead = overlap.issue_ahead("dispatch.ahead", lambda: self._finish(async_finish=True), tag)
+        return self.ahead is not None
 
     def dispatch(self, *, async_finish: bool = False) -> DispatchHandle:
         """Read the counts (`LayoutError` on every rank where the ranks disagree or one rejected its
-        input), allocate the receive buffers and issue the tokens; see `dispatch` for ``async_finish``."""
+        input), allocate the receive buffers and issue the tokens (or, after `issue_ahead`, take what it
+        issued); see `dispatch` for ``async_finish``."""
         if self.done:
             raise RuntimeError("this dispatch was already issued: PendingDispatch.dispatch() runs once")
         self.done = True
+        if self.ahead is None:
+            return self._finish(async_finish)
+        handle = self.ahead.result()
+        return handle if async_finish else handle.wait()
+
+    def _finish(self, async_finish: bool) -> DispatchHandle:
         return _finish_dispatch(self.plan, self.x, self.group, self.previous_event, self.stream_tag, self.event_tag,
                                 self.counts, async_finish)
 

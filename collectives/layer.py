@@ -6,7 +6,8 @@ Stages (value names in brackets; ``moe_in`` is ``[tokens, hidden]``, ``moe_out``
 stage               stream      reads                                          writes
 ==================  ==========  =============================================  ===================
 gate                main        moe_in                                         moe_topk_idx, moe_topk_weights
-dispatch            ep_comm     moe_in, moe_topk_idx, moe_topk_weights         moe_dispatch
+dispatch_counts     ep_comm     moe_in, moe_topk_idx, moe_topk_weights         moe_counts
+dispatch            ep_comm     moe_counts                                     moe_dispatch
 shared_gate_up      shared      moe_in, moe_topk_idx*                          moe_shared_h
 experts             main        moe_dispatch                                   moe_expert_out, moe_expert_batch
 shared_act          shared      moe_shared_h, moe_dispatch*                    moe_shared_a
@@ -25,7 +26,16 @@ everything, including the in-flight exchange (a `DispatchHandle` / `CombineHandl
 a value, so two micro-batches can interleave. They do not enter streams or wait: the micro-batch
 executor places each on its ``stream`` and derives the events where a value crosses streams,
 for ``forward`` (the stages in order) as for a pipeline schedule. The one host block is the
-dispatch's count exchange (see `collectives.dispatch`).
+dispatch's count exchange (see `collectives.dispatch`), and it is its own stage: ``dispatch_counts``
+issues the count exchange without reading it (`collectives.dispatch_counts`) and ``dispatch`` reads
+the counts and sends the tokens (`PendingDispatch.dispatch`), so a schedule can issue the other
+micro-batches' work in between and the host does not hold it back while it waits for the slower
+rank. Where the exchange stream has a thread of its own (the CPU path), ``dispatch_counts`` hands
+the read and the tokens to it (`PendingDispatch.issue_ahead`), which sends them as soon as the
+counts arrive, under the compute issued meanwhile, as a device's comm stream would; ``dispatch``
+takes the handle (``two_step_dispatch=False``, or setting the attribute, gives the one ``dispatch`` stage that
+reads ``moe_in, moe_topk_idx, moe_topk_weights``; the static-shape and MC2 layers have no count
+exchange and always take one stage).
 
 On its first dispatch over more than one rank the layer checks, with one small all-reduce before
 any exchange, that every rank agrees on the hidden size, expert count, top-k and tokens' dtype,
@@ -48,7 +58,8 @@ import microbatch
 from microbatch import Operation
 from overlap import DEFAULT, EP_COMM, SHARED_EXPERT, GroupTransport, agree
 
-from .dispatch import CombineHandle, DispatchHandle, _peers, combine, dispatch, group_size
+from .dispatch import CombineHandle, DispatchHandle, PendingDispatch, _peers, combine, dispatch, dispatch_counts, \
+    group_size
 from .experts import LocalExperts
 from .layout import AGREED_HINTS, ExpertBatch, LayoutError, fields_by_name, layer_fields
 from .reference import MoEConfig, Router
@@ -96,11 +107,12 @@ class ExpertParallelMoE(nn.Module):
 
     ``router(x)`` returns ``(topk_idx [T, k], topk_weights [T, k])``; ``experts`` holds this rank's
     ``num_experts / group size`` experts, placed contiguously. ``forward`` composes `stages`.
+    ``two_step_dispatch``: the count exchange and the tokens as two stages (see the module docstring).
     """
 
     def __init__(self, router: nn.Module, experts: LocalExperts, num_experts: int,
                  group: Optional[dist.ProcessGroup] = None, shared: Optional[SharedExperts] = None,
-                 overlap_shared: bool = True):
+                 overlap_shared: bool = True, *, two_step_dispatch: bool = True):
         super().__init__()
         world = group_size(group)
         if num_experts % world:
@@ -115,6 +127,7 @@ class ExpertParallelMoE(nn.Module):
         self.num_experts = num_experts
         self.group = group
         self.overlap_shared = overlap_shared
+        self.two_step_dispatch = two_step_dispatch
         self._shapes_checked = False  # set once the ranks agreed on the layer's shapes (see the module docstring)
 
     @classmethod
@@ -183,6 +196,19 @@ class ExpertParallelMoE(nn.Module):
         self._check_shapes_once(x, idx)
         return dispatch(x, idx, weights, self.num_experts, self.group, stream_tag=None, async_finish=True)
 
+    def _dispatch_counts(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> PendingDispatch:
+        self._check_shapes_once(x, idx)
+        pending = dispatch_counts(x, idx, weights, self.num_experts, self.group, stream_tag=None)
+        pending.issue_ahead()  # on the CPU path the stream's thread sends the tokens once the counts arrive
+        return pending
+
+    def _dispatch_tokens(self, pending: PendingDispatch) -> DispatchHandle:
+        return pending.dispatch(async_finish=True)
+
+    def _has_count_stage(self) -> bool:
+        """Whether `stages` issues the count exchange as a stage of its own (only this layer's dispatch has one)."""
+        return self.two_step_dispatch and type(self)._dispatch is ExpertParallelMoE._dispatch
+
     def _experts(self, handle: DispatchHandle) -> Tuple[torch.Tensor, ExpertBatch]:
         batch = handle.expand()
         return self.experts(batch.x, batch.counts), batch
@@ -206,9 +232,13 @@ class ExpertParallelMoE(nn.Module):
     def stages(self) -> List[Operation]:
         """The layer as operations for one micro-batch, in an order that is valid to run serially."""
         side = SHARED_EXPERT if self.overlap_shared else DEFAULT
-        st = [Operation("gate", self._gate, (MOE_IN,), ("moe_topk_idx", "moe_topk_weights"), DEFAULT),
-              Operation("dispatch", self._dispatch, (MOE_IN, "moe_topk_idx", "moe_topk_weights"), ("moe_dispatch",),
-                        EP_COMM)]
+        routed = (MOE_IN, "moe_topk_idx", "moe_topk_weights")
+        st = [Operation("gate", self._gate, (MOE_IN,), ("moe_topk_idx", "moe_topk_weights"), DEFAULT)]
+        if self._has_count_stage():
+            st += [Operation("dispatch_counts", self._dispatch_counts, routed, ("moe_counts",), EP_COMM),
+                   Operation("dispatch", self._dispatch_tokens, ("moe_counts",), ("moe_dispatch",), EP_COMM)]
+        else:
+            st.append(Operation("dispatch", self._dispatch, routed, ("moe_dispatch",), EP_COMM))
         if self.shared is not None:
             st.append(Operation("shared_gate_up", self._shared_gate_up, (MOE_IN, "moe_topk_idx"), ("moe_shared_h",),
                                 side))

@@ -251,7 +251,8 @@ def _written_before(ops: Sequence[Operation], stop: int) -> set:
 def _float_shared(ops: Sequence[Operation]) -> Tuple[List[Operation], List[Operation], int]:
     """Split off the shared-expert operations that can run right after the first communication.
 
-    Returns ``(others, floating, at)``: ``floating`` go after ``others[at - 1]`` (the first comm op).
+    Returns ``(others, floating, at)``: ``floating`` go after ``others[at - 1]``, the end of the first
+    run of comm ops (a count exchange and the payload it sizes: the shared experts cover the payload).
     A shared operation that reads a value written from the first comm op on stays where it is.
     """
     first = next((i for i, op in enumerate(ops) if _is_comm(op)), None)
@@ -264,6 +265,8 @@ def _float_shared(ops: Sequence[Operation]) -> Tuple[List[Operation], List[Opera
     names = {op.name for op in floating}
     others = [op for op in ops if op.name not in names]
     at = next(i for i, op in enumerate(others) if _is_comm(op)) + 1
+    while at < len(others) and _is_comm(others[at]):
+        at += 1
     return others, floating, at
 
 
@@ -322,12 +325,27 @@ def _pipelined(name: str, layers: Layers, n_micro: int, defer_tail: bool) -> Sch
                 body += emit(mb, li, ops)
             anchor: Optional[str] = ops[-1].name if ops else None
         else:
+            # A comm-only second segment reads the first's exchange on the host (a count exchange, then the
+            # payload it sizes): mb0's once every micro-batch's first segment is issued, so their compute
+            # covers the count exchange, then the shared experts, which cover mb0's payload; micro-batch
+            # m's after micro-batch m-1's next compute, before its exchange (which the stream would
+            # otherwise put ahead of m's payload).
+            reads = len(segments) > 1 and all(map(_is_comm, segments[1]))
+            float_after = (1, 0) if reads else (0, last)
             for k, seg in enumerate(segments):
                 for mb in range(n_micro):
-                    body += emit(mb, li, seg)
-                if k == 0:
-                    for mb in range(n_micro):
-                        body += emit(mb, li, floating)
+                    if reads and k == 1 and mb > 0:
+                        continue
+                    if reads and k == 2 and mb < last:
+                        body += emit(mb, li, seg[:-1]) + emit(mb + 1, li, segments[1]) + emit(mb, li, seg[-1:])
+                    else:
+                        body += emit(mb, li, seg)
+                    if (k, mb) == float_after:
+                        for m in range(n_micro):
+                            body += emit(m, li, floating)
+            if reads and len(segments) == 2:
+                for mb in range(1, n_micro):
+                    body += emit(mb, li, segments[1])
             for mb in range(last):
                 body += emit(mb, li, tail)
             compute = [op for op in segments[0] if not _is_comm(op)]
@@ -366,7 +384,12 @@ def n_batch(layers: Layers, n_micro: int = 2, defer_tail: bool = True) -> Schedu
     layer ``attn, gate, dispatch, experts, combine, shared, finalize`` and N = 3 this is: attn0
     gate0 dispatch0 attn1 gate1 dispatch1 attn2 gate2 dispatch2 shared0 shared1 shared2
     experts0 combine0 experts1 combine1 experts2 combine2 finalize0 finalize1 | attn0' finalize2
-    gate0' ... The schedule is named `n_batch_name` (n_micro).
+    gate0' ... With the dispatch in two steps (``counts``, then ``dispatch``, which reads them on the
+    host and sends the tokens) each micro-batch's count exchange is issued with its first segment,
+    and the host reads micro-batch 0's once the others' attention is issued, each other one's after
+    the previous one's experts: attn0 gate0 counts0 attn1 gate1 counts1 attn2 gate2 counts2
+    dispatch0 shared0 shared1 shared2 experts0 dispatch1 combine0 experts1 dispatch2 combine1
+    experts2 combine2 ... The schedule is named `n_batch_name` (n_micro).
     """
     return _pipelined(n_batch_name(n_micro), layers, n_micro, defer_tail)
 

@@ -24,8 +24,8 @@ from .observability import Sanitizer, StreamRaceError, Timeline
 from .observability import enable_from_env as sanitize_from_env
 from .offload import OffloadCache, OffloadError
 from .state import WaitTimeout, reset, set_wait_timeout, wait_timeout
-from .streams import (EP_COMM, KV_OFFLOAD, SHARED_EXPERT, get_stream, issue_collective, issue_host, record_stream,
-                      stream, synchronize)
+from .streams import (EP_COMM, KV_OFFLOAD, SHARED_EXPERT, get_stream, issue_ahead, issue_collective, issue_host,
+                      record_stream, stream, synchronize)
 
 __all__ = [
     "DEFAULT", "EP_COMM", "KV_OFFLOAD", "SHARED_EXPERT", "PATHS", "ENV_COMM_PRIORITY", "ENV_ENABLE", "ENV_PATH",
@@ -35,7 +35,7 @@ __all__ = [
     "compare_posts", "copy_", "core_budget",
     "current_link", "current_path", "current_stream_tag", "describe_comm_priority", "detect_path", "enabled",
     "event", "get_stream", "is_enabled",
-    "issue_collective", "issue_host", "limit_cores", "parse_budget", "parse_link", "read_soc_config",
+    "issue_ahead", "issue_collective", "issue_host", "limit_cores", "parse_budget", "parse_link", "read_soc_config",
     "record_stream", "remove_observer", "reset", "reset_core_limits", "sanitize_from_env", "set_core_budget",
     "set_comm_priority", "set_enabled", "set_link", "set_path", "set_wait_timeout", "span", "stream",
     "stream_limits", "synchronize", "tensors_in", "use_path", "wait_tensor", "wait_timeout",

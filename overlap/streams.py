@@ -8,7 +8,7 @@ stream on ``cpu`` (see `overlap.backends`). Work issued through `issue_collectiv
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -73,6 +73,22 @@ def issue_host(name: str, fn: Callable[[], Any], reads: Sequence[torch.Tensor] =
     backend.issue_host(name, fn, reads, writes, span)
 
 
+def issue_ahead(name: str, fn: Callable[[], Any], tag: Optional[str] = None) -> Optional[backends.Ahead]:
+    """Run ``fn``, host work that issues collectives on stream ``tag`` (default: the current stream), on that
+    stream's own thread where the path has one: a CPU side stream's worker, as a device's comm stream runs
+    by itself. The caller goes on at once; ``fn`` runs in the caller's context (stream, path, span meta)
+    after the host work launched on the stream before, and any other thread's next collective waits
+    until it has returned, so every rank issues its collectives in one order. Returns the `Ahead` whose
+    ``result()`` is what ``fn`` returned; None where the path has no such thread (eager devices, the
+    graph paths, a synchronous stream, overlap off): the caller runs the work itself, in place.
+
+    `collectives.PendingDispatch.issue_ahead` reads a count exchange and sends the tokens this way.
+    """
+    if not is_enabled():
+        return None
+    return backends.current().issue_ahead(name, fn, current_stream_tag() if tag is None else tag)
+
+
 def record_stream(tensor: torch.Tensor, tag: str) -> None:
     """Tell the allocator that ``tensor`` is used on stream ``tag`` (memory safety across streams).
 
@@ -89,5 +105,6 @@ def synchronize() -> None:
     hooks.synchronized()
 
 
-__all__ = ["DEFAULT", "EP_COMM", "KV_OFFLOAD", "SHARED_EXPERT", "get_stream", "issue_collective", "issue_host",
+__all__ = ["DEFAULT", "EP_COMM", "KV_OFFLOAD", "SHARED_EXPERT", "get_stream", "issue_ahead", "issue_collective",
+           "issue_host",
            "record_stream", "stream", "synchronize"]

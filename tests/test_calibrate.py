@@ -261,6 +261,8 @@ BAD_TRANSFER = {"op": "attn", "moe": False, "name": "x", "a": "64", "b": 0.0, "b
     pytest.param(_edit(lambda cal: cal.pop("ops")), id="a field missing"),
     pytest.param(_set("extra", 1), id="an unknown field"),
     pytest.param(_edit(lambda cal: cal["transfers"].append(BAD_TRANSFER)), id="a transfer's string size"),
+    pytest.param(_edit(lambda cal: cal["transfers"].append(dict(BAD_TRANSFER, a=64.0, read_at=3))),
+                 id="a transfer's reader that is no name"),
     pytest.param(_edit(_flip_kinds), id="layers that are not the model's"),
     pytest.param(_edit(_rename_op), id="an operation the model does not have"),
 ])
@@ -337,11 +339,13 @@ def test_two_ranks_calibrate_alike_and_predict_within_a_factor(tmp_path):
     assert seconds < 120 and cal.elapsed_s > 0
     for f in cal.ops + cal.layer_ops:
         assert f.a >= 0 and f.b >= 0 and f.a + f.b * 128 > 0, f
-    assert {f.op for f in cal.ops if f.moe} == {"attn", "ffn_norm", "gate", "dispatch", "shared_gate_up", "experts",
-                                                "shared_act", "combine", "shared_down", "finalize", "residual"}
-    names = [(t.op, t.name, t.blocking) for t in cal.transfers]
-    assert names == [("combine", "combine", False), ("dispatch", "dispatch.counts", True),
-                     ("dispatch", "dispatch", False), ("dispatch", "dispatch.meta", False)]
+    assert {f.op for f in cal.ops if f.moe} == {"attn", "ffn_norm", "gate", "dispatch_counts", "dispatch",
+                                                "shared_gate_up", "experts", "shared_act", "combine", "shared_down",
+                                                "finalize", "residual"}
+    # the count exchange is issued by dispatch_counts and read on the host by the next operation, dispatch
+    names = [(t.op, t.name, t.blocking, t.read_at) for t in cal.transfers]
+    assert names == [("combine", "combine", False, ""), ("dispatch", "dispatch", False, ""),
+                     ("dispatch", "dispatch.meta", False, ""), ("dispatch_counts", "dispatch.counts", True, "dispatch")]
     assert all(t.a + t.b * 128 > 0 for t in cal.transfers)
     assert cal.interconnect.latency_s >= 3e-3 and cal.host_overhead_s >= 0
     # what an asynchronous collective takes from the host's compute: measured, bounded, and in the cost model

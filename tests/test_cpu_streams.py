@@ -1,6 +1,7 @@
 """CPU semantics of streams: side-stream collectives and copies are really asynchronous,
 events order them, and overlap on or off gives the same results."""
 import threading
+import time
 
 import pytest
 import torch
@@ -232,3 +233,58 @@ def test_link_parsing():
     for bad in ("", "0", "1,2,3", "x"):
         with pytest.raises(ValueError, match="GBPS"):
             overlap.parse_link(bad)
+
+
+def test_issue_ahead_runs_on_the_streams_thread_while_the_caller_goes_on():
+    """`overlap.issue_ahead` on a CPU side stream: the stream's worker runs the work in the caller's context while
+    the caller goes on (the work waits for the caller's signal, bounded: run in place it would time out)."""
+    go = threading.Event()
+
+    def work():
+        return go.wait(10), threading.current_thread().name, overlap.current_stream_tag()
+
+    with overlap.stream(overlap.EP_COMM):
+        ahead = overlap.issue_ahead("ahead", work)
+    go.set()
+    signalled, thread, tag = ahead.result()
+    assert signalled and thread.startswith("overlap-ep_comm") and tag == overlap.EP_COMM
+    assert overlap.issue_ahead("here", work) is None  # the default stream is the caller's own thread
+    with overlap.enabled(False), overlap.stream(overlap.EP_COMM):
+        assert overlap.issue_ahead("off", work) is None
+
+
+def test_another_threads_collective_waits_for_the_work_issued_ahead():
+    """Every rank issues its collectives in one order: a collective issued after `issue_ahead` waits until the
+    work run ahead (which issues collectives of its own) has returned."""
+    order = []
+
+    def work():
+        time.sleep(0.3)
+        order.append("ahead")
+
+    def collective(async_op):
+        order.append("collective")
+
+    ahead = overlap.issue_ahead("ahead", work, overlap.EP_COMM)
+    overlap.issue_collective("next", collective)  # on the default stream: synchronous
+    ahead.result()
+    assert order == ["ahead", "collective"]
+
+
+def test_work_issued_ahead_is_waited_for_within_the_bound_and_its_error_comes_back():
+    def fail():
+        raise ValueError("bad counts")
+
+    with pytest.raises(ValueError, match="bad counts"):
+        overlap.issue_ahead("fails", fail, overlap.EP_COMM).result()
+    before = overlap.wait_timeout()
+    overlap.set_wait_timeout(0.2)
+    try:
+        slow = overlap.issue_ahead("slow", lambda: time.sleep(1.5), overlap.EP_COMM)
+        with pytest.raises(overlap.WaitTimeout, match="'slow' on stream 'ep_comm'"):
+            slow.result()
+        with pytest.raises(overlap.WaitTimeout, match="'slow'"):
+            overlap.issue_collective("next", lambda async_op: None)  # waits for it, bounded too
+    finally:
+        overlap.set_wait_timeout(before)
+        overlap.synchronize()

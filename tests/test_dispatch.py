@@ -502,12 +502,14 @@ def test_combine_refuses_outputs_of_another_hidden_size():
 
 def _two_steps_body(ctx):
     """dispatch_counts then, after other work, PendingDispatch.dispatch: what dispatch gives, for two
-    dispatches in flight at once (issued in the same order on every rank), sync and async."""
+    dispatches in flight at once (issued in the same order on every rank), sync and async, read in
+    place or ahead (on the comm stream's thread)."""
     epr = 8 // ctx.world_size
     ok = []
-    for async_finish in (False, True):
+    for async_finish, ahead in ((False, False), (True, False), (False, True), (True, True)):
         calls = [_routing(ctx.rank, 20 + 4 * i, 8, 2, 30 + i) for i in range(2)]
         pending = [dispatch_counts(x, idx, w, 8, ctx.group) for x, idx, w in calls]
+        ok += [p.issue_ahead() for p in pending if ahead]  # the CPU path's ep_comm stream has a thread
         torch.randn(64, 64) @ torch.randn(64, 64)  # other work while the counts travel
         handles = [p.dispatch(async_finish=async_finish) for p in pending]
         for h, call in zip(handles, calls):
@@ -561,7 +563,7 @@ def test_the_count_exchange_does_not_hold_the_host_until_it_is_read():
     assert splits0 and splits1
 
 
-def _rejected_in_two_steps_body(ctx):
+def _rejected_in_two_steps_body(ctx, ahead):
     x, idx, w = _routing(ctx.rank, 6, 8, 2, 0)
     if ctx.rank == 1:
         idx = idx + 8  # out of range on rank 1 only
@@ -569,6 +571,8 @@ def _rejected_in_two_steps_body(ctx):
         pending = dispatch_counts(x, idx, w, 8, ctx.group)
     except LayoutError as err:
         return "counts", str(err)
+    if ahead:  # the read on the comm stream's thread: its error comes back at dispatch()
+        assert pending.issue_ahead()
     try:
         pending.dispatch()
     except LayoutError as err:
@@ -576,7 +580,8 @@ def _rejected_in_two_steps_body(ctx):
     return "none", ""
 
 
-def test_a_rank_that_rejects_its_input_stops_every_rank_in_the_two_steps():
-    (where0, msg0), (where1, msg1) = run_ranks(_rejected_in_two_steps_body, 2)
+@pytest.mark.parametrize("ahead", [False, True], ids=["in-place", "ahead"])
+def test_a_rank_that_rejects_its_input_stops_every_rank_in_the_two_steps(ahead):
+    (where0, msg0), (where1, msg1) = run_ranks(_rejected_in_two_steps_body, 2, ahead)
     assert where1 == "counts" and "out of range" in msg1  # the rank at fault, with its own words
     assert where0 == "dispatch" and "rank 1" in msg0, msg0  # the other, when it reads the counts

@@ -164,10 +164,16 @@ def test_stages_contract():
     cfg = MoEConfig(hidden=16, ffn=8, n_experts=4, top_k=2)
     ep = wrap_expert_parallel(MoE(cfg))
     st = ep.stages()
-    assert [s.name for s in st] == ["gate", "dispatch", "shared_gate_up", "experts", "shared_act", "combine",
-                                    "shared_down", "finalize"]
+    assert [s.name for s in st] == ["gate", "dispatch_counts", "dispatch", "shared_gate_up", "experts", "shared_act",
+                                    "combine", "shared_down", "finalize"]
     assert st[0].reads == ("moe_in",) and st[-1].writes == ("moe_out",)
-    assert {s.name: s.stream for s in st}["dispatch"] == overlap.EP_COMM
+    streams = {s.name: s.stream for s in st}
+    assert streams["dispatch_counts"] == streams["dispatch"] == overlap.EP_COMM
+    assert {s.name: s.reads for s in st}["dispatch"] == ("moe_counts",)
+    ep.two_step_dispatch = False  # the switch: one dispatch stage that reads the routed tokens
+    one = {s.name: s for s in ep.stages()}
+    assert "dispatch_counts" not in one and one["dispatch"].reads == ("moe_in", "moe_topk_idx", "moe_topk_weights")
+    ep.two_step_dispatch = True
     assert {s.name: s.stream for s in st}["shared_act"] == overlap.SHARED_EXPERT
     written = {"moe_in"}
     for s in st:
@@ -239,3 +245,46 @@ def test_tokens_of_another_dtype_than_the_layer_are_refused_before_any_collectiv
                            "cast the tokens (x.to(torch.float32)) or the layer (layer.to(torch.float64)) "
                            "first"), message
         assert comm == [], comm
+
+
+def _other_batch_not_held_back_body(ctx):
+    """Two-batch over the EP layer's stages, one layer. Rank 1 starts micro-batch 0's attention only once rank 0
+    has started micro-batch 1's (a key in the store, waited for at most 30 s): were rank 0's host to read its
+    micro-batch 0 counts before issuing micro-batch 1's attention, it would wait for rank 1, and rank 1 for it.
+    Rank 1 goes on anyway after the bound, so nothing hangs, and says whether the key came. The serial run
+    first gives the reference output and gets the layer's one-time agreement (an all-reduce) out of the way."""
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    key = "test_ep_moe/mb1-attention-started"
+    cfg = MoEConfig(hidden=16, ffn=8, n_experts=4, top_k=2, n_shared=1)
+    ep = wrap_expert_parallel(_moe(cfg, "router", torch.float32), ctx.group)
+    came, armed = [], []
+
+    def attention(h, mb):
+        if armed and ctx.rank == 0 and mb == 1:
+            store.set(key, "1")
+        if armed and ctx.rank == 1 and mb == 0 and not came:
+            try:
+                store.wait([key], datetime.timedelta(seconds=30))
+                came.append(True)
+            except Exception:  # the bound: rank 0 is still waiting for micro-batch 0's counts
+                came.append(False)
+        return torch.tanh(h)
+
+    layer = [microbatch.Operation("attn", attention, ("hidden", "mb"), ("moe_in",))] + ep.stages() + [
+        microbatch.Operation("residual", lambda a, b: a + b, ("moe_in", "moe_out"), ("out",))]
+    torch.manual_seed(ctx.rank)
+    inputs = [{"hidden": torch.randn(6 + mb, cfg.hidden), "mb": mb} for mb in range(2)]
+    want = microbatch.run(microbatch.serial([layer], 2), [layer], inputs)  # also the layer's one-time agreement
+    armed.append(True)
+    got = microbatch.run(microbatch.two_batch([layer], 2), [layer], inputs)
+    return bool(came and came[0]), all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_two_batch_issues_the_other_microbatch_before_reading_the_counts():
+    (_, equal0), (came, equal1) = run_ranks(_other_batch_not_held_back_body, 2, timeout=180)
+    assert came, "rank 0 read micro-batch 0's counts before it issued micro-batch 1's attention"
+    assert equal0 and equal1

@@ -99,6 +99,37 @@ def test_shared_mode_puts_shared_on_its_stream_after_dispatch():
     assert [l.stream for l in s.launches] == [DEFAULT, DEFAULT, EP_COMM, SHARED_EXPERT, DEFAULT, EP_COMM, DEFAULT]
 
 
+def counted_ops():
+    """moe_ops with the dispatch in two steps: the count exchange, then the payload that reads it on the host."""
+    ops = moe_ops()
+    at = [op.name for op in ops].index("dispatch")
+    ops[at:at + 1] = [Operation("counts", _f, ("moe_in",), ("k",), EP_COMM),
+                      Operation("dispatch", _f, ("k",), ("recv",), EP_COMM)]
+    return ops
+
+
+def test_two_batch_reads_the_counts_after_the_other_microbatch_is_issued():
+    """mb0's count read (its payload launch) comes once mb1's attention and count exchange are issued; the shared
+    experts cover mb0's payload; mb1's count read comes after mb0's experts, before mb0's combine (an event after
+    it on the comm stream would otherwise wait for that combine too)."""
+    layers = [counted_ops(), counted_ops()]
+    s = two_batch(layers, 2)
+    validate(s, layers, INPUTS2)
+    assert _names(s, 0)[:14] == ["attn0", "gate0", "counts0", "attn1", "gate1", "counts1", "dispatch0", "shared0",
+                                 "shared1", "experts0", "dispatch1", "combine0", "experts1", "combine1"]
+    three = n_batch(layers, 3)
+    validate(three, layers, [{"hidden": i} for i in range(3)])
+    order = ["counts2", "dispatch0", "shared0", "shared2", "experts0", "dispatch1", "combine0", "experts1", "dispatch2",
+             "combine1", "experts2", "combine2"]
+    first = _names(three, 0)
+    assert [first.index(n) for n in order] == sorted(first.index(n) for n in order)
+
+
+def test_shared_mode_keeps_the_counts_and_payload_together_before_the_shared_experts():
+    s = shared([counted_ops()], 1)
+    assert _names(s) == ["attn0", "gate0", "counts0", "dispatch0", "shared0", "experts0", "combine0", "finalize0"]
+
+
 def test_serial_is_all_main_layer_by_layer():
     s = serial([moe_ops(), dense_ops()], 2)
     assert {l.stream for l in s.launches} == {DEFAULT} and not s.orders

@@ -16,6 +16,7 @@ MoE family instead of the reference decoder, built from its config at the shapes
     python -m launch.bench.pipeline --iters 5
     python -m launch.bench.pipeline --cpu-link off      # plain loopback gloo
     python -m launch.bench.pipeline --model qwen3_moe   # a transformers family (needs transformers)
+    python -m launch.bench.pipeline --dispatch one-step # the count exchange read where it is issued
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def _build(preset_name: str, model_name: str, seed: int) -> Any:
 
 
 def _rank_body(ctx: Any, preset_name: str, seq_lens: List[int], warmup: int, iters: int, link: Optional[str],
-               seed: int, model_name: str = "reference") -> Optional[str]:
+               seed: int, model_name: str = "reference", two_step: bool = True) -> Optional[str]:
     import microbatch
     import overlap
     from launch.measure import measure_modes, table
@@ -52,6 +53,7 @@ def _rank_body(ctx: Any, preset_name: str, seq_lens: List[int], warmup: int, ite
 
     overlap.set_link(overlap.parse_link(link) if link else None)
     model = make_expert_parallel(_build(preset_name, model_name, seed), ctx.group)
+    _set_two_step_dispatch(model, two_step)
     batch = Batch.random(seq_lens, model.cfg.vocab, seed=seed + ctx.rank + 1)
     modes = [name for name, m in microbatch.MODES.items() if m.in_all]
     results = measure_modes(model, batch, modes, ctx.group, warmup=warmup, iters=iters)
@@ -59,6 +61,15 @@ def _rank_body(ctx: Any, preset_name: str, seq_lens: List[int], warmup: int, ite
         return None
     return (table(results, batch.seq.num_tokens * ctx.world_size) + "\n" + verdict({r.mode: r for r in results})
             + "\n" + host_blocking_table(results))
+
+
+def _set_two_step_dispatch(model: Any, on: bool) -> None:
+    """The MoE layers' dispatch as the count exchange and the tokens in two operations, or one (``--dispatch``)."""
+    from collectives import ExpertParallelMoE
+
+    for module in model.modules():
+        if isinstance(module, ExpertParallelMoE):
+            module.two_step_dispatch = on
 
 
 def host_blocking(spans: List[Any]) -> Dict[int, Tuple[float, float]]:
@@ -122,16 +133,20 @@ def verdict(by: Dict[str, Any]) -> str:
 @click.option("--model", "model_name", default="reference",
               help="'reference', or a transformers MoE model type (qwen3_moe, deepseek_v3, mixtral, qwen2_moe, "
                    "glm4_moe, ...) built at the preset's shapes.")
+@click.option("--dispatch", "dispatch_steps", type=click.Choice(["two-step", "one-step"]), default="two-step",
+              help="The MoE layers' dispatch: the count exchange and the tokens as two operations, so the schedules "
+                   "issue other work between them, or one operation (the count exchange read at once).")
 def main(ranks: int, preset_name: str, batch: int, seq_len: int, warmup: int, iters: int, cpu_link: str,
-         seed: int, model_name: str) -> None:
+         seed: int, model_name: str, dispatch_steps: str) -> None:
     """Serial vs shared-expert overlap vs two-batch prefill, side by side in one run."""
     from overlap.multirank import run_ranks
 
     link = None if cpu_link.lower() in ("off", "none", "0") else cpu_link
     what = f"preset {preset_name}" if model_name == "reference" else f"{model_name} at the shapes of preset {preset_name}"
-    click.echo(f"{ranks} CPU ranks, {what}, {batch} x {seq_len} tokens per rank, simulated link {link or 'off'}")
+    click.echo(f"{ranks} CPU ranks, {what}, {batch} x {seq_len} tokens per rank, simulated link {link or 'off'}, "
+               f"{dispatch_steps} dispatch")
     out = run_ranks(_rank_body, ranks, preset_name, [seq_len] * batch, warmup, iters, link, seed, model_name,
-                    timeout=1800)
+                    dispatch_steps == "two-step", timeout=1800)
     click.echo(out[0])
 
 

@@ -572,7 +572,14 @@ class ShortcutLayer(TransformersLayer):
     def operations(self) -> List[Operation]:
         moe = self.ffn_operations()
         comm = [i for i, op in enumerate(moe) if op.stream == EP_COMM]
-        first, second = (comm[0] + 1, comm[1] + 1) if len(comm) >= 2 else (len(moe), len(moe))
+        first = second = len(moe)
+        if comm:  # after the dispatch (its count exchange and tokens, where it has two steps), then the combine
+            first = comm[0] + 1
+            while first < len(moe) and moe[first].stream == EP_COMM:
+                first += 1
+            second = next((i + 1 for i in comm if i >= first), len(moe))
+            if second == len(moe):
+                first = len(moe)
         under_dispatch = [Operation("dense0", self._dense0, ("resid", MOE_IN), ("resid1",)),
                           Operation("attn1", self.second_attention, ("resid1", SEQ, PREFIX_KV, "k0", "v0"),
                                     ("resid2", K, V))]

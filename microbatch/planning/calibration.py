@@ -7,7 +7,8 @@ at a few token counts, records each run on a `Timeline`, and fits:
   seconds of work, by least squares clamped to >= 0. A communication operation's cost is its host
   part: its span less the collectives inside it;
 - per communication operation, its collectives in order, the bytes each moves (``a + b * tokens``)
-  and whether the host reads it back (the dispatch's count exchange);
+  and whether the host reads it back (the dispatch's count exchange), in the same operation or in the
+  next one (the dispatch in two steps: ``dispatch`` reads what ``dispatch_counts`` issued);
 - the executor's own host overhead per operation: the median gap between consecutive operations;
 - the interconnect, ``latency + bytes * seconds_per_byte``: the simulated link in use
   (`overlap.current_link`, CPU path) plus what a collective costs beyond it, from a sweep of
@@ -62,8 +63,9 @@ logger = logging.getLogger(__name__)
 
 ENV_CACHE = "OVERLAP_CALIBRATION_CACHE"
 DEFAULT_CACHE = os.path.join("~", ".cache", "npu-overlap", "calibration")
-FORMAT = 7  # 2: link booked at issue (overlap.link); 3: waits; 5: contention per byte; 6: issue, notice, frame;
-# 7: the CPU path's comm threads real-time (overlap.comm_threads), in the key
+FORMAT = 8  # 2: link booked at issue (overlap.link); 3: waits; 5: contention per byte; 6: issue, notice, frame;
+# 7: the CPU path's comm threads real-time (overlap.comm_threads), in the key; 8: read_at (a count exchange
+# read by the next operation)
 # A layer keeps its own fit where it differs from its group's at the largest token count by more than this.
 LAYER_REL, LAYER_ABS_S = 0.5, 10e-6
 
@@ -93,7 +95,8 @@ class OpFit:
 
 @dataclasses.dataclass(frozen=True)
 class TransferFit:
-    """Collective ``name`` inside operation ``op``: ``a + b * tokens`` bytes; ``blocking``: read on the host;
+    """Collective ``name`` inside operation ``op``: ``a + b * tokens`` bytes; ``blocking``: read on the host,
+    by ``op`` itself or (``read_at``) by the operation of that name that follows it;
     ``wait_s + wait_per_token * tokens``: what it took in the serial runs beyond the interconnect's
     time for its bytes (fitted to the medians per token count; mostly waiting for the slower rank
     to arrive, which drifts further from the faster one over longer compute)."""
@@ -106,6 +109,7 @@ class TransferFit:
     blocking: bool
     wait_s: float = 0.0
     wait_per_token: float = 0.0
+    read_at: str = ""
 
 
 def _interconnect(link: Optional[Mapping[str, float]], collective: Tuple[float, float]) -> Interconnect:
@@ -161,7 +165,7 @@ class Calibration:
         names = {(f.op, f.layer) for f in self.layer_ops}
         for op, layer in sorted(names, key=lambda k: (k[1], k[0])):
             moe = self.layers[layer]
-            transfers = tuple(Transfer(t.name, Linear(t.a, t.b), t.blocking, t.wait_s, t.wait_per_token)
+            transfers = tuple(Transfer(t.name, Linear(t.a, t.b), t.blocking, t.wait_s, t.wait_per_token, t.read_at)
                               for t in self.transfers if t.op == op and t.moe == moe)
             per_layer[layer, op] = OpCost(self.op_cost(layer, op), transfers)
         by_name: Dict[str, OpCost] = {}
@@ -215,7 +219,7 @@ class Calibration:
     def structure(self) -> str:
         """What must be the same on every rank for `values` to line up."""
         parts = [(f.op, f.moe, f.layer) for f in self.ops + self.layer_ops]
-        parts += [(t.op, t.moe, t.name) for t in self.transfers]
+        parts += [(t.op, t.moe, t.name, t.read_at) for t in self.transfers]
         return json.dumps([self.layers, parts, len(self.async_peer_s)])
 
 
@@ -254,6 +258,7 @@ class Run:
     nbytes: Mapping[int, int] = dataclasses.field(default_factory=dict)  # comm span id -> bytes
     blocking: Set[int] = dataclasses.field(default_factory=set)  # comm span ids the host read back
     wall_s: Optional[float] = None  # the whole prefill, embedding to final norm: its frame is this less the launches'
+    read_at: Mapping[int, str] = dataclasses.field(default_factory=dict)  # blocking ids read by the next operation
 
 
 def _op_spans(spans: Sequence[Span]) -> List[Span]:
@@ -292,6 +297,7 @@ class _Samples:
         default_factory=dict)  # tokens, bytes, seconds
     order: Dict[Tuple[str, bool], List[str]] = dataclasses.field(default_factory=dict)  # collectives in issue order
     blocking: Set[Tuple[str, bool, str]] = dataclasses.field(default_factory=set)
+    read_at: Dict[Tuple[str, bool, str], str] = dataclasses.field(default_factory=dict)
     gaps: List[float] = dataclasses.field(default_factory=list)
     frame: Samples = dataclasses.field(default_factory=dict)  # (tokens, None) -> wall time outside the launches
 
@@ -318,6 +324,8 @@ class _Samples:
                 self.spans.setdefault(key, []).append((run.tokens, float(run.nbytes.get(c.id, 0)), c.end - c.start))
                 if c.id in run.blocking:
                     self.blocking.add(key)
+                if c.id in run.read_at:
+                    self.read_at[key] = run.read_at[c.id]
 
 
 def fit_runs(runs: Sequence[Run], moe_layers: Sequence[bool], interconnect: Optional[Interconnect] = None
@@ -340,7 +348,8 @@ def fit_runs(runs: Sequence[Run], moe_layers: Sequence[bool], interconnect: Opti
     layer_ops = [OpFit(op, bool(moe_layers[li]), *_ab(_median_fit(v)), layer=li)
                  for (op, li), v in sorted(seen.layer.items(), key=lambda kv: (kv[0][1], kv[0][0]))]
     transfers = [TransferFit(op, moe, name, *_ab(_median_fit(seen.sizes[op, moe, name], relative=False)),
-                             (op, moe, name) in seen.blocking, *wait((op, moe, name)))
+                             (op, moe, name) in seen.blocking, *wait((op, moe, name)),
+                             read_at=seen.read_at.get((op, moe, name), ""))
                  for (op, moe), names in sorted(seen.order.items()) for name in names]
     frame = _ab(_median_fit(seen.frame)) if seen.frame else (0.0, 0.0)
     return Calibration({}, [bool(m) for m in moe_layers], ops, layer_ops, transfers,
@@ -565,7 +574,14 @@ def _transfer_fit(value: Any, what: str) -> TransferFit:
     # a collective's wait beyond the interconnect may be less than the link's time: wait_s of either sign
     return TransferFit(d["op"], d["moe"], d["name"], _number(d["a"], f"{what}.a"), _number(d["b"], f"{what}.b"),
                        d["blocking"], _number(d.get("wait_s", 0.0), f"{what}.wait_s", None),
-                       _number(d.get("wait_per_token", 0.0), f"{what}.wait_per_token"))
+                       _number(d.get("wait_per_token", 0.0), f"{what}.wait_per_token"), _read_at(d, what))
+
+
+def _read_at(d: Mapping[str, Any], what: str) -> str:
+    read_at = d.get("read_at", "")
+    if not isinstance(read_at, str):
+        raise ValueError(f"'{what}.read_at' is {read_at!r}, not an operation's name")
+    return read_at
 
 
 def save(cal: Calibration, directory: Optional[str] = None) -> Optional[str]:
@@ -639,24 +655,32 @@ def token_points(max_tokens: int, points: int = 5, low: int = 32) -> List[int]:
 
 
 class _Collectives:
-    """An observer: the bytes of each collective as it starts, and those the host reads back right after."""
+    """An observer: the bytes of each collective as it starts, and those the host reads back right after,
+    in the same operation or at the start of the next one (``read_at``: that operation's name)."""
 
     def __init__(self) -> None:
         self.nbytes: Dict[int, int] = {}
         self.blocking: Set[int] = set()
-        self._last: Optional[int] = None
+        self.read_at: Dict[int, str] = {}
+        self._last: Optional[int] = None  # the last collective, while no other span has started since
+        self._prior: Optional[int] = None  # the collective that ended the previous operation
+        self._op = ""  # the operation running now
 
     def on_span_start(self, span: Span) -> None:
         if span.kind != "comm":
-            self._last = None
+            self._prior, self._last, self._op = self._last, None, span.name
             return
         size = [sum(t.numel() * t.element_size() for t in ts) for ts in (span.reads, span.writes)]
         self.nbytes[span.id] = max(size)
-        self._last = span.id
+        self._last, self._prior = span.id, None
 
     def on_event_synchronize(self, name: str) -> None:
         if self._last is not None:
             self.blocking.add(self._last)
+        elif self._prior is not None:
+            self.blocking.add(self._prior)
+            self.read_at[self._prior] = self._op
+            self._prior = None
 
 
 def request_length(all_lens: Sequence[Sequence[int]]) -> int:
@@ -696,7 +720,7 @@ def _recorded(model: MoEModel, layers: List[List[Operation]], batch: Batch,
     finally:
         tl.stop()
         overlap.remove_observer(seen)
-    return Run(batch.seq.num_tokens, tl.spans, seen.nbytes, seen.blocking, wall)
+    return Run(batch.seq.num_tokens, tl.spans, seen.nbytes, seen.blocking, wall, seen.read_at)
 
 
 def _is_moe(model: MoEModel, index: int) -> bool:

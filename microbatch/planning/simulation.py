@@ -8,7 +8,9 @@ An event-driven simulation of the streams of one rank, in the executor's terms:
   executor derives from the data flow (and the schedule's ordering intents);
 - one operation at a time per stream; every transfer goes over one link, one transfer at a time
   (FIFO), taking ``latency + bytes * seconds_per_byte``;
-- a host-blocking transfer (the dispatch's count exchange) blocks issuing until it completes.
+- a host-blocking transfer (the dispatch's count exchange) blocks issuing until it completes: right
+  after it is issued, or where a later operation of its micro-batch reads it (``Transfer.read_at``:
+  the dispatch in two steps, whose second step reads the counts the first one issued).
 
 CPU semantics (the default), as `overlap.backends.cpu` runs: compute runs inline on the host
 thread whatever its stream, so the host is busy while it runs; an event wait blocks the host; a
@@ -20,7 +22,11 @@ it moved) from that compute
 asynchronous collective whose link time ran out while the host computed returns the cost model's
 ``async_notice_s`` after it begins (gloo's thread gets a core late); one that begins earlier
 returns at the link time's end or ``async_peer_s`` after the issue, whichever is later, on
-average over those quantiles (another rank may still compute). Device
+average over those quantiles (another rank may still compute). A launch that reads an earlier
+launch's transfer (`Transfer.read_at`) on a side stream runs ahead on that stream's own thread, as
+`overlap.issue_ahead` runs it: its work and transfers start when the transfer it reads ends, the
+host's next transfers wait until it has issued them, and the launch itself, in its place, only
+waits for that. Device
 semantics (``device=True``): every operation runs on its stream, the host only issues, and an
 event wait makes the stream wait, not the host.
 
@@ -62,6 +68,7 @@ class Transfer:
     blocking: bool = False  # the host waits for it before issuing anything else (a count exchange)
     wait_s: float = 0.0  # beyond the link's time: waiting for the slower rank (may be < 0: less than the link)
     wait_per_token: float = 0.0  # ... and per token of the launch (the ranks drift apart over longer compute)
+    read_at: str = ""  # blocking: the operation of its layer and micro-batch that reads it ("": its own, at once)
 
     def wait(self, tokens: int) -> float:
         return self.wait_s + self.wait_per_token * tokens
@@ -196,19 +203,38 @@ class _Streams:
         self.in_flight: List[Tuple[float, float]] = []  # (end, bytes) of asynchronous transfers not yet charged
         self.pending: List[Tuple[float, float]] = []  # (issued, end) of the current launch's asynchronous transfers
         self.asynchronous: Dict[int, List[Tuple[float, float]]] = {}  # launch -> (issued, end) of those
+        self.unread: Dict[Tuple[int, int, str], List[Tuple[float, float]]] = {}  # (mb, layer, reader) -> transfers
+        # CPU path, (mb, layer, reader) -> its work run ahead: (start, end, its transfers' (issued, end))
+        self.ahead: Dict[Tuple[int, int, str], Tuple[float, float, List[Tuple[float, float]]]] = {}
+        self.ahead_until = 0.0  # the host's next transfers wait until the work run ahead has issued its own
 
     def completion(self, launch: int, done: float, wait_from: float) -> float:
         """When a wait for ``launch`` that begins at ``wait_from`` returns (CPU path): ``done``, or later
         for its asynchronous transfers: ``async_notice_s`` after ``wait_from`` for one whose link time
         ran out while the host was still computing; else its link time's end or, while another rank
         still computes, ``async_peer_s`` after its issue, on average over those quantiles."""
-        c, out = self.costs, done
+        out = done
         for issued, end in self.asynchronous.get(launch, ()):
-            if wait_from > end:
-                out = max(out, wait_from + c.async_notice_s)
-            elif c.async_peer_s:
-                out = max(out, sum(max(end, issued + x) for x in c.async_peer_s) / len(c.async_peer_s))
+            out = max(out, self._noticed(issued, end, wait_from))
         return out
+
+    def _noticed(self, issued: float, end: float, wait_from: float) -> float:
+        """When a host wait that begins at ``wait_from`` sees an asynchronous transfer (see `completion`)."""
+        c = self.costs
+        if wait_from > end:
+            return wait_from + c.async_notice_s
+        if c.async_peer_s:
+            return sum(max(end, issued + x) for x in c.async_peer_s) / len(c.async_peer_s)
+        return end
+
+    def read_back(self, l: ScheduledOp, wait_from: float) -> float:
+        """The host reads the transfers earlier launches left for ``l`` (`Transfer.read_at`): on the CPU path
+        when the read returns (the launch is ready then), on a device the host waits and nothing else."""
+        due = self.unread.pop((l.mb, l.layer, l.op), ())
+        if self.device:
+            self.host = max([self.host] + [end for _, end in due])
+            return 0.0
+        return max((self._noticed(issued, end, wait_from) for issued, end in due), default=0.0)
 
     def transfer(self, issued: float, stream: str, tr: Transfer, tokens: int, meta: Dict[str, Any]) -> float:
         """A transfer issued at ``issued`` on ``stream``: after the stream's and the link's earlier ones.
@@ -230,13 +256,19 @@ class _Streams:
         t += self._contended(start, cost.compute(tokens))
         done = t
         c = self.costs
+        if cost.transfers:
+            t = max(t, self.ahead_until)
         for tr in cost.transfers:
             issued = t
             if l.stream != self.main:  # asynchronous: the host spends the issue, the transfer is under way
                 t += c.async_issue_s + c.async_issue_per_byte * tr.nbytes(tokens)
             end = self.transfer(issued, l.stream, tr, tokens, meta)
-            if tr.blocking or l.stream == self.main:  # read on the host, or a synchronous collective
-                t = max(t, end)
+            if l.stream != self.main and tr.blocking and tr.read_at and tr.read_at != l.op:
+                self._run_ahead(l, tr, tokens, end)
+                self.in_flight.append((end, tr.nbytes(tokens)))
+                self.pending.append((issued, end))
+            elif l.stream == self.main or (tr.blocking and not self._read_later(l, tr, issued, end)):
+                t = max(t, end)  # a synchronous collective, or one read on the host right away
             else:
                 self.in_flight.append((end, tr.nbytes(tokens)))
                 self.pending.append((issued, end))
@@ -244,6 +276,40 @@ class _Streams:
         self._op_span(l, cost, start, t, meta)
         self.host = t
         return done
+
+    def _run_ahead(self, l: ScheduledOp, tr: Transfer, tokens: int, read: float) -> None:
+        """The launch that reads ``tr`` (`Transfer.read_at`), run ahead on ``l``'s stream's thread from ``read``."""
+        key = (l.mb, l.layer, tr.read_at)
+        cost = self.costs.op(l.layer, tr.read_at)
+        start = read
+        t = start + cost.compute(tokens)
+        meta = {"mb": l.mb, "layer": l.layer}
+        transfers = []
+        for tr2 in cost.transfers:
+            end = self.transfer(t, l.stream, tr2, tokens, meta)
+            self.in_flight.append((end, tr2.nbytes(tokens)))
+            transfers.append((t, end))
+        self.ahead[key] = (start, t, transfers)
+        self.ahead_until = max(self.ahead_until, t)
+
+    def collect_ahead(self, l: ScheduledOp, ready: float) -> Optional[float]:
+        """A launch whose work ran ahead (`_run_ahead`): the host waits until it has issued its transfers;
+        returns when all of it is done (None: it did not run ahead)."""
+        run = self.ahead.pop((l.mb, l.layer, l.op), None)
+        if run is None:
+            return None
+        start, issued, transfers = run
+        self.host = max(self.host + self.costs.host_overhead_s, ready, issued)
+        self.pending.extend(transfers)
+        self._op_span(l, self.costs.op(l.layer, l.op), start, issued, {"mb": l.mb, "layer": l.layer})
+        return max([issued] + [end for _, end in transfers])
+
+    def _read_later(self, l: ScheduledOp, tr: Transfer, issued: float, end: float) -> bool:
+        """Leave a transfer that a later launch reads on the host (`Transfer.read_at`) for `read_back`."""
+        if not (tr.blocking and tr.read_at and tr.read_at != l.op):
+            return False
+        self.unread.setdefault((l.mb, l.layer, tr.read_at), []).append((issued, end))
+        return True
 
     def _contended(self, start: float, work: float) -> float:
         """``work`` seconds of host compute from ``start``, plus what the asynchronous transfers that end
@@ -263,8 +329,9 @@ class _Streams:
         start = max(self.host, self.free[l.stream], ready)
         t = self.free[l.stream] = start + cost.compute(tokens)
         for tr in cost.transfers:
-            t = self.transfer(max(t, self.host), l.stream, tr, tokens, meta)
-            if tr.blocking:
+            end = self.transfer(max(t, self.host), l.stream, tr, tokens, meta)
+            t = end
+            if tr.blocking and not self._read_later(l, tr, start, end):
                 self.host = max(self.host, t)
         self._op_span(l, cost, start, t, meta)
         return t
@@ -293,7 +360,9 @@ def simulate(source: Source, flow: Flow, tokens: Sequence[int], costs: CostModel
     for i, l in enumerate(launches):
         wait_from = sim.host + costs.host_overhead_s
         ready = max((sim.completion(j, done[j], wait_from) for j in edges[i]), default=0.0)
-        done.append(step(l, costs.op(l.layer, l.op), tokens[l.mb], ready))
+        ready = max(ready, sim.read_back(l, wait_from))
+        collected = None if device else sim.collect_ahead(l, ready)
+        done.append(step(l, costs.op(l.layer, l.op), tokens[l.mb], ready) if collected is None else collected)
         if sim.pending:
             sim.asynchronous[i], sim.pending = sim.pending, []
     total = max([sim.host] + done) + costs.frame(sum(tokens[:n_mb]))

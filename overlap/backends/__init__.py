@@ -19,7 +19,7 @@ from typing import Dict
 
 from ..context import check_path, current_path
 from .aclgraph import AclGraphBackend
-from .base import Backend
+from .base import Ahead, Backend
 from .cpu import CpuBackend, CpuStream
 from .device import DeviceBackend
 from .ge import GeBackend
@@ -43,4 +43,4 @@ def current() -> Backend:
     return _BACKENDS[current_path()]
 
 
-__all__ = ["Backend", "CpuStream", "current", "get"]
+__all__ = ["Ahead", "Backend", "CpuStream", "current", "get"]

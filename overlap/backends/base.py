@@ -8,13 +8,20 @@ path names.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, ContextManager, List, Optional, Sequence
+from typing import Any, Callable, ContextManager, List, Optional, Protocol, Sequence
 
 import torch
 
 from .. import hooks
 from ..context import DEFAULT, current_stream_tag
 from ..hooks import Span
+
+
+class Ahead(Protocol):
+    """Host work running ahead on a stream's own thread (`overlap.issue_ahead`)."""
+
+    def result(self) -> Any:
+        """What it returned, once it has (what it raised, raised here); `WaitTimeout` past the wait bound."""
 
 
 class Backend:
@@ -102,6 +109,11 @@ class Backend:
             fn()
         finally:
             hooks.end_span(span)
+
+    def issue_ahead(self, name: str, fn: Callable[[], Any], tag: str) -> Optional["Ahead"]:
+        """Run ``fn`` on stream ``tag``'s own thread, where the path has one (see `overlap.issue_ahead`);
+        None here: the caller runs it later, in place."""
+        return None
 
     def synchronize(self) -> None:
         """The host waits for all work on all streams of this path."""

@@ -4,12 +4,17 @@ Compute runs inline on the host thread whatever its stream. A collective issued 
 stream runs asynchronously on gloo's threads (``async_op=True``), and host work (a copy) on the
 stream's own worker thread, in launch order. The work pending on a `CpuStream` is what an event
 recorded there waits for, so reading a side stream's output before the wait is a real race.
+Host work that issues collectives (`overlap.issue_ahead`: a count exchange's read and the tokens
+it sizes) runs on the stream's worker too, as a device's comm stream would run it by itself; any
+other thread's next collective waits until it has returned, so every rank issues its collectives
+in one order.
 With a simulated link (`overlap.link`) a collective completes no earlier than its transfer time.
 Every wait here is bounded by `overlap.wait_timeout()`: past it, `WaitTimeout` names the launch.
 """
 from __future__ import annotations
 
 import concurrent.futures
+import contextvars
 import datetime
 import threading
 from typing import Any, Callable, List, Optional, Sequence
@@ -22,7 +27,7 @@ from ..context import DEFAULT, current_stream_tag, is_enabled
 from ..hooks import Span
 from ..link import DelayedWork, current_link, reserve, transfer_seconds, wait_until
 from ..state import STATE, WaitTimeout, raise_hint, wait_timeout
-from .base import Backend
+from .base import Ahead, Backend
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -91,6 +96,55 @@ class _Pending:
                            f"not completed: {why}; {raise_hint()}")
 
 
+_AHEAD = threading.local()  # ``running``: this thread runs host work that issues collectives (`issue_ahead`)
+
+
+class _AheadWork:
+    """`Ahead` on a CPU stream's worker thread: a future, waited for within the wait bound."""
+
+    def __init__(self, name: str, stream: str, future: concurrent.futures.Future):
+        self.name, self.stream, self.future = name, stream, future
+
+    def result(self) -> Any:
+        bound = wait_timeout()
+        try:
+            return self.future.result(timeout=bound)
+        except concurrent.futures.TimeoutError:
+            if self.future.done():
+                return self.future.result()  # finished just now, or raised TimeoutError itself
+            raise WaitTimeout(f"waited {bound:g} s for {self.name!r} on stream {self.stream!r} (host work that issues "
+                              f"collectives) and it has not returned: another rank may have failed or stopped; "
+                              f"{raise_hint()}") from None
+
+
+class _AheadRegistry:
+    """The `issue_ahead` work not yet returned, of every stream: another thread's collective waits for it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.pending: List[_AheadWork] = []
+
+    def add(self, work: _AheadWork) -> None:
+        with self.lock:
+            self.pending = [w for w in self.pending if not w.future.done()] + [work]
+
+    def wait_all(self) -> None:
+        """Wait, within the wait bound, until every one has returned (what it raised is its reader's);
+        nothing from inside one, which issues its own collectives in order."""
+        if getattr(_AHEAD, "running", False):
+            return
+        with self.lock:
+            pending, self.pending = self.pending, []
+        for work in pending:
+            if concurrent.futures.wait([work.future], timeout=wait_timeout()).not_done:
+                with self.lock:
+                    self.pending = pending + self.pending
+                work.result()  # raises WaitTimeout naming it
+
+
+_AHEAD_WORK = _AheadRegistry()
+
+
 class CpuStream:
     """A logical stream on the CPU path: the asynchronous work launched on it, in order."""
 
@@ -142,6 +196,28 @@ class CpuStream:
             fut = self._worker.submit(run)
             self._pending.append(_Pending(name, self.tag, "host", fut, reads, writes))
         return fut
+
+    def issue_ahead(self, name: str, fn: Callable[[], Any]) -> _AheadWork:
+        """``fn`` on this stream's worker, after the host work launched here before, in the caller's context
+        (its stream, path and span meta); see `overlap.issue_ahead`."""
+        context = contextvars.copy_context()
+
+        def run() -> Any:
+            _AHEAD.running = True
+            try:
+                return context.run(fn)
+            finally:
+                _AHEAD.running = False
+
+        with self._lock:
+            self._prune()
+            if self._worker is None:
+                self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"overlap-{self.tag}")
+            fut = self._worker.submit(run)
+            self._pending.append(_Pending(name, self.tag, "host", fut, (), ()))
+        work = _AheadWork(name, self.tag, fut)
+        _AHEAD_WORK.add(work)
+        return work
 
     def snapshot(self) -> List[_Pending]:
         """The launches an event recorded now must wait for."""
@@ -200,6 +276,7 @@ class CpuBackend(Backend):
     def issue_collective(self, name: str, issue: Callable[[bool], Any], reads: Sequence[torch.Tensor],
                          writes: Sequence[torch.Tensor], span: Optional[Span], nbytes: int) -> None:
         tag = current_stream_tag()
+        _AHEAD_WORK.wait_all()  # every rank issues its collectives in one order (see the module docstring)
         prioritize_comm_threads()  # gloo's threads as a device's comm engine (overlap.comm_threads)
         if self.is_asynchronous(tag):
             try:
@@ -230,6 +307,11 @@ class CpuBackend(Backend):
             cpu_stream(tag).issue_host(name, fn, reads, writes, span)
             return
         super().issue_host(name, fn, reads, writes, span)
+
+    def issue_ahead(self, name: str, fn: Callable[[], Any], tag: str) -> Optional[Ahead]:
+        if not self.is_asynchronous(tag):
+            return None
+        return cpu_stream(tag).issue_ahead(name, fn)
 
     def synchronize(self) -> None:
         with STATE.lock:
