@@ -65,6 +65,7 @@ class JobConfig:
     comm_priority: str = "off"  # --cpu-comm-priority: gloo's threads real-time ("rt") or not ("off"); CPU only
     asked_modes: Tuple[str, ...] = ()  # the modes --mode names, expanded ("all"), before serial is added
     environment: Tuple[Tuple[str, EnvValue], ...] = ()  # ("$NAME", value) of the variables that shape the run
+    dispatch: str = "two-step"  # --dispatch: the MoE layers' count exchange apart from the tokens, or not
 
     @property
     def serial_added(self) -> bool:
@@ -408,7 +409,8 @@ def job_config(*, world: int, device: str, exec_path: str, mode: Union[str, Sequ
                kv_store: str,
                preset_name: str, overrides: Overrides, batch: int, seq_len: int, seq_lens: Optional[str],
                dtype: str, warmup: int, iters: int, seed: int, check: bool, out_dir: Optional[str], cpu_link: str,
-               timeout: float, model_name: str = REFERENCE, cpu_comm_priority: str = "off") -> JobConfig:
+               timeout: float, model_name: str = REFERENCE, cpu_comm_priority: str = "off",
+               dispatch: str = "two-step") -> JobConfig:
     """The job of the command-line options and the environment, checked; `ConfigError` names the first problem.
 
     ``mode`` is one comma-separated list, or several (``--mode`` given more than once: they add up).
@@ -438,7 +440,7 @@ def job_config(*, world: int, device: str, exec_path: str, mode: Union[str, Sequ
     modes, expanded = resolve_modes(asked, check)
     job = JobConfig(model, tuple(lens), modes, device, path,
                     kv_offload, kv_store, DTYPES[dtype], warmup, iters, seed, check, out_dir, link, timeout,
-                    model_name, cpu_comm_priority, expanded, env)
+                    model_name, cpu_comm_priority, expanded, env, dispatch)
     if job.graph and AUTO in modes:
         raise ConfigError(f"--mode auto plans the eager paths; on --path {path} pick a mode")
     if job.graph and job.transformers:

@@ -116,6 +116,9 @@ def _progress(msg: str, first: bool = False) -> None:
               help="CPU only: 'rt' runs gloo's communication threads real-time (SCHED_FIFO, where permitted), as a "
                    "device's comm engine that never waits for compute: faster on a host the job has to itself, "
                    "slower beside another such job; 'off' leaves them normal.")
+@click.option("--dispatch", type=click.Choice(["two-step", "one-step"]), default="two-step",
+              help="The MoE layers' dispatch: its count exchange issued with the routing and read only where the "
+                   "tokens go (the schedules issue the other micro-batches' work in between), or both at once.")
 @click.option("--timeout", type=float, default=120.0, help="Seconds a rank waits for its peers before giving up.")
 def cli(mode: Tuple[Tuple[str, ...], ...], layers: Optional[int], dense_layers: Optional[int],
         hidden: Optional[int], experts: Optional[int], top_k: Optional[int], shared_experts: Optional[int],
@@ -257,7 +260,7 @@ def run_job(job: JobConfig) -> int:
             make_capacity_expert_parallel(model, dist.group.WORLD, capacity)
             compile_mode = functools.partial(graph_prefill, model, batch, path=job.path)
         else:
-            make_expert_parallel(model, dist.group.WORLD)
+            make_expert_parallel(model, dist.group.WORLD, two_step_dispatch=job.dispatch == "two-step")
         if job.kv_offload:  # every rank creates its store, then all go on or all stop (exit 2), collective-free
             cache, problem = _offload_cache(job, model, batch, dev, rank)
             agree_ready("creating the KV store", problem, job.timeout)

@@ -27,18 +27,25 @@ import torch.distributed as dist
 
 import microbatch
 import overlap
-from collectives import CapacityExpertParallelMoE, wrap_expert_parallel
+from collectives import CapacityExpertParallelMoE, ExpertParallelMoE, wrap_expert_parallel
 from microbatch import Operation, Split
 from microbatch.batch import K, V, Batch
 from microbatch.forward import MakeSchedule, cut_refusal, run_schedule, serial_split
-from microbatch.model import ForwardModel, MoEModel
+from microbatch.model import ForwardModel, MoELayer, MoEModel
 from microbatch.planning.split import DEFAULT_MAX_IMBALANCE, DEFAULT_MIN_TOKENS, decide_split
 from overlap import OffloadCache
 
 
-def make_expert_parallel(model: MoEModel, group: Optional[dist.ProcessGroup], impl: str = "auto") -> MoEModel:
-    """Replace every MoE block of ``model`` by its expert-parallel form over ``group`` (in place)."""
-    model.replace_moe(lambda layer: wrap_expert_parallel(layer.moe, group, impl=impl))
+def make_expert_parallel(model: MoEModel, group: Optional[dist.ProcessGroup], impl: str = "auto", *,
+                         two_step_dispatch: bool = True) -> MoEModel:
+    """Replace every MoE block of ``model`` by its expert-parallel form over ``group`` (in place);
+    ``two_step_dispatch``: the count exchange and the tokens as two operations (`ExpertParallelMoE`)."""
+    def wrap(layer: MoELayer) -> ExpertParallelMoE:
+        ep = wrap_expert_parallel(layer.moe, group, impl=impl)
+        ep.two_step_dispatch = two_step_dispatch
+        return ep
+
+    model.replace_moe(wrap)
     return model
 
 

@@ -37,15 +37,36 @@ def test_single_process_all_modes_check_and_outputs(tmp_path):
     assert (tmp_path / "timeline_two-batch.png").stat().st_size > 1000
 
 
+def _launch_names(trace):
+    return {e["name"] for e in json.loads(trace.read_text())["traceEvents"] if e.get("ph") == "X"}
+
+
+def test_the_dispatch_in_one_step_is_one_option_away_and_equal(tmp_path):
+    """--dispatch one-step: the MoE layers' count exchange read where it is issued (no dispatch_counts launch),
+    every mode equal to serial; the ranks agree on it like on every option that shapes the run."""
+    from launch.agreement import fingerprint
+
+    assert (fingerprint(_job())["--dispatch"], fingerprint(_job(dispatch="one-step"))["--dispatch"]) == \
+        ("two-step", "one-step")
+    proc = run_launcher(TINY + ["--seq-lens", "16,12", "--mode", "two-batch", "--check", "--dispatch", "one-step",
+                                "--out", str(tmp_path)], ranks=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["dispatch"] == "one-step" and res["check"] == "passed"
+    names = _launch_names(tmp_path / "trace_two-batch.json")
+    assert "dispatch" in names and "dispatch_counts" not in names
+
+
 def test_two_ranks_under_torchrun_with_kv_offload(tmp_path):
     proc = run_launcher(TINY + ["--seq-lens", "24,20,9", "--check", "--kv-offload", "--kv-store", "mmap",
                                 "--out", str(tmp_path)], ranks=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("check: every mode matches serial") == 1  # rank 0 alone prints
     res = json.loads((tmp_path / "results.json").read_text())
-    assert res["world_size"] == 2 and res["kv_offload"] and res["check"] == "passed"
+    assert res["world_size"] == 2 and res["kv_offload"] and res["check"] == "passed" and res["dispatch"] == "two-step"
     ranks, lanes = _trace_lanes(tmp_path / "trace_two-batch.json")
     assert len(ranks) == 2 and {"default", "ep_comm", "kv_offload"} <= lanes
+    assert {"dispatch_counts", "dispatch"} <= _launch_names(tmp_path / "trace_two-batch.json")  # two steps
     assert sorted(p.name for p in (tmp_path / "kv").iterdir()) == ["kv-rank0.kv", "kv-rank1.kv"]
     two = next(r for r in res["rows"] if r["mode"] == "two-batch")
     assert two["hidden_comm_share"] is not None and 0.0 <= two["hidden_comm_share"] <= 1.0

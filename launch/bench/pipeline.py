@@ -52,8 +52,7 @@ def _rank_body(ctx: Any, preset_name: str, seq_lens: List[int], warmup: int, ite
     from microbatch.batch import Batch
 
     overlap.set_link(overlap.parse_link(link) if link else None)
-    model = make_expert_parallel(_build(preset_name, model_name, seed), ctx.group)
-    _set_two_step_dispatch(model, two_step)
+    model = make_expert_parallel(_build(preset_name, model_name, seed), ctx.group, two_step_dispatch=two_step)
     batch = Batch.random(seq_lens, model.cfg.vocab, seed=seed + ctx.rank + 1)
     modes = [name for name, m in microbatch.MODES.items() if m.in_all]
     results = measure_modes(model, batch, modes, ctx.group, warmup=warmup, iters=iters)
@@ -61,15 +60,6 @@ def _rank_body(ctx: Any, preset_name: str, seq_lens: List[int], warmup: int, ite
         return None
     return (table(results, batch.seq.num_tokens * ctx.world_size) + "\n" + verdict({r.mode: r for r in results})
             + "\n" + host_blocking_table(results))
-
-
-def _set_two_step_dispatch(model: Any, on: bool) -> None:
-    """The MoE layers' dispatch as the count exchange and the tokens in two operations, or one (``--dispatch``)."""
-    from collectives import ExpertParallelMoE
-
-    for module in model.modules():
-        if isinstance(module, ExpertParallelMoE):
-            module.two_step_dispatch = on
 
 
 def host_blocking(spans: List[Any]) -> Dict[int, Tuple[float, float]]:
