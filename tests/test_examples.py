@@ -22,11 +22,17 @@ from typing import List, Optional
 
 import pytest
 
+from support.example_runner import DONE
 from support.ports import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNNER = os.path.join(ROOT, "tests", "support", "example_runner.py")
 TIMEOUT_S = 150  # one example, start to exit (torchrun and a transformers import included)
+# gloo's threads sometimes abort a CPU process's teardown after the program returned (docs/reliability.md,
+# "Leaving"): measured 1 in 16 runs of a two-rank example here, with or without a barrier before
+# destroy_process_group. Such a run is run again, at most this many more times.
+TEARDOWN_ABORT = "terminate called without an active exception"
+TEARDOWN_RETRIES = 2
 _OPEN = re.compile(r"^(?P<indent>[ \t]*)```(?P<lang>[\w+-]*)[ \t]*$")
 _TORCHRUN = re.compile(r"^#\s*torchrun\s+--nproc-per-node[ =](?P<n>\d+)\s+example\.py\b")
 _SKIPPED = re.compile(r"^skipped: (?P<why>.+)$", re.MULTILINE)
@@ -117,10 +123,21 @@ def run_example(code: str, folder: str, timeout: float = TIMEOUT_S) -> subproces
 EXAMPLES = all_examples()
 
 
+def aborted_in_teardown(proc: subprocess.CompletedProcess, ranks: Optional[int]) -> bool:
+    """Whether a failed run only aborted in the interpreter's teardown: every rank's example returned
+    (`example_runner.DONE`), then gloo's threads aborted the exit."""
+    out = proc.stdout + proc.stderr
+    return proc.returncode != 0 and TEARDOWN_ABORT in out and out.count(DONE) == (ranks or 1)
+
+
 @spawns
 @pytest.mark.parametrize("example", EXAMPLES, ids=[e.where for e in EXAMPLES])
 def test_example_runs_as_written(example, tmp_path):
     proc = run_example(example.code, str(tmp_path))
+    for _ in range(TEARDOWN_RETRIES):
+        if not aborted_in_teardown(proc, example.ranks):
+            break
+        proc = run_example(example.code, str(tmp_path))
     assert proc.returncode == 0, f"{example.where} failed (exit {proc.returncode}):\n{failure(proc)}"
     skipped = _SKIPPED.search(proc.stdout)
     if skipped:
@@ -166,3 +183,14 @@ def test_a_racy_or_incomplete_example_fails(code, expected, tmp_path):
 def test_an_example_that_hangs_is_stopped_and_named(tmp_path):
     with pytest.raises(pytest.fail.Exception, match="did not finish within 3 s"):
         run_example("import time\ntime.sleep(600)\n", str(tmp_path), timeout=3)
+
+
+def test_only_an_abort_after_every_rank_returned_is_run_again():
+    done = f"{DONE}\n"
+    abort = f"{TEARDOWN_ABORT}\n"
+    run = lambda code, err: subprocess.CompletedProcess([], code, "", err)  # noqa: E731
+    assert aborted_in_teardown(run(1, done + done + abort), 2)
+    assert not aborted_in_teardown(run(1, done + abort), 2)  # one rank never returned: a real failure
+    assert not aborted_in_teardown(run(1, done + done + "Traceback ..."), 2)
+    assert not aborted_in_teardown(run(0, done + done + abort), 2)
+    assert aborted_in_teardown(run(-6, done + abort), None)

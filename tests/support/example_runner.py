@@ -3,13 +3,17 @@
 ``python tests/support/example_runner.py EXAMPLE.py [ARGS...]``, or the same under torchrun: starts the
 sanitizer `overlap.sanitize_from_env` asks for (``OVERLAP_SANITIZE=raise``: the first race raises),
 then runs EXAMPLE.py as ``__main__`` with the ``sys.argv`` and ``sys.path[0]`` that
-``python EXAMPLE.py`` gives it. The example itself holds no test plumbing (tests/test_examples.py).
+``python EXAMPLE.py`` gives it, and writes `DONE` to stderr once it has returned (so an abort in
+the interpreter's teardown afterwards is told apart from the example failing). The example itself
+holds no test plumbing (tests/test_examples.py).
 """
 from __future__ import annotations
 
 import os
 import runpy
 import sys
+
+DONE = "example_runner: the example returned"
 
 
 def main() -> None:
@@ -22,6 +26,7 @@ def main() -> None:
 
     overlap.sanitize_from_env()
     runpy.run_path(example, run_name="__main__")
+    print(DONE, file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
