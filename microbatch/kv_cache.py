@@ -1,0 +1,140 @@
+"""A decode KV cache on the device: per layer, the keys and values of every active request.
+
+Room for each request's prompt and new tokens is allocated once, contiguous per request: a request
+takes a slot (`KVCache.admit`) and keeps it until it is done (`KVCache.release`), which frees the
+room for the next one. A step first says where its rows go (`rows`: a prefill's prompt, or one
+row per active request in decode), once for all layers; each layer writes its keys and values
+there (`write`) and attention reads every active request's history at once (`attend`: one masked
+attention over the slots, no loop over requests); the rows are counted once every layer has
+written them (`advance`).
+
+The lengths live on the host as well as on the device, so writing, masking and checking the room
+never read the device: no host sync in a decode step.
+
+Used by issue 28's decode (groundwork: nothing in the launcher uses it yet).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+
+class KVCacheError(ValueError):
+    """A request that does not fit the cache, or a slot that is not in use."""
+
+
+class KVCache:
+    """``n_layers`` x ``max_requests`` slots of ``max_len`` rows of ``[heads, head_dim]`` keys and values."""
+
+    def __init__(self, n_layers: int, max_requests: int, max_len: int, heads: int, head_dim: int, *,
+                 dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None):
+        for name, value in (("n_layers", n_layers), ("max_requests", max_requests), ("max_len", max_len),
+                            ("heads", heads), ("head_dim", head_dim)):
+            if value < 1:
+                raise KVCacheError(f"{name} must be at least 1, got {value}")
+        shape = (n_layers, max_requests, max_len, heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+        self.lengths = [0] * max_requests  # rows held per slot (host), counted by `advance`
+        self._device_lengths = torch.zeros(max_requests, dtype=torch.long, device=device)
+        self._free = list(range(max_requests))
+        self._used: set = set()
+
+    # ---- slots -------------------------------------------------------------------------------
+    def admit(self, n: int = 1) -> List[int]:
+        """``n`` free slots for new requests (empty); `KVCacheError` if fewer are free."""
+        if n > len(self._free):
+            raise KVCacheError(f"{n} requests do not fit: {len(self._free)} of {len(self.lengths)} slots are free")
+        slots, self._free = self._free[:n], self._free[n:]
+        for s in slots:
+            self._used.add(s)
+            self.lengths[s] = 0
+            self._device_lengths[s] = 0
+        return slots
+
+    def release(self, slots: Sequence[int]) -> None:
+        """Free the slots of finished requests (their rows are never read again)."""
+        self._check(slots)
+        for s in slots:
+            self._used.discard(s)
+            self._free.append(s)
+
+    @property
+    def active(self) -> List[int]:
+        """The slots in use, in order."""
+        return sorted(self._used)
+
+    def _check(self, slots: Sequence[int], adding: Sequence[int] = ()) -> None:
+        for s in slots:
+            if s not in self._used:
+                raise KVCacheError(f"slot {s} is not in use (admit a request first)")
+        for s, n in zip(slots, adding):
+            if self.lengths[s] + n > self.max_len:
+                raise KVCacheError(f"slot {s} holds {self.lengths[s]} rows; {n} more exceed its room of "
+                                   f"{self.max_len} (prompt + new tokens)")
+
+    def _index(self, slots: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(list(slots), dtype=torch.long, device=self.k.device)
+
+    # ---- writing and reading ----------------------------------------------------------------
+    def rows(self, slots: Sequence[int], seq_lens: Optional[Sequence[int]] = None) -> "KVRows":
+        """Where the next ``seq_lens`` rows of each slot go (one each by default: a decode step), checked
+        against the room; computed once per step and used by every layer (`write`, `attend`)."""
+        seq_lens = [1] * len(slots) if seq_lens is None else [int(n) for n in seq_lens]
+        if len(slots) != len(seq_lens):
+            raise KVCacheError(f"{len(slots)} slots but {len(seq_lens)} lengths")
+        self._check(slots, seq_lens)
+        dev = self.k.device
+        where = torch.tensor([(s, self.lengths[s] + j) for s, n in zip(slots, seq_lens) for j in range(n)],
+                             dtype=torch.long, device=dev).reshape(-1, 2)
+        seen = [self.lengths[s] + n for s, n in zip(slots, seq_lens)]
+        longest = max(seen, default=0)
+        mask = torch.arange(longest, device=dev)[None, :] < torch.tensor(seen, device=dev).reshape(-1, 1)
+        return KVRows(list(slots), seq_lens, where, self._index(slots), mask, longest)
+
+    def write(self, layer: int, rows: "KVRows", k: torch.Tensor, v: torch.Tensor) -> None:
+        """The keys and values ``[sum(rows.seq_lens), heads, head_dim]``, packed slot after slot, into ``rows``."""
+        if k.shape[0] != rows.where.shape[0] or k.shape != v.shape:
+            raise KVCacheError(f"{rows.where.shape[0]} rows, keys {tuple(k.shape)} and values {tuple(v.shape)} do "
+                               f"not go together")
+        self.k[layer, rows.where[:, 0], rows.where[:, 1]] = k.to(self.k.dtype)
+        self.v[layer, rows.where[:, 0], rows.where[:, 1]] = v.to(self.v.dtype)
+
+    def advance(self, rows: "KVRows") -> None:
+        """Count ``rows`` once every layer has written them."""
+        self._check(rows.slots, rows.seq_lens)
+        for s, n in zip(rows.slots, rows.seq_lens):
+            self.lengths[s] += n
+        if rows.slots:
+            self._device_lengths[rows.index] += torch.tensor(rows.seq_lens, device=self.k.device)
+
+    def attend(self, layer: int, rows: "KVRows", q: torch.Tensor) -> torch.Tensor:
+        """Decode attention: ``q [len(rows.slots), heads, head_dim]``, one query per request, over each slot's
+        rows including those of ``rows`` (written, not yet counted); one masked attention over all the slots."""
+        if not rows.slots:
+            return q
+        keys = self.k[layer].index_select(0, rows.index)[:, :rows.longest].transpose(1, 2)  # [B, H, L, D]
+        values = self.v[layer].index_select(0, rows.index)[:, :rows.longest].transpose(1, 2)
+        out = F.scaled_dot_product_attention(q.unsqueeze(2).to(keys.dtype), keys, values,
+                                             attn_mask=rows.mask[:, None, None, :])
+        return out.squeeze(2).to(q.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class KVRows:
+    """Rows about to be written to slots (`KVCache.rows`): their ``(slot, position)`` pairs ``where``, the slots
+    as a device index, and the mask of every slot's rows, these included, for `KVCache.attend`."""
+
+    slots: List[int]
+    seq_lens: List[int]
+    where: torch.Tensor  # [rows, 2]
+    index: torch.Tensor  # [slots]
+    mask: torch.Tensor  # [slots, longest] bool
+    longest: int
+
+
+__all__ = ["KVCache", "KVCacheError", "KVRows"]
