@@ -6,9 +6,9 @@ every cross-stream event from the data flow; `run_schedule` (`microbatch.forward
 forward through one, on a `Batch` split as `microbatch.planning` decides: cut into N balanced
 micro-batches that every rank agrees on, or into the mode and split the planner predicts fastest.
 """
-from .batch import K, PREFIX_KV, SEQ, V, Batch, SeqInfo
+from .batch import K, KV_STEP, PREFIX_KV, SEQ, V, Batch, SeqInfo
 from .executor import Lowering, Step, event_tag, execute, lower, run, run_made
-from .kv_cache import KVCache, KVCacheError, KVRows
+from .kv_cache import KVCache, KVCacheError, KVRows, KVStep
 from .forward import cut_refusal, forward_layer_by_layer, micro_batch_inputs, run_schedule, serial_split
 from .model import ForwardModel, Layer, MoELayer, MoEModel, ModelShape
 from .operations import FromMicroBatch, Operation, State, as_operation
@@ -25,9 +25,9 @@ __all__ = [
     "ScheduledOp", "State", "Step", "as_listed", "as_operation", "event_tag", "execute", "lower", "mode", "n_batch", "n_batch_name",
     "normalize_layers", "replay_stats", "run", "run_made", "schedule_for", "serial", "shared", "two_batch", "validate",
     # a packed batch, a split of it, and the model contract
-    "Batch", "K", "PREFIX_KV", "SEQ", "SeqInfo", "V",
+    "Batch", "K", "KV_STEP", "PREFIX_KV", "SEQ", "SeqInfo", "V",
     # decode: the keys and values of every active request, on the device
-    "KVCache", "KVCacheError", "KVRows",
+    "KVCache", "KVCacheError", "KVRows", "KVStep",
     "Split", "merge_outputs", "micro_batches", "prefix_kv", "prefix_sources", "split_batch", "split_tokens",
     "ForwardModel", "Layer", "MoELayer", "MoEModel", "ModelShape",
     # a model's forward through a schedule

@@ -20,6 +20,7 @@ import torch
 
 SEQ, PREFIX_KV = "seq", "prefix_kv"  # a micro-batch's context values, read by attention at every layer
 K, V = "k", "v"  # a layer's keys and values, written by attention
+KV_STEP = "kv_step"  # a decode step's context value: its `microbatch.kv_cache.KVStep`, read by attention
 
 
 def check_lens(name: str, lens: Sequence[int]) -> Tuple[int, ...]:

@@ -137,4 +137,22 @@ class KVRows:
     longest: int
 
 
-__all__ = ["KVCache", "KVCacheError", "KVRows"]
+@dataclasses.dataclass(frozen=True)
+class KVStep:
+    """A step's view of the cache for attention (the ``KV_STEP`` value): where its rows go, and the cache."""
+
+    cache: KVCache
+    rows: KVRows
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """Each row's position in its request (rotary embeddings): ``[rows]``."""
+        return self.rows.where[:, 1]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Write layer ``layer``'s keys and values of this step's rows and attend to every slot's history."""
+        self.cache.write(layer, self.rows, k, v)
+        return self.cache.attend(layer, self.rows, q)
+
+
+__all__ = ["KVCache", "KVCacheError", "KVRows", "KVStep"]

@@ -31,7 +31,8 @@ import overlap
 from collectives import MOE_IN, MOE_OUT
 from collectives.reference import MoE, Expert
 from microbatch import HIDDEN, OUT, Operation, Split, State, as_operation
-from microbatch.batch import K, PREFIX_KV, SEQ, V, Batch, SeqInfo
+from microbatch.batch import K, KV_STEP, PREFIX_KV, SEQ, V, Batch, SeqInfo
+from microbatch.kv_cache import KVStep
 from microbatch.forward import forward_layer_by_layer
 from microbatch.model import KV
 
@@ -120,6 +121,24 @@ class DecoderLayer(nn.Module):
                 out[start:start + n] = _causal_attention(q[start:start + n], ki, vi)
             start, pstart = start + n, pstart + p
         return hidden + self.o_proj(out.reshape(t, h * d)), k, v
+
+    def decode_attention(self, hidden: torch.Tensor, step: KVStep) -> torch.Tensor:
+        """Decode: ``hidden [requests, hidden]``, one new token per request; its keys and values go into the
+        cache and every request attends to its whole history there at once (`KVStep.attend`); ``resid``."""
+        t, h, d = hidden.shape[0], self.cfg.n_heads, self.cfg.head_dim
+        x = self.attn_norm(hidden)
+        q, k, v = (proj(x).view(t, h, d) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        if self.cfg.rope_theta is not None:
+            q, k = _rope(q, step.positions, self.cfg.rope_theta), _rope(k, step.positions, self.cfg.rope_theta)
+        return hidden + self.o_proj(step.attend(self.index, q, k, v).reshape(t, h * d))
+
+    def decode_operations(self) -> List[Operation]:
+        """This layer for a decode step, from ``HIDDEN`` and ``KV_STEP`` to ``OUT``: `operations` with the
+        cached attention."""
+        return ([Operation("attn", self.decode_attention, (HIDDEN, KV_STEP), ("resid",)),
+                 Operation("ffn_norm", self.ffn_norm, ("resid",), (MOE_IN,))]
+                + self.ffn_operations()
+                + [Operation("residual", torch.add, ("resid", MOE_OUT), (OUT,))])
 
     def _ffn(self) -> nn.Module:
         return self.moe if self.is_moe else self.mlp
@@ -218,6 +237,10 @@ class Model(nn.Module):
     def layer_operations(self) -> List[List[Operation]]:
         """Every layer's operations, for the pipeline executor (``microbatch.run``)."""
         return [layer.operations() for layer in self.layers]
+
+    def decode_layer_operations(self) -> List[List[Operation]]:
+        """Every layer's operations for a decode step (`DecoderLayer.decode_operations`)."""
+        return [layer.decode_operations() for layer in self.layers]
 
 
 @torch.no_grad()

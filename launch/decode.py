@@ -1,0 +1,74 @@
+"""Greedy generation with the device KV cache: prefill writes it, each decode step appends to it.
+
+Groundwork for issue 28 (its generation launcher does not exist yet): serial
+prefill, then one decode step per new token, every step a batch of one token per active request
+run through the executor (`microbatch.run`, the serial schedule) with the reference decoder's
+cached attention. A request that is done frees its slot; the others go on. One process only: a
+rank whose requests end first would leave the others' exchanges, so expert-parallel layers over
+more than one rank are refused until the ranks agree on "done" every step (issue 28, point 4).
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+
+import microbatch
+from collectives import ExpertParallelMoE, group_size
+from microbatch import HIDDEN, KV_STEP, Batch, KVCache, KVStep, SeqInfo
+
+from .models.reference import Model
+
+
+def new_cache(model: Model, prompts: Sequence[Sequence[int]], new_tokens: int) -> KVCache:
+    """A cache with one slot per prompt, room for the longest prompt plus ``new_tokens``."""
+    cfg = model.cfg
+    longest = max((len(p) for p in prompts), default=1)
+    weight = model.embed.weight
+    return KVCache(cfg.n_layers, max(1, len(prompts)), longest + new_tokens, cfg.n_heads, cfg.head_dim,
+                   dtype=weight.dtype, device=weight.device)
+
+
+@torch.no_grad()
+def greedy_generate(model: Model, prompts: Sequence[Sequence[int]], new_tokens: int,
+                    stop_token: Optional[int] = None, cache: Optional[KVCache] = None) -> List[List[int]]:
+    """Each prompt's greedy continuation (argmax of the LM head), at most ``new_tokens`` long, ending at
+    ``stop_token`` (included) where it comes; the cache (default `new_cache`) holds every request."""
+    if any(not p for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    spread = [m for m in model.modules() if isinstance(m, ExpertParallelMoE) and group_size(m.group) > 1]
+    if spread:
+        raise ValueError(f"greedy_generate runs on one process, but this model's experts are spread over "
+                         f"{group_size(spread[0].group)} ranks: a rank whose requests end first would leave the "
+                         f"others' exchanges")
+    cache = cache or new_cache(model, prompts, new_tokens)
+    slots = cache.admit(len(prompts))
+    device = model.embed.weight.device
+    tokens = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=device)
+    lens = [len(p) for p in prompts]
+    prefill = cache.rows(slots, lens)
+    hidden = model(Batch(tokens, SeqInfo.from_lens(lens)), kv_sink=lambda li, k, v: cache.write(li, prefill, k, v))
+    cache.advance(prefill)
+    last = torch.tensor(lens, device=device).cumsum(0) - 1
+    out: List[List[int]] = [[] for _ in prompts]
+    active = list(range(len(prompts)))
+    nxt = model.logits(hidden[last]).argmax(-1).tolist()
+    layers = model.decode_layer_operations()
+    while True:
+        still = []
+        for i, t in zip(active, nxt):
+            out[i].append(t)
+            if len(out[i]) < new_tokens and t != stop_token:
+                still.append(i)
+        cache.release([slots[i] for i in active if i not in still])
+        if not still:
+            return out
+        step_tokens = torch.tensor([out[i][-1] for i in still], dtype=torch.long, device=device)
+        step = KVStep(cache, cache.rows([slots[i] for i in still]))
+        inputs = [{HIDDEN: model.embed_tokens(step_tokens), KV_STEP: step}]
+        (hidden,) = microbatch.run(microbatch.serial(layers, 1), layers, inputs)
+        cache.advance(step.rows)
+        active, nxt = still, model.logits(model.norm(hidden)).argmax(-1).tolist()
+
+
+__all__ = ["greedy_generate", "new_cache"]
