@@ -3,17 +3,21 @@
 Groundwork for issue 28 (its generation launcher does not exist yet): serial
 prefill, then one decode step per new token, every step a batch of one token per active request
 run through the executor (`microbatch.run`, the serial schedule) with the reference decoder's
-cached attention. A request that is done frees its slot; the others go on. One process only: a
-rank whose requests end first would leave the others' exchanges, so expert-parallel layers over
-more than one rank are refused until the ranks agree on "done" every step (issue 28, point 4).
+cached attention. A request that is done frees its slot; the others go on.
+
+With expert-parallel layers over several ranks, each rank brings its own prompts (none is fine)
+and its own lengths; a rank with no active request keeps taking part in every step with zero
+tokens until every rank is done, which the ranks agree on every step with one small all-reduce.
 """
 from __future__ import annotations
 
 from typing import List, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 import microbatch
+import overlap
 from collectives import ExpertParallelMoE, group_size
 from microbatch import HIDDEN, KV_STEP, Batch, KVCache, KVStep, SeqInfo
 
@@ -34,13 +38,9 @@ def greedy_generate(model: Model, prompts: Sequence[Sequence[int]], new_tokens: 
                     stop_token: Optional[int] = None, cache: Optional[KVCache] = None) -> List[List[int]]:
     """Each prompt's greedy continuation (argmax of the LM head), at most ``new_tokens`` long, ending at
     ``stop_token`` (included) where it comes; the cache (default `new_cache`) holds every request."""
-    if any(not p for p in prompts):
+    if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
-    spread = [m for m in model.modules() if isinstance(m, ExpertParallelMoE) and group_size(m.group) > 1]
-    if spread:
-        raise ValueError(f"greedy_generate runs on one process, but this model's experts are spread over "
-                         f"{group_size(spread[0].group)} ranks: a rank whose requests end first would leave the "
-                         f"others' exchanges")
+    group = _expert_group(model)
     cache = cache or new_cache(model, prompts, new_tokens)
     slots = cache.admit(len(prompts))
     device = model.embed.weight.device
@@ -49,7 +49,7 @@ def greedy_generate(model: Model, prompts: Sequence[Sequence[int]], new_tokens: 
     prefill = cache.rows(slots, lens)
     hidden = model(Batch(tokens, SeqInfo.from_lens(lens)), kv_sink=lambda li, k, v: cache.write(li, prefill, k, v))
     cache.advance(prefill)
-    last = torch.tensor(lens, device=device).cumsum(0) - 1
+    last = torch.tensor(lens, dtype=torch.long, device=device).cumsum(0) - 1
     out: List[List[int]] = [[] for _ in prompts]
     active = list(range(len(prompts)))
     nxt = model.logits(hidden[last]).argmax(-1).tolist()
@@ -61,7 +61,7 @@ def greedy_generate(model: Model, prompts: Sequence[Sequence[int]], new_tokens: 
             if len(out[i]) < new_tokens and t != stop_token:
                 still.append(i)
         cache.release([slots[i] for i in active if i not in still])
-        if not still:
+        if not _anyone_active(len(still), group):
             return out
         step_tokens = torch.tensor([out[i][-1] for i in still], dtype=torch.long, device=device)
         step = KVStep(cache, cache.rows([slots[i] for i in still]))
@@ -69,6 +69,21 @@ def greedy_generate(model: Model, prompts: Sequence[Sequence[int]], new_tokens: 
         (hidden,) = microbatch.run(microbatch.serial(layers, 1), layers, inputs)
         cache.advance(step.rows)
         active, nxt = still, model.logits(model.norm(hidden)).argmax(-1).tolist()
+
+
+def _expert_group(model: Model) -> Optional[dist.ProcessGroup]:
+    """The group the model's experts are spread over (None: one process)."""
+    spread = [m for m in model.modules() if isinstance(m, ExpertParallelMoE) and group_size(m.group) > 1]
+    return spread[0].group if spread else None
+
+
+def _anyone_active(mine: int, group: Optional[dist.ProcessGroup]) -> bool:
+    """Whether any rank of ``group`` still has an active request (one all-reduce; ``mine`` without a group)."""
+    if group is None:
+        return mine > 0
+    count = torch.tensor([mine], dtype=torch.long, device=overlap.collective_device(group))
+    overlap.all_reduce(count, op=dist.ReduceOp.MAX, group=group, name="decode.active")
+    return int(count.item()) > 0
 
 
 __all__ = ["greedy_generate", "new_cache"]

@@ -1,4 +1,7 @@
 """Greedy decode with the device KV cache equals recomputing the whole sequence at every step."""
+import dataclasses
+
+import pytest
 import torch
 
 from launch.decode import greedy_generate
@@ -34,20 +37,32 @@ def test_cached_decode_generates_the_tokens_of_recomputing_every_step():
     assert got == _recomputed(model, prompts, 6, stop_token=stop) and len(got[0]) == 3
 
 
-def _spread_body(ctx):
+PLANS = {  # per world size, per rank: (prompt lengths, new tokens)
+    2: [((6, 3), 5), ((4,), 1)],  # rank 1's only request ends at prefill: it takes part with zero tokens
+    3: [((5,), 6), ((), 4), ((3, 8, 2), 2)],  # rank 1 brings nothing; rank 2 is done after two tokens
+    4: [((2,), 3), ((), 2), ((7, 1), 4), ((3,), 1)],
+}
+CFG = dataclasses.replace(preset("tiny"), n_experts=12)  # over 2, 3 or 4 ranks
+
+
+def _ranks_body(ctx):
     from launch.runner import make_expert_parallel
 
-    model = make_expert_parallel(build_model(preset("tiny"), seed=3), ctx.group)
-    try:
-        greedy_generate(model, [[1, 2, 3]], 2)
-    except ValueError as err:
-        return str(err)
-    return "no error"
+    lens, new_tokens = PLANS[ctx.world_size][ctx.rank]
+    g = torch.Generator().manual_seed(10 + ctx.rank)
+    dense = build_model(CFG, seed=3)
+    prompts = [torch.randint(0, dense.cfg.vocab, (n,), generator=g).tolist() for n in lens]
+    want = _recomputed(dense, prompts, new_tokens)
+    model = make_expert_parallel(build_model(CFG, seed=3), ctx.group)
+    return greedy_generate(model, prompts, new_tokens), want
 
 
-def test_experts_spread_over_ranks_are_refused_before_any_exchange():
-    """A rank whose requests end first would leave the others waiting in an exchange: refused up front."""
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ranks_that_finish_at_different_steps_take_part_until_every_rank_is_done(world):
+    """Experts over 2, 3 and 4 ranks; a rank with no prompt, one whose request ends at prefill, one that finishes
+    steps before the others: each rank's tokens equal recomputing its requests on one process, and no rank
+    is left in an exchange (the test's timeout bounds a hang)."""
     from overlap.multirank import run_ranks
 
-    for message in run_ranks(_spread_body, 2, timeout=120):
-        assert "spread over 2 ranks" in message, message
+    for rank, (got, want) in enumerate(run_ranks(_ranks_body, world, timeout=240)):
+        assert got == want, (rank, got, want)
