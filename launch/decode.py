@@ -2,8 +2,10 @@
 
 Groundwork for issue 28 (its generation launcher does not exist yet): serial
 prefill, then one decode step per new token, every step a batch of one token per active request
-run through the executor (`microbatch.run`, the serial schedule) with the reference decoder's
-cached attention. A request that is done frees its slot; the others go on.
+run through the executor (`microbatch.run`) in a mode's schedule (``serial``, ``shared``,
+``two-batch``, ...: the active requests cut into the mode's micro-batches by count, in order)
+with the reference decoder's cached attention. A request that is done frees its slot; the others
+go on.
 
 With expert-parallel layers over several ranks, each rank brings its own prompts (none is fine)
 and its own lengths; a rank with no active request keeps taking part in every step with zero
@@ -35,11 +37,14 @@ def new_cache(model: Model, prompts: Sequence[Sequence[int]], new_tokens: int) -
 
 @torch.no_grad()
 def greedy_generate(model: Model, prompts: Sequence[Sequence[int]], new_tokens: int,
-                    stop_token: Optional[int] = None, cache: Optional[KVCache] = None) -> List[List[int]]:
+                    stop_token: Optional[int] = None, cache: Optional[KVCache] = None,
+                    mode: str = "serial") -> List[List[int]]:
     """Each prompt's greedy continuation (argmax of the LM head), at most ``new_tokens`` long, ending at
-    ``stop_token`` (included) where it comes; the cache (default `new_cache`) holds every request."""
+    ``stop_token`` (included) where it comes; the cache (default `new_cache`) holds every request; the
+    decode steps run in ``mode`` (`microbatch.MODES`; every rank passes the same)."""
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
+    how = microbatch.mode(mode)
     group = _expert_group(model)
     cache = cache or new_cache(model, prompts, new_tokens)
     slots = cache.admit(len(prompts))
@@ -63,12 +68,26 @@ def greedy_generate(model: Model, prompts: Sequence[Sequence[int]], new_tokens: 
         cache.release([slots[i] for i in active if i not in still])
         if not _anyone_active(len(still), group):
             return out
-        step_tokens = torch.tensor([out[i][-1] for i in still], dtype=torch.long, device=device)
-        step = KVStep(cache, cache.rows([slots[i] for i in still]))
-        inputs = [{HIDDEN: model.embed_tokens(step_tokens), KV_STEP: step}]
-        (hidden,) = microbatch.run(microbatch.serial(layers, 1), layers, inputs)
-        cache.advance(step.rows)
+        steps, inputs = [], []
+        for part in _parts(still, how.micro_batches):  # contiguous, by count; a part may be empty
+            step_tokens = torch.tensor([out[i][-1] for i in part], dtype=torch.long, device=device)
+            steps.append(KVStep(cache, cache.rows([slots[i] for i in part])))
+            inputs.append({HIDDEN: model.embed_tokens(step_tokens), KV_STEP: steps[-1]})
+        hidden = torch.cat(microbatch.run(how.make(layers, len(inputs)), layers, inputs))
+        for step in steps:
+            cache.advance(step.rows)
         active, nxt = still, model.logits(model.norm(hidden)).argmax(-1).tolist()
+
+
+def _parts(items: List[int], n: int) -> List[List[int]]:
+    """``items`` cut into ``n`` contiguous parts whose sizes differ by at most one (the first ones larger)."""
+    size, extra = divmod(len(items), n)
+    out, at = [], 0
+    for k in range(n):
+        take = size + (k < extra)
+        out.append(items[at:at + take])
+        at += take
+    return out
 
 
 def _expert_group(model: Model) -> Optional[dist.ProcessGroup]:
