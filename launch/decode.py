@@ -10,10 +10,12 @@ go on.
 With expert-parallel layers over several ranks, each rank brings its own prompts (none is fine)
 and its own lengths; a rank with no active request keeps taking part in every step with zero
 tokens until every rank is done, which the ranks agree on every step with one small all-reduce.
+NaN or inf in a rank's logits stops every rank at that step (`NonFiniteLogits`), through the same
+all-reduce: no token is taken from them.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -24,6 +26,10 @@ from collectives import ExpertParallelMoE, group_size
 from microbatch import HIDDEN, KV_STEP, Batch, KVCache, KVStep, SeqInfo
 
 from .models.reference import Model
+
+
+class NonFiniteLogits(RuntimeError):
+    """NaN or inf in the logits of a request (on this rank or, named, another)."""
 
 
 def new_cache(model: Model, prompts: Sequence[Sequence[int]], new_tokens: int) -> KVCache:
@@ -57,8 +63,9 @@ def greedy_generate(model: Model, prompts: Sequence[Sequence[int]], new_tokens: 
     last = torch.tensor(lens, dtype=torch.long, device=device).cumsum(0) - 1
     out: List[List[int]] = [[] for _ in prompts]
     active = list(range(len(prompts)))
-    nxt = model.logits(hidden[last]).argmax(-1).tolist()
+    nxt, problem = _greedy(model.logits(hidden[last]), active, 0)
     layers = model.decode_layer_operations()
+    step_no = 0
     while True:
         still = []
         for i, t in zip(active, nxt):
@@ -66,8 +73,9 @@ def greedy_generate(model: Model, prompts: Sequence[Sequence[int]], new_tokens: 
             if len(out[i]) < new_tokens and t != stop_token:
                 still.append(i)
         cache.release([slots[i] for i in active if i not in still])
-        if not _anyone_active(len(still), group):
+        if not _agree_step(len(still), problem, step_no, group):
             return out
+        step_no += 1
         steps, inputs = [], []
         for part in _parts(still, how.micro_batches):  # contiguous, by count; a part may be empty
             step_tokens = torch.tensor([out[i][-1] for i in part], dtype=torch.long, device=device)
@@ -76,7 +84,8 @@ def greedy_generate(model: Model, prompts: Sequence[Sequence[int]], new_tokens: 
         hidden = torch.cat(microbatch.run(how.make(layers, len(inputs)), layers, inputs))
         for step in steps:
             cache.advance(step.rows)
-        active, nxt = still, model.logits(model.norm(hidden)).argmax(-1).tolist()
+        active = still
+        nxt, problem = _greedy(model.logits(model.norm(hidden)), active, step_no)
 
 
 def _parts(items: List[int], n: int) -> List[List[int]]:
@@ -96,13 +105,33 @@ def _expert_group(model: Model) -> Optional[dist.ProcessGroup]:
     return spread[0].group if spread else None
 
 
-def _anyone_active(mine: int, group: Optional[dist.ProcessGroup]) -> bool:
-    """Whether any rank of ``group`` still has an active request (one all-reduce; ``mine`` without a group)."""
+def _greedy(logits: torch.Tensor, requests: List[int], step: int) -> Tuple[List[int], Optional[str]]:
+    """Each row's argmax, and what is wrong where a row holds NaN or inf (naming its request and the step)."""
+    bad = (~torch.isfinite(logits)).any(-1).nonzero().flatten().tolist()
+    problem = None
+    if bad:
+        problem = (f"NaN or inf in the logits of request {requests[bad[0]]} at decode step {step} (0: the prefill's)"
+                   + (f" and of {len(bad) - 1} more" if len(bad) > 1 else ""))
+    return logits.argmax(-1).tolist(), problem
+
+
+def _agree_step(mine: int, problem: Optional[str], step: int, group: Optional[dist.ProcessGroup]) -> bool:
+    """Whether any rank of ``group`` still has an active request; `NonFiniteLogits` on every rank where one
+    found NaN or inf. One all-reduce (none without a group)."""
     if group is None:
+        if problem:
+            raise NonFiniteLogits(problem)
         return mine > 0
-    count = torch.tensor([mine], dtype=torch.long, device=overlap.collective_device(group))
-    overlap.all_reduce(count, op=dist.ReduceOp.MAX, group=group, name="decode.active")
-    return int(count.item()) > 0
+    flags = torch.tensor([mine, dist.get_rank(group) + 1 if problem else 0], dtype=torch.long,
+                         device=overlap.collective_device(group))
+    overlap.all_reduce(flags, op=dist.ReduceOp.MAX, group=group, name="decode.agree")
+    active, bad_rank = flags.tolist()
+    if problem:
+        raise NonFiniteLogits(problem)
+    if bad_rank:
+        raise NonFiniteLogits(f"rank {bad_rank - 1} found NaN or inf in its logits at decode step {step}; every rank "
+                              f"stops")
+    return active > 0
 
 
-__all__ = ["greedy_generate", "new_cache"]
+__all__ = ["NonFiniteLogits", "greedy_generate", "new_cache"]

@@ -95,3 +95,31 @@ def test_every_mode_generates_serials_tokens(world):
         assert set(got) == set(MODES)
         for mode, tokens in got.items():
             assert tokens == got["serial"], (rank, mode, tokens, got["serial"])
+
+
+def _poisoned_body(ctx):
+    from launch.decode import NonFiniteLogits
+    from launch.runner import make_expert_parallel
+
+    model = build_model(CFG, seed=5)
+    if ctx.world_size > 1:
+        model = make_expert_parallel(model, ctx.group)
+    if ctx.rank == ctx.world_size - 1:  # this rank's LM head turns one vocabulary row into NaN
+        head = model.embed if model.lm_head is None else model.lm_head
+        with torch.no_grad():
+            head.weight[7, 0] = float("nan")
+    try:
+        greedy_generate(model, [[1, 2, 3]], 4)
+    except NonFiniteLogits as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_nan_in_one_ranks_logits_stops_every_rank_naming_it(world):
+    from overlap.multirank import run_ranks
+
+    messages = run_ranks(_poisoned_body, world, timeout=120)
+    assert "NaN or inf in the logits of request 0 at decode step 0" in messages[-1], messages
+    for m in messages[:-1]:
+        assert f"rank {world - 1} found NaN or inf in its logits at decode step 0; every rank stops" in m, messages
