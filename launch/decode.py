@@ -73,7 +73,7 @@ def greedy_generate(model: Model, prompts: Sequence[Sequence[int]], new_tokens: 
             if len(out[i]) < new_tokens and t != stop_token:
                 still.append(i)
         cache.release([slots[i] for i in active if i not in still])
-        if not _agree_step(len(still), problem, step_no, group):
+        if not _step_status(len(still), problem, group):
             return out
         step_no += 1
         steps, inputs = [], []
@@ -115,23 +115,16 @@ def _greedy(logits: torch.Tensor, requests: List[int], step: int) -> Tuple[List[
     return logits.argmax(-1).tolist(), problem
 
 
-def _agree_step(mine: int, problem: Optional[str], step: int, group: Optional[dist.ProcessGroup]) -> bool:
-    """Whether any rank of ``group`` still has an active request; `NonFiniteLogits` on every rank where one
-    found NaN or inf. One all-reduce (none without a group)."""
+def _step_status(mine: int, problem: Optional[str], group: Optional[dist.ProcessGroup]) -> bool:
+    """Whether any rank of ``group`` still has an active request; `NonFiniteLogits` on every rank, naming the
+    rank, where one found NaN or inf (`overlap.agree`: one small all-reduce; none without a group)."""
     if group is None:
         if problem:
             raise NonFiniteLogits(problem)
         return mine > 0
-    flags = torch.tensor([mine, dist.get_rank(group) + 1 if problem else 0], dtype=torch.long,
-                         device=overlap.collective_device(group))
-    overlap.all_reduce(flags, op=dist.ReduceOp.MAX, group=group, name="decode.agree")
-    active, bad_rank = flags.tolist()
-    if problem:
-        raise NonFiniteLogits(problem)
-    if bad_rank:
-        raise NonFiniteLogits(f"rank {bad_rank - 1} found NaN or inf in its logits at decode step {step}; every rank "
-                              f"stops")
-    return active > 0
+    posts = overlap.agree({"active": mine}, overlap.GroupTransport(group, "decode.step"),
+                          problems=[problem] if problem else [], per_rank=["active"], error=NonFiniteLogits)
+    return any(p["active"] for p in posts)
 
 
 __all__ = ["NonFiniteLogits", "greedy_generate", "new_cache"]

@@ -120,6 +120,6 @@ def test_nan_in_one_ranks_logits_stops_every_rank_naming_it(world):
     from overlap.multirank import run_ranks
 
     messages = run_ranks(_poisoned_body, world, timeout=120)
-    assert "NaN or inf in the logits of request 0 at decode step 0" in messages[-1], messages
-    for m in messages[:-1]:
-        assert f"rank {world - 1} found NaN or inf in its logits at decode step 0; every rank stops" in m, messages
+    named = "NaN or inf in the logits of request 0 at decode step 0" if world == 1 else \
+        f"rank {world - 1}: NaN or inf in the logits of request 0 at decode step 0"
+    assert all(named in m for m in messages), messages  # every rank stops, naming the rank that found it
