@@ -86,7 +86,7 @@ def write_outputs(out_dir: str, job: JobConfig, results: Sequence[ModeResult], t
                        "config": job.model_fields(),
                        "kv_offload": job.kv_offload, "cpu_link": str(job.link) if job.link else None,
                        "cpu_comm_priority": job.comm_priority if job.device == "cpu" else None,
-                       "dispatch": getattr(job, "dispatch", "two-step"),
+                       "dispatch": job.dispatch,
                        "rows": [r.row(tokens) for r in results],
                        "serial_added": bool(getattr(job, "serial_added", False)),  # a row only as the reference
                        "check": None if not job.check else ("failed" if failed else "passed")}, f, indent=2)

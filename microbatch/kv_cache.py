@@ -8,8 +8,8 @@ there (`write`) and attention reads every active request's history at once (`att
 attention over the slots, no loop over requests); the rows are counted once every layer has
 written them (`advance`).
 
-The lengths live on the host as well as on the device, so writing, masking and checking the room
-never read the device: no host sync in a decode step.
+The lengths live on the host, so placing the rows, masking and checking the room never read the
+device: no host sync in a decode step.
 
 Used by issue 28's decode (groundwork: nothing in the launcher uses it yet).
 """
@@ -40,7 +40,6 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
         self.lengths = [0] * max_requests  # rows held per slot (host), counted by `advance`
-        self._device_lengths = torch.zeros(max_requests, dtype=torch.long, device=device)
         self._free = list(range(max_requests))
         self._used: set = set()
 
@@ -53,7 +52,6 @@ class KVCache:
         for s in slots:
             self._used.add(s)
             self.lengths[s] = 0
-            self._device_lengths[s] = 0
         return slots
 
     def release(self, slots: Sequence[int]) -> None:
@@ -89,12 +87,15 @@ class KVCache:
             raise KVCacheError(f"{len(slots)} slots but {len(seq_lens)} lengths")
         self._check(slots, seq_lens)
         dev = self.k.device
-        where = torch.tensor([(s, self.lengths[s] + j) for s, n in zip(slots, seq_lens) for j in range(n)],
-                             dtype=torch.long, device=dev).reshape(-1, 2)
+        index, counts = self._index(slots), torch.tensor(seq_lens, dtype=torch.long, device=dev)
+        held = torch.tensor([self.lengths[s] for s in slots], dtype=torch.long, device=dev)
+        first = torch.repeat_interleave(counts.cumsum(0) - counts, counts)  # each row's request's first row
+        position = torch.repeat_interleave(held, counts) + torch.arange(int(sum(seq_lens)), device=dev) - first
+        where = torch.stack([torch.repeat_interleave(index, counts), position], dim=1)
         seen = [self.lengths[s] + n for s, n in zip(slots, seq_lens)]
         longest = max(seen, default=0)
-        mask = torch.arange(longest, device=dev)[None, :] < torch.tensor(seen, device=dev).reshape(-1, 1)
-        return KVRows(list(slots), seq_lens, where, self._index(slots), mask, longest)
+        mask = torch.arange(longest, device=dev)[None, :] < (held + counts)[:, None]
+        return KVRows(list(slots), seq_lens, where, index, mask, longest)
 
     def write(self, layer: int, rows: "KVRows", k: torch.Tensor, v: torch.Tensor) -> None:
         """The keys and values ``[sum(rows.seq_lens), heads, head_dim]``, packed slot after slot, into ``rows``."""
@@ -109,8 +110,6 @@ class KVCache:
         self._check(rows.slots, rows.seq_lens)
         for s, n in zip(rows.slots, rows.seq_lens):
             self.lengths[s] += n
-        if rows.slots:
-            self._device_lengths[rows.index] += torch.tensor(rows.seq_lens, device=self.k.device)
 
     def attend(self, layer: int, rows: "KVRows", q: torch.Tensor) -> torch.Tensor:
         """Decode attention: ``q [len(rows.slots), heads, head_dim]``, one query per request, over each slot's

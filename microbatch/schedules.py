@@ -304,6 +304,35 @@ def _pipelined_stream(op: Operation) -> str:
 _Item = Tuple[int, int, Operation, str]
 
 
+def _segment_order(segments: List[List[Operation]], floating: List[Operation], n_micro: int
+                   ) -> List[Tuple[int, List[Operation]]]:
+    """One layer's segments and floating shared experts as ``(mb, operations)`` in issue order: each segment
+    for every micro-batch in turn, the shared experts after the first segment's exchanges.
+
+    A comm-only second segment reads the first's exchange on the host (a count exchange, then the payload
+    it sizes): mb0's once every micro-batch's first segment is issued, so their compute covers the count
+    exchange, then the shared experts, which cover mb0's payload; micro-batch m's after micro-batch m-1's
+    next compute and before its exchange (which the stream would otherwise put ahead of m's payload).
+    """
+    last = n_micro - 1
+    reads = len(segments) > 1 and all(map(_is_comm, segments[1]))
+    float_after = (1, 0) if reads else (0, last)
+    out: List[Tuple[int, List[Operation]]] = []
+    for k, seg in enumerate(segments):
+        for mb in range(n_micro):
+            if reads and k == 1 and mb > 0:
+                continue  # behind micro-batch mb-1's next compute, below
+            if reads and k == 2 and mb < last:
+                out += [(mb, seg[:-1]), (mb + 1, segments[1]), (mb, seg[-1:])]
+            else:
+                out.append((mb, seg))
+            if (k, mb) == float_after:
+                out += [(m, floating) for m in range(n_micro)]
+    if reads and len(segments) == 2:
+        out += [(mb, segments[1]) for mb in range(1, n_micro)]
+    return out
+
+
 def _pipelined(name: str, layers: Layers, n_micro: int, defer_tail: bool) -> Schedule:
     """The N-batch schedule (see `n_batch`) called ``name``."""
     layers = normalize_layers(layers)
@@ -317,7 +346,7 @@ def _pipelined(name: str, layers: Layers, n_micro: int, defer_tail: bool) -> Sch
         return [(mb, li, op, _pipelined_stream(op)) for op in ops]
 
     for li, ops in enumerate(layers):
-        others, floating, at = _float_shared(ops)
+        others, floating, _ = _float_shared(ops)
         segments, tail = _segments(others)
         body: List[_Item] = []
         if not segments:  # nothing to hide in this layer: micro-batch after micro-batch
@@ -325,27 +354,8 @@ def _pipelined(name: str, layers: Layers, n_micro: int, defer_tail: bool) -> Sch
                 body += emit(mb, li, ops)
             anchor: Optional[str] = ops[-1].name if ops else None
         else:
-            # A comm-only second segment reads the first's exchange on the host (a count exchange, then the
-            # payload it sizes): mb0's once every micro-batch's first segment is issued, so their compute
-            # covers the count exchange, then the shared experts, which cover mb0's payload; micro-batch
-            # m's after micro-batch m-1's next compute, before its exchange (which the stream would
-            # otherwise put ahead of m's payload).
-            reads = len(segments) > 1 and all(map(_is_comm, segments[1]))
-            float_after = (1, 0) if reads else (0, last)
-            for k, seg in enumerate(segments):
-                for mb in range(n_micro):
-                    if reads and k == 1 and mb > 0:
-                        continue
-                    if reads and k == 2 and mb < last:
-                        body += emit(mb, li, seg[:-1]) + emit(mb + 1, li, segments[1]) + emit(mb, li, seg[-1:])
-                    else:
-                        body += emit(mb, li, seg)
-                    if (k, mb) == float_after:
-                        for m in range(n_micro):
-                            body += emit(m, li, floating)
-            if reads and len(segments) == 2:
-                for mb in range(1, n_micro):
-                    body += emit(mb, li, segments[1])
+            for mb, part in _segment_order(segments, floating, n_micro):
+                body += emit(mb, li, part)
             for mb in range(last):
                 body += emit(mb, li, tail)
             compute = [op for op in segments[0] if not _is_comm(op)]

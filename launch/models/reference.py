@@ -135,9 +135,11 @@ class DecoderLayer(nn.Module):
     def decode_operations(self) -> List[Operation]:
         """This layer for a decode step, from ``HIDDEN`` and ``KV_STEP`` to ``OUT``: `operations` with the
         cached attention."""
-        return ([Operation("attn", self.decode_attention, (HIDDEN, KV_STEP), ("resid",)),
-                 Operation("ffn_norm", self.ffn_norm, ("resid",), (MOE_IN,))]
-                + self.ffn_operations()
+        return [Operation("attn", self.decode_attention, (HIDDEN, KV_STEP), ("resid",))] + self._after_attention()
+
+    def _after_attention(self) -> List[Operation]:
+        """From ``resid`` to ``OUT``: the norm, the MLP or MoE, the residual."""
+        return ([Operation("ffn_norm", self.ffn_norm, ("resid",), (MOE_IN,))] + self.ffn_operations()
                 + [Operation("residual", torch.add, ("resid", MOE_OUT), (OUT,))])
 
     def _ffn(self) -> nn.Module:
@@ -153,10 +155,7 @@ class DecoderLayer(nn.Module):
 
     def operations(self) -> List[Operation]:
         """This layer as operations, from ``HIDDEN``, ``SEQ``, ``PREFIX_KV`` to ``OUT``, ``K``, ``V``."""
-        return ([Operation("attn", self.attention, (HIDDEN, SEQ, PREFIX_KV), ("resid", K, V)),
-                 Operation("ffn_norm", self.ffn_norm, ("resid",), (MOE_IN,))]
-                + self.ffn_operations()
-                + [Operation("residual", torch.add, ("resid", MOE_OUT), (OUT,))])
+        return [Operation("attn", self.attention, (HIDDEN, SEQ, PREFIX_KV), ("resid", K, V))] + self._after_attention()
 
     def run(self, hidden: torch.Tensor, seq: SeqInfo, prefix: Optional[KV] = None, **meta: Any
             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
