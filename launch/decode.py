@@ -23,26 +23,24 @@ import torch.distributed as dist
 import microbatch
 import overlap
 from collectives import ExpertParallelMoE, group_size
-from microbatch import HIDDEN, KV_STEP, Batch, KVCache, KVStep, SeqInfo
-
-from .models.reference import Model
+from microbatch import HIDDEN, KV_STEP, Batch, DecodeModel, KVCache, KVStep, SeqInfo
 
 
 class NonFiniteLogits(RuntimeError):
     """NaN or inf in the logits of a request (on this rank or, named, another)."""
 
 
-def new_cache(model: Model, prompts: Sequence[Sequence[int]], new_tokens: int) -> KVCache:
+def new_cache(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: int) -> KVCache:
     """A cache with one slot per prompt, room for the longest prompt plus ``new_tokens``."""
     cfg = model.cfg
     longest = max((len(p) for p in prompts), default=1)
-    weight = model.embed.weight
-    return KVCache(cfg.n_layers, max(1, len(prompts)), longest + new_tokens, cfg.n_heads, cfg.head_dim,
+    weight = next(model.parameters())
+    return KVCache(cfg.n_layers, max(1, len(prompts)), longest + new_tokens, cfg.k_shape, cfg.v_shape,
                    dtype=weight.dtype, device=weight.device)
 
 
 @torch.no_grad()
-def greedy_generate(model: Model, prompts: Sequence[Sequence[int]], new_tokens: int,
+def greedy_generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: int,
                     stop_token: Optional[int] = None, cache: Optional[KVCache] = None,
                     mode: str = "serial") -> List[List[int]]:
     """Each prompt's greedy continuation (argmax of the LM head), at most ``new_tokens`` long, ending at
@@ -54,7 +52,7 @@ def greedy_generate(model: Model, prompts: Sequence[Sequence[int]], new_tokens: 
     group = _expert_group(model)
     cache = cache or new_cache(model, prompts, new_tokens)
     slots = cache.admit(len(prompts))
-    device = model.embed.weight.device
+    device = next(model.parameters()).device
     tokens = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=device)
     lens = [len(p) for p in prompts]
     prefill = cache.rows(slots, lens)
@@ -99,7 +97,7 @@ def _parts(items: List[int], n: int) -> List[List[int]]:
     return out
 
 
-def _expert_group(model: Model) -> Optional[dist.ProcessGroup]:
+def _expert_group(model: DecodeModel) -> Optional[dist.ProcessGroup]:
     """The group the model's experts are spread over (None: one process)."""
     spread = [m for m in model.modules() if isinstance(m, ExpertParallelMoE) and group_size(m.group) > 1]
     return spread[0].group if spread else None

@@ -10,7 +10,7 @@ from .batch import K, KV_STEP, PREFIX_KV, SEQ, V, Batch, SeqInfo
 from .executor import Lowering, Step, event_tag, execute, lower, run, run_made
 from .kv_cache import KVCache, KVCacheError, KVRows, KVStep
 from .forward import cut_refusal, forward_layer_by_layer, micro_batch_inputs, run_schedule, serial_split
-from .model import ForwardModel, Layer, MoELayer, MoEModel, ModelShape
+from .model import DecodeModel, ForwardModel, Layer, MoELayer, MoEModel, ModelShape
 from .operations import FromMicroBatch, Operation, State, as_operation
 from .replay import replay_stats
 from .planning import CostModel, Interconnect, Linear, OpCost, Prediction, Transfer, predict, simulate
@@ -29,7 +29,7 @@ __all__ = [
     # decode: the keys and values of every active request, on the device
     "KVCache", "KVCacheError", "KVRows", "KVStep",
     "Split", "merge_outputs", "micro_batches", "prefix_kv", "prefix_sources", "split_batch", "split_tokens",
-    "ForwardModel", "Layer", "MoELayer", "MoEModel", "ModelShape",
+    "DecodeModel", "ForwardModel", "Layer", "MoELayer", "MoEModel", "ModelShape",
     # a model's forward through a schedule
     "cut_refusal", "forward_layer_by_layer", "micro_batch_inputs", "run_schedule", "serial_split",
     # the simulation (`microbatch.planning`)

@@ -10,13 +10,11 @@ written them (`advance`).
 
 The lengths live on the host, so placing the rows, masking and checking the room never read the
 device: no host sync in a decode step.
-
-Used by issue 28's decode (groundwork: nothing in the launcher uses it yet).
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -27,17 +25,21 @@ class KVCacheError(ValueError):
 
 
 class KVCache:
-    """``n_layers`` x ``max_requests`` slots of ``max_len`` rows of ``[heads, head_dim]`` keys and values."""
+    """``n_layers`` x ``max_requests`` slots of ``max_len`` rows of one token's keys (``k_shape``, e.g.
+    ``(heads, head_dim)``) and values (``v_shape``, default ``k_shape``): whatever the model's attention
+    caches (DeepSeek-V3's compressed latent and rotary key are ``(1, kv_lora_rank)`` and ``(1, rope_dim)``)."""
 
-    def __init__(self, n_layers: int, max_requests: int, max_len: int, heads: int, head_dim: int, *,
-                 dtype: torch.dtype = torch.float32, device: Optional[torch.device] = None):
+    def __init__(self, n_layers: int, max_requests: int, max_len: int, k_shape: Sequence[int],
+                 v_shape: Optional[Sequence[int]] = None, *, dtype: torch.dtype = torch.float32,
+                 device: Optional[torch.device] = None):
+        k_shape, v_shape = tuple(k_shape), tuple(k_shape if v_shape is None else v_shape)
         for name, value in (("n_layers", n_layers), ("max_requests", max_requests), ("max_len", max_len),
-                            ("heads", heads), ("head_dim", head_dim)):
+                            *((f"k_shape[{i}]", n) for i, n in enumerate(k_shape)),
+                            *((f"v_shape[{i}]", n) for i, n in enumerate(v_shape))):
             if value < 1:
                 raise KVCacheError(f"{name} must be at least 1, got {value}")
-        shape = (n_layers, max_requests, max_len, heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = torch.zeros((n_layers, max_requests, max_len) + k_shape, dtype=dtype, device=device)
+        self.v = torch.zeros((n_layers, max_requests, max_len) + v_shape, dtype=dtype, device=device)
         self.max_len = max_len
         self.lengths = [0] * max_requests  # rows held per slot (host), counted by `advance`
         self._free = list(range(max_requests))
@@ -98,8 +100,10 @@ class KVCache:
         return KVRows(list(slots), seq_lens, where, index, mask, longest)
 
     def write(self, layer: int, rows: "KVRows", k: torch.Tensor, v: torch.Tensor) -> None:
-        """The keys and values ``[sum(rows.seq_lens), heads, head_dim]``, packed slot after slot, into ``rows``."""
-        if k.shape[0] != rows.where.shape[0] or k.shape != v.shape:
+        """The keys ``[sum(rows.seq_lens), *k_shape]`` and values (``v_shape``), packed slot after slot, into
+        ``rows``."""
+        n = rows.where.shape[0]
+        if k.shape[0] != n or v.shape[0] != n or k.shape[1:] != self.k.shape[3:] or v.shape[1:] != self.v.shape[3:]:
             raise KVCacheError(f"{rows.where.shape[0]} rows, keys {tuple(k.shape)} and values {tuple(v.shape)} do "
                                f"not go together")
         self.k[layer, rows.where[:, 0], rows.where[:, 1]] = k.to(self.k.dtype)
@@ -111,13 +115,18 @@ class KVCache:
         for s, n in zip(rows.slots, rows.seq_lens):
             self.lengths[s] += n
 
+    def history(self, layer: int, rows: "KVRows") -> Tuple[torch.Tensor, torch.Tensor]:
+        """Every slot of ``rows``'s keys ``[slots, rows.longest, *k_shape]`` and values, those of ``rows``
+        included (rows past a slot's length are padding: ``rows.mask`` says which are held)."""
+        return (self.k[layer].index_select(0, rows.index)[:, :rows.longest],
+                self.v[layer].index_select(0, rows.index)[:, :rows.longest])
+
     def attend(self, layer: int, rows: "KVRows", q: torch.Tensor) -> torch.Tensor:
         """Decode attention: ``q [len(rows.slots), heads, head_dim]``, one query per request, over each slot's
         rows including those of ``rows`` (written, not yet counted); one masked attention over all the slots."""
         if not rows.slots:
             return q
-        keys = self.k[layer].index_select(0, rows.index)[:, :rows.longest].transpose(1, 2)  # [B, H, L, D]
-        values = self.v[layer].index_select(0, rows.index)[:, :rows.longest].transpose(1, 2)
+        keys, values = (x.transpose(1, 2) for x in self.history(layer, rows))  # [B, H, L, D]
         out = F.scaled_dot_product_attention(q.unsqueeze(2).to(keys.dtype), keys, values,
                                              attn_mask=rows.mask[:, None, None, :])
         return out.squeeze(2).to(q.dtype)

@@ -138,4 +138,14 @@ class MoEModel(ForwardModel, Protocol):
         """Its weights (`torch.nn.Module.parameters`): planning reads their device and dtype."""
 
 
-__all__ = ["KV", "ForwardModel", "Layer", "MoELayer", "MoEModel", "ModelShape"]
+@runtime_checkable
+class DecodeModel(MoEModel, Protocol):
+    """A `MoEModel` that also decodes: its layers' operations for a decode step read ``HIDDEN`` (one new token
+    per active request) and ``KV_STEP`` (`microbatch.KVStep`: where the step's keys and values go in the
+    cache, and every request's history there) instead of ``SEQ`` and ``PREFIX_KV``."""
+
+    def decode_layer_operations(self) -> List[List[Operation]]:
+        """Every layer's operations for a decode step, for the executor."""
+
+
+__all__ = ["KV", "DecodeModel", "ForwardModel", "Layer", "MoELayer", "MoEModel", "ModelShape"]

@@ -17,7 +17,7 @@ def _reference(q, k, v):
 def test_decode_attention_over_the_slots_equals_each_requests_own(dtype):
     torch.manual_seed(0)
     layers, prompts = 2, [5, 1, 9]
-    cache = KVCache(layers, 4, 16, H, D, dtype=dtype)
+    cache = KVCache(layers, 4, 16, (H, D), dtype=dtype)
     slots = cache.admit(len(prompts))
     history = {(li, s): [torch.randn(n, H, D, dtype=dtype), torch.randn(n, H, D, dtype=dtype)]
                for li in range(layers) for s, n in zip(slots, prompts)}
@@ -47,7 +47,7 @@ def test_decode_attention_over_the_slots_equals_each_requests_own(dtype):
 
 
 def test_a_freed_slot_serves_a_new_request_from_empty():
-    cache = KVCache(1, 1, 4, H, D)
+    cache = KVCache(1, 1, 4, (H, D))
     (s,) = cache.admit()
     prompt = cache.rows([s], [3])
     cache.write(0, prompt, torch.full((3, H, D), 9.0), torch.full((3, H, D), 9.0))
@@ -61,7 +61,7 @@ def test_a_freed_slot_serves_a_new_request_from_empty():
 
 
 def test_what_does_not_fit_is_refused_by_name():
-    cache = KVCache(1, 2, 4, H, D)
+    cache = KVCache(1, 2, 4, (H, D))
     a, b = cache.admit(2)
     with pytest.raises(KVCacheError, match="1 requests do not fit: 0 of 2 slots are free"):
         cache.admit()
@@ -73,4 +73,4 @@ def test_what_does_not_fit_is_refused_by_name():
     with pytest.raises(KVCacheError, match="do not go together"):
         cache.write(0, cache.rows([a], [2]), torch.zeros(3, H, D), torch.zeros(3, H, D))
     with pytest.raises(KVCacheError, match="max_len must be at least 1"):
-        KVCache(1, 1, 0, H, D)
+        KVCache(1, 1, 0, (H, D))
