@@ -19,7 +19,6 @@ in `launch.measure`, the prefill itself in `launch.runner`, the planner of ``--m
 """
 from __future__ import annotations
 
-import atexit
 import os
 import sys
 
@@ -27,11 +26,6 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import functools
-import signal
-import tempfile
-import time
-import traceback
-from types import FrameType
 from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple, Union
 
 import click
@@ -39,9 +33,13 @@ import torch
 import torch.distributed as dist
 
 import microbatch
-from launch.config import AUTO, DTYPES, JobConfig, ModeList, job_config
+from launch.build import build_model, holds_whole_model
+from launch.config import AUTO, JobConfig, ModeList, job_config
+from launch.job import main as job_main, progress as _progress, rank as _rank, say, script as job_script
+from launch.options import batch_options, model_options, run_options, timing_options
 
 if TYPE_CHECKING:  # the launcher's parts are imported where the job needs them (a bad option fails first)
+    from launch.health import Fault, Peers
     from launch.measure import ModeResult
     from microbatch import Batch, MoEModel
     from microbatch.planning import Choice
@@ -50,34 +48,9 @@ if TYPE_CHECKING:  # the launcher's parts are imported where the job needs them 
 OwnForward = Union[torch.Tensor, str, None]  # the model's own forward for --check, why there is none, or no check
 
 
-def _rank() -> int:
-    return int(os.environ.get("RANK", "0"))
-
-
-def say(msg: str, err: bool = False) -> None:
-    """Print on rank 0 only."""
-    if _rank() == 0:
-        click.echo(msg, err=err)
-
-
-def _progress(msg: str, first: bool = False) -> None:
-    """Progress on rank 0: a line rewritten in place on a terminal, one line per mode in a log."""
-    if _rank() != 0:
-        return
-    if sys.stderr.isatty():
-        sys.stderr.write("\r" + msg.ljust(60) + ("\r" if not msg else ""))
-        sys.stderr.flush()
-    elif first:
-        click.echo(f"running {msg}", err=True)
-
 
 @click.command("prefill", context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
-@click.option("--model", "model_name", default="reference", metavar="reference|NAME|PATH",
-              help="The toolkit's reference decoder, a transformers MoE model type built small from its config with "
-                   "weights from --seed (qwen3_moe, deepseek_v3, mixtral, ...), or a local checkpoint folder "
-                   "(config.json + safetensors: each rank reads only its experts).")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "npu"]), default="auto",
-              help="Where to run; auto picks npu, then cuda, then cpu.")
+@model_options
 @click.option("--path", "exec_path", type=click.Choice(["auto", "npu", "ge", "aclgraph"]), default="auto",
               help="NPU execution path (auto: eager streams on the device found).")
 @click.option("--mode", type=ModeList(), multiple=True, default=["all"],
@@ -88,38 +61,12 @@ def _progress(msg: str, first: bool = False) -> None:
 @click.option("--kv-offload/--no-kv-offload", default=False, help="Offload each layer's K/V on the copy stream.")
 @click.option("--kv-store", type=click.Choice(["memory", "mmap"]), default="memory",
               help="Host tier of the KV offload (mmap: files under --out, or a temporary folder).")
-@click.option("--preset", "preset_name", type=click.Choice(["tiny", "small", "deepseek-v3"]), default="small",
-              help="Model shapes (deepseek-v3: use with --layers on devices).")
-@click.option("--layers", type=int, help="Override: number of decoder layers.")
-@click.option("--dense-layers", type=int, help="Override: leading layers with a dense MLP instead of MoE.")
-@click.option("--hidden", type=int, help="Override: hidden size.")
-@click.option("--experts", type=int, help="Override: routed experts (a multiple of the number of ranks).")
-@click.option("--top-k", type=int, help="Override: experts per token.")
-@click.option("--shared-experts", type=int, help="Override: shared experts (0: none).")
-@click.option("--batch", type=int, default=8, help="Requests per rank (with --seq-len).")
-@click.option("--seq-len", type=int, default=128, help="Tokens per request.")
-@click.option("--seq-lens", help="Explicit comma-separated request lengths per rank; overrides --batch/--seq-len.")
-@click.option("--dtype", type=click.Choice(list(DTYPES)), default="float32")
-@click.option("--warmup", type=int, default=1, help="Untimed iterations per mode.")
-@click.option("--iters", type=int, default=5,
-              help="Timed iterations (rounds) per mode: the table shows their medians and spread.")
-@click.option("--seed", type=int, default=0, help="Seed of the weights and the token ids.")
+@batch_options(seq_len=128)
+@timing_options
 @click.option("--check", is_flag=True,
               help="Compare every mode with serial (added to the modes if they leave it out), and serial with the "
                    "model's own forward where each rank holds the whole model; exit 1 if one differs.")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False), help="Write results.json, traces and timelines.")
-@click.option("--cpu-link", default="0.1", envvar="OVERLAP_CPU_LINK", show_envvar=True,
-              help="CPU only: simulated interconnect 'GBPS[,LATENCY_US]' that collectives take at least as long "
-                   "as (a sleep, so it overlaps like a real network); 'off' for plain loopback gloo.")
-@click.option("--cpu-comm-priority", type=click.Choice(["off", "rt"]), default="off",
-              envvar="OVERLAP_CPU_COMM_PRIORITY", show_envvar=True,
-              help="CPU only: 'rt' runs gloo's communication threads real-time (SCHED_FIFO, where permitted), as a "
-                   "device's comm engine that never waits for compute: faster on a host the job has to itself, "
-                   "slower beside another such job; 'off' leaves them normal.")
-@click.option("--dispatch", type=click.Choice(["two-step", "one-step"]), default="two-step",
-              help="The MoE layers' dispatch: its count exchange issued with the routing and read only where the "
-                   "tokens go (the schedules issue the other micro-batches' work in between), or both at once.")
-@click.option("--timeout", type=float, default=120.0, help="Seconds a rank waits for its peers before giving up.")
+@run_options
 def cli(mode: Tuple[Tuple[str, ...], ...], layers: Optional[int], dense_layers: Optional[int],
         hidden: Optional[int], experts: Optional[int], top_k: Optional[int], shared_experts: Optional[int],
         **options: Any) -> None:  # Any: click's values of every other option, each of its own type
@@ -133,114 +80,42 @@ def cli(mode: Tuple[Tuple[str, ...], ...], layers: Optional[int], dense_layers: 
 
 
 def main(args: Optional[List[str]] = None, prog_name: str = "launch/prefill.py") -> None:
-    """The command: a bad option or configuration is printed once per node, before any rank joins a
-    group; Ctrl-C and torchrun's SIGTERM end the run through its clean-up (exit 130 / 143)."""
-    signal.signal(signal.SIGTERM, _terminated)
-    try:
-        cli.main(args=args, prog_name=prog_name, standalone_mode=False)
-    except click.ClickException as exc:  # ConfigError and click's usage errors
-        _leaving()  # the other ranks fail too, and torchrun's SIGTERM must not cut the one report short
-        if _first_to_report_on_this_node():
-            exc.show()
-        sys.exit(exc.exit_code)
-    except (KeyboardInterrupt, click.exceptions.Abort):
-        click.echo(f"rank {_rank()}: interrupted", err=True)
-        sys.exit(130)
+    """The command (`launch.job.main`): a bad option or configuration is printed once per node, before any rank
+    joins a group; Ctrl-C and torchrun's SIGTERM end the run through its clean-up (exit 130 / 143)."""
+    job_main(cli, args, prog_name)
 
 
 def script(prog_name: str = "overlap-prefill") -> None:
     """`main` as a process's whole life (``overlap-prefill``, the console script; ``python
-    launch/prefill.py``): once the job is done, its outputs written and the atexit handlers run, the
-    process leaves with the job's status without the interpreter's teardown. Gloo's threads sometimes
-    abort that teardown on CPU ("terminate called without an active exception", SIGABRT) after a run
-    that succeeded, which torchrun then reports as a failed job. ``prog_name`` is the command the
-    usage and error messages show."""
-    try:
-        main(prog_name=prog_name)
-        code = 0
-    except SystemExit as exc:
-        code = exc.code
-    _leaving()
-    if code is None:
-        code = 0
-    elif not isinstance(code, int):
-        print(code, file=sys.stderr)
-        code = 1
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def _terminated(signum: int, frame: Optional[FrameType]) -> None:
-    raise SystemExit(128 + signum)
-
-
-def _leaving() -> None:
-    """From here the process is on its way out with a status of its own: torchrun's SIGTERM (sent when
-    another rank exits first) is let pass instead of raising inside an atexit handler or the error
-    report, which printed a traceback and could lose the report. Ctrl-C still interrupts; torchrun
-    follows with SIGKILL if the exit does not come."""
-    signal.signal(signal.SIGTERM, _ignored)
-
-
-def _ignored(signum: int, frame: Optional[FrameType]) -> None:
-    pass
-
-
-def _first_to_report_on_this_node() -> bool:
-    """True on the first rank of this node to ask: a configuration error is printed once, by whichever
-    rank finds it first (there is no process group yet, and torchrun stops the other ranks as soon as
-    one exits). The ranks of a node share their parent (torchrun's agent) and the job's port."""
-    if "LOCAL_RANK" not in os.environ:
-        return True
-    folder = os.path.join(tempfile.gettempdir(), "overlap-config-errors")
-    try:
-        started = open(f"/proc/{os.getppid()}/stat").read().rsplit(")", 1)[1].split()[19]  # the parent's start
-    except (OSError, IndexError):
-        started = "0"
-    marker = os.path.join(folder, f"{os.getppid()}-{started}-{os.environ.get('MASTER_PORT', '')}")
-    try:
-        os.makedirs(folder, exist_ok=True)
-        for old in os.listdir(folder):  # markers of jobs long gone
-            if time.time() - os.path.getmtime(os.path.join(folder, old)) > 3600:
-                os.remove(os.path.join(folder, old))
-        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-    except FileExistsError:
-        return False
-    except OSError:  # no writable temporary folder: rank 0 speaks
-        return _rank() == 0
-    return True
+    launch/prefill.py``): it leaves with the job's status without the interpreter's teardown
+    (`launch.job.script`). ``prog_name`` is the command the usage and error messages show."""
+    job_script(functools.partial(main, prog_name=prog_name))
 
 
 def run_job(job: JobConfig) -> int:
     """Join the group, agree on the job, build the model and batch, measure every mode, check, print
     and write; the exit status (0 fine, 1 a failure or a wrong answer, 2 a job the ranks cannot run)."""
+    from launch.job import guarded, start
+
+    started = start(job)
+    if started is None:
+        return 1
+    dev, fault, peers = started
+    return guarded(peers, functools.partial(_prefill_job, job, dev, fault, peers))
+
+
+def _prefill_job(job: JobConfig, dev: torch.device, fault: Optional[Fault], peers: Peers) -> int:
+    """The job once the group is joined (`run_job`): its exit status; what fails is said by `launch.job.guarded`."""
     import overlap
-    from launch.agreement import JobMismatch, agree, agree_ready
-    from launch.health import BEFORE_JOINING, Fault, Peers, StartError, is_peer_failure, join_group
+    from launch.agreement import agree, agree_ready
+    from launch.job import finish
     from launch.measure import check_against_serial, measure_modes, not_finite, table
     from launch.memory import check as check_memory
     from microbatch.batch import Batch
     from microbatch.planning import max_over_ranks
-    from launch.outputs import OutputError, check_kv_dir, check_out_dir, write_outputs
+    from launch.outputs import check_kv_dir, check_out_dir, write_outputs
     from launch.runner import graph_prefill, make_capacity_expert_parallel, make_expert_parallel
-    from overlap.link import OFF
 
-    overlap.set_path(job.device)
-    overlap.set_link(job.link or OFF)  # --cpu-link off is off, whatever $OVERLAP_CPU_LINK says
-    overlap.set_comm_priority(job.comm_priority)
-    overlap.set_wait_timeout(job.timeout)  # every wait of the toolkit, as the collectives' own timeout
-    overlap.sanitize_from_env()
-    fault = Fault.from_env()
-    if fault is not None:
-        fault.maybe_fail(_rank(), BEFORE_JOINING)
-    try:
-        dev = join_group(job.timeout)
-    except StartError as exc:
-        click.echo(f"rank {_rank()}: {exc}", err=True)
-        return 1
-    peers = Peers()
     rank, world = dist.get_rank(), dist.get_world_size()
     cache = None
     try:
@@ -249,7 +124,7 @@ def run_job(job: JobConfig) -> int:
                                 check_out_dir(job.out_dir) if job.out_dir and rank == 0 else None,
                                 check_kv_dir(_kv_dir(job), rank) if _kv_dir(job) else None) if p]
         tokens = sum(agree(job, sum(job.seq_lens), problems, job.timeout))
-        model = _build_model(job, rank, world, dev)  # a rank that cannot load a checkpoint stops every rank
+        model = build_model(job, rank, world, dev)  # a rank that cannot load a checkpoint stops every rank
         batch = Batch.random(job.seq_lens, model.cfg.vocab, seed=job.seed * 1000 + rank + 1, device=dev)
         if fault is not None:
             fault.poison(rank, model)
@@ -294,86 +169,15 @@ def run_job(job: JobConfig) -> int:
                                                       else "every mode matches serial"))
         if cache is not None:
             cache.close()
-        overlap.synchronize()  # no launch still in flight on a side stream (and no gloo callback) at teardown
-        dist.barrier()
-        dist.destroy_process_group()
+        finish()
         if job.out_dir and rank == 0:  # after the last collective: a failure here cannot stall the other ranks
             write_outputs(job.out_dir, job, results, tokens, world, failed, lambda m: say(m, err=True))
             if choice is not None:
                 _write_prediction(job.out_dir, choice, model, results)
         return 1 if failed else 0
-    except JobMismatch as exc:  # every rank has the same message: the first to get here prints it
-        if peers.first_to_report("job"):
-            click.echo(f"Error: {exc}", err=True)
-        return exc.exit_code
-    except OutputError as exc:
-        click.echo(f"rank {rank}: {exc.strerror}", err=True)
-        return 1
-    except Exception as exc:
-        msg = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-        peer_failure = world > 1 and is_peer_failure(exc)
-        detail = peers.diagnose() if peer_failure else ""
-        peers.failed(msg)
-        click.echo(f"rank {rank}: {msg}" + (f"\nrank {rank}: {detail}" if detail else ""), err=True)
-        if not (peer_failure or isinstance(exc, overlap.WaitTimeout)):  # a bug: show where it came from, once
-            if peers.first_to_report():
-                click.echo(f"rank {rank}: unexpected error; traceback (please include it in a report):\n"
-                           + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip(),
-                           err=True)
-            else:
-                click.echo(f"rank {rank}: (another rank printed the traceback of the first unexpected error)",
-                           err=True)
-        return 1
-    except SystemExit as exc:  # torchrun's SIGTERM, sent when another rank exited first: say why, if it said
-        if world > 1 and exc.code == 128 + signal.SIGTERM:
-            _leaving()
-            detail = peers.diagnose()
-            if " failed: " in detail:
-                click.echo(f"rank {rank}: stopped by torchrun after another rank's failure: {detail}", err=True)
-        raise
     finally:
         if cache is not None:
             cache.close()  # on every way out: its files and device slots go
-
-
-def _build_model(job: JobConfig, rank: int, world: int, dev: torch.device) -> MoEModel:
-    """The job's model on ``dev``: the reference decoder, a small transformers model, or a checkpoint's."""
-    if not job.transformers:
-        from launch.models.reference import build_model
-
-        return build_model(job.model, seed=job.seed, dtype=job.dtype, device=dev)
-    from launch.models.transformers_adapter import adapt, from_config
-
-    if job.checkpoint is None:
-        return from_config(job.model, seed=job.seed, dtype=job.dtype, device=dev)
-    from launch.agreement import agree_ready
-    from launch.models.checkpoint import CheckpointError, load_checkpoint
-
-    try:
-        hf, report = load_checkpoint(job.checkpoint, rank=rank, world=world, dtype=job.dtype, device=dev)
-        problem = None
-    except CheckpointError as exc:  # what this rank found in its part (a missing expert...): exit 2 on every rank
-        problem = str(exc).splitlines()[0]
-    agree_ready("loading the checkpoint", problem, job.timeout)  # the store only: no rank is left in a collective
-    held = torch.tensor([report.bytes_held, report.bytes_read], dtype=torch.float64)
-    every = [torch.zeros_like(held) for _ in range(world)]
-    dist.all_gather(every, held)  # every rank reaches this point: it is after the job agreement
-    say("weights: " + ", ".join(f"rank {r} holds {_mib(h[0])} (read {_mib(h[1])})" for r, h in enumerate(every))
-        + f" of a {_mib(report.checkpoint_bytes)} checkpoint")
-    if report.skipped:  # what the checkpoint holds that no rank reads, by design: said, never silently
-        say("weights: not read, by design: " + "; ".join(report.skipped))
-    # with several ranks its blocks hold only this rank's experts: no forward of the whole model to check
-    return adapt(hf, check=_holds_whole_model(job, world))
-
-
-def _mib(n: Union[float, torch.Tensor]) -> str:
-    return f"{float(n) / 2**20:.1f} MiB"
-
-
-def _holds_whole_model(job: JobConfig, world: int) -> bool:
-    """Whether each rank holds the whole transformers model: one built from ``--model NAME`` always, a
-    checkpoint's only on one rank (each of several ranks reads its own experts only)."""
-    return job.transformers and (job.checkpoint is None or world == 1)
 
 
 def _own_forward(job: JobConfig, model: MoEModel, batch: Batch, world: int) -> OwnForward:
@@ -382,7 +186,7 @@ def _own_forward(job: JobConfig, model: MoEModel, batch: Batch, world: int) -> O
 
     if not (job.check and isinstance(model, TransformersModel)):
         return None
-    if not _holds_whole_model(job, world):
+    if not holds_whole_model(job, world):
         experts = model.cfg.n_experts
         return (f"each of the {world} ranks holds {experts // world} of the checkpoint's {experts} routed experts "
                 f"per MoE layer, so no rank can run the model's own forward (run on one rank to compare)")

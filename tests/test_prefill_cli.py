@@ -224,10 +224,10 @@ def test_sigterm_while_leaving_neither_prints_a_traceback_nor_loses_the_report(w
     `SystemExit: 143` traceback from an atexit handler). It leaves with its own status, report printed."""
     term_self = "os.kill(os.getpid(), signal.SIGTERM); time.sleep(0.2)"
     hook = (f"atexit.register(lambda: ({term_self.split(';')[0]}, time.sleep(0.2)))\n" if where == "atexit" else
-            "import launch.prefill as p\n"
-            "first = p._first_to_report_on_this_node\n"
+            "import launch.job as p\n"
+            "first = p.first_to_report_on_this_node\n"
             f"def racing():\n    {term_self}\n    return first()\n"
-            "p._first_to_report_on_this_node = racing\n")
+            "p.first_to_report_on_this_node = racing\n")
     prog = ("import atexit, os, signal, sys, time\n"
             "sys.argv = ['launch/prefill.py', '--timeout', '0']\n"
             + hook +

@@ -1,0 +1,204 @@
+"""The life of a launcher process, shared by `launch.prefill` and `launch.generate`.
+
+A command's process starts (`script`, `main`: a bad option is printed once per node before any rank
+joins a group; Ctrl-C and torchrun's SIGTERM end the run through its clean-up), joins the group
+(`start`), runs its job under one error policy (`guarded`: a peer's failure, a bounded wait that ran
+out, or a bug, each said in one line per rank; a bug's traceback once) and leaves with the job's status
+without the interpreter's teardown.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from types import FrameType
+from typing import TYPE_CHECKING, Callable, List, Optional, Tuple, Union
+
+import click
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from launch.config import JobConfig
+    from launch.health import Fault, Peers
+
+
+def rank() -> int:
+    """This process's rank, from torchrun's environment (0 without it)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def say(msg: str, err: bool = False) -> None:
+    """Print on rank 0 only."""
+    if rank() == 0:
+        click.echo(msg, err=err)
+
+
+def progress(msg: str, first: bool = False) -> None:
+    """Progress on rank 0: a line rewritten in place on a terminal; in a log, only the lines with ``first``."""
+    if rank() != 0:
+        return
+    if sys.stderr.isatty():
+        sys.stderr.write("\r" + msg.ljust(60) + ("\r" if not msg else ""))
+        sys.stderr.flush()
+    elif first:
+        click.echo(f"running {msg}", err=True)
+
+
+def main(cli: click.Command, args: Optional[List[str]], prog_name: str) -> None:
+    """Run ``cli``: a bad option or configuration is printed once per node, before any rank joins a
+    group; Ctrl-C and torchrun's SIGTERM end the run through its clean-up (exit 130 / 143)."""
+    signal.signal(signal.SIGTERM, _terminated)
+    try:
+        cli.main(args=args, prog_name=prog_name, standalone_mode=False)
+    except click.ClickException as exc:  # ConfigError and click's usage errors
+        leaving()  # the other ranks fail too, and torchrun's SIGTERM must not cut the one report short
+        if first_to_report_on_this_node():
+            exc.show()
+        sys.exit(exc.exit_code)
+    except (KeyboardInterrupt, click.exceptions.Abort):
+        click.echo(f"rank {rank()}: interrupted", err=True)
+        sys.exit(130)
+
+
+def script(run: Callable[[], None]) -> None:
+    """``run()`` (a `main`) as a process's whole life: once the job is done, its outputs written and the atexit
+    handlers run, the process leaves with the job's status without the interpreter's teardown. Gloo's threads
+    sometimes abort that teardown on CPU ("terminate called without an active exception", SIGABRT) after a
+    run that succeeded, which torchrun then reports as a failed job."""
+    try:
+        run()
+        code: Union[int, str, None] = 0
+    except SystemExit as exc:
+        code = exc.code
+    leaving()
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _terminated(signum: int, frame: Optional[FrameType]) -> None:
+    raise SystemExit(128 + signum)
+
+
+def leaving() -> None:
+    """From here the process is on its way out with a status of its own: torchrun's SIGTERM (sent when
+    another rank exits first) is let pass instead of raising inside an atexit handler or the error
+    report, which printed a traceback and could lose the report. Ctrl-C still interrupts; torchrun
+    follows with SIGKILL if the exit does not come."""
+    signal.signal(signal.SIGTERM, _ignored)
+
+
+def _ignored(signum: int, frame: Optional[FrameType]) -> None:
+    pass
+
+
+def first_to_report_on_this_node() -> bool:
+    """True on the first rank of this node to ask: a configuration error is printed once, by whichever
+    rank finds it first (there is no process group yet, and torchrun stops the other ranks as soon as
+    one exits). The ranks of a node share their parent (torchrun's agent) and the job's port."""
+    if "LOCAL_RANK" not in os.environ:
+        return True
+    folder = os.path.join(tempfile.gettempdir(), "overlap-config-errors")
+    try:
+        started = open(f"/proc/{os.getppid()}/stat").read().rsplit(")", 1)[1].split()[19]  # the parent's start
+    except (OSError, IndexError):
+        started = "0"
+    marker = os.path.join(folder, f"{os.getppid()}-{started}-{os.environ.get('MASTER_PORT', '')}")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        for old in os.listdir(folder):  # markers of jobs long gone
+            if time.time() - os.path.getmtime(os.path.join(folder, old)) > 3600:
+                os.remove(os.path.join(folder, old))
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    except OSError:  # no writable temporary folder: rank 0 speaks
+        return rank() == 0
+    return True
+
+
+def start(job: JobConfig) -> Optional[Tuple[torch.device, Optional[Fault], Peers]]:
+    """Set the job's path, link, priorities and wait bound, then join the group: this rank's device, the
+    injected fault (tests) and its peers' health; None (said in one line) when the group cannot be joined."""
+    import overlap
+    from launch.health import BEFORE_JOINING, Fault, Peers, StartError, join_group
+    from overlap.link import OFF
+
+    overlap.set_path(job.device)
+    overlap.set_link(job.link or OFF)  # --cpu-link off is off, whatever $OVERLAP_CPU_LINK says
+    overlap.set_comm_priority(job.comm_priority)
+    overlap.set_wait_timeout(job.timeout)  # every wait of the toolkit, as the collectives' own timeout
+    overlap.sanitize_from_env()
+    fault = Fault.from_env()
+    if fault is not None:
+        fault.maybe_fail(rank(), BEFORE_JOINING)
+    try:
+        dev = join_group(job.timeout)
+    except StartError as exc:
+        click.echo(f"rank {rank()}: {exc}", err=True)
+        return None
+    return dev, fault, Peers()
+
+
+def guarded(peers: Peers, body: Callable[[], int]) -> int:
+    """``body()``'s exit status, every way it can fail said in one line per rank: ranks that do not agree on the
+    job (exit 2, said once), an output that cannot be written, a peer's failure or a bounded wait that ran out
+    (exit 1), torchrun's SIGTERM after another rank's failure; a bug's traceback is printed once."""
+    import overlap
+    from launch.agreement import JobMismatch
+    from launch.health import is_peer_failure
+    from launch.outputs import OutputError
+
+    r, world = dist.get_rank(), dist.get_world_size()
+    try:
+        return body()
+    except JobMismatch as exc:  # every rank has the same message: the first to get here prints it
+        if peers.first_to_report("job"):
+            click.echo(f"Error: {exc}", err=True)
+        return exc.exit_code
+    except OutputError as exc:
+        click.echo(f"rank {r}: {exc.strerror}", err=True)
+        return 1
+    except Exception as exc:
+        msg = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        peer_failure = world > 1 and is_peer_failure(exc)
+        detail = peers.diagnose() if peer_failure else ""
+        peers.failed(msg)
+        click.echo(f"rank {r}: {msg}" + (f"\nrank {r}: {detail}" if detail else ""), err=True)
+        if not (peer_failure or isinstance(exc, overlap.WaitTimeout) or getattr(exc, "expected", False)):
+            if peers.first_to_report():  # a bug: show where it came from, once
+                click.echo(f"rank {r}: unexpected error; traceback (please include it in a report):\n"
+                           + "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip(),
+                           err=True)
+            else:
+                click.echo(f"rank {r}: (another rank printed the traceback of the first unexpected error)",
+                           err=True)
+        return 1
+    except SystemExit as exc:  # torchrun's SIGTERM, sent when another rank exited first: say why, if it said
+        if world > 1 and exc.code == 128 + signal.SIGTERM:
+            leaving()
+            detail = peers.diagnose()
+            if " failed: " in detail:
+                click.echo(f"rank {r}: stopped by torchrun after another rank's failure: {detail}", err=True)
+        raise
+
+
+def finish() -> None:
+    """Leave the group once every rank is done: nothing in flight on a side stream (nor a gloo callback) at
+    teardown."""
+    import overlap
+
+    overlap.synchronize()
+    dist.barrier()
+    dist.destroy_process_group()
