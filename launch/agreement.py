@@ -69,14 +69,15 @@ def _store(stage: str, timeout: float, late: str) -> agreement.StoreTransport:
                                     f"{late} within --timeout {timeout:g} s")
 
 
-def agree(job: JobConfig, tokens: int, problems: Sequence[str], timeout: float) -> List[int]:
-    """Post this rank's view of the job and check every rank's (`overlap.agree` through the store); returns
-    each rank's token count.
+def agree(job: JobConfig, tokens: int, problems: Sequence[str], timeout: float,
+          extra: Optional[Dict[str, Any]] = None) -> List[int]:
+    """Post this rank's view of the job (and ``extra``: more options that must be equal, by name) and check every
+    rank's (`overlap.agree` through the store); returns each rank's token count.
 
     Raises `JobMismatch` on every rank when the ranks differ or one reported a problem, and when a
     rank does not post within ``timeout`` seconds (naming it).
     """
-    values = {_named(k): v for k, v in fingerprint(job).items()}
+    values = {_named(k): v for k, v in {**fingerprint(job), **(extra or {})}.items()}
     values[_TOKENS] = int(tokens)
     posts = agreement.agree(values, _store("start", timeout, "reach the start of the job"), problems=problems,
                             per_rank=(_TOKENS,), error=JobMismatch)

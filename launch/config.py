@@ -450,3 +450,60 @@ def job_config(*, world: int, device: str, exec_path: str, mode: Union[str, Sequ
         raise ConfigError(f"--kv-offload runs on the eager paths only: a copy to host memory on its own "
                           f"stream cannot be expressed inside a {path} graph")
     return job
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """What the generation launcher adds to a job: the new tokens, the stop token and the decode modes."""
+
+    new_tokens: int
+    spread: float  # each request's new tokens are drawn from [ceil(new_tokens * (1 - spread)), new_tokens]
+    stop_token: Optional[int]
+    runs: Tuple[Tuple[str, str], ...]  # (prefill mode, decode mode) of each run, serial's first with --check
+
+    def fingerprint(self) -> Dict[str, Any]:
+        """What must be equal on every rank, by option (`launch.agreement.agree`)."""
+        return {"--new-tokens": self.new_tokens, "--new-tokens-spread": self.spread, "--stop-token": self.stop_token,
+                "--decode-mode": [list(r) for r in self.runs]}
+
+    def min_new_tokens(self) -> int:
+        return max(1, math.ceil(self.new_tokens * (1.0 - self.spread) - 1e-9))
+
+
+def vocab_size(job: JobConfig) -> int:
+    """The model's vocabulary size, from its configuration."""
+    return int(job.model.vocab_size if job.transformers else job.model.vocab)
+
+
+def decode_config(job: JobConfig, *, new_tokens: int, spread: float, stop_token: Optional[int],
+                  decode_modes: Sequence[str]) -> DecodeConfig:
+    """The generation options, checked against the job (`ConfigError` names the first problem).
+
+    ``decode_modes``: the ``--decode-mode`` names (empty: the same as ``--mode``). Each prefill mode is paired
+    with the decode mode at its place; one list of a single mode goes with every mode of the other."""
+    if new_tokens < 1:
+        raise ConfigError(f"--new-tokens must be at least 1, got {new_tokens}")
+    if not (math.isfinite(spread) and 0.0 <= spread < 1.0):
+        raise ConfigError(f"--new-tokens-spread must be in [0, 1), got {spread:g}")
+    vocab = vocab_size(job)
+    if stop_token is not None and not 0 <= stop_token < vocab:
+        raise ConfigError(f"--stop-token must be a token id in [0, {vocab}), got {stop_token}")
+    prefill = [m for m in (job.asked_modes or job.modes)]
+    decode, _ = resolve_modes(decode_modes, check=False) if decode_modes else (tuple(prefill), ())
+    for option, names in (("--mode", prefill), ("--decode-mode", decode)):
+        if AUTO in names:
+            raise ConfigError(f"{option} auto is not available in generation: the planner chooses for prefill "
+                              f"batches only; name the modes")
+    if len(decode) == 1:
+        runs = [(p, decode[0]) for p in prefill]
+    elif len(prefill) == 1:
+        runs = [(prefill[0], d) for d in decode]
+    elif len(decode) == len(prefill):
+        runs = list(zip(prefill, decode))
+    else:
+        raise ConfigError(f"--decode-mode lists {len(decode)} modes and --mode {len(prefill)}: give as many, or one "
+                          f"of either (it goes with every mode of the other)")
+    runs = list(dict.fromkeys(runs))  # repeats dropped, order kept
+    if job.check and ("serial", "serial") not in runs:
+        runs.insert(0, ("serial", "serial"))
+    return DecodeConfig(new_tokens, float(spread), stop_token, tuple(runs))

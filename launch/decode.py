@@ -1,21 +1,25 @@
 """Greedy generation with the device KV cache: prefill writes it, each decode step appends to it.
 
-Groundwork for issue 28 (its generation launcher does not exist yet): serial
-prefill, then one decode step per new token, every step a batch of one token per active request
-run through the executor (`microbatch.run`) in a mode's schedule (``serial``, ``shared``,
-``two-batch``, ...: the active requests cut into the mode's micro-batches by count, in order)
-with the reference decoder's cached attention. A request that is done frees its slot; the others
-go on.
+`generate` prefills the prompts through the executor in a mode's schedule (each layer's keys and
+values written to the cache right after its attention, micro-batch by micro-batch), takes the
+argmax of the LM head, then runs one decode step per new token: a batch of one token per active
+request, through the executor (`microbatch.run_made`) in the decode mode's schedule (``serial``,
+``shared``, ``two-batch``, ...), with the model's cached attention (`microbatch.DecodeModel`). A
+mode of N micro-batches cuts the active requests into N parts of about equal predicted cost
+(`split_by_cost`: a request's attention grows with its history, so balance is not a count). A
+request that is done frees its slot; the others go on.
 
 With expert-parallel layers over several ranks, each rank brings its own prompts (none is fine)
 and its own lengths; a rank with no active request keeps taking part in every step with zero
-tokens until every rank is done, which the ranks agree on every step with one small all-reduce.
-NaN or inf in a rank's logits stops every rank at that step (`NonFiniteLogits`), through the same
-all-reduce: no token is taken from them.
+tokens until every rank is done. The ranks agree every step, in one small all-reduce
+(`overlap.agree`), on whether any request is still active, on the number of micro-batches, and on
+whether any rank's logits hold NaN or inf (`NonFiniteLogits` on every rank: no token is taken from them).
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+import dataclasses
+import functools
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -23,78 +27,188 @@ import torch.distributed as dist
 import microbatch
 import overlap
 from collectives import ExpertParallelMoE, group_size
-from microbatch import HIDDEN, KV_STEP, Batch, DecodeModel, KVCache, KVStep, SeqInfo
+from microbatch import HIDDEN, K, KV_STEP, V, Batch, DecodeModel, KVCache, KVRows, KVStep, Operation, SeqInfo
+from microbatch.forward import micro_batch_inputs
+from microbatch.split import merge_outputs
+
+from .runner import split_for
+
+OnStep = Callable[[int, int], None]  # (step, active requests on every rank): step 0 is the prefill's token
+_PREFILL_ROWS = "kv_prefill_rows"  # a prefill micro-batch's rows of the cache (its tokens' slice of the batch's)
 
 
-class NonFiniteLogits(RuntimeError):
+class DecodeError(RuntimeError):
+    """The ranks of a generation disagree on a step (its number of micro-batches), or one found it wrong."""
+
+    expected = True  # reported in one line on every rank, not a bug (`launch.job.guarded`)
+
+
+class NonFiniteLogits(DecodeError):
     """NaN or inf in the logits of a request (on this rank or, named, another)."""
 
 
-def new_cache(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: int) -> KVCache:
-    """A cache with one slot per prompt, room for the longest prompt plus ``new_tokens``."""
+@dataclasses.dataclass
+class Generated:
+    """What `generate` produced on this rank: each request's new tokens and, with ``margins=True``, the gap
+    between the top two logits where each was taken (how near a tie it was)."""
+
+    tokens: List[List[int]]
+    margins: Optional[List[List[float]]] = None
+    steps: int = 0  # decode steps after the prefill (the same on every rank)
+
+
+def new_cache(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: Union[int, Sequence[int]]
+              ) -> KVCache:
+    """A cache with one slot per prompt, room for the longest prompt plus its new tokens, of the model's own
+    per-token key and value shapes (``cfg.k_shape``, ``cfg.v_shape``)."""
     cfg = model.cfg
-    longest = max((len(p) for p in prompts), default=1)
+    limits = _limits(prompts, new_tokens)
+    longest = max((len(p) + n for p, n in zip(prompts, limits)), default=1)
     weight = next(model.parameters())
-    return KVCache(cfg.n_layers, max(1, len(prompts)), longest + new_tokens, cfg.k_shape, cfg.v_shape,
+    return KVCache(cfg.n_layers, max(1, len(prompts)), longest, cfg.k_shape, cfg.v_shape,
                    dtype=weight.dtype, device=weight.device)
 
 
+def _limits(prompts: Sequence[Sequence[int]], new_tokens: Union[int, Sequence[int]]) -> List[int]:
+    limits = [int(new_tokens)] * len(prompts) if isinstance(new_tokens, int) else [int(n) for n in new_tokens]
+    if len(limits) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(limits)} new-token counts")
+    if any(n < 1 for n in limits):
+        raise ValueError(f"every request generates at least one token, got {min(limits)}")
+    return limits
+
+
 @torch.no_grad()
-def greedy_generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: int,
+def greedy_generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: Union[int, Sequence[int]],
                     stop_token: Optional[int] = None, cache: Optional[KVCache] = None,
                     mode: str = "serial") -> List[List[int]]:
-    """Each prompt's greedy continuation (argmax of the LM head), at most ``new_tokens`` long, ending at
-    ``stop_token`` (included) where it comes; the cache (default `new_cache`) holds every request; the
-    decode steps run in ``mode`` (`microbatch.MODES`; every rank passes the same)."""
+    """Each prompt's greedy continuation (argmax of the LM head), at most ``new_tokens`` long (one count, or one
+    per prompt), ending at ``stop_token`` (included) where it comes; the decode steps run in ``mode``
+    (`microbatch.MODES`; every rank passes the same). `generate`'s tokens."""
+    return generate(model, prompts, new_tokens, stop_token=stop_token, cache=cache, mode=mode).tokens
+
+
+@torch.no_grad()
+def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: Union[int, Sequence[int]], *,
+             stop_token: Optional[int] = None, cache: Optional[KVCache] = None, mode: str = "serial",
+             prefill_mode: str = "serial", on_step: Optional[OnStep] = None, margins: bool = False) -> Generated:
+    """Greedy generation (see the module docstring): prefill in ``prefill_mode``, decode steps in ``mode``.
+
+    ``prompts``: this rank's requests' token ids (none is fine with several ranks); ``new_tokens``: the most
+    each generates (one count, or one per prompt); ``cache``: where the keys and values go (default
+    `new_cache`; its slots are taken and freed here); ``on_step(step, active)`` is called once each step's
+    tokens are taken, with the number of requests still active on every rank.
+    """
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
+    limits = _limits(prompts, new_tokens)
     how = microbatch.mode(mode)
     group = _expert_group(model)
-    cache = cache or new_cache(model, prompts, new_tokens)
+    cache = cache or new_cache(model, prompts, limits)
     slots = cache.admit(len(prompts))
     device = next(model.parameters()).device
-    tokens = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=device)
     lens = [len(p) for p in prompts]
-    prefill = cache.rows(slots, lens)
-    hidden = model(Batch(tokens, SeqInfo.from_lens(lens)), kv_sink=lambda li, k, v: cache.write(li, prefill, k, v))
-    cache.advance(prefill)
+    tokens = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=device)
+    hidden = _prefill(model, Batch(tokens, SeqInfo.from_lens(lens)), cache, slots, prefill_mode, group)
     last = torch.tensor(lens, dtype=torch.long, device=device).cumsum(0) - 1
-    out: List[List[int]] = [[] for _ in prompts]
+    out = Generated([[] for _ in prompts], [[] for _ in prompts] if margins else None)
     active = list(range(len(prompts)))
-    nxt, problem = _greedy(model.logits(hidden[last]), active, 0)
+    nxt, gaps, problem = _greedy(model.logits(hidden[last]), active, 0, margins)
     layers = model.decode_layer_operations()
-    step_no = 0
+    per_row = _history_weight(model)
     while True:
         still = []
-        for i, t in zip(active, nxt):
-            out[i].append(t)
-            if len(out[i]) < new_tokens and t != stop_token:
+        for j, (i, t) in enumerate(zip(active, nxt)):
+            out.tokens[i].append(t)
+            if out.margins is not None:
+                out.margins[i].append(gaps[j])
+            if len(out.tokens[i]) < limits[i] and t != stop_token:
                 still.append(i)
         cache.release([slots[i] for i in active if i not in still])
-        if not _step_status(len(still), problem, group):
+        total = _step_status(len(still), how.micro_batches, problem, group)
+        if on_step is not None:
+            on_step(out.steps, total)
+        if not total:
             return out
-        step_no += 1
+        out.steps += 1
+        history = [lens[i] + len(out.tokens[i]) - 1 for i in still]  # rows held before this step's
+        parts = split_by_cost(history, how.micro_batches, per_row)
+        order = [still[j] for part in parts for j in part]
         steps, inputs = [], []
-        for part in _parts(still, how.micro_batches):  # contiguous, by count; a part may be empty
-            step_tokens = torch.tensor([out[i][-1] for i in part], dtype=torch.long, device=device)
-            steps.append(KVStep(cache, cache.rows([slots[i] for i in part])))
+        for part in parts:  # a part may be empty: its micro-batch takes part with zero tokens
+            requests = [still[j] for j in part]
+            step_tokens = torch.tensor([out.tokens[i][-1] for i in requests], dtype=torch.long, device=device)
+            steps.append(KVStep(cache, cache.rows([slots[i] for i in requests])))
             inputs.append({HIDDEN: model.embed_tokens(step_tokens), KV_STEP: steps[-1]})
-        hidden = torch.cat(microbatch.run(how.make(layers, len(inputs)), layers, inputs))
+        hidden = torch.cat(microbatch.run_made(how.make, layers, inputs))
         for step in steps:
             cache.advance(step.rows)
-        active = still
-        nxt, problem = _greedy(model.logits(model.norm(hidden)), active, step_no)
+        active = order
+        nxt, gaps, problem = _greedy(model.logits(model.norm(hidden)), active, out.steps, margins)
 
 
-def _parts(items: List[int], n: int) -> List[List[int]]:
-    """``items`` cut into ``n`` contiguous parts whose sizes differ by at most one (the first ones larger)."""
-    size, extra = divmod(len(items), n)
-    out, at = [], 0
-    for k in range(n):
-        take = size + (k < extra)
-        out.append(items[at:at + take])
-        at += take
-    return out
+def _prefill(model: DecodeModel, batch: Batch, cache: KVCache, slots: List[int], mode: str,
+             group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """Final (normed) hidden states of the prompts through ``mode``'s schedule, every layer's keys and values
+    written to the cache right after its attention (the split agreed by every rank where it cuts)."""
+    plan = split_for(mode, batch, group, model=model)
+    rows = cache.rows(slots, batch.seq.seq_lens)
+    layers = [_with_cache_write(ops, cache, li) for li, ops in enumerate(model.layer_operations())]
+    inputs = micro_batch_inputs(model, batch, plan)
+    bounds = (0,) + tuple(plan.points) + (batch.seq.num_tokens,)
+    for mb, values in enumerate(inputs):  # each micro-batch's tokens are a contiguous slice of the batch
+        values[_PREFILL_ROWS] = dataclasses.replace(rows, where=rows.where[bounds[mb]:bounds[mb + 1]])
+    finals = [model.norm(h) for h in microbatch.run_made(microbatch.mode(mode).make, layers, inputs)]
+    cache.advance(rows)
+    return finals[0] if plan.serial else merge_outputs(plan, *finals)
+
+
+def _with_cache_write(ops: List[Operation], cache: KVCache, layer: int) -> List[Operation]:
+    """``ops`` with a write of the attention's keys and values to ``cache`` right after it (none without one)."""
+    at = next((i + 1 for i, op in enumerate(ops) if K in op.writes and V in op.writes), None)
+    if at is None:
+        return ops
+    write = Operation("kv_write", functools.partial(_write, cache, layer), (K, V, _PREFILL_ROWS), ())
+    return ops[:at] + [write] + ops[at:]
+
+
+def _write(cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor, rows: KVRows) -> None:
+    cache.write(layer, rows, k, v)
+
+
+def split_by_cost(history: Sequence[int], n: int, per_token: float = 1.0) -> List[List[int]]:
+    """The indices of requests cut into ``n`` parts of about equal predicted cost: each request costs
+    ``per_token + history`` (rows of history it attends to, with ``per_token`` the rows whose attention
+    costs as much as the rest of its token's work); the costliest first, each to the cheapest part so far.
+    Each part keeps the requests' order; a part may be empty."""
+    parts: List[List[int]] = [[] for _ in range(n)]
+    load = [0.0] * n
+    for j in sorted(range(len(history)), key=lambda j: (-history[j], j)):
+        k = min(range(n), key=lambda k: (load[k], len(parts[k]), k))
+        parts[k].append(j)
+        load[k] += per_token + history[j]
+    return [sorted(p) for p in parts]
+
+
+def _history_weight(model: DecodeModel) -> float:
+    """Rows of history whose attention costs about as much as the rest of one token's work in a decode step,
+    from the model's shapes: the weights a token meets (its top-k experts' only) over the multiply-adds of
+    attending to one row of history (its query against the cached key, its weights against the value)."""
+    cfg = model.cfg
+    experts, other = 0, 0
+    for name, p in model.named_parameters():
+        if ".layers." not in f".{name}":
+            continue  # embedding, final norm, LM head: once per token, outside the layers
+        if ".experts." in name:
+            experts += p.numel()
+        else:
+            other += p.numel()
+    local = max(1, cfg.n_experts // max(1, group_size(_expert_group(model))))
+    per_token = other + experts / local * cfg.top_k  # each token meets top-k experts' weights
+    heads = max(1, int(cfg.n_heads))
+    per_row = heads * (cfg.k_shape[-1] + cfg.v_shape[-1]) * max(1, len(getattr(cfg, "attention_layers",
+                                                                                range(cfg.n_layers))))
+    return per_token / per_row
 
 
 def _expert_group(model: DecodeModel) -> Optional[dist.ProcessGroup]:
@@ -103,26 +217,56 @@ def _expert_group(model: DecodeModel) -> Optional[dist.ProcessGroup]:
     return spread[0].group if spread else None
 
 
-def _greedy(logits: torch.Tensor, requests: List[int], step: int) -> Tuple[List[int], Optional[str]]:
-    """Each row's argmax, and what is wrong where a row holds NaN or inf (naming its request and the step)."""
+def _greedy(logits: torch.Tensor, requests: List[int], step: int, margins: bool
+            ) -> Tuple[List[int], List[float], Optional[str]]:
+    """Each row's argmax, the gap to its runner-up (with ``margins``), and what is wrong where a row holds NaN or
+    inf (naming its request and the step)."""
     bad = (~torch.isfinite(logits)).any(-1).nonzero().flatten().tolist()
     problem = None
     if bad:
         problem = (f"NaN or inf in the logits of request {requests[bad[0]]} at decode step {step} (0: the prefill's)"
                    + (f" and of {len(bad) - 1} more" if len(bad) > 1 else ""))
-    return logits.argmax(-1).tolist(), problem
+    gaps: List[float] = []
+    if margins and logits.shape[0] and logits.shape[-1] > 1:
+        top = logits.float().topk(2, dim=-1).values
+        gaps = (top[:, 0] - top[:, 1]).tolist()
+    return logits.argmax(-1).tolist(), gaps, problem
 
 
-def _step_status(mine: int, problem: Optional[str], group: Optional[dist.ProcessGroup]) -> bool:
-    """Whether any rank of ``group`` still has an active request; `NonFiniteLogits` on every rank, naming the
-    rank, where one found NaN or inf (`overlap.agree`: one small all-reduce; none without a group)."""
+def _step_status(mine: int, micro_batches: int, problem: Optional[str], group: Optional[dist.ProcessGroup]) -> int:
+    """The requests still active on every rank of ``group``, once they agree on the step's micro-batches;
+    `NonFiniteLogits` on every rank, naming the rank, where one found NaN or inf (`overlap.agree`: one small
+    all-reduce; none without a group)."""
     if group is None:
         if problem:
             raise NonFiniteLogits(problem)
-        return mine > 0
-    posts = overlap.agree({"active": mine}, overlap.GroupTransport(group, "decode.step"),
-                          problems=[problem] if problem else [], per_rank=["active"], error=NonFiniteLogits)
-    return any(p["active"] for p in posts)
+        return mine
+    try:
+        posts = overlap.agree({"active": mine, "micro-batches": micro_batches},
+                              overlap.GroupTransport(group, "decode.step"), problems=[problem] if problem else [],
+                              per_rank=["active"], error=DecodeError)
+    except DecodeError as exc:
+        if "NaN or inf" in str(exc):
+            raise NonFiniteLogits(str(exc)) from None
+        raise
+    return sum(p["active"] for p in posts)
 
 
-__all__ = ["NonFiniteLogits", "greedy_generate", "new_cache"]
+def first_difference(tokens: Sequence[Sequence[int]], reference: Sequence[Sequence[int]]
+                     ) -> Optional[Tuple[int, int]]:
+    """``(request, step)`` of the first token (by step, then request) where ``tokens`` differ from ``reference``
+    (a missing or extra token counts), or None."""
+    first: Optional[Tuple[int, int]] = None
+    for i, (a, b) in enumerate(zip(tokens, reference)):
+        at = next((s for s, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if at is None and len(a) != len(b):
+            at = min(len(a), len(b))
+        if at is not None and (first is None or at < first[1]):
+            first = (i, at)
+    if len(tokens) != len(reference):
+        first = first or (min(len(tokens), len(reference)), 0)
+    return first
+
+
+__all__ = ["DecodeError", "Generated", "NonFiniteLogits", "first_difference", "generate", "greedy_generate", "new_cache",
+           "split_by_cost"]

@@ -9,12 +9,15 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from typing import TYPE_CHECKING, Callable, List, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, List, Optional, Sequence, Tuple
 
 from overlap.observability import save_chrome_trace, save_png
 
 if TYPE_CHECKING:
-    from .config import JobConfig
+    from overlap import Span
+
+    from .config import DecodeConfig, JobConfig
+    from .generation import RunResult
     from .measure import ModeResult
 
 
@@ -92,14 +95,46 @@ def write_outputs(out_dir: str, job: JobConfig, results: Sequence[ModeResult], t
                        "check": None if not job.check else ("failed" if failed else "passed")}, f, indent=2)
 
     _atomic(os.path.join(out_dir, "results.json"), results_json)
+    pngs = _traces(out_dir, [(r.mode, r.spans, f"{r.mode}: {world} rank(s), {tokens} tokens") for r in results], say)
+    say(f"wrote {out_dir}/results.json, trace_<mode>.json" + (" and timeline_<mode>.png" if pngs else ""))
+
+
+def _traces(out_dir: str, traces: Sequence[Tuple[str, Sequence[Span], str]], say: Callable[[str], None]) -> bool:
+    """Each ``(name, spans, title)`` as ``trace_<name>.json`` and ``timeline_<name>.png``; whether PNGs were
+    written (matplotlib is optional)."""
     pngs = True
-    for r in results:
-        _atomic(os.path.join(out_dir, f"trace_{r.mode}.json"), lambda name, r=r: save_chrome_trace(r.spans, name))
+    for name, spans, title in traces:
+        _atomic(os.path.join(out_dir, f"trace_{name}.json"), lambda file, s=spans: save_chrome_trace(s, file))
         if pngs:
             try:
-                _atomic(os.path.join(out_dir, f"timeline_{r.mode}.png"),
-                        lambda name, r=r: save_png(r.spans, name, title=f"{r.mode}: {world} rank(s), {tokens} tokens"))
+                _atomic(os.path.join(out_dir, f"timeline_{name}.png"),
+                        lambda file, s=spans, t=title: save_png(s, file, title=t))
             except ImportError:
                 pngs = False
                 say("(matplotlib is not installed: no PNG timelines; pip install 'npu-overlap[plot]')")
-    say(f"wrote {out_dir}/results.json, trace_<mode>.json" + (" and timeline_<mode>.png" if pngs else ""))
+    return pngs
+
+
+def write_generation_outputs(out_dir: str, job: JobConfig, decode: DecodeConfig, results: Sequence[RunResult],
+                             world: int, failed: List[str], say: Callable[[str], None]) -> None:
+    """Write ``out_dir``/results.json of a generation and each mode's ``trace_<mode>.json`` /
+    ``timeline_<mode>.png`` of one decode step (``prefill__decode`` where the modes differ). Raises
+    `OutputError` naming the file that could not be written."""
+    os.makedirs(out_dir, exist_ok=True)
+
+    def results_json(name: str) -> None:
+        with open(name, "w") as f:
+            json.dump({"world_size": world, "device": job.device, "dtype": str(job.dtype).replace("torch.", ""),
+                       "seq_lens": list(job.seq_lens), "model": job.model_name, "config": job.model_fields(),
+                       "new_tokens": decode.new_tokens, "new_tokens_spread": decode.spread,
+                       "stop_token": decode.stop_token, "kv_offload": job.kv_offload,
+                       "cpu_link": str(job.link) if job.link else None, "dispatch": job.dispatch,
+                       "rows": [r.row() for r in results],
+                       "check": None if not job.check else ("failed" if failed else "passed"),
+                       "failures": failed}, f, indent=2)
+
+    _atomic(os.path.join(out_dir, "results.json"), results_json)
+    pngs = _traces(out_dir, [(r.run.file_label, r.spans, f"{r.run.label}: one decode step, {world} rank(s)")
+                             for r in results if r.spans], say)
+    say(f"wrote {out_dir}/results.json, trace_<mode>.json" + (" and timeline_<mode>.png" if pngs else "")
+        + " (one decode step each)")

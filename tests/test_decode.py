@@ -4,7 +4,7 @@ import dataclasses
 import pytest
 import torch
 
-from launch.decode import greedy_generate
+from launch.decode import first_difference, generate, greedy_generate, split_by_cost
 from launch.models import build_model, preset
 from microbatch import MODES, Batch, SeqInfo
 
@@ -81,14 +81,15 @@ def _modes_body(ctx):
     got = {}
     for mode in MODES:
         with Sanitizer():  # raises on the first race between streams
-            got[mode] = greedy_generate(model, prompts, new_tokens, mode=mode)
+            got[mode] = generate(model, prompts, new_tokens, mode=mode, prefill_mode=mode).tokens
     return got
 
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_every_mode_generates_serials_tokens(world):
-    """Decode steps in every mode's schedule (the active requests cut into its micro-batches, some empty on
-    a rank with fewer requests) generate serial's tokens, race-free under the sanitizer."""
+    """Prefill and decode steps in every mode's schedule (the prompts split as prefill splits them, each
+    micro-batch writing its rows of the cache; the active requests cut into the mode's micro-batches, some
+    empty on a rank with fewer requests) generate serial's tokens, race-free under the sanitizer."""
     from overlap.multirank import run_ranks
 
     for rank, got in enumerate(run_ranks(_modes_body, world, timeout=300)):
@@ -123,3 +124,35 @@ def test_nan_in_one_ranks_logits_stops_every_rank_naming_it(world):
     named = "NaN or inf in the logits of request 0 at decode step 0" if world == 1 else \
         f"rank {world - 1}: NaN or inf in the logits of request 0 at decode step 0"
     assert all(named in m for m in messages), messages  # every rank stops, naming the rank that found it
+
+
+def test_each_request_stops_at_its_own_count():
+    model = build_model(preset("tiny"), seed=3)
+    prompts = [[1, 2, 3], [4, 5], [6]]
+    want = _recomputed(model, prompts, 5)
+    got = greedy_generate(model, prompts, [5, 1, 3])
+    assert got == [want[0], want[1][:1], want[2][:3]]
+
+
+def test_requests_are_split_by_their_cost_not_their_count():
+    """A request with a long history costs as much as several short ones: the parts balance the cost."""
+    parts = split_by_cost([100, 1, 1, 1, 1], 2, per_token=1.0)
+    assert parts == [[0], [1, 2, 3, 4]]
+    assert split_by_cost([5, 5, 5, 5], 2) == [[0, 2], [1, 3]]  # equal costs: equal counts
+    assert split_by_cost([3], 3) == [[0], [], []]  # fewer requests than parts: some empty
+    assert sorted(j for p in split_by_cost([7, 2, 9, 4, 4, 1], 4, 3.0) for j in p) == list(range(6))
+
+
+def test_margins_are_the_gap_between_the_top_two_logits():
+    model = build_model(preset("tiny"), seed=3)
+    out = generate(model, [[1, 2, 3], [4]], 3, margins=True)
+    assert [len(m) for m in out.margins] == [len(t) for t in out.tokens] and out.steps == 2
+    hidden = model(Batch(torch.tensor([1, 2, 3]), SeqInfo.from_lens([3])))
+    top = model.logits(hidden[-1:]).topk(2).values[0]
+    assert out.margins[0][0] == pytest.approx(float(top[0] - top[1]), rel=1e-5) and out.margins[0][0] >= 0
+
+
+def test_first_difference_is_the_earliest_step():
+    assert first_difference([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 5]]) is None
+    assert first_difference([[1, 2, 9], [4, 7]], [[1, 2, 3], [4, 5]]) == (1, 1)
+    assert first_difference([[1, 2], [4, 5]], [[1, 2, 3], [4, 5]]) == (0, 2)  # a missing token counts

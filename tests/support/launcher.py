@@ -1,4 +1,5 @@
-"""``launch/prefill.py`` run as its users run it: one process, under torchrun, or ranks started by hand."""
+"""``launch/prefill.py`` (or ``launch/generate.py``) run as its users run it: one process, under torchrun, or ranks
+started by hand."""
 from __future__ import annotations
 
 import os
@@ -10,16 +11,17 @@ from support.ports import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "launch", "prefill.py")
+GENERATE = os.path.join(ROOT, "launch", "generate.py")
 TINY = ["--preset", "tiny", "--warmup", "0", "--iters", "1"]
 
 
 def run_launcher(args: Sequence[str], ranks: Optional[int] = None, env: Optional[Dict[str, str]] = None,
-                 timeout: float = 180) -> subprocess.CompletedProcess:
-    """The launcher with ``args``: one process, or ``ranks`` under torchrun; no $OVERLAP_FAULT unless ``env`` sets
-    it."""
-    cmd = [sys.executable, SCRIPT] if ranks is None else [
+                 timeout: float = 180, script: str = SCRIPT) -> subprocess.CompletedProcess:
+    """The launcher (``script``: `SCRIPT` or `GENERATE`) with ``args``: one process, or ``ranks`` under torchrun;
+    no $OVERLAP_FAULT unless ``env`` sets it."""
+    cmd = [sys.executable, script] if ranks is None else [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-        "--master-port", str(free_port()), SCRIPT]
+        "--master-port", str(free_port()), script]
     full_env = dict(os.environ, PYTHONPATH=ROOT)
     full_env.pop("OVERLAP_FAULT", None)
     full_env.update(env or {})

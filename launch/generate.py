@@ -1,0 +1,259 @@
+"""Greedy generation of a MoE model with expert parallelism over all ranks, in each mode, side by side.
+
+    torchrun --nproc-per-node 2 launch/generate.py                   # 2 CPU ranks: serial, shared, two-batch
+    torchrun --nproc-per-node 2 launch/generate.py --new-tokens 64 --new-tokens-spread 0.5 --check
+    python launch/generate.py --model qwen3_moe --check               # one rank: also against its own generate()
+
+Each rank brings its own prompts (``--batch`` x ``--seq-len``, or ``--seq-lens``), prefills them in
+the run's ``--mode``, then runs greedy decode steps (the argmax of the LM head, one token per active
+request per step) in its ``--decode-mode`` until every request on every rank is done (``--new-tokens``,
+each request's own count with ``--new-tokens-spread``, or ``--stop-token``). A rank whose requests are
+done keeps taking part in every exchange with zero tokens. The keys and values live in a cache on
+the device (`microbatch.KVCache`), or on the host with ``--kv-offload``, the next layer's prefetched
+on the ``kv_offload`` stream while this one computes.
+
+Rank 0 prints one row per mode: time to first token, time per output token (median and p90 over
+the decode steps), output tokens per second, speedup over serial and the hidden share of
+communication during decode. ``--check`` compares every mode's tokens with serial's, and serial's
+with the model's own ``generate`` where one rank holds the whole model. ``--out DIR`` writes
+results.json and per mode a Chrome trace and PNG timeline of one decode step. Installed, the same
+command is ``overlap-generate``.
+
+The job's life is `launch.job` (shared with `launch.prefill`), the configuration checks `launch.config`,
+the generation `launch.decode`, its measurement `launch.generation`.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+if __package__ in (None, ""):  # run as a file: make the repository importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import functools
+import math
+from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple, Union
+
+import click
+import torch
+import torch.distributed as dist
+
+import microbatch
+from launch.build import build_model, holds_whole_model
+from launch.config import DecodeConfig, JobConfig, ModeList, decode_config, job_config
+from launch.job import main as job_main, progress, say, script as job_script
+from launch.options import batch_options, model_options, run_options, timing_options
+
+if TYPE_CHECKING:  # the launcher's parts are imported where the job needs them (a bad option fails first)
+    from launch.generation import RunResult
+    from launch.health import Fault, Peers
+    from microbatch import DecodeModel, KVCache
+
+OwnTokens = Union[List[List[int]], str, None]  # the model's own generate() for --check, why there is none, or no check
+
+
+@click.command("generate", context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@model_options
+@click.option("--mode", type=ModeList(), multiple=True, default=["all"],
+              help="Prefill schedules, comma-separated, of " + ", ".join(list(microbatch.MODES) + ["all"])
+                   + ": all = serial, shared, two-batch. Given more than once, the lists add up.")
+@click.option("--decode-mode", type=ModeList(), multiple=True,
+              help="Decode schedules, comma-separated (default: the same as --mode): as many as --mode names, "
+                   "paired in order, or one for every --mode (or one --mode for every decode mode).")
+@click.option("--new-tokens", type=int, default=16, help="New tokens per request (the most, with a spread).")
+@click.option("--new-tokens-spread", type=float, default=0.0,
+              help="Each request's new tokens drawn from [ceil(N*(1-F)), N] with the seed, differently on each rank.")
+@click.option("--stop-token", type=int, help="A token id that ends a request (it is kept).")
+@click.option("--kv-offload/--no-kv-offload", default=False,
+              help="Keep the KV cache on the host, the next layer's keys and values prefetched on the copy stream.")
+@batch_options(seq_len=64)
+@timing_options
+@click.option("--check", is_flag=True,
+              help="Compare every mode's tokens with serial's (added to the modes if they leave it out), and "
+                   "serial's with the model's own generate() where one rank holds the whole model; exit 1 if one "
+                   "differs.")
+@run_options
+def cli(mode: Tuple[Tuple[str, ...], ...], decode_mode: Tuple[Tuple[str, ...], ...], new_tokens: int,
+        new_tokens_spread: float, stop_token: Optional[int], layers: Optional[int], dense_layers: Optional[int],
+        hidden: Optional[int], experts: Optional[int], top_k: Optional[int], shared_experts: Optional[int],
+        **options: Any) -> None:  # Any: click's values of every other option, each of its own type
+    """Greedy generation of a MoE model (the toolkit's reference decoder, a transformers model type, or a
+    checkpoint folder) with expert parallelism over all ranks, in each mode, compared side by side."""
+    overrides = dict(n_layers=layers, n_dense_layers=dense_layers, hidden=hidden, n_experts=experts, top_k=top_k,
+                     n_shared=shared_experts)
+    job = job_config(world=int(os.environ.get("WORLD_SIZE", "1")), overrides=overrides, exec_path="auto",
+                     kv_store="memory", mode=[name for names in mode for name in names], **options)
+    decode = decode_config(job, new_tokens=new_tokens, spread=new_tokens_spread, stop_token=stop_token,
+                           decode_modes=[name for names in decode_mode for name in names])
+    sys.exit(run_job(job, decode))
+
+
+def main(args: Optional[List[str]] = None, prog_name: str = "launch/generate.py") -> None:
+    """The command (`launch.job.main`)."""
+    job_main(cli, args, prog_name)
+
+
+def script(prog_name: str = "overlap-generate") -> None:
+    """`main` as a process's whole life (`launch.job.script`)."""
+    job_script(functools.partial(main, prog_name=prog_name))
+
+
+def run_job(job: JobConfig, decode: DecodeConfig) -> int:
+    """Join the group, agree on the job, build the model and prompts, generate in every mode, check, print and
+    write; the exit status (0 fine, 1 a failure or a wrong answer, 2 a job the ranks cannot run)."""
+    from launch.job import guarded, start
+
+    started = start(job)
+    if started is None:
+        return 1
+    dev, fault, peers = started
+    return guarded(peers, functools.partial(_generate_job, job, decode, dev, fault, peers))
+
+
+def _generate_job(job: JobConfig, decode: DecodeConfig, dev: torch.device, fault: Optional[Fault],
+                  peers: Peers) -> int:
+    from launch.agreement import agree, agree_ready
+    from launch.generation import Run, check, measure_generation, table
+    from launch.job import finish
+    from launch.memory import check as check_memory
+    from launch.outputs import check_out_dir, write_generation_outputs
+    from launch.runner import make_expert_parallel
+    from microbatch.batch import Batch
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    problems = [p for p in (check_memory(job, world, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), dev),
+                            check_out_dir(job.out_dir) if job.out_dir and rank == 0 else None) if p]
+    agree(job, sum(job.seq_lens), problems, job.timeout, extra=decode.fingerprint())
+    model = build_model(job, rank, world, dev)
+    agree_ready("checking that the model decodes", _decode_refusal(model), job.timeout)
+    batch = Batch.random(job.seq_lens, model.cfg.vocab, seed=job.seed * 1000 + rank + 1, device=dev)
+    cu = batch.seq.cu_seqlens
+    prompts = [batch.tokens[cu[i]:cu[i + 1]].tolist() for i in range(len(job.seq_lens))]
+    limits = _new_tokens(job, decode, rank)
+    if fault is not None:
+        fault.poison(rank, model)
+    own = _own_tokens(job, model, prompts, limits, decode.stop_token, world)  # before the blocks become EP
+    make_expert_parallel(model, dist.group.WORLD, two_step_dispatch=job.dispatch == "two-step")
+    runs = [Run(p, d) for p, d in decode.runs]
+    say(_headline(job, decode, model, world, limits))
+    results = measure_generation(model, prompts, limits, runs, dist.group.WORLD,
+                                 functools.partial(_new_cache, job, model, prompts, limits),
+                                 stop_token=decode.stop_token, warmup=job.warmup, iters=job.iters,
+                                 margins=job.check and job.dtype != torch.float32,
+                                 progress=functools.partial(_progress, peers))
+    progress("")
+    failed: List[str] = []
+    if job.check:
+        failed, notes = check(results, job.dtype, dist.group.WORLD)
+        failed += _check_own_tokens(job, results, own)
+    say(table(results))
+    if job.check:
+        for line in notes:
+            say(f"check: {line}")
+        say("check: " + ("FAILED: " + "; ".join(failed) if failed else "every mode generates serial's tokens"))
+    finish()
+    if job.out_dir and rank == 0:  # after the last collective: a failure here cannot stall the other ranks
+        write_generation_outputs(job.out_dir, job, decode, results, world, failed, lambda m: say(m, err=True))
+    return 1 if failed else 0
+
+
+def _progress(peers: Peers, line: str, round_start: bool) -> None:
+    """Every step on a terminal; a line per run and round in a log, and the rank's heartbeat then."""
+    if round_start:
+        peers.beat(line)
+    progress(line, first=round_start)
+
+
+def _decode_refusal(model: DecodeModel) -> Optional[str]:
+    """Why ``model`` cannot decode (a layer without a key-value cache...), in one line; None when it can."""
+    try:
+        model.decode_layer_operations()
+    except (AttributeError, TypeError, ValueError) as exc:
+        return f"{type(model).__name__} cannot decode: {exc}".splitlines()[0]
+    return None
+
+
+def _new_tokens(job: JobConfig, decode: DecodeConfig, rank: int) -> List[int]:
+    """Each of this rank's requests' most new tokens: ``--new-tokens``, or drawn with the seed from
+    ``[ceil(N * (1 - spread)), N]``, differently on each rank."""
+    low, high = decode.min_new_tokens(), decode.new_tokens
+    if low == high:
+        return [high] * len(job.seq_lens)
+    g = torch.Generator().manual_seed(job.seed * 1000 + rank + 1 + (1 << 40))  # not the prompts' stream
+    return torch.randint(low, high + 1, (len(job.seq_lens),), generator=g).tolist()
+
+
+def _new_cache(job: JobConfig, model: DecodeModel, prompts: Sequence[Sequence[int]], limits: Sequence[int]
+               ) -> KVCache:
+    """A fresh cache for one generation: on the device, or on the host with ``--kv-offload``."""
+    from launch.decode import new_cache
+
+    cache = new_cache(model, prompts, list(limits))
+    if not job.kv_offload:
+        return cache
+    from microbatch import OffloadedKVCache
+
+    return OffloadedKVCache.like(cache)
+
+
+def _own_tokens(job: JobConfig, model: DecodeModel, prompts: Sequence[Sequence[int]], limits: Sequence[int],
+                stop_token: Optional[int], world: int) -> OwnTokens:
+    """For ``--check`` on a transformers model: the tokens of the model's own ``generate``, or why there are none."""
+    from launch.models.transformers_adapter import TransformersModel
+
+    if not (job.check and isinstance(model, TransformersModel)):
+        return None
+    if not holds_whole_model(job, world) or world > 1:
+        return (f"each of the {world} ranks holds {model.cfg.n_experts // world} of the {model.cfg.n_experts} routed "
+                f"experts per MoE layer once they are spread, so serial is compared with the model's own generate() "
+                f"on one rank only (run python launch/generate.py --model {job.model_name} --check)")
+    return [model.own_generate([p], n, stop_token)[0] for p, n in zip(prompts, limits)]
+
+
+def _check_own_tokens(job: JobConfig, results: Sequence[RunResult], own: OwnTokens) -> List[str]:
+    """Serial's tokens against the model's own generate(), as failure lines (one rank: no collective)."""
+    from launch.decode import first_difference
+
+    if own is None:
+        return []
+    if isinstance(own, str):
+        say(f"check: not compared with the model's own generate(): {own}")
+        return []
+    serial = next(r for r in results if r.run.label == "serial")
+    at = first_difference(serial.generated.tokens, own)
+    if at is None:
+        say(f"check: serial generates {job.model_name}'s own generate(do_sample=False) tokens")
+        return []
+    req, step = at
+    what = f"serial's tokens differ from {job.model_name}'s own generate() at step {step} of request {req}"
+    margins = serial.generated.margins
+    if job.dtype != torch.float32 and margins and step < len(margins[req]) and margins[req][step] <= 0.05:
+        say(f"check: {what}: a near-tie (logit margin {margins[req][step]:.3g}) in "
+            f"{str(job.dtype).replace('torch.', '')}, not a failure")
+        return []
+    return [what]
+
+
+def _headline(job: JobConfig, decode: DecodeConfig, model: DecodeModel, world: int, limits: Sequence[int]) -> str:
+    import overlap
+
+    cfg = model.cfg
+    name = f"{job.model_name} " if job.transformers else ""
+    layers = f"{cfg.n_layers} layers ({cfg.n_dense_layers} dense, {cfg.n_layers - cfg.n_dense_layers} MoE)"
+    tokens = (f"{decode.new_tokens} new tokens each" if decode.spread == 0 else
+              f"{decode.min_new_tokens()}-{decode.new_tokens} new tokens each (spread {decode.spread:g})")
+    return (f"generate: {name}{layers}, hidden {cfg.hidden}, {cfg.n_experts} experts top-{cfg.top_k}, "
+            f"{cfg.n_shared} shared | {world} rank(s) on {job.device} | {len(job.seq_lens)} requests of "
+            f"{_lens(job.seq_lens)} prompt tokens per rank, {tokens}"
+            + (f", stop token {decode.stop_token}" if decode.stop_token is not None else "")
+            + f" | {str(job.dtype).replace('torch.', '')} | kv cache {'host, prefetched' if job.kv_offload else 'device'}"
+            + (f" | simulated link {job.link}" if job.link else "")
+            + ("" if overlap.is_enabled() else f" | overlap off (${overlap.ENV_ENABLE}): every mode single-stream"))
+
+
+def _lens(lens: Sequence[int]) -> str:
+    return str(lens[0]) if len(set(lens)) == 1 else f"{min(lens)}-{max(lens)}"
+
+
+if __name__ == "__main__":
+    script("python -m launch.generate" if __package__ else "launch/generate.py")

@@ -1,0 +1,261 @@
+"""Time generation runs side by side in one job: prefill and decode modes, interleaved round by round.
+
+A run is a prefill mode and a decode mode (`Run`); every round generates the same prompts once in
+each run, in the order `launch.measure.rounds` gives (each timed round starts one run later). Per run,
+over its timed rounds and every rank (the slowest rank's times):
+
+- time to first token: from the start of the generation to its first token (the prefill's argmax);
+- time per output token: each decode step's time (every active request gets one token per step),
+  median and 90th percentile over all steps of all timed rounds;
+- output tokens per second: the tokens of every rank over the generation's time, median of the rounds;
+- the hidden share of communication during decode (the decode steps' spans, not the prefill's), of
+  the round at its median; one decode step of that round is the run's trace.
+
+`check` compares each run's tokens with serial's, `table` prints the runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+import overlap
+from microbatch import DecodeModel, KVCache
+from overlap import Span, Timeline
+from overlap.observability import gather, metrics
+
+from .decode import Generated, first_difference, generate
+from .measure import rounds, spread
+
+MakeCache = Callable[[], KVCache]  # a fresh cache for one generation
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One way to generate: prefill in ``prefill``'s schedule, decode steps in ``decode``'s."""
+
+    prefill: str
+    decode: str
+
+    @property
+    def label(self) -> str:
+        """The run's name in the table: the mode, or ``prefill / decode`` where they differ."""
+        return self.prefill if self.prefill == self.decode else f"{self.prefill} / {self.decode}"
+
+    @property
+    def file_label(self) -> str:
+        """`label` as a file name's part."""
+        return self.label.replace(" / ", "__")
+
+
+@dataclasses.dataclass
+class RunResult:
+    """One run's measurements (times: the slowest rank's) and this rank's tokens."""
+
+    run: Run
+    ttft_s: List[float]  # per timed round
+    total_s: List[float]  # per timed round: the whole generation
+    step_s: List[float]  # every decode step of every timed round
+    output_tokens: int  # of every rank, per generation
+    generated: Generated  # this rank's, of the last round
+    hidden_comm_share: Optional[float] = None  # during decode, of the round at its median
+    spans: List[Span] = dataclasses.field(default_factory=list)  # one decode step of that round, every rank's
+    speedup: Optional[float] = None  # serial's median time per output token over this run's
+
+    @property
+    def tpot_s(self) -> Optional[float]:
+        return statistics.median(self.step_s) if self.step_s else None
+
+    @property
+    def tpot_p90_s(self) -> Optional[float]:
+        return _quantile(self.step_s, 0.9) if self.step_s else None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / statistics.median(self.total_s)
+
+    def row(self) -> Dict[str, object]:
+        """A JSON-friendly summary."""
+        return {"mode": self.run.label, "prefill_mode": self.run.prefill, "decode_mode": self.run.decode,
+                "ttft_s": self.ttft_s, "ttft_median_s": statistics.median(self.ttft_s),
+                "tpot_median_s": self.tpot_s, "tpot_p90_s": self.tpot_p90_s, "tpot_spread": spread(self.step_s),
+                "decode_steps": self.generated.steps, "output_tokens": self.output_tokens,
+                "tokens_per_s": self.tokens_per_s, "hidden_comm_share": self.hidden_comm_share,
+                "speedup": self.speedup}
+
+
+def _quantile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    at = q * (len(ordered) - 1)
+    lo, hi = math.floor(at), math.ceil(at)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (at - lo)
+
+
+@dataclasses.dataclass
+class _Round:
+    """What one generation of a run recorded on this rank."""
+
+    stamps: List[float]  # perf_counter at the start, then once each step's tokens are taken
+    timelines: List[Timeline]  # one per decode step (timed rounds only)
+    generated: Generated
+
+
+def measure_generation(model: DecodeModel, prompts: Sequence[Sequence[int]], limits: Sequence[int],
+                       runs: Sequence[Run], group: Optional[dist.ProcessGroup], make_cache: MakeCache, *,
+                       stop_token: Optional[int] = None, warmup: int = 1, iters: int = 3, margins: bool = False,
+                       progress: Optional[Callable[[str, bool], None]] = None) -> List[RunResult]:
+    """Generate ``prompts`` (this rank's; ``limits``: each one's most new tokens) ``warmup + iters`` times in each
+    run, interleaved (`launch.measure.rounds`); ``make_cache()`` gives each generation its cache;
+    ``progress(line, round_start)`` hears of every step."""
+    by_label = {r.label: r for r in runs}
+    order = rounds([r.label for r in runs], warmup, iters)
+    kept: Dict[str, List[_Round]] = {r.label: [] for r in runs}
+    last: Dict[str, Generated] = {}
+    for i, labels in enumerate(order):
+        timed = i >= warmup
+        for label in labels:
+            one = _generate_once(model, prompts, limits, by_label[label], make_cache(), stop_token, timed, margins,
+                                 i, len(order), progress)
+            last[label] = one.generated
+            if timed:
+                kept[label].append(one)
+    results = [_result(by_label[label], kept[label], last[label], group) for label in kept]
+    serial = next((r for r in results if r.run == Run("serial", "serial")), None)
+    for r in results:
+        if serial is not None and serial.tpot_s and r.tpot_s:
+            r.speedup = serial.tpot_s / r.tpot_s
+    return results
+
+
+def _generate_once(model: DecodeModel, prompts: Sequence[Sequence[int]], limits: Sequence[int], run: Run,
+                   cache: KVCache, stop_token: Optional[int], timed: bool, margins: bool, round_no: int,
+                   n_rounds: int, progress: Optional[Callable[[str, bool], None]]) -> _Round:
+    stamps: List[float] = []
+    timelines: List[Timeline] = []
+
+    def on_step(step: int, active: int) -> None:
+        stamps.append(time.perf_counter())
+        if timelines:
+            timelines[-1].stop()
+        if timed and active:
+            timelines.append(Timeline().start())  # the next decode step's launches
+        if progress is not None:
+            progress(f"{run.label}: round {round_no + 1}/{n_rounds}, step {step}, {active} active request(s)",
+                     step == 0)
+
+    overlap.synchronize()
+    if dist.is_initialized():
+        dist.barrier()
+    stamps.append(time.perf_counter())
+    generated = generate(model, prompts, list(limits), stop_token=stop_token, cache=cache, mode=run.decode,
+                         prefill_mode=run.prefill, on_step=on_step, margins=margins)
+    for tl in timelines:
+        tl.stop()
+    return _Round(stamps, timelines, generated)
+
+
+def _result(run: Run, kept: List[_Round], generated: Generated, group: Optional[dist.ProcessGroup]) -> RunResult:
+    from microbatch.planning import max_over_ranks
+
+    ttft = [r.stamps[1] - r.stamps[0] for r in kept]
+    total = [r.stamps[-1] - r.stamps[0] for r in kept]
+    steps = [[b - a for a, b in zip(r.stamps[1:], r.stamps[2:])] for r in kept]
+    mine = sum(len(t) for t in generated.tokens)
+    flat = ttft + total + [s for round_steps in steps for s in round_steps]
+    if group is not None:  # one all-reduce: the slowest rank's times (the ranks step together)
+        flat = max_over_ranks(flat, group)
+        counts = torch.tensor([mine], dtype=torch.long)
+        dist.all_reduce(counts, group=group)
+        mine = int(counts[0])
+    n = len(kept)
+    result = RunResult(run, flat[:n], flat[n:2 * n], flat[2 * n:], mine, generated)
+    _keep_median_round(result, kept, steps, group)
+    return result
+
+
+def _keep_median_round(result: RunResult, kept: List[_Round], steps: List[List[float]],
+                       group: Optional[dist.ProcessGroup]) -> None:
+    """The decode hidden share of each timed round (every rank's spans); the round at the median keeps its
+    median step's spans as the run's trace."""
+    if not kept or not kept[0].timelines:
+        return
+    per_round = [gather([s for tl in r.timelines for s in tl.spans], group) for r in kept]
+    hidden = [metrics(spans).hidden_share for spans in per_round]
+    at = sorted(range(len(kept)), key=lambda i: (-1.0 if hidden[i] is None else hidden[i], result.total_s[i]))
+    k = at[(len(at) - 1) // 2]
+    result.hidden_comm_share = hidden[k]
+    middle = sorted(range(len(kept[k].timelines)), key=lambda s: steps[k][s])[(len(kept[k].timelines) - 1) // 2]
+    result.spans = gather(kept[k].timelines[middle].spans, group)  # the same step index on every rank
+
+
+def check(results: Sequence[RunResult], dtype: torch.dtype, group: Optional[dist.ProcessGroup]
+          ) -> Tuple[List[str], List[str]]:
+    """Each run's tokens against serial's on every rank: ``(failures, notes)`` in words, the same on every rank.
+
+    In float32 the tokens must be identical. In bf16 / fp16 a near-tie may flip: the first step and request
+    that differ are reported with serial's logit margin there (the gap between its top two logits), and a
+    difference fails only where that margin is above the dtype's rounding (0.05 x max(1, the logit))."""
+    serial = next((r for r in results if r.run == Run("serial", "serial")), None)
+    if serial is None:
+        return ["--check needs serial among the modes"], []
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    mine = []
+    for r in results:
+        if r is serial:
+            continue
+        at = first_difference(r.generated.tokens, serial.generated.tokens)
+        if at is not None:
+            req, step = at
+            margins = serial.generated.margins
+            gap = margins[req][step] if margins and step < len(margins[req]) else None
+            mine.append((r.run.label, rank, req, step, gap))
+    every: List[List[Tuple[str, int, int, int, Optional[float]]]] = [mine]
+    if group is not None:
+        every = [[] for _ in range(dist.get_world_size(group))]
+        dist.all_gather_object(every, mine, group=group)
+    failures, notes = [], []
+    for label in [r.run.label for r in results if r is not serial]:
+        found = sorted((d for part in every for d in part if d[0] == label), key=lambda d: (d[3], d[1], d[2]))
+        if not found:
+            continue
+        _, rank_, req, step, gap = found[0]
+        where = (f"{label}: {len(found)} rank(s) differ from serial's tokens, first at decode step {step} "
+                 f"(0: the prefill's token) of request {req} on rank {rank_}")
+        if dtype == torch.float32 or gap is None:
+            failures.append(where + (" (float32: the tokens must be identical)" if dtype == torch.float32 else ""))
+        elif gap <= 0.05:
+            notes.append(where + f": serial's logit margin there is {gap:.3g}, a near-tie in "
+                         f"{str(dtype).replace('torch.', '')} (not a failure)")
+        else:
+            failures.append(where + f": serial's logit margin there is {gap:.3g}, above what "
+                            f"{str(dtype).replace('torch.', '')} rounding flips")
+    return failures, notes
+
+
+def _ms(v: Optional[float]) -> str:
+    return "-" if v is None else f"{v * 1e3:.1f}"
+
+
+def table(results: Sequence[RunResult]) -> str:
+    """The runs as an aligned text table, then what the figures rest on."""
+    head = ("mode", "TTFT ms", "TPOT ms median", "TPOT p90", "tokens/s", "speedup", "hidden comm (decode)")
+    body = [(r.run.label, _ms(statistics.median(r.ttft_s)), _ms(r.tpot_s), _ms(r.tpot_p90_s), f"{r.tokens_per_s:.0f}",
+             "-" if r.speedup is None else f"{r.speedup:.2f}x",
+             "-" if r.hidden_comm_share is None else f"{r.hidden_comm_share:.0%}") for r in results]
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    lines = [fmt.format(*row).rstrip() for row in [head, tuple("-" * w for w in widths)] + body]
+    if results:
+        r = results[0]
+        lines.append(f"medians of {len(r.ttft_s)} timed round(s) per mode, the modes interleaved; TPOT: each decode "
+                     f"step's time (one token per active request), over {r.generated.steps} steps a round; "
+                     f"speedup: serial's median TPOT over the mode's")
+    return "\n".join(lines)
+
+
+__all__ = ["Run", "RunResult", "check", "measure_generation", "table"]

@@ -1,0 +1,111 @@
+"""The generation launcher, ``launch/generate.py``, as its users run it."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from support.launcher import GENERATE, ROOT, TINY, run_launcher
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _run(args, ranks=None, env=None, timeout=180):
+    return run_launcher(TINY + list(args), ranks=ranks, env=env, timeout=timeout, script=GENERATE)
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--new-tokens", "0"], "--new-tokens must be at least 1, got 0"),
+    (["--new-tokens-spread", "1"], "--new-tokens-spread must be in [0, 1), got 1"),
+    (["--stop-token", "100000"], "--stop-token must be a token id in [0, "),
+    (["--decode-mode", "auto"], "--decode-mode auto is not available in generation"),
+    (["--mode", "serial,shared,two-batch", "--decode-mode", "serial,shared"],
+     "--decode-mode lists 2 modes and --mode 3"),
+    (["--decode-mode", "five-batch"], "unknown mode 'five-batch'"),
+])
+def test_a_bad_generation_option_is_one_line_before_any_rank_joins(args, words, capsys, monkeypatch):
+    from launch.generate import main
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        main(TINY + list(args))  # in this process: the check runs before any group is joined
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("Error")]
+    assert exit_.value.code == 2 and len(errors) == 1 and words in errors[0] and "Traceback" not in err, err
+
+
+def test_two_ranks_that_finish_apart_generate_every_modes_tokens_and_write_the_results(tmp_path):
+    """Spread lengths (the ranks' requests end at different steps), a stop token, --check and --out: every mode
+    generates serial's tokens, the table shows each mode's figures and the files are written."""
+    out = tmp_path / "out"
+    proc = _run(["--new-tokens", "8", "--new-tokens-spread", "0.75", "--stop-token", "5", "--batch", "3",
+                 "--seq-len", "16", "--decode-mode", "serial,shared,two-batch", "--check", "--out", str(out)], ranks=2)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert "check: every mode generates serial's tokens" in proc.stdout
+    for mode in ("serial", "shared", "two-batch"):
+        assert any(line.startswith(mode + " ") for line in proc.stdout.splitlines()), proc.stdout
+    results = json.loads((out / "results.json").read_text())
+    assert results["check"] == "passed" and results["new_tokens_spread"] == 0.75 and results["stop_token"] == 5
+    rows = {r["mode"]: r for r in results["rows"]}
+    assert set(rows) == {"serial", "shared", "two-batch"}
+    for r in rows.values():
+        assert r["tpot_median_s"] > 0 and r["tpot_p90_s"] >= r["tpot_median_s"] and r["ttft_median_s"] > 0
+        assert 0 < r["output_tokens"] <= 2 * 3 * 8 and r["decode_steps"] >= 1
+    assert rows["two-batch"]["hidden_comm_share"] is not None
+    trace = json.loads((out / "trace_two-batch.json").read_text())
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert {"dispatch", "combine"} <= names, names  # one decode step's launches, every rank's
+
+
+def test_a_mode_whose_tokens_differ_from_serial_fails_the_check_naming_where():
+    """One process; the two-batch run's tokens are changed at step 2 of request 1: --check says where, exit 1."""
+    prog = (
+        "import sys\n"
+        "import launch.generation as g\n"
+        "real = g.generate\n"
+        "def wrong(*a, **k):\n"
+        "    out = real(*a, **k)\n"
+        "    if k['mode'] == 'two-batch':\n"
+        "        out.tokens[1][2] += 1\n"
+        "    return out\n"
+        "g.generate = wrong\n"
+        f"sys.argv = ['launch/generate.py'] + {TINY + ['--batch', '2', '--seq-len', '8', '--new-tokens', '4', '--check']!r}\n"
+        "from launch.generate import script\n"
+        "script()\n")
+    proc = subprocess.run([sys.executable, "-c", prog], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 1, proc.stdout + proc.stderr[-2000:]
+    assert ("two-batch: 1 rank(s) differ from serial's tokens, first at decode step 2 (0: the prefill's token) of "
+            "request 1 on rank 0") in proc.stdout, proc.stdout
+
+
+def test_nan_in_one_ranks_logits_fails_the_run_without_check_in_one_line():
+    proc = _run(["--new-tokens", "3", "--mode", "serial"], ranks=2, env={"OVERLAP_FAULT": "rank=1,kind=nan"})
+    assert proc.returncode != 0
+    text = proc.stdout + proc.stderr
+    assert "rank 1: NaN or inf in the logits of request 0 at decode step 0" in text, text[-3000:]
+    assert "unexpected error" not in text, text[-3000:]
+
+
+def _result(label_prefill, label_decode, tokens, margins=None):
+    from launch.decode import Generated
+    from launch.generation import Run, RunResult
+
+    return RunResult(Run(label_prefill, label_decode), [0.1], [0.2], [0.01], 3, Generated(tokens, margins, 2))
+
+
+@pytest.mark.parametrize("dtype, margin, failed", [(torch.float32, 0.01, True), (torch.bfloat16, 0.01, False),
+                                                   (torch.bfloat16, 0.5, True)])
+def test_a_near_tie_that_flips_in_half_precision_is_reported_not_failed(dtype, margin, failed):
+    from launch.generation import check
+
+    serial = _result("serial", "serial", [[1, 2, 3], [4, 5, 6]], [[1.0, 1.0, 1.0], [1.0, margin, 1.0]])
+    other = _result("two-batch", "two-batch", [[1, 2, 3], [4, 9, 6]])
+    failures, notes = check([serial, other], dtype, None)
+    where = "first at decode step 1 (0: the prefill's token) of request 1 on rank 0"
+    assert bool(failures) == failed and bool(notes) != failed, (failures, notes)
+    assert where in (failures + notes)[0]
+    if dtype != torch.float32:
+        assert f"logit margin there is {margin:.3g}" in (failures + notes)[0]
