@@ -461,7 +461,7 @@ class DecodeConfig:
     stop_token: Optional[int]
     runs: Tuple[Tuple[str, str], ...]  # (prefill mode, decode mode) of each run, serial's first with --check
 
-    def fingerprint(self) -> Dict[str, Any]:
+    def fingerprint(self) -> Dict[str, Union[int, float, None, List[List[str]]]]:
         """What must be equal on every rank, by option (`launch.agreement.agree`)."""
         return {"--new-tokens": self.new_tokens, "--new-tokens-spread": self.spread, "--stop-token": self.stop_token,
                 "--decode-mode": [list(r) for r in self.runs]}

@@ -27,7 +27,8 @@ import torch.distributed as dist
 import microbatch
 import overlap
 from collectives import ExpertParallelMoE, group_size
-from microbatch import HIDDEN, K, KV_STEP, V, Batch, DecodeModel, KVCache, KVRows, KVStep, Operation, SeqInfo
+from microbatch import (HIDDEN, KV_STEP, K, V, Batch, DecodeModel, KVCache, KVRows, KVStep, OffloadedKVCache, Operation,
+                        SeqInfo)
 from microbatch.forward import micro_batch_inputs
 from microbatch.split import merge_outputs
 
@@ -57,16 +58,19 @@ class Generated:
     steps: int = 0  # decode steps after the prefill (the same on every rank)
 
 
-def new_cache(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: Union[int, Sequence[int]]
-              ) -> KVCache:
+def new_cache(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: Union[int, Sequence[int]], *,
+              offload: bool = False) -> KVCache:
     """A cache with one slot per prompt, room for the longest prompt plus its new tokens, of the model's own
-    per-token key and value shapes (``cfg.k_shape``, ``cfg.v_shape``)."""
+    per-token key and value shapes (``cfg.k_shape``, ``cfg.v_shape``); with ``offload``, on the host, each
+    layer's history prefetched on the ``kv_offload`` stream while the layer before computes
+    (`microbatch.OffloadedKVCache`: close it when done)."""
     cfg = model.cfg
     limits = _limits(prompts, new_tokens)
     longest = max((len(p) + n for p, n in zip(prompts, limits)), default=1)
     weight = next(model.parameters())
-    return KVCache(cfg.n_layers, max(1, len(prompts)), longest, cfg.k_shape, cfg.v_shape,
-                   dtype=weight.dtype, device=weight.device)
+    kind = OffloadedKVCache if offload else KVCache
+    return kind(cfg.n_layers, max(1, len(prompts)), longest, cfg.k_shape, cfg.v_shape,
+                dtype=weight.dtype, device=weight.device)
 
 
 def _limits(prompts: Sequence[Sequence[int]], new_tokens: Union[int, Sequence[int]]) -> List[int]:
@@ -103,6 +107,7 @@ def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: U
         raise ValueError("every prompt needs at least one token")
     limits = _limits(prompts, new_tokens)
     how = microbatch.mode(mode)
+    layers = model.decode_layer_operations()  # first: a model that cannot decode says so before any exchange
     group = _expert_group(model)
     cache = cache or new_cache(model, prompts, limits)
     slots = cache.admit(len(prompts))
@@ -114,7 +119,6 @@ def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: U
     out = Generated([[] for _ in prompts], [[] for _ in prompts] if margins else None)
     active = list(range(len(prompts)))
     nxt, gaps, problem = _greedy(model.logits(hidden[last]), active, 0, margins)
-    layers = model.decode_layer_operations()
     per_row = _history_weight(model)
     while True:
         still = []

@@ -143,9 +143,11 @@ def _generate_job(job: JobConfig, decode: DecodeConfig, dev: torch.device, fault
                                  progress=functools.partial(_progress, peers))
     progress("")
     failed: List[str] = []
+    notes: List[str] = []
     if job.check:
         failed, notes = check(results, job.dtype, dist.group.WORLD)
-        failed += _check_own_tokens(job, results, own)
+        own_failed, own_notes = _check_own_tokens(job, results, own)
+        failed, notes = failed + own_failed, notes + own_notes
     say(table(results))
     if job.check:
         for line in notes:
@@ -157,11 +159,11 @@ def _generate_job(job: JobConfig, decode: DecodeConfig, dev: torch.device, fault
     return 1 if failed else 0
 
 
-def _progress(peers: Peers, line: str, round_start: bool) -> None:
-    """Every step on a terminal; a line per run and round in a log, and the rank's heartbeat then."""
+def _progress(peers: Peers, line: str, round_start: bool, first_round: bool) -> None:
+    """Every step on a terminal, a line per run in a log; the rank's heartbeat at every round's start."""
     if round_start:
         peers.beat(line)
-    progress(line, first=round_start)
+    progress(line, first=round_start and first_round)
 
 
 def _decode_refusal(model: DecodeModel) -> Optional[str]:
@@ -188,12 +190,7 @@ def _new_cache(job: JobConfig, model: DecodeModel, prompts: Sequence[Sequence[in
     """A fresh cache for one generation: on the device, or on the host with ``--kv-offload``."""
     from launch.decode import new_cache
 
-    cache = new_cache(model, prompts, list(limits))
-    if not job.kv_offload:
-        return cache
-    from microbatch import OffloadedKVCache
-
-    return OffloadedKVCache.like(cache)
+    return new_cache(model, prompts, list(limits), offload=job.kv_offload)
 
 
 def _own_tokens(job: JobConfig, model: DecodeModel, prompts: Sequence[Sequence[int]], limits: Sequence[int],
@@ -210,28 +207,25 @@ def _own_tokens(job: JobConfig, model: DecodeModel, prompts: Sequence[Sequence[i
     return [model.own_generate([p], n, stop_token)[0] for p, n in zip(prompts, limits)]
 
 
-def _check_own_tokens(job: JobConfig, results: Sequence[RunResult], own: OwnTokens) -> List[str]:
-    """Serial's tokens against the model's own generate(), as failure lines (one rank: no collective)."""
+def _check_own_tokens(job: JobConfig, results: Sequence[RunResult], own: OwnTokens) -> Tuple[List[str], List[str]]:
+    """Serial's tokens against the model's own generate(): ``(failures, notes)`` (one rank: no collective)."""
     from launch.decode import first_difference
 
     if own is None:
-        return []
+        return [], []
     if isinstance(own, str):
-        say(f"check: not compared with the model's own generate(): {own}")
-        return []
+        return [], [f"not compared with the model's own generate(): {own}"]
     serial = next(r for r in results if r.run.label == "serial")
     at = first_difference(serial.generated.tokens, own)
     if at is None:
-        say(f"check: serial generates {job.model_name}'s own generate(do_sample=False) tokens")
-        return []
+        return [], [f"serial generates {job.model_name}'s own generate(do_sample=False) tokens"]
     req, step = at
     what = f"serial's tokens differ from {job.model_name}'s own generate() at step {step} of request {req}"
     margins = serial.generated.margins
     if job.dtype != torch.float32 and margins and step < len(margins[req]) and margins[req][step] <= 0.05:
-        say(f"check: {what}: a near-tie (logit margin {margins[req][step]:.3g}) in "
-            f"{str(job.dtype).replace('torch.', '')}, not a failure")
-        return []
-    return [what]
+        return [], [f"{what}: a near-tie (logit margin {margins[req][step]:.3g}) in "
+                    f"{str(job.dtype).replace('torch.', '')}, not a failure"]
+    return [what], []
 
 
 def _headline(job: JobConfig, decode: DecodeConfig, model: DecodeModel, world: int, limits: Sequence[int]) -> str:

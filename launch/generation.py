@@ -16,6 +16,8 @@ over its timed rounds and every rank (the slowest rank's times):
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 import statistics
 import time
@@ -25,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 import overlap
-from microbatch import DecodeModel, KVCache
+from microbatch import DecodeModel, KVCache, OffloadedKVCache, PrefetchReport
 from overlap import Span, Timeline
 from overlap.observability import gather, metrics
 
@@ -33,6 +35,7 @@ from .decode import Generated, first_difference, generate
 from .measure import rounds, spread
 
 MakeCache = Callable[[], KVCache]  # a fresh cache for one generation
+Progress = Callable[[str, bool, bool], None]  # (line, a round's first step, the first round)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +66,7 @@ class RunResult:
     step_s: List[float]  # every decode step of every timed round
     output_tokens: int  # of every rank, per generation
     generated: Generated  # this rank's, of the last round
+    prefetch: Optional[PrefetchReport] = None  # --kv-offload: this rank's prefetches over the timed rounds
     hidden_comm_share: Optional[float] = None  # during decode, of the round at its median
     spans: List[Span] = dataclasses.field(default_factory=list)  # one decode step of that round, every rank's
     speedup: Optional[float] = None  # serial's median time per output token over this run's
@@ -86,7 +90,15 @@ class RunResult:
                 "tpot_median_s": self.tpot_s, "tpot_p90_s": self.tpot_p90_s, "tpot_spread": spread(self.step_s),
                 "decode_steps": self.generated.steps, "output_tokens": self.output_tokens,
                 "tokens_per_s": self.tokens_per_s, "hidden_comm_share": self.hidden_comm_share,
-                "speedup": self.speedup}
+                "speedup": self.speedup, "tokens_sha1": _digest(self.generated.tokens),
+                "kv_prefetch": None if self.prefetch is None else {
+                    "copies": self.prefetch.count, "bytes": self.prefetch.bytes, "seconds": self.prefetch.seconds,
+                    "exposed_s": self.prefetch.exposed_s, "hidden_share": self.prefetch.hidden_share}}
+
+
+def _digest(tokens: Sequence[Sequence[int]]) -> str:
+    """A fingerprint of rank 0's generated tokens (to compare runs, e.g. with and without --kv-offload)."""
+    return hashlib.sha1(json.dumps([list(t) for t in tokens]).encode()).hexdigest()
 
 
 def _quantile(values: Sequence[float], q: float) -> float:
@@ -103,15 +115,16 @@ class _Round:
     stamps: List[float]  # perf_counter at the start, then once each step's tokens are taken
     timelines: List[Timeline]  # one per decode step (timed rounds only)
     generated: Generated
+    prefetch: Optional[PrefetchReport] = None  # the host cache's prefetches (--kv-offload)
 
 
 def measure_generation(model: DecodeModel, prompts: Sequence[Sequence[int]], limits: Sequence[int],
                        runs: Sequence[Run], group: Optional[dist.ProcessGroup], make_cache: MakeCache, *,
                        stop_token: Optional[int] = None, warmup: int = 1, iters: int = 3, margins: bool = False,
-                       progress: Optional[Callable[[str, bool], None]] = None) -> List[RunResult]:
+                       progress: Optional[Progress] = None) -> List[RunResult]:
     """Generate ``prompts`` (this rank's; ``limits``: each one's most new tokens) ``warmup + iters`` times in each
     run, interleaved (`launch.measure.rounds`); ``make_cache()`` gives each generation its cache;
-    ``progress(line, round_start)`` hears of every step."""
+    ``progress(line, round_start, first_round)`` hears of every step."""
     by_label = {r.label: r for r in runs}
     order = rounds([r.label for r in runs], warmup, iters)
     kept: Dict[str, List[_Round]] = {r.label: [] for r in runs}
@@ -134,7 +147,7 @@ def measure_generation(model: DecodeModel, prompts: Sequence[Sequence[int]], lim
 
 def _generate_once(model: DecodeModel, prompts: Sequence[Sequence[int]], limits: Sequence[int], run: Run,
                    cache: KVCache, stop_token: Optional[int], timed: bool, margins: bool, round_no: int,
-                   n_rounds: int, progress: Optional[Callable[[str, bool], None]]) -> _Round:
+                   n_rounds: int, progress: Optional[Progress]) -> _Round:
     stamps: List[float] = []
     timelines: List[Timeline] = []
 
@@ -146,7 +159,7 @@ def _generate_once(model: DecodeModel, prompts: Sequence[Sequence[int]], limits:
             timelines.append(Timeline().start())  # the next decode step's launches
         if progress is not None:
             progress(f"{run.label}: round {round_no + 1}/{n_rounds}, step {step}, {active} active request(s)",
-                     step == 0)
+                     step == 0, round_no == 0)
 
     overlap.synchronize()
     if dist.is_initialized():
@@ -156,7 +169,11 @@ def _generate_once(model: DecodeModel, prompts: Sequence[Sequence[int]], limits:
                          prefill_mode=run.prefill, on_step=on_step, margins=margins)
     for tl in timelines:
         tl.stop()
-    return _Round(stamps, timelines, generated)
+    prefetch = None
+    if isinstance(cache, OffloadedKVCache):
+        prefetch = cache.prefetch_report()
+        cache.close()
+    return _Round(stamps, timelines, generated, prefetch)
 
 
 def _result(run: Run, kept: List[_Round], generated: Generated, group: Optional[dist.ProcessGroup]) -> RunResult:
@@ -173,9 +190,16 @@ def _result(run: Run, kept: List[_Round], generated: Generated, group: Optional[
         dist.all_reduce(counts, group=group)
         mine = int(counts[0])
     n = len(kept)
-    result = RunResult(run, flat[:n], flat[n:2 * n], flat[2 * n:], mine, generated)
+    result = RunResult(run, flat[:n], flat[n:2 * n], flat[2 * n:], mine, generated, _sum([r.prefetch for r in kept]))
     _keep_median_round(result, kept, steps, group)
     return result
+
+
+def _sum(reports: Sequence[Optional[PrefetchReport]]) -> Optional[PrefetchReport]:
+    got = [r for r in reports if r is not None]
+    if not got:
+        return None
+    return PrefetchReport(*(sum(getattr(r, f.name) for r in got) for f in dataclasses.fields(PrefetchReport)))
 
 
 def _keep_median_round(result: RunResult, kept: List[_Round], steps: List[List[float]],
@@ -237,6 +261,10 @@ def check(results: Sequence[RunResult], dtype: torch.dtype, group: Optional[dist
     return failures, notes
 
 
+def _pct(v: Optional[float]) -> str:
+    return "-" if v is None else f"{v:.0%}"
+
+
 def _ms(v: Optional[float]) -> str:
     return "-" if v is None else f"{v * 1e3:.1f}"
 
@@ -245,8 +273,11 @@ def table(results: Sequence[RunResult]) -> str:
     """The runs as an aligned text table, then what the figures rest on."""
     head = ("mode", "TTFT ms", "TPOT ms median", "TPOT p90", "tokens/s", "speedup", "hidden comm (decode)")
     body = [(r.run.label, _ms(statistics.median(r.ttft_s)), _ms(r.tpot_s), _ms(r.tpot_p90_s), f"{r.tokens_per_s:.0f}",
-             "-" if r.speedup is None else f"{r.speedup:.2f}x",
-             "-" if r.hidden_comm_share is None else f"{r.hidden_comm_share:.0%}") for r in results]
+             "-" if r.speedup is None else f"{r.speedup:.2f}x", _pct(r.hidden_comm_share)) for r in results]
+    offloaded = any(r.prefetch is not None for r in results)
+    if offloaded:  # --kv-offload: how much of the prefetches' copy time compute hid (rank 0's)
+        head += ("KV prefetch hidden",)
+        body = [row + (_pct(None if r.prefetch is None else r.prefetch.hidden_share),) for row, r in zip(body, results)]
     widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     lines = [fmt.format(*row).rstrip() for row in [head, tuple("-" * w for w in widths)] + body]
@@ -255,6 +286,9 @@ def table(results: Sequence[RunResult]) -> str:
         lines.append(f"medians of {len(r.ttft_s)} timed round(s) per mode, the modes interleaved; TPOT: each decode "
                      f"step's time (one token per active request), over {r.generated.steps} steps a round; "
                      f"speedup: serial's median TPOT over the mode's")
+        if offloaded:
+            lines.append("KV prefetch hidden: the share of the next layer's history copies (host to device, on the "
+                         "kv_offload stream) that compute hid, rank 0's, over the timed rounds")
     return "\n".join(lines)
 
 

@@ -38,12 +38,17 @@ class KVCache:
                             *((f"v_shape[{i}]", n) for i, n in enumerate(v_shape))):
             if value < 1:
                 raise KVCacheError(f"{name} must be at least 1, got {value}")
-        self.k = torch.zeros((n_layers, max_requests, max_len) + k_shape, dtype=dtype, device=device)
-        self.v = torch.zeros((n_layers, max_requests, max_len) + v_shape, dtype=dtype, device=device)
+        self.k = self._allocate((n_layers, max_requests, max_len) + k_shape, dtype, device)
+        self.v = self._allocate((n_layers, max_requests, max_len) + v_shape, dtype, device)
+        self.device = self.k.device  # where attention runs: the rows' indexes and masks live there
         self.max_len = max_len
         self.lengths = [0] * max_requests  # rows held per slot (host), counted by `advance`
         self._free = list(range(max_requests))
         self._used: set = set()
+
+    def _allocate(self, shape: Tuple[int, ...], dtype: torch.dtype, device: Optional[torch.device]) -> torch.Tensor:
+        """The zeroed store of keys or values (a subclass keeps it elsewhere: `microbatch.kv_offload`)."""
+        return torch.zeros(shape, dtype=dtype, device=device)
 
     # ---- slots -------------------------------------------------------------------------------
     def admit(self, n: int = 1) -> List[int]:
@@ -78,7 +83,7 @@ class KVCache:
                                    f"{self.max_len} (prompt + new tokens)")
 
     def _index(self, slots: Sequence[int]) -> torch.Tensor:
-        return torch.tensor(list(slots), dtype=torch.long, device=self.k.device)
+        return torch.tensor(list(slots), dtype=torch.long, device=self.device)
 
     # ---- writing and reading ----------------------------------------------------------------
     def rows(self, slots: Sequence[int], seq_lens: Optional[Sequence[int]] = None) -> "KVRows":
@@ -88,7 +93,7 @@ class KVCache:
         if len(slots) != len(seq_lens):
             raise KVCacheError(f"{len(slots)} slots but {len(seq_lens)} lengths")
         self._check(slots, seq_lens)
-        dev = self.k.device
+        dev = self.device
         index, counts = self._index(slots), torch.tensor(seq_lens, dtype=torch.long, device=dev)
         held = torch.tensor([self.lengths[s] for s in slots], dtype=torch.long, device=dev)
         first = torch.repeat_interleave(counts.cumsum(0) - counts, counts)  # each row's request's first row
@@ -102,12 +107,17 @@ class KVCache:
     def write(self, layer: int, rows: "KVRows", k: torch.Tensor, v: torch.Tensor) -> None:
         """The keys ``[sum(rows.seq_lens), *k_shape]`` and values (``v_shape``), packed slot after slot, into
         ``rows``."""
+        self._check_kv(rows, k, v)
+        self.k[layer, rows.where[:, 0], rows.where[:, 1]] = k.to(self.k.dtype)
+        self.v[layer, rows.where[:, 0], rows.where[:, 1]] = v.to(self.v.dtype)
+
+    def _check_kv(self, rows: "KVRows", k: torch.Tensor, v: torch.Tensor) -> int:
+        """The number of ``rows``; `KVCacheError` unless ``k`` and ``v`` hold one key and value for each."""
         n = rows.where.shape[0]
         if k.shape[0] != n or v.shape[0] != n or k.shape[1:] != self.k.shape[3:] or v.shape[1:] != self.v.shape[3:]:
             raise KVCacheError(f"{rows.where.shape[0]} rows, keys {tuple(k.shape)} and values {tuple(v.shape)} do "
                                f"not go together")
-        self.k[layer, rows.where[:, 0], rows.where[:, 1]] = k.to(self.k.dtype)
-        self.v[layer, rows.where[:, 0], rows.where[:, 1]] = v.to(self.v.dtype)
+        return n
 
     def advance(self, rows: "KVRows") -> None:
         """Count ``rows`` once every layer has written them."""

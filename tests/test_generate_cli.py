@@ -9,7 +9,7 @@ import torch
 
 from support.launcher import GENERATE, ROOT, TINY, run_launcher
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.spawns_ranks, pytest.mark.timeout(300)]  # drives torchrun itself
 
 
 def _run(args, ranks=None, env=None, timeout=180):
@@ -57,6 +57,23 @@ def test_two_ranks_that_finish_apart_generate_every_modes_tokens_and_write_the_r
     trace = json.loads((out / "trace_two-batch.json").read_text())
     names = {e.get("name") for e in trace["traceEvents"]}
     assert {"dispatch", "combine"} <= names, names  # one decode step's launches, every rank's
+
+
+def test_the_host_kv_cache_generates_the_device_caches_tokens_and_reports_its_prefetch(tmp_path):
+    """--kv-offload: the same tokens as the cache on the device (every mode), and the share of the prefetch
+    that compute hid, per mode."""
+    args = ["--new-tokens", "5", "--batch", "2", "--seq-len", "12", "--mode", "serial,two-batch", "--check"]
+    device = _run(args + ["--out", str(tmp_path / "device")], ranks=2)
+    host = _run(args + ["--kv-offload", "--out", str(tmp_path / "host")], ranks=2)
+    assert device.returncode == 0 and host.returncode == 0, device.stderr[-2000:] + host.stderr[-2000:]
+    assert "KV prefetch hidden" in host.stdout and "kv cache host, prefetched" in host.stdout, host.stdout
+    rows = {where: {r["mode"]: r for r in json.loads((tmp_path / where / "results.json").read_text())["rows"]}
+            for where in ("device", "host")}
+    for mode in ("serial", "two-batch"):
+        assert rows["host"][mode]["tokens_sha1"] == rows["device"][mode]["tokens_sha1"]
+        prefetch = rows["host"][mode]["kv_prefetch"]
+        assert prefetch["copies"] > 0 and prefetch["bytes"] > 0 and 0 <= prefetch["hidden_share"] <= 1
+        assert rows["device"][mode]["kv_prefetch"] is None
 
 
 def test_a_mode_whose_tokens_differ_from_serial_fails_the_check_naming_where():

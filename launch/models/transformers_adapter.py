@@ -31,6 +31,15 @@ Layers that are not attention (a hybrid model's linear-attention layers) run the
 per request and have no keys or values: such a model cannot continue a request from a prefix,
 so its batches are split at request boundaries only (`TransformersModel.no_cut_reason`).
 
+Decode (`TransformersModel.decode_layer_operations`, a `microbatch.DecodeModel`): ``attn`` reads
+``HIDDEN`` (one new token per request) and ``KV_STEP``, and calls the family's attention module
+once for every request of the step: batch [requests, 1], each at its own position, a
+`transformers.DynamicCache` holding the padded history of the layer from the `microbatch.KVCache`
+and a mask of each request's own rows (its window or chunk); what the module appends to that cache
+goes into the `KVCache`. The operations after it are prefill's. A model with layers that are not
+plain attention (linear attention, LongCat-Flash's two attentions) is refused in one line.
+`TransformersModel.own_generate` is the family's own greedy ``generate``, to compare with.
+
 transformers is imported only inside the functions here.
 """
 from __future__ import annotations
@@ -45,16 +54,17 @@ from torch import nn
 import overlap
 from collectives import MOE_IN, MOE_OUT
 from microbatch import HIDDEN, OUT, Operation, Split, State, as_operation
-from microbatch.batch import K, PREFIX_KV, SEQ, V, Batch, SeqInfo
+from microbatch.batch import K, KV_STEP, PREFIX_KV, SEQ, V, Batch, SeqInfo
 from microbatch.forward import forward_layer_by_layer
+from microbatch.kv_cache import KVStep
 from microbatch.model import KV
 from overlap import EP_COMM
 
 from .common import check_token_ids, param_seed
 
 __all__ = ["EXPERT_COUNTS", "SHARED_COUNTS", "ShortcutLayer", "TransformersConfig", "TransformersLayer",
-           "TransformersModel", "adapt", "attention_for", "causal_mask", "first_field", "from_config", "one_line",
-           "seed_weights"]
+           "TransformersModel", "adapt", "attention_for", "causal_mask", "decode_mask", "first_field", "from_config",
+           "one_line", "seed_weights"]
 
 EXPERT_COUNTS = ("n_routed_experts", "num_local_experts", "num_experts", "moe_num_experts")  # routed experts' count
 SHARED_COUNTS = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")  # shared experts' count
@@ -180,6 +190,25 @@ def causal_mask(n: int, n_prefix: int, window: Optional[int], dtype: torch.dtype
     return mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
 
 
+def decode_mask(positions: torch.Tensor, held: int, window: Optional[int], dtype: torch.dtype,
+                chunk: Optional[int] = None) -> torch.Tensor:
+    """Additive mask [requests, 1, 1, held + 1] of a decode step over a history padded to ``held`` rows, then the
+    step's new row: request i, its new token at position ``positions[i]``, sees its own ``positions[i]`` rows
+    (the first of the history; the rest is padding) and its new row (the last), the last ``window`` positions of
+    them on a sliding-window layer, those of its own ``chunk`` on a chunked-attention layer."""
+    q = positions[:, None]
+    j = torch.arange(held + 1, device=positions.device)[None, :]
+    new = j == held
+    k = torch.where(new, q, j)  # each row's position in its request
+    allowed = (j < q) | new
+    if window is not None:
+        allowed &= q - k < window
+    if chunk is not None:
+        allowed &= q // chunk == k // chunk
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=positions.device)
+    return mask.masked_fill(~allowed, torch.finfo(dtype).min)[:, None, None]
+
+
 def _cache_keyword(module: nn.Module) -> str:
     """The name under which ``module.forward`` takes its cache (transformers renamed ``past_key_values``)."""
     params = inspect.signature(module.forward).parameters
@@ -270,6 +299,35 @@ class _Attention:
             raise RuntimeError(f"layer {self.layer}: {type(self.module).__name__} did not cache the {n_prefix + n} "
                                f"keys and values of the request")
         return out[0], _from_cache(held.keys, n), _from_cache(held.values, n)
+
+    def decode(self, x: torch.Tensor, step: KVStep, layer: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every request of a decode step at once: x [requests, hidden] (normed), one new token each, after the rows
+        the cache's layer ``layer`` holds of it; ``(out, k, v)``, k / v packed [requests, *k_shape / v_shape]."""
+        from transformers import DynamicCache
+
+        rows = step.rows
+        held = rows.longest - 1  # the history, padded to the longest; the new rows are not written yet
+        keys, values = step.cache.history(layer, rows)
+        cache = DynamicCache()
+        if held:
+            cache.update(keys[:, :held].transpose(1, 2).to(x.dtype), values[:, :held].transpose(1, 2).to(x.dtype),
+                         self.index)
+        pos = step.positions[:, None]  # [requests, 1]: each request's length so far
+        mask = decode_mask(step.positions, held, self.window, x.dtype, self.chunk)
+        out = _first(self.module(hidden_states=x[:, None], position_embeddings=self._position(x[:, None], pos),
+                                 attention_mask=mask, position_ids=pos, **{self.cache_keyword: cache}))
+        got = cache.layers[self.index] if len(cache.layers) > self.index else None
+        if got is None or not got.is_initialized or got.keys.shape[-2] != held + 1:
+            raise RuntimeError(f"layer {self.layer}: {type(self.module).__name__} did not append one key and value "
+                               f"per request to the cache")
+        return out[:, 0], got.keys[:, :, -1], got.values[:, :, -1]
+
+    def decode_refusal(self) -> Optional[str]:
+        """Why one batched call of the module cannot decode requests at different positions (None: it can)."""
+        if getattr(self.module, "attn_temperature_tuning", False) and not getattr(self.module, "use_rope", True):
+            return ("its attention scales queries by one position for the whole batch (Llama 4's temperature "
+                    "tuning without rotary embeddings): requests at different positions cannot decode together")
+        return None
 
     @torch.no_grad()
     def probe(self, dtype: torch.dtype, device: Any, hidden: int) -> None:
@@ -496,14 +554,49 @@ class TransformersLayer(nn.Module):
     def _residual(self, resid: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
         return resid + self._scaled(self.ffn_out_norm(branch))
 
+    def _after_attention(self) -> List[Operation]:
+        """From ``resid`` (and ``HIDDEN``, on a parallel layer) to ``OUT``: the FFN's norm, the FFN, the residual."""
+        residual = torch.add if self.residual_scale == 1.0 and not self._sandwich else self._residual
+        return ([Operation("ffn_norm", self.ffn_norm, (HIDDEN if self.parallel else "resid",), (MOE_IN,))]
+                + self.ffn_operations()
+                + [Operation("residual", residual, ("resid", MOE_OUT), (OUT,))])
+
     def operations(self) -> List[Operation]:
         """This layer as operations, from ``HIDDEN``, ``SEQ``, ``PREFIX_KV`` to ``OUT`` (and ``K``, ``V``)."""
         mix = (Operation("attn", self.attention, (HIDDEN, SEQ, PREFIX_KV), ("resid", K, V)) if self.is_attention
                else Operation("attn", self._mixer_op, (HIDDEN, SEQ, PREFIX_KV), ("resid",)))
-        residual = torch.add if self.residual_scale == 1.0 and not self._sandwich else self._residual
-        return ([mix, Operation("ffn_norm", self.ffn_norm, (HIDDEN if self.parallel else "resid",), (MOE_IN,))]
-                + self.ffn_operations()
-                + [Operation("residual", residual, ("resid", MOE_OUT), (OUT,))])
+        return [mix] + self._after_attention()
+
+    # --- decode ------------------------------------------------------------------------------------
+    def decode_refusal(self) -> Optional[str]:
+        """Why this layer cannot decode from the KV cache (None: it can)."""
+        if not self.is_attention:
+            return (f"layer {self.index} is {self.kind}: it keeps a state between tokens, not keys and values a KV "
+                    f"cache holds")
+        reason = self.attns[0].decode_refusal()
+        return None if reason is None else f"layer {self.index}: {reason}"
+
+    def decode_attention(self, hidden: torch.Tensor, step: KVStep) -> torch.Tensor:
+        """Decode: ``hidden [requests, hidden]``, one new token per request; one call of the family's attention for
+        all of them over their history in the cache, their keys and values written there; ``resid``."""
+        rows = step.rows
+        if hidden.shape[0] != len(rows.slots) or any(n != 1 for n in rows.seq_lens):
+            raise ValueError(f"layer {self.index}: a decode step takes one token per request, got {hidden.shape[0]} "
+                             f"tokens for rows {rows.seq_lens}")
+        if not rows.slots:  # an idle rank's empty micro-batch
+            return hidden.clone()
+        att = self.attns[0]
+        out, k, v = att.decode(att.norm(hidden), step, self.index)
+        step.cache.write(self.index, rows, k, v)
+        return hidden + self._scaled(att.out_norm(out))
+
+    def decode_operations(self) -> List[Operation]:
+        """This layer for a decode step, from ``HIDDEN`` and ``KV_STEP`` to ``OUT``: the cached attention, then what
+        `operations` runs after attention. ValueError where it cannot (`decode_refusal`)."""
+        reason = self.decode_refusal()
+        if reason is not None:
+            raise ValueError(f"cannot decode: {reason}")
+        return [Operation("attn", self.decode_attention, (HIDDEN, KV_STEP), ("resid",))] + self._after_attention()
 
     def run(self, hidden: torch.Tensor, seq: SeqInfo, prefix: Optional[KV] = None, **meta: Any
             ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
@@ -562,6 +655,10 @@ class ShortcutLayer(TransformersLayer):
         """The second attention sublayer: ``(resid2, k, v)``, the keys / values of both sublayers side by side."""
         resid, k1, v1 = self._sublayer(self.attns[1], hidden, seq, _split_heads(prefix, self._heads, 1))
         return resid, torch.cat([k0, k1], dim=1), torch.cat([v0, v1], dim=1)
+
+    def decode_refusal(self) -> Optional[str]:
+        return (f"layer {self.index} attends twice (LongCat-Flash's shortcut layer, the second time under the MoE "
+                f"exchange): a decode step runs one attention per layer")
 
     def _dense0(self, resid: torch.Tensor, moe_in: torch.Tensor) -> torch.Tensor:
         return resid + self.dense0(moe_in)
@@ -719,6 +816,21 @@ class TransformersModel(nn.Module):
         """Every layer's operations, for the pipeline executor (``microbatch.run``)."""
         return [layer.operations() for layer in self.layers]
 
+    def decode_layer_operations(self) -> List[List[Operation]]:
+        """Every layer's operations for a decode step (`TransformersLayer.decode_operations`); a ValueError of one
+        line naming the layers a decode cannot run (a hybrid's linear attention, LongCat-Flash's two attentions),
+        raised before any operation runs."""
+        refused = [r for r in (layer.decode_refusal() for layer in self.layers) if r is not None]
+        cfg = self.cfg
+        refused += [f"layer {layer.index} caches keys / values of {layer.k_shape} / {layer.v_shape}, layer "
+                    f"{cfg.attention_layers[0]} of {cfg.k_shape} / {cfg.v_shape}: one KV cache holds one shape"
+                    for layer in self.layers
+                    if layer.is_attention and (layer.k_shape, layer.v_shape) != (cfg.k_shape, cfg.v_shape)]
+        if refused:
+            more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
+            raise ValueError(f"{cfg.model_type}: {refused[0]}{more}")
+        return [layer.decode_operations() for layer in self.layers]
+
     @torch.no_grad()
     def forward(self, batch: Batch, kv_sink: Optional[Callable[[int, torch.Tensor, torch.Tensor], None]] = None
                 ) -> torch.Tensor:
@@ -754,6 +866,39 @@ class TransformersModel(nn.Module):
                             f"(difference {diff:.3g} at magnitude {scale:.3g}); its decoder layers do more than "
                             f"input norm, attention, post-attention norm, MLP and the two residuals")
         return diff
+
+    @torch.no_grad()
+    def own_generate(self, prompts: Sequence[Sequence[int]], new_tokens: int,
+                     stop_token: Optional[int] = None) -> List[List[int]]:
+        """Each prompt's greedy continuation by the model's own ``generate`` (each prompt alone: its own cache,
+        masks and positions), at most ``new_tokens`` long, cut after ``stop_token``: the reference for
+        `launch.decode.greedy_generate`, in its shape. Only greedy argmax steers it: the model's generation config
+        (its eos and pad tokens, minimum length, penalties, ...) is left out. It runs the model's own blocks, so
+        call it where they hold every expert (before a loader's expert-parallel shard; one rank)."""
+        from transformers import GenerationConfig
+
+        if new_tokens < 1:
+            raise ValueError(f"new_tokens must be at least 1, got {new_tokens}")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        config = GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=new_tokens, min_new_tokens=0,
+                                  eos_token_id=stop_token, pad_token_id=0 if stop_token is None else stop_token,
+                                  repetition_penalty=1.0, no_repeat_ngram_size=0, use_cache=True)
+        device = self.hf.model.embed_tokens.weight.device
+        own, self.hf.generation_config = self.hf.generation_config, GenerationConfig()  # its defaults fill nothing
+        try:
+            out = []
+            for prompt in prompts:
+                ids = torch.tensor([list(prompt)], dtype=torch.long, device=device)
+                check_token_ids(ids, self.cfg.vocab)
+                new = self.hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+                tokens = new[0, ids.shape[1]:].tolist()
+                if stop_token in tokens:
+                    tokens = tokens[:tokens.index(stop_token) + 1]
+                out.append(tokens)
+            return out
+        finally:
+            self.hf.generation_config = own
 
     def _requests(self, batch: Batch) -> Iterator[torch.Tensor]:
         if batch.seq.num_prefix_tokens:
