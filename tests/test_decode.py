@@ -156,3 +156,14 @@ def test_first_difference_is_the_earliest_step():
     assert first_difference([[1, 2, 3], [4, 5]], [[1, 2, 3], [4, 5]]) is None
     assert first_difference([[1, 2, 9], [4, 7]], [[1, 2, 3], [4, 5]]) == (1, 1)
     assert first_difference([[1, 2], [4, 5]], [[1, 2, 3], [4, 5]]) == (0, 2)  # a missing token counts
+
+
+def test_the_reference_decoder_implements_the_decode_contract():
+    from microbatch import DecodeModel
+    from support.protocols import protocol_problems
+
+    model = build_model(preset("tiny"), seed=3)
+    assert protocol_problems(model, DecodeModel) == []
+    model.decode_layer_operations = None  # the check fails on a decoder without it
+    assert protocol_problems(model, DecodeModel) == ["Model.decode_layer_operations: not callable (DecodeModel has "
+                                                     "this method)"]

@@ -157,8 +157,7 @@ def test_own_generate_takes_nothing_from_the_models_generation_config():
 
 PLANS = [  # per round, per rank: (prompt lengths, new tokens)
     [((3, 7, 5), NEW), ((4,), 3)],  # rank 1 is done first and takes part with zero tokens
-    [((), NEW), ((6, 2), NEW)],  # rank 0 brings nothing
-]
+]  # (a rank that brings nothing: tests/test_decode.py)
 
 
 def _ranks_body(ctx):
@@ -175,7 +174,7 @@ def _ranks_body(ctx):
 
 
 def test_experts_over_two_ranks_decode_the_models_own_tokens_in_every_mode():
-    """qwen3_moe's experts over two ranks with different prompt counts (one rank with none, one done first):
+    """qwen3_moe's experts over two ranks with different prompt counts (one rank done first):
     each rank's tokens in every mode are its requests' own ``generate``'s on one process."""
     from overlap.multirank import run_ranks
 

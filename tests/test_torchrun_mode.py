@@ -121,7 +121,7 @@ def _check_report(out: str, world: int) -> None:
     assert "2 failed, 3 passed, 2 skipped" in out, out[-4000:]
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [4])  # 2 ranks: test_two_agents_as_two_nodes, and CI runs the suite so
 def test_one_agent(tmp_path, world):
     env = _suite(tmp_path)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
