@@ -155,7 +155,7 @@ def _prefill(model: DecodeModel, batch: Batch, cache: KVCache, slots: List[int],
              group: Optional[dist.ProcessGroup]) -> torch.Tensor:
     """Final (normed) hidden states of the prompts through ``mode``'s schedule, every layer's keys and values
     written to the cache right after its attention (the split agreed by every rank where it cuts)."""
-    plan = split_for(mode, batch, group, model=model)
+    plan = split_for(mode, batch, group, model=model, alone=group is None)
     rows = cache.rows(slots, batch.seq.seq_lens)
     layers = [_with_cache_write(ops, cache, li) for li, ops in enumerate(model.layer_operations())]
     inputs = micro_batch_inputs(model, batch, plan)
@@ -207,7 +207,8 @@ def _history_weight(model: DecodeModel) -> float:
             experts += p.numel()
         else:
             other += p.numel()
-    local = max(1, cfg.n_experts // max(1, group_size(_expert_group(model))))
+    group = _expert_group(model)
+    local = max(1, cfg.n_experts // (group_size(group) if group is not None else 1))
     per_token = other + experts / local * cfg.top_k  # each token meets top-k experts' weights
     heads = max(1, int(cfg.n_heads))
     per_row = heads * (cfg.k_shape[-1] + cfg.v_shape[-1]) * max(1, len(getattr(cfg, "attention_layers",
@@ -216,9 +217,11 @@ def _history_weight(model: DecodeModel) -> float:
 
 
 def _expert_group(model: DecodeModel) -> Optional[dist.ProcessGroup]:
-    """The group the model's experts are spread over (None: one process)."""
+    """The group the model's experts are spread over (None: this process holds them all)."""
     spread = [m for m in model.modules() if isinstance(m, ExpertParallelMoE) and group_size(m.group) > 1]
-    return spread[0].group if spread else None
+    if not spread:
+        return None
+    return spread[0].group if spread[0].group is not None else dist.group.WORLD  # None: the default group
 
 
 def _greedy(logits: torch.Tensor, requests: List[int], step: int, margins: bool

@@ -213,8 +213,11 @@ def _keep_median_round(result: RunResult, kept: List[_Round], steps: List[List[f
     at = sorted(range(len(kept)), key=lambda i: (-1.0 if hidden[i] is None else hidden[i], result.total_s[i]))
     k = at[(len(at) - 1) // 2]
     result.hidden_comm_share = hidden[k]
-    middle = sorted(range(len(kept[k].timelines)), key=lambda s: steps[k][s])[(len(kept[k].timelines) - 1) // 2]
-    result.spans = gather(kept[k].timelines[middle].spans, group)  # the same step index on every rank
+    # the round's steps by the slowest rank's times (the same on every rank, so every rank picks the same step)
+    first = sum(len(round_steps) for round_steps in steps[:k])
+    slowest = result.step_s[first:first + len(steps[k])]
+    middle = sorted(range(len(slowest)), key=lambda s: (slowest[s], s))[(len(slowest) - 1) // 2]
+    result.spans = gather(kept[k].timelines[middle].spans, group)
 
 
 def check(results: Sequence[RunResult], dtype: torch.dtype, group: Optional[dist.ProcessGroup]

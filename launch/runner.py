@@ -32,7 +32,7 @@ from microbatch import Operation, Split
 from microbatch.batch import K, V, Batch
 from microbatch.forward import MakeSchedule, cut_refusal, run_schedule, serial_split
 from microbatch.model import ForwardModel, MoELayer, MoEModel
-from microbatch.planning.split import DEFAULT_MAX_IMBALANCE, DEFAULT_MIN_TOKENS, decide_split
+from microbatch.planning.split import DEFAULT_MAX_IMBALANCE, DEFAULT_MIN_TOKENS, decide_split, propose_split
 from overlap import OffloadCache
 
 
@@ -82,8 +82,10 @@ def layer_operations(model: MoEModel, cache: Optional[OffloadCache] = None) -> L
 
 def split_for(mode: str, batch: Batch, group: Optional[dist.ProcessGroup], *,
               model: Optional[ForwardModel] = None, min_tokens: int = DEFAULT_MIN_TOKENS,
-              max_imbalance: float = DEFAULT_MAX_IMBALANCE) -> Split:
-    """The micro-batch split of ``mode``: agreed by every rank of ``group`` where it splits (one all-reduce).
+              max_imbalance: float = DEFAULT_MAX_IMBALANCE, alone: bool = False) -> Split:
+    """The micro-batch split of ``mode``: agreed by every rank of ``group`` where it splits (one all-reduce),
+    or by this process alone with ``alone`` (its model exchanges nothing; the default group's other ranks may
+    be running something else).
 
     A mode of N micro-batches gets N where every rank's batch can take them, else the most that
     every rank can take, else serial (`decide_split`). With ``model``, a model that cannot take a
@@ -94,8 +96,9 @@ def split_for(mode: str, batch: Batch, group: Optional[dist.ProcessGroup], *,
     if n == 1:
         return serial_split(batch)
     refusal = cut_refusal(model)
-    plan = decide_split(batch.seq.seq_lens, group, n=n, min_tokens=min_tokens, max_imbalance=max_imbalance,
-                        allow_cut=refusal is None)
+    kwargs = dict(n=n, min_tokens=min_tokens, max_imbalance=max_imbalance, allow_cut=refusal is None)
+    plan = (propose_split(batch.seq.seq_lens, **kwargs) if alone
+            else decide_split(batch.seq.seq_lens, group, **kwargs))
     return plan if refusal is None else dataclasses.replace(plan, reason=f"{plan.reason}; {refusal}")
 
 
