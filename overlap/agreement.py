@@ -40,6 +40,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import time
 import zlib
 from typing import Any, Collection, Dict, List, Mapping, Optional, Protocol, Sequence, Type
 
@@ -217,7 +218,22 @@ class StoreTransport:
             missing = [r for r, k in enumerate(keys) if not self.store.check([k])]
             if missing:
                 raise error(f"{_rank_words(missing)} did not {self.late}") from None
-        return [json.loads(self.store.get(k)) for k in keys]
+        posts = [json.loads(self.store.get(k)) for k in keys]
+        self._read_by_all()
+        return posts
+
+    def _read_by_all(self) -> None:
+        """Count this rank's reading; rank 0 returns once every rank has read (at most ``timeout`` s): with ranks
+        started by hand rank 0's process holds the store, and leaving at once on a disagreement every rank found
+        cut the others' reading short ("Connection reset by peer", exit 1 instead of the agreement's 2)."""
+        read = f"{self.key}/read"
+        count = self.store.add(read, 1)
+        if self.rank != 0:
+            return
+        deadline = time.monotonic() + self.timeout
+        while count < self.world and time.monotonic() < deadline:
+            time.sleep(0.002)
+            count = self.store.add(read, 0)
 
 
 def _fitted(post: Post, limit: int) -> bytes:

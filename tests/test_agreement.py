@@ -195,3 +195,41 @@ def test_ranks_that_post_different_sizes_over_a_group_raise_alike_without_a_hang
     assert differ == "Disagreement: ranks disagree on n: rank 0: 8; rank 1: 4"
     assert problem.startswith("Disagreement: rank 1: no disk: yyy") and problem.endswith("...")
     assert gathered == repr([{"n": 8, "tokens": 3}, {"n": 8, "tokens": float("nan")}])
+
+
+class _SlowReader:
+    """A store whose reads take a while (a rank far behind in reading the posts)."""
+
+    def __init__(self, store, delay):
+        self.store, self.delay = store, delay
+
+    def get(self, key):
+        import time
+
+        time.sleep(self.delay)
+        return self.store.get(key)
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def test_rank_0_leaves_an_agreement_only_once_every_rank_has_read_the_posts():
+    """With ranks started by hand rank 0's process holds the store: leaving right after its own reading (on a
+    disagreement every rank finds) cut a slower rank's reading short, which then failed with "Connection reset
+    by peer" (exit 1) instead of the agreement's message (exit 2); CI saw it once."""
+    import threading
+    import time
+
+    store = dist.HashStore()
+    done = {}
+
+    def rank(r, s):
+        posts = StoreTransport(s, "job/start", r, 2, 10.0, "start").exchange(_post(seed=r), _Mismatch)
+        done[r] = time.monotonic()
+        assert [p["values"]["seed"] for p in posts] == [0, 1]
+
+    slow = threading.Thread(target=rank, args=(1, _SlowReader(store, 0.2)))
+    slow.start()
+    rank(0, store)
+    slow.join(10)
+    assert done[0] >= done[1] - 0.05, done  # rank 0 returned after rank 1 had read (its count, then its return)

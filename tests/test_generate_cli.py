@@ -60,7 +60,8 @@ def test_two_ranks_that_finish_apart_generate_every_modes_tokens_on_the_device_a
     names = {e.get("name") for e in trace["traceEvents"]}
     assert {"dispatch", "combine"} <= names, names  # one decode step's launches, every rank's
 
-    host = _run(args + ["--kv-offload", "--out", str(tmp_path / "host")], ranks=2)
+    host = _run(args[:-3] + ["--decode-mode", "serial,two-batch", "--mode", "serial,two-batch", "--check",
+                              "--kv-offload", "--out", str(tmp_path / "host")], ranks=2)
     assert host.returncode == 0, host.stdout + host.stderr[-3000:]
     assert "KV prefetch hidden" in host.stdout and "kv cache host, prefetched" in host.stdout, host.stdout
     hosted = {r["mode"]: r for r in json.loads((tmp_path / "host" / "results.json").read_text())["rows"]}
@@ -82,7 +83,7 @@ def test_a_mode_whose_tokens_differ_from_serial_fails_the_check_naming_where():
         "        out.tokens[1][2] += 1\n"
         "    return out\n"
         "g.generate = wrong\n"
-        f"sys.argv = ['launch/generate.py'] + {TINY + ['--batch', '2', '--seq-len', '8', '--new-tokens', '4', '--check']!r}\n"
+        f"sys.argv = ['launch/generate.py'] + {TINY + ['--batch', '2', '--seq-len', '8', '--new-tokens', '4', '--mode', 'serial,two-batch', '--check']!r}\n"
         "from launch.generate import script\n"
         "script()\n")
     proc = subprocess.run([sys.executable, "-c", prog], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),

@@ -257,7 +257,7 @@ def _documented() -> Tuple[set, set]:
     return set(re.findall(r"`([\w.-]+)`", fit.group(2))), {n for h in heads for n in re.findall(r"`([\w.-]+)`", h)}
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [2, 4])  # (one rank: the same wrapping with no exchange, in test_wrap's unit tests)
 def test_wrapped_transformers_blocks_equal_the_original(world):
     families, skipped = _census()
     skipped = dict(skipped)
