@@ -467,7 +467,7 @@ class DecodeConfig:
                 "--decode-mode": [list(r) for r in self.runs]}
 
     def min_new_tokens(self) -> int:
-        return max(1, math.ceil(self.new_tokens * (1.0 - self.spread) - 1e-9))
+        return max(1, math.ceil(self.new_tokens * (1.0 - self.spread) - 1e-9))  # 10 * (1 - 0.7) is 3.0000000000000004
 
 
 def vocab_size(job: JobConfig) -> int:

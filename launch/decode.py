@@ -32,7 +32,7 @@ from microbatch import (HIDDEN, KV_STEP, K, V, Batch, DecodeModel, KVCache, KVRo
 from microbatch.forward import micro_batch_inputs
 from microbatch.split import merge_outputs
 
-from .runner import split_for
+from .runner import after_attention, split_for
 
 OnStep = Callable[[int, int], None]  # (step, active requests on every rank): step 0 is the prefill's token
 _PREFILL_ROWS = "kv_prefill_rows"  # a prefill micro-batch's rows of the cache (its tokens' slice of the batch's)
@@ -128,7 +128,8 @@ def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: U
                 out.margins[i].append(gaps[j])
             if len(out.tokens[i]) < limits[i] and t != stop_token:
                 still.append(i)
-        cache.release([slots[i] for i in active if i not in still])
+        going = set(still)
+        cache.release([slots[i] for i in active if i not in going])
         total = _step_status(len(still), how.micro_batches, problem, group)
         if on_step is not None:
             on_step(out.steps, total)
@@ -157,7 +158,9 @@ def _prefill(model: DecodeModel, batch: Batch, cache: KVCache, slots: List[int],
     written to the cache right after its attention (the split agreed by every rank where it cuts)."""
     plan = split_for(mode, batch, group, model=model, alone=group is None)
     rows = cache.rows(slots, batch.seq.seq_lens)
-    layers = [_with_cache_write(ops, cache, li) for li, ops in enumerate(model.layer_operations())]
+    layers = [after_attention(ops, Operation("kv_write", functools.partial(_write, cache, li),
+                                             (K, V, _PREFILL_ROWS), ()))
+              for li, ops in enumerate(model.layer_operations())]
     inputs = micro_batch_inputs(model, batch, plan)
     bounds = (0,) + tuple(plan.points) + (batch.seq.num_tokens,)
     for mb, values in enumerate(inputs):  # each micro-batch's tokens are a contiguous slice of the batch
@@ -165,15 +168,6 @@ def _prefill(model: DecodeModel, batch: Batch, cache: KVCache, slots: List[int],
     finals = [model.norm(h) for h in microbatch.run_made(microbatch.mode(mode).make, layers, inputs)]
     cache.advance(rows)
     return finals[0] if plan.serial else merge_outputs(plan, *finals)
-
-
-def _with_cache_write(ops: List[Operation], cache: KVCache, layer: int) -> List[Operation]:
-    """``ops`` with a write of the attention's keys and values to ``cache`` right after it (none without one)."""
-    at = next((i + 1 for i, op in enumerate(ops) if K in op.writes and V in op.writes), None)
-    if at is None:
-        return ops
-    write = Operation("kv_write", functools.partial(_write, cache, layer), (K, V, _PREFILL_ROWS), ())
-    return ops[:at] + [write] + ops[at:]
 
 
 def _write(cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor, rows: KVRows) -> None:
@@ -248,14 +242,9 @@ def _step_status(mine: int, micro_batches: int, problem: Optional[str], group: O
         if problem:
             raise NonFiniteLogits(problem)
         return mine
-    try:
-        posts = overlap.agree({"active": mine, "micro-batches": micro_batches},
-                              overlap.GroupTransport(group, "decode.step"), problems=[problem] if problem else [],
-                              per_rank=["active"], error=DecodeError)
-    except DecodeError as exc:
-        if "NaN or inf" in str(exc):
-            raise NonFiniteLogits(str(exc)) from None
-        raise
+    posts = overlap.agree({"active": mine, "micro-batches": micro_batches},
+                          overlap.GroupTransport(group, "decode.step"), problems=[problem] if problem else [],
+                          per_rank=["active"], error=DecodeError, problem_error=NonFiniteLogits)
     return sum(p["active"] for p in posts)
 
 
@@ -275,5 +264,5 @@ def first_difference(tokens: Sequence[Sequence[int]], reference: Sequence[Sequen
     return first
 
 
-__all__ = ["DecodeError", "Generated", "NonFiniteLogits", "first_difference", "generate", "greedy_generate", "new_cache",
-           "split_by_cost"]
+__all__ = ["DecodeError", "Generated", "NonFiniteLogits", "first_difference", "generate", "greedy_generate",
+           "new_cache", "split_by_cost"]

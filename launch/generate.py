@@ -210,6 +210,7 @@ def _own_tokens(job: JobConfig, model: DecodeModel, prompts: Sequence[Sequence[i
 def _check_own_tokens(job: JobConfig, results: Sequence[RunResult], own: OwnTokens) -> Tuple[List[str], List[str]]:
     """Serial's tokens against the model's own generate(): ``(failures, notes)`` (one rank: no collective)."""
     from launch.decode import first_difference
+    from launch.generation import judge
 
     if own is None:
         return [], []
@@ -220,12 +221,12 @@ def _check_own_tokens(job: JobConfig, results: Sequence[RunResult], own: OwnToke
     if at is None:
         return [], [f"serial generates {job.model_name}'s own generate(do_sample=False) tokens"]
     req, step = at
-    what = f"serial's tokens differ from {job.model_name}'s own generate() at step {step} of request {req}"
     margins = serial.generated.margins
-    if job.dtype != torch.float32 and margins and step < len(margins[req]) and margins[req][step] <= 0.05:
-        return [], [f"{what}: a near-tie (logit margin {margins[req][step]:.3g}) in "
-                    f"{str(job.dtype).replace('torch.', '')}, not a failure"]
-    return [what], []
+    failures: List[str] = []
+    notes: List[str] = []
+    judge(f"serial's tokens differ from {job.model_name}'s own generate() at step {step} of request {req}", job.dtype,
+          margins[req][step] if margins and step < len(margins[req]) else None, failures, notes)
+    return failures, notes
 
 
 def _headline(job: JobConfig, decode: DecodeConfig, model: DecodeModel, world: int, limits: Sequence[int]) -> str:
@@ -240,7 +241,8 @@ def _headline(job: JobConfig, decode: DecodeConfig, model: DecodeModel, world: i
             f"{cfg.n_shared} shared | {world} rank(s) on {job.device} | {len(job.seq_lens)} requests of "
             f"{_lens(job.seq_lens)} prompt tokens per rank, {tokens}"
             + (f", stop token {decode.stop_token}" if decode.stop_token is not None else "")
-            + f" | {str(job.dtype).replace('torch.', '')} | kv cache {'host, prefetched' if job.kv_offload else 'device'}"
+            + f" | {str(job.dtype).replace('torch.', '')}"
+            + f" | kv cache {'host, prefetched' if job.kv_offload else 'device'}"
             + (f" | simulated link {job.link}" if job.link else "")
             + ("" if overlap.is_enabled() else f" | overlap off (${overlap.ENV_ENABLE}): every mode single-stream"))
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import statistics
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -77,7 +76,7 @@ class RunResult:
 
     @property
     def tpot_p90_s(self) -> Optional[float]:
-        return _quantile(self.step_s, 0.9) if self.step_s else None
+        return _p90(self.step_s) if self.step_s else None
 
     @property
     def tokens_per_s(self) -> float:
@@ -101,11 +100,8 @@ def _digest(tokens: Sequence[Sequence[int]]) -> str:
     return hashlib.sha1(json.dumps([list(t) for t in tokens]).encode()).hexdigest()
 
 
-def _quantile(values: Sequence[float], q: float) -> float:
-    ordered = sorted(values)
-    at = q * (len(ordered) - 1)
-    lo, hi = math.floor(at), math.ceil(at)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (at - lo)
+def _p90(values: Sequence[float]) -> float:
+    return values[0] if len(values) < 2 else statistics.quantiles(values, n=10, method="inclusive")[-1]
 
 
 @dataclasses.dataclass
@@ -248,20 +244,26 @@ def check(results: Sequence[RunResult], dtype: torch.dtype, group: Optional[dist
     failures, notes = [], []
     for label in [r.run.label for r in results if r is not serial]:
         found = sorted((d for part in every for d in part if d[0] == label), key=lambda d: (d[3], d[1], d[2]))
-        if not found:
-            continue
-        _, rank_, req, step, gap = found[0]
-        where = (f"{label}: {len(found)} rank(s) differ from serial's tokens, first at decode step {step} "
-                 f"(0: the prefill's token) of request {req} on rank {rank_}")
-        if dtype == torch.float32 or gap is None:
-            failures.append(where + (" (float32: the tokens must be identical)" if dtype == torch.float32 else ""))
-        elif gap <= 0.05:
-            notes.append(where + f": serial's logit margin there is {gap:.3g}, a near-tie in "
-                         f"{str(dtype).replace('torch.', '')} (not a failure)")
-        else:
-            failures.append(where + f": serial's logit margin there is {gap:.3g}, above what "
-                            f"{str(dtype).replace('torch.', '')} rounding flips")
+        if found:
+            _, rank_, req, step, gap = found[0]
+            judge(f"{label}: {len(found)} rank(s) differ from serial's tokens, first at decode step {step} "
+                  f"(0: the prefill's token) of request {req} on rank {rank_}", dtype, gap, failures, notes)
     return failures, notes
+
+
+NEAR_TIE = 0.05  # a logit margin that bf16 / fp16 rounding may flip
+
+
+def judge(where: str, dtype: torch.dtype, gap: Optional[float], failures: List[str], notes: List[str]) -> None:
+    """A difference between two runs' tokens at ``where``, with the reference's logit margin there (``gap``):
+    a failure in float32 or above `NEAR_TIE`, else a note (a near-tie that half precision may flip)."""
+    half = str(dtype).replace("torch.", "")
+    if dtype == torch.float32 or gap is None:
+        failures.append(where + (" (float32: the tokens must be identical)" if dtype == torch.float32 else ""))
+    elif gap <= NEAR_TIE:
+        notes.append(where + f": serial's logit margin there is {gap:.3g}, a near-tie in {half} (not a failure)")
+    else:
+        failures.append(where + f": serial's logit margin there is {gap:.3g}, above what {half} rounding flips")
 
 
 def _pct(v: Optional[float]) -> str:
@@ -295,4 +297,4 @@ def table(results: Sequence[RunResult]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Run", "RunResult", "check", "measure_generation", "table"]
+__all__ = ["NEAR_TIE", "Run", "RunResult", "check", "judge", "measure_generation", "table"]

@@ -21,57 +21,62 @@ def _apply(options: List[Callable[[F], F]]) -> Callable[[F], F]:
 def model_options(f: F) -> F:
     """``--model``, ``--device``, ``--preset`` and the shape overrides (``--layers``, ``--hidden``, ...)."""
     return _apply([
-    click.option("--model", "model_name", default="reference", metavar="reference|NAME|PATH",
-                  help="The toolkit's reference decoder, a transformers MoE model type built small from its config with "
-                       "weights from --seed (qwen3_moe, deepseek_v3, mixtral, ...), or a local checkpoint folder "
-                       "(config.json + safetensors: each rank reads only its experts)."),
-    click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "npu"]), default="auto",
-                  help="Where to run; auto picks npu, then cuda, then cpu."),
-    click.option("--preset", "preset_name", type=click.Choice(["tiny", "small", "deepseek-v3"]), default="small",
-                  help="Model shapes (deepseek-v3: use with --layers on devices)."),
-    click.option("--layers", type=int, help="Override: number of decoder layers."),
-    click.option("--dense-layers", type=int, help="Override: leading layers with a dense MLP instead of MoE."),
-    click.option("--hidden", type=int, help="Override: hidden size."),
-    click.option("--experts", type=int, help="Override: routed experts (a multiple of the number of ranks)."),
-    click.option("--top-k", type=int, help="Override: experts per token."),
-    click.option("--shared-experts", type=int, help="Override: shared experts (0: none)."),
+        click.option("--model", "model_name", default="reference", metavar="reference|NAME|PATH",
+                     help="The toolkit's reference decoder, a transformers MoE model type built small from its "
+                          "config with weights from --seed (qwen3_moe, deepseek_v3, mixtral, ...), or a local "
+                          "checkpoint folder (config.json + safetensors: each rank reads only its experts)."),
+        click.option("--device", type=click.Choice(["auto", "cpu", "cuda", "npu"]), default="auto",
+                     help="Where to run; auto picks npu, then cuda, then cpu."),
+        click.option("--preset", "preset_name", type=click.Choice(["tiny", "small", "deepseek-v3"]), default="small",
+                     help="Model shapes (deepseek-v3: use with --layers on devices)."),
+        click.option("--layers", type=int, help="Override: number of decoder layers."),
+        click.option("--dense-layers", type=int, help="Override: leading layers with a dense MLP instead of MoE."),
+        click.option("--hidden", type=int, help="Override: hidden size."),
+        click.option("--experts", type=int, help="Override: routed experts (a multiple of the number of ranks)."),
+        click.option("--top-k", type=int, help="Override: experts per token."),
+        click.option("--shared-experts", type=int, help="Override: shared experts (0: none)."),
     ])(f)
 
 
 def batch_options(seq_len: int) -> Callable[[F], F]:
     """``--batch``, ``--seq-len`` (default ``seq_len``), ``--seq-lens``, ``--dtype``."""
     return _apply([
-    click.option("--batch", type=int, default=8, help="Requests per rank (with --seq-len)."),
-    click.option("--seq-len", type=int, default=seq_len, help="Tokens per request (prompt tokens, in generation)."),
-    click.option("--seq-lens", help="Explicit comma-separated request lengths per rank; overrides --batch/--seq-len."),
-    click.option("--dtype", type=click.Choice(list(DTYPES)), default="float32"),
+        click.option("--batch", type=int, default=8, help="Requests per rank (with --seq-len)."),
+        click.option("--seq-len", type=int, default=seq_len,
+                     help="Tokens per request (prompt tokens, in generation)."),
+        click.option("--seq-lens",
+                     help="Explicit comma-separated request lengths per rank; overrides --batch/--seq-len."),
+        click.option("--dtype", type=click.Choice(list(DTYPES)), default="float32"),
     ])
 
 
 def timing_options(f: F) -> F:
     """``--warmup``, ``--iters``, ``--seed``."""
     return _apply([
-    click.option("--warmup", type=int, default=1, help="Untimed iterations per mode."),
-    click.option("--iters", type=int, default=5,
-                  help="Timed iterations (rounds) per mode: the table shows their medians and spread."),
-    click.option("--seed", type=int, default=0, help="Seed of the weights and the token ids."),
+        click.option("--warmup", type=int, default=1, help="Untimed iterations per mode."),
+        click.option("--iters", type=int, default=5,
+                     help="Timed iterations (rounds) per mode: the table shows their medians and spread."),
+        click.option("--seed", type=int, default=0, help="Seed of the weights and the token ids."),
     ])(f)
 
 
 def run_options(f: F) -> F:
     """``--out``, ``--cpu-link``, ``--cpu-comm-priority``, ``--dispatch``, ``--timeout``."""
     return _apply([
-    click.option("--out", "out_dir", type=click.Path(file_okay=False), help="Write results.json, traces and timelines."),
-    click.option("--cpu-link", default="0.1", envvar="OVERLAP_CPU_LINK", show_envvar=True,
-                  help="CPU only: simulated interconnect 'GBPS[,LATENCY_US]' that collectives take at least as long "
-                       "as (a sleep, so it overlaps like a real network); 'off' for plain loopback gloo."),
-    click.option("--cpu-comm-priority", type=click.Choice(["off", "rt"]), default="off",
-                  envvar="OVERLAP_CPU_COMM_PRIORITY", show_envvar=True,
-                  help="CPU only: 'rt' runs gloo's communication threads real-time (SCHED_FIFO, where permitted), as a "
-                       "device's comm engine that never waits for compute: faster on a host the job has to itself, "
-                       "slower beside another such job; 'off' leaves them normal."),
-    click.option("--dispatch", type=click.Choice(["two-step", "one-step"]), default="two-step",
-                  help="The MoE layers' dispatch: its count exchange issued with the routing and read only where the "
-                       "tokens go (the schedules issue the other micro-batches' work in between), or both at once."),
-    click.option("--timeout", type=float, default=120.0, help="Seconds a rank waits for its peers before giving up."),
+        click.option("--out", "out_dir", type=click.Path(file_okay=False),
+                     help="Write results.json, traces and timelines."),
+        click.option("--cpu-link", default="0.1", envvar="OVERLAP_CPU_LINK", show_envvar=True,
+                     help="CPU only: simulated interconnect 'GBPS[,LATENCY_US]' that collectives take at least as "
+                          "long as (a sleep, so it overlaps like a real network); 'off' for plain loopback gloo."),
+        click.option("--cpu-comm-priority", type=click.Choice(["off", "rt"]), default="off",
+                     envvar="OVERLAP_CPU_COMM_PRIORITY", show_envvar=True,
+                     help="CPU only: 'rt' runs gloo's communication threads real-time (SCHED_FIFO, where "
+                          "permitted), as a device's comm engine that never waits for compute: faster on a host the "
+                          "job has to itself, slower beside another such job; 'off' leaves them normal."),
+        click.option("--dispatch", type=click.Choice(["two-step", "one-step"]), default="two-step",
+                     help="The MoE layers' dispatch: its count exchange issued with the routing and read only where "
+                          "the tokens go (the schedules issue the other micro-batches' work in between), or both at "
+                          "once."),
+        click.option("--timeout", type=float, default=120.0,
+                     help="Seconds a rank waits for its peers before giving up."),
     ])(f)

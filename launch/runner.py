@@ -69,15 +69,15 @@ def layer_operations(model: MoEModel, cache: Optional[OffloadCache] = None) -> L
     layers = model.layer_operations()
     if cache is None:
         return layers
-    out = []
-    for li, ops in enumerate(layers):
-        at = next((i + 1 for i, op in enumerate(ops) if K in op.writes and V in op.writes), None)
-        if at is None:
-            out.append(ops)
-            continue
-        offload = Operation("kv_offload", functools.partial(_offload, cache, li), (K, V), ())
-        out.append(ops[:at] + [offload] + ops[at:])
-    return out
+    return [after_attention(ops, Operation("kv_offload", functools.partial(_offload, cache, li), (K, V), ()))
+            for li, ops in enumerate(layers)]
+
+
+def after_attention(ops: List[Operation], op: Operation) -> List[Operation]:
+    """``ops`` with ``op`` right after the operation that writes the layer's keys and values (``K``, ``V``);
+    ``ops`` as they are in a layer without one (a hybrid model's linear attention)."""
+    at = next((i + 1 for i, o in enumerate(ops) if K in o.writes and V in o.writes), None)
+    return ops if at is None else ops[:at] + [op] + ops[at:]
 
 
 def split_for(mode: str, batch: Batch, group: Optional[dist.ProcessGroup], *,

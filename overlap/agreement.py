@@ -72,7 +72,8 @@ class Transport(Protocol):
 
 def agree(values: Mapping[str, Any], transport: Transport, *, problems: Sequence[str] = (),
           own_error: Optional[BaseException] = None, per_rank: Collection[str] = (),
-          hints: Optional[Mapping[str, str]] = None, error: Type[Exception] = Disagreement) -> List[Dict[str, Any]]:
+          hints: Optional[Mapping[str, str]] = None, error: Type[Exception] = Disagreement,
+          problem_error: Optional[Type[Exception]] = None) -> List[Dict[str, Any]]:
     """Every rank's ``values`` (rank order, as JSON gives them back), once every rank agrees.
 
     ``values``: this rank's named values (JSON-able; anything else travels as its ``str``), equal on
@@ -80,7 +81,8 @@ def agree(values: Mapping[str, Any], transport: Transport, *, problems: Sequence
     ``own_error``: the exception this rank raises once every rank has heard of it (its words travel
     as ``"Type: message"`` unless ``problems`` says it). ``hints``: what to do, by value name, added
     to the line of a value that differs. Raises ``error`` with one message on every rank (see the
-    module docstring), or ``own_error`` on its rank.
+    module docstring), ``problem_error`` instead where a rank reported a problem (when given), or
+    ``own_error`` on its rank.
     """
     words = [str(p) for p in problems]
     if own_error is not None and not words:
@@ -88,17 +90,21 @@ def agree(values: Mapping[str, Any], transport: Transport, *, problems: Sequence
     posts = transport.exchange({"values": dict(values), "problems": words}, error)
     if own_error is not None:
         raise own_error
-    compare_posts(posts, per_rank=per_rank, hints=hints, error=error)
+    compare_posts(posts, per_rank=per_rank, hints=hints, error=error, problem_error=problem_error)
     return [dict(p["values"]) for p in posts]
 
 
 def compare_posts(posts: Sequence[Post], *, per_rank: Collection[str] = (),
-                  hints: Optional[Mapping[str, str]] = None, error: Type[Exception] = Disagreement) -> None:
+                  hints: Optional[Mapping[str, str]] = None, error: Type[Exception] = Disagreement,
+                  problem_error: Optional[Type[Exception]] = None) -> None:
     """Raise ``error`` naming every problem and every value that differs in ``posts`` (every rank's, in rank
-    order; see `agree`), or nothing when they agree. Pure: the same posts give the same message on every rank."""
-    lines = _problem_lines(posts) + _difference_lines(posts, set(per_rank), hints or {})
+    order; see `agree`), or nothing when they agree; ``problem_error`` instead, when given, where a rank
+    reported a problem. Pure: the same posts give the same message on every rank."""
+    problems = _problem_lines(posts)
+    lines = problems + _difference_lines(posts, set(per_rank), hints or {})
     if lines:
-        raise error(lines[0] if len(lines) == 1 else _HEADER + "\n  " + "\n  ".join(lines))
+        kind = problem_error if problems and problem_error is not None else error
+        raise kind(lines[0] if len(lines) == 1 else _HEADER + "\n  " + "\n  ".join(lines))
 
 
 def _rank_words(ranks: Sequence[int]) -> str:

@@ -233,3 +233,17 @@ def test_rank_0_leaves_an_agreement_only_once_every_rank_has_read_the_posts():
     rank(0, store)
     slow.join(10)
     assert done[0] >= done[1] - 0.05, done  # rank 0 returned after rank 1 had read (its count, then its return)
+
+
+class _Problem(RuntimeError):
+    pass
+
+
+def test_a_problem_raises_its_own_error_where_one_is_given():
+    posts = [_post(n=1), _post(["NaN in the logits"], n=2)]
+    with pytest.raises(_Problem, match="rank 1: NaN in the logits"):
+        compare_posts(posts, error=_Mismatch, problem_error=_Problem)
+    with pytest.raises(_Mismatch, match="ranks disagree on n"):  # no problem: the values' error
+        compare_posts([_post(n=1), _post(n=2)], error=_Mismatch, problem_error=_Problem)
+    with pytest.raises(_Mismatch, match="NaN in the logits"):  # none given: the one error
+        compare_posts(posts, error=_Mismatch)
