@@ -12,13 +12,14 @@ family's handles and batches offer one interface (`collectives.handles`: `EPDisp
 `EPCombineHandle`), so code written against it runs unchanged on each.
 """
 from ._buffers import release as release_buffers
-from .capacity import (CapacityBatch, CapacityCombineHandle, CapacityDispatchHandle, CapacityExpertParallelMoE,
-                       capacity_combine, capacity_dispatch)
+from .capacity import CapacityBatch, CapacityCombineHandle, CapacityDispatchHandle, capacity_combine, capacity_dispatch
+from .capacity_layer import CapacityExpertParallelMoE
 from .dispatch import (CombineHandle, DispatchHandle, PendingDispatch, combine, dispatch, dispatch_counts,
                        exchange_counts, group_size)
 from .experts import LocalExperts, grouped_mlp, resolve_impl
 from .handles import EPBatch, EPCombineHandle, EPDispatchHandle
-from .layer import MOE_IN, MOE_OUT, ExpertParallelMoE, SharedExperts
+from .layer import ExpertParallelMoE, SharedExperts
+from .values import MOE_CAPACITY, MOE_IN, MOE_OUT
 from .layout import (DispatchLayout, ExpertBatch, LayoutError, check_routing, compute_layout, expand, reduce_local,
                      reduce_ranks)
 from .mc2 import (MC2Batch, MC2CombineHandle, MC2DispatchHandle, MC2Error, MC2ExpertParallelMoE, check_mc2_buffer,
@@ -30,7 +31,8 @@ __all__ = [
     "CapacityBatch", "CapacityCombineHandle", "CapacityDispatchHandle", "CapacityExpertParallelMoE",
     "capacity_combine", "capacity_dispatch", "CombineHandle", "PendingDispatch", "DispatchHandle", "DispatchLayout", "EPBatch",
     "EPCombineHandle", "EPDispatchHandle", "ExpertBatch", "ExpertParallelMoE", "LayoutError", "LocalExperts",
-    "MC2Batch", "MC2CombineHandle", "MC2DispatchHandle", "MC2Error", "MC2ExpertParallelMoE", "MOE_IN", "MOE_OUT",
+    "MC2Batch", "MC2CombineHandle", "MC2DispatchHandle", "MC2Error", "MC2ExpertParallelMoE", "MOE_CAPACITY", "MOE_IN",
+    "MOE_OUT",
     "MoE", "MoEConfig", "SharedExperts", "TransformersRouter", "check_mc2_buffer", "check_routing",
     "choose_backend", "combine", "combine_dense", "compute_layout", "dispatch", "ep_combine", "ep_dispatch",
     "dispatch_counts", "exchange_counts", "expand", "find_moe_blocks", "group_size", "grouped_mlp", "mc2_buffer_mb", "mc2_combine",

@@ -44,11 +44,10 @@ multiplied by a zero weight, so a non-finite expert output spoils only the rows 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 import overlap
 from overlap import GroupTransport, agree
@@ -56,10 +55,8 @@ from overlap import GroupTransport, agree
 from ._grouping import ROUTING_OPS, GroupedRows, group_rows, reduce_rows
 from .dispatch import _peers, group_size
 from .experts import LocalExperts, device_group_impl, grouped_mlp, torch_npu_with
-from .layer import ExpertParallelMoE, SharedExperts
 from .layout import AGREED_HINTS, LayoutError, ReceivedMetadata, check_routing, fields_by_name, layer_fields, \
     local_metadata, token_in_rank
-from .wrap import wrap_expert_parallel
 
 
 @dataclasses.dataclass
@@ -194,6 +191,21 @@ def _exchange(x: torch.Tensor, capacity: int, group: Optional[dist.ProcessGroup]
     return out
 
 
+def _exchange_with_metadata(send_x: torch.Tensor, send_meta: torch.Tensor, capacity: int,
+                            group: Optional[dist.ProcessGroup]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The rows ``[W*C, H]`` and their float32 metadata ``[W*C, 2k]`` in one all-to-all: the metadata's bytes
+    reinterpreted as the rows' dtype (not converted: ids and weights arrive bit for bit) and sent as extra columns,
+    so a latency-bound step pays one exchange for its dispatch instead of two. What it returns are views of the
+    received buffer, not read here (the exchange may still be in flight: its readers wait for it); where the
+    shapes do not allow such views (decided from shapes alone, so every rank decides alike), two exchanges."""
+    size, width = send_x.element_size(), send_x.shape[1]
+    extra = send_meta.shape[1] * send_meta.element_size()
+    if extra % size or (width * size) % 4:
+        return _exchange(send_x, capacity, group, "dispatch"), _exchange(send_meta, capacity, group, "dispatch.meta")
+    both = _exchange(torch.cat([send_x, send_meta.view(send_x.dtype)], dim=1), capacity, group, "dispatch")
+    return both[:, :width], both[:, width:].view(torch.float32)
+
+
 def _pack_blocks(x: torch.Tensor, idx: torch.Tensor, topk_weights: torch.Tensor, slot_token: torch.Tensor,
                  experts_per_rank: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """The send buffers ``[W*C, H]`` and ``[W*C, 2k]`` (`collectives.layout.pack_metadata` rows): block
@@ -224,8 +236,10 @@ def capacity_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: tor
 
 def _capacity_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
                        group: Optional[dist.ProcessGroup], capacity: Optional[int], validate: bool,
-                       precheck: Optional[Callable[[], None]] = None) -> CapacityDispatchHandle:
-    """`capacity_dispatch`; ``precheck`` (the layer's own checks) raises `LayoutError` like bad routing does."""
+                       precheck: Optional[Callable[[], None]] = None, one_exchange: bool = False
+                       ) -> CapacityDispatchHandle:
+    """`capacity_dispatch`; ``precheck`` (the layer's own checks) raises `LayoutError` like bad routing does;
+    ``one_exchange``: the rows and their metadata travel in one all-to-all (`_exchange_with_metadata`)."""
     world = group_size(group)
     fields = layer_fields(x, topk_idx, num_experts)
     try:
@@ -247,8 +261,11 @@ def _capacity_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: to
     _check_capacity(cap, need, tokens, group, validate, fields)
     slot_token = _slots(in_rank, cap)
     send_x, send_meta = _pack_blocks(x, idx, topk_weights, slot_token, epr)
-    recv_x = _exchange(send_x, cap, group, "dispatch")
-    recv_meta = _exchange(send_meta, cap, group, "dispatch.meta")
+    if one_exchange:
+        recv_x, recv_meta = _exchange_with_metadata(send_x, send_meta, cap, group)
+    else:
+        recv_x = _exchange(send_x, cap, group, "dispatch")
+        recv_meta = _exchange(send_meta, cap, group, "dispatch.meta")
     return CapacityDispatchHandle(recv_x, recv_meta, slot_token, tokens, cap, group, x.dtype, epr)
 
 
@@ -333,64 +350,7 @@ def capacity_combine(expert_out: torch.Tensor, handle: CapacityDispatchHandle,
     return CapacityCombineHandle(returned, handle.slot_token, handle.num_tokens, handle.dtype)
 
 
-class CapacityExpertParallelMoE(ExpertParallelMoE):
-    """`ExpertParallelMoE` with static shapes: traceable under ``torch.compile(fullgraph=True)``.
-
-    Same stages (names, streams, reads, writes) as `ExpertParallelMoE` with its dispatch in one step
-    (there is no count exchange to issue apart); ``moe_dispatch`` is a
-    `CapacityDispatchHandle`; ``moe_expert_out`` and ``moe_expert_batch`` are the grouped pairs'
-    outputs and their `GroupedRows`, or (``"all"``) every local expert over every received row and
-    the received expert ids and weights; ``moe_combine`` a `CapacityCombineHandle`. ``capacity``:
-    rows per destination rank (None: the call's token count). ``expert_path``: one of `EXPERT_PATHS`.
-    """
-
-    def __init__(self, router: nn.Module, experts: LocalExperts, num_experts: int,
-                 group: Optional[dist.ProcessGroup] = None, shared: Optional[SharedExperts] = None,
-                 overlap_shared: bool = True, capacity: Optional[int] = None, validate: bool = True,
-                 expert_path: str = "auto"):
-        super().__init__(router, experts, num_experts, group, shared, overlap_shared)
-        if not getattr(experts, "plain", True):  # its expert paths compute act(gate) * up with the weights alone
-            raise TypeError(f"the static-shape layer computes plain experts down(act(gate) * up) only; these have "
-                            f"{', '.join(experts.extras())}: use ExpertParallelMoE (the eager paths)")
-        if capacity is not None and int(capacity) < 0:
-            raise LayoutError(f"capacity must be >= 0, got {capacity}")
-        if expert_path not in EXPERT_PATHS:
-            raise ValueError(f"expert_path must be one of {EXPERT_PATHS}, got {expert_path!r}")
-        self.capacity = capacity
-        self.validate = validate
-        self.expert_path = expert_path
-
-    @classmethod
-    def wrap(cls, module: nn.Module, group: Optional[dist.ProcessGroup] = None, *, capacity: Optional[int] = None,
-             overlap_shared: bool = True, validate: bool = True, expert_path: str = "auto"
-             ) -> "CapacityExpertParallelMoE":
-        """The capacity layer of ``module`` (anything `wrap_expert_parallel` accepts), this rank's experts only."""
-        ep = wrap_expert_parallel(module, group, overlap_shared=overlap_shared, impl="loop")
-        return cls(ep.router, ep.experts, ep.num_experts, group, ep.shared, overlap_shared, capacity, validate,
-                   expert_path)
-
-    def _dispatch(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> CapacityDispatchHandle:
-        if not self.validate:  # else the shapes are checked in the capacity all-reduce, at no extra collective
-            self._check_shapes_once(x, idx)
-            return capacity_dispatch(x, idx, weights, self.num_experts, self.group, self.capacity, validate=False)
-        first = self._shapes_unchecked()
-        check = (lambda: self._check_experts(x)) if first else None
-        handle = _capacity_dispatch(x, idx, weights, self.num_experts, self.group, self.capacity, True, check)
-        if first:
-            self._shapes_checked = True
-        return handle
-
-    def _experts(self, handle: CapacityDispatchHandle) -> Tuple[torch.Tensor, Any]:
-        which = expert_path(self.expert_path, handle.recv_x, self.experts)
-        if which == "all":
-            return all_local_experts(handle.recv_x, self.experts), (handle.recv_ids, handle.recv_weights)
-        return grouped_experts(handle.recv_x, handle.recv_ids, handle.recv_weights, self.experts, which)
-
-    def _combine(self, y: torch.Tensor, batch: Any, handle: CapacityDispatchHandle) -> CapacityCombineHandle:
-        return capacity_combine(y, handle, grouped=batch if isinstance(batch, GroupedRows) else None)
-
-
 __all__ = [
-    "CapacityBatch", "CapacityCombineHandle", "CapacityDispatchHandle", "CapacityExpertParallelMoE", "EXPERT_PATHS",
+    "CapacityBatch", "CapacityCombineHandle", "CapacityDispatchHandle", "EXPERT_PATHS",
     "all_local_experts", "capacity_combine", "capacity_dispatch", "expert_path", "grouped_experts", "reduce_slots",
 ]

@@ -248,7 +248,7 @@ def _check_counts(x: torch.Tensor, counts: Counts, experts: int) -> Counts:
                 or counts.device != x.device:
             raise ValueError(f"grouped_mlp: a group list must be a 1-D integer tensor of {experts} counts on "
                              f"{x.device}, got {tuple(counts.shape)} {counts.dtype} on {counts.device}")
-        if counts.device.type == "cpu" and not torch.compiler.is_compiling():
+        if counts.device.type == "cpu" and overlap.host_reads_allowed():
             if bool((counts < 0).any()) or int(counts.sum()) > x.shape[0]:
                 raise ValueError(f"grouped_mlp: group list {counts.tolist()} does not fit {x.shape[0]} rows")
         return counts
@@ -331,8 +331,8 @@ class LocalExperts(nn.Module):
         """Whether each expert computes ``down(act(gate(x)) * up(x))`` and nothing else."""
         return not self.extras()
 
-    def _mlp(self, x: torch.Tensor, counts: Counts) -> torch.Tensor:
-        return grouped_mlp(x, counts, self.gate_up, self.down, self.act, self.impl, glu=self.glu,
+    def _mlp(self, x: torch.Tensor, counts: Counts, impl: Optional[str] = None) -> torch.Tensor:
+        return grouped_mlp(x, counts, self.gate_up, self.down, self.act, impl or self.impl, glu=self.glu,
                            gate_up_bias=self.gate_up_bias, down_bias=self.down_bias)
 
     def _scaled(self, x: torch.Tensor, counts: Counts) -> torch.Tensor:
@@ -341,19 +341,20 @@ class LocalExperts(nn.Module):
         ids = (row_experts(counts, x.shape[0], x.device) + self.first_expert)[:, None]
         return x * scores.gather(1, ids.clamp(max=scores.shape[1] - 1)).to(x.dtype)
 
-    def forward(self, x: torch.Tensor, counts: Counts) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: Counts, impl: Optional[str] = None) -> torch.Tensor:
+        """The experts over rows grouped by ``counts``; ``impl`` (`resolve_impl`'s names) overrides theirs."""
         if self.input_scale is not None and x.shape[0]:
             counts = _check_counts(x, counts, self.num_local)
             x = self._scaled(x, counts)
         if not self.identity:
-            return self._mlp(x, counts)
+            return self._mlp(x, counts, impl)
         counts = _check_counts(x, counts, self.num_local)
         n = self.gate_up.shape[0]
         if isinstance(counts, torch.Tensor):  # static shapes: identity rows selected from x, the rest computed
             rows = torch.arange(x.shape[0], device=x.device)
             ends = counts.cumsum(0)
             mine = (rows >= ends[n - 1]) & (rows < ends[-1]) if n else rows < ends[-1]
-            y = self._mlp(x, counts[:n]) if n else torch.zeros_like(x)
+            y = self._mlp(x, counts[:n], impl) if n else torch.zeros_like(x)
             return torch.where(mine[:, None], x, y)
         m = sum(counts[:n])
         return torch.cat([self._mlp(x[:m], counts[:n]), x[m:]])

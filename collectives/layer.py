@@ -63,10 +63,10 @@ from .dispatch import CombineHandle, DispatchHandle, PendingDispatch, _peers, co
 from .experts import LocalExperts
 from .layout import AGREED_HINTS, ExpertBatch, LayoutError, fields_by_name, layer_fields
 from .reference import MoEConfig, Router
+from .static_step import decode_stages
+from .values import MOE_IN, MOE_OUT
 
 
-MOE_IN = "moe_in"  # the layer's input value, [tokens, hidden]
-MOE_OUT = "moe_out"  # its output value
 
 
 class SharedExperts(nn.Module):
@@ -231,30 +231,49 @@ class ExpertParallelMoE(nn.Module):
 
     def stages(self) -> List[Operation]:
         """The layer as operations for one micro-batch, in an order that is valid to run serially."""
-        side = SHARED_EXPERT if self.overlap_shared else DEFAULT
         routed = (MOE_IN, "moe_topk_idx", "moe_topk_weights")
-        st = [Operation("gate", self._gate, (MOE_IN,), ("moe_topk_idx", "moe_topk_weights"), DEFAULT)]
         if self._has_count_stage():
-            st += [Operation("dispatch_counts", self._dispatch_counts, routed, ("moe_counts",), EP_COMM),
-                   Operation("dispatch", self._dispatch_tokens, ("moe_counts",), ("moe_dispatch",), EP_COMM)]
+            dispatch = [Operation("dispatch_counts", self._dispatch_counts, routed, ("moe_counts",), EP_COMM),
+                        Operation("dispatch", self._dispatch_tokens, ("moe_counts",), ("moe_dispatch",), EP_COMM)]
         else:
-            st.append(Operation("dispatch", self._dispatch, routed, ("moe_dispatch",), EP_COMM))
+            dispatch = [Operation("dispatch", self._dispatch, routed, ("moe_dispatch",), EP_COMM)]
+        return self._compose(dispatch, self._experts, self._combine)
+
+    def decode_stages(self, chunks: int = 1) -> List[Operation]:
+        """The layer for a decode step: no host sync, static shapes (`collectives.static_step`).
+
+        The dispatch also reads ``MOE_CAPACITY`` (rows per destination rank, the same on every rank and at
+        least the micro-batch's tokens on each, so nothing can overflow); ``chunks`` > 1 runs the routed
+        experts in that many chunks of the tokens, each dispatched and combined under the others' experts.
+        """
+        return decode_stages(self, chunks)
+
+    def _compose(self, dispatch: List[Operation], experts: Callable[..., Any], combine_fn: Callable[..., Any],
+                 ) -> List[Operation]:
+        """Gate, ``dispatch`` (writing ``moe_dispatch``), shared experts, routed experts, combine, finalize."""
+        side = SHARED_EXPERT if self.overlap_shared else DEFAULT
+        st = [Operation("gate", self._gate, (MOE_IN,), ("moe_topk_idx", "moe_topk_weights"), DEFAULT)] + dispatch
         if self.shared is not None:
             st.append(Operation("shared_gate_up", self._shared_gate_up, (MOE_IN, "moe_topk_idx"), ("moe_shared_h",),
                                 side))
-        st.append(Operation("experts", self._experts, ("moe_dispatch",), ("moe_expert_out", "moe_expert_batch"),
-                            DEFAULT))
+        st.append(Operation("experts", experts, ("moe_dispatch",), ("moe_expert_out", "moe_expert_batch"), DEFAULT))
         if self.shared is not None:
             st.append(Operation("shared_act", self._shared_act, ("moe_shared_h", "moe_dispatch"), ("moe_shared_a",),
                                 side))
-        st.append(Operation("combine", self._combine, ("moe_expert_out", "moe_expert_batch", "moe_dispatch"),
+        st.append(Operation("combine", combine_fn, ("moe_expert_out", "moe_expert_batch", "moe_dispatch"),
                             ("moe_combine",), EP_COMM))
+        return st + self._finish(side, "moe_expert_out", ("moe_combine",))
+
+    def _finish(self, side: str, last_expert_out: str, combined: Tuple[str, ...]) -> List[Operation]:
+        """The shared experts' down projection (beside the last combine) and the finalize that sums ``combined``
+        (one combine's handle, or several chunks' in token order) and the shared output."""
+        st = []
         if self.shared is not None:
-            st.append(Operation("shared_down", self._shared_down, ("moe_shared_a", MOE_IN, "moe_expert_out"),
+            st.append(Operation("shared_down", self._shared_down, ("moe_shared_a", MOE_IN, last_expert_out),
                                 ("moe_shared_out",), side))
-            st.append(Operation("finalize", self._finalize, ("moe_combine", "moe_shared_out"), (MOE_OUT,), DEFAULT))
-        else:
-            st.append(Operation("finalize", self._finalize, ("moe_combine",), (MOE_OUT,), DEFAULT))
+        reads = combined + (("moe_shared_out",) if self.shared is not None else ())
+        finalize = self._finalize if len(combined) == 1 else _ChunksFinalize(len(combined))
+        st.append(Operation("finalize", finalize, reads, (MOE_OUT,), DEFAULT))
         return st
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -264,3 +283,15 @@ class ExpertParallelMoE(nn.Module):
         (out,) = microbatch.run(microbatch.as_listed([ops]), [ops], [{MOE_IN: x.reshape(-1, shape[-1])}],
                                 output=MOE_OUT)
         return out.reshape(shape)
+
+
+class _ChunksFinalize:
+    """The finalize of a layer whose routed experts ran in ``n`` chunks: their combined rows in token order, plus
+    the shared experts' output where there is one."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __call__(self, *handles: Any) -> torch.Tensor:
+        out = torch.cat([h.wait() for h in handles[:self.n]])
+        return out if len(handles) == self.n else out + handles[self.n]

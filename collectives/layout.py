@@ -16,6 +16,8 @@ from typing import Dict, List, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
+import overlap
+
 from .experts import group_list
 
 
@@ -123,7 +125,7 @@ def check_routing(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.T
     if num_experts // world_size > _MAX_LOCAL_EXPERTS:
         raise LayoutError(f"{num_experts // world_size} experts per rank: local expert ids travel as float32, "
                           f"exact only up to {_MAX_LOCAL_EXPERTS}")
-    if check_ids and topk_idx.numel() and not torch.compiler.is_compiling():
+    if check_ids and topk_idx.numel() and overlap.host_reads_allowed():
         lo, hi = int(topk_idx.min()), int(topk_idx.max())
         if lo < 0 or hi >= num_experts:
             bad = lo if lo < 0 else hi

@@ -40,6 +40,7 @@ REFERENCE = "reference"
 AUTO = "auto"  # --mode auto: the planner's choice (microbatch/planning/choice.py), measured beside serial
 ALL_MODES = tuple(name for name, m in microbatch.MODES.items() if m.in_all)
 MODE_NAMES = tuple(microbatch.MODES) + ("all", AUTO)  # what --mode takes, in a comma-separated list
+DECODE_MODE_NAMES = tuple(microbatch.DECODE_MODES) + ("all", AUTO)  # what --decode-mode takes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,9 +96,13 @@ class JobConfig:
 
 
 class ModeList(click.ParamType):
-    """``--mode``: a comma-separated list of modes (``serial,three-batch``), as a tuple of names."""
+    """``--mode``: a comma-separated list of modes (``serial,three-batch``), as a tuple of names; ``names``: the
+    valid ones (`DECODE_MODE_NAMES` for ``--decode-mode``)."""
 
     name = "mode list"
+
+    def __init__(self, names: Sequence[str] = MODE_NAMES):
+        self.names = tuple(names)
 
     def get_metavar(self, param: click.Parameter, ctx: Optional[click.Context] = None) -> str:
         return "MODE[,MODE...]"
@@ -107,18 +112,19 @@ class ModeList(click.ParamType):
         if isinstance(value, tuple):
             return value
         try:
-            return split_modes(str(value))
+            return split_modes(str(value), self.names)
         except ValueError as exc:
             self.fail(str(exc), param, ctx)
 
 
-def split_modes(text: str) -> Tuple[str, ...]:
+def split_modes(text: str, valid: Sequence[str] = MODE_NAMES) -> Tuple[str, ...]:
     """The mode names of one comma-separated ``--mode`` value; ValueError naming an unknown one."""
     names = tuple(n.strip() for n in text.split(","))
     for n in names:
-        if n not in MODE_NAMES:
+        if n not in valid:
             what = f"unknown mode {n!r}" if n else f"an empty mode name in {text!r}"
-            raise ValueError(f"{what} (valid: {', '.join(MODE_NAMES)}; a comma-separated list)")
+            hint = " (a decode mode: give it to --decode-mode)" if n in DECODE_MODE_NAMES else ""
+            raise ValueError(f"{what}{hint} (valid: {', '.join(valid)}; a comma-separated list)")
     return names
 
 

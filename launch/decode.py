@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 import microbatch
 import overlap
-from collectives import ExpertParallelMoE, group_size
+from collectives import MOE_CAPACITY, ExpertParallelMoE, group_size
 from microbatch import (HIDDEN, KV_STEP, K, V, Batch, DecodeModel, KVCache, KVRows, KVStep, OffloadedKVCache, Operation,
                         SeqInfo)
 from microbatch.forward import micro_batch_inputs
@@ -88,26 +88,28 @@ def greedy_generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_to
                     mode: str = "serial") -> List[List[int]]:
     """Each prompt's greedy continuation (argmax of the LM head), at most ``new_tokens`` long (one count, or one
     per prompt), ending at ``stop_token`` (included) where it comes; the decode steps run in ``mode``
-    (`microbatch.MODES`; every rank passes the same). `generate`'s tokens."""
+    (`microbatch.DECODE_MODES`; every rank passes the same). `generate`'s tokens."""
     return generate(model, prompts, new_tokens, stop_token=stop_token, cache=cache, mode=mode).tokens
 
 
 @torch.no_grad()
 def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: Union[int, Sequence[int]], *,
              stop_token: Optional[int] = None, cache: Optional[KVCache] = None, mode: str = "serial",
-             prefill_mode: str = "serial", on_step: Optional[OnStep] = None, margins: bool = False) -> Generated:
+             prefill_mode: str = "serial", on_step: Optional[OnStep] = None, margins: bool = False,
+             buckets: Optional[Sequence[int]] = None) -> Generated:
     """Greedy generation (see the module docstring): prefill in ``prefill_mode``, decode steps in ``mode``.
 
     ``prompts``: this rank's requests' token ids (none is fine with several ranks); ``new_tokens``: the most
     each generates (one count, or one per prompt); ``cache``: where the keys and values go (default
     `new_cache`; its slots are taken and freed here); ``on_step(step, active)`` is called once each step's
-    tokens are taken, with the number of requests still active on every rank.
+    tokens are taken, with the number of requests still active on every rank; ``buckets``: the sizes a step's
+    exchange is padded to (`bucket_of`; default the powers of two).
     """
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     limits = _limits(prompts, new_tokens)
-    how = microbatch.mode(mode)
-    layers = model.decode_layer_operations()  # first: a model that cannot decode says so before any exchange
+    how = microbatch.decode_mode(mode)
+    layers = model.decode_layer_operations(how.moe_chunks)  # first: a model that cannot decode says so
     group = _expert_group(model)
     cache = cache or new_cache(model, prompts, limits)
     slots = cache.admit(len(prompts))
@@ -130,26 +132,78 @@ def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: U
                 still.append(i)
         going = set(still)
         cache.release([slots[i] for i in active if i not in going])
-        total = _step_status(len(still), how.micro_batches, problem, group)
+        history = [lens[i] + len(out.tokens[i]) - 1 for i in still]  # rows held before this step's
+        parts = split_by_cost(history, how.micro_batches, per_row)
+        total, widest = _step_status(len(still), max(map(len, parts)), how.micro_batches, problem, group)
         if on_step is not None:
             on_step(out.steps, total)
         if not total:
             return out
         out.steps += 1
-        history = [lens[i] + len(out.tokens[i]) - 1 for i in still]  # rows held before this step's
-        parts = split_by_cost(history, how.micro_batches, per_row)
+        capacity = bucket_of(widest, buckets)
         order = [still[j] for part in parts for j in part]
         steps, inputs = [], []
         for part in parts:  # a part may be empty: its micro-batch takes part with zero tokens
             requests = [still[j] for j in part]
-            step_tokens = torch.tensor([out.tokens[i][-1] for i in requests], dtype=torch.long, device=device)
             steps.append(KVStep(cache, cache.rows([slots[i] for i in requests])))
-            inputs.append({HIDDEN: model.embed_tokens(step_tokens), KV_STEP: steps[-1]})
-        hidden = torch.cat(microbatch.run_made(how.make, layers, inputs))
+            step_tokens = torch.tensor([out.tokens[i][-1] for i in requests], dtype=torch.long, device=device)
+            inputs.append({TOKENS: step_tokens, KV_STEP: steps[-1], MOE_CAPACITY: capacity})
+        with overlap.no_host_sync(f"{DECODE_STEP} {out.steps}"):
+            picked = decode_step(model, layers, how.make, inputs, margins)
         for step in steps:
             cache.advance(step.rows)
         active = order
-        nxt, gaps, problem = _greedy(model.logits(model.norm(hidden)), active, out.steps, margins)
+        nxt, gaps, problem = _read_picked(picked, active, out.steps)
+
+
+DECODE_STEP = "decode step"  # the label of a decode step's `overlap.no_host_sync` scope, with its number
+TOKENS = "tokens"  # a decode micro-batch's input: its requests' last tokens, embedded in the step
+
+
+def decode_step(model: DecodeModel, layers: Sequence[Sequence[Operation]], make: Callable[..., Any],
+                inputs: Sequence[Dict[str, Any]], margins: bool = False) -> "Picked":
+    """One decode step on the device, nothing read on the host: each micro-batch's ``TOKENS`` embedded, the
+    layers in ``make``'s schedule (each micro-batch also reads its ``KV_STEP`` and ``MOE_CAPACITY``), the final
+    norm, the LM head and the greedy pick (`Picked`)."""
+    staged = [{HIDDEN: model.embed_tokens(v[TOKENS]), **{k: x for k, x in v.items() if k != TOKENS}} for v in inputs]
+    logits = model.logits(model.norm(torch.cat(microbatch.run_made(make, layers, staged))))
+    finite = torch.isfinite(logits).all(-1)
+    ids = torch.where(finite, logits.argmax(-1), torch.full_like(finite, -1, dtype=torch.long))
+    gaps = None
+    if margins and logits.shape[0] and logits.shape[-1] > 1:
+        top = logits.float().topk(2, dim=-1).values
+        gaps = top[:, 0] - top[:, 1]
+    return Picked(ids, gaps)
+
+
+@dataclasses.dataclass
+class Picked:
+    """A step's greedy pick on the device: each row's argmax, -1 where its logits hold NaN or inf, and (with
+    margins) the gap between its top two logits."""
+
+    ids: torch.Tensor  # [rows] int64
+    gaps: Optional[torch.Tensor] = None  # [rows] float32
+
+
+def _read_picked(picked: Picked, requests: List[int], step: int) -> Tuple[List[int], List[float], Optional[str]]:
+    """The tokens of a step on the host (the step's one read), the margins, and what is wrong where a row was not
+    finite (as `_greedy` says it)."""
+    ids = picked.ids.tolist()
+    bad = [j for j, t in enumerate(ids) if t < 0]
+    problem = None
+    if bad:
+        problem = (f"NaN or inf in the logits of request {requests[bad[0]]} at decode step {step} (0: the prefill's)"
+                   + (f" and of {len(bad) - 1} more" if len(bad) > 1 else ""))
+    return ids, ([] if picked.gaps is None else picked.gaps.tolist()), problem
+
+
+def bucket_of(tokens: int, buckets: Optional[Sequence[int]] = None) -> int:
+    """The bucket a step of ``tokens`` rows per micro-batch pads its exchange to: the smallest of ``buckets``
+    (default: the powers of two) that holds them; past the largest, the tokens themselves."""
+    tokens = max(1, int(tokens))
+    if buckets is None:
+        return 1 << (tokens - 1).bit_length()
+    return min((b for b in buckets if b >= tokens), default=tokens)
 
 
 def _prefill(model: DecodeModel, batch: Batch, cache: KVCache, slots: List[int], mode: str,
@@ -234,18 +288,19 @@ def _greedy(logits: torch.Tensor, requests: List[int], step: int, margins: bool
     return logits.argmax(-1).tolist(), gaps, problem
 
 
-def _step_status(mine: int, micro_batches: int, problem: Optional[str], group: Optional[dist.ProcessGroup]) -> int:
-    """The requests still active on every rank of ``group``, once they agree on the step's micro-batches;
-    `NonFiniteLogits` on every rank, naming the rank, where one found NaN or inf (`overlap.agree`: one small
-    all-reduce; none without a group)."""
+def _step_status(mine: int, widest: int, micro_batches: int, problem: Optional[str],
+                 group: Optional[dist.ProcessGroup]) -> Tuple[int, int]:
+    """The requests still active on every rank of ``group`` and the widest micro-batch of any rank (its bucket is the
+    step's exchange capacity), once they agree on the step's micro-batches; `NonFiniteLogits` on every rank,
+    naming the rank, where one found NaN or inf (`overlap.agree`: one small all-reduce; none without a group)."""
     if group is None:
         if problem:
             raise NonFiniteLogits(problem)
-        return mine
-    posts = overlap.agree({"active": mine, "micro-batches": micro_batches},
+        return mine, widest
+    posts = overlap.agree({"active": mine, "widest": widest, "micro-batches": micro_batches},
                           overlap.GroupTransport(group, "decode.step"), problems=[problem] if problem else [],
-                          per_rank=["active"], error=DecodeError, problem_error=NonFiniteLogits)
-    return sum(p["active"] for p in posts)
+                          per_rank=["active", "widest"], error=DecodeError, problem_error=NonFiniteLogits)
+    return sum(p["active"] for p in posts), max(p["widest"] for p in posts)
 
 
 def first_difference(tokens: Sequence[Sequence[int]], reference: Sequence[Sequence[int]]

@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 import microbatch
 from launch.build import build_model, holds_whole_model
-from launch.config import DecodeConfig, JobConfig, ModeList, decode_config, job_config
+from launch.config import DECODE_MODE_NAMES, DecodeConfig, JobConfig, ModeList, decode_config, job_config
 from launch.job import main as job_main, progress, say, script as job_script
 from launch.options import batch_options, model_options, run_options, timing_options
 
@@ -57,9 +57,10 @@ OwnTokens = Union[List[List[int]], str, None]  # the model's own generate() for 
 @click.option("--mode", type=ModeList(), multiple=True, default=["all"],
               help="Prefill schedules, comma-separated, of " + ", ".join(list(microbatch.MODES) + ["all"])
                    + ": all = serial, shared, two-batch. Given more than once, the lists add up.")
-@click.option("--decode-mode", type=ModeList(), multiple=True,
+@click.option("--decode-mode", type=ModeList(DECODE_MODE_NAMES), multiple=True,
               help="Decode schedules, comma-separated (default: the same as --mode): as many as --mode names, "
-                   "paired in order, or one for every --mode (or one --mode for every decode mode).")
+                   "paired in order, or one for every --mode (or one --mode for every decode mode); besides the "
+                   "prefill modes, chunked-2, chunked-3 and chunked-4 (one batch, its MoE in K chunks).")
 @click.option("--new-tokens", type=int, default=16, help="New tokens per request (the most, with a spread).")
 @click.option("--new-tokens-spread", type=float, default=0.0,
               help="Each request's new tokens drawn from [ceil(N*(1-F)), N] with the seed, differently on each rank.")

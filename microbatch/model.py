@@ -144,8 +144,10 @@ class DecodeModel(MoEModel, Protocol):
     per active request) and ``KV_STEP`` (`microbatch.KVStep`: where the step's keys and values go in the
     cache, and every request's history there) instead of ``SEQ`` and ``PREFIX_KV``."""
 
-    def decode_layer_operations(self) -> List[List[Operation]]:
-        """Every layer's operations for a decode step, for the executor."""
+    def decode_layer_operations(self, chunks: int = 1) -> List[List[Operation]]:
+        """Every layer's operations for a decode step, for the executor; an expert-parallel MoE's in its decode
+        stages (no host sync, its micro-batch's ``moe_capacity`` rows per rank), the routed experts in
+        ``chunks``."""
 
 
 __all__ = ["KV", "DecodeModel", "ForwardModel", "Layer", "MoELayer", "MoEModel", "ModelShape"]

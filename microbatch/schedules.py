@@ -9,7 +9,8 @@ one is its producer), operations on `SHARED_EXPERT` are shared experts, everythi
 
 `MODES` names the generators once, with the names the launcher, the JSON results and the traces
 use: ``serial``, ``shared``, ``two-batch``, and the opt-in ``three-batch`` and ``four-batch``
-(`Mode.in_all` is False: the launcher's ``--mode all`` leaves them out).
+(`Mode.in_all` is False: the launcher's ``--mode all`` leaves them out). `DECODE_MODES` adds the decode
+steps' ``chunked-2`` .. ``chunked-4``: one batch, its MoE in K chunks (`chunked`).
 
 Values flow by name: a layer starts with its micro-batch's inputs (``"hidden"`` at layer 0, any
 context values at every layer) and layer ``L``'s ``"hidden"`` is layer ``L-1``'s ``"out"``.
@@ -414,22 +415,36 @@ def two_batch(layers: Layers, n_micro: int = 2, defer_tail: bool = True) -> Sche
     return _pipelined("two-batch", layers, n_micro, defer_tail)
 
 
+def chunked(layers: Layers, n_micro: int = 1) -> Schedule:
+    """`shared` for layers whose MoE runs in chunks (`collectives.ExpertParallelMoE.decode_stages`): their listed
+    order already issues chunk i+1's dispatch before chunk i's experts and chunk i's combine before chunk i+1's,
+    so on the communication stream each runs under the experts of another chunk."""
+    return dataclasses.replace(shared(layers, n_micro), name="chunked")
+
+
 @dataclasses.dataclass(frozen=True)
 class Mode:
-    """A named way to run a prefill: its schedule generator and how many micro-batches it wants.
+    """A named way to run a prefill or a decode step: its schedule generator and how many micro-batches it wants.
 
     ``in_all``: the launcher's ``--mode all`` runs it (the N-batch modes for N > 2 are opt-in).
+    ``moe_chunks``: the chunks a decode step's routed experts run in (one batch, its MoE as a pipeline of
+    chunks: the ``chunked-K`` modes of `DECODE_MODES`).
     """
 
     name: str
     make: Callable[..., Schedule]
     micro_batches: int
     in_all: bool = True
+    moe_chunks: int = 1
 
 
 MODES: Dict[str, Mode] = {m.name: m for m in (
     Mode("serial", serial, 1), Mode("shared", shared, 1), Mode("two-batch", two_batch, 2),
     Mode("three-batch", n_batch, 3, in_all=False), Mode("four-batch", n_batch, 4, in_all=False))}
+CHUNKS = (2, 3, 4)  # the chunked decode modes' chunk counts
+# Decode steps run every prefill mode and, for small batches, one batch with its MoE in K chunks.
+DECODE_MODES: Dict[str, Mode] = {**MODES, **{f"chunked-{k}": Mode(f"chunked-{k}", chunked, 1, in_all=False,
+                                                                   moe_chunks=k) for k in CHUNKS}}
 
 
 def mode(name: str) -> Mode:
@@ -437,7 +452,16 @@ def mode(name: str) -> Mode:
     try:
         return MODES[name]
     except KeyError:
-        raise ValueError(f"unknown mode {name!r}; expected one of {', '.join(MODES)}") from None
+        hint = " (a decode mode: it runs decode steps only)" if name in DECODE_MODES else ""
+        raise ValueError(f"unknown mode {name!r}{hint}; expected one of {', '.join(MODES)}") from None
+
+
+def decode_mode(name: str) -> Mode:
+    """The decode `Mode` called ``name`` (`DECODE_MODES`); a ValueError listing them otherwise."""
+    try:
+        return DECODE_MODES[name]
+    except KeyError:
+        raise ValueError(f"unknown decode mode {name!r}; expected one of {', '.join(DECODE_MODES)}") from None
 
 
 def schedule_for(name: str, layers: Layers, n_micro: int) -> Schedule:
@@ -445,6 +469,6 @@ def schedule_for(name: str, layers: Layers, n_micro: int) -> Schedule:
     return mode(name).make(layers, n_micro)
 
 
-__all__ = ["HIDDEN", "MODES", "OUT", "Flow", "Mode", "Read", "Schedule", "ScheduleError", "ScheduledOp", "as_listed",
-           "mode", "n_batch", "n_batch_name", "normalize_layers", "schedule_for", "serial", "shared", "two_batch",
+__all__ = ["CHUNKS", "DECODE_MODES", "HIDDEN", "MODES", "OUT", "Flow", "Mode", "Read", "Schedule", "ScheduleError",
+           "ScheduledOp", "as_listed", "chunked", "decode_mode", "mode", "n_batch", "n_batch_name", "normalize_layers", "schedule_for", "serial", "shared", "two_batch",
            "validate"]

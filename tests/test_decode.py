@@ -4,9 +4,9 @@ import dataclasses
 import pytest
 import torch
 
-from launch.decode import first_difference, generate, greedy_generate, split_by_cost
+from launch.decode import DECODE_STEP, bucket_of, first_difference, generate, greedy_generate, split_by_cost
 from launch.models import build_model, preset
-from microbatch import MODES, Batch, SeqInfo
+from microbatch import DECODE_MODES, MODES, Batch, SeqInfo
 
 
 def _recomputed(model, prompts, new_tokens, stop_token=None):
@@ -47,7 +47,7 @@ CFG = dataclasses.replace(preset("tiny"), n_experts=12)  # over 2, 3 or 4 ranks
 
 def _ranks_body(ctx):
     from launch.runner import make_expert_parallel
-    from overlap import Sanitizer
+    from overlap import HostSyncs, Sanitizer
 
     lens, new_tokens = PLANS[ctx.world_size][ctx.rank]
     g = torch.Generator().manual_seed(10 + ctx.rank)
@@ -55,26 +55,32 @@ def _ranks_body(ctx):
     prompts = [torch.randint(0, dense.cfg.vocab, (n,), generator=g).tolist() for n in lens]
     want = _recomputed(dense, prompts, new_tokens)
     model = make_expert_parallel(build_model(CFG, seed=3), ctx.group)
-    modes = MODES if ctx.world_size == 2 else ("serial",)  # every mode once, on two ranks
-    got = {}
+    modes = DECODE_MODES if ctx.world_size == 2 else ("serial",)  # every mode once, on two ranks
+    got, synced = {}, {}
     for mode in modes:
-        with Sanitizer():  # raises on the first race between streams
-            got[mode] = generate(model, prompts, new_tokens, mode=mode, prefill_mode=mode).tokens
-    return got, want
+        prefill = mode if mode in MODES else "serial"
+        with Sanitizer(), HostSyncs() as syncs:  # the sanitizer raises on the first race between streams
+            got[mode] = generate(model, prompts, new_tokens, mode=mode, prefill_mode=prefill).tokens
+        synced[mode] = [str(s) for s in syncs.inside() if s.scope != f"{DECODE_STEP} 1"]
+    return got, want, synced
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_ranks_that_finish_at_different_steps_take_part_until_every_rank_is_done(world):
     """Experts over 2, 3 and 4 ranks; a rank with no prompt, one whose request ends at prefill, one that finishes
     steps before the others: each rank's tokens equal recomputing its requests on one process, and no rank
-    is left in an exchange (the test's timeout bounds a hang). On two ranks in every mode (prefill and decode
-    in its schedule, some micro-batches empty on the rank with fewer requests), race-free under the sanitizer."""
+    is left in an exchange (the test's timeout bounds a hang). On two ranks in every decode mode (prefill and
+    decode in its schedule, some micro-batches empty on the rank with fewer requests; the chunked modes after a
+    serial prefill, their chunks empty where a rank has fewer tokens than chunks), race-free under the sanitizer.
+    No decode step after the first reads the device on the host (`overlap.HostSyncs`: its exchange has static
+    shapes, its checks and its pick stay on the device)."""
     from overlap.multirank import run_ranks
 
-    for rank, (got, want) in enumerate(run_ranks(_ranks_body, world, timeout=240)):
-        assert set(got) == (set(MODES) if world == 2 else {"serial"})
+    for rank, (got, want, synced) in enumerate(run_ranks(_ranks_body, world, timeout=240)):
+        assert set(got) == (set(DECODE_MODES) if world == 2 else {"serial"})
         for mode, tokens in got.items():
             assert tokens == want, (rank, mode, tokens, want)
+            assert synced[mode] == [], (rank, mode, synced[mode])
 
 
 def test_every_mode_generates_serials_tokens():
@@ -163,3 +169,8 @@ def test_the_reference_decoder_implements_the_decode_contract():
     model.decode_layer_operations = None  # the check fails on a decoder without it
     assert protocol_problems(model, DecodeModel) == ["Model.decode_layer_operations: not callable (DecodeModel has "
                                                      "this method)"]
+
+
+def test_a_steps_exchange_is_padded_to_the_bucket_of_its_widest_micro_batch():
+    assert [bucket_of(n) for n in (0, 1, 2, 3, 5, 8, 9, 200)] == [1, 1, 2, 4, 8, 8, 16, 256]
+    assert [bucket_of(n, (4, 16)) for n in (1, 4, 5, 16, 17)] == [4, 4, 16, 16, 17]  # past the largest: itself

@@ -7,8 +7,12 @@ implement is `microbatch.model.MoEModel`.)
 from __future__ import annotations
 
 import hashlib
+from typing import Any, List, Optional
 
 import torch
+
+import overlap
+from microbatch import Operation, as_operation
 
 
 def param_seed(seed: int, name: str) -> int:
@@ -19,10 +23,22 @@ def param_seed(seed: int, name: str) -> int:
 
 def check_token_ids(tokens: torch.Tensor, vocab: int) -> None:
     """ValueError unless every token id is in ``[0, vocab)``; checked on the host, except while compiling
-    (a compiled graph reads nothing back)."""
-    if tokens.numel() and not torch.compiler.is_compiling() and (
+    (a compiled graph reads nothing back) and in a step without host syncs (`overlap.no_host_sync`: a decode
+    step's tokens are its own argmax)."""
+    if tokens.numel() and overlap.host_reads_allowed() and (
             int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
         raise ValueError(f"token ids must be in [0, {vocab}), got [{int(tokens.min())}, {int(tokens.max())}]")
 
 
-__all__ = ["check_token_ids", "param_seed"]
+def module_stages(ffn: Any, decode_chunks: Optional[int] = None) -> Optional[List[Operation]]:
+    """An FFN module's operations where it has stages (an expert-parallel layer): its decode stages where
+    ``decode_chunks`` is given and it has them (`collectives.ExpertParallelMoE.decode_stages`), else its
+    ``stages()``; None for a module that is called whole."""
+    decode = getattr(ffn, "decode_stages", None)
+    if decode_chunks is not None and callable(decode):
+        return [as_operation(s) for s in decode(decode_chunks)]
+    stages = getattr(ffn, "stages", None)
+    return [as_operation(s) for s in stages()] if callable(stages) else None
+
+
+__all__ = ["check_token_ids", "module_stages", "param_seed"]

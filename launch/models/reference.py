@@ -30,13 +30,13 @@ from torch import nn
 import overlap
 from collectives import MOE_IN, MOE_OUT
 from collectives.reference import MoE, Expert
-from microbatch import HIDDEN, OUT, Operation, Split, State, as_operation
+from microbatch import HIDDEN, OUT, Operation, Split, State
 from microbatch.batch import K, KV_STEP, PREFIX_KV, SEQ, V, Batch, SeqInfo
 from microbatch.kv_cache import KVStep
 from microbatch.forward import forward_layer_by_layer
 from microbatch.model import KV
 
-from .common import check_token_ids, param_seed
+from .common import check_token_ids, module_stages, param_seed
 from .presets import ModelConfig
 
 __all__ = ["DecoderLayer", "Model", "RMSNorm", "build_model", "init_weights"]
@@ -132,26 +132,27 @@ class DecoderLayer(nn.Module):
             q, k = _rope(q, step.positions, self.cfg.rope_theta), _rope(k, step.positions, self.cfg.rope_theta)
         return hidden + self.o_proj(step.attend(self.index, q, k, v).reshape(t, h * d))
 
-    def decode_operations(self) -> List[Operation]:
+    def decode_operations(self, chunks: int = 1) -> List[Operation]:
         """This layer for a decode step, from ``HIDDEN`` and ``KV_STEP`` to ``OUT``: `operations` with the
-        cached attention."""
-        return [Operation("attn", self.decode_attention, (HIDDEN, KV_STEP), ("resid",))] + self._after_attention()
+        cached attention, and an expert-parallel MoE's decode stages (its routed experts in ``chunks``)."""
+        return ([Operation("attn", self.decode_attention, (HIDDEN, KV_STEP), ("resid",))]
+                + self._after_attention(chunks))
 
-    def _after_attention(self) -> List[Operation]:
+    def _after_attention(self, decode_chunks: Optional[int] = None) -> List[Operation]:
         """From ``resid`` to ``OUT``: the norm, the MLP or MoE, the residual."""
-        return ([Operation("ffn_norm", self.ffn_norm, ("resid",), (MOE_IN,))] + self.ffn_operations()
+        return ([Operation("ffn_norm", self.ffn_norm, ("resid",), (MOE_IN,))] + self.ffn_operations(decode_chunks)
                 + [Operation("residual", torch.add, ("resid", MOE_OUT), (OUT,))])
 
     def _ffn(self) -> nn.Module:
         return self.moe if self.is_moe else self.mlp
 
-    def ffn_operations(self) -> List[Operation]:
-        """The operations from ``MOE_IN`` to ``MOE_OUT``: the MoE's stages, or one call of it."""
-        ffn = self._ffn()
-        stages = getattr(ffn, "stages", None)
-        if callable(stages):
-            return [as_operation(s) for s in stages()]
-        return [Operation("moe" if self.is_moe else "mlp", ffn, (MOE_IN,), (MOE_OUT,))]
+    def ffn_operations(self, decode_chunks: Optional[int] = None) -> List[Operation]:
+        """The operations from ``MOE_IN`` to ``MOE_OUT``: the MoE's stages (its decode stages with
+        ``decode_chunks``: `launch.models.common.module_stages`), or one call of it."""
+        staged = module_stages(self._ffn(), decode_chunks)
+        if staged is not None:
+            return staged
+        return [Operation("moe" if self.is_moe else "mlp", self._ffn(), (MOE_IN,), (MOE_OUT,))]
 
     def operations(self) -> List[Operation]:
         """This layer as operations, from ``HIDDEN``, ``SEQ``, ``PREFIX_KV`` to ``OUT``, ``K``, ``V``."""
@@ -237,9 +238,9 @@ class Model(nn.Module):
         """Every layer's operations, for the pipeline executor (``microbatch.run``)."""
         return [layer.operations() for layer in self.layers]
 
-    def decode_layer_operations(self) -> List[List[Operation]]:
+    def decode_layer_operations(self, chunks: int = 1) -> List[List[Operation]]:
         """Every layer's operations for a decode step (`DecoderLayer.decode_operations`)."""
-        return [layer.decode_operations() for layer in self.layers]
+        return [layer.decode_operations(chunks) for layer in self.layers]
 
 
 @torch.no_grad()

@@ -53,14 +53,14 @@ from torch import nn
 
 import overlap
 from collectives import MOE_IN, MOE_OUT
-from microbatch import HIDDEN, OUT, Operation, Split, State, as_operation
+from microbatch import HIDDEN, OUT, Operation, Split, State
 from microbatch.batch import K, KV_STEP, PREFIX_KV, SEQ, V, Batch, SeqInfo
 from microbatch.forward import forward_layer_by_layer
 from microbatch.kv_cache import KVStep
 from microbatch.model import KV
 from overlap import EP_COMM
 
-from .common import check_token_ids, param_seed
+from .common import check_token_ids, module_stages, param_seed
 
 __all__ = ["EXPERT_COUNTS", "SHARED_COUNTS", "ShortcutLayer", "TransformersConfig", "TransformersLayer",
            "TransformersModel", "adapt", "attention_for", "causal_mask", "decode_mask", "first_field", "from_config",
@@ -544,21 +544,22 @@ class TransformersLayer(nn.Module):
         # transformers blocks take [batch, tokens, hidden]; some return [tokens, hidden] (Llama 4)
         return _first(self._ffn()(x[None])).reshape(x.shape)
 
-    def ffn_operations(self) -> List[Operation]:
-        """The operations from ``MOE_IN`` to ``MOE_OUT``: the EP layer's stages, or one call of the block."""
-        stages = getattr(self._ffn(), "stages", None)
-        if callable(stages):
-            return [as_operation(s) for s in stages()]
+    def ffn_operations(self, decode_chunks: Optional[int] = None) -> List[Operation]:
+        """The operations from ``MOE_IN`` to ``MOE_OUT``: the EP layer's stages (its decode stages with
+        ``decode_chunks``: `launch.models.common.module_stages`), or one call of the block."""
+        staged = module_stages(self._ffn(), decode_chunks)
+        if staged is not None:
+            return staged
         return [Operation("moe" if self.is_moe else "mlp", self._call_ffn, (MOE_IN,), (MOE_OUT,))]
 
     def _residual(self, resid: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
         return resid + self._scaled(self.ffn_out_norm(branch))
 
-    def _after_attention(self) -> List[Operation]:
+    def _after_attention(self, decode_chunks: Optional[int] = None) -> List[Operation]:
         """From ``resid`` (and ``HIDDEN``, on a parallel layer) to ``OUT``: the FFN's norm, the FFN, the residual."""
         residual = torch.add if self.residual_scale == 1.0 and not self._sandwich else self._residual
         return ([Operation("ffn_norm", self.ffn_norm, (HIDDEN if self.parallel else "resid",), (MOE_IN,))]
-                + self.ffn_operations()
+                + self.ffn_operations(decode_chunks)
                 + [Operation("residual", residual, ("resid", MOE_OUT), (OUT,))])
 
     def operations(self) -> List[Operation]:
@@ -590,13 +591,15 @@ class TransformersLayer(nn.Module):
         step.cache.write(self.index, rows, k, v)
         return hidden + self._scaled(att.out_norm(out))
 
-    def decode_operations(self) -> List[Operation]:
+    def decode_operations(self, chunks: int = 1) -> List[Operation]:
         """This layer for a decode step, from ``HIDDEN`` and ``KV_STEP`` to ``OUT``: the cached attention, then what
-        `operations` runs after attention. ValueError where it cannot (`decode_refusal`)."""
+        `operations` runs after attention, an expert-parallel MoE's decode stages (its routed experts in
+        ``chunks``). ValueError where it cannot (`decode_refusal`)."""
         reason = self.decode_refusal()
         if reason is not None:
             raise ValueError(f"cannot decode: {reason}")
-        return [Operation("attn", self.decode_attention, (HIDDEN, KV_STEP), ("resid",))] + self._after_attention()
+        return ([Operation("attn", self.decode_attention, (HIDDEN, KV_STEP), ("resid",))]
+                + self._after_attention(chunks))
 
     def run(self, hidden: torch.Tensor, seq: SeqInfo, prefix: Optional[KV] = None, **meta: Any
             ) -> Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
@@ -816,8 +819,9 @@ class TransformersModel(nn.Module):
         """Every layer's operations, for the pipeline executor (``microbatch.run``)."""
         return [layer.operations() for layer in self.layers]
 
-    def decode_layer_operations(self) -> List[List[Operation]]:
-        """Every layer's operations for a decode step (`TransformersLayer.decode_operations`); a ValueError of one
+    def decode_layer_operations(self, chunks: int = 1) -> List[List[Operation]]:
+        """Every layer's operations for a decode step (`TransformersLayer.decode_operations`, the routed experts of
+        expert-parallel layers in ``chunks``); a ValueError of one
         line naming the layers a decode cannot run (a hybrid's linear attention, LongCat-Flash's two attentions),
         raised before any operation runs."""
         refused = [r for r in (layer.decode_refusal() for layer in self.layers) if r is not None]
@@ -829,7 +833,7 @@ class TransformersModel(nn.Module):
         if refused:
             more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
             raise ValueError(f"{cfg.model_type}: {refused[0]}{more}")
-        return [layer.decode_operations() for layer in self.layers]
+        return [layer.decode_operations(chunks) for layer in self.layers]
 
     @torch.no_grad()
     def forward(self, batch: Batch, kv_sink: Optional[Callable[[int, torch.Tensor, torch.Tensor], None]] = None

@@ -1,0 +1,56 @@
+"""The decode benchmark (launch/bench/decode.py): its table and targets from given figures, and a run at a tiny size."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _point(tokens, link, share, ms):
+    """A point as `launch.bench.decode._point` returns it: TPOT in ms per mode (no spread)."""
+    return {"tokens": tokens, "link": link, "comm_share": share, "rounds": 5, "steps": 7,
+            "rows": {m: (t / 1e3, None) for m, t in ms.items()}}
+
+
+def test_the_table_and_the_overlap_target_from_given_figures():
+    from launch.bench.decode import report, target_overlap_pays
+
+    pays = _point(256, 0.1, 0.4, {"serial": 100.0, "shared": 95.0, "two-batch": 80.0})
+    text = report([pays, _point(8, 0.1, 0.5, {"serial": 10.0, "shared": 12.0, "two-batch": 20.0})])
+    assert re.search(r"^ +256 +0\.1 +40% +100\.00 +95\.00 +80\.00 +1\.05x +1\.25x +two-batch +- +5 x 7$", text, re.M)
+    assert re.search(r"^ +8 +0\.1 +50% .* serial ", text, re.M)
+    what, met, detail = target_overlap_pays([pays])
+    assert met is True and "two-batch 1.25x at 0.1 GB/s" in detail
+    loses = _point(256, 0.03, 0.5, {"serial": 100.0, "shared": 99.0, "two-batch": 110.0})
+    assert target_overlap_pays([pays, loses])[1] is False  # every qualifying point must pay
+    assert target_overlap_pays([_point(256, 1.0, 0.2, {"serial": 100.0, "shared": 99.0})])[1] is None  # comm < 30%
+    # the hooks for auto and the predictions say they checked nothing
+    assert text.count(": not checked (hook: ") == 2 and "MISSED" not in text
+
+
+def test_a_mode_with_its_own_argument_is_one_maker(monkeypatch):
+    from launch.bench import decode
+
+    assert decode.decode_modes()[0] == "serial"
+    point = decode.Point(None, None, 8, 0.1)
+    assert decode.generate_arguments("two-batch", point) == {"prefill_mode": "serial", "mode": "two-batch"}
+    monkeypatch.setitem(decode.MODE_ARGUMENTS, "chunked-", lambda name, p: {"mode": "chunked", "chunks": int(name[8:])})
+    assert decode.generate_arguments("chunked-4", point) == {"prefill_mode": "serial", "mode": "chunked", "chunks": 4}
+
+
+@pytest.mark.spawns_ranks
+def test_the_decode_benchmark_runs_at_a_tiny_size():
+    proc = subprocess.run([sys.executable, "-m", "launch.bench.decode", "--preset", "tiny", "--tokens", "1,8",
+                           "--links", "0.1", "--warmup", "0", "--iters", "1", "--min-seconds", "0"],
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from launch.bench.decode import decode_modes
+
+    n = len(decode_modes())  # a time per mode, then a speedup per mode but serial's
+    row = r" +\d+% +" + r"[0-9.]+ +" * n + r"[0-9.]+x +" * (n - 1) + r"\S+ "
+    for tokens in (1, 8):
+        assert re.search(rf"^ +{tokens} +0\.1{row}", proc.stdout, re.M), proc.stdout
+    assert "serial ms" in proc.stdout and "two-batch x" in proc.stdout and "targets:" in proc.stdout
