@@ -495,11 +495,10 @@ def decode_config(job: JobConfig, *, new_tokens: int, spread: float, stop_token:
     if stop_token is not None and not 0 <= stop_token < vocab:
         raise ConfigError(f"--stop-token must be a token id in [0, {vocab}), got {stop_token}")
     prefill = [m for m in (job.asked_modes or job.modes)]
-    decode, _ = resolve_modes(decode_modes, check=False) if decode_modes else (tuple(prefill), ())
-    for option, names in (("--mode", prefill), ("--decode-mode", decode)):
-        if AUTO in names:
-            raise ConfigError(f"{option} auto is not available in generation: the planner chooses for prefill "
-                              f"batches only; name the modes")
+    decode = resolve_modes(decode_modes, check=False)[1] if decode_modes else tuple(prefill)
+    if AUTO in prefill:
+        raise ConfigError("--mode auto is not available in generation (its prefill's planner chooses for prefill "
+                          "jobs): name the prefill modes; --decode-mode auto chooses each decode step's mode")
     if len(decode) == 1:
         runs = [(p, decode[0]) for p in prefill]
     elif len(prefill) == 1:
@@ -510,6 +509,6 @@ def decode_config(job: JobConfig, *, new_tokens: int, spread: float, stop_token:
         raise ConfigError(f"--decode-mode lists {len(decode)} modes and --mode {len(prefill)}: give as many, or one "
                           f"of either (it goes with every mode of the other)")
     runs = list(dict.fromkeys(runs))  # repeats dropped, order kept
-    if job.check and ("serial", "serial") not in runs:
-        runs.insert(0, ("serial", "serial"))
+    if (job.check or any(d == AUTO for _, d in runs)) and ("serial", "serial") not in runs:
+        runs.insert(0, ("serial", "serial"))  # the reference of --check, and what auto is measured beside
     return DecodeConfig(new_tokens, float(spread), stop_token, tuple(runs))

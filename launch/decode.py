@@ -30,10 +30,12 @@ from collectives import MOE_CAPACITY, ExpertParallelMoE, group_size
 from microbatch import (HIDDEN, KV_STEP, K, V, Batch, DecodeModel, KVCache, KVRows, KVStep, OffloadedKVCache, Operation,
                         SeqInfo)
 from microbatch.forward import micro_batch_inputs
+from microbatch.planning.decode import DEFAULT_MARGIN, DecodeCalibration, choose_decode
 from microbatch.split import merge_outputs
 
 from .runner import after_attention, split_for
 
+AUTO = "auto"  # the decode mode that chooses each step's mode from a decode calibration
 OnStep = Callable[[int, int], None]  # (step, active requests on every rank): step 0 is the prefill's token
 _PREFILL_ROWS = "kv_prefill_rows"  # a prefill micro-batch's rows of the cache (its tokens' slice of the batch's)
 
@@ -56,6 +58,8 @@ class Generated:
     tokens: List[List[int]]
     margins: Optional[List[List[float]]] = None
     steps: int = 0  # decode steps after the prefill (the same on every rank)
+    modes: List[str] = dataclasses.field(default_factory=list)  # each decode step's mode (auto's choices)
+    predicted: List[float] = dataclasses.field(default_factory=list)  # with auto: each step's predicted seconds
 
 
 def new_cache(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: Union[int, Sequence[int]], *,
@@ -96,21 +100,27 @@ def greedy_generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_to
 def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: Union[int, Sequence[int]], *,
              stop_token: Optional[int] = None, cache: Optional[KVCache] = None, mode: str = "serial",
              prefill_mode: str = "serial", on_step: Optional[OnStep] = None, margins: bool = False,
-             buckets: Optional[Sequence[int]] = None) -> Generated:
+             buckets: Optional[Sequence[int]] = None, plan: Optional[DecodeCalibration] = None,
+             margin: float = DEFAULT_MARGIN) -> Generated:
     """Greedy generation (see the module docstring): prefill in ``prefill_mode``, decode steps in ``mode``.
 
     ``prompts``: this rank's requests' token ids (none is fine with several ranks); ``new_tokens``: the most
     each generates (one count, or one per prompt); ``cache``: where the keys and values go (default
     `new_cache`; its slots are taken and freed here); ``on_step(step, active)`` is called once each step's
     tokens are taken, with the number of requests still active on every rank; ``buckets``: the sizes a step's
-    exchange is padded to (`bucket_of`; default the powers of two).
+    exchange is padded to (`bucket_of`; default the powers of two). ``mode="auto"`` chooses each step's mode
+    from ``plan`` (`launch.decode_plan.calibrate_decode`; the same on every rank), serial unless another is
+    predicted at least ``margin`` faster (`microbatch.planning.choose_decode`).
     """
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     limits = _limits(prompts, new_tokens)
-    how = microbatch.decode_mode(mode)
-    layers = model.decode_layer_operations(how.moe_chunks)  # first: a model that cannot decode says so
-    group = _expert_group(model)
+    if mode == AUTO and plan is None:
+        raise ValueError("decode mode 'auto' chooses each step's mode from a decode calibration: pass "
+                         "plan=launch.decode_plan.calibrate_decode(model, ...)")
+    hows = {m: microbatch.decode_mode(m) for m in (plan.modes if mode == AUTO else (mode,))}
+    layers = {m: model.decode_layer_operations(h.moe_chunks) for m, h in hows.items()}  # a model that cannot decode
+    group = _expert_group(model)  # says so first
     cache = cache or new_cache(model, prompts, limits)
     slots = cache.admit(len(prompts))
     device = next(model.parameters()).device
@@ -122,6 +132,7 @@ def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: U
     active = list(range(len(prompts)))
     nxt, gaps, problem = _greedy(model.logits(hidden[last]), active, 0, margins)
     per_row = _history_weight(model)
+    counts = sorted({h.micro_batches for h in hows.values()})
     while True:
         still = []
         for j, (i, t) in enumerate(zip(active, nxt)):
@@ -133,14 +144,23 @@ def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: U
         going = set(still)
         cache.release([slots[i] for i in active if i not in going])
         history = [lens[i] + len(out.tokens[i]) - 1 for i in still]  # rows held before this step's
-        parts = split_by_cost(history, how.micro_batches, per_row)
-        total, widest = _step_status(len(still), max(map(len, parts)), how.micro_batches, problem, group)
+        splits = {n: split_by_cost(history, n, per_row) for n in counts}
+        step = _step_status(_Post(len(still), {n: max(map(len, p)) for n, p in splits.items()},
+                                  max(history, default=0), mode), problem, group)
         if on_step is not None:
-            on_step(out.steps, total)
-        if not total:
+            on_step(out.steps, step.active)
+        if not step.active:
             return out
         out.steps += 1
-        capacity = bucket_of(widest, buckets)
+        name = mode
+        if mode == AUTO:
+            choice = choose_decode(plan, step.tokens, step.history, margin=margin)
+            name = choice.mode
+            out.predicted.append(choice.seconds)
+        out.modes.append(name)
+        how = hows[name]
+        parts = splits[how.micro_batches]
+        capacity = bucket_of(step.widest[how.micro_batches], buckets)
         order = [still[j] for part in parts for j in part]
         steps, inputs = [], []
         for part in parts:  # a part may be empty: its micro-batch takes part with zero tokens
@@ -149,9 +169,9 @@ def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: U
             step_tokens = torch.tensor([out.tokens[i][-1] for i in requests], dtype=torch.long, device=device)
             inputs.append({TOKENS: step_tokens, KV_STEP: steps[-1], MOE_CAPACITY: capacity})
         with overlap.no_host_sync(f"{DECODE_STEP} {out.steps}"):
-            picked = decode_step(model, layers, how.make, inputs, margins)
-        for step in steps:
-            cache.advance(step.rows)
+            picked = decode_step(model, layers[name], how.make, inputs, margins)
+        for kv in steps:
+            cache.advance(kv.rows)
         active = order
         nxt, gaps, problem = _read_picked(picked, active, out.steps)
 
@@ -288,19 +308,43 @@ def _greedy(logits: torch.Tensor, requests: List[int], step: int, margins: bool
     return logits.argmax(-1).tolist(), gaps, problem
 
 
-def _step_status(mine: int, widest: int, micro_batches: int, problem: Optional[str],
-                 group: Optional[dist.ProcessGroup]) -> Tuple[int, int]:
-    """The requests still active on every rank of ``group`` and the widest micro-batch of any rank (its bucket is the
-    step's exchange capacity), once they agree on the step's micro-batches; `NonFiniteLogits` on every rank,
-    naming the rank, where one found NaN or inf (`overlap.agree`: one small all-reduce; none without a group)."""
+@dataclasses.dataclass(frozen=True)
+class _Post:
+    """What a rank posts before a step: its active requests, its widest micro-batch for each micro-batch count a
+    candidate mode uses, its longest history, and the decode mode (which every rank must share)."""
+
+    active: int
+    widest: Dict[int, int]
+    history: int
+    mode: str
+
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """A step as every rank agreed it: requests active on all ranks, the most on one rank (``tokens``), the widest
+    micro-batch of any rank per micro-batch count, and the longest history."""
+
+    active: int
+    tokens: int
+    widest: Dict[int, int]
+    history: int
+
+
+def _step_status(post: _Post, problem: Optional[str], group: Optional[dist.ProcessGroup]) -> _Step:
+    """The step every rank of ``group`` agreed (`_Step`), once they agree on the decode mode; `NonFiniteLogits` on
+    every rank, naming the rank, where one found NaN or inf (`overlap.agree`: one small all-reduce; none without a
+    group)."""
     if group is None:
         if problem:
             raise NonFiniteLogits(problem)
-        return mine, widest
-    posts = overlap.agree({"active": mine, "widest": widest, "micro-batches": micro_batches},
-                          overlap.GroupTransport(group, "decode.step"), problems=[problem] if problem else [],
-                          per_rank=["active", "widest"], error=DecodeError, problem_error=NonFiniteLogits)
-    return sum(p["active"] for p in posts), max(p["widest"] for p in posts)
+        return _Step(post.active, post.active, dict(post.widest), post.history)
+    mine = {"active": post.active, "widest": [post.widest[n] for n in sorted(post.widest)],
+            "history": post.history, "decode mode": post.mode}
+    posts = overlap.agree(mine, overlap.GroupTransport(group, "decode.step"), problems=[problem] if problem else [],
+                          per_rank=["active", "widest", "history"], error=DecodeError, problem_error=NonFiniteLogits)
+    widest = {n: max(p["widest"][i] for p in posts) for i, n in enumerate(sorted(post.widest))}
+    return _Step(sum(p["active"] for p in posts), max(p["active"] for p in posts), widest,
+                 max(p["history"] for p in posts))
 
 
 def first_difference(tokens: Sequence[Sequence[int]], reference: Sequence[Sequence[int]]
@@ -319,5 +363,5 @@ def first_difference(tokens: Sequence[Sequence[int]], reference: Sequence[Sequen
     return first
 
 
-__all__ = ["DecodeError", "Generated", "NonFiniteLogits", "first_difference", "generate", "greedy_generate",
-           "new_cache", "split_by_cost"]
+__all__ = ["AUTO", "DECODE_STEP", "TOKENS", "DecodeError", "Generated", "NonFiniteLogits", "Picked", "bucket_of",
+           "decode_step", "first_difference", "generate", "greedy_generate", "new_cache", "split_by_cost"]

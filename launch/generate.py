@@ -31,7 +31,7 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import functools
-import math
+import time
 from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple, Union
 
 import click
@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 import microbatch
 from launch.build import build_model, holds_whole_model
-from launch.config import DECODE_MODE_NAMES, DecodeConfig, JobConfig, ModeList, decode_config, job_config
+from launch.config import AUTO, DECODE_MODE_NAMES, DecodeConfig, JobConfig, ModeList, decode_config, job_config
 from launch.job import main as job_main, progress, say, script as job_script
 from launch.options import batch_options, model_options, run_options, timing_options
 
@@ -48,6 +48,7 @@ if TYPE_CHECKING:  # the launcher's parts are imported where the job needs them 
     from launch.generation import RunResult
     from launch.health import Fault, Peers
     from microbatch import DecodeModel, KVCache
+    from microbatch.planning import DecodeCalibration
 
 OwnTokens = Union[List[List[int]], str, None]  # the model's own generate() for --check, why there is none, or no check
 
@@ -60,7 +61,8 @@ OwnTokens = Union[List[List[int]], str, None]  # the model's own generate() for 
 @click.option("--decode-mode", type=ModeList(DECODE_MODE_NAMES), multiple=True,
               help="Decode schedules, comma-separated (default: the same as --mode): as many as --mode names, "
                    "paired in order, or one for every --mode (or one --mode for every decode mode); besides the "
-                   "prefill modes, chunked-2, chunked-3 and chunked-4 (one batch, its MoE in K chunks).")
+                   "prefill modes, chunked-2, chunked-3 and chunked-4 (one batch, its MoE in K chunks), and auto: "
+                   "each step's fastest predicted mode from a decode calibration made first, run beside serial.")
 @click.option("--new-tokens", type=int, default=16, help="New tokens per request (the most, with a spread).")
 @click.option("--new-tokens-spread", type=float, default=0.0,
               help="Each request's new tokens drawn from [ceil(N*(1-F)), N] with the seed, differently on each rank.")
@@ -137,11 +139,12 @@ def _generate_job(job: JobConfig, decode: DecodeConfig, dev: torch.device, fault
     make_expert_parallel(model, dist.group.WORLD, two_step_dispatch=job.dispatch == "two-step")
     runs = [Run(p, d) for p, d in decode.runs]
     say(_headline(job, decode, model, world, limits))
+    plan = _calibrate(job, decode, model, peers) if any(r.decode == AUTO for r in runs) else None
     results = measure_generation(model, prompts, limits, runs, dist.group.WORLD,
                                  functools.partial(_new_cache, job, model, prompts, limits),
                                  stop_token=decode.stop_token, warmup=job.warmup, iters=job.iters,
                                  margins=job.check and job.dtype != torch.float32,
-                                 progress=functools.partial(_progress, peers))
+                                 progress=functools.partial(_progress, peers), plan=plan)
     progress("")
     failed: List[str] = []
     notes: List[str] = []
@@ -158,6 +161,25 @@ def _generate_job(job: JobConfig, decode: DecodeConfig, dev: torch.device, fault
     if job.out_dir and rank == 0:  # after the last collective: a failure here cannot stall the other ranks
         write_generation_outputs(job.out_dir, job, decode, results, world, failed, lambda m: say(m, err=True))
     return 1 if failed else 0
+
+
+def _calibrate(job: JobConfig, decode: DecodeConfig, model: DecodeModel, peers: Peers) -> "DecodeCalibration":
+    """The decode calibration ``--decode-mode auto`` chooses from: every candidate mode's step time at 1 to the
+    batch's requests per rank and the job's shortest and longest histories (the same job on every rank)."""
+    from launch.decode_plan import calibrate_decode, calibration_histories
+    from microbatch.planning.decode import DEFAULT_MARGIN
+
+    def heard(line: str) -> None:
+        peers.beat(line)
+        progress(line)
+
+    start = time.perf_counter()
+    cal = calibrate_decode(model, max_tokens=len(job.seq_lens),
+                           histories=calibration_histories(job.seq_lens, decode.new_tokens), progress=heard)
+    progress("")
+    say(f"{cal.format()}\n(calibrated in {time.perf_counter() - start:.1f} s; auto takes serial unless another mode "
+        f"is predicted at least {DEFAULT_MARGIN:.0%} faster)")
+    return cal
 
 
 def _progress(peers: Peers, line: str, round_start: bool, first_round: bool) -> None:

@@ -27,10 +27,11 @@ import torch.distributed as dist
 
 import overlap
 from microbatch import DecodeModel, KVCache, OffloadedKVCache, PrefetchReport
+from microbatch.planning.decode import DecodeCalibration
 from overlap import Span, Timeline
 from overlap.observability import gather, metrics
 
-from .decode import Generated, first_difference, generate
+from .decode import AUTO, Generated, first_difference, generate
 from .measure import rounds, spread
 
 MakeCache = Callable[[], KVCache]  # a fresh cache for one generation
@@ -69,6 +70,20 @@ class RunResult:
     hidden_comm_share: Optional[float] = None  # during decode, of the round at its median
     spans: List[Span] = dataclasses.field(default_factory=list)  # one decode step of that round, every rank's
     speedup: Optional[float] = None  # serial's median time per output token over this run's
+    chosen: List[str] = dataclasses.field(default_factory=list)  # auto: each timed step's mode, every round
+    predicted_s: List[float] = dataclasses.field(default_factory=list)  # auto: each timed step's predicted time
+
+    @property
+    def steps_by_mode(self) -> Dict[str, int]:
+        """Auto: how many timed decode steps ran in each mode (most first)."""
+        counts: Dict[str, int] = {}
+        for m in self.chosen:
+            counts[m] = counts.get(m, 0) + 1
+        return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+    @property
+    def predicted_tpot_s(self) -> Optional[float]:
+        return statistics.median(self.predicted_s) if self.predicted_s else None
 
     @property
     def tpot_s(self) -> Optional[float]:
@@ -90,6 +105,7 @@ class RunResult:
                 "decode_steps": self.generated.steps, "output_tokens": self.output_tokens,
                 "tokens_per_s": self.tokens_per_s, "hidden_comm_share": self.hidden_comm_share,
                 "speedup": self.speedup, "tokens_sha1": _digest(self.generated.tokens),
+                "steps_by_mode": self.steps_by_mode or None, "predicted_tpot_median_s": self.predicted_tpot_s,
                 "kv_prefetch": None if self.prefetch is None else {
                     "copies": self.prefetch.count, "bytes": self.prefetch.bytes, "seconds": self.prefetch.seconds,
                     "exposed_s": self.prefetch.exposed_s, "hidden_share": self.prefetch.hidden_share}}
@@ -117,10 +133,12 @@ class _Round:
 def measure_generation(model: DecodeModel, prompts: Sequence[Sequence[int]], limits: Sequence[int],
                        runs: Sequence[Run], group: Optional[dist.ProcessGroup], make_cache: MakeCache, *,
                        stop_token: Optional[int] = None, warmup: int = 1, iters: int = 3, margins: bool = False,
-                       progress: Optional[Progress] = None) -> List[RunResult]:
+                       progress: Optional[Progress] = None, plan: Optional[DecodeCalibration] = None
+                       ) -> List[RunResult]:
     """Generate ``prompts`` (this rank's; ``limits``: each one's most new tokens) ``warmup + iters`` times in each
     run, interleaved (`launch.measure.rounds`); ``make_cache()`` gives each generation its cache;
-    ``progress(line, round_start, first_round)`` hears of every step."""
+    ``progress(line, round_start, first_round)`` hears of every step; ``plan``: the decode calibration a run
+    whose decode mode is ``auto`` chooses from (`launch.decode_plan.calibrate_decode`)."""
     by_label = {r.label: r for r in runs}
     order = rounds([r.label for r in runs], warmup, iters)
     kept: Dict[str, List[_Round]] = {r.label: [] for r in runs}
@@ -129,7 +147,7 @@ def measure_generation(model: DecodeModel, prompts: Sequence[Sequence[int]], lim
         timed = i >= warmup
         for label in labels:
             one = _generate_once(model, prompts, limits, by_label[label], make_cache(), stop_token, timed, margins,
-                                 i, len(order), progress)
+                                 i, len(order), progress, plan)
             last[label] = one.generated
             if timed:
                 kept[label].append(one)
@@ -143,7 +161,7 @@ def measure_generation(model: DecodeModel, prompts: Sequence[Sequence[int]], lim
 
 def _generate_once(model: DecodeModel, prompts: Sequence[Sequence[int]], limits: Sequence[int], run: Run,
                    cache: KVCache, stop_token: Optional[int], timed: bool, margins: bool, round_no: int,
-                   n_rounds: int, progress: Optional[Progress]) -> _Round:
+                   n_rounds: int, progress: Optional[Progress], plan: Optional[DecodeCalibration]) -> _Round:
     stamps: List[float] = []
     timelines: List[Timeline] = []
 
@@ -162,7 +180,8 @@ def _generate_once(model: DecodeModel, prompts: Sequence[Sequence[int]], limits:
         dist.barrier()
     stamps.append(time.perf_counter())
     generated = generate(model, prompts, list(limits), stop_token=stop_token, cache=cache, mode=run.decode,
-                         prefill_mode=run.prefill, on_step=on_step, margins=margins)
+                         prefill_mode=run.prefill, on_step=on_step, margins=margins,
+                         plan=plan if run.decode == AUTO else None)
     for tl in timelines:
         tl.stop()
     prefetch = None
@@ -186,7 +205,9 @@ def _result(run: Run, kept: List[_Round], generated: Generated, group: Optional[
         dist.all_reduce(counts, group=group)
         mine = int(counts[0])
     n = len(kept)
-    result = RunResult(run, flat[:n], flat[n:2 * n], flat[2 * n:], mine, generated, _sum([r.prefetch for r in kept]))
+    result = RunResult(run, flat[:n], flat[n:2 * n], flat[2 * n:], mine, generated, _sum([r.prefetch for r in kept]),
+                       chosen=[m for r in kept for m in r.generated.modes] if run.decode == AUTO else [],
+                       predicted_s=[p for r in kept for p in r.generated.predicted])
     _keep_median_round(result, kept, steps, group)
     return result
 
@@ -291,10 +312,22 @@ def table(results: Sequence[RunResult]) -> str:
         lines.append(f"medians of {len(r.ttft_s)} timed round(s) per mode, the modes interleaved; TPOT: each decode "
                      f"step's time (one token per active request), over {r.generated.steps} steps a round; "
                      f"speedup: serial's median TPOT over the mode's")
+        serial = next((x for x in results if x.run == Run("serial", "serial")), None)
+        for x in results:
+            if x.chosen:
+                lines.append(_auto_line(x, serial))
         if offloaded:
             lines.append("KV prefetch hidden: the share of the next layer's history copies (host to device, on the "
                          "kv_offload stream) that compute hid, rank 0's, over the timed rounds")
     return "\n".join(lines)
+
+
+def _auto_line(r: RunResult, serial: Optional[RunResult]) -> str:
+    """Auto's steps per mode, its predicted and measured TPOT, and serial's measured TPOT beside them."""
+    modes = ", ".join(f"{n} {m}" for m, n in r.steps_by_mode.items())
+    beside = f", serial measured {_ms(serial.tpot_s)} ms" if serial is not None else ""
+    return (f"{r.run.label}: decode steps per mode {modes}; TPOT predicted {_ms(r.predicted_tpot_s)} ms, measured "
+            f"{_ms(r.tpot_s)} ms{beside}")
 
 
 __all__ = ["NEAR_TIE", "Run", "RunResult", "check", "judge", "measure_generation", "table"]

@@ -27,8 +27,31 @@ def test_the_table_and_the_overlap_target_from_given_figures():
     loses = _point(256, 0.03, 0.5, {"serial": 100.0, "shared": 99.0, "two-batch": 110.0})
     assert target_overlap_pays([pays, loses])[1] is False  # every qualifying point must pay
     assert target_overlap_pays([_point(256, 1.0, 0.2, {"serial": 100.0, "shared": 99.0})])[1] is None  # comm < 30%
-    # the hooks for auto and the predictions say they checked nothing
-    assert text.count(": not checked (hook: ") == 2 and "MISSED" not in text
+    # without auto and its calibration, those two targets say they checked nothing
+    assert "not checked (no auto row)" in text and "not checked (no prediction" in text and "MISSED" not in text
+
+
+def test_auto_is_judged_as_the_fixed_mode_it_ran_and_predictions_by_their_ratio_to_serial():
+    from launch.bench.decode import auto_as_fixed, prediction_errors, report, target_auto, target_prediction
+
+    p = _point(64, 0.1, 0.4, {"serial": 100.0, "shared": 90.0, "two-batch": 80.0, "auto": 95.0})
+    p["chosen"] = {"two-batch": 7}
+    p["predicted"] = {"serial": 0.1, "shared": 0.1 / 1.2, "two-batch": 0.1 / 1.25}  # predicted 1.2x and 1.25x
+    assert auto_as_fixed(p) == ("two-batch", 0.08)  # its own row (95 ms) is a second sample of two-batch's schedule
+    assert target_auto([p])[1] is True
+    errors = prediction_errors(p)
+    assert errors["two-batch"] == pytest.approx(0.0) and errors["shared"] == pytest.approx(1.2 / (100 / 90) - 1)
+    assert target_prediction([p])[1] is True  # 8% and 0%: both within 10%
+    mixed = dict(p, chosen={"two-batch": 4, "shared": 3})  # auto's own row then: 95 ms, 19% behind the best
+    assert auto_as_fixed(mixed) == (None, 0.095) and target_auto([mixed])[1] is False
+    above_serial = _point(8, 0.1, 0.5, {"serial": 10.0, "shared": 10.3, "auto": 10.3})
+    above_serial["chosen"] = {"shared": 7}
+    assert target_auto([above_serial])[1] is False  # within 5% of the best but 3% above serial
+    wrong = dict(p, predicted={"serial": 0.1, "shared": 0.05, "two-batch": 0.1 / 1.25})  # predicted 2x, measured 1.11x
+    assert target_prediction([wrong])[1] is False  # 1 of 2 within 10%
+    text = report([p])
+    assert re.search(r"two-batch 100% +1\.25x \(two-batch\) +shared 1\.20x \(\+8%\) two-batch 1\.25x \(\+0%\)$", text,
+                     re.M), text
 
 
 def test_a_mode_with_its_own_argument_is_one_maker(monkeypatch):

@@ -1,6 +1,7 @@
 """The generation launcher, ``launch/generate.py``, as its users run it."""
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -20,7 +21,7 @@ def _run(args, ranks=None, env=None, timeout=180):
     (["--new-tokens", "0"], "--new-tokens must be at least 1, got 0"),
     (["--new-tokens-spread", "1"], "--new-tokens-spread must be in [0, 1), got 1"),
     (["--stop-token", "100000"], "--stop-token must be a token id in [0, "),
-    (["--decode-mode", "auto"], "--decode-mode auto is not available in generation"),
+    (["--mode", "auto"], "--mode auto is not available in generation"),
     (["--mode", "serial,shared,two-batch", "--decode-mode", "serial,shared"],
      "--decode-mode lists 2 modes and --mode 3"),
     (["--decode-mode", "five-batch"], "unknown mode 'five-batch'"),
@@ -42,16 +43,23 @@ def test_two_ranks_that_finish_apart_generate_every_modes_tokens_on_the_device_a
     --kv-offload (the cache on the host, prefetched) every mode generates the same tokens, and the table and
     results say how much of the prefetch compute hid."""
     args = ["--new-tokens", "8", "--new-tokens-spread", "0.75", "--stop-token", "5", "--batch", "3", "--seq-len", "16",
-            "--decode-mode", "serial,shared,two-batch", "--check"]
+            "--decode-mode", "serial,auto,two-batch", "--check"]
     device = _run(args + ["--out", str(tmp_path / "device")], ranks=2)
     assert device.returncode == 0, device.stdout + device.stderr[-3000:]
     assert "check: every mode generates serial's tokens" in device.stdout
-    for mode in ("serial", "shared", "two-batch"):
+    for mode in ("serial", "shared / auto", "two-batch"):  # --mode all's prefill modes, paired in order
         assert any(line.startswith(mode + " ") for line in device.stdout.splitlines()), device.stdout
+    # auto: the calibration it chose from, then its steps per mode and predicted / measured TPOT beside serial's
+    assert "decode calibration, ms at histories 16 / 23" in device.stdout, device.stdout
+    assert re.search(r"^shared / auto: decode steps per mode \d+ [a-z0-9-]+.*; TPOT predicted [0-9.]+ ms, measured [0-9.]+ ms, "
+                     r"serial measured [0-9.]+ ms$", device.stdout, re.M), device.stdout
     results = json.loads((tmp_path / "device" / "results.json").read_text())
     assert results["check"] == "passed" and results["new_tokens_spread"] == 0.75 and results["stop_token"] == 5
     rows = {r["mode"]: r for r in results["rows"]}
-    assert set(rows) == {"serial", "shared", "two-batch"}
+    assert set(rows) == {"serial", "shared / auto", "two-batch"}
+    auto = rows["shared / auto"]
+    assert sum(auto["steps_by_mode"].values()) >= auto["decode_steps"] > 0
+    assert auto["predicted_tpot_median_s"] > 0 and rows["serial"]["steps_by_mode"] is None
     for r in rows.values():
         assert r["tpot_median_s"] > 0 and r["tpot_p90_s"] >= r["tpot_median_s"] and r["ttft_median_s"] > 0
         assert 0 < r["output_tokens"] <= 2 * 3 * 8 and r["decode_steps"] >= 1 and r["kv_prefetch"] is None

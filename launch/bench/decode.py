@@ -18,16 +18,22 @@ The defaults, the ``small`` preset at 0.03, 0.1 and 1 GB/s, put communication at
 25% of a serial step at 256 tokens per rank on a 2-core host (gloo's own cost per exchange is the
 floor); smaller batches are latency-bound, 45-60% at any link. (``tiny`` is 50-75% at any link.)
 
-Each point runs at least ``--iters`` rounds, and more at small batches (until serial's steps add
+Before a link's points it calibrates decode (`launch.decode_plan.calibrate_decode`, as the launcher's
+``--decode-mode auto`` does), and ``auto`` runs as a mode: the table shows what it chose and its speedup
+as measured by the fixed mode that ran the same schedule, and each mode's predicted speedup with its
+error. Each point runs at least ``--iters`` rounds, and more at small batches (until serial's steps add
 up to about ``--min-seconds``), since their times spread widely on a shared host. The last lines
 check the targets (issue 29): the best overlapped mode at least 1.15x serial at 256 tokens per
-rank where communication is at least 30% of serial's step. Example::
+rank where communication is at least 30% of serial's step; auto within 5% of the best fixed mode and
+at most 2% above serial at every point; predicted speedups within 10% of the measured ones at 90% of
+the points. Example::
 
     python -m launch.bench.decode
     python -m launch.bench.decode --tokens 8,64 --links 0.05,0.2 --iters 3
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import os
@@ -43,6 +49,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import click
 
 SERIAL = "serial"
+AUTO = "auto"
 TARGET_TOKENS, TARGET_SHARE, TARGET_SPEEDUP = 256, 0.30, 1.15  # issue 29: overlap pays where comm is large
 MAX_ROUNDS = 200
 
@@ -53,7 +60,7 @@ def decode_modes() -> Tuple[str, ...]:
     A new mode is one more name here; one that needs more than its name passed to
     `launch.decode.generate` gets a maker in `MODE_ARGUMENTS`.
     """
-    return (SERIAL, "shared", "two-batch", "chunked-2", "chunked-4")
+    return (SERIAL, "shared", "two-batch", "chunked-2", "chunked-4", AUTO)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,13 +71,14 @@ class Point:
     group: Any
     tokens: int  # active requests per rank
     gbps: float
+    plan: Any = None  # the link's decode calibration (`launch.decode_plan.calibrate_decode`), for auto
 
 
 ModeArguments = Callable[[str, Point], Dict[str, Any]]  # (mode name, point) -> generate()'s keyword arguments
 
 # Per name prefix (e.g. "chunked-" for "chunked-4"), a maker of generate()'s keyword arguments for a mode that needs
 # more than ``mode=name`` (a chunk count, a calibration for "auto"); the first prefix that matches is used.
-MODE_ARGUMENTS: Dict[str, ModeArguments] = {}
+MODE_ARGUMENTS: Dict[str, ModeArguments] = {AUTO: lambda name, p: {"mode": AUTO, "plan": p.plan}}
 
 
 def generate_arguments(name: str, point: Point) -> Dict[str, Any]:
@@ -88,8 +96,9 @@ def _prompts(requests: int, prompt_len: int, vocab: int, seed: int) -> List[List
 
 
 def _step_times(model: Any, prompts: List[List[int]], new_tokens: int, kwargs: Dict[str, Any], group: Any,
-                record: bool = False) -> Tuple[List[float], List[Any]]:
-    """One generation: each decode step's seconds on this rank and, with ``record``, each step's timeline."""
+                record: bool = False) -> Tuple[List[float], List[Any], Any]:
+    """One generation: each decode step's seconds on this rank, with ``record`` each step's timeline, and what
+    `generate` returned."""
     import torch.distributed as dist
 
     import overlap
@@ -108,10 +117,10 @@ def _step_times(model: Any, prompts: List[List[int]], new_tokens: int, kwargs: D
 
     overlap.synchronize()
     dist.barrier(group=group)
-    generate(model, prompts, new_tokens, on_step=on_step, **kwargs)
+    out = generate(model, prompts, new_tokens, on_step=on_step, **kwargs)
     for tl in timelines:
         tl.stop()
-    return [b - a for a, b in zip(stamps, stamps[1:])], timelines
+    return [b - a for a, b in zip(stamps, stamps[1:])], timelines, out
 
 
 def _comm_share(model: Any, prompts: List[List[int]], new_tokens: int, kwargs: Dict[str, Any], group: Any
@@ -121,7 +130,7 @@ def _comm_share(model: Any, prompts: List[List[int]], new_tokens: int, kwargs: D
     from microbatch.planning import max_over_ranks
     from overlap.observability import metrics
 
-    steps, timelines = _step_times(model, prompts, new_tokens, kwargs, group, record=True)
+    steps, timelines, _ = _step_times(model, prompts, new_tokens, kwargs, group, record=True)
     shares = []
     for dt, tl in zip(steps, timelines):
         per_rank = metrics(tl.spans).per_rank
@@ -153,12 +162,14 @@ def _point(ctx: Any, model: Any, point: Point, prompt_len: int, new_tokens: int,
     prompts = _prompts(point.tokens, prompt_len, model.cfg.vocab, seed + 1009 * ctx.rank + point.tokens)
     kwargs = {m: generate_arguments(m, point) for m in modes}
     steps: Dict[str, List[float]] = {m: [] for m in modes}
+    chosen: List[str] = []  # auto's modes, every timed step
     timed = 0
     for i, order in enumerate(rounds(list(modes), warmup, MAX_ROUNDS)):
         for m in order:
-            got, _ = _step_times(model, prompts, new_tokens, kwargs[m], ctx.group)
+            got, _, out = _step_times(model, prompts, new_tokens, kwargs[m], ctx.group)
             if i >= warmup:
                 steps[m].extend(got)
+                chosen += out.modes if m == AUTO else []
         timed += i >= warmup
         if i >= warmup and _enough(steps[SERIAL], timed, iters, min_seconds, ctx.group):
             break
@@ -167,8 +178,12 @@ def _point(ctx: Any, model: Any, point: Point, prompt_len: int, new_tokens: int,
     for m in modes:  # the ranks step together: per step, the slowest rank's time
         slowest = max_over_ranks(steps[m], ctx.group) if steps[m] else []
         rows[m] = (statistics.median(slowest) if slowest else math.nan, spread(slowest))
+    history = prompt_len + (new_tokens - 1) / 2  # the middle step's rows held: its prediction is the median's
+    predicted = {} if point.plan is None else {m: point.plan.predict(m, point.tokens, history)
+                                               for m in point.plan.modes}
     return {"tokens": point.tokens, "link": point.gbps, "comm_share": share, "rounds": timed,
-            "steps": len(steps[SERIAL]) // max(timed, 1), "rows": rows}
+            "steps": len(steps[SERIAL]) // max(timed, 1), "rows": rows, "predicted": predicted,
+            "chosen": dict(collections.Counter(chosen))}
 
 
 def _rank_body(ctx: Any, preset_name: str, tokens: List[int], links: List[float], prompt_len: int, new_tokens: int,
@@ -182,10 +197,22 @@ def _rank_body(ctx: Any, preset_name: str, tokens: List[int], links: List[float]
     out = []
     for gbps in links:
         overlap.set_link(overlap.Link(gbps))
+        plan = _calibrate(ctx, model, max(tokens), prompt_len, new_tokens, gbps) if AUTO in decode_modes() else None
         for n in tokens:
-            out.append(_point(ctx, model, Point(model, ctx.group, n, gbps), prompt_len, new_tokens, warmup, iters,
-                              min_seconds, seed))
+            out.append(_point(ctx, model, Point(model, ctx.group, n, gbps, plan), prompt_len, new_tokens, warmup,
+                              iters, min_seconds, seed))
     return out if ctx.rank == 0 else None
+
+
+def _calibrate(ctx: Any, model: Any, max_tokens: int, prompt_len: int, new_tokens: int, gbps: float) -> Any:
+    """The link's decode calibration, as the launcher's ``--decode-mode auto`` makes it (progress on rank 0)."""
+    from launch.decode_plan import calibrate_decode, calibration_histories
+
+    start = time.perf_counter()
+    plan = calibrate_decode(model, max_tokens=max_tokens, histories=calibration_histories([prompt_len], new_tokens))
+    if ctx.rank == 0:
+        print(f"calibrated decode at {gbps:g} GB/s in {time.perf_counter() - start:.1f} s", flush=True)
+    return plan
 
 
 def speedups(point: Dict[str, Any]) -> Dict[str, float]:
@@ -195,8 +222,8 @@ def speedups(point: Dict[str, Any]) -> Dict[str, float]:
 
 
 def best_mode(point: Dict[str, Any]) -> str:
-    """The mode with the smallest TPOT at a point."""
-    return min(point["rows"], key=lambda m: point["rows"][m][0])
+    """The fixed mode with the smallest TPOT at a point (auto is judged against it)."""
+    return min((m for m in point["rows"] if m != AUTO), key=lambda m: point["rows"][m][0])
 
 
 def _pct(v: Optional[float]) -> str:
@@ -206,19 +233,31 @@ def _pct(v: Optional[float]) -> str:
 def table(points: Sequence[Dict[str, Any]]) -> str:
     """One link's points as an aligned text table: a row per batch size."""
     modes = list(points[0]["rows"])
+    auto = AUTO in modes
     head = (["tokens/rank", "link GB/s", "comm/serial"] + [f"{m} ms" for m in modes]
-            + [f"{m} x" for m in modes if m != SERIAL] + ["best", "spread", "rounds x steps"])
+            + [f"{m} x" for m in modes if m != SERIAL] + ["best", "spread", "rounds x steps"]
+            + (["auto chose", "auto as chosen x", "predicted x (error)"] if auto else []))
     body = []
     for p in points:
         ups = speedups(p)
         spreads = [row[1] for row in p["rows"].values() if row[1] is not None]
-        body.append([str(p["tokens"]), f"{p['link']:g}", _pct(p["comm_share"])]
-                    + [f"{p['rows'][m][0] * 1e3:.2f}" for m in modes]
-                    + [f"{ups[m]:.2f}x" for m in modes if m != SERIAL]
-                    + [best_mode(p), _pct(max(spreads, default=None)), f"{p['rounds']} x {p['steps']}"])
+        row = ([str(p["tokens"]), f"{p['link']:g}", _pct(p["comm_share"])]
+               + [f"{p['rows'][m][0] * 1e3:.2f}" for m in modes]
+               + [f"{ups[m]:.2f}x" for m in modes if m != SERIAL]
+               + [best_mode(p), _pct(max(spreads, default=None)), f"{p['rounds']} x {p['steps']}"])
+        if auto:
+            total = sum((p.get("chosen") or {}).values()) or 1
+            chose = ", ".join(f"{m} {n / total:.0%}" for m, n in sorted((p.get("chosen") or {}).items(),
+                                                                        key=lambda kv: -kv[1]))
+            mode, seconds = auto_as_fixed(p)
+            pred = p.get("predicted") or {}
+            errs = prediction_errors(p)
+            row += [chose or "-", f"{p['rows'][SERIAL][0] / seconds:.2f}x" + (f" ({mode})" if mode else ""),
+                    " ".join(f"{m} {pred[SERIAL] / pred[m]:.2f}x ({errs[m]:+.0%})" for m in errs) or "-"]
+        body.append(row)
     widths = [max(len(x) for x in col) for col in zip(head, *body)]
     fmt = "  ".join(f"{{:>{w}}}" for w in widths)
-    return "\n".join(fmt.format(*row) for row in [head, ["-" * w for w in widths]] + body)
+    return "\n".join(fmt.format(*row).rstrip() for row in [head, ["-" * w for w in widths]] + body)
 
 
 Target = Tuple[str, Optional[bool], str]  # what, met (None: not checked), the figures behind it
@@ -241,20 +280,59 @@ def target_overlap_pays(points: Sequence[Dict[str, Any]]) -> Target:
     return what, all(s >= TARGET_SPEEDUP for s, _ in found), "; ".join(text for _, text in found)
 
 
-def target_auto(points: Sequence[Dict[str, Any]]) -> Target:
-    """HOOK (not yet checked): 'auto' within 5% of the best fixed mode and at most 2% above serial at every point.
+def auto_as_fixed(point: Dict[str, Any]) -> Tuple[Optional[str], Optional[float]]:
+    """Auto's TPOT at a point as the fixed mode that ran its schedule measured it, where it chose one mode for every
+    step (its own row is a second sample of that schedule); else auto's own row. ``(mode or None, seconds)``."""
+    if AUTO not in point["rows"]:
+        return None, None
+    chosen = point.get("chosen") or {}
+    if len(chosen) == 1:
+        mode = next(iter(chosen))
+        if mode in point["rows"]:
+            return mode, point["rows"][mode][0]
+    return None, point["rows"][AUTO][0]
 
-    To be written with the 'auto' decode mode; until then it reports that it was not checked.
-    """
-    return "auto within 5% of the best fixed mode, <= 2% above serial", None, "hook: no 'auto' decode mode yet"
+
+def target_auto(points: Sequence[Dict[str, Any]]) -> Target:
+    """Auto (as the fixed mode it ran, `auto_as_fixed`) within 5% of the best fixed mode and at most 2% above serial
+    at every point."""
+    what = "auto within 5% of the best fixed mode and <= 2% above serial at every point"
+    judged = []
+    for p in points:
+        mode, auto = auto_as_fixed(p)
+        if auto is None:
+            continue
+        fixed = {m: row[0] for m, row in p["rows"].items() if m != AUTO}
+        best = min(fixed.values())
+        ok = auto <= best * 1.05 and auto <= fixed[SERIAL] * 1.02
+        judged.append((ok, f"{p['tokens']} @ {p['link']:g}: auto{' as ' + mode if mode else ''} "
+                           f"{fixed[SERIAL] / auto:.2f}x, best {min(fixed, key=fixed.get)} {fixed[SERIAL] / best:.2f}x"))
+    if not judged:
+        return what, None, "no auto row"
+    missed = [text for ok, text in judged if not ok]
+    return what, not missed, (f"missed at {len(missed)} of {len(judged)} points: " + "; ".join(missed)) if missed \
+        else f"{len(judged)} points"
+
+
+def prediction_errors(point: Dict[str, Any]) -> Dict[str, float]:
+    """Per calibrated mode but serial: the predicted speedup relative to serial over the measured one, less 1."""
+    pred, rows = point.get("predicted") or {}, point["rows"]
+    if SERIAL not in pred:
+        return {}
+    return {m: (pred[SERIAL] / pred[m]) / (rows[SERIAL][0] / rows[m][0]) - 1.0
+            for m in pred if m != SERIAL and m in rows}
 
 
 def target_prediction(points: Sequence[Dict[str, Any]]) -> Target:
-    """HOOK (not yet checked): each mode's predicted TPOT within 10% of its measured one.
-
-    To be written with the decode planner's predictions; until then it reports that it was not checked.
-    """
-    return "predicted vs measured TPOT within 10%", None, "hook: no decode prediction yet"
+    """Predicted speedups relative to serial within 10% of the measured ones at 90% of the (point, mode) pairs."""
+    what = "predicted speedup vs serial within 10% of the measured one at >= 90% of points"
+    errors = [(p, m, e) for p in points for m, e in prediction_errors(p).items()]
+    if not errors:
+        return what, None, "no prediction (no auto mode, so no calibration)"
+    good = sum(abs(e) <= 0.10 for _, _, e in errors)
+    worst = max(errors, key=lambda x: abs(x[2]))
+    return what, good >= 0.9 * len(errors), (f"{good} of {len(errors)} within 10%; worst {worst[1]} at "
+                                             f"{worst[0]['tokens']} @ {worst[0]['link']:g} GB/s: {worst[2]:+.0%}")
 
 
 TARGETS: Tuple[Callable[[Sequence[Dict[str, Any]]], Target], ...] = (target_overlap_pays, target_auto,

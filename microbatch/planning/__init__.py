@@ -1,11 +1,12 @@
-"""Planning a prefill before running it: the split into micro-batches, and the choice of schedule.
+"""Planning a prefill or a decode step before running it: the split into micro-batches, and the choice of schedule.
 
 - `split`: where a packed batch is cut into N balanced micro-batches (`propose_split`), agreed by
   every rank (`decide_split`), and how a batch and its outputs are cut and merged by that split;
 - `simulation`: a schedule's timeline and prefill time predicted from a cost model (`predict`);
 - `calibration`: that cost model measured on this machine for a model (`calibrate`), cached;
 - `probes`: the link and the busy host measured with small collectives, for the calibration;
-- `choice`: the fastest predicted mode, split and tail for every rank's batch (`choose`).
+- `choice`: the fastest predicted mode, split and tail for every rank's batch (`choose`);
+- `decode`: a decode step's mode from a measured table of step times (`DecodeCalibration`, `choose_decode`).
 
 Importable without the launcher: it needs the executor and the model's forward
 (`microbatch.forward`), the primitives (`overlap`) and torch.distributed. Names that mean
@@ -20,6 +21,7 @@ from .calibration import (ENV_CACHE, Calibration, OpFit, Run, TransferFit, cache
                           calibration_key, check_cached, fit_collective, fit_linear, fit_runs, predict_mode,
                           request_length, token_points)
 from .choice import Candidate, Choice, choose, gather_lens
+from .decode import DecodeCalibration, DecodeCalibrationError, DecodeChoice, choose_decode
 
 __all__ = [
     # split
@@ -35,4 +37,6 @@ __all__ = [
     "token_points",
     # choice
     "Candidate", "Choice", "choose", "gather_lens",
+    # decode
+    "DecodeCalibration", "DecodeCalibrationError", "DecodeChoice", "choose_decode",
 ]

@@ -1,0 +1,133 @@
+"""Calibrate decode: every candidate mode's step time measured on this machine, for ``--decode-mode auto``.
+
+`calibrate_decode` runs real decode steps (`launch.decode.decode_step`, the exchanges included) of every
+candidate mode at each bucket of tokens per rank from 1 to ``max_tokens`` (1, 2, 4, ... and ``max_tokens``)
+and at two history lengths, on a scratch KV cache whose slots claim that history (attention reads that many
+rows; their values do not matter for the time). The modes run interleaved: each round runs every point once
+in every mode, the modes' order turning from point to point, so that the host's drift spreads over all of
+them; each entry is the median of ``repeats`` rounds after one untimed round. Every rank runs the same steps
+(they exchange), and the table ends the same on every rank: the largest time of any rank, in one all-reduce.
+
+The result is a `microbatch.planning.DecodeCalibration`, which `launch.decode.generate(mode="auto")` reads
+every step (`microbatch.planning.choose_decode`).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+import microbatch
+import overlap
+from collectives import MOE_CAPACITY
+from microbatch import KV_STEP, DecodeModel, KVCache, KVStep
+from microbatch.planning.decode import SERIAL, DecodeCalibration
+from microbatch.planning.probes import max_over_ranks
+
+from .decode import DECODE_STEP, TOKENS, DecodeError, _expert_group, _history_weight, bucket_of, decode_step, split_by_cost
+
+# The candidates of ``--decode-mode auto``: one batch (whole, its shared experts beside, its MoE in chunks) and
+# two micro-batches; three and four micro-batches halve a decode batch's matmuls again and rarely pay.
+AUTO_MODES = ("serial", "shared", "two-batch", "chunked-2", "chunked-4")
+Progress = Callable[[str], None]
+
+
+def token_points(max_tokens: int) -> Tuple[int, ...]:
+    """The tokens per rank a calibration measures: the powers of two below ``max_tokens``, and ``max_tokens``."""
+    points, n = [], 1
+    while n < max_tokens:
+        points.append(n)
+        n *= 2
+    return tuple(points) + (max(1, int(max_tokens)),)
+
+
+def calibrate_decode(model: DecodeModel, *, max_tokens: int, histories: Tuple[int, int],
+                     modes: Sequence[str] = AUTO_MODES, repeats: int = 3, steps: int = 3, seed: int = 0,
+                     progress: Optional[Progress] = None) -> DecodeCalibration:
+    """Every mode of ``modes`` (serial first or added) timed at each of `token_points` (``max_tokens``) and at the two
+    ``histories`` (rows each request holds before the step): ``repeats`` rounds of ``steps`` steps in a row per
+    mode and point, after one more step (see the module docstring). Collective over the model's expert group:
+    every rank calls it with the same arguments (checked first, in one all-reduce)."""
+    names = [SERIAL] + [m for m in modes if m != SERIAL]
+    hows = {m: microbatch.decode_mode(m) for m in names}
+    if max_tokens < 1 or repeats < 1 or steps < 1:
+        raise ValueError(f"calibrate_decode needs max_tokens, repeats and steps >= 1, got {max_tokens}, {repeats} "
+                         f"and {steps}")
+    h0, h1 = int(histories[0]), int(histories[1])
+    if not 1 <= h0 < h1:
+        raise ValueError(f"histories must be two lengths 1 <= short < long, got {histories}")
+    layers = {m: model.decode_layer_operations(h.moe_chunks) for m, h in hows.items()}
+    group = _expert_group(model)
+    if group is not None:  # the ranks run these steps together: a rank with other ones would hang the others
+        overlap.agree({"max_tokens": max_tokens, "histories": [h0, h1], "modes": names, "repeats": repeats,
+                       "steps": steps}, overlap.GroupTransport(group, "decode.calibrate"), error=DecodeError)
+    points = token_points(max_tokens)
+    cache = _scratch_cache(model, points[-1], h1 + 1)
+    slots = cache.admit(points[-1])
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.cfg.vocab, (points[-1],), generator=gen).tolist()
+    step = _Step(model, cache, _history_weight(model), group)
+    times: Dict[Tuple[str, int, int], List[float]] = {}
+    grid = [(n, h) for n in points for h in (h0, h1)]
+    for rnd in range(repeats):
+        for k, (n, h) in enumerate(grid):
+            if progress is not None:
+                progress(f"calibrating decode: round {rnd + 1}/{repeats}, {n} tokens per rank, history {h}")
+            turn = (k + rnd) % len(names)
+            for m in names[turn:] + names[:turn]:
+                step.run(layers[m], hows[m], slots[:n], ids[:n], h)  # the first step of a block is not timed
+                times.setdefault((m, n, h), []).extend(step.run(layers[m], hows[m], slots[:n], ids[:n], h)
+                                                       for _ in range(steps))
+    table = [statistics.median(times[m, n, h]) for m in names for n in points for h in (h0, h1)]
+    if group is not None:
+        table = max_over_ranks(table, group)
+    it = iter(table)
+    seconds = {m: tuple((next(it), next(it)) for _ in points) for m in names}
+    return DecodeCalibration(points, (h0, h1), seconds)
+
+
+def _scratch_cache(model: DecodeModel, requests: int, rows: int) -> KVCache:
+    weight = next(model.parameters())
+    cfg = model.cfg
+    return KVCache(cfg.n_layers, requests, rows, cfg.k_shape, cfg.v_shape, dtype=weight.dtype, device=weight.device)
+
+
+class _Step:
+    """One timed decode step, as `launch.decode.generate` runs it: the ranks' agreement, the step's rows and inputs,
+    the step, its tokens read back (the cache is left as it was: the step's rows are not counted)."""
+
+    def __init__(self, model: DecodeModel, cache: KVCache, per_row: float, group: Optional[Any]):
+        self.model, self.cache, self.per_row, self.group = model, cache, per_row, group
+
+    def run(self, layers: Sequence[Sequence[microbatch.Operation]], how: microbatch.Mode, slots: Sequence[int],
+            ids: Sequence[int], history: int) -> float:
+        """Seconds of a step of ``len(slots)`` requests holding ``history`` rows each."""
+        cache = self.cache
+        for s in slots:
+            cache.lengths[s] = history
+        start = time.perf_counter()
+        parts = split_by_cost([history] * len(slots), how.micro_batches, self.per_row)
+        if self.group is not None:  # what generate agrees each step, of the same size
+            overlap.agree({"active": len(slots), "widest": [len(slots)], "history": history, "decode mode": how.name},
+                          overlap.GroupTransport(self.group, "decode.step"), per_rank=["active", "widest", "history"],
+                          error=DecodeError)
+        capacity = bucket_of(max(map(len, parts)))  # every rank measures the same point: the same widest part
+        inputs = [{TOKENS: torch.tensor([ids[j] for j in part], dtype=torch.long, device=cache.device),
+                   KV_STEP: KVStep(cache, cache.rows([slots[j] for j in part])), MOE_CAPACITY: capacity}
+                  for part in parts]
+        with overlap.no_host_sync(DECODE_STEP):
+            picked = decode_step(self.model, layers, how.make, inputs)
+        picked.ids.tolist()
+        return time.perf_counter() - start
+
+
+def calibration_histories(prompt_lens: Sequence[int], new_tokens: int) -> Tuple[int, int]:
+    """The two histories a generation's calibration measures: its shortest prompt, and its longest prompt with
+    every new token but the last (the most a decode step attends to)."""
+    short = max(1, min(prompt_lens, default=1))
+    return short, max(short + 1, max(prompt_lens, default=1) + new_tokens - 1)
+
+
+__all__ = ["AUTO_MODES", "calibrate_decode", "calibration_histories", "token_points"]

@@ -1,0 +1,131 @@
+"""Choosing a decode step's mode: a measured table of step times, and the fastest predicted mode per step.
+
+A decode step's shapes come from a few numbers: the tokens per rank (one per active request), which the
+exchange pads to a bucket, the micro-batches of the mode, and how long the requests' histories are (what
+attention reads). So its calibration is a table, not a fit of operations: every candidate mode's step time
+measured (`launch.decode_plan.calibrate_decode`) at each bucket of tokens per rank from 1 to the batch and
+at two history lengths, the modes interleaved, each entry the median of its repeats and the largest over the
+ranks (every rank holds the same table, so every rank predicts and chooses alike).
+
+`DecodeCalibration.predict` reads the table: linear in the tokens between the two buckets around them and
+linear in the history between (or beyond) the two measured lengths. `choose_decode` predicts every candidate
+for a step (the widest rank's tokens, the longest history) and keeps serial unless another mode is predicted
+at least ``margin`` faster: a wrong choice between modes that close costs little, one against serial is what
+users see. Pure Python: no collective, no tensor.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+SERIAL = "serial"
+DEFAULT_MARGIN = 0.03  # another mode is taken over serial where predicted at least 3% faster
+
+
+class DecodeCalibrationError(ValueError):
+    """A table that does not describe a calibration (a cache file from another version, a bad hand edit)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeCalibration:
+    """Step seconds per mode at each ``tokens`` (per rank) and each of two ``histories`` (rows per request):
+    ``seconds[mode][i][j]`` at ``tokens[i]``, ``histories[j]``."""
+
+    tokens: Tuple[int, ...]
+    histories: Tuple[int, int]
+    seconds: Mapping[str, Tuple[Tuple[float, float], ...]]
+
+    def __post_init__(self) -> None:
+        if not self.tokens or list(self.tokens) != sorted(set(self.tokens)) or self.tokens[0] < 1:
+            raise DecodeCalibrationError(f"tokens must be increasing counts >= 1, got {list(self.tokens)}")
+        if len(self.histories) != 2 or not 0 <= self.histories[0] < self.histories[1]:
+            raise DecodeCalibrationError(f"histories must be two increasing lengths, got {list(self.histories)}")
+        if SERIAL not in self.seconds:
+            raise DecodeCalibrationError(f"a decode calibration measures serial, the reference; it has "
+                                         f"{', '.join(self.seconds) or 'no mode'}")
+        for mode, rows in self.seconds.items():
+            if len(rows) != len(self.tokens) or any(len(r) != 2 or min(r) <= 0 for r in rows):
+                raise DecodeCalibrationError(f"mode {mode}: need two positive times for each of {len(self.tokens)} "
+                                             f"token counts")
+
+    @property
+    def modes(self) -> Tuple[str, ...]:
+        return tuple(self.seconds)
+
+    def predict(self, mode: str, tokens: int, history: float) -> float:
+        """Predicted seconds of a step of ``mode`` with ``tokens`` per rank (the widest rank's) and requests of
+        ``history`` rows (the longest): linear between the measured points, the end segments extended."""
+        h0, h1 = self.histories
+        # attention only grows with the history: a shorter time at the longer one is noise, read as no growth
+        at = [r[0] + (r[1] - r[0]) * (history - h0) / (h1 - h0) if r[1] >= r[0] else (r[0] + r[1]) / 2
+              for r in self.seconds[mode]]
+        if len(at) == 1:
+            return max(1e-9, at[0])
+        i = min(_segment(self.tokens, tokens), len(at) - 2)
+        t0, t1 = self.tokens[i], self.tokens[i + 1]
+        return max(1e-9, at[i] + (at[i + 1] - at[i]) * (tokens - t0) / (t1 - t0))
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {"tokens": list(self.tokens), "histories": list(self.histories),
+                "seconds": {m: [list(r) for r in rows] for m, rows in self.seconds.items()}}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "DecodeCalibration":
+        try:
+            return cls(tuple(int(t) for t in data["tokens"]), tuple(int(h) for h in data["histories"]),
+                       {str(m): tuple((float(r[0]), float(r[1])) for r in rows) for m, rows in data["seconds"].items()})
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+            if isinstance(exc, DecodeCalibrationError):
+                raise
+            raise DecodeCalibrationError(f"not a decode calibration: {exc!r}") from None
+
+    def format(self) -> str:
+        """The table: a row per token count, a column per mode (ms, at the shorter / longer history)."""
+        head = f"{'tokens':>6}  " + "  ".join(f"{m:>17}" for m in self.modes)
+        lines = [f"decode calibration, ms at histories {self.histories[0]} / {self.histories[1]}", head]
+        for i, t in enumerate(self.tokens):
+            cells = [f"{r[i][0] * 1e3:8.2f}/{r[i][1] * 1e3:8.2f}" for r in self.seconds.values()]
+            lines.append(f"{t:>6}  " + "  ".join(f"{c:>17}" for c in cells))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return json.dumps(self.to_dict())
+
+
+def _segment(points: Sequence[int], x: float) -> int:
+    """The index ``i`` of the segment ``points[i] <= x < points[i + 1]`` (0 below the first, the last above)."""
+    i = 0
+    while i + 1 < len(points) and points[i + 1] <= x:
+        i += 1
+    return i
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeChoice:
+    """A step's mode and every candidate's predicted seconds."""
+
+    mode: str
+    predicted: Mapping[str, float]
+
+    @property
+    def seconds(self) -> float:
+        return self.predicted[self.mode]
+
+
+def choose_decode(cal: DecodeCalibration, tokens: int, history: float, modes: Optional[Sequence[str]] = None,
+                  margin: float = DEFAULT_MARGIN) -> DecodeChoice:
+    """The fastest predicted of ``modes`` (default: the calibrated ones) for a step of ``tokens`` per rank (the
+    widest rank's) and ``history`` rows (the longest); serial unless another is at least ``margin`` faster."""
+    names = list(modes or cal.modes)
+    unknown = [m for m in names if m not in cal.seconds]
+    if unknown:
+        raise ValueError(f"mode {unknown[0]} was not calibrated (calibrated: {', '.join(cal.modes)})")
+    predicted = {m: cal.predict(m, tokens, history) for m in names}
+    best = min(names, key=lambda m: (predicted[m], names.index(m)))
+    if SERIAL in predicted and predicted[best] > predicted[SERIAL] * (1.0 - margin):
+        best = SERIAL
+    return DecodeChoice(best, predicted)
+
+
+__all__ = ["DEFAULT_MARGIN", "DecodeCalibration", "DecodeCalibrationError", "DecodeChoice", "choose_decode"]
