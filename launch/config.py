@@ -466,11 +466,14 @@ class DecodeConfig:
     spread: float  # each request's new tokens are drawn from [ceil(new_tokens * (1 - spread)), new_tokens]
     stop_token: Optional[int]
     runs: Tuple[Tuple[str, str], ...]  # (prefill mode, decode mode) of each run, serial's first with --check
+    graph: Optional[str] = None  # --decode-graph: the path decode steps are captured on per bucket (None: eager)
+    buckets: Optional[Tuple[int, ...]] = None  # --decode-buckets (None: the powers of two)
 
-    def fingerprint(self) -> Dict[str, Union[int, float, None, List[List[str]]]]:
+    def fingerprint(self) -> Dict[str, Union[int, float, str, None, List[int], List[List[str]]]]:
         """What must be equal on every rank, by option (`launch.agreement.agree`)."""
         return {"--new-tokens": self.new_tokens, "--new-tokens-spread": self.spread, "--stop-token": self.stop_token,
-                "--decode-mode": [list(r) for r in self.runs]}
+                "--decode-mode": [list(r) for r in self.runs], "--decode-graph": self.graph or "off",
+                "--decode-buckets": list(self.buckets or ())}
 
     def min_new_tokens(self) -> int:
         return max(1, math.ceil(self.new_tokens * (1.0 - self.spread) - 1e-9))  # 10 * (1 - 0.7) is 3.0000000000000004
@@ -482,7 +485,7 @@ def vocab_size(job: JobConfig) -> int:
 
 
 def decode_config(job: JobConfig, *, new_tokens: int, spread: float, stop_token: Optional[int],
-                  decode_modes: Sequence[str]) -> DecodeConfig:
+                  decode_modes: Sequence[str], graph: str = "off", buckets: Optional[str] = None) -> DecodeConfig:
     """The generation options, checked against the job (`ConfigError` names the first problem).
 
     ``decode_modes``: the ``--decode-mode`` names (empty: the same as ``--mode``). Each prefill mode is paired
@@ -511,4 +514,22 @@ def decode_config(job: JobConfig, *, new_tokens: int, spread: float, stop_token:
     runs = list(dict.fromkeys(runs))  # repeats dropped, order kept
     if (job.check or any(d == AUTO for _, d in runs)) and ("serial", "serial") not in runs:
         runs.insert(0, ("serial", "serial"))  # the reference of --check, and what auto is measured beside
-    return DecodeConfig(new_tokens, float(spread), stop_token, tuple(runs))
+    captured = None if graph == "off" else graph
+    if captured is not None and any(d == AUTO for _, d in runs):
+        raise ConfigError("--decode-mode auto chooses from eager steps' times: with --decode-graph, name the modes")
+    if captured is not None and job.kv_offload:
+        raise ConfigError("--decode-graph captures steps over the device cache: drop --kv-offload")
+    return DecodeConfig(new_tokens, float(spread), stop_token, tuple(runs), captured, parse_buckets(buckets))
+
+
+def parse_buckets(text: Optional[str]) -> Optional[Tuple[int, ...]]:
+    """``--decode-buckets``: increasing positive sizes, comma-separated (None: the powers of two)."""
+    if text is None:
+        return None
+    try:
+        sizes = tuple(sorted({int(x) for x in text.replace(" ", "").split(",") if x}))
+    except ValueError:
+        raise ConfigError(f"--decode-buckets must be comma-separated integers, got {text!r}") from None
+    if not sizes or sizes[0] < 1:
+        raise ConfigError(f"--decode-buckets must be positive sizes, got {text!r}")
+    return sizes

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -27,12 +27,14 @@ import torch.distributed as dist
 import microbatch
 import overlap
 from collectives import MOE_CAPACITY, ExpertParallelMoE, group_size
-from microbatch import (HIDDEN, KV_STEP, K, V, Batch, DecodeModel, KVCache, KVRows, KVStep, OffloadedKVCache, Operation,
+from microbatch import (KV_STEP, K, V, Batch, DecodeModel, KVCache, KVRows, KVStep, OffloadedKVCache, Operation,
                         SeqInfo)
 from microbatch.forward import micro_batch_inputs
 from microbatch.planning.decode import DEFAULT_MARGIN, DecodeCalibration, choose_decode
 from microbatch.split import merge_outputs
 
+from .decode_step import DECODE_STEP, TOKENS, Picked, bucket_of, decode_step, read_picked
+from .graph_decode import GraphDecoder
 from .runner import after_attention, split_for
 
 AUTO = "auto"  # the decode mode that chooses each step's mode from a decode calibration
@@ -98,10 +100,11 @@ def greedy_generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_to
 
 @torch.no_grad()
 def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: Union[int, Sequence[int]], *,
-             stop_token: Optional[int] = None, cache: Optional[KVCache] = None, mode: str = "serial",
+             stop_token: Optional[int] = None, cache: Optional[KVCache] = None, mode: Optional[str] = None,
              prefill_mode: str = "serial", on_step: Optional[OnStep] = None, margins: bool = False,
              buckets: Optional[Sequence[int]] = None, plan: Optional[DecodeCalibration] = None,
-             margin: float = DEFAULT_MARGIN) -> Generated:
+             margin: float = DEFAULT_MARGIN, graph: Optional[str] = None,
+             decoder: Optional[GraphDecoder] = None) -> Generated:
     """Greedy generation (see the module docstring): prefill in ``prefill_mode``, decode steps in ``mode``.
 
     ``prompts``: this rank's requests' token ids (none is fine with several ranks); ``new_tokens``: the most
@@ -110,17 +113,30 @@ def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: U
     tokens are taken, with the number of requests still active on every rank; ``buckets``: the sizes a step's
     exchange is padded to (`bucket_of`; default the powers of two). ``mode="auto"`` chooses each step's mode
     from ``plan`` (`launch.decode_plan.calibrate_decode`; the same on every rank), serial unless another is
-    predicted at least ``margin`` faster (`microbatch.planning.choose_decode`).
+    predicted at least ``margin`` faster (`microbatch.planning.choose_decode`). ``graph``: decode steps padded to
+    their bucket and captured once per bucket on that path (`launch.graph_decode.GraphDecoder`: ``ge``,
+    ``aclgraph``, ``cuda``; ``cpu`` runs the padded step eagerly), or through ``decoder`` (its cache, mode and
+    graphs, kept across generations).
     """
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     limits = _limits(prompts, new_tokens)
+    mode = mode or (decoder.mode if decoder is not None else "serial")
     if mode == AUTO and plan is None:
         raise ValueError("decode mode 'auto' chooses each step's mode from a decode calibration: pass "
                          "plan=launch.decode_plan.calibrate_decode(model, ...)")
+    if (graph is not None or decoder is not None) and mode == AUTO:
+        raise ValueError("decode mode 'auto' chooses from eager steps' times: with graph capture, name the mode")
     hows = {m: microbatch.decode_mode(m) for m in (plan.modes if mode == AUTO else (mode,))}
     layers = {m: model.decode_layer_operations(h.moe_chunks) for m, h in hows.items()}  # a model that cannot decode
     group = _expert_group(model)  # says so first
+    if decoder is None and graph is not None:
+        decoder = GraphDecoder(model, cache or new_cache(model, prompts, limits), mode, graph, buckets)
+    if decoder is not None:
+        if decoder.mode != mode or (cache is not None and cache is not decoder.cache):
+            raise ValueError(f"the decoder runs mode {decoder.mode!r} over its own cache: pass neither another mode "
+                             f"({mode!r}) nor another cache")
+        cache = decoder.cache
     cache = cache or new_cache(model, prompts, limits)
     slots = cache.admit(len(prompts))
     device = next(model.parameters()).device
@@ -137,16 +153,19 @@ def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: U
         still = []
         for j, (i, t) in enumerate(zip(active, nxt)):
             out.tokens[i].append(t)
-            if out.margins is not None:
+            if out.margins is not None and gaps:  # a captured step picks without margins
                 out.margins[i].append(gaps[j])
             if len(out.tokens[i]) < limits[i] and t != stop_token:
                 still.append(i)
         going = set(still)
         cache.release([slots[i] for i in active if i not in going])
         history = [lens[i] + len(out.tokens[i]) - 1 for i in still]  # rows held before this step's
-        splits = {n: split_by_cost(history, n, per_row) for n in counts}
-        step = _step_status(_Post(len(still), {n: max(map(len, p)) for n, p in splits.items()},
-                                  max(history, default=0), mode), problem, group)
+        if decoder is None:
+            splits = {n: split_by_cost(history, n, per_row) for n in counts}
+            widest = {n: max(map(len, p)) for n, p in splits.items()}
+        else:  # its static step attends over the whole cache: a contiguous cut, no cost to balance
+            widest = {decoder.micro_batches: decoder.widest(len(still))}
+        step = _step_status(_Post(len(still), widest, max(history, default=0), mode), problem, group)
         if on_step is not None:
             on_step(out.steps, step.active)
         if not step.active:
@@ -158,6 +177,12 @@ def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: U
             name = choice.mode
             out.predicted.append(choice.seconds)
         out.modes.append(name)
+        if decoder is not None:  # padded to the bucket, the bucket's graph replayed; it counts the rows itself
+            ids = decoder.step([slots[i] for i in still], [out.tokens[i][-1] for i in still],
+                               widest=step.widest[decoder.micro_batches])
+            active = still
+            nxt, gaps, problem = read_picked(Picked(ids), active, out.steps)
+            continue
         how = hows[name]
         parts = splits[how.micro_batches]
         capacity = bucket_of(step.widest[how.micro_batches], buckets)
@@ -173,57 +198,7 @@ def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: U
         for kv in steps:
             cache.advance(kv.rows)
         active = order
-        nxt, gaps, problem = _read_picked(picked, active, out.steps)
-
-
-DECODE_STEP = "decode step"  # the label of a decode step's `overlap.no_host_sync` scope, with its number
-TOKENS = "tokens"  # a decode micro-batch's input: its requests' last tokens, embedded in the step
-
-
-def decode_step(model: DecodeModel, layers: Sequence[Sequence[Operation]], make: Callable[..., Any],
-                inputs: Sequence[Dict[str, Any]], margins: bool = False) -> "Picked":
-    """One decode step on the device, nothing read on the host: each micro-batch's ``TOKENS`` embedded, the
-    layers in ``make``'s schedule (each micro-batch also reads its ``KV_STEP`` and ``MOE_CAPACITY``), the final
-    norm, the LM head and the greedy pick (`Picked`)."""
-    staged = [{HIDDEN: model.embed_tokens(v[TOKENS]), **{k: x for k, x in v.items() if k != TOKENS}} for v in inputs]
-    logits = model.logits(model.norm(torch.cat(microbatch.run_made(make, layers, staged))))
-    finite = torch.isfinite(logits).all(-1)
-    ids = torch.where(finite, logits.argmax(-1), torch.full_like(finite, -1, dtype=torch.long))
-    gaps = None
-    if margins and logits.shape[0] and logits.shape[-1] > 1:
-        top = logits.float().topk(2, dim=-1).values
-        gaps = top[:, 0] - top[:, 1]
-    return Picked(ids, gaps)
-
-
-@dataclasses.dataclass
-class Picked:
-    """A step's greedy pick on the device: each row's argmax, -1 where its logits hold NaN or inf, and (with
-    margins) the gap between its top two logits."""
-
-    ids: torch.Tensor  # [rows] int64
-    gaps: Optional[torch.Tensor] = None  # [rows] float32
-
-
-def _read_picked(picked: Picked, requests: List[int], step: int) -> Tuple[List[int], List[float], Optional[str]]:
-    """The tokens of a step on the host (the step's one read), the margins, and what is wrong where a row was not
-    finite (as `_greedy` says it)."""
-    ids = picked.ids.tolist()
-    bad = [j for j, t in enumerate(ids) if t < 0]
-    problem = None
-    if bad:
-        problem = (f"NaN or inf in the logits of request {requests[bad[0]]} at decode step {step} (0: the prefill's)"
-                   + (f" and of {len(bad) - 1} more" if len(bad) > 1 else ""))
-    return ids, ([] if picked.gaps is None else picked.gaps.tolist()), problem
-
-
-def bucket_of(tokens: int, buckets: Optional[Sequence[int]] = None) -> int:
-    """The bucket a step of ``tokens`` rows per micro-batch pads its exchange to: the smallest of ``buckets``
-    (default: the powers of two) that holds them; past the largest, the tokens themselves."""
-    tokens = max(1, int(tokens))
-    if buckets is None:
-        return 1 << (tokens - 1).bit_length()
-    return min((b for b in buckets if b >= tokens), default=tokens)
+        nxt, gaps, problem = read_picked(picked, active, out.steps)
 
 
 def _prefill(model: DecodeModel, batch: Batch, cache: KVCache, slots: List[int], mode: str,

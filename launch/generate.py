@@ -32,7 +32,7 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
 
 import functools
 import time
-from typing import TYPE_CHECKING, Any, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import click
 import torch
@@ -45,7 +45,8 @@ from launch.job import main as job_main, progress, say, script as job_script
 from launch.options import batch_options, model_options, run_options, timing_options
 
 if TYPE_CHECKING:  # the launcher's parts are imported where the job needs them (a bad option fails first)
-    from launch.generation import RunResult
+    from launch.generation import Run, RunResult
+    from launch.graph_decode import GraphDecoder
     from launch.health import Fault, Peers
     from microbatch import DecodeModel, KVCache
     from microbatch.planning import DecodeCalibration
@@ -69,6 +70,12 @@ OwnTokens = Union[List[List[int]], str, None]  # the model's own generate() for 
 @click.option("--stop-token", type=int, help="A token id that ends a request (it is kept).")
 @click.option("--kv-offload/--no-kv-offload", default=False,
               help="Keep the KV cache on the host, the next layer's keys and values prefetched on the copy stream.")
+@click.option("--decode-graph", type=click.Choice(["off", "cpu", "ge", "aclgraph", "cuda"]), default="off",
+              help="Pad each decode step to its bucket and capture it once per bucket on this path, then replay "
+                   "(cpu: the padded static step, eager); off: eager steps.")
+@click.option("--decode-buckets", type=str, default=None,
+              help="The sizes a decode step's micro-batches (their exchange, and a captured step) are padded to, "
+                   "comma-separated (default: the powers of two).")
 @batch_options(seq_len=64)
 @timing_options
 @click.option("--check", is_flag=True,
@@ -77,7 +84,8 @@ OwnTokens = Union[List[List[int]], str, None]  # the model's own generate() for 
                    "differs.")
 @run_options
 def cli(mode: Tuple[Tuple[str, ...], ...], decode_mode: Tuple[Tuple[str, ...], ...], new_tokens: int,
-        new_tokens_spread: float, stop_token: Optional[int], layers: Optional[int], dense_layers: Optional[int],
+        new_tokens_spread: float, stop_token: Optional[int], decode_graph: str, decode_buckets: Optional[str],
+        layers: Optional[int], dense_layers: Optional[int],
         hidden: Optional[int], experts: Optional[int], top_k: Optional[int], shared_experts: Optional[int],
         **options: Any) -> None:  # Any: click's values of every other option, each of its own type
     """Greedy generation of a MoE model (the toolkit's reference decoder, a transformers model type, or a
@@ -87,7 +95,8 @@ def cli(mode: Tuple[Tuple[str, ...], ...], decode_mode: Tuple[Tuple[str, ...], .
     job = job_config(world=int(os.environ.get("WORLD_SIZE", "1")), overrides=overrides, exec_path="auto",
                      kv_store="memory", mode=[name for names in mode for name in names], **options)
     decode = decode_config(job, new_tokens=new_tokens, spread=new_tokens_spread, stop_token=stop_token,
-                           decode_modes=[name for names in decode_mode for name in names])
+                           decode_modes=[name for names in decode_mode for name in names], graph=decode_graph,
+                           buckets=decode_buckets)
     sys.exit(run_job(job, decode))
 
 
@@ -140,11 +149,13 @@ def _generate_job(job: JobConfig, decode: DecodeConfig, dev: torch.device, fault
     runs = [Run(p, d) for p, d in decode.runs]
     say(_headline(job, decode, model, world, limits))
     plan = _calibrate(job, decode, model, peers) if any(r.decode == AUTO for r in runs) else None
-    results = measure_generation(model, prompts, limits, runs, dist.group.WORLD,
-                                 functools.partial(_new_cache, job, model, prompts, limits),
+    make_cache = functools.partial(_new_cache, job, model, prompts, limits)
+    decoders = _decoders(job, decode, model, runs, make_cache)
+    results = measure_generation(model, prompts, limits, runs, dist.group.WORLD, make_cache,
                                  stop_token=decode.stop_token, warmup=job.warmup, iters=job.iters,
                                  margins=job.check and job.dtype != torch.float32,
-                                 progress=functools.partial(_progress, peers), plan=plan)
+                                 progress=functools.partial(_progress, peers), plan=plan, decoders=decoders,
+                                 buckets=decode.buckets)
     progress("")
     failed: List[str] = []
     notes: List[str] = []
@@ -161,6 +172,25 @@ def _generate_job(job: JobConfig, decode: DecodeConfig, dev: torch.device, fault
     if job.out_dir and rank == 0:  # after the last collective: a failure here cannot stall the other ranks
         write_generation_outputs(job.out_dir, job, decode, results, world, failed, lambda m: say(m, err=True))
     return 1 if failed else 0
+
+
+def _decoders(job: JobConfig, decode: DecodeConfig, model: DecodeModel, runs: Sequence["Run"],
+              make_cache: Callable[[], "KVCache"]) -> Dict[str, "GraphDecoder"]:
+    """With ``--decode-graph``, a `GraphDecoder` per run (its cache and graphs kept across the rounds); what one
+    refuses (a transformers model, say) is one line on every rank before any exchange."""
+    if decode.graph is None:
+        return {}
+    from launch.agreement import agree_ready
+    from launch.graph_decode import GraphDecoder
+
+    decoders, problem = {}, None
+    try:
+        for r in runs:
+            decoders[r.label] = GraphDecoder(model, make_cache(), r.decode, decode.graph, decode.buckets)
+    except ValueError as err:
+        problem = f"--decode-graph {decode.graph}: {err}"
+    agree_ready("building the decode graphs", problem, job.timeout)
+    return decoders
 
 
 def _calibrate(job: JobConfig, decode: DecodeConfig, model: DecodeModel, peers: Peers) -> "DecodeCalibration":
@@ -266,6 +296,8 @@ def _headline(job: JobConfig, decode: DecodeConfig, model: DecodeModel, world: i
             + (f", stop token {decode.stop_token}" if decode.stop_token is not None else "")
             + f" | {str(job.dtype).replace('torch.', '')}"
             + f" | kv cache {'host, prefetched' if job.kv_offload else 'device'}"
+            + (f" | decode steps captured per bucket on {decode.graph}" if decode.graph else "")
+            + (f" | buckets {','.join(map(str, decode.buckets))}" if decode.buckets else "")
             + (f" | simulated link {job.link}" if job.link else "")
             + ("" if overlap.is_enabled() else f" | overlap off (${overlap.ENV_ENABLE}): every mode single-stream"))
 

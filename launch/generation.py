@@ -20,7 +20,7 @@ import hashlib
 import json
 import statistics
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,7 @@ from overlap import Span, Timeline
 from overlap.observability import gather, metrics
 
 from .decode import AUTO, Generated, first_difference, generate
+from .graph_decode import GraphDecoder
 from .measure import rounds, spread
 
 MakeCache = Callable[[], KVCache]  # a fresh cache for one generation
@@ -133,12 +134,15 @@ class _Round:
 def measure_generation(model: DecodeModel, prompts: Sequence[Sequence[int]], limits: Sequence[int],
                        runs: Sequence[Run], group: Optional[dist.ProcessGroup], make_cache: MakeCache, *,
                        stop_token: Optional[int] = None, warmup: int = 1, iters: int = 3, margins: bool = False,
-                       progress: Optional[Progress] = None, plan: Optional[DecodeCalibration] = None
-                       ) -> List[RunResult]:
+                       progress: Optional[Progress] = None, plan: Optional[DecodeCalibration] = None,
+                       decoders: Optional[Mapping[str, GraphDecoder]] = None,
+                       buckets: Optional[Sequence[int]] = None) -> List[RunResult]:
     """Generate ``prompts`` (this rank's; ``limits``: each one's most new tokens) ``warmup + iters`` times in each
     run, interleaved (`launch.measure.rounds`); ``make_cache()`` gives each generation its cache;
     ``progress(line, round_start, first_round)`` hears of every step; ``plan``: the decode calibration a run
-    whose decode mode is ``auto`` chooses from (`launch.decode_plan.calibrate_decode`)."""
+    whose decode mode is ``auto`` chooses from (`launch.decode_plan.calibrate_decode`); ``decoders``: by run
+    label, the `GraphDecoder` whose captured steps (and cache) the run's generations use; ``buckets``: the sizes
+    eager steps pad their exchange to."""
     by_label = {r.label: r for r in runs}
     order = rounds([r.label for r in runs], warmup, iters)
     kept: Dict[str, List[_Round]] = {r.label: [] for r in runs}
@@ -146,8 +150,12 @@ def measure_generation(model: DecodeModel, prompts: Sequence[Sequence[int]], lim
     for i, labels in enumerate(order):
         timed = i >= warmup
         for label in labels:
-            one = _generate_once(model, prompts, limits, by_label[label], make_cache(), stop_token, timed, margins,
-                                 i, len(order), progress, plan)
+            decoder = (decoders or {}).get(label)
+            options = {"decoder": decoder} if decoder is not None else {"cache": make_cache(), "buckets": buckets}
+            if by_label[label].decode == AUTO:
+                options["plan"] = plan
+            one = _generate_once(model, prompts, limits, by_label[label], stop_token, timed, margins, i, len(order),
+                                 progress, options)
             last[label] = one.generated
             if timed:
                 kept[label].append(one)
@@ -160,8 +168,9 @@ def measure_generation(model: DecodeModel, prompts: Sequence[Sequence[int]], lim
 
 
 def _generate_once(model: DecodeModel, prompts: Sequence[Sequence[int]], limits: Sequence[int], run: Run,
-                   cache: KVCache, stop_token: Optional[int], timed: bool, margins: bool, round_no: int,
-                   n_rounds: int, progress: Optional[Progress], plan: Optional[DecodeCalibration]) -> _Round:
+                   stop_token: Optional[int], timed: bool, margins: bool, round_no: int, n_rounds: int,
+                   progress: Optional[Progress], options: Dict[str, Any]) -> _Round:
+    """One generation of ``run`` (``options``: `generate`'s cache or decoder, buckets and plan), timed per step."""
     stamps: List[float] = []
     timelines: List[Timeline] = []
 
@@ -179,12 +188,12 @@ def _generate_once(model: DecodeModel, prompts: Sequence[Sequence[int]], limits:
     if dist.is_initialized():
         dist.barrier()
     stamps.append(time.perf_counter())
-    generated = generate(model, prompts, list(limits), stop_token=stop_token, cache=cache, mode=run.decode,
-                         prefill_mode=run.prefill, on_step=on_step, margins=margins,
-                         plan=plan if run.decode == AUTO else None)
+    generated = generate(model, prompts, list(limits), stop_token=stop_token, mode=run.decode,
+                         prefill_mode=run.prefill, on_step=on_step, margins=margins, **options)
     for tl in timelines:
         tl.stop()
     prefetch = None
+    cache = options.get("cache")
     if isinstance(cache, OffloadedKVCache):
         prefetch = cache.prefetch_report()
         cache.close()

@@ -10,6 +10,12 @@ written them (`advance`).
 
 The lengths live on the host, so placing the rows, masking and checking the room never read the
 device: no host sync in a decode step.
+
+A graph captured once for a number of rows (`launch.graph_decode`) needs a step whose shapes do not change
+from step to step: `static_rows` pads a decode step's rows to a fixed count and describes them with tensors
+only (`StaticRows`), and `StaticKVStep` attends over every slot's whole ``max_len`` with a mask built on the
+device from each row's length. A padding row writes nothing new: it points at row 0 of a slot, which no
+decode step writes (every request holds its prompt), and writes back what is there.
 """
 from __future__ import annotations
 
@@ -96,9 +102,14 @@ class KVCache:
         dev = self.device
         index, counts = self._index(slots), torch.tensor(seq_lens, dtype=torch.long, device=dev)
         held = torch.tensor([self.lengths[s] for s in slots], dtype=torch.long, device=dev)
-        first = torch.repeat_interleave(counts.cumsum(0) - counts, counts)  # each row's request's first row
-        position = torch.repeat_interleave(held, counts) + torch.arange(int(sum(seq_lens)), device=dev) - first
-        where = torch.stack([torch.repeat_interleave(index, counts), position], dim=1)
+        total = sum(seq_lens)  # known here: the repeats below need no device read to size their output
+        if all(n == 1 for n in seq_lens):  # a decode step: one row per slot
+            where = torch.stack([index, held], dim=1)
+        else:
+            first = torch.repeat_interleave(counts.cumsum(0) - counts, counts, output_size=total)  # its request's
+            position = (torch.repeat_interleave(held, counts, output_size=total) + torch.arange(total, device=dev)
+                        - first)
+            where = torch.stack([torch.repeat_interleave(index, counts, output_size=total), position], dim=1)
         seen = [self.lengths[s] + n for s, n in zip(slots, seq_lens)]
         longest = max(seen, default=0)
         mask = torch.arange(longest, device=dev)[None, :] < (held + counts)[:, None]
@@ -141,6 +152,47 @@ class KVCache:
                                              attn_mask=rows.mask[:, None, None, :])
         return out.squeeze(2).to(q.dtype)
 
+    # ---- a decode step of static shapes (graph capture per bucket) ----------------------------
+    def static_rows(self, slots: Sequence[Optional[int]]) -> "StaticRows":
+        """A decode step's rows, one per entry of ``slots``: a slot in use gets its next row, None a padding
+        row (it changes nothing: `StaticRows`); checked against the room. Each slot appears at most once and
+        holds at least one row (its prompt: a decode step follows the prefill)."""
+        real = [s for s in slots if s is not None]
+        if len(set(real)) != len(real):
+            raise KVCacheError(f"a decode step writes one row per slot, got slots {real}")
+        self._check(real, [1] * len(real))
+        empty = [s for s in real if self.lengths[s] == 0]
+        if empty:
+            raise KVCacheError(f"slot {empty[0]} holds no row yet: a decode step follows the prefill")
+        pad = real[0] if real else 0  # row 0 of any slot: no decode step writes it
+        dev = self.device
+        return StaticRows(index=torch.tensor([pad if s is None else s for s in slots], dtype=torch.long, device=dev),
+                          held=torch.tensor([0 if s is None else self.lengths[s] for s in slots], dtype=torch.long,
+                                            device=dev),
+                          real=torch.tensor([s is not None for s in slots], dtype=torch.bool, device=dev),
+                          slots=tuple(real))
+
+    def write_static(self, layer: int, rows: "StaticRows", k: torch.Tensor, v: torch.Tensor) -> None:
+        """Layer ``layer``'s keys ``[rows, *k_shape]`` and values of a static step into their rows; a padding
+        row writes back what its row holds (the real rows never share it: the step's shapes stay fixed)."""
+        n = rows.index.shape[0]
+        if k.shape[0] != n or v.shape[0] != n or k.shape[1:] != self.k.shape[3:] or v.shape[1:] != self.v.shape[3:]:
+            raise KVCacheError(f"{n} rows, keys {tuple(k.shape)} and values {tuple(v.shape)} do not go together")
+        for store, new in ((self.k, k), (self.v, v)):
+            old = store[layer, rows.index, rows.held]
+            keep = rows.real.view((n,) + (1,) * (new.dim() - 1))
+            store[layer, rows.index, rows.held] = torch.where(keep, new.to(store.dtype), old)
+
+    def attend_static(self, layer: int, rows: "StaticRows", q: torch.Tensor) -> torch.Tensor:
+        """`attend` of a static step: each row's query over its slot's whole ``max_len`` rows, masked on the
+        device to the rows it holds and its new one (a padding row sees row 0 of its slot)."""
+        keys = self.k[layer].index_select(0, rows.index).transpose(1, 2)  # [B, H, max_len, D]
+        values = self.v[layer].index_select(0, rows.index).transpose(1, 2)
+        mask = torch.arange(self.max_len, device=rows.held.device)[None, :] <= rows.held[:, None]
+        out = F.scaled_dot_product_attention(q.unsqueeze(2).to(keys.dtype), keys, values,
+                                             attn_mask=mask[:, None, None, :])
+        return out.squeeze(2).to(q.dtype)
+
 
 @dataclasses.dataclass(frozen=True)
 class KVRows:
@@ -173,4 +225,45 @@ class KVStep:
         return self.cache.attend(layer, self.rows, q)
 
 
-__all__ = ["KVCache", "KVCacheError", "KVRows", "KVStep"]
+@dataclasses.dataclass(frozen=True)
+class StaticRows:
+    """A decode step's rows at a fixed count (`KVCache.static_rows`), described by device tensors only: row i
+    writes at ``(index[i], held[i])`` and attends to that slot's rows ``0..held[i]``; a padding row (``real``
+    False) points at row 0 of a slot and writes back what is there. ``slots``: the real rows' slots, on the
+    host (for `KVCache.advance`; a captured graph never reads it)."""
+
+    index: torch.Tensor  # [rows] int64
+    held: torch.Tensor  # [rows] int64: rows the slot holds before this step, the position of its new row
+    real: torch.Tensor  # [rows] bool
+    slots: Tuple[int, ...] = ()
+
+    @property
+    def seq_lens(self) -> List[int]:
+        """One row per real slot (what `KVCache.advance` counts)."""
+        return [1] * len(self.slots)
+
+    def part(self, start: int, stop: int) -> "StaticRows":
+        """Rows ``start:stop`` (a micro-batch's), tensors only."""
+        return StaticRows(self.index[start:stop], self.held[start:stop], self.real[start:stop])
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticKVStep:
+    """A static decode step's view of the cache for attention (the ``KV_STEP`` value of a graph-captured step):
+    `KVStep`'s ``positions`` and ``attend``, over every slot's whole ``max_len``."""
+
+    cache: KVCache
+    rows: StaticRows
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """Each row's position in its request (rotary embeddings): ``[rows]``."""
+        return self.rows.held
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Write layer ``layer``'s keys and values of this step's rows and attend to every slot's history."""
+        self.cache.write_static(layer, self.rows, k, v)
+        return self.cache.attend_static(layer, self.rows, q)
+
+
+__all__ = ["KVCache", "KVCacheError", "KVRows", "KVStep", "StaticKVStep", "StaticRows"]

@@ -48,7 +48,7 @@ def pytest_configure(config):
 
 # The files whose tests start processes or compile graphs, slowest first: they go to the front, so that
 # pytest-xdist's workers finish together instead of one running a 30 s test while the other idles.
-_SLOW_FIRST = ("test_graph_prefill.py", "test_launcher_graph.py", "test_torchrun_mode.py",
+_SLOW_FIRST = ("test_graph_prefill.py", "test_graph_decode.py", "test_launcher_graph.py", "test_torchrun_mode.py",
                "test_transformers_models.py", "test_wrap.py", "test_prefill_cli.py", "test_launcher_faults.py",
                "test_launcher_models.py", "test_multirank.py", "test_planner.py", "test_examples.py",
                "test_generate_cli.py", "test_decode.py", "test_decode_transformers.py")

@@ -25,6 +25,9 @@ def _run(args, ranks=None, env=None, timeout=180):
     (["--mode", "serial,shared,two-batch", "--decode-mode", "serial,shared"],
      "--decode-mode lists 2 modes and --mode 3"),
     (["--decode-mode", "five-batch"], "unknown mode 'five-batch'"),
+    (["--decode-graph", "cpu", "--decode-mode", "auto"], "--decode-mode auto chooses from eager steps' times"),
+    (["--decode-graph", "cpu", "--kv-offload"], "--decode-graph captures steps over the device cache"),
+    (["--decode-buckets", "0,4"], "--decode-buckets must be positive sizes"),
 ])
 def test_a_bad_generation_option_is_one_line_before_any_rank_joins(args, words, capsys, monkeypatch):
     from launch.generate import main
@@ -77,6 +80,16 @@ def test_two_ranks_that_finish_apart_generate_every_modes_tokens_on_the_device_a
         assert r["tokens_sha1"] == rows[mode]["tokens_sha1"], mode
         prefetch = r["kv_prefetch"]
         assert prefetch["copies"] > 0 and prefetch["bytes"] > 0 and 0 <= prefetch["hidden_share"] <= 1, prefetch
+
+
+def test_decode_steps_captured_per_bucket_generate_serials_tokens():
+    """--decode-graph cpu (the padded static step, what the graphs compute) with user buckets, one process."""
+    proc = _run(["--batch", "3", "--seq-len", "8", "--new-tokens", "5", "--new-tokens-spread", "0.5", "--mode",
+                 "serial", "--decode-mode", "serial,two-batch", "--decode-graph", "cpu", "--decode-buckets", "2,4",
+                 "--warmup", "1", "--iters", "1", "--check"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert "decode steps captured per bucket on cpu | buckets 2,4" in proc.stdout, proc.stdout
+    assert "check: every mode generates serial's tokens" in proc.stdout, proc.stdout
 
 
 def test_a_mode_whose_tokens_differ_from_serial_fails_the_check_naming_where():

@@ -48,46 +48,6 @@ def _capture(tc, fn, *args, path):
     return gm, seen[-1]
 
 
-def _a2a(gm):
-    return [n for n in gm.graph.nodes if n.op == "call_function" and "all_to_all" in str(n.target)]
-
-
-def _unordered_exchanges(tc, gm, path):
-    """Exchanges of consecutive ``ep_comm`` blocks not ordered as the schedule issues them (every rank must
-    issue its collectives in one order)."""
-    order = tc.Order(gm, path)
-    blocks = [[n for n in nodes if n in set(_a2a(gm))] for nodes in tc.stream_regions(gm, overlap.EP_COMM)]
-    blocks = [b for b in blocks if b]
-    return [(a.name, b.name) for prev, nxt in zip(blocks, blocks[1:]) for a in prev for b in nxt
-            if not order.before(a, b)]
-
-
-def _summary(tc, gm, path):
-    """What the tests check, as plain data (graphs do not travel between processes)."""
-    at = {n: i for i, n in enumerate(gm.graph.nodes)}
-    streams, scopes = tc.stream_of(gm), tc.scope_of(gm)
-    records = tc.nodes(gm, "tagged_event_record")
-    pairs = []
-    for wait in tc.nodes(gm, "tagged_event_wait"):
-        earlier = [r for r in records if r.args[0] == wait.args[0] and at[r] < at[wait]]
-        pairs.append((wait.args[0], streams[earlier[-1].name] if earlier else None, streams[wait.name]))
-    return dict(
-        unordered_reads=tc.unordered_reads(gm, path),
-        consumed_waits=len(tc.nodes(gm, "wait_tensor")) - len(tc.discarded_waits(gm)),
-        unordered_exchanges=_unordered_exchanges(tc, gm, path),
-        cross_stream_reads=len(tc.cross_stream_reads(gm)),
-        namespaces=sorted({tc.op_namespace(n) for n in gm.graph.nodes} - {None}),
-        air=tc.ops_in_order(gm, air_only=True),
-        a2a_scopes=[scopes[n.name] for n in _a2a(gm)],
-        a2a_targets=sorted({str(n.target) for n in _a2a(gm)}),
-        record_tags=[r.args[0] for r in records],
-        record_streams=[streams[r.name] for r in records],
-        event_pairs=pairs,
-        wait_tensor_streams=[streams[n.name] for n in tc.nodes(gm, "wait_tensor")],
-        record_tagged_stream=len(tc.nodes(gm, "record_tagged_stream_")),
-    )
-
-
 def _prefill_body(ctx):
     from tools import torchair_contract as tc
 
@@ -112,7 +72,7 @@ def _prefill_body(ctx):
     for name, path, on in (("ge", "ge", True), ("aclgraph", "aclgraph", True), ("off", "ge", False)):
         with overlap.enabled(on):
             gm, inputs = _capture(tc, prefill, batch.tokens, path=path)
-        out["graphs"][name] = _summary(tc, gm, path)
+        out["graphs"][name] = tc.contract_summary(gm, path)
         got = tc.strip_air(gm)(*inputs)  # issues the graph's all_to_alls: every rank runs the same graphs
         got = got[0] if isinstance(got, (tuple, list)) else got
         out["stripped_diff"][name] = (got - eager_serial).abs().max().item()

@@ -10,6 +10,11 @@ ALLOW: Dict[Tuple[str, str, str], Tuple[Tuple[str, ...], str]] = {
                          "the CUDA side is torch's own"),
     ("microbatch/planning/calibration.py", "_device_name", "getattr(torch, backend.device_type, None)"):
         (("torch.npu",), "the device module of the current backend, for get_device_name"),
+    ("overlap/host_sync.py", "HostSyncs._patch", "getattr(owner, name, None)"):
+        (("torch.npu.synchronize",), "the synchronize being counted, called as it was: torch.npu's among torch's "
+                                     "and the toolkit's own"),
+    ("overlap/host_sync.py", "HostSyncs._patch", "original if own else None"):
+        (("torch.npu.synchronize",), "the same synchronize, kept to be put back when counting ends"),
     ("launch/memory.py", "available", "getattr(torch, device.type)"):
         (("torch.npu",), "the device module of the rank's device, for mem_get_info"),
 }

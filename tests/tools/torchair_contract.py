@@ -701,3 +701,50 @@ def discarded_waits(gm: torch.fx.GraphModule) -> List[str]:
                    for u in n.users)
 
     return [f"wait_tensor({n.args[0].name},{n.args[1].name})" for n in nodes(gm, "wait_tensor") if not consumed(n)]
+
+
+# ---- the contract a captured overlapped graph is checked against, as plain data -------------------------------
+
+def all_to_alls(gm: torch.fx.GraphModule) -> List[torch.fx.Node]:
+    """The ``all_to_all`` collectives of ``gm``, in graph order."""
+    return [n for n in gm.graph.nodes if n.op == "call_function" and "all_to_all" in str(n.target)]
+
+
+def unordered_exchanges(gm: torch.fx.GraphModule, path: str, label: str = "ep_comm") -> List[Tuple[str, str]]:
+    """Exchanges of consecutive ``label`` stream blocks not ordered as the schedule issues them (every rank must
+    issue its collectives in one order)."""
+    order = Order(gm, path)
+    exchanges = set(all_to_alls(gm))
+    blocks = [[n for n in block if n in exchanges] for block in stream_regions(gm, label)]
+    blocks = [b for b in blocks if b]
+    return [(a.name, b.name) for prev, nxt in zip(blocks, blocks[1:]) for a in prev for b in nxt
+            if not order.before(a, b)]
+
+
+def contract_summary(gm: torch.fx.GraphModule, path: str) -> Dict[str, Any]:
+    """What the graph-mode contract tests check of ``gm`` captured on ``path``, as plain data (graphs do not
+    travel between processes): unordered cross-stream reads and exchanges, the waits, the ``air`` ops in order,
+    the scopes of the exchanges, the tagged events' records and waits with their streams."""
+    at = {n: i for i, n in enumerate(gm.graph.nodes)}
+    streams, scopes = stream_of(gm), scope_of(gm)
+    records = nodes(gm, "tagged_event_record")
+    pairs = []
+    for wait in nodes(gm, "tagged_event_wait"):
+        earlier = [r for r in records if r.args[0] == wait.args[0] and at[r] < at[wait]]
+        pairs.append((wait.args[0], streams[earlier[-1].name] if earlier else None, streams[wait.name]))
+    exchanges = all_to_alls(gm)
+    return dict(
+        unordered_reads=unordered_reads(gm, path),
+        consumed_waits=len(nodes(gm, "wait_tensor")) - len(discarded_waits(gm)),
+        unordered_exchanges=unordered_exchanges(gm, path),
+        cross_stream_reads=len(cross_stream_reads(gm)),
+        namespaces=sorted({op_namespace(n) for n in gm.graph.nodes} - {None}),
+        air=ops_in_order(gm, air_only=True),
+        a2a_scopes=[scopes[n.name] for n in exchanges],
+        a2a_targets=sorted({str(n.target) for n in exchanges}),
+        record_tags=[r.args[0] for r in records],
+        record_streams=[streams[r.name] for r in records],
+        event_pairs=pairs,
+        wait_tensor_streams=[streams[n.name] for n in nodes(gm, "wait_tensor")],
+        record_tagged_stream=len(nodes(gm, "record_tagged_stream_")),
+    )

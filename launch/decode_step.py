@@ -1,0 +1,69 @@
+"""One decode step on the device: its inputs' names, the step from tokens to picked ids, and its bucket.
+
+`decode_step` is what every decode path runs, eager (`launch.decode.generate`), calibrated
+(`launch.decode_plan`) or captured per bucket (`launch.graph_decode`): each micro-batch's ``TOKENS``
+embedded, the layers in a schedule, the final norm, the LM head and the greedy pick, nothing read on the
+host (`Picked`: the ids stay on the device until the caller reads them between steps). `bucket_of` is the
+size a step's exchange, or a captured step, is padded to.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+import microbatch
+from microbatch import HIDDEN, DecodeModel, Operation
+
+DECODE_STEP = "decode step"  # the label of a decode step's `overlap.no_host_sync` scope, with its number
+TOKENS = "tokens"  # a decode micro-batch's input: its requests' last tokens, embedded in the step
+
+
+def decode_step(model: DecodeModel, layers: Sequence[Sequence[Operation]], make: Callable[..., Any],
+                inputs: Sequence[Dict[str, Any]], margins: bool = False) -> "Picked":
+    """One decode step on the device, nothing read on the host: each micro-batch's ``TOKENS`` embedded, the
+    layers in ``make``'s schedule (each micro-batch also reads its ``KV_STEP`` and ``MOE_CAPACITY``), the final
+    norm, the LM head and the greedy pick (`Picked`)."""
+    staged = [{HIDDEN: model.embed_tokens(v[TOKENS]), **{k: x for k, x in v.items() if k != TOKENS}} for v in inputs]
+    logits = model.logits(model.norm(torch.cat(microbatch.run_made(make, layers, staged))))
+    finite = torch.isfinite(logits).all(-1)
+    ids = torch.where(finite, logits.argmax(-1), torch.full_like(finite, -1, dtype=torch.long))
+    gaps = None
+    if margins and logits.shape[0] and logits.shape[-1] > 1:
+        top = logits.float().topk(2, dim=-1).values
+        gaps = top[:, 0] - top[:, 1]
+    return Picked(ids, gaps)
+
+
+@dataclasses.dataclass
+class Picked:
+    """A step's greedy pick on the device: each row's argmax, -1 where its logits hold NaN or inf, and (with
+    margins) the gap between its top two logits."""
+
+    ids: torch.Tensor  # [rows] int64
+    gaps: Optional[torch.Tensor] = None  # [rows] float32
+
+
+def read_picked(picked: Picked, requests: List[int], step: int) -> Tuple[List[int], List[float], Optional[str]]:
+    """The tokens of a step on the host (the step's one read), the margins, and what is wrong where a row was not
+    finite (as the prefill's pick says it)."""
+    ids = picked.ids.tolist()
+    bad = [j for j, t in enumerate(ids) if t < 0]
+    problem = None
+    if bad:
+        problem = (f"NaN or inf in the logits of request {requests[bad[0]]} at decode step {step} (0: the prefill's)"
+                   + (f" and of {len(bad) - 1} more" if len(bad) > 1 else ""))
+    return ids, ([] if picked.gaps is None else picked.gaps.tolist()), problem
+
+
+def bucket_of(tokens: int, buckets: Optional[Sequence[int]] = None) -> int:
+    """The bucket a step of ``tokens`` rows per micro-batch pads its exchange to: the smallest of ``buckets``
+    (default: the powers of two) that holds them; past the largest, the tokens themselves."""
+    tokens = max(1, int(tokens))
+    if buckets is None:
+        return 1 << (tokens - 1).bit_length()
+    return min((b for b in buckets if b >= tokens), default=tokens)
+
+
+__all__ = ["DECODE_STEP", "TOKENS", "Picked", "bucket_of", "decode_step", "read_picked"]

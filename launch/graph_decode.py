@@ -1,0 +1,221 @@
+"""The decode step captured once per batch bucket and replayed: static shapes, padding rows, one graph a bucket.
+
+A decode step's shapes change every step: the active requests shrink as they finish, and each request's
+history grows. `GraphDecoder` makes them static. A step of ``n`` active requests in a mode of ``N``
+micro-batches cuts them into ``N`` contiguous parts of at most ``ceil(n / N)`` (`GraphDecoder.widest`), takes
+the **bucket** of the widest part over the ranks (`launch.decode.bucket_of`: the powers of two, or the
+``buckets`` given, the same on every rank) and pads every part to it: ``N x bucket`` rows whatever ``n``,
+the MoE's exchange capacity the bucket (`collectives.static_step`). Attention reads every slot's whole
+``max_len`` with a mask built on the device from each row's length (`microbatch.kv_cache.StaticRows`); a
+padding row writes back what row 0 of a slot holds, so it never changes a request's cache rows. Nothing in
+the step depends on the host's values but the bucket, so one graph per bucket serves every step of it:
+
+- ``ge`` / ``aclgraph``: ``torch.compile(fullgraph=True, dynamic=False)`` with the path's torchair backend
+  (`overlap.backends.Backend.compile_backend`), as `launch.runner.graph_prefill`; each bucket a function of
+  its own code, so Dynamo keeps one graph per bucket (and none is shared between decoders or paths);
+- ``cuda``: the eager step captured with ``torch.cuda.CUDAGraph`` (warmed up on a side stream first, static
+  input buffers copied in before each replay, the picked ids copied out);
+- ``cpu``: the padded static step run eagerly (what the graphs compute, testable on any machine).
+
+`launch.decode.generate(graph=path)` (or ``decoder=``) runs its decode steps through a `GraphDecoder`; the
+generation launcher's ``--decode-graph PATH`` and ``--decode-buckets``.
+"""
+from __future__ import annotations
+
+import math
+import types
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+import microbatch
+import overlap
+from collectives import MOE_CAPACITY, ExpertParallelMoE
+from microbatch import KV_STEP, DecodeModel, KVCache
+from microbatch.kv_cache import StaticKVStep, StaticRows
+
+from .decode_step import DECODE_STEP, TOKENS, bucket_of, decode_step
+
+StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+CompileBackend = Union[str, Callable[..., object]]
+
+
+class GraphDecoder:
+    """Decode steps of ``model`` over ``cache`` in ``mode`` (`microbatch.DECODE_MODES`), one graph per bucket on
+    ``path`` (see the module docstring). ``buckets``: the sizes a micro-batch is padded to, the same on every
+    rank (default: the powers of two); ``backend``: what ``torch.compile`` uses on ``ge`` / ``aclgraph``
+    (default: the path's own). Refused with a ValueError: a path that captures nothing here (``npu``: use
+    ``aclgraph``), a cache that is not a device `KVCache` (the host cache), a model whose attention does not
+    go through the step's ``attend`` (the transformers adapter), and on the graph paths a MoE block that is
+    not an `ExpertParallelMoE` (its decode stages are the static ones)."""
+
+    def __init__(self, model: DecodeModel, cache: KVCache, mode: str = "serial", path: str = "cpu",
+                 buckets: Optional[Sequence[int]] = None, backend: Optional[CompileBackend] = None):
+        self.target = overlap.backends.get(path)  # a ValueError for an unknown path
+        self.device_graph = self.target.device_type == "cuda"  # torch.cuda.CUDAGraph (the NPU's graphs: aclgraph)
+        self.captures = self.target.is_graph or self.device_graph
+        _refuse(model, cache, path, self.target, self.captures)
+        self.model, self.cache, self.path, self.mode = model, cache, path, mode
+        self.how = microbatch.decode_mode(mode)
+        self.buckets = _checked_buckets(buckets)
+        self.compile_backend = backend
+        self.layers = model.decode_layer_operations(self.how.moe_chunks)
+        self._steps: Dict[int, StepFn] = {}
+
+    @property
+    def micro_batches(self) -> int:
+        """The micro-batches of every step (the mode's)."""
+        return self.how.micro_batches
+
+    @property
+    def compiled_buckets(self) -> List[int]:
+        """The buckets with a step built so far (captured, or on ``cpu`` run), in order."""
+        return sorted(self._steps)
+
+    def widest(self, active: int) -> int:
+        """The rows of the widest micro-batch of a step of ``active`` requests (what the ranks agree on)."""
+        return math.ceil(active / self.micro_batches)
+
+    def bucket(self, widest: int) -> int:
+        """The bucket of a step whose widest micro-batch over the ranks has ``widest`` rows."""
+        return bucket_of(widest, self.buckets)
+
+    @torch.no_grad()
+    def step(self, slots: Sequence[int], tokens: Union[Sequence[int], torch.Tensor],
+             widest: Optional[int] = None) -> torch.Tensor:
+        """One decode step of the requests in ``slots`` (in use in the cache) whose last tokens are ``tokens``:
+        padded to its bucket, the bucket's graph built on first use or replayed; returns each request's picked
+        token id (a device tensor, -1 where its logits hold NaN or inf) and counts its new row in the cache.
+        ``widest``: the widest micro-batch over the ranks (default this rank's: one process)."""
+        slots, mine = list(slots), self.widest(len(slots))
+        if len(tokens) != len(slots):
+            raise ValueError(f"{len(slots)} slots but {len(tokens)} tokens")
+        widest = mine if widest is None else int(widest)
+        if widest < mine:
+            raise ValueError(f"widest={widest} is below this rank's widest micro-batch of {mine} rows")
+        bucket = self.bucket(widest)
+        layout, real = _layout(len(slots), self.micro_batches, bucket)
+        rows = self.cache.static_rows([slots[j] if j >= 0 else None for j in layout])
+        where = torch.tensor(real, dtype=torch.long, device=self.cache.device)
+        padded = torch.zeros(len(layout), dtype=torch.long, device=self.cache.device)
+        padded[where] = torch.as_tensor(tokens, dtype=torch.long).to(self.cache.device)
+        run = self._steps.get(bucket) or self._build(bucket)
+        with overlap.use_path(self.path), overlap.no_host_sync(f"{DECODE_STEP} (bucket {bucket})"):
+            ids = run(padded, rows.index, rows.held, rows.real)
+        self.cache.advance(rows)
+        return ids.index_select(0, where)
+
+    def _build(self, bucket: int) -> StepFn:
+        fn = _static_step(self.model, self.layers, self.how.make, self.cache, self.micro_batches, bucket)
+        if self.target.is_graph:
+            own = _own_code(fn, f"decode_step_bucket_{bucket}")
+            run: StepFn = torch.compile(own, backend=self.compile_backend or self.target.compile_backend(),
+                                        fullgraph=True, dynamic=False)
+        elif self.device_graph:
+            with overlap.use_path(self.path), overlap.no_host_sync(f"{DECODE_STEP} capture (bucket {bucket})"):
+                run = _DeviceGraph(fn, torch.cuda, self.micro_batches * bucket, self.cache.device,
+                                   f"{self.mode} bucket {bucket}")
+        else:
+            run = fn
+        self._steps[bucket] = run
+        return run
+
+
+def _refuse(model: DecodeModel, cache: KVCache, path: str, target: overlap.backends.Backend, captures: bool) -> None:
+    """A one-line ValueError for what a `GraphDecoder` cannot run (before any collective)."""
+    from .models.reference import Model
+
+    if not captures and target.device_type != "cpu":
+        raise ValueError(f"GraphDecoder captures on ge, aclgraph or cuda (cpu runs it eagerly), not on {path!r}")
+    if type(cache) is not KVCache:
+        raise ValueError(f"GraphDecoder needs a device KVCache, got {type(cache).__name__}")
+    if not isinstance(model, Model):
+        raise ValueError(f"GraphDecoder runs the reference decoder (its attention goes through the step's attend), "
+                         f"not a {type(model).__name__}")
+    loose = [type(layer.moe).__name__ for layer in model.moe_layers() if not isinstance(layer.moe, ExpertParallelMoE)]
+    if captures and loose:
+        raise ValueError(f"GraphDecoder on {path} needs every MoE block expert-parallel (its decode stages are "
+                         f"static: launch.runner.make_expert_parallel), got {loose[0]}")
+
+
+def _checked_buckets(buckets: Optional[Sequence[int]]) -> Optional[Tuple[int, ...]]:
+    if buckets is None:
+        return None
+    out = tuple(sorted({int(b) for b in buckets}))
+    if not out or out[0] < 1:
+        raise ValueError(f"buckets must be positive row counts, got {list(buckets)}")
+    return out
+
+
+def _layout(n: int, parts: int, bucket: int) -> Tuple[List[int], List[int]]:
+    """The padded rows of a step: for each of ``parts`` micro-batches ``bucket`` rows, the requests ``0..n-1``
+    cut in contiguous parts of at most ``ceil(n / parts)`` first (-1: a padding row); and where each request's
+    row is."""
+    size = math.ceil(n / parts) if n else 0
+    layout = [-1] * (parts * bucket)
+    real = []
+    for j in range(n):
+        at = (j // size) * bucket + j % size
+        layout[at] = j
+        real.append(at)
+    return layout, real
+
+
+def _static_step(model: DecodeModel, layers: Sequence[Sequence[microbatch.Operation]], make: Callable[..., object],
+                 cache: KVCache, parts: int, bucket: int) -> StepFn:
+    """The step of one bucket on tensors only: ``(tokens, index, held, real)`` of ``parts x bucket`` rows to the
+    picked ids (`launch.decode.decode_step` with `StaticKVStep` attention, the exchange capacity ``bucket``)."""
+
+    def decode_static(tokens: torch.Tensor, index: torch.Tensor, held: torch.Tensor, real: torch.Tensor
+                      ) -> torch.Tensor:
+        rows = StaticRows(index, held, real)
+        inputs = [{TOKENS: tokens[i * bucket:(i + 1) * bucket], MOE_CAPACITY: bucket,
+                   KV_STEP: StaticKVStep(cache, rows.part(i * bucket, (i + 1) * bucket))} for i in range(parts)]
+        return decode_step(model, layers, make, inputs).ids
+    return decode_static
+
+
+def _own_code(fn: Callable[..., torch.Tensor], name: str) -> StepFn:
+    """``fn`` with a code object of its own: Dynamo keeps its graphs per code object and reads the path while
+    tracing without a guard, so each bucket of each decoder gets its own (one graph each, no recompile limit)."""
+    return types.FunctionType(fn.__code__.replace(co_name=name), fn.__globals__, name, fn.__defaults__,
+                              fn.__closure__)
+
+
+class _DeviceGraph:
+    """One bucket's step captured as a device graph (``torch.cuda.CUDAGraph``) and replayed.
+
+    The static inputs start as a step of padding rows only (row 0 of slot 0, written back unchanged), which
+    the warm-up runs on a side stream (PyTorch's recipe: the allocator and lazy initialisation settle outside
+    the capture) and the capture records; every call copies its inputs into them, replays, and copies the
+    ids out. Every rank builds the same bucket at the same step, so the warm-up's exchanges pair up.
+    """
+
+    def __init__(self, fn: StepFn, mod: types.ModuleType, rows: int, device: torch.device, what: str,
+                 warmup: int = 2):
+        self.inputs = (torch.zeros(rows, dtype=torch.long, device=device),
+                       torch.zeros(rows, dtype=torch.long, device=device),
+                       torch.zeros(rows, dtype=torch.long, device=device),
+                       torch.zeros(rows, dtype=torch.bool, device=device))
+        side = mod.Stream()
+        side.wait_stream(mod.current_stream())
+        with mod.stream(side):
+            for _ in range(warmup):
+                fn(*self.inputs)
+        mod.current_stream().wait_stream(side)
+        self.graph = mod.CUDAGraph()
+        try:
+            with mod.graph(self.graph, capture_error_mode="thread_local"):
+                self.out = fn(*self.inputs)
+        except RuntimeError as err:
+            first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            raise RuntimeError(f"capturing the decode step ({what}) as a device graph failed: {first}") from err
+
+    def __call__(self, *args: torch.Tensor) -> torch.Tensor:
+        for buf, x in zip(self.inputs, args):
+            buf.copy_(x)
+        self.graph.replay()
+        return self.out.clone()
+
+
+__all__ = ["GraphDecoder"]

@@ -1,0 +1,293 @@
+"""The decode step captured per batch bucket (`launch.graph_decode`): padded to its bucket, static attention over
+the cache, one graph per bucket on ge / aclgraph (traced with torchair's own code, tests/tools/torchair_contract.py)
+and on CUDA (``torch.cuda.CUDAGraph``), the tokens of the eager `launch.decode.generate`."""
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import pytest
+import torch
+
+import overlap
+from launch.decode import DECODE_STEP, generate, new_cache
+from launch.graph_decode import GraphDecoder
+from launch.models import build_model, preset
+from microbatch import KVCache, KVCacheError, OffloadedKVCache
+from overlap.multirank import run_ranks
+
+H, D = 2, 8
+CFG = dataclasses.replace(preset("tiny"), n_experts=12)  # over 1 or 2 ranks (as tests/test_decode.py)
+
+
+def _prompts(lens, seed, vocab=CFG.vocab):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+def _prefilled(lens, slots=4, max_len=12):
+    """A one-layer cache whose first ``len(lens)`` slots hold random prompts of ``lens`` rows."""
+    torch.manual_seed(0)
+    cache = KVCache(1, slots, max_len, (H, D))
+    held = cache.admit(len(lens))
+    rows = cache.rows(held, lens)
+    cache.write(0, rows, torch.randn(sum(lens), H, D), torch.randn(sum(lens), H, D))
+    cache.advance(rows)
+    return cache, held
+
+
+@pytest.mark.cpu_only
+def test_padding_rows_change_no_row_and_static_attention_equals_the_eager_one():
+    """A static step of two requests padded to four rows writes exactly the requests' new rows (every other row of
+    the cache bitwise as it was: a padding row writes back row 0 of a slot), and each request's attention over the
+    whole ``max_len`` with the device mask equals `KVCache.attend` over its own history."""
+    cache, (a, b, c) = _prefilled([3, 1, 5])
+    before_k, before_v = cache.k.clone(), cache.v.clone()
+    rows = cache.static_rows([c, None, a, None])
+    k, v, q = (torch.randn(4, H, D) for _ in range(3))
+    cache.write_static(0, rows, k, v)
+    for now, before in ((cache.k, before_k), (cache.v, before_v)):
+        changed = (now != before).flatten(3).any(-1).nonzero().tolist()
+        assert sorted(map(tuple, changed)) == sorted([(0, c, 5), (0, a, 3)]), changed
+    assert torch.equal(cache.k[0, c, 5], k[0]) and torch.equal(cache.v[0, a, 3], v[2])
+    got = cache.attend_static(0, rows, q)
+    want = cache.attend(0, cache.rows([c, a]), q[[0, 2]])  # the same rows, written already
+    torch.testing.assert_close(got[[0, 2]], want)
+    assert torch.isfinite(got).all()  # a padding row attends to one row: no empty softmax
+    cache.advance(rows)
+    assert [cache.lengths[s] for s in (a, b, c)] == [4, 1, 6]
+
+
+@pytest.mark.parametrize("slots, why", [
+    ([0, 0], "one row per slot"), ([3], "not in use"), ([2], "holds no row yet"), ([1], "exceed its room")])
+def test_a_static_step_refuses_rows_it_cannot_place(slots, why):
+    cache, _ = _prefilled([3, 12])
+    cache.admit(1)  # slot 2: admitted, no prompt yet
+    with pytest.raises(KVCacheError, match=why):
+        cache.static_rows(slots)
+
+
+def _buckets_seen(decoder, calls):
+    """Wrap ``decoder.step`` to append each step's bucket to ``calls``."""
+    step = decoder.step
+
+    def stepping(slots, tokens, widest=None):
+        calls.append(decoder.bucket(decoder.widest(len(slots)) if widest is None else widest))
+        return step(slots, tokens, widest)
+    decoder.step = stepping
+
+
+@pytest.mark.cpu_only
+@pytest.mark.parametrize("mode, buckets, want_buckets", [
+    ("serial", None, [8, 4, 2, 2, 1]),        # 5, 4, 2, 2, 1 active requests
+    ("two-batch", None, [4, 2, 1, 1, 1]),     # micro-batches of at most 3, 2, 1, 1, 1 rows
+    ("chunked-2", None, [8, 4, 2, 2, 1]),     # one batch, its MoE in two chunks of half the bucket
+    ("serial", (3, 5), [5, 5, 3, 3, 3]),      # the user's buckets (and 5 rows: the batch)
+])
+def test_the_padded_static_step_generates_the_tokens_of_generate(mode, buckets, want_buckets):
+    """One process: requests that finish at different steps shrink the step across buckets; every step padded to
+    its bucket (the mode's micro-batches each padded), attention static over the cache, generates exactly the
+    eager generate's tokens."""
+    model = build_model(CFG, seed=4)
+    prompts, limits = _prompts((6, 3, 9, 2, 5), seed=20), [2, 3, 3, 5, 6]
+    want = generate(model, prompts, limits, mode=mode).tokens
+    decoder = GraphDecoder(model, new_cache(model, prompts, limits), mode, "cpu", buckets)
+    calls = []
+    _buckets_seen(decoder, calls)
+    got = generate(model, prompts, limits, decoder=decoder)
+    assert got.tokens == want
+    assert calls == want_buckets and decoder.compiled_buckets == sorted(set(want_buckets))
+    assert decoder.cache.active == []  # every slot given back
+
+
+PLANS = [((6, 3, 4), [3, 2, 5]), ((2, 7), [1, 4])]  # per rank: prompt lengths, new tokens; rank 1 ends first
+
+
+def _ranks_body(ctx, mode):
+    from launch.runner import make_expert_parallel
+    from overlap import HostSyncs
+
+    lens, limits = PLANS[ctx.rank]
+    prompts = _prompts(lens, seed=30 + ctx.rank)
+    model = make_expert_parallel(build_model(CFG, seed=5), ctx.group)
+    want = generate(model, prompts, limits, mode="serial").tokens
+    decoder = GraphDecoder(model, new_cache(model, prompts, limits), mode, "cpu")
+    calls = []
+    _buckets_seen(decoder, calls)
+    with HostSyncs() as syncs:
+        got = generate(model, prompts, limits, decoder=decoder, prefill_mode="serial")
+    in_steps = [str(s) for s in syncs.inside() if (s.scope or "").startswith(DECODE_STEP)]
+    return got.tokens, want, calls, in_steps
+
+
+@pytest.mark.cpu_only
+@pytest.mark.parametrize("mode", ["serial", "shared"])
+def test_two_ranks_pad_to_the_bucket_they_agree_on(mode):
+    """Experts over two ranks with different requests (rank 1 done two steps early, taking part with padding rows
+    only): each step padded to the bucket of the widest micro-batch over the ranks, the same on both, generates
+    eager serial's tokens on each rank, with no host sync inside a step."""
+    out = run_ranks(_ranks_body, 2, mode, timeout=120)
+    for rank, (got, want, calls, in_steps) in enumerate(out):
+        assert got == want, (rank, mode, got, want)
+        assert in_steps == [], (rank, in_steps)
+    assert out[0][2] == out[1][2] == [4, 2, 1, 1], [o[2] for o in out]
+
+
+class _NotReference(torch.nn.Module):
+    """Stands for a model whose attention reads the cache itself (the transformers adapter)."""
+
+
+@pytest.mark.parametrize("path, what, why", [
+    ("npu", "model", "captures on ge, aclgraph or cuda"),
+    ("cpu", "host cache", "needs a device KVCache, got OffloadedKVCache"),
+    ("cpu", "other model", "runs the reference decoder"),
+    ("ge", "dense moe", "needs every MoE block expert-parallel"),
+    ("cpu", "buckets", "buckets must be positive"),
+    ("cpu", "mode", "unknown decode mode"),
+])
+def test_what_it_refuses_it_says_in_one_line(path, what, why):
+    model = build_model(CFG, seed=1)
+    cache = new_cache(model, [[1, 2]], 2)
+    args = dict(model=model, cache=cache, mode="serial", path=path, buckets=None)
+    if what == "host cache":
+        args["cache"] = OffloadedKVCache(CFG.n_layers, 1, 4, CFG.k_shape, CFG.v_shape)
+    elif what == "other model":
+        args["model"] = _NotReference()
+    elif what == "buckets":
+        args["buckets"] = [0, 4]
+    elif what == "mode":
+        args["mode"] = "five-batch"
+    try:
+        with pytest.raises(ValueError, match=why) as err:
+            GraphDecoder(**args)
+    finally:
+        if what == "host cache":
+            args["cache"].close()
+    assert "\n" not in str(err.value)
+
+
+# ---- captured on ge / aclgraph with torchair's own code, two gloo ranks ------------------------------------------
+
+GRAPH_PLANS = [((5, 2, 3, 2), [2, 2, 4, 4]), ((2, 3, 1), [2, 3, 4])]  # two-batch widest 2, 1, 1: buckets 2, 1, 1
+GRAPH_MODE = "two-batch"
+GRAPH_PATHS = ("ge", "aclgraph")
+
+
+def _graphs_body(ctx):
+    from launch.runner import make_expert_parallel
+    from tools import torchair_contract as tc
+
+    cfg = preset("tiny", n_dense_layers=0, n_layers=1)  # one MoE layer: each trace costs seconds
+    model = make_expert_parallel(build_model(cfg, seed=7), ctx.group)
+    lens, limits = GRAPH_PLANS[ctx.rank]
+    prompts = _prompts(lens, seed=40 + ctx.rank, vocab=cfg.vocab)
+    out = {"want": generate(model, prompts, limits).tokens}  # eager serial
+    for path in GRAPH_PATHS:
+        graphs = []
+
+        def keep(gm, example_inputs, graphs=graphs):  # keeps the graph, runs it without its air ops
+            graphs.append(gm)
+            return tc.strip_air(gm)
+        decoder = GraphDecoder(model, new_cache(model, prompts, limits), GRAPH_MODE, path, backend=keep)
+        with tc.installed(), tc._sanitizer_set_aside():
+            got = generate(model, prompts, limits, decoder=decoder)
+        out[path] = dict(tokens=got.tokens, steps=got.steps, buckets=decoder.compiled_buckets,
+                         graphs=[tc.contract_summary(gm, path) for gm in graphs])
+    torch._dynamo.reset()
+    return out
+
+
+@pytest.fixture(scope="module")
+def captured():
+    from tools import torchair_contract as tc
+
+    tc.load_torchair()  # skips when the torch_npu wheel cannot be had
+    return run_ranks(_graphs_body, 2, timeout=300)
+
+
+@pytest.mark.spawns_ranks
+@pytest.mark.parametrize("path", GRAPH_PATHS)
+def test_one_graph_per_bucket_replayed_for_the_steps_of_that_bucket(captured, path):
+    """Three decode steps in buckets 2, 1, 1 (the widest micro-batch over the ranks): two graphs, the third step
+    replays the second's; the stripped graphs generate eager serial's tokens on each rank."""
+    for rank, out in enumerate(captured):
+        got = out[path]
+        assert got["steps"] == 3 and got["buckets"] == [1, 2], (rank, got["steps"], got["buckets"])
+        assert len(got["graphs"]) == 2, (rank, len(got["graphs"]))
+        assert got["tokens"] == out["want"], (rank, path, got["tokens"], out["want"])
+
+
+@pytest.mark.spawns_ranks
+@pytest.mark.parametrize("path", GRAPH_PATHS)
+def test_decode_exchanges_run_in_the_comm_scope_and_every_cross_stream_read_is_ordered(captured, path):
+    """Per micro-batch one dispatch (its metadata in the same exchange) and one combine, in the ``ep_comm``
+    scope; every value read on another stream than its writer's ordered after the write (aclgraph: events; ge:
+    data and wait_tensor edges), the exchanges in schedule order."""
+    for out in captured:
+        for g in out[path]["graphs"]:
+            assert len(g["a2a_scopes"]) == 2 * 2, g["a2a_scopes"]
+            assert all(s.get("_user_stream_label") == overlap.EP_COMM for s in g["a2a_scopes"]), g["a2a_scopes"]
+            assert g["a2a_targets"] == ["_c10d_functional.all_to_all_single"]
+            assert g["cross_stream_reads"] > 0
+            assert g["unordered_reads"] == [], g["unordered_reads"][:5]
+            assert g["unordered_exchanges"] == [], g["unordered_exchanges"][:5]
+
+
+@pytest.mark.spawns_ranks
+def test_aclgraph_records_before_every_wait_the_same_events_in_every_bucket(captured):
+    for out in captured:
+        graphs = out["aclgraph"]["graphs"]
+        for g in graphs:
+            assert g["namespaces"] == ["npugraph_ex"]
+            assert g["event_pairs"] and not g["wait_tensor_streams"]
+            for tag, recorded_on, waited_on in g["event_pairs"]:
+                assert recorded_on is not None, f"wait for {tag} before any record"
+                assert recorded_on == tag.split("@")[1] != waited_on, (tag, recorded_on, waited_on)
+        # tagged events are process-wide: each bucket's graph records the same ones, once per (micro-batch, stage)
+        tags = [collections.Counter(g["record_tags"]) for g in graphs]
+        assert tags[0] == tags[1] and set(tags[0].values()) == {1}, tags
+        assert {t.split(".")[0] for t in tags[0]} >= {"mb0", "mb1"}
+
+
+@pytest.mark.spawns_ranks
+def test_ge_orders_with_wait_tensor_and_has_no_events(captured):
+    for out in captured:
+        for g in out["ge"]["graphs"]:
+            assert g["namespaces"] == ["air"]
+            assert not any(op.startswith("tagged_event") for op in g["air"]), g["air"]
+            assert not g["record_tagged_stream"]
+            assert g["wait_tensor_streams"] and g["consumed_waits"] > 0
+            assert any(op.startswith("scope_enter(_user_stream_label=ep_comm") for op in g["air"])
+
+
+# ---- CUDA graphs -------------------------------------------------------------------------------------------------
+
+def _cuda_body(ctx):
+    import torch.distributed as dist
+
+    from launch.runner import make_expert_parallel
+
+    group = ctx.group if dist.get_backend(ctx.group) == "nccl" else dist.new_group(backend="nccl")
+    device = torch.device("cuda", torch.cuda.current_device())
+    prompts, limits = _prompts((6, 3, 9, 2, 5), seed=50), [2, 3, 3, 5, 6]
+    out = {}
+    with overlap.use_path("cuda"):
+        model = make_expert_parallel(build_model(CFG, seed=6, device=device), group)
+        for mode in ("serial", "two-batch"):
+            want = generate(model, prompts, limits, mode=mode).tokens
+            decoder = GraphDecoder(model, new_cache(model, prompts, limits), mode, "cuda")
+            first = generate(model, prompts, limits, decoder=decoder).tokens
+            captured = decoder.compiled_buckets
+            again = generate(model, prompts, limits, decoder=decoder).tokens  # replays only
+            out[mode] = (want, first, again, captured, decoder.compiled_buckets)
+    return out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graphs_replay_the_tokens_of_eager_generate():
+    """On CUDA each bucket's step is captured once as a CUDA graph (over NCCL) and replayed: the tokens of the
+    eager generate, again when the same decoder generates a second time without capturing anything new."""
+    out = run_ranks(_cuda_body, 1, timeout=300)[0]
+    for mode, (want, first, again, captured, after) in out.items():
+        assert first == want and again == want, (mode, first, again, want)
+        assert captured == after and captured, (mode, captured, after)
