@@ -26,7 +26,8 @@ from microbatch import KV_STEP, DecodeModel, KVCache, KVStep
 from microbatch.planning.decode import SERIAL, DecodeCalibration
 from microbatch.planning.probes import max_over_ranks
 
-from .decode import DECODE_STEP, TOKENS, DecodeError, _expert_group, _history_weight, bucket_of, decode_step, split_by_cost
+from .decode import DecodeError, _expert_group, _history_weight, split_by_cost
+from .decode_step import DECODE_STEP, TOKENS, bucket_of, decode_step
 
 # The candidates of ``--decode-mode auto``: one batch (whole, its shared experts beside, its MoE in chunks) and
 # two micro-batches; three and four micro-batches halve a decode batch's matmuls again and rarely pay.

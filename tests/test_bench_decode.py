@@ -20,7 +20,7 @@ def test_the_table_and_the_overlap_target_from_given_figures():
 
     pays = _point(256, 0.1, 0.4, {"serial": 100.0, "shared": 95.0, "two-batch": 80.0})
     text = report([pays, _point(8, 0.1, 0.5, {"serial": 10.0, "shared": 12.0, "two-batch": 20.0})])
-    assert re.search(r"^ +256 +0\.1 +40% +100\.00 +95\.00 +80\.00 +1\.05x +1\.25x +two-batch +- +5 x 7$", text, re.M)
+    assert re.search(r"^ +256 +0\.1 +40% +100\.00 +95\.00 +80\.00 +1\.05x +1\.25x +two-batch +- +5 x 7 +-$", text, re.M)
     assert re.search(r"^ +8 +0\.1 +50% .* serial ", text, re.M)
     what, met, detail = target_overlap_pays([pays])
     assert met is True and "two-batch 1.25x at 0.1 GB/s" in detail
@@ -29,6 +29,17 @@ def test_the_table_and_the_overlap_target_from_given_figures():
     assert target_overlap_pays([_point(256, 1.0, 0.2, {"serial": 100.0, "shared": 99.0})])[1] is None  # comm < 30%
     # without auto and its calibration, those two targets say they checked nothing
     assert "not checked (no auto row)" in text and "not checked (no prediction" in text and "MISSED" not in text
+    assert "not checked (no point at 32 tokens/rank)" in text
+
+
+def test_the_executors_host_time_is_judged_against_serials_tpot_at_32_tokens():
+    from launch.bench.decode import report, target_host
+
+    quick = dict(_point(32, 0.1, 0.4, {"serial": 20.0, "shared": 19.0}), executor_s=0.0015)
+    slow = dict(_point(32, 1.0, 0.3, {"serial": 20.0, "shared": 19.0}), executor_s=0.0025)
+    assert target_host([quick])[1] is True and "7.5% (1.50 of 20.0 ms)" in target_host([quick])[2]
+    assert target_host([quick, slow])[1] is False  # 12.5% at 1 GB/s
+    assert re.search(r" 5 x 7 +8%$", report([quick]), re.M)
 
 
 def test_auto_is_judged_as_the_fixed_mode_it_ran_and_predictions_by_their_ratio_to_serial():
@@ -66,14 +77,14 @@ def test_a_mode_with_its_own_argument_is_one_maker(monkeypatch):
 
 @pytest.mark.spawns_ranks
 def test_the_decode_benchmark_runs_at_a_tiny_size():
-    proc = subprocess.run([sys.executable, "-m", "launch.bench.decode", "--preset", "tiny", "--tokens", "1,8",
-                           "--links", "0.1", "--warmup", "0", "--iters", "1", "--min-seconds", "0"],
-                          capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT)
+    proc = subprocess.run([sys.executable, "-m", "launch.bench.decode", "--preset", "tiny", "--tokens", "1,2",
+                           "--links", "0.1", "--warmup", "0", "--iters", "1", "--min-seconds", "0", "--modes",
+                           "two-batch,auto"], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    from launch.bench.decode import decode_modes
-
-    n = len(decode_modes())  # a time per mode, then a speedup per mode but serial's
+    n = 3  # serial, two-batch, auto: a time per mode, then a speedup per mode but serial's
     row = r" +\d+% +" + r"[0-9.]+ +" * n + r"[0-9.]+x +" * (n - 1) + r"\S+ "
-    for tokens in (1, 8):
+    for tokens in (1, 2):
         assert re.search(rf"^ +{tokens} +0\.1{row}", proc.stdout, re.M), proc.stdout
     assert "serial ms" in proc.stdout and "two-batch x" in proc.stdout and "targets:" in proc.stdout
+    assert "calibrated decode at 0.1 GB/s" in proc.stdout and "predicted x (error)" in proc.stdout

@@ -54,8 +54,8 @@ def test_two_ranks_that_finish_apart_generate_every_modes_tokens_on_the_device_a
         assert any(line.startswith(mode + " ") for line in device.stdout.splitlines()), device.stdout
     # auto: the calibration it chose from, then its steps per mode and predicted / measured TPOT beside serial's
     assert "decode calibration, ms at histories 16 / 23" in device.stdout, device.stdout
-    assert re.search(r"^shared / auto: decode steps per mode \d+ [a-z0-9-]+.*; TPOT predicted [0-9.]+ ms, measured [0-9.]+ ms, "
-                     r"serial measured [0-9.]+ ms$", device.stdout, re.M), device.stdout
+    assert re.search(r"^shared / auto: decode steps per mode \d+ [a-z0-9-]+.*; TPOT predicted [0-9.]+ ms, "
+                     r"measured [0-9.]+ ms, serial measured [0-9.]+ ms$", device.stdout, re.M), device.stdout
     results = json.loads((tmp_path / "device" / "results.json").read_text())
     assert results["check"] == "passed" and results["new_tokens_spread"] == 0.75 and results["stop_token"] == 5
     rows = {r["mode"]: r for r in results["rows"]}

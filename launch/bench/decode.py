@@ -52,6 +52,7 @@ SERIAL = "serial"
 AUTO = "auto"
 TARGET_TOKENS, TARGET_SHARE, TARGET_SPEEDUP = 256, 0.30, 1.15  # issue 29: overlap pays where comm is large
 MAX_ROUNDS = 200
+HOST_TOKENS, TARGET_HOST = 32, 0.10  # the executor's own host time per decode step, against TPOT
 
 
 def decode_modes() -> Tuple[str, ...]:
@@ -140,6 +141,58 @@ def _comm_share(model: Any, prompts: List[List[int]], new_tokens: int, kwargs: D
     return share if share >= 0 else None
 
 
+def _executor_host(model: Any, tokens: int, history: int, group: Any, steps: int = 12) -> float:
+    """The executor's own host time in a serial decode step of ``tokens`` requests holding ``history`` rows: the
+    time `microbatch.run_made` takes less the time inside the operations' functions (serial waits for nothing:
+    its exchanges are synchronous inside their operations), median over ``steps`` steps, the larger rank's."""
+    import dataclasses as dc
+
+    import microbatch
+    from collectives import MOE_CAPACITY
+    from launch.decode import split_by_cost
+    from launch.decode_step import bucket_of
+    from microbatch import HIDDEN, KV_STEP, KVCache, KVStep
+    from microbatch.planning import max_over_ranks
+
+    inside = [0.0]
+
+    def timed(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                inside[0] += time.perf_counter() - start
+        return run
+
+    layers = [[dc.replace(op, fn=timed(op.fn)) for op in layer] for layer in model.decode_layer_operations()]
+    cfg, weight = model.cfg, next(model.parameters())
+    cache = KVCache(cfg.n_layers, tokens, history + 1, cfg.k_shape, cfg.v_shape, dtype=weight.dtype,
+                    device=weight.device)
+    slots = cache.admit(tokens)
+    for s in slots:
+        cache.lengths[s] = history
+    (part,) = split_by_cost([history] * tokens, 1)
+    ids = _ids(tokens, cfg.vocab)
+    make = microbatch.decode_mode(SERIAL).make
+    host = []
+    for _ in range(steps + 1):  # the first step lowers the program: not counted
+        staged = [{HIDDEN: model.embed_tokens(ids), KV_STEP: KVStep(cache, cache.rows([slots[j] for j in part])),
+                   MOE_CAPACITY: bucket_of(tokens)}]
+        inside[0] = 0.0
+        start = time.perf_counter()
+        microbatch.run_made(make, layers, staged)
+        host.append(time.perf_counter() - start - inside[0])
+    return max_over_ranks([statistics.median(host[1:])], group)[0]
+
+
+def _ids(n: int, vocab: int) -> Any:
+    """``n`` token ids, the same on every call."""
+    import torch
+
+    return torch.arange(n) % vocab
+
+
 def _enough(serial_steps: List[float], timed: int, iters: int, min_seconds: float, group: Any) -> bool:
     """Whether a point has run enough rounds: ``iters``, and serial's steps about ``min_seconds`` in all (the
     slowest rank's sum, so every rank stops at the same round)."""
@@ -152,13 +205,12 @@ def _enough(serial_steps: List[float], timed: int, iters: int, min_seconds: floa
     return max_over_ranks([sum(serial_steps)], group)[0] >= min_seconds
 
 
-def _point(ctx: Any, model: Any, point: Point, prompt_len: int, new_tokens: int, warmup: int, iters: int,
-           min_seconds: float, seed: int) -> Dict[str, Any]:
+def _point(ctx: Any, model: Any, point: Point, modes: Sequence[str], prompt_len: int, new_tokens: int, warmup: int,
+           iters: int, min_seconds: float, seed: int) -> Dict[str, Any]:
     """Every mode's decode-step times at one point, interleaved round by round; serial's comm share."""
     from launch.measure import rounds, spread
     from microbatch.planning import max_over_ranks
 
-    modes = decode_modes()
     prompts = _prompts(point.tokens, prompt_len, model.cfg.vocab, seed + 1009 * ctx.rank + point.tokens)
     kwargs = {m: generate_arguments(m, point) for m in modes}
     steps: Dict[str, List[float]] = {m: [] for m in modes}
@@ -174,6 +226,7 @@ def _point(ctx: Any, model: Any, point: Point, prompt_len: int, new_tokens: int,
         if i >= warmup and _enough(steps[SERIAL], timed, iters, min_seconds, ctx.group):
             break
     share = _comm_share(model, prompts, new_tokens, kwargs[SERIAL], ctx.group)
+    host = _executor_host(model, point.tokens, prompt_len + new_tokens // 2, ctx.group)
     rows = {}
     for m in modes:  # the ranks step together: per step, the slowest rank's time
         slowest = max_over_ranks(steps[m], ctx.group) if steps[m] else []
@@ -182,12 +235,12 @@ def _point(ctx: Any, model: Any, point: Point, prompt_len: int, new_tokens: int,
     predicted = {} if point.plan is None else {m: point.plan.predict(m, point.tokens, history)
                                                for m in point.plan.modes}
     return {"tokens": point.tokens, "link": point.gbps, "comm_share": share, "rounds": timed,
-            "steps": len(steps[SERIAL]) // max(timed, 1), "rows": rows, "predicted": predicted,
+            "steps": len(steps[SERIAL]) // max(timed, 1), "rows": rows, "predicted": predicted, "executor_s": host,
             "chosen": dict(collections.Counter(chosen))}
 
 
-def _rank_body(ctx: Any, preset_name: str, tokens: List[int], links: List[float], prompt_len: int, new_tokens: int,
-               warmup: int, iters: int, min_seconds: float, seed: int, comm_priority: str) -> Any:
+def _rank_body(ctx: Any, preset_name: str, modes: List[str], tokens: List[int], links: List[float], prompt_len: int,
+               new_tokens: int, warmup: int, iters: int, min_seconds: float, seed: int, comm_priority: str) -> Any:
     import overlap
     from launch.models import build_model, preset
     from launch.runner import make_expert_parallel
@@ -197,10 +250,10 @@ def _rank_body(ctx: Any, preset_name: str, tokens: List[int], links: List[float]
     out = []
     for gbps in links:
         overlap.set_link(overlap.Link(gbps))
-        plan = _calibrate(ctx, model, max(tokens), prompt_len, new_tokens, gbps) if AUTO in decode_modes() else None
+        plan = _calibrate(ctx, model, max(tokens), prompt_len, new_tokens, gbps) if AUTO in modes else None
         for n in tokens:
-            out.append(_point(ctx, model, Point(model, ctx.group, n, gbps, plan), prompt_len, new_tokens, warmup,
-                              iters, min_seconds, seed))
+            out.append(_point(ctx, model, Point(model, ctx.group, n, gbps, plan), modes, prompt_len, new_tokens,
+                              warmup, iters, min_seconds, seed))
     return out if ctx.rank == 0 else None
 
 
@@ -235,7 +288,7 @@ def table(points: Sequence[Dict[str, Any]]) -> str:
     modes = list(points[0]["rows"])
     auto = AUTO in modes
     head = (["tokens/rank", "link GB/s", "comm/serial"] + [f"{m} ms" for m in modes]
-            + [f"{m} x" for m in modes if m != SERIAL] + ["best", "spread", "rounds x steps"]
+            + [f"{m} x" for m in modes if m != SERIAL] + ["best", "spread", "rounds x steps", "executor/TPOT"]
             + (["auto chose", "auto as chosen x", "predicted x (error)"] if auto else []))
     body = []
     for p in points:
@@ -244,7 +297,8 @@ def table(points: Sequence[Dict[str, Any]]) -> str:
         row = ([str(p["tokens"]), f"{p['link']:g}", _pct(p["comm_share"])]
                + [f"{p['rows'][m][0] * 1e3:.2f}" for m in modes]
                + [f"{ups[m]:.2f}x" for m in modes if m != SERIAL]
-               + [best_mode(p), _pct(max(spreads, default=None)), f"{p['rounds']} x {p['steps']}"])
+               + [best_mode(p), _pct(max(spreads, default=None)), f"{p['rounds']} x {p['steps']}",
+                  _pct(executor_share(p))])
         if auto:
             total = sum((p.get("chosen") or {}).values()) or 1
             chose = ", ".join(f"{m} {n / total:.0%}" for m, n in sorted((p.get("chosen") or {}).items(),
@@ -293,6 +347,23 @@ def auto_as_fixed(point: Dict[str, Any]) -> Tuple[Optional[str], Optional[float]
     return None, point["rows"][AUTO][0]
 
 
+def executor_share(point: Dict[str, Any]) -> Optional[float]:
+    """The executor's own host time in a serial decode step over serial's TPOT at a point."""
+    host = point.get("executor_s")
+    return None if host is None else host / point["rows"][SERIAL][0]
+
+
+def target_host(points: Sequence[Dict[str, Any]]) -> Target:
+    """The executor's host time per decode step at most 10% of the time per output token at 32 tokens per rank."""
+    what = f"executor's host time per decode step <= {TARGET_HOST:.0%} of TPOT at {HOST_TOKENS} tokens/rank"
+    found = [(executor_share(p), p) for p in points if p["tokens"] == HOST_TOKENS and executor_share(p) is not None]
+    if not found:
+        return what, None, f"no point at {HOST_TOKENS} tokens/rank"
+    return what, all(sh <= TARGET_HOST for sh, _ in found), "; ".join(
+        f"{sh:.1%} ({p['executor_s'] * 1e3:.2f} of {p['rows'][SERIAL][0] * 1e3:.1f} ms) at {p['link']:g} GB/s"
+        for sh, p in found)
+
+
 def target_auto(points: Sequence[Dict[str, Any]]) -> Target:
     """Auto (as the fixed mode it ran, `auto_as_fixed`) within 5% of the best fixed mode and at most 2% above serial
     at every point."""
@@ -306,7 +377,8 @@ def target_auto(points: Sequence[Dict[str, Any]]) -> Target:
         best = min(fixed.values())
         ok = auto <= best * 1.05 and auto <= fixed[SERIAL] * 1.02
         judged.append((ok, f"{p['tokens']} @ {p['link']:g}: auto{' as ' + mode if mode else ''} "
-                           f"{fixed[SERIAL] / auto:.2f}x, best {min(fixed, key=fixed.get)} {fixed[SERIAL] / best:.2f}x"))
+                           f"{fixed[SERIAL] / auto:.2f}x, best {min(fixed, key=fixed.get)} "
+                           f"{fixed[SERIAL] / best:.2f}x"))
     if not judged:
         return what, None, "no auto row"
     missed = [text for ok, text in judged if not ok]
@@ -336,7 +408,7 @@ def target_prediction(points: Sequence[Dict[str, Any]]) -> Target:
 
 
 TARGETS: Tuple[Callable[[Sequence[Dict[str, Any]]], Target], ...] = (target_overlap_pays, target_auto,
-                                                                      target_prediction)
+                                                                      target_prediction, target_host)
 
 
 def report(points: Sequence[Dict[str, Any]]) -> str:
@@ -347,7 +419,8 @@ def report(points: Sequence[Dict[str, Any]]) -> str:
     lines.append("\ncomm/serial: communication's share of a serial decode step; ms: TPOT, the median "
                  "decode-step time (slowest rank); x: serial's TPOT over the mode's; spread: the largest of the "
                  "modes' interquartile range of step times over their median; rounds x steps: timed rounds per mode "
-                 "x decode steps per round, the modes interleaved round by round")
+                 "x decode steps per round, the modes interleaved round by round; executor/TPOT: the executor's own "
+                 "host time in a serial decode step (its run less its operations' time) over serial's TPOT")
     lines.append("\ntargets:")
     for target in TARGETS:
         what, met, detail = target(points)
@@ -371,11 +444,13 @@ def _numbers(text: str, kind: Callable[[str], Any]) -> List[Any]:
 @click.option("--min-seconds", type=float, default=2.0,
               help="More rounds at a point until serial's decode steps add up to about this (0: --iters only).")
 @click.option("--seed", type=int, default=0)
+@click.option("--modes", default=",".join(decode_modes()),
+              help="The decode modes to measure, comma-separated (serial is always first; auto calibrates first).")
 @click.option("--cpu-comm-priority", "comm_priority", type=click.Choice(["off", "rt"]), default="off",
               envvar="OVERLAP_CPU_COMM_PRIORITY", show_envvar=True,
               help="gloo's communication threads real-time (overlap.comm_threads) or normal.")
 def main(preset_name: str, tokens: str, links: str, prompt_len: int, new_tokens: int, warmup: int, iters: int,
-         min_seconds: float, seed: int, comm_priority: str) -> None:
+         min_seconds: float, seed: int, modes: str, comm_priority: str) -> None:
     """Time per output token of every decode mode over tokens per rank and link speeds, on 2 CPU ranks."""
     from overlap.multirank import run_ranks
 
@@ -384,10 +459,14 @@ def main(preset_name: str, tokens: str, links: str, prompt_len: int, new_tokens:
     token_points, link_points = _numbers(tokens, int), _numbers(links, float)
     if not token_points or not link_points or min(token_points) < 1:
         raise click.BadParameter("--tokens and --links each need at least one value, tokens >= 1")
+    mode_list = [SERIAL] + [m for m in dict.fromkeys(_numbers(modes, str)) if m != SERIAL]
+    unknown = [m for m in mode_list if m not in decode_modes()]
+    if unknown:
+        raise click.BadParameter(f"unknown decode mode {unknown[0]!r} (these: {', '.join(decode_modes())})")
     click.echo(f"2 CPU ranks, preset {preset_name}, prompts of {prompt_len} tokens, {new_tokens} new tokens each, "
                f"{warmup} warmup + at least {iters} rounds (and about {min_seconds:g} s of serial decode steps) per "
-               f"point; modes {', '.join(decode_modes())} interleaved round by round")
-    points = run_ranks(_rank_body, 2, preset_name, token_points, link_points, prompt_len, new_tokens, warmup, iters,
+               f"point; modes {', '.join(mode_list)} interleaved round by round")
+    points = run_ranks(_rank_body, 2, preset_name, mode_list, token_points, link_points, prompt_len, new_tokens, warmup, iters,
                        min_seconds, seed, comm_priority, timeout=3600)[0]
     click.echo(report(points))
 
