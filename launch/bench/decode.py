@@ -325,7 +325,7 @@ def target_overlap_pays(points: Sequence[Dict[str, Any]]) -> Target:
     for p in points:
         if p["tokens"] != TARGET_TOKENS or p["comm_share"] is None or p["comm_share"] < TARGET_SHARE:
             continue
-        ups = {m: s for m, s in speedups(p).items() if m != SERIAL}
+        ups = {m: s for m, s in speedups(p).items() if m not in (SERIAL, AUTO)}  # the fixed overlapped modes
         if ups:
             mode = max(ups, key=lambda m: ups[m])
             found.append((ups[mode], f"{mode} {ups[mode]:.2f}x at {p['link']:g} GB/s (comm {_pct(p['comm_share'])})"))
