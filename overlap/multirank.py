@@ -33,6 +33,10 @@ from .streams import synchronize
 # the rank basics live in `overlap.ranks` (the launcher imports them from there); the harness's
 # users keep importing them from here
 ENV_START_METHOD = "OVERLAP_START_METHOD"
+# modules the forkserver imports once, beyond torch and overlap, so that each rank forked from it has them
+# (a test suite whose rank bodies build transformers models saves their import in every rank)
+ENV_PRELOAD = "OVERLAP_FORKSERVER_PRELOAD"
+_PRELOAD = ("torch", "torch.distributed", "overlap")
 
 
 def _child(fn: Callable[..., Any], rank: int, world: int, store_dir: str, timeout: float, threads: int,
@@ -68,8 +72,19 @@ def _context() -> Any:
                          f"unset, it is forkserver")
     ctx = mp.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "overlap"])
+        ctx.set_forkserver_preload(list(_PRELOAD) + preload_modules())
     return ctx
+
+
+def preload_modules() -> List[str]:
+    """``$OVERLAP_FORKSERVER_PRELOAD``'s module names (comma-separated): ValueError naming it for a name that
+    is not a dotted module path. The forkserver skips one it cannot import, as multiprocessing does."""
+    names = [n.strip() for n in os.environ.get(ENV_PRELOAD, "").split(",") if n.strip()]
+    bad = [n for n in names if not all(part.isidentifier() for part in n.split("."))]
+    if bad:
+        raise ValueError(f"{ENV_PRELOAD}={os.environ[ENV_PRELOAD]!r}: {bad[0]!r} is not a module name; expected "
+                         f"comma-separated module names such as 'transformers,launch.runner'")
+    return names
 
 
 def _crashed(procs: List[Any], exclude: int, within: float) -> Optional[int]:
@@ -145,5 +160,6 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: Opti
     return [outputs[r] for r in range(world_size)]
 
 
-__all__ = ["DEFAULT_RANK_TIMEOUT_S", "ENV_START_METHOD", "ENV_TIMEOUT", "RankContext", "RankFailure", "RankTimeout",
-           "default_backend", "default_device", "default_timeout", "run_ranks", "seconds_from_env", "under_torchrun"]
+__all__ = ["DEFAULT_RANK_TIMEOUT_S", "ENV_PRELOAD", "ENV_START_METHOD", "ENV_TIMEOUT", "RankContext", "RankFailure",
+           "RankTimeout", "default_backend", "default_device", "default_timeout", "preload_modules", "run_ranks",
+           "seconds_from_env", "under_torchrun"]

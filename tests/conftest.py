@@ -5,6 +5,14 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# What the rank bodies of the multi-rank tests import, imported once by each worker's forkserver instead of in
+# every rank it forks (transformers' modeling code alone is about 2 s of CPU a process); empty turns it off
+os.environ.setdefault("OVERLAP_FORKSERVER_PRELOAD", ",".join([
+    "pytest", "microbatch", "collectives", "launch.runner", "launch.generation", "launch.decode_plan",
+    "launch.graph_decode", "launch.models", "transformers", "transformers.modeling_utils",
+    "transformers.models.deepseek_v3.modeling_deepseek_v3", "transformers.models.qwen3_moe.modeling_qwen3_moe",
+    "transformers.models.mixtral.modeling_mixtral", "transformers.models.qwen2_moe.modeling_qwen2_moe"]))
+
 
 @pytest.fixture(autouse=True)
 def _clean_overlap_state(monkeypatch):

@@ -120,3 +120,22 @@ def test_a_bad_start_method_is_one_line_naming_the_variable(monkeypatch):
     monkeypatch.setenv("OVERLAP_START_METHOD", "bogus")
     with pytest.raises(ValueError, match="OVERLAP_START_METHOD='bogus': expected one of"):
         run_ranks(sum_ranks, 2, 1.0)
+
+
+@pytest.mark.spawns_ranks
+def test_a_bad_preload_is_one_line_naming_the_variable(monkeypatch):
+    monkeypatch.setenv("OVERLAP_FORKSERVER_PRELOAD", "transformers, not a module")
+    with pytest.raises(ValueError, match="OVERLAP_FORKSERVER_PRELOAD=.*'not a module' is not a module name"):
+        run_ranks(sum_ranks, 2, 1.0)
+
+
+def _imported(ctx, names):
+    return [n for n in names if n in sys.modules]
+
+
+@pytest.mark.spawns_ranks
+def test_the_ranks_start_with_the_preloaded_modules():
+    """The suite's conftest preloads transformers' modeling code into each worker's forkserver: a rank has it
+    before its body imports anything (else every rank that builds a transformers model imports it again)."""
+    wanted = ["transformers.modeling_utils", "launch.runner"]
+    assert run_ranks(_imported, 2, wanted) == [wanted, wanted]
