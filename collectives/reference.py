@@ -54,7 +54,8 @@ class Router(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.weight = nn.Parameter(torch.empty(cfg.n_experts, cfg.hidden))
-        nn.init.normal_(self.weight, std=cfg.hidden ** -0.5)
+        if not self.weight.is_meta:  # a skeleton's weights hold no values (and normal_ on meta imports Dynamo)
+            nn.init.normal_(self.weight, std=cfg.hidden ** -0.5)
 
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(topk_idx [T, k] int64, topk_weights [T, k] float32)``."""

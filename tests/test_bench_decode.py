@@ -80,7 +80,7 @@ def test_the_decode_benchmark_runs_at_a_tiny_size():
     proc = subprocess.run([sys.executable, "-m", "launch.bench.decode", "--preset", "tiny", "--tokens", "1,2",
                            "--links", "0.1", "--warmup", "0", "--iters", "1", "--min-seconds", "0", "--modes",
                            "two-batch,auto"], capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT)
+                          env=dict(os.environ, PYTHONPATH=ROOT, OVERLAP_FORKSERVER_PRELOAD=""), cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     n = 3  # serial, two-batch, auto: a time per mode, then a speedup per mode but serial's
     row = r" +\d+% +" + r"[0-9.]+ +" * n + r"[0-9.]+x +" * (n - 1) + r"\S+ "

@@ -21,47 +21,70 @@ pytestmark = pytest.mark.spawns_ranks
 SMALL = TINY + ["--batch", "2", "--seq-len", "16"]
 
 
-@pytest.mark.parametrize("option, values, words", [
+_OPTIONS = [  # (option, (rank 0's value, rank 1's value), the line that names it)
     ("--seed", ("0", "1"), "ranks disagree on --seed: rank 0: 0; rank 1: 1"),
     ("--layers", ("3", "2"), "ranks disagree on --layers"),
     ("--hidden", ("64", "32"), "ranks disagree on --hidden"),
-    ("--mode", ("all", "serial"), "ranks disagree on --mode"),
     ("--mode", ("all", "all,three-batch"), "ranks disagree on --mode: rank 0: ['serial', 'shared', 'two-batch']; "
                                            "rank 1: ['serial', 'shared', 'two-batch', 'three-batch']"),
     ("--experts", ("8", "16"), "ranks disagree on --experts"),
     ("--dtype", ("float32", "bfloat16"), "ranks disagree on --dtype"),
     ("--iters", ("1", "2"), "ranks disagree on --iters"),
-])
-def test_ranks_started_with_different_options_stop_with_one_clear_error(option, values, words):
-    outs = by_hand([SMALL + [option, v] for v in values])
+]
+_ENVIRONMENT = [  # (variable, (rank 0's value, rank 1's value), the line that names it)
+    ("OVERLAP_ENABLE", ("1", "0"), "ranks disagree on $OVERLAP_ENABLE: rank 0: 'on'; rank 1: 'off'"),
+    ("OVERLAP_CPU_LINK", ("0.1", "2"),
+     "ranks disagree on --cpu-link (or its default $OVERLAP_CPU_LINK): rank 0: '0.1 GB/s'; rank 1: '2 GB/s'"),
+]
+
+
+@pytest.fixture(scope="module")
+def disagreeing_ranks():
+    """One job of two ranks started by hand with every option of `_OPTIONS` and every variable of `_ENVIRONMENT`
+    different: the ranks post them all before the first collective, and each difference is a line of the one
+    error (a job per difference started the same two processes for each line)."""
+    return by_hand([SMALL + [arg for option, values, _ in _OPTIONS for arg in (option, values[rank])]
+                    for rank in (0, 1)],
+                   env=[{name: values[rank] for name, values, _ in _ENVIRONMENT} for rank in (0, 1)])
+
+
+@pytest.mark.parametrize("option, values, words", _OPTIONS)
+def test_ranks_started_with_different_options_stop_with_one_clear_error(disagreeing_ranks, option, values, words):
+    outs = disagreeing_ranks
     assert [rc for rc, _, _ in outs] == [2, 2], all_text(outs)[-3000:]
     assert all_text(outs).count(words) == 1, all_text(outs)[-3000:]
     assert "running serial" not in all_text(outs)  # stopped before the first prefill
 
 
-@pytest.mark.parametrize("name, values, words", [
-    ("OVERLAP_ENABLE", ("1", "0"), "ranks disagree on $OVERLAP_ENABLE: rank 0: 'on'; rank 1: 'off'"),
-    ("OVERLAP_CPU_LINK", ("0.1", "2"),
-     "ranks disagree on --cpu-link (or its default $OVERLAP_CPU_LINK): rank 0: '0.1 GB/s'; rank 1: '2 GB/s'"),
-])
-def test_ranks_started_with_a_different_environment_stop_with_one_line_naming_the_variable(name, values, words):
+@pytest.mark.parametrize("name, values, words", _ENVIRONMENT)
+def test_ranks_started_with_a_different_environment_stop_with_one_line_naming_the_variable(disagreeing_ranks, name,
+                                                                                          values, words):
     """Before: each rank ran with its own value (one of them single-stream, or on another link), exit 0."""
-    outs = by_hand([SMALL, SMALL], env=[{name: v} for v in values])
+    outs = disagreeing_ranks
     assert [rc for rc, _, _ in outs] == [2, 2], all_text(outs)[-3000:]
     assert all_text(outs).count(words) == 1, all_text(outs)[-3000:]
     assert "running serial" not in all_text(outs)
 
 
-def test_ranks_agree_on_the_mode_list_they_run_however_it_is_spelled():
-    outs = by_hand([SMALL + ["--mode", "all,two-batch"], SMALL + ["--mode", "serial,shared", "--mode", "two-batch"]])
+@pytest.fixture(scope="module")
+def agreeing_ranks(tmp_path_factory):
+    """One job of two ranks started by hand, each with the mode list spelled its own way and requests of its own
+    (rank 0 writes --out): (each rank's results, the folder)."""
+    out = tmp_path_factory.mktemp("out")
+    return by_hand([SMALL + ["--mode", "all,two-batch", "--seq-lens", "3", "--out", str(out)],
+                    SMALL + ["--mode", "serial,shared", "--mode", "two-batch", "--seq-lens", "40,21"]]), out
+
+
+def test_ranks_agree_on_the_mode_list_they_run_however_it_is_spelled(agreeing_ranks):
+    outs, _ = agreeing_ranks
     assert [rc for rc, _, _ in outs] == [0, 0], all_text(outs)[-3000:]
     assert "disagree" not in all_text(outs)
 
 
-def test_tokens_per_second_counts_every_rank(tmp_path):
-    outs = by_hand([SMALL + ["--seq-lens", "3", "--out", str(tmp_path)], SMALL + ["--seq-lens", "40,21"]])
+def test_tokens_per_second_counts_every_rank(agreeing_ranks):
+    outs, out = agreeing_ranks
     assert [rc for rc, _, _ in outs] == [0, 0], all_text(outs)[-3000:]
-    res = json.loads((tmp_path / "results.json").read_text())
+    res = json.loads((out / "results.json").read_text())
     assert res["tokens"] == 64
     row = res["rows"][0]
     assert row["tokens_per_s"] == pytest.approx(64 / sorted(row["times_s"])[len(row["times_s"]) // 2])

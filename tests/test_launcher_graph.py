@@ -1,5 +1,6 @@
-"""The launcher's graph path (`launch.runner.graph_prefill`): every mode of the reference model
-compiles as one graph on ge / aclgraph and, without its torchair nodes, computes what eager does."""
+"""The launcher's graph path (`launch.runner.graph_prefill`): every mode of the reference model compiles as one
+graph on ge (on aclgraph: every mode with a second stream) and, without its torchair nodes, computes what eager
+does."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -13,7 +14,7 @@ from overlap.multirank import run_ranks
 pytestmark = pytest.mark.spawns_ranks
 
 
-def _compiled_equals_eager(ctx, path):
+def _compiled_equals_eager(ctx, path, modes):
     from tools import torchair_contract as tc
 
     cfg = preset("tiny", n_dense_layers=0, n_layers=2)
@@ -22,7 +23,7 @@ def _compiled_equals_eager(ctx, path):
     dist.all_reduce(capacity, op=dist.ReduceOp.MAX, group=ctx.group)
     model = make_capacity_expert_parallel(build_model(cfg, seed=3), ctx.group, int(capacity))
     out = {}
-    for mode in [name for name, m in MODES.items() if m.in_all]:
+    for mode in modes:
         plan = split_for(mode, batch, ctx.group, min_tokens=2)
         eager = prefill(model, batch, mode, plan)
         graphs = []
@@ -40,12 +41,22 @@ def _compiled_equals_eager(ctx, path):
     return out
 
 
-@pytest.mark.parametrize("path", ["ge", "aclgraph"])
-def test_every_mode_compiles_to_one_graph_equal_to_eager(path):
+ALL = [name for name, m in MODES.items() if m.in_all]
+
+
+# ge compiles every mode. aclgraph differs from ge in how a cross-stream edge is lowered (a tagged event record /
+# wait), which only the modes with a second stream show: shared (the shared experts' stream beside the
+# communication's) and two-batch (two micro-batches crossing both ways). serial has one stream, nothing for
+# aclgraph to lower differently: it is compiled and compared on ge (on aclgraph it cost ~15% of this file's CPU).
+@pytest.mark.parametrize("path, modes", [("ge", ALL), ("aclgraph", [m for m in ALL if m != "serial"])],
+                         ids=["ge", "aclgraph"])
+def test_every_mode_compiles_to_one_graph_equal_to_eager(path, modes):
     from tools import torchair_contract as tc
 
     tc.load_torchair()  # skips when the torch_npu wheel cannot be had
-    for per_mode in run_ranks(_compiled_equals_eager, 2, path, timeout=400):
+    results = run_ranks(_compiled_equals_eager, 2, path, modes, timeout=400)
+    assert [list(per_mode) for per_mode in results] == [modes, modes]
+    for per_mode in results:
         for mode, (diff, n_graphs, serial, air) in per_mode.items():
             assert n_graphs == 1, f"{mode}: {n_graphs} graphs"
             assert diff <= 1e-5, f"{mode}: compiled differs from eager by {diff}"

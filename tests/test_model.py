@@ -6,6 +6,9 @@ larger ones, so the same row can round differently in a smaller batch.
 """
 import collections
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -17,6 +20,7 @@ from microbatch.operations import State
 from microbatch.planning.split import propose_split
 from microbatch.split import split_batch
 from overlap.multirank import run_ranks
+from support.launcher import ROOT
 from support.protocols import Without, protocol_members, protocol_problems
 
 TINY = PRESETS["tiny"]
@@ -174,6 +178,22 @@ def test_build_in_another_dtype():
     assert {p.dtype for p in m.parameters()} == {torch.bfloat16}
     out = m(Batch.random([4, 3], TINY.vocab))
     assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
+
+
+def test_building_and_sanitizing_in_a_fresh_process_leaves_dynamo_unloaded():
+    """Every launcher, benchmark and documentation example is such a process: building the model on the meta
+    device (nn.init.normal_ and to_empty there go through torch's Python decompositions) and the sanitizer's
+    dispatch mode (torch wraps it in torch._disable_dynamo) each imported Dynamo, over a second of CPU a process."""
+    code = ("import sys, torch, overlap\n"
+            "from launch.models import build_model, preset\n"
+            "with overlap.Sanitizer():\n"
+            "    model = build_model(preset('tiny'), seed=3)\n"
+            "    assert torch.isfinite(model.embed.weight).all() and model.embed.weight.device.type == 'cpu'\n"
+            "loaded = [m for m in ('torch._dynamo', 'torch.fx.experimental.symbolic_shapes') if m in sys.modules]\n"
+            "assert not loaded, loaded\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def test_requests_do_not_see_each_other(model):

@@ -141,6 +141,7 @@ def test_auto_in_a_mode_list_says_whether_its_calibration_is_cached(tmp_path):
 @pytest.mark.spawns_ranks
 def test_the_planning_benchmark_runs_at_a_tiny_size(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT, OVERLAP_CALIBRATION_CACHE=str(tmp_path))
+    env.pop("OVERLAP_FORKSERVER_PRELOAD", None)  # the suite's preloads transformers, which these ranks never use
     proc = subprocess.run([sys.executable, "-m", "launch.bench.plan", "--preset", "tiny", "--tokens", "48",
                            "--links", "0.1", "--warmup", "0", "--iters", "1", "--min-seconds", "0", "--repeats", "2"], capture_output=True, text=True,
                           timeout=300, env=env, cwd=ROOT)

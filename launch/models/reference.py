@@ -183,7 +183,9 @@ class Model(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
+        # built on the meta device and then filled by `init_weights` (`build_model`): given its weight, the
+        # embedding skips its own normal_ init, which on meta imports Dynamo (over a second of CPU a process)
+        self.embed = nn.Embedding(cfg.vocab, cfg.hidden, _weight=torch.empty(cfg.vocab, cfg.hidden))
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.n_layers))
         self.final_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden, cfg.vocab, bias=False)
@@ -272,6 +274,8 @@ def build_model(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.floa
     """The model of ``cfg`` with weights from ``seed`` (bitwise the same on every rank), for inference."""
     with torch.device("meta"):
         model = Model(cfg).to(dtype)
-    model = model.to_empty(device=device)
+    for mod in model.modules():  # storage on ``device``; not `to_empty`, whose empty_like of a meta tensor imports
+        for name, param in list(mod.named_parameters(recurse=False)):  # torch's symbolic shapes (0.4 s a process)
+            setattr(mod, name, nn.Parameter(param.new_empty(param.shape, device=device)))
     init_weights(model, seed)
     return model.requires_grad_(False).eval()

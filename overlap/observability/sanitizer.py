@@ -364,13 +364,28 @@ class _DispatchMode(TorchDispatchMode):
         super().__init__()
         self.sanitizer = sanitizer
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        """False: torch would wrap ``__torch_dispatch__`` in `torch._disable_dynamo`, whose first call imports
+        Dynamo (over a second of CPU in a process that never compiles); `__torch_dispatch__` disables it itself,
+        and only where Dynamo is loaded: without it, no frame can be compiled."""
+        return False
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if "torch._dynamo" in sys.modules:
+            return _dispatch_without_dynamo(self, func, args, kwargs)
+        return self._dispatch(func, args, kwargs)
+
+    def _dispatch(self, func: Any, args: Any, kwargs: Any) -> Any:
         kwargs = kwargs or {}
         pending = self.sanitizer._before_op(func, args, kwargs)
         out = func(*args, **kwargs)
         if pending is not None:
             self.sanitizer._after_op(pending, out)
         return out
+
+
+_dispatch_without_dynamo = torch._disable_dynamo(_DispatchMode._dispatch, recursive=True)
 
 
 _ALLOCATION = "allocation"  # what _before_op hands _after_op for an allocator
