@@ -9,10 +9,15 @@ them; each entry is the median of ``repeats`` rounds after one untimed round. Ev
 (they exchange), and the table ends the same on every rank: the largest time of any rank, in one all-reduce.
 
 The result is a `microbatch.planning.DecodeCalibration`, which `launch.decode.generate(mode="auto")` reads
-every step (`microbatch.planning.choose_decode`).
+every step (`microbatch.planning.choose_decode`). It is cached as the prefill's calibration is (in
+``$OVERLAP_CALIBRATION_CACHE``, default ``~/.cache/npu-overlap/calibration/``), per machine, torch, path,
+ranks, model shape, dtype, link, comm-thread priority and the calibration's own settings (token points,
+histories, modes, rounds, steps): a later run of the same job reads it instead of measuring, when every
+rank has it. ``refresh=True`` (the benchmark) measures again whatever the cache holds.
 """
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -23,7 +28,8 @@ import microbatch
 import overlap
 from collectives import MOE_CAPACITY
 from microbatch import KV_STEP, DecodeModel, KVCache, KVStep
-from microbatch.planning.decode import SERIAL, DecodeCalibration
+from microbatch.planning.calibration import cache_file, calibration_key, read_cache, write_cache
+from microbatch.planning.decode import SERIAL, DecodeCalibration, DecodeCalibrationError
 from microbatch.planning.probes import max_over_ranks
 
 from .decode import DecodeError, _expert_group, _history_weight, split_by_cost
@@ -33,6 +39,9 @@ from .decode_step import DECODE_STEP, TOKENS, bucket_of, decode_step
 # two micro-batches; three and four micro-batches halve a decode batch's matmuls again and rarely pay.
 AUTO_MODES = ("serial", "shared", "two-batch", "chunked-2", "chunked-4")
 Progress = Callable[[str], None]
+DECODE_FORMAT = 1  # the decode calibration's cache files
+REPEATS, STEPS = 4, 4  # rounds per entry, timed steps per round: 16 samples in each entry's median
+_LOG = logging.getLogger(__name__)
 
 
 def token_points(max_tokens: int) -> Tuple[int, ...]:
@@ -45,12 +54,15 @@ def token_points(max_tokens: int) -> Tuple[int, ...]:
 
 
 def calibrate_decode(model: DecodeModel, *, max_tokens: int, histories: Tuple[int, int],
-                     modes: Sequence[str] = AUTO_MODES, repeats: int = 3, steps: int = 3, seed: int = 0,
-                     progress: Optional[Progress] = None) -> DecodeCalibration:
+                     modes: Sequence[str] = AUTO_MODES, repeats: int = REPEATS, steps: int = STEPS, seed: int = 0,
+                     progress: Optional[Progress] = None, refresh: bool = False, cache: Optional[str] = None,
+                     report: Optional[Progress] = None) -> DecodeCalibration:
     """Every mode of ``modes`` (serial first or added) timed at each of `token_points` (``max_tokens``) and at the two
     ``histories`` (rows each request holds before the step): ``repeats`` rounds of ``steps`` steps in a row per
-    mode and point, after one more step (see the module docstring). Collective over the model's expert group:
-    every rank calls it with the same arguments (checked first, in one all-reduce)."""
+    mode and point, after one more step (see the module docstring). Read from the cache instead where every rank
+    has it (``refresh``: measure anyway; ``cache``: the folder, else ``$OVERLAP_CALIBRATION_CACHE``'s); ``report``
+    is told in a line which it was. Collective over the model's expert group: every rank calls it with the same
+    arguments (checked first, in one all-reduce)."""
     names = [SERIAL] + [m for m in modes if m != SERIAL]
     hows = {m: microbatch.decode_mode(m) for m in names}
     if max_tokens < 1 or repeats < 1 or steps < 1:
@@ -65,6 +77,71 @@ def calibrate_decode(model: DecodeModel, *, max_tokens: int, histories: Tuple[in
         overlap.agree({"max_tokens": max_tokens, "histories": [h0, h1], "modes": names, "repeats": repeats,
                        "steps": steps}, overlap.GroupTransport(group, "decode.calibrate"), error=DecodeError)
     points = token_points(max_tokens)
+    key = decode_calibration_key(model, group, points, (h0, h1), names, repeats, steps)
+    path = cache_file(key, cache)
+    cached = None if refresh else _load(key, path)
+    if _everyone_has(cached, group):
+        if report is not None:
+            report(f"decode calibration: cached ({path})")
+        return _alike(cached, group)
+    if report is not None:
+        why = "refreshing" if refresh else "none cached for this machine, model and link" if cached is None else \
+            "not cached on every rank"
+        report(f"calibrating decode ({why}; cached after this run in {path})")
+    cal = _measure(model, group, points, (h0, h1), names, hows, layers, repeats, steps, seed, progress)
+    write_cache(path, {"format": DECODE_FORMAT, "key": key, "calibration": cal.to_dict()})
+    return cal
+
+
+def decode_calibration_key(model: DecodeModel, group: Optional[Any], points: Sequence[int],
+                           histories: Tuple[int, int], modes: Sequence[str], repeats: int, steps: int) -> Dict[str, Any]:
+    """What a decode calibration is valid for: the prefill calibration's key (machine, torch, path, ranks, model
+    shape, dtype, link, comm-thread priority) with the decode calibration's own settings."""
+    key = calibration_key(model, group, points, repeats)  # type: ignore[arg-type]  # reads cfg and parameters only
+    key.update({"kind": "decode", "decode_format": DECODE_FORMAT, "histories": list(histories), "modes": list(modes),
+                "steps": int(steps)})
+    return key
+
+
+def _load(key: Dict[str, Any], path: str) -> Optional[DecodeCalibration]:
+    """The cached decode calibration of ``key`` at ``path``, or None (none, another key, or not a calibration of
+    ``key``'s points, histories and modes: named in a warning)."""
+    data = read_cache(path)
+    if data is None or data.get("format") != DECODE_FORMAT or data.get("key") != key:
+        return None  # none, or another format or key (a digest shared by chance)
+    try:
+        cal = DecodeCalibration.from_dict(data.get("calibration"))
+        if (list(cal.tokens), list(cal.histories), list(cal.modes)) != (key["tokens"], key["histories"], key["modes"]):
+            raise DecodeCalibrationError("its token points, histories or modes are not its key's")
+    except DecodeCalibrationError as err:
+        _LOG.warning("ignoring the decode calibration %s: %s; measuring again", path, err)
+        return None
+    return cal
+
+
+def _everyone_has(cached: Optional[DecodeCalibration], group: Optional[Any]) -> bool:
+    """Whether every rank of ``group`` found the calibration (one all-reduce)."""
+    if group is None:
+        return cached is not None
+    return max_over_ranks([0.0 if cached is not None else 1.0], group)[0] == 0.0
+
+
+def _alike(cal: DecodeCalibration, group: Optional[Any]) -> DecodeCalibration:
+    """``cal`` with the largest of the ranks' times in every entry (each rank read its own file: the same table on
+    every rank, whatever the files hold; their shapes are the agreed key's)."""
+    if group is None:
+        return cal
+    flat = max_over_ranks([t for rows in cal.seconds.values() for row in rows for t in row], group)
+    it = iter(flat)
+    return DecodeCalibration(cal.tokens, cal.histories, {m: tuple((next(it), next(it)) for _ in cal.tokens)
+                                                         for m in cal.modes})
+
+
+def _measure(model: DecodeModel, group: Optional[Any], points: Tuple[int, ...], histories: Tuple[int, int],
+             names: Sequence[str], hows: Dict[str, microbatch.Mode], layers: Dict[str, Any], repeats: int, steps: int,
+             seed: int, progress: Optional[Progress]) -> DecodeCalibration:
+    """The table measured (the module docstring), the same on every rank."""
+    h0, h1 = histories
     cache = _scratch_cache(model, points[-1], h1 + 1)
     slots = cache.admit(points[-1])
     gen = torch.Generator().manual_seed(seed)
@@ -81,12 +158,9 @@ def calibrate_decode(model: DecodeModel, *, max_tokens: int, histories: Tuple[in
                 step.run(layers[m], hows[m], slots[:n], ids[:n], h)  # the first step of a block is not timed
                 times.setdefault((m, n, h), []).extend(step.run(layers[m], hows[m], slots[:n], ids[:n], h)
                                                        for _ in range(steps))
-    table = [statistics.median(times[m, n, h]) for m in names for n in points for h in (h0, h1)]
-    if group is not None:
-        table = max_over_ranks(table, group)
-    it = iter(table)
-    seconds = {m: tuple((next(it), next(it)) for _ in points) for m in names}
-    return DecodeCalibration(points, (h0, h1), seconds)
+    seconds = {m: tuple((statistics.median(times[m, n, h0]), statistics.median(times[m, n, h1])) for n in points)
+               for m in names}
+    return _alike(DecodeCalibration(points, (h0, h1), seconds), group)
 
 
 def _scratch_cache(model: DecodeModel, requests: int, rows: int) -> KVCache:
@@ -131,4 +205,5 @@ def calibration_histories(prompt_lens: Sequence[int], new_tokens: int) -> Tuple[
     return short, max(short + 1, max(prompt_lens, default=1) + new_tokens - 1)
 
 
-__all__ = ["AUTO_MODES", "calibrate_decode", "calibration_histories", "token_points"]
+__all__ = ["AUTO_MODES", "DECODE_FORMAT", "REPEATS", "STEPS", "calibrate_decode", "calibration_histories",
+           "decode_calibration_key", "token_points"]

@@ -205,10 +205,11 @@ def _calibrate(job: JobConfig, decode: DecodeConfig, model: DecodeModel, peers: 
 
     start = time.perf_counter()
     cal = calibrate_decode(model, max_tokens=len(job.seq_lens),
-                           histories=calibration_histories(job.seq_lens, decode.new_tokens), progress=heard)
+                           histories=calibration_histories(job.seq_lens, decode.new_tokens), progress=heard,
+                           report=lambda line: say(line, err=True))
     progress("")
-    say(f"{cal.format()}\n(calibrated in {time.perf_counter() - start:.1f} s; auto takes serial unless another mode "
-        f"is predicted at least {DEFAULT_MARGIN:.0%} faster)")
+    say(f"{cal.format()}\n(in {time.perf_counter() - start:.1f} s; auto takes serial unless another mode is "
+        f"predicted at least {DEFAULT_MARGIN:.0%} faster)")
     return cal
 
 

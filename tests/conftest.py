@@ -15,9 +15,12 @@ os.environ.setdefault("OVERLAP_FORKSERVER_PRELOAD", ",".join([
 
 
 @pytest.fixture(autouse=True)
-def _clean_overlap_state(monkeypatch):
-    """Each test starts from a fresh toolkit state: auto-detected path, overlap on, no streams, events or limits."""
+def _clean_overlap_state(monkeypatch, tmp_path_factory):
+    """Each test starts from a fresh toolkit state: auto-detected path, overlap on, no streams, events or limits,
+    and an empty calibration cache of its own (what it calibrates is measured, and stays out of ~/.cache)."""
     import overlap
+
+    monkeypatch.setenv("OVERLAP_CALIBRATION_CACHE", str(tmp_path_factory.mktemp("calibration")))
 
     for var in (overlap.ENV_PATH, overlap.ENV_ENABLE, "OVERLAP_CORE_BUDGET", "OVERLAP_CPU_LINK"):
         monkeypatch.delenv(var, raising=False)

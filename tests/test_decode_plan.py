@@ -23,6 +23,9 @@ def test_a_prediction_is_linear_between_the_measured_points_and_extends_the_last
 def test_the_choice_is_the_fastest_but_serial_unless_another_is_clearly_faster():
     assert choose_decode(TABLE, 1, 8).mode == "serial"  # shared is 1% faster: not enough
     assert choose_decode(TABLE, 1, 8, margin=0.0).mode == "shared"
+    for faster, mode in ((0.04, "serial"), (0.06, "shared")):  # the default margin: 5%, a calibration's noise
+        close = DecodeCalibration((1,), (8, 24), {"serial": ((1.0, 1.0),), "shared": ((1 - faster, 1 - faster),)})
+        assert choose_decode(close, 1, 8).mode == mode
     pick = choose_decode(TABLE, 4, 24)
     assert pick.mode == "two-batch" and pick.seconds == pytest.approx(4.0) and set(pick.predicted) == set(TABLE.modes)
     assert choose_decode(TABLE, 4, 24, modes=["serial", "shared"], margin=0.0).mode == "shared"
@@ -81,3 +84,55 @@ def test_auto_chooses_per_step_alike_on_every_rank_and_generates_serials_tokens(
     assert auto0.tokens == serial0 and auto1.tokens == serial1
     for refused in (refused0, refused1):
         assert refused is not None and "max_tokens" in refused and "rank 0: 2" in refused, refused
+
+
+def _cache_body(ctx, root):
+    import json
+    import os
+
+    from launch.decode_plan import calibrate_decode
+    from launch.models import build_model, preset
+    from launch.runner import make_expert_parallel
+
+    model = make_expert_parallel(build_model(preset("tiny"), seed=2), ctx.group)
+    mine = os.path.join(root, f"rank{ctx.rank}")
+
+    def run(**kw):
+        lines, measured = [], []
+        cal = calibrate_decode(model, max_tokens=2, histories=(4, 6), modes=("serial", "chunked-2"), repeats=1,
+                               steps=1, cache=kw.pop("cache", mine), report=lines.append, progress=measured.append,
+                               **kw)
+        return cal, lines, bool(measured)
+
+    first = run()
+    again = run()
+    (path,) = [os.path.join(mine, f) for f in os.listdir(mine)]
+    with open(path) as f:
+        data = json.load(f)
+    if ctx.rank == 0:  # rank 0's file says its steps took longer: both ranks read the slowest rank's numbers
+        data["calibration"]["seconds"]["serial"][0] = [1.0, 2.0]
+        with open(path, "w") as f:
+            json.dump(data, f)
+    edited = run()
+    refreshed = run(refresh=True)
+    one_rank = run(cache=mine if ctx.rank == 0 else mine + "-empty")  # only rank 0 has it
+    with open(path, "w") as f:
+        f.write("{not json")
+    damaged = run()
+    return first, again, edited, refreshed, one_rank, damaged
+
+
+def test_the_decode_calibration_is_cached_and_read_back_alike_on_every_rank(tmp_path):
+    """A second calibration of the same job reads the cache (nothing measured) and every rank holds the same table,
+    whatever its own file says; refresh, a file on one rank only, or a damaged file measure again."""
+    from overlap.multirank import run_ranks
+
+    out = run_ranks(_cache_body, 2, str(tmp_path), timeout=180)
+    for first, again, edited, refreshed, one_rank, damaged in out:
+        assert first[2] and "calibrating decode (none cached" in first[1][0]
+        assert not again[2] and again[0] == first[0] and again[1][0].startswith("decode calibration: cached (")
+        assert not edited[2] and edited[0].seconds["serial"][0] == (1.0, 2.0)
+        assert refreshed[2] and "calibrating decode (refreshing" in refreshed[1][0]
+        assert damaged[2] and "none cached" in damaged[1][0]
+    assert out[0][4][2] and out[1][4][2] and "not cached on every rank" in out[0][4][1][0]
+    assert out[0][2][0] == out[1][2][0]

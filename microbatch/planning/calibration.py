@@ -421,16 +421,10 @@ def load(key: Mapping[str, Any], directory: Optional[str] = None,
     calibration cannot: `check_cached`; with ``model``, also one whose layers or operations are not the
     model's). A file that is there but not usable is named in a warning."""
     path = cache_file(key, directory)
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except FileNotFoundError:
+    data = read_cache(path)
+    if data is None:
         return None
-    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        logger.warning("ignoring the unreadable calibration %s (%s): measuring again", path, e)
-        return None
-    if isinstance(data, dict) and (data.get("format") != FORMAT
-                                   or _canonical(data.get("key", {})) != _canonical(key)):
+    if data.get("format") != FORMAT or _canonical(data.get("key", {})) != _canonical(key):
         return None  # another format or key (a digest shared by chance): not this calibration, nothing wrong
     try:
         cal = check_cached(data, key)
@@ -586,12 +580,35 @@ def _read_at(d: Mapping[str, Any], what: str) -> str:
 
 def save(cal: Calibration, directory: Optional[str] = None) -> Optional[str]:
     """Write ``cal`` under its key (atomically); None, with a warning, where the cache cannot be written."""
-    path = cache_file(cal.key, directory)
+    return write_cache(cache_file(cal.key, directory), {"format": FORMAT, "key": cal.key,
+                                                        "calibration": cal.to_dict()})
+
+
+def read_cache(path: str) -> Optional[Dict[str, object]]:
+    """A cache file's JSON object; None where there is none, or, with a warning naming it, where it cannot be read
+    or holds no JSON object."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        logger.warning("ignoring the unreadable calibration %s (%s): measuring again", path, e)
+        return None
+    if not isinstance(data, dict):
+        logger.warning("ignoring the calibration %s (%s, not an object): measuring again", path, type(data).__name__)
+        return None
+    return data
+
+
+def write_cache(path: str, data: Mapping[str, object]) -> Optional[str]:
+    """Write ``data`` as JSON to the cache file ``path`` (atomically: a reader sees the old file or the new one);
+    None, with a warning, where it cannot be written."""
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump({"format": FORMAT, "key": cal.key, "calibration": cal.to_dict()}, f, indent=1, default=str)
+            json.dump(data, f, indent=1, default=str)
         os.replace(tmp, path)
         return path
     except OSError as e:
@@ -856,4 +873,5 @@ def predict_mode(cal: Calibration, model: ModelOrLayers, mode: str, tokens: Sequ
 
 __all__ = ["Calibration", "ENV_CACHE", "ModelOrLayers", "OpFit", "Run", "TransferFit", "agree", "cache_dir",
            "cache_file", "calibrate", "check_cached", "calibration_key", "request_length", "fit_collective",
-           "fit_linear", "fit_runs", "layers_of", "load", "measure_costs", "predict_mode", "save", "token_points"]
+           "fit_linear", "fit_runs", "layers_of", "load", "measure_costs", "predict_mode", "read_cache", "save",
+           "token_points", "write_cache"]
