@@ -129,7 +129,7 @@ def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: U
         raise ValueError("decode mode 'auto' chooses from eager steps' times: with graph capture, name the mode")
     hows = {m: microbatch.decode_mode(m) for m in (plan.modes if mode == AUTO else (mode,))}
     layers = {m: model.decode_layer_operations(h.moe_chunks) for m, h in hows.items()}  # a model that cannot decode
-    group = _expert_group(model)  # says so first
+    group = expert_group(model)  # says so first
     if decoder is None and graph is not None:
         decoder = GraphDecoder(model, cache or new_cache(model, prompts, limits), mode, graph, buckets)
     if decoder is not None:
@@ -147,7 +147,7 @@ def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: U
     out = Generated([[] for _ in prompts], [[] for _ in prompts] if margins else None)
     active = list(range(len(prompts)))
     nxt, gaps, problem = _greedy(model.logits(hidden[last]), active, 0, margins)
-    per_row = _history_weight(model)
+    per_row = history_weight(model)
     counts = sorted({h.micro_batches for h in hows.values()})
     while True:
         still = []
@@ -237,7 +237,7 @@ def split_by_cost(history: Sequence[int], n: int, per_token: float = 1.0) -> Lis
     return [sorted(p) for p in parts]
 
 
-def _history_weight(model: DecodeModel) -> float:
+def history_weight(model: DecodeModel) -> float:
     """Rows of history whose attention costs about as much as the rest of one token's work in a decode step,
     from the model's shapes: the weights a token meets (its top-k experts' only) over the multiply-adds of
     attending to one row of history (its query against the cached key, its weights against the value)."""
@@ -250,7 +250,7 @@ def _history_weight(model: DecodeModel) -> float:
             experts += p.numel()
         else:
             other += p.numel()
-    group = _expert_group(model)
+    group = expert_group(model)
     local = max(1, cfg.n_experts // (group_size(group) if group is not None else 1))
     per_token = other + experts / local * cfg.top_k  # each token meets top-k experts' weights
     heads = max(1, int(cfg.n_heads))
@@ -259,7 +259,7 @@ def _history_weight(model: DecodeModel) -> float:
     return per_token / per_row
 
 
-def _expert_group(model: DecodeModel) -> Optional[dist.ProcessGroup]:
+def expert_group(model: DecodeModel) -> Optional[dist.ProcessGroup]:
     """The group the model's experts are spread over (None: this process holds them all)."""
     spread = [m for m in model.modules() if isinstance(m, ExpertParallelMoE) and group_size(m.group) > 1]
     if not spread:
@@ -339,4 +339,5 @@ def first_difference(tokens: Sequence[Sequence[int]], reference: Sequence[Sequen
 
 
 __all__ = ["AUTO", "DECODE_STEP", "TOKENS", "DecodeError", "Generated", "NonFiniteLogits", "Picked", "bucket_of",
-           "decode_step", "first_difference", "generate", "greedy_generate", "new_cache", "split_by_cost"]
+           "decode_step", "expert_group", "first_difference", "generate", "greedy_generate", "history_weight",
+           "new_cache", "split_by_cost"]

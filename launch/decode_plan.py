@@ -32,7 +32,7 @@ from microbatch.planning.calibration import cache_file, calibration_key, read_ca
 from microbatch.planning.decode import SERIAL, DecodeCalibration, DecodeCalibrationError
 from microbatch.planning.probes import max_over_ranks
 
-from .decode import DecodeError, _expert_group, _history_weight, split_by_cost
+from .decode import DecodeError, expert_group, history_weight, split_by_cost
 from .decode_step import DECODE_STEP, TOKENS, bucket_of, decode_step
 
 # The candidates of ``--decode-mode auto``: one batch (whole, its shared experts beside, its MoE in chunks) and
@@ -72,7 +72,7 @@ def calibrate_decode(model: DecodeModel, *, max_tokens: int, histories: Tuple[in
     if not 1 <= h0 < h1:
         raise ValueError(f"histories must be two lengths 1 <= short < long, got {histories}")
     layers = {m: model.decode_layer_operations(h.moe_chunks) for m, h in hows.items()}
-    group = _expert_group(model)
+    group = expert_group(model)
     if group is not None:  # the ranks run these steps together: a rank with other ones would hang the others
         overlap.agree({"max_tokens": max_tokens, "histories": [h0, h1], "modes": names, "repeats": repeats,
                        "steps": steps}, overlap.GroupTransport(group, "decode.calibrate"), error=DecodeError)
@@ -146,7 +146,7 @@ def _measure(model: DecodeModel, group: Optional[Any], points: Tuple[int, ...], 
     slots = cache.admit(points[-1])
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.cfg.vocab, (points[-1],), generator=gen).tolist()
-    step = _Step(model, cache, _history_weight(model), group)
+    step = _Step(model, cache, history_weight(model), group)
     times: Dict[Tuple[str, int, int], List[float]] = {}
     grid = [(n, h) for n in points for h in (h0, h1)]
     for rnd in range(repeats):

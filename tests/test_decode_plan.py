@@ -23,7 +23,7 @@ def test_a_prediction_is_linear_between_the_measured_points_and_extends_the_last
 def test_the_choice_is_the_fastest_but_serial_unless_another_is_clearly_faster():
     assert choose_decode(TABLE, 1, 8).mode == "serial"  # shared is 1% faster: not enough
     assert choose_decode(TABLE, 1, 8, margin=0.0).mode == "shared"
-    for faster, mode in ((0.04, "serial"), (0.06, "shared")):  # the default margin: 5%, a calibration's noise
+    for faster, mode in ((0.04, "serial"), (0.06, "shared")):  # the default margin: 5%
         close = DecodeCalibration((1,), (8, 24), {"serial": ((1.0, 1.0),), "shared": ((1 - faster, 1 - faster),)})
         assert choose_decode(close, 1, 8).mode == mode
     pick = choose_decode(TABLE, 4, 24)
