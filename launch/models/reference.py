@@ -277,5 +277,7 @@ def build_model(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.floa
     for mod in model.modules():  # storage on ``device``; not `to_empty`, whose empty_like of a meta tensor imports
         for name, param in list(mod.named_parameters(recurse=False)):  # torch's symbolic shapes (0.4 s a process)
             setattr(mod, name, nn.Parameter(param.new_empty(param.shape, device=device)))
+        for name, buf in list(mod.named_buffers(recurse=False)):  # none today; moved as `to_empty` would
+            setattr(mod, name, buf.new_empty(buf.shape, device=device))
     init_weights(model, seed)
     return model.requires_grad_(False).eval()
