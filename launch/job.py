@@ -88,7 +88,22 @@ def script(run: Callable[[], None]) -> None:
 
 
 def _terminated(signum: int, frame: Optional[FrameType]) -> None:
+    """torchrun's SIGTERM: leave through the run's clean-up (SystemExit). Where the signal lands inside a ``__del__``
+    (the garbage collector finalizing some library's object), Python would swallow that SystemExit, print it as an
+    ignored exception with its traceback and run on: the process leaves at once instead, as SIGKILL would."""
+    if _in_finalizer(frame):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(128 + signum)
     raise SystemExit(128 + signum)
+
+
+def _in_finalizer(frame: Optional[FrameType]) -> bool:
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def leaving() -> None:

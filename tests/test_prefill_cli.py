@@ -2,6 +2,7 @@
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -238,6 +239,26 @@ def test_sigterm_while_leaving_neither_prints_a_traceback_nor_loses_the_report(w
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.count("--timeout must be a positive number of seconds") == 1, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_sigterm_inside_a_finalizer_ends_the_rank_without_a_traceback():
+    """torchrun's SIGTERM can land while the garbage collector runs some library's ``__del__`` (CI saw it in
+    regex's): the SystemExit raised there was swallowed, printed as 'Exception ignored in ... Traceback ...
+    SystemExit: 143' naming launch/job.py, and the rank ran on. It ends the rank with 143, quietly."""
+    prog = ("import os, signal, sys, time\n"
+            "import launch.job as p\n"
+            "signal.signal(signal.SIGTERM, p._terminated)\n"
+            "class Held:\n"
+            "    def __del__(self):\n"
+            "        os.kill(os.getpid(), signal.SIGTERM)\n"
+            "        for _ in range(1000):\n"
+            "            pass\n"
+            "Held()\n"
+            "print('RAN ON', flush=True)\n")
+    proc = subprocess.run([sys.executable, "-c", prog], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stdout + proc.stderr[-2000:]
+    assert "RAN ON" not in proc.stdout and "Traceback" not in proc.stderr, proc.stderr[-2000:]
 
 
 @pytest.mark.parametrize("options, env, message", [
