@@ -1,81 +1,74 @@
 """The reference model's whole two-micro-batch prefill, captured under torch.compile(fullgraph=True) on ge / aclgraph.
 
 Two gloo ranks each build the tiny model (both layers MoE), replace its MoE by the static-shape
-`CapacityExpertParallelMoE` over the two ranks, split a batch into two micro-batches and capture
-``embed -> microbatch.run(two_batch) -> final norm`` with torchair's own scope / ops code (see
-tests/tools/torchair_contract.py). The captured FX graphs are checked for the lowering's contract, and
-the graph without its ``air`` nodes is run (collectives included) and compared with eager serial.
+`CapacityExpertParallelMoE` over the two ranks (one capacity: the ranks' batches differ by a token), split a
+batch into two micro-batches and capture ``embed -> microbatch.run(two_batch) -> final norm`` through the
+launcher's `launch.runner.graph_prefill` with torchair's own scope / ops code (see
+tests/tools/torchair_contract.py). The captured FX graphs are checked for the lowering's contract, and the graph
+without its ``air`` nodes is run (collectives included) and compared with eager serial and with the launcher's
+eager two-batch prefill. (tests/test_launcher_graph.py compiles the launcher's other modes.)
 """
 from __future__ import annotations
 
 import collections
 import re
-from unittest import mock
 
 import pytest
+import torch
+import torch.distributed as dist
 
 import overlap
-from collectives import CapacityExpertParallelMoE
 from launch.models import build_model, preset
+from launch.runner import graph_prefill, make_capacity_expert_parallel, prefill, split_for
 from microbatch import lower, serial, two_batch
 from microbatch.batch import Batch
 from microbatch.forward import micro_batch_inputs, run_schedule
-from microbatch.planning.split import propose_split
 from overlap.multirank import run_ranks
 
 pytestmark = pytest.mark.spawns_ranks
 
-SEQ_LENS = (5, 9, 4)  # cut inside request 1: micro-batch 1 reads micro-batch 0's keys and values
+SEQ_LENS = (5, 9, 4)  # rank r's batch: (5, 9, 4 + r); cut inside request 1: micro-batch 1 reads micro-batch 0's
+# keys and values
 N_LAYERS = 2
 SEED = 7
-
-
-def _capture(tc, fn, *args, path):
-    """``tc.capture_graph`` that also returns the real graph inputs (the inputs, then the weights Dynamo lifted)."""
-    seen = []
-    make = tc._capturing_backend
-
-    def keeping_inputs(graphs):
-        inner = make(graphs)
-
-        def backend(gm, example_inputs):
-            seen.append(list(example_inputs))
-            return inner(gm, example_inputs)
-        return backend
-
-    with mock.patch.object(tc, "_capturing_backend", keeping_inputs):
-        gm = tc.capture_graph(fn, *args, path=path)
-    return gm, seen[-1]
 
 
 def _prefill_body(ctx):
     from tools import torchair_contract as tc
 
     cfg = preset("tiny", n_dense_layers=0, n_layers=N_LAYERS)
-    model = build_model(cfg, seed=SEED)
+    batch = Batch.random(SEQ_LENS[:-1] + (SEQ_LENS[-1] + ctx.rank,), cfg.vocab, seed=100 + ctx.rank)
+    capacity = torch.tensor([batch.seq.num_tokens])
+    dist.all_reduce(capacity, op=dist.ReduceOp.MAX, group=ctx.group)  # the ranks' token counts differ: one capacity
+    model = make_capacity_expert_parallel(build_model(cfg, seed=SEED), ctx.group, int(capacity))
     dense = build_model(cfg, seed=SEED)  # the reference MoE, every expert on this rank
-    model.replace_moe(lambda layer: CapacityExpertParallelMoE.wrap(layer.moe, ctx.group))
-    batch = Batch.random(SEQ_LENS, cfg.vocab, seed=100 + ctx.rank)
-    plan = propose_split(batch.seq.seq_lens, min_tokens=2)
+    plan = split_for("two-batch", batch, ctx.group, min_tokens=2)
     assert not plan.serial and plan.cut, plan
     layers = model.layer_operations()
     schedule = two_batch(layers, 2)
 
-    def prefill(tokens, sched=schedule):
-        return run_schedule(model, Batch(tokens, batch.seq), plan, layers, lambda _layers, _n: sched)
-
     with overlap.use_path("cpu"), overlap.enabled(False):
-        eager_serial = prefill(batch.tokens, serial(layers, 2))
+        eager_serial = run_schedule(model, batch, plan, layers, lambda _layers, _n: serial(layers, 2))
+    eager_two_batch = prefill(model, batch, "two-batch", plan)  # what the launcher's eager path computes
     dense_out = dense.forward_microbatches(batch, plan)
 
-    out = dict(eager_dense_diff=(eager_serial - dense_out).abs().max().item(), graphs={}, stripped_diff={})
+    out = dict(eager_dense_diff=(eager_serial - dense_out).abs().max().item(), graphs={}, n_graphs={},
+               stripped_diff={}, launcher_diff={})
     for name, path, on in (("ge", "ge", True), ("aclgraph", "aclgraph", True), ("off", "ge", False)):
-        with overlap.enabled(on):
-            gm, inputs = _capture(tc, prefill, batch.tokens, path=path)
-        out["graphs"][name] = tc.contract_summary(gm, path)
-        got = tc.strip_air(gm)(*inputs)  # issues the graph's all_to_alls: every rank runs the same graphs
-        got = got[0] if isinstance(got, (tuple, list)) else got
+        graphs = []
+
+        def keep(gm, example_inputs, graphs=graphs):  # keeps the graph, runs it without its air ops
+            graphs.append(gm)
+            return tc.strip_air(gm)
+        torch._dynamo.reset()  # the path is read at trace time without a guard
+        with overlap.enabled(on), tc.installed(), tc._sanitizer_set_aside():
+            # issues the stripped graph's all_to_alls: every rank runs the same graphs
+            got = graph_prefill(model, batch, "two-batch", plan, path, backend=keep)()
+        torch._dynamo.reset()
+        out["n_graphs"][name] = len(graphs)
+        out["graphs"][name] = tc.contract_summary(graphs[0], path)
         out["stripped_diff"][name] = (got - eager_serial).abs().max().item()
+        out["launcher_diff"][name] = (got - eager_two_batch).abs().max().item()
     with overlap.use_path("aclgraph"):
         plan_acl, _ = lower(schedule, layers, micro_batch_inputs(model, batch, plan), path="aclgraph")
     out["plan_events"] = plan_acl.events()
@@ -164,3 +157,13 @@ def test_stripped_graph_computes_eager_serial(captured):
         assert out["eager_dense_diff"] < 1e-5, f"rank {rank}: capacity EP model differs from the dense model"
         for name, diff in out["stripped_diff"].items():
             assert diff < 1e-5, f"rank {rank} {name}: the captured graph differs from eager serial by {diff}"
+
+
+def test_the_launchers_graph_prefill_is_one_graph_equal_to_its_eager_two_batch(captured):
+    """`launch.runner.graph_prefill` of two-batch (the mode tests/test_launcher_graph.py leaves to this file): one
+    graph on each path, overlap on or off, computing the launcher's eager two-batch prefill."""
+    for rank, out in enumerate(captured):
+        for name in ("ge", "aclgraph", "off"):
+            assert out["n_graphs"][name] == 1, f"rank {rank} {name}: {out['n_graphs'][name]} graphs"
+            diff = out["launcher_diff"][name]
+            assert diff <= 1e-5, f"rank {rank} {name}: compiled differs from the eager two-batch prefill by {diff}"

@@ -7,11 +7,20 @@ import sys
 
 import pytest
 
-from support.launcher import ROOT, TINY, run_launcher
+from support.launcher import ROOT, TINY, run_here, run_launcher
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.spawns_ranks
 SMALL = ["--warmup", "0", "--iters", "1", "--batch", "3", "--seq-len", "12"]
+
+
+def _in_this_process(args, capsys, monkeypatch):
+    """``launch.prefill.main(args)`` here (`run_here`), for a refusal found before any rank joins a group
+    (tests/test_prefill_cli.py runs one end to end): its exit status, what it printed."""
+    from launch.prefill import main
+
+    code, out, err = run_here(main, args, capsys, monkeypatch)
+    return code, out + err
 
 
 def test_a_model_type_runs_every_mode_and_matches_its_own_forward():
@@ -34,11 +43,11 @@ def test_two_ranks_expert_parallel_with_kv_offload_and_overrides(tmp_path):
 
 
 def _checkpoint(folder, model_type="qwen2_moe"):
-    code = ("from launch.models.families import build_transformers_model\n"
-            f"build_transformers_model({model_type!r}, seed=5).hf.save_pretrained({str(folder)!r}, "
-            "max_shard_size='200KB')\n")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
-                   capture_output=True, timeout=300)
+    """Written in this process (as tests/test_checkpoint.py writes its own): a process of its own cost an
+    interpreter with torch and transformers, ~4 s, for a model of a few hundred KB."""
+    from launch.models.families import build_transformers_model
+
+    build_transformers_model(model_type, seed=5).hf.save_pretrained(str(folder), max_shard_size="200KB")
     return folder
 
 
@@ -98,10 +107,9 @@ def test_the_comparison_with_a_checkpoints_own_forward_catches_a_difference(chec
     (["--model", "no_such_family"], "neither 'reference', a folder, nor a transformers model type"),
     (["--model", "llama"], "has no routed experts"),
 ])
-def test_bad_models_are_one_line(args, message):
-    proc = run_launcher(TINY + args)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 2 and out.count(message) == 1 and "Traceback" not in out, out[-3000:]
+def test_bad_models_are_one_line(args, message, capsys, monkeypatch):
+    returncode, out = _in_this_process(TINY + args, capsys, monkeypatch)
+    assert returncode == 2 and out.count(message) == 1 and "Traceback" not in out, out[-3000:]
 
 
 BROUGHT = ["--layers", "2", "--hidden", "128", "--experts", "8", "--top-k", "2", "--batch", "2", "--seq-len", "32",
@@ -125,22 +133,27 @@ def test_a_family_users_bring_runs_every_mode_on_two_ranks(family):
                         "the kinds full, sliding, chunked"),
     ("glm4v_moe_text", None, "--model glm4v_moe_text: glm4v_moe_text is not a causal LM AutoModelForCausalLM builds"),
 ])
-def test_a_family_the_adapter_cannot_run_is_one_line_before_any_collective(family, ranks, message):
+def test_a_family_the_adapter_cannot_run_is_one_line_before_any_collective(family, ranks, message, capsys,
+                                                                           monkeypatch):
     """Once per node (torchrun's status is 1 when a rank exits 2, and its agent prints its own traceback), exit
-    2 on its own; no traceback of ours, no rank joins a group."""
-    proc = run_launcher(BROUGHT + ["--model", family], ranks=ranks)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == (2 if ranks is None else 1), out[-3000:]
+    2 on its own (in this process: found before any rank joins a group); no traceback of ours, no rank joins a
+    group."""
+    if ranks is None:
+        returncode, out = _in_this_process(BROUGHT + ["--model", family], capsys, monkeypatch)
+    else:
+        proc = run_launcher(BROUGHT + ["--model", family], ranks=ranks)
+        returncode, out = proc.returncode, proc.stdout + proc.stderr
+    assert returncode == (2 if ranks is None else 1), out[-3000:]
     assert out.count(message) == 1, out[-3000:]
     assert ("Traceback" not in out) if ranks is None else not re.search(r'File ".*/(launch|collectives)/', out), \
         out[-3000:]
     assert "unexpected error" not in out and "prefill:" not in out  # no headline: no group was joined
 
 
-def test_a_checkpoint_keeps_its_shapes(checkpoint):
+def test_a_checkpoint_keeps_its_shapes(checkpoint, capsys, monkeypatch):
     folder = checkpoint
-    proc = run_launcher(TINY + ["--model", str(folder), "--layers", "3"])
-    assert proc.returncode == 2 and "is a checkpoint: its shapes are its own (drop --layers)" in proc.stderr
+    returncode, out = _in_this_process(TINY + ["--model", str(folder), "--layers", "3"], capsys, monkeypatch)
+    assert returncode == 2 and "is a checkpoint: its shapes are its own (drop --layers)" in out, out[-3000:]
 
 
 def test_a_family_that_cannot_cut_a_request_says_so():

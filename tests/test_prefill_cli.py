@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from support.launcher import ROOT, SCRIPT, TINY, run_launcher
+from support.launcher import ROOT, SCRIPT, TINY, run_here, run_launcher
 
 pytestmark = pytest.mark.spawns_ranks  # drives torchrun itself
 
@@ -73,32 +73,43 @@ def test_two_ranks_under_torchrun_with_kv_offload(tmp_path):
     assert two["hidden_comm_share"] is not None and 0.0 <= two["hidden_comm_share"] <= 1.0
 
 
+HERE = "here"  # ranks: `launch.prefill.main` in this process (as tests/test_generate_cli.py's bad options): the
+# check runs before any rank joins a group, and a process of its own cost ~4 s a case; one single-process case
+# (top-k 9) and the torchrun ones still run as users run them, through the script's exit
+
+
 @pytest.mark.parametrize("args, ranks, message", [
     (["--experts", "5"], 2, "5 experts cannot be split evenly over 2 ranks"),
     (["--experts", "8", "--top-k", "9"], None, "top_k=9 must be between 1 and n_experts=8"),
-    (["--device", "cuda"], None, "no CUDA device"),
-    (["--seq-lens", "4,0"], None, "at least one token"),
-    (["--seq-lens", "4,x"], None, "comma-separated integers"),
-    (["--cpu-link", "fast"], None, "--cpu-link: expected"),
-    (["--path", "aclgraph"], None, "--path aclgraph runs on Ascend NPUs only"),
+    (["--device", "cuda"], HERE, "no CUDA device"),
+    (["--seq-lens", "4,0"], HERE, "at least one token"),
+    (["--seq-lens", "4,x"], HERE, "comma-separated integers"),
+    (["--cpu-link", "fast"], HERE, "--cpu-link: expected"),
+    (["--path", "aclgraph"], HERE, "--path aclgraph runs on Ascend NPUs only"),
     (["--timeout", "0"], 2, "--timeout must be a positive number of seconds"),
-    (["--timeout", "nan"], None, "--timeout must be a positive number of seconds"),
-    (["--seq-lens", ""], None, "--seq-lens is empty"),
+    (["--timeout", "nan"], HERE, "--timeout must be a positive number of seconds"),
+    (["--seq-lens", ""], HERE, "--seq-lens is empty"),
     (["--mode", "serial,bogus"], 2, "unknown mode 'bogus' (valid: serial, shared, two-batch, three-batch, "
                                     "four-batch, all, auto; a comma-separated list)"),
-    (["--mode", "serial,"], None, "an empty mode name in 'serial,'"),
-    (["--cpu-link", "1,nan"], None, "--cpu-link"),
-    (["--cpu-link", "1,inf"], None, "--cpu-link"),
+    (["--mode", "serial,"], HERE, "an empty mode name in 'serial,'"),
+    (["--cpu-link", "1,nan"], HERE, "--cpu-link"),
+    (["--cpu-link", "1,inf"], HERE, "--cpu-link"),
 ])
-def test_invalid_configuration_is_reported_once_and_every_rank_fails(args, ranks, message):
+def test_invalid_configuration_is_reported_once_and_every_rank_fails(args, ranks, message, capsys, monkeypatch):
     if args[:2] == ["--device", "cuda"]:
         import torch
 
         if torch.cuda.is_available():
             pytest.skip("this machine has CUDA")
-    proc = run_launcher(TINY + args, ranks=ranks, timeout=120)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0
+    if ranks == HERE:
+        from launch.prefill import main
+
+        returncode, out, err = run_here(main, TINY + args, capsys, monkeypatch)
+        out += err
+    else:
+        proc = run_launcher(TINY + args, ranks=ranks, timeout=120)
+        returncode, out = proc.returncode, proc.stdout + proc.stderr
+    assert returncode != 0
     assert out.count(message) == 1, out[-3000:]
     assert 'prefill.py", line' not in out  # a clear message, no traceback from our code
 

@@ -3,9 +3,10 @@ started by hand."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from support.ports import free_port
 
@@ -26,6 +27,25 @@ def run_launcher(args: Sequence[str], ranks: Optional[int] = None, env: Optional
     full_env.pop("OVERLAP_FAULT", None)
     full_env.update(env or {})
     return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
+
+
+def run_here(main: Callable[[List[str]], None], args: Sequence[str], capsys, monkeypatch) -> Tuple[int, str, str]:
+    """A launcher's ``main(args)`` in this process, for what it refuses before any rank joins a group (a process of
+    its own costs an interpreter with torch, ~4 s): (exit status, stdout, stderr). ``capsys`` and ``monkeypatch``:
+    the test's fixtures; no torchrun variables reach it, and the SIGTERM handler it sets is put back."""
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    sigterm = signal.getsignal(signal.SIGTERM)  # main() sets its own; this process keeps pytest's
+    try:
+        try:
+            main(list(args))
+            code = 0
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else 0 if exit_.code is None else 1
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    printed = capsys.readouterr()
+    return code, printed.out, printed.err
 
 
 def by_hand(per_rank_args: Sequence[Sequence[str]], env: Union[None, Dict[str, str], List[Dict[str, str]]] = None,
