@@ -468,12 +468,13 @@ class DecodeConfig:
     runs: Tuple[Tuple[str, str], ...]  # (prefill mode, decode mode) of each run, serial's first with --check
     graph: Optional[str] = None  # --decode-graph: the path decode steps are captured on per bucket (None: eager)
     buckets: Optional[Tuple[int, ...]] = None  # --decode-buckets (None: the powers of two)
+    guard: bool = True  # --decode-guard: auto sets aside a mode its steps measured slower than serial
 
-    def fingerprint(self) -> Dict[str, Union[int, float, str, None, List[int], List[List[str]]]]:
+    def fingerprint(self) -> Dict[str, Union[bool, int, float, str, None, List[int], List[List[str]]]]:
         """What must be equal on every rank, by option (`launch.agreement.agree`)."""
         return {"--new-tokens": self.new_tokens, "--new-tokens-spread": self.spread, "--stop-token": self.stop_token,
                 "--decode-mode": [list(r) for r in self.runs], "--decode-graph": self.graph or "off",
-                "--decode-buckets": list(self.buckets or ())}
+                "--decode-buckets": list(self.buckets or ()), "--decode-guard": self.guard}
 
     def min_new_tokens(self) -> int:
         return max(1, math.ceil(self.new_tokens * (1.0 - self.spread) - 1e-9))  # 10 * (1 - 0.7) is 3.0000000000000004
@@ -485,7 +486,8 @@ def vocab_size(job: JobConfig) -> int:
 
 
 def decode_config(job: JobConfig, *, new_tokens: int, spread: float, stop_token: Optional[int],
-                  decode_modes: Sequence[str], graph: str = "off", buckets: Optional[str] = None) -> DecodeConfig:
+                  decode_modes: Sequence[str], graph: str = "off", buckets: Optional[str] = None,
+                  guard: bool = True) -> DecodeConfig:
     """The generation options, checked against the job (`ConfigError` names the first problem).
 
     ``decode_modes``: the ``--decode-mode`` names (empty: the same as ``--mode``). Each prefill mode is paired
@@ -519,7 +521,8 @@ def decode_config(job: JobConfig, *, new_tokens: int, spread: float, stop_token:
         raise ConfigError("--decode-mode auto chooses from eager steps' times: with --decode-graph, name the modes")
     if captured is not None and job.kv_offload:
         raise ConfigError("--decode-graph captures steps over the device cache: drop --kv-offload")
-    return DecodeConfig(new_tokens, float(spread), stop_token, tuple(runs), captured, parse_buckets(buckets))
+    return DecodeConfig(new_tokens, float(spread), stop_token, tuple(runs), captured, parse_buckets(buckets),
+                        bool(guard))
 
 
 def parse_buckets(text: Optional[str]) -> Optional[Tuple[int, ...]]:

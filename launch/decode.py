@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -31,6 +32,7 @@ from microbatch import (KV_STEP, K, V, Batch, DecodeModel, KVCache, KVRows, KVSt
                         SeqInfo)
 from microbatch.forward import micro_batch_inputs
 from microbatch.planning.decode import DEFAULT_MARGIN, DecodeCalibration, choose_decode
+from microbatch.planning.guard import DecodeGuard
 from microbatch.split import merge_outputs
 
 from .decode_step import DECODE_STEP, TOKENS, Picked, bucket_of, decode_step, read_picked
@@ -103,7 +105,7 @@ def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: U
              stop_token: Optional[int] = None, cache: Optional[KVCache] = None, mode: Optional[str] = None,
              prefill_mode: str = "serial", on_step: Optional[OnStep] = None, margins: bool = False,
              buckets: Optional[Sequence[int]] = None, plan: Optional[DecodeCalibration] = None,
-             margin: float = DEFAULT_MARGIN, graph: Optional[str] = None,
+             margin: float = DEFAULT_MARGIN, guard: Union[bool, DecodeGuard] = True, graph: Optional[str] = None,
              decoder: Optional[GraphDecoder] = None) -> Generated:
     """Greedy generation (see the module docstring): prefill in ``prefill_mode``, decode steps in ``mode``.
 
@@ -113,7 +115,10 @@ def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: U
     tokens are taken, with the number of requests still active on every rank; ``buckets``: the sizes a step's
     exchange is padded to (`bucket_of`; default the powers of two). ``mode="auto"`` chooses each step's mode
     from ``plan`` (`launch.decode_plan.calibrate_decode`; the same on every rank), serial unless another is
-    predicted at least ``margin`` faster (`microbatch.planning.choose_decode`). ``graph``: decode steps padded to
+    predicted at least ``margin`` faster (`microbatch.planning.choose_decode`), and checks its choices with
+    ``guard`` (`microbatch.planning.DecodeGuard`: each step timed, the slowest rank's time agreed with the step; a
+    mode measured slower than serial is set aside): True for a new one, one of your own to keep what it measured
+    across generations, False for none. ``graph``: decode steps padded to
     their bucket and captured once per bucket on that path (`launch.graph_decode.GraphDecoder`: ``ge``,
     ``aclgraph``, ``cuda``; ``cpu`` runs the padded step eagerly), or through ``decoder`` (its cache, mode and
     graphs, kept across generations).
@@ -149,6 +154,8 @@ def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: U
     nxt, gaps, problem = _greedy(model.logits(hidden[last]), active, 0, margins)
     per_row = history_weight(model)
     counts = sorted({h.micro_batches for h in hows.values()})
+    checks = (DecodeGuard() if guard is True else guard or None) if mode == AUTO else None
+    ran: Optional[Tuple[str, float, float]] = None  # auto's last step: mode, predicted seconds, start
     while True:
         still = []
         for j, (i, t) in enumerate(zip(active, nxt)):
@@ -165,7 +172,10 @@ def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: U
             widest = {n: max(map(len, p)) for n, p in splits.items()}
         else:  # its static step attends over the whole cache: a contiguous cut, no cost to balance
             widest = {decoder.micro_batches: decoder.widest(len(still))}
-        step = _step_status(_Post(len(still), widest, max(history, default=0), mode), problem, group)
+        took = time.perf_counter() - ran[2] if ran is not None else 0.0
+        step = _step_status(_Post(len(still), widest, max(history, default=0), mode, took), problem, group)
+        if ran is not None and checks is not None:
+            checks.record(ran[0], ran[1], step.seconds)
         if on_step is not None:
             on_step(out.steps, step.active)
         if not step.active:
@@ -173,9 +183,13 @@ def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: U
         out.steps += 1
         name = mode
         if mode == AUTO:
-            choice = choose_decode(plan, step.tokens, step.history, margin=margin)
+            if checks is not None:
+                choice = checks.choose(plan, step.tokens, step.history, margin=margin)
+            else:
+                choice = choose_decode(plan, step.tokens, step.history, margin=margin)
             name = choice.mode
             out.predicted.append(choice.seconds)
+            ran = (name, choice.seconds, time.perf_counter())
         out.modes.append(name)
         if decoder is not None:  # padded to the bucket, the bucket's graph replayed; it counts the rows itself
             ids = decoder.step([slots[i] for i in still], [out.tokens[i][-1] for i in still],
@@ -292,6 +306,7 @@ class _Post:
     widest: Dict[int, int]
     history: int
     mode: str
+    seconds: float = 0.0  # the last step's time on this rank (auto's guard; 0 before the first)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,6 +318,7 @@ class _Step:
     tokens: int
     widest: Dict[int, int]
     history: int
+    seconds: float = 0.0  # the last step's time on the slowest rank
 
 
 def _step_status(post: _Post, problem: Optional[str], group: Optional[dist.ProcessGroup]) -> _Step:
@@ -312,14 +328,15 @@ def _step_status(post: _Post, problem: Optional[str], group: Optional[dist.Proce
     if group is None:
         if problem:
             raise NonFiniteLogits(problem)
-        return _Step(post.active, post.active, dict(post.widest), post.history)
+        return _Step(post.active, post.active, dict(post.widest), post.history, post.seconds)
     mine = {"active": post.active, "widest": [post.widest[n] for n in sorted(post.widest)],
-            "history": post.history, "decode mode": post.mode}
+            "history": post.history, "decode mode": post.mode, "seconds": post.seconds}
     posts = overlap.agree(mine, overlap.GroupTransport(group, "decode.step"), problems=[problem] if problem else [],
-                          per_rank=["active", "widest", "history"], error=DecodeError, problem_error=NonFiniteLogits)
+                          per_rank=["active", "widest", "history", "seconds"], error=DecodeError,
+                          problem_error=NonFiniteLogits)
     widest = {n: max(p["widest"][i] for p in posts) for i, n in enumerate(sorted(post.widest))}
     return _Step(sum(p["active"] for p in posts), max(p["active"] for p in posts), widest,
-                 max(p["history"] for p in posts))
+                 max(p["history"] for p in posts), max(float(p["seconds"]) for p in posts))
 
 
 def first_difference(tokens: Sequence[Sequence[int]], reference: Sequence[Sequence[int]]

@@ -76,6 +76,9 @@ OwnTokens = Union[List[List[int]], str, None]  # the model's own generate() for 
 @click.option("--decode-buckets", type=str, default=None,
               help="The sizes a decode step's micro-batches (their exchange, and a captured step) are padded to, "
                    "comma-separated (default: the powers of two).")
+@click.option("--decode-guard/--no-decode-guard", default=True,
+              help="With --decode-mode auto: time every step and set aside a mode whose steps measure slower than "
+                   "serial's (running serial now and then to compare); off: the calibration's choice alone.")
 @batch_options(seq_len=64)
 @timing_options
 @click.option("--check", is_flag=True,
@@ -85,6 +88,7 @@ OwnTokens = Union[List[List[int]], str, None]  # the model's own generate() for 
 @run_options
 def cli(mode: Tuple[Tuple[str, ...], ...], decode_mode: Tuple[Tuple[str, ...], ...], new_tokens: int,
         new_tokens_spread: float, stop_token: Optional[int], decode_graph: str, decode_buckets: Optional[str],
+        decode_guard: bool,
         layers: Optional[int], dense_layers: Optional[int],
         hidden: Optional[int], experts: Optional[int], top_k: Optional[int], shared_experts: Optional[int],
         **options: Any) -> None:  # Any: click's values of every other option, each of its own type
@@ -96,7 +100,7 @@ def cli(mode: Tuple[Tuple[str, ...], ...], decode_mode: Tuple[Tuple[str, ...], .
                      kv_store="memory", mode=[name for names in mode for name in names], **options)
     decode = decode_config(job, new_tokens=new_tokens, spread=new_tokens_spread, stop_token=stop_token,
                            decode_modes=[name for names in decode_mode for name in names], graph=decode_graph,
-                           buckets=decode_buckets)
+                           buckets=decode_buckets, guard=decode_guard)
     sys.exit(run_job(job, decode))
 
 
@@ -155,7 +159,7 @@ def _generate_job(job: JobConfig, decode: DecodeConfig, dev: torch.device, fault
                                  stop_token=decode.stop_token, warmup=job.warmup, iters=job.iters,
                                  margins=job.check and job.dtype != torch.float32,
                                  progress=functools.partial(_progress, peers), plan=plan, decoders=decoders,
-                                 buckets=decode.buckets)
+                                 buckets=decode.buckets, guard=decode.guard)
     progress("")
     failed: List[str] = []
     notes: List[str] = []

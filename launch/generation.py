@@ -28,6 +28,7 @@ import torch.distributed as dist
 import overlap
 from microbatch import DecodeModel, KVCache, OffloadedKVCache, PrefetchReport
 from microbatch.planning.decode import DecodeCalibration
+from microbatch.planning.guard import DecodeGuard
 from overlap import Span, Timeline
 from overlap.observability import gather, metrics
 
@@ -73,6 +74,7 @@ class RunResult:
     speedup: Optional[float] = None  # serial's median time per output token over this run's
     chosen: List[str] = dataclasses.field(default_factory=list)  # auto: each timed step's mode, every round
     predicted_s: List[float] = dataclasses.field(default_factory=list)  # auto: each timed step's predicted time
+    guard: Optional[str] = None  # auto: what its guard did over every round (`DecodeGuard.summary`)
 
     @property
     def steps_by_mode(self) -> Dict[str, int]:
@@ -107,6 +109,7 @@ class RunResult:
                 "tokens_per_s": self.tokens_per_s, "hidden_comm_share": self.hidden_comm_share,
                 "speedup": self.speedup, "tokens_sha1": _digest(self.generated.tokens),
                 "steps_by_mode": self.steps_by_mode or None, "predicted_tpot_median_s": self.predicted_tpot_s,
+                "decode_guard": self.guard,
                 "kv_prefetch": None if self.prefetch is None else {
                     "copies": self.prefetch.count, "bytes": self.prefetch.bytes, "seconds": self.prefetch.seconds,
                     "exposed_s": self.prefetch.exposed_s, "hidden_share": self.prefetch.hidden_share}}
@@ -136,17 +139,19 @@ def measure_generation(model: DecodeModel, prompts: Sequence[Sequence[int]], lim
                        stop_token: Optional[int] = None, warmup: int = 1, iters: int = 3, margins: bool = False,
                        progress: Optional[Progress] = None, plan: Optional[DecodeCalibration] = None,
                        decoders: Optional[Mapping[str, GraphDecoder]] = None,
-                       buckets: Optional[Sequence[int]] = None) -> List[RunResult]:
+                       buckets: Optional[Sequence[int]] = None, guard: bool = True) -> List[RunResult]:
     """Generate ``prompts`` (this rank's; ``limits``: each one's most new tokens) ``warmup + iters`` times in each
     run, interleaved (`launch.measure.rounds`); ``make_cache()`` gives each generation its cache;
     ``progress(line, round_start, first_round)`` hears of every step; ``plan``: the decode calibration a run
     whose decode mode is ``auto`` chooses from (`launch.decode_plan.calibrate_decode`); ``decoders``: by run
     label, the `GraphDecoder` whose captured steps (and cache) the run's generations use; ``buckets``: the sizes
-    eager steps pad their exchange to."""
+    eager steps pad their exchange to; ``guard``: an auto run checks its choices with a `DecodeGuard` kept across
+    its rounds."""
     by_label = {r.label: r for r in runs}
     order = rounds([r.label for r in runs], warmup, iters)
     kept: Dict[str, List[_Round]] = {r.label: [] for r in runs}
     last: Dict[str, Generated] = {}
+    guards = {r.label: DecodeGuard() for r in runs if r.decode == AUTO and guard}
     for i, labels in enumerate(order):
         timed = i >= warmup
         for label in labels:
@@ -154,12 +159,16 @@ def measure_generation(model: DecodeModel, prompts: Sequence[Sequence[int]], lim
             options = {"decoder": decoder} if decoder is not None else {"cache": make_cache(), "buckets": buckets}
             if by_label[label].decode == AUTO:
                 options["plan"] = plan
+                options["guard"] = guards.get(label, False)
             one = _generate_once(model, prompts, limits, by_label[label], stop_token, timed, margins, i, len(order),
                                  progress, options)
             last[label] = one.generated
             if timed:
                 kept[label].append(one)
     results = [_result(by_label[label], kept[label], last[label], group) for label in kept]
+    for r in results:
+        if r.run.label in guards:
+            r.guard = guards[r.run.label].summary()
     serial = next((r for r in results if r.run == Run("serial", "serial")), None)
     for r in results:
         if serial is not None and serial.tpot_s and r.tpot_s:
@@ -336,7 +345,7 @@ def _auto_line(r: RunResult, serial: Optional[RunResult]) -> str:
     modes = ", ".join(f"{n} {m}" for m, n in r.steps_by_mode.items())
     beside = f", serial measured {_ms(serial.tpot_s)} ms" if serial is not None else ""
     return (f"{r.run.label}: decode steps per mode {modes}; TPOT predicted {_ms(r.predicted_tpot_s)} ms, measured "
-            f"{_ms(r.tpot_s)} ms{beside}")
+            f"{_ms(r.tpot_s)} ms{beside}" + (f"; {r.guard}" if r.guard else ""))
 
 
 __all__ = ["NEAR_TIE", "Run", "RunResult", "check", "judge", "measure_generation", "table"]

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from microbatch.planning import DecodeCalibration, DecodeCalibrationError, choose_decode
+from microbatch.planning import DecodeCalibration, DecodeCalibrationError, DecodeGuard, choose_decode
 
 TABLE = DecodeCalibration((1, 2, 4), (8, 24), {
     "serial": ((1.0, 2.0), (2.0, 3.0), (4.0, 6.0)),
@@ -44,6 +44,111 @@ def test_a_table_round_trips_and_a_bad_one_is_refused_in_one_line():
             DecodeCalibration.from_dict(data)
 
 
+def _guarded(guard, cost, steps, tokens=4, history=24):
+    """Auto's modes over ``steps`` steps of TABLE's ``tokens`` and ``history`` ("probe": serial, to measure it), each
+    step measured at ``cost[mode]`` times its prediction."""
+    modes = []
+    for _ in range(steps):
+        c = guard.choose(TABLE, tokens, history)
+        modes.append("probe" if c.probe else c.mode)
+        guard.record(c.mode, c.seconds, c.seconds * cost[c.mode])
+    return modes
+
+
+def test_the_guard_sets_aside_a_mode_its_steps_measured_slower_than_serial():
+    # at 4 tokens and 24 rows two-batch is predicted 4.0 s against serial's 6.0 (shared: within the margin)
+    slow = DecodeGuard()
+    modes = _guarded(slow, {"serial": 1.0, "shared": 1.0, "two-batch": 2.0}, 10)  # two-batch measured 8.0 s
+    assert modes == ["probe"] * 3 + ["two-batch"] * 3 + ["serial"] * 4, modes
+    assert slow.vetoed == {"two-batch": 4} and slow.probes == 3
+    assert slow.summary() == ("guard: 3 serial probe step(s) of 10; set aside two-batch at 4 step(s) (measured "
+                              "slower than serial)")
+    # measured 4.8 s: still faster than serial, kept; serial probed again once every 32 steps
+    kept = DecodeGuard()
+    modes = _guarded(kept, {"serial": 1.0, "shared": 1.0, "two-batch": 1.2}, 40)
+    assert modes[3:34] == ["two-batch"] * 31 and modes[34] == "probe" and modes[35:] == ["two-batch"] * 5, modes
+    assert kept.vetoed == {} and kept.summary().endswith("no mode set aside")
+    # a host twice as slow as when calibrated slows serial as much: no reason to set two-batch aside
+    drift = DecodeGuard()
+    assert _guarded(drift, {"serial": 2.0, "shared": 2.0, "two-batch": 2.0}, 10)[3:] == ["two-batch"] * 7
+    # set aside for `hold` steps, serial running instead; then tried again, judged on new steps: set aside again
+    held = DecodeGuard(hold=20)
+    modes = _guarded(held, {"serial": 1.0, "shared": 1.0, "two-batch": 2.0}, 32)
+    assert modes[6:26] == ["serial"] * 20 and modes[26:29] == ["two-batch"] * 3 and modes[29:] == ["serial"] * 3, modes
+    # where the calibration's choice is set aside, serial runs, not its runner-up: a calibration found wrong for one
+    # mode is not trusted for the next
+    two = DecodeCalibration((1,), (8, 24), {"serial": ((6.0, 6.0),), "two-batch": ((4.0, 4.0),),
+                                            "chunked-2": ((5.0, 5.0),)})
+    second = DecodeGuard()
+    modes = []
+    for _ in range(8):
+        c = second.choose(two, 1, 8)
+        modes.append(c.mode)
+        second.record(c.mode, c.seconds, c.seconds * {"serial": 1.0, "two-batch": 2.0, "chunked-2": 1.0}[c.mode])
+    assert modes == ["serial"] * 3 + ["two-batch"] * 3 + ["serial"] * 2, modes
+    # where the calibration keeps serial, the guard runs nothing else and probes nothing
+    assert _guarded(DecodeGuard(), {"serial": 1.0, "shared": 0.1, "two-batch": 0.1}, 5, tokens=1, history=8) == \
+        ["serial"] * 5
+    # slower than serial by less than the steps' own spread explains: kept; by more: set aside
+    for costs, aside in (([1.6, 1.1, 1.7], False), ([2.0, 2.1, 1.9], True)):
+        noisy = DecodeGuard()
+        for _ in range(3):  # serial's probes, each at its prediction
+            c = noisy.choose(TABLE, 4, 24)
+            noisy.record(c.mode, c.seconds, c.seconds)
+        for cost in costs:  # median 1.6: 0.94x serial, the steps spread 20%; median 2.0: 0.75x, spread 5%
+            c = noisy.choose(TABLE, 4, 24)
+            noisy.record(c.mode, c.seconds, c.seconds * cost)
+        assert noisy.choose(TABLE, 4, 24).mode == ("serial" if aside else "two-batch"), costs
+    for bad, words in (({"min_samples": 0}, "min_samples must be between 1 and window"),
+                       ({"confidence": float("nan")}, "confidence must be a number of standard errors >= 0"),
+                       ({"window": 2, "min_samples": 3}, "min_samples must be between 1 and window"),
+                       ({"hold": 0}, "hold, probe_every and forget must be at least one step")):
+        with pytest.raises(ValueError, match=words):
+            DecodeGuard(**bad)
+
+
+def _guard_body(ctx):
+    import dataclasses
+
+    from launch.decode import generate
+    from launch.models import build_model, preset
+    from launch.runner import make_expert_parallel
+
+    class Scripted(DecodeGuard):
+        """Each step measured at a scripted multiple of its prediction; the real (agreed) times kept."""
+
+        def __init__(self, cost):
+            super().__init__()
+            self.cost, self.measured = cost, []
+
+        def record(self, mode, predicted, measured):
+            self.measured.append(measured)
+            super().record(mode, predicted, predicted * self.cost[mode])
+
+    model = make_expert_parallel(build_model(dataclasses.replace(preset("tiny"), n_experts=4), seed=2), ctx.group)
+    # a calibration that says chunked-2 halves serial's step; its steps measure 1.5 times serial's
+    plan = DecodeCalibration((1, 2, 3), (4, 20), {"serial": ((1.0, 1.0), (2.0, 2.0), (3.0, 3.0)),
+                                                 "chunked-2": ((0.5, 0.5), (1.0, 1.0), (1.5, 1.5))})
+    g = torch.Generator().manual_seed(ctx.rank)
+    prompts = [torch.randint(0, model.cfg.vocab, (4,), generator=g).tolist() for _ in range(3)]
+    guard = Scripted({"serial": 1.0, "chunked-2": 3.0})
+    auto = generate(model, prompts, 10, mode="auto", plan=plan, guard=guard)
+    return auto.modes, auto.tokens, generate(model, prompts, 10).tokens, guard.measured, guard.summary()
+
+
+def test_auto_sets_aside_a_mode_measured_slower_than_serial_alike_on_every_rank():
+    """On two ranks: each step's time, agreed (the slowest rank's), reaches both ranks' guards; after serial's
+    probes and chunked-2's own steps both set chunked-2 aside at the same step, and the tokens are serial's."""
+    from overlap.multirank import run_ranks
+
+    (modes0, auto0, serial0, times0, said0), (modes1, auto1, serial1, times1, said1) = run_ranks(_guard_body, 2,
+                                                                                                timeout=180)
+    assert modes0 == modes1 == ["serial"] * 3 + ["chunked-2"] * 3 + ["serial"] * 3, modes0
+    assert auto0 == serial0 and auto1 == serial1
+    assert times0 == times1 and len(times0) == len(modes0) and min(times0) > 0  # every step's, agreed
+    assert said0 == said1 and "set aside chunked-2 at 3 step(s)" in said0 and said0.startswith("guard: 3 serial")
+
+
 def _auto_body(ctx):
     import dataclasses
 
@@ -61,7 +166,7 @@ def _auto_body(ctx):
     g = torch.Generator().manual_seed(ctx.rank)
     prompts = [torch.randint(0, model.cfg.vocab, (4,), generator=g).tolist() for _ in range(3)]
     counts = [2, 4, 6] if ctx.rank == 0 else [6, 6, 3]
-    auto = generate(model, prompts, counts, mode="auto", plan=plan)
+    auto = generate(model, prompts, counts, mode="auto", plan=plan, guard=False)  # the calibration's choice alone
     serial = generate(model, prompts, counts)
     try:  # the ranks call with different batches: both say so, neither waits for the other
         calibrate_decode(model, max_tokens=2 + ctx.rank, histories=(4, 6), repeats=1, steps=1)
@@ -136,3 +241,26 @@ def test_the_decode_calibration_is_cached_and_read_back_alike_on_every_rank(tmp_
         assert damaged[2] and "none cached" in damaged[1][0]
     assert out[0][4][2] and out[1][4][2] and "not cached on every rank" in out[0][4][1][0]
     assert out[0][2][0] == out[1][2][0]
+
+
+def test_the_launchers_auto_run_keeps_one_guard_over_its_rounds_or_none():
+    """`measure_generation` (what the generation launcher times): an auto run's guard lives over every round (its
+    probes are counted once, not per round) and its summary is the run's; with ``guard=False`` there is none."""
+    import functools
+
+    from launch.decode import new_cache
+    from launch.generation import Run, measure_generation
+    from launch.models import build_model, preset
+
+    model = build_model(preset("tiny"), seed=1)
+    prompts, limits = [[1, 2, 3], [4, 5, 6]], [6, 6]
+    plan = DecodeCalibration((1, 2), (3, 9), {"serial": ((1.0, 1.0), (2.0, 2.0)),
+                                             "two-batch": ((0.5, 0.5), (1.0, 1.0))})  # two-batch, every step
+    runs = [Run("serial", "serial"), Run("serial", "auto")]
+    make_cache = functools.partial(new_cache, model, prompts, limits)
+    guarded, bare = (measure_generation(model, prompts, limits, runs, None, make_cache, warmup=1, iters=1, plan=plan,
+                                        guard=guard)[1] for guard in (True, False))
+    assert guarded.guard is not None and guarded.guard.startswith("guard: 3 serial probe step(s) of 10;"), \
+        guarded.guard  # 2 rounds of 5 steps, serial probed on the first 3 of the first round only
+    assert guarded.row()["decode_guard"] == guarded.guard
+    assert bare.guard is None and set(bare.chosen) == {"two-batch"} and bare.row()["decode_guard"] is None

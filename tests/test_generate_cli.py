@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from support.launcher import GENERATE, ROOT, TINY, run_launcher
+from support.launcher import GENERATE, ROOT, TINY, run_here, run_launcher
 
 pytestmark = [pytest.mark.spawns_ranks, pytest.mark.timeout(300)]  # drives torchrun itself
 
@@ -32,12 +32,9 @@ def _run(args, ranks=None, env=None, timeout=180):
 def test_a_bad_generation_option_is_one_line_before_any_rank_joins(args, words, capsys, monkeypatch):
     from launch.generate import main
 
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    with pytest.raises(SystemExit) as exit_:
-        main(TINY + list(args))  # in this process: the check runs before any group is joined
-    err = capsys.readouterr().err
+    code, _, err = run_here(main, TINY + list(args), capsys, monkeypatch)  # the check runs before any group is joined
     errors = [line for line in err.splitlines() if line.startswith("Error")]
-    assert exit_.value.code == 2 and len(errors) == 1 and words in errors[0] and "Traceback" not in err, err
+    assert code == 2 and len(errors) == 1 and words in errors[0] and "Traceback" not in err, err
 
 
 def test_two_ranks_that_finish_apart_generate_every_modes_tokens_on_the_device_and_the_host_cache(tmp_path):
@@ -57,7 +54,9 @@ def test_two_ranks_that_finish_apart_generate_every_modes_tokens_on_the_device_a
     assert "calibrating decode (none cached for this machine, model and link; cached after this run in " \
         in device.stderr, device.stderr[-3000:]  # the conftest's empty cache of this test
     assert re.search(r"^shared / auto: decode steps per mode \d+ [a-z0-9-]+.*; TPOT predicted [0-9.]+ ms, "
-                     r"measured [0-9.]+ ms, serial measured [0-9.]+ ms$", device.stdout, re.M), device.stdout
+                     r"measured [0-9.]+ ms, serial measured [0-9.]+ ms; guard: \d+ serial probe step\(s\) of \d+; "
+                     r"(no mode set aside|set aside .+ \(measured slower than serial\))$", device.stdout, re.M), \
+        device.stdout
     results = json.loads((tmp_path / "device" / "results.json").read_text())
     assert results["check"] == "passed" and results["new_tokens_spread"] == 0.75 and results["stop_token"] == 5
     rows = {r["mode"]: r for r in results["rows"]}
@@ -65,6 +64,7 @@ def test_two_ranks_that_finish_apart_generate_every_modes_tokens_on_the_device_a
     auto = rows["shared / auto"]
     assert sum(auto["steps_by_mode"].values()) >= auto["decode_steps"] > 0
     assert auto["predicted_tpot_median_s"] > 0 and rows["serial"]["steps_by_mode"] is None
+    assert auto["decode_guard"].startswith("guard: ") and rows["serial"]["decode_guard"] is None
     for r in rows.values():
         assert r["tpot_median_s"] > 0 and r["tpot_p90_s"] >= r["tpot_median_s"] and r["ttft_median_s"] > 0
         assert 0 < r["output_tokens"] <= 2 * 3 * 8 and r["decode_steps"] >= 1 and r["kv_prefetch"] is None

@@ -19,10 +19,13 @@ The defaults, the ``small`` preset at 0.03, 0.1 and 1 GB/s, put communication at
 floor); smaller batches are latency-bound, 45-60% at any link. (``tiny`` is 50-75% at any link.)
 
 Before a link's points it calibrates decode (`launch.decode_plan.calibrate_decode`, as the launcher's
-``--decode-mode auto`` does), and ``auto`` runs as a mode: the table shows what it chose and its speedup
-as measured by the fixed mode that ran the same schedule, and each mode's predicted speedup with its
-error. Each point runs at least ``--iters`` rounds, and more at small batches (until serial's steps add
-up to about ``--min-seconds``), since their times spread widely on a shared host. The last lines
+``--decode-mode auto`` does), and ``auto`` runs as a mode, with its guard (`microbatch.planning.DecodeGuard`,
+one per point, kept over its rounds; ``--no-decode-guard``: none): the table shows what it chose and its
+speedup as measured by the fixed mode that ran the same schedule, and each mode's predicted speedup with
+its error. ``--calibrate-at GBPS`` calibrates once, at that link, for every link: a stale calibration on
+purpose, to see what the guard makes of it. Each point runs at least ``--iters`` rounds, and more at
+small batches (until serial's steps add up to about ``--min-seconds``), since their times spread widely
+on a shared host. The last lines
 check the targets (issue 29): the best overlapped mode at least 1.15x serial at 256 tokens per
 rank where communication is at least 30% of serial's step; auto within 5% of the best fixed mode and
 at most 2% above serial at every point; predicted speedups within 10% of the measured ones at 90% of
@@ -73,13 +76,21 @@ class Point:
     tokens: int  # active requests per rank
     gbps: float
     plan: Any = None  # the link's decode calibration (`launch.decode_plan.calibrate_decode`), for auto
+    guard: bool = True  # auto checks its choices with a `microbatch.planning.DecodeGuard` kept over the point
 
 
 ModeArguments = Callable[[str, Point], Dict[str, Any]]  # (mode name, point) -> generate()'s keyword arguments
 
 # Per name prefix (e.g. "chunked-" for "chunked-4"), a maker of generate()'s keyword arguments for a mode that needs
 # more than ``mode=name`` (a chunk count, a calibration for "auto"); the first prefix that matches is used.
-MODE_ARGUMENTS: Dict[str, ModeArguments] = {AUTO: lambda name, p: {"mode": AUTO, "plan": p.plan}}
+def _auto_arguments(name: str, point: Point) -> Dict[str, Any]:
+    """Auto's: the point's calibration, and a guard of its own, kept over the point's rounds."""
+    from microbatch.planning import DecodeGuard
+
+    return {"mode": AUTO, "plan": point.plan, "guard": DecodeGuard() if point.guard else False}
+
+
+MODE_ARGUMENTS: Dict[str, ModeArguments] = {AUTO: _auto_arguments}
 
 
 def generate_arguments(name: str, point: Point) -> Dict[str, Any]:
@@ -234,13 +245,16 @@ def _point(ctx: Any, model: Any, point: Point, modes: Sequence[str], prompt_len:
     history = prompt_len + (new_tokens - 1) / 2  # the middle step's rows held: its prediction is the median's
     predicted = {} if point.plan is None else {m: point.plan.predict(m, point.tokens, history)
                                                for m in point.plan.modes}
+    guard = kwargs.get(AUTO, {}).get("guard")
     return {"tokens": point.tokens, "link": point.gbps, "comm_share": share, "rounds": timed,
             "steps": len(steps[SERIAL]) // max(timed, 1), "rows": rows, "predicted": predicted, "executor_s": host,
-            "chosen": dict(collections.Counter(chosen))}
+            "chosen": dict(collections.Counter(chosen)), "guard": guard.summary() if guard else None,
+            "vetoed": dict(guard.vetoed) if guard else {}}
 
 
 def _rank_body(ctx: Any, preset_name: str, modes: List[str], tokens: List[int], links: List[float], prompt_len: int,
-               new_tokens: int, warmup: int, iters: int, min_seconds: float, seed: int, comm_priority: str) -> Any:
+               new_tokens: int, warmup: int, iters: int, min_seconds: float, seed: int, comm_priority: str,
+               guard: bool = True, calibrate_at: Optional[float] = None) -> Any:
     import overlap
     from launch.models import build_model, preset
     from launch.runner import make_expert_parallel
@@ -248,12 +262,16 @@ def _rank_body(ctx: Any, preset_name: str, modes: List[str], tokens: List[int], 
     overlap.set_comm_priority(comm_priority)
     model = make_expert_parallel(build_model(preset(preset_name), seed=seed), ctx.group)
     out = []
+    fixed = None  # --calibrate-at: one calibration, at that link, for every link's points
+    if AUTO in modes and calibrate_at is not None:
+        overlap.set_link(overlap.Link(calibrate_at))
+        fixed = _calibrate(ctx, model, max(tokens), prompt_len, new_tokens, calibrate_at)
     for gbps in links:
         overlap.set_link(overlap.Link(gbps))
-        plan = _calibrate(ctx, model, max(tokens), prompt_len, new_tokens, gbps) if AUTO in modes else None
+        plan = fixed or (_calibrate(ctx, model, max(tokens), prompt_len, new_tokens, gbps) if AUTO in modes else None)
         for n in tokens:
-            out.append(_point(ctx, model, Point(model, ctx.group, n, gbps, plan), modes, prompt_len, new_tokens,
-                              warmup, iters, min_seconds, seed))
+            out.append(_point(ctx, model, Point(model, ctx.group, n, gbps, plan, guard), modes, prompt_len,
+                              new_tokens, warmup, iters, min_seconds, seed))
     return out if ctx.rank == 0 else None
 
 
@@ -417,6 +435,8 @@ def report(points: Sequence[Dict[str, Any]]) -> str:
     lines = []
     for gbps in dict.fromkeys(p["link"] for p in points):
         lines += [f"\nlink {gbps:g} GB/s", table([p for p in points if p["link"] == gbps])]
+        lines += [f"  auto at {p['tokens']} tokens/rank, {p['guard']}" for p in points
+                  if p["link"] == gbps and p.get("vetoed")]
     lines.append("\ncomm/serial: communication's share of a serial decode step; ms: TPOT, the median "
                  "decode-step time (slowest rank); x: serial's TPOT over the mode's; spread: the largest of the "
                  "modes' interquartile range of step times over their median; rounds x steps: timed rounds per mode "
@@ -450,8 +470,14 @@ def _numbers(text: str, kind: Callable[[str], Any]) -> List[Any]:
 @click.option("--cpu-comm-priority", "comm_priority", type=click.Choice(["off", "rt"]), default="off",
               envvar="OVERLAP_CPU_COMM_PRIORITY", show_envvar=True,
               help="gloo's communication threads real-time (overlap.comm_threads) or normal.")
+@click.option("--decode-guard/--no-decode-guard", "guard", default=True,
+              help="Auto sets aside a mode its own steps measured slower than serial (as the launcher's).")
+@click.option("--calibrate-at", type=float, default=None,
+              help="Calibrate auto once, at this link speed (GB/s), for every link's points: a calibration gone "
+                   "stale on purpose, to see what auto (and its guard) make of it. Default: each link its own.")
 def main(preset_name: str, tokens: str, links: str, prompt_len: int, new_tokens: int, warmup: int, iters: int,
-         min_seconds: float, seed: int, modes: str, comm_priority: str) -> None:
+         min_seconds: float, seed: int, modes: str, comm_priority: str, guard: bool,
+         calibrate_at: Optional[float]) -> None:
     """Time per output token of every decode mode over tokens per rank and link speeds, on 2 CPU ranks."""
     from overlap.multirank import run_ranks
 
@@ -464,11 +490,18 @@ def main(preset_name: str, tokens: str, links: str, prompt_len: int, new_tokens:
     unknown = [m for m in mode_list if m not in decode_modes()]
     if unknown:
         raise click.BadParameter(f"unknown decode mode {unknown[0]!r} (these: {', '.join(decode_modes())})")
+    if calibrate_at is not None and not calibrate_at > 0:
+        raise click.BadParameter(f"--calibrate-at must be a link speed > 0 GB/s, got {calibrate_at:g}")
+    if calibrate_at is not None and AUTO not in mode_list:
+        raise click.BadParameter("--calibrate-at sets auto's calibration: add auto to --modes")
     click.echo(f"2 CPU ranks, preset {preset_name}, prompts of {prompt_len} tokens, {new_tokens} new tokens each, "
                f"{warmup} warmup + at least {iters} rounds (and about {min_seconds:g} s of serial decode steps) per "
                f"point; modes {', '.join(mode_list)} interleaved round by round")
-    points = run_ranks(_rank_body, 2, preset_name, mode_list, token_points, link_points, prompt_len, new_tokens, warmup, iters,
-                       min_seconds, seed, comm_priority, timeout=3600)[0]
+    if calibrate_at is not None:
+        click.echo(f"auto's calibration measured once, at {calibrate_at:g} GB/s, for every link (its predictions "
+                   f"and the targets' checks of them are for that link)")
+    points = run_ranks(_rank_body, 2, preset_name, mode_list, token_points, link_points, prompt_len, new_tokens,
+                       warmup, iters, min_seconds, seed, comm_priority, guard, calibrate_at, timeout=3600)[0]
     click.echo(report(points))
 
 

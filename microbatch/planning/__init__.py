@@ -6,7 +6,8 @@
 - `calibration`: that cost model measured on this machine for a model (`calibrate`), cached;
 - `probes`: the link and the busy host measured with small collectives, for the calibration;
 - `choice`: the fastest predicted mode, split and tail for every rank's batch (`choose`);
-- `decode`: a decode step's mode from a measured table of step times (`DecodeCalibration`, `choose_decode`).
+- `decode`: a decode step's mode from a measured table of step times (`DecodeCalibration`, `choose_decode`);
+- `guard`: auto's steps measured against their predictions, vetoing a mode slower than serial (`DecodeGuard`).
 
 Importable without the launcher: it needs the executor and the model's forward
 (`microbatch.forward`), the primitives (`overlap`) and torch.distributed. Names that mean
@@ -22,6 +23,7 @@ from .calibration import (ENV_CACHE, Calibration, OpFit, Run, TransferFit, cache
                           request_length, token_points)
 from .choice import Candidate, Choice, choose, gather_lens
 from .decode import DecodeCalibration, DecodeCalibrationError, DecodeChoice, choose_decode
+from .guard import DecodeGuard
 
 __all__ = [
     # split
@@ -39,4 +41,6 @@ __all__ = [
     "Candidate", "Choice", "choose", "gather_lens",
     # decode
     "DecodeCalibration", "DecodeCalibrationError", "DecodeChoice", "choose_decode",
+    # guard
+    "DecodeGuard",
 ]

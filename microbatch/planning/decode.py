@@ -106,10 +106,12 @@ def _segment(points: Sequence[int], x: float) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class DecodeChoice:
-    """A step's mode and every candidate's predicted seconds."""
+    """A step's mode and every candidate's predicted seconds; ``probe``: serial run to measure it, where the
+    calibration chose another mode (`microbatch.planning.guard.DecodeGuard`)."""
 
     mode: str
     predicted: Mapping[str, float]
+    probe: bool = False
 
     @property
     def seconds(self) -> float:
@@ -131,4 +133,4 @@ def choose_decode(cal: DecodeCalibration, tokens: int, history: float, modes: Op
     return DecodeChoice(best, predicted)
 
 
-__all__ = ["DEFAULT_MARGIN", "DecodeCalibration", "DecodeCalibrationError", "DecodeChoice", "choose_decode"]
+__all__ = ["DEFAULT_MARGIN", "SERIAL", "DecodeCalibration", "DecodeCalibrationError", "DecodeChoice", "choose_decode"]

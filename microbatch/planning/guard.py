@@ -1,0 +1,130 @@
+"""Auto's check of its own choices: the decode steps it ran, measured against the calibration's predictions.
+
+A decode calibration is measured once and cached, and the host, the link or what else runs beside the job can
+change after. `DecodeGuard` keeps, per mode, the last steps' measured seconds over their predicted ones (how far
+the calibration is off for that mode now). Where the calibration's choice, each prediction so corrected, comes
+out slower than serial by more than the steps' own spread explains (``confidence`` standard errors of the
+medians), the guard sets that mode aside for ``hold`` steps and runs serial instead; then it lets the mode be
+tried again, judged afresh on ``min_samples`` new steps. So on a device, whose steps repeat within a few
+percent, a mode a few percent slower than serial is set aside, and on a host whose steps spread by tens of
+percent only a mode clearly slower is. Setting a mode aside is sticky, so noise in
+the measurements does not flip the choice step by step, and the steps go to serial, not to the calibration's
+next choice: a calibration found wrong once is not trusted for the runner-up. The guard only vetoes: a mode
+the calibration does not choose is never run to find out whether it would be faster.
+
+To compare with serial it needs serial's steps: where the calibration chooses another mode, it runs serial (a
+probe) until serial has ``min_samples`` measured steps, and once every ``probe_every`` steps after. Measurements
+older than ``forget`` steps are dropped.
+
+Pure Python: the caller times each step and records the slowest rank's time, so every rank's guard holds the
+same figures and chooses alike.
+"""
+from __future__ import annotations
+
+import collections
+import math
+import statistics
+from typing import Deque, Dict, Mapping, Optional, Sequence, Tuple
+
+from .decode import DEFAULT_MARGIN, SERIAL, DecodeCalibration, DecodeChoice, choose_decode
+
+
+class DecodeGuard:
+    """Sets aside the overlapped modes that auto's own steps measured slower than serial (see the module docstring).
+
+    ``window``: the steps per mode whose ratios are kept; ``min_samples``: the steps a mode (and serial) needs
+    before it is judged; ``confidence``: how many standard errors below serial a mode's measured speedup must be
+    to be set aside; ``hold``: the steps a mode is set aside for; ``probe_every``: steps between serial probes
+    once serial has its samples; ``forget``: steps after which a measurement is dropped."""
+
+    def __init__(self, *, window: int = 8, min_samples: int = 3, confidence: float = 1.5, hold: int = 64,
+                 probe_every: int = 32, forget: int = 256):
+        if not 1 <= min_samples <= window:
+            raise ValueError(f"min_samples must be between 1 and window ({window}), got {min_samples}")
+        if min(hold, probe_every, forget) < 1:
+            raise ValueError(f"hold, probe_every and forget must be at least one step, got {hold}, {probe_every} "
+                             f"and {forget}")
+        if not (math.isfinite(confidence) and confidence >= 0):
+            raise ValueError(f"confidence must be a number of standard errors >= 0, got {confidence}")
+        self.window, self.min_samples, self.confidence, self.hold = window, min_samples, confidence, hold
+        self.probe_every, self.forget = probe_every, forget
+        self.steps = 0  # steps chosen
+        self.probes = 0  # steps run in serial to measure it, where the calibration chose another mode
+        self.vetoed: Dict[str, int] = {}  # by mode: steps where the calibration chose it and serial ran instead
+        self._ratios: Dict[str, Deque[Tuple[int, float]]] = {}  # by mode: (step, measured / predicted seconds)
+        self._held: Dict[str, int] = {}  # by mode set aside: the last step it is
+
+    def choose(self, cal: DecodeCalibration, tokens: int, history: float, modes: Optional[Sequence[str]] = None,
+               margin: float = DEFAULT_MARGIN) -> DecodeChoice:
+        """`choose_decode`'s choice for the step, or serial where that mode is set aside (or is found slower than
+        serial now, and set aside from this step) or where a probe is due (``probe=True`` in the choice)."""
+        self.steps += 1
+        self._drop_old()
+        choice = choose_decode(cal, tokens, history, modes, margin)
+        mode = choice.mode
+        if mode == SERIAL or SERIAL not in choice.predicted:
+            return choice
+        if mode not in self._held and self._slower(mode, choice.predicted):
+            self._held[mode] = self.steps + self.hold - 1
+        if mode in self._held:
+            self.vetoed[mode] = self.vetoed.get(mode, 0) + 1
+            return DecodeChoice(SERIAL, choice.predicted)
+        if self._probe_due():
+            self.probes += 1
+            return DecodeChoice(SERIAL, choice.predicted, probe=True)
+        return choice
+
+    def record(self, mode: str, predicted: float, measured: float) -> None:
+        """A step of ``mode`` predicted to take ``predicted`` seconds took ``measured`` (the slowest rank's)."""
+        if predicted > 0 and measured > 0:
+            kept = self._ratios.setdefault(mode, collections.deque(maxlen=self.window))
+            kept.append((self.steps, measured / predicted))
+
+    def speedup(self, mode: str, predicted: Mapping[str, float]) -> Optional[float]:
+        """``mode``'s speedup over serial for a step of ``predicted`` seconds per mode, each prediction corrected
+        by its mode's measured ratio (the median); None until both have ``min_samples`` measured steps."""
+        own, serial = self._estimate(mode), self._estimate(SERIAL)
+        if own is None or serial is None or mode not in predicted or SERIAL not in predicted:
+            return None
+        return predicted[SERIAL] * serial[0] / (predicted[mode] * own[0])
+
+    def summary(self) -> str:
+        """What the guard did, in one line."""
+        aside = ", ".join(f"{m} at {n} step(s)" for m, n in sorted(self.vetoed.items()))
+        return (f"guard: {self.probes} serial probe step(s) of {self.steps}; "
+                + (f"set aside {aside} (measured slower than serial)" if aside else "no mode set aside"))
+
+    def _estimate(self, mode: str) -> Optional[Tuple[float, float]]:
+        """The median of ``mode``'s measured ratios and its relative standard error (about 1.25 standard errors
+        of a mean, for a median); None below ``min_samples`` steps."""
+        kept = self._ratios.get(mode)
+        if not kept or len(kept) < self.min_samples:
+            return None
+        values = [r for _, r in kept]
+        median = statistics.median(values)
+        spread = statistics.stdev(values) / median if len(values) > 1 else 0.0
+        return median, 1.25 * spread / math.sqrt(len(values))
+
+    def _slower(self, mode: str, predicted: Mapping[str, float]) -> bool:
+        """Whether ``mode``'s corrected speedup over serial is below 1 by more than ``confidence`` standard errors."""
+        own, serial, speedup = self._estimate(mode), self._estimate(SERIAL), self.speedup(mode, predicted)
+        if own is None or serial is None or speedup is None:
+            return False
+        return speedup < 1.0 - self.confidence * math.hypot(own[1], serial[1])
+
+    def _probe_due(self) -> bool:
+        serial = self._ratios.get(SERIAL)
+        if not serial or len(serial) < self.min_samples:
+            return True
+        return self.steps - serial[-1][0] >= self.probe_every
+
+    def _drop_old(self) -> None:
+        for kept in self._ratios.values():
+            while kept and self.steps - kept[0][0] > self.forget:
+                kept.popleft()
+        for mode in [m for m, last in self._held.items() if self.steps > last]:
+            del self._held[mode]  # tried again, judged on new steps only
+            self._ratios.pop(mode, None)
+
+
+__all__ = ["DecodeGuard"]
