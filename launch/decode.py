@@ -154,7 +154,7 @@ def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: U
     nxt, gaps, problem = _greedy(model.logits(hidden[last]), active, 0, margins)
     per_row = history_weight(model)
     counts = sorted({h.micro_batches for h in hows.values()})
-    checks = (DecodeGuard() if guard is True else guard or None) if mode == AUTO else None
+    checks = _guard_for(mode, guard)
     ran: Optional[Tuple[str, float, float]] = None  # auto's last step: mode, predicted seconds, start
     while True:
         still = []
@@ -213,6 +213,13 @@ def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: U
             cache.advance(kv.rows)
         active = order
         nxt, gaps, problem = read_picked(picked, active, out.steps)
+
+
+def _guard_for(mode: str, guard: Union[bool, DecodeGuard]) -> Optional[DecodeGuard]:
+    """Auto's guard: a new one for True, the caller's own kept across generations, none for False or a fixed mode."""
+    if mode != AUTO or guard is False:
+        return None
+    return DecodeGuard() if guard is True else guard
 
 
 def _prefill(model: DecodeModel, batch: Batch, cache: KVCache, slots: List[int], mode: str,

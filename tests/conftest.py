@@ -5,6 +5,30 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _threads_per_worker() -> int:
+    """This pytest-xdist worker's share of the cores: its torch and the processes its tests start use no more, or
+    the workers' OpenMP threads spin for each other's cores (on 2 cores and 2 workers a single-process example took
+    twice the CPU with 2 threads than with 1)."""
+    return max(1, _cores() // max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+
+
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto``: one worker more than the cores. A third of the suite's time is waiting, not computing (ranks
+    starting, a peer's timeout, a hang found by its bound): on 2 cores 2 workers used 67% of the CPU and took
+    8:40, 3 workers 6:18. ``$PYTEST_XDIST_AUTO_NUM_WORKERS`` or ``-n N`` still decide where given."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None  # pytest-xdist's own reading of it
+    return _cores() + 1
+
+
+if "PYTEST_XDIST_WORKER" in os.environ:  # before torch is imported; a value the user set is kept
+    os.environ.setdefault("OMP_NUM_THREADS", str(_threads_per_worker()))
+
 # What the rank bodies of the multi-rank tests import, imported once by each worker's forkserver instead of in
 # every rank it forks (transformers' modeling code alone is about 2 s of CPU a process); empty turns it off
 os.environ.setdefault("OVERLAP_FORKSERVER_PRELOAD", ",".join([

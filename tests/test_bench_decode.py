@@ -53,8 +53,16 @@ def test_auto_is_judged_as_the_fixed_mode_it_ran_and_predictions_by_their_ratio_
     errors = prediction_errors(p)
     assert errors["two-batch"] == pytest.approx(0.0) and errors["shared"] == pytest.approx(1.2 / (100 / 90) - 1)
     assert target_prediction([p])[1] is True  # 8% and 0%: both within 10%
-    mixed = dict(p, chosen={"two-batch": 4, "shared": 3})  # auto's own row then: 95 ms, 19% behind the best
-    assert auto_as_fixed(mixed) == (None, 0.095) and target_auto([mixed])[1] is False
+    # a mix: each step at its mode's TPOT (5 x 80 + 2 x 90 ms over 7) and the choosing time, not auto's own row (95 ms)
+    mixed = dict(p, chosen={"two-batch": 5, "shared": 2}, choosing_s=0.0005)
+    assert auto_as_fixed(mixed) == ("mixed", pytest.approx((5 * 0.08 + 2 * 0.09) / 7 + 0.0005))
+    assert target_auto([mixed])[1] is True  # 83.4 ms: within 5% of two-batch's 80
+    costly = dict(mixed, choosing_s=0.002)  # choosing at 2 ms a step puts it 6% behind the best
+    assert target_auto([costly])[1] is False and "auto as its modes 1.18x, best two-batch 1.25x" in target_auto(
+        [costly])[2]
+    unmeasured = dict(p, chosen={"two-batch": 4, "chunked-3": 3})  # a mode the point did not run: auto's own row
+    assert auto_as_fixed(unmeasured) == (None, 0.095) and target_auto([unmeasured])[1] is False
+    assert re.search(r"two-batch 71%, shared 29% +1\.20x \(mixed\) ", report([mixed]), re.M)
     above_serial = _point(8, 0.1, 0.5, {"serial": 10.0, "shared": 10.3, "auto": 10.3})
     above_serial["chosen"] = {"shared": 7}
     assert target_auto([above_serial])[1] is False  # within 5% of the best but 3% above serial
@@ -89,6 +97,7 @@ def test_the_decode_benchmark_runs_at_a_tiny_size():
     assert "serial ms" in proc.stdout and "two-batch x" in proc.stdout and "targets:" in proc.stdout
     assert "calibrated decode at 0.1 GB/s" in proc.stdout and "predicted x (error)" in proc.stdout
     assert "auto's calibration measured once, at 0.1 GB/s, for every link" in proc.stdout
+    assert "auto as chosen x: serial's TPOT over auto's steps each costed" in proc.stdout
 
 
 def test_the_guard_is_named_under_the_table_where_it_set_a_mode_aside_and_a_bad_calibration_link_is_refused():

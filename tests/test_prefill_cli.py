@@ -316,18 +316,27 @@ def test_a_bad_option_or_environment_value_is_one_configuration_error_naming_it(
 
 @pytest.mark.parametrize("args, env, message", [
     (["--timeout", "1e15"], {}, "--timeout must be a positive number of seconds"),
-    (["--seed", "99999999999999999999"], {}, "--seed must be an integer between 0 and 4294967295"),
-    (["--out", ""], {}, "--out is empty"),
-    (["--cpu-link", "0"], {}, "--cpu-link: expected"),
-    (["--model", "qwen3_moe", "--top-k", "0"], {}, "--top-k must be between 1 and 8"),
+    (["--seed", "99999999999999999999"], HERE, "--seed must be an integer between 0 and 4294967295"),
+    (["--out", ""], HERE, "--out is empty"),
+    (["--cpu-link", "0"], HERE, "--cpu-link: expected"),
+    (["--model", "qwen3_moe", "--top-k", "0"], HERE, "--top-k must be between 1 and 8"),
     ([], {"OVERLAP_SANITIZE": "bogus"}, "$OVERLAP_SANITIZE='bogus'"),
     (["--cpu-link", "off"], {"OVERLAP_CPU_LINK": "abc"}, "OVERLAP_CPU_LINK: expected"),
     ([], {"OVERLAP_PATH": "bogus"}, "$OVERLAP_PATH"),
 ])
-def test_the_command_prints_one_line_and_exits_2(args, env, message):
-    proc = run_launcher(TINY + ["--mode", "serial"] + args, env=env, timeout=120)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 2, out[-3000:]
+def test_the_command_prints_one_line_and_exits_2(args, env, message, capsys, monkeypatch):
+    """A bad option, or environment read by a fresh interpreter, is one line and exit 2; the options alone are
+    checked in this process (`HERE`: before any rank joins a group), one of them and the environment's through
+    the script's own exit."""
+    if env == HERE:
+        from launch.prefill import main
+
+        returncode, out, err = run_here(main, TINY + ["--mode", "serial"] + args, capsys, monkeypatch)
+        out += err
+    else:
+        proc = run_launcher(TINY + ["--mode", "serial"] + args, env=env, timeout=120)
+        returncode, out = proc.returncode, proc.stdout + proc.stderr
+    assert returncode == 2, out[-3000:]
     assert out.count(message) == 1 and "Traceback" not in out, out[-3000:]
 
 

@@ -69,8 +69,9 @@ def test_b_fails_on_rank_1_only():
 
 
 def test_c_body_fails_while_the_peer_waits():
+    # rank 0 waits out its group's timeout in the collective: 4 s of idling, not OVERLAP_RANK_TIMEOUT's 10
     with pytest.raises(RankFailure, match="rank 1 refuses"):
-        run_ranks(_fails_on_1_before_the_collective, 2)
+        run_ranks(_fails_on_1_before_the_collective, 2, timeout=4)
     raise AssertionError("seen on every rank")
 
 
