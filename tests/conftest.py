@@ -17,6 +17,7 @@ def _threads_per_worker() -> int:
     return max(1, _cores() // max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: unknown under -p no:xdist (the torchrun-mode runs)
 def pytest_xdist_auto_num_workers(config):
     """``-n auto``: one worker more than the cores. A third of the suite's time is waiting, not computing (ranks
     starting, a peer's timeout, a hang found by its bound): on 2 cores 2 workers used 67% of the CPU and took

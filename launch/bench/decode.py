@@ -21,17 +21,16 @@ floor); smaller batches are latency-bound, 45-60% at any link. (``tiny`` is 50-7
 Before a link's points it calibrates decode (`launch.decode_plan.calibrate_decode`, as the launcher's
 ``--decode-mode auto`` does), and ``auto`` runs as a mode, with its guard (`microbatch.planning.DecodeGuard`,
 one per point, kept over its rounds; ``--no-decode-guard``: none): the table shows what it chose and its
-speedup as measured by the fixed mode that ran the same schedule, and each mode's predicted speedup with
+speedup as measured by the fixed modes that ran the same schedules, and each mode's predicted speedup with
 its error. Auto's speedup in ``auto as chosen x`` (the one the targets judge) costs each of its steps at the TPOT
 of the fixed mode it chose there, plus its own host time per step for choosing: its own row (``auto x``) is a
-second, independent sample of the same schedules, as noisy as any mode's. ``--calibrate-at GBPS`` calibrates once, at that link, for every link: a stale calibration on
-purpose, to see what the guard makes of it. Each point runs at least ``--iters`` rounds, and more at
-small batches (until serial's steps add up to about ``--min-seconds``), since their times spread widely
-on a shared host. The last lines
-check the targets (issue 29): the best overlapped mode at least 1.15x serial at 256 tokens per
-rank where communication is at least 30% of serial's step; auto within 5% of the best fixed mode and
-at most 2% above serial at every point; predicted speedups within 10% of the measured ones at 90% of
-the points. Example::
+second, independent sample of the same schedules, as noisy as any mode's. ``--calibrate-at GBPS`` calibrates
+once, at that link, for every link: a stale calibration on purpose, to see what the guard makes of it. Each
+point runs at least ``--iters`` rounds, and more at small batches (until serial's steps add up to about
+``--min-seconds``), since their times spread widely on a shared host. The last lines check the targets (issue
+29): the best overlapped mode at least 1.15x serial at 256 tokens per rank where communication is at least 30%
+of serial's step; auto within 5% of the best fixed mode and at most 2% above serial at every point; predicted
+speedups within 10% of the measured ones at 90% of the points. Example::
 
     python -m launch.bench.decode
     python -m launch.bench.decode --tokens 8,64 --links 0.05,0.2 --iters 3
