@@ -35,7 +35,7 @@ import torch.distributed as dist
 import microbatch
 from launch.build import build_model, holds_whole_model
 from launch.config import AUTO, JobConfig, ModeList, job_config
-from launch.job import main as job_main, progress as _progress, rank as _rank, say, script as job_script
+from launch.job import main as job_main, progress as _progress, say, script as job_script
 from launch.options import batch_options, model_options, run_options, timing_options
 
 if TYPE_CHECKING:  # the launcher's parts are imported where the job needs them (a bad option fails first)
@@ -106,7 +106,6 @@ def run_job(job: JobConfig) -> int:
 
 def _prefill_job(job: JobConfig, dev: torch.device, fault: Optional[Fault], peers: Peers) -> int:
     """The job once the group is joined (`run_job`): its exit status; what fails is said by `launch.job.guarded`."""
-    import overlap
     from launch.agreement import agree, agree_ready
     from launch.job import finish
     from launch.measure import check_against_serial, measure_modes, not_finite, table
