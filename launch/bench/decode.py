@@ -383,7 +383,7 @@ def auto_as_fixed(point: Dict[str, Any]) -> Tuple[Optional[str], Optional[float]
     ``(None, seconds)``, where it chose a mode the point did not measure."""
     if AUTO not in point["rows"]:
         return None, None
-    chosen = {m: n for m, n in (point.get("chosen") or {}).items() if n > 0}
+    chosen = point.get("chosen") or {}  # steps per mode (a Counter's: none at 0)
     if not chosen or any(m not in point["rows"] for m in chosen):
         return None, point["rows"][AUTO][0]
     steps = sum(chosen.values())
