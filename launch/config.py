@@ -37,6 +37,7 @@ class ConfigError(click.ClickException):
 
 
 REFERENCE = "reference"
+DECODE_CALIBRATION_ROUNDS = 4  # rounds of every mode behind each decode calibration entry (--decode-calibration-rounds)
 AUTO = "auto"  # --mode auto: the planner's choice (microbatch/planning/choice.py), measured beside serial
 ALL_MODES = tuple(name for name, m in microbatch.MODES.items() if m.in_all)
 MODE_NAMES = tuple(microbatch.MODES) + ("all", AUTO)  # what --mode takes, in a comma-separated list
@@ -469,12 +470,14 @@ class DecodeConfig:
     graph: Optional[str] = None  # --decode-graph: the path decode steps are captured on per bucket (None: eager)
     buckets: Optional[Tuple[int, ...]] = None  # --decode-buckets (None: the powers of two)
     guard: bool = True  # --decode-guard: auto sets aside a mode its steps measured slower than serial
+    calibration_rounds: int = DECODE_CALIBRATION_ROUNDS  # --decode-calibration-rounds
 
     def fingerprint(self) -> Dict[str, Union[bool, int, float, str, None, List[int], List[List[str]]]]:
         """What must be equal on every rank, by option (`launch.agreement.agree`)."""
         return {"--new-tokens": self.new_tokens, "--new-tokens-spread": self.spread, "--stop-token": self.stop_token,
                 "--decode-mode": [list(r) for r in self.runs], "--decode-graph": self.graph or "off",
-                "--decode-buckets": list(self.buckets or ()), "--decode-guard": self.guard}
+                "--decode-buckets": list(self.buckets or ()), "--decode-guard": self.guard,
+                "--decode-calibration-rounds": self.calibration_rounds}
 
     def min_new_tokens(self) -> int:
         return max(1, math.ceil(self.new_tokens * (1.0 - self.spread) - 1e-9))  # 10 * (1 - 0.7) is 3.0000000000000004
@@ -487,13 +490,15 @@ def vocab_size(job: JobConfig) -> int:
 
 def decode_config(job: JobConfig, *, new_tokens: int, spread: float, stop_token: Optional[int],
                   decode_modes: Sequence[str], graph: str = "off", buckets: Optional[str] = None,
-                  guard: bool = True) -> DecodeConfig:
+                  guard: bool = True, calibration_rounds: int = DECODE_CALIBRATION_ROUNDS) -> DecodeConfig:
     """The generation options, checked against the job (`ConfigError` names the first problem).
 
     ``decode_modes``: the ``--decode-mode`` names (empty: the same as ``--mode``). Each prefill mode is paired
     with the decode mode at its place; one list of a single mode goes with every mode of the other."""
     if new_tokens < 1:
         raise ConfigError(f"--new-tokens must be at least 1, got {new_tokens}")
+    if calibration_rounds < 1:
+        raise ConfigError(f"--decode-calibration-rounds must be at least 1, got {calibration_rounds}")
     if not (math.isfinite(spread) and 0.0 <= spread < 1.0):
         raise ConfigError(f"--new-tokens-spread must be in [0, 1), got {spread:g}")
     vocab = vocab_size(job)
@@ -522,7 +527,7 @@ def decode_config(job: JobConfig, *, new_tokens: int, spread: float, stop_token:
     if captured is not None and job.kv_offload:
         raise ConfigError("--decode-graph captures steps over the device cache: drop --kv-offload")
     return DecodeConfig(new_tokens, float(spread), stop_token, tuple(runs), captured, parse_buckets(buckets),
-                        bool(guard))
+                        bool(guard), int(calibration_rounds))
 
 
 def parse_buckets(text: Optional[str]) -> Optional[Tuple[int, ...]]:

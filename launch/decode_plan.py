@@ -1,10 +1,11 @@
 """Calibrate decode: every candidate mode's step time measured on this machine, for ``--decode-mode auto``.
 
 `calibrate_decode` runs real decode steps (`launch.decode.decode_step`, the exchanges included) of every
-candidate mode at each bucket of tokens per rank from 1 to ``max_tokens`` (1, 2, 4, ... and ``max_tokens``)
-and at two history lengths, on a scratch KV cache whose slots claim that history (attention reads that many
-rows; their values do not matter for the time). The modes run interleaved: each round runs every point once
-in every mode, the modes' order turning from point to point, so that the host's drift spreads over all of
+candidate mode at each bucket of tokens per rank from 1 to ``max_tokens`` (1, 2, 4, ... and ``max_tokens``) and
+at two history lengths, on a scratch KV cache whose slots claim that history (attention reads that many rows;
+their values do not matter for the time) and on token ids that differ from rank to rank (`calibration_ids`: as a
+job's, since where the tokens route shapes the exchanges). The modes run interleaved: each round runs every point
+once in every mode, the modes' order turning from point to point, so that the host's drift spreads over all of
 them; each entry is the median of ``repeats`` rounds after one untimed round. Every rank runs the same steps
 (they exchange), and the table ends the same on every rank: the largest time of any rank, in one all-reduce.
 
@@ -23,10 +24,12 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 
 import microbatch
 import overlap
 from collectives import MOE_CAPACITY
+from launch.config import DECODE_CALIBRATION_ROUNDS
 from microbatch import KV_STEP, DecodeModel, KVCache, KVStep
 from microbatch.planning.calibration import cache_file, calibration_key, read_cache, write_cache
 from microbatch.planning.decode import SERIAL, DecodeCalibration, DecodeCalibrationError
@@ -39,8 +42,10 @@ from .decode_step import DECODE_STEP, TOKENS, bucket_of, decode_step
 # two micro-batches; three and four micro-batches halve a decode batch's matmuls again and rarely pay.
 AUTO_MODES = ("serial", "shared", "two-batch", "chunked-2", "chunked-4")
 Progress = Callable[[str], None]
-DECODE_FORMAT = 1  # the decode calibration's cache files
-REPEATS, STEPS = 4, 4  # rounds per entry, timed steps per round: 16 samples in each entry's median
+DECODE_FORMAT = 2  # the decode calibration's cache files (2: the steps' token ids differ per rank)
+# rounds per entry, timed steps per round: 16 samples in each entry's median by default. Each entry's median carries
+# about 3-12% of noise on a shared 2-core host (step times spread 10-30%); more rounds halve it at four times the time
+REPEATS, STEPS = DECODE_CALIBRATION_ROUNDS, 4
 _LOG = logging.getLogger(__name__)
 
 
@@ -144,8 +149,7 @@ def _measure(model: DecodeModel, group: Optional[Any], points: Tuple[int, ...], 
     h0, h1 = histories
     cache = _scratch_cache(model, points[-1], h1 + 1)
     slots = cache.admit(points[-1])
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, model.cfg.vocab, (points[-1],), generator=gen).tolist()
+    ids = calibration_ids(points[-1], model.cfg.vocab, seed, _rank(group))
     step = _Step(model, cache, history_weight(model), group)
     times: Dict[Tuple[str, int, int], List[float]] = {}
     grid = [(n, h) for n in points for h in (h0, h1)]
@@ -161,6 +165,19 @@ def _measure(model: DecodeModel, group: Optional[Any], points: Tuple[int, ...], 
     seconds = {m: tuple((statistics.median(times[m, n, h0]), statistics.median(times[m, n, h1])) for n in points)
                for m in names}
     return _alike(DecodeCalibration(points, (h0, h1), seconds), group)
+
+
+def calibration_ids(requests: int, vocab: int, seed: int, rank: int) -> List[int]:
+    """The token ids of a calibration's steps on ``rank``: random, and different on every rank, as a job's requests
+    are. With the same ids on every rank the tokens route alike everywhere, and the micro-batched modes' exchanges
+    line up as no job's do: on 2 CPU ranks two-batch at 256 tokens measured 1.27-1.46x serial over repeated
+    calibrations, against 1.29-1.32x in generation; with ids per rank 1.31-1.35x."""
+    gen = torch.Generator().manual_seed(seed + 1009 * rank)
+    return torch.randint(0, vocab, (requests,), generator=gen).tolist()
+
+
+def _rank(group: Optional[Any]) -> int:
+    return 0 if group is None else dist.get_rank(group)
 
 
 def _scratch_cache(model: DecodeModel, requests: int, rows: int) -> KVCache:
@@ -206,4 +223,4 @@ def calibration_histories(prompt_lens: Sequence[int], new_tokens: int) -> Tuple[
 
 
 __all__ = ["AUTO_MODES", "DECODE_FORMAT", "REPEATS", "STEPS", "calibrate_decode", "calibration_histories",
-           "decode_calibration_key", "token_points"]
+           "calibration_ids", "decode_calibration_key", "token_points"]

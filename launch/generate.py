@@ -40,7 +40,8 @@ import torch.distributed as dist
 
 import microbatch
 from launch.build import build_model, holds_whole_model
-from launch.config import AUTO, DECODE_MODE_NAMES, DecodeConfig, JobConfig, ModeList, decode_config, job_config
+from launch.config import (AUTO, DECODE_CALIBRATION_ROUNDS, DECODE_MODE_NAMES, DecodeConfig, JobConfig, ModeList,
+                           decode_config, job_config)
 from launch.job import main as job_main, progress, say, script as job_script
 from launch.options import batch_options, model_options, run_options, timing_options
 
@@ -79,6 +80,9 @@ OwnTokens = Union[List[List[int]], str, None]  # the model's own generate() for 
 @click.option("--decode-guard/--no-decode-guard", default=True,
               help="With --decode-mode auto: time every step and set aside a mode whose steps measure slower than "
                    "serial's (running serial now and then to compare); off: the calibration's choice alone.")
+@click.option("--decode-calibration-rounds", type=int, default=DECODE_CALIBRATION_ROUNDS,
+              help="With --decode-mode auto: rounds of every candidate mode behind each entry of its calibration "
+                   "(4 steps each); more rounds, steadier predictions and a longer calibration (cached).")
 @batch_options(seq_len=64)
 @timing_options
 @click.option("--check", is_flag=True,
@@ -88,7 +92,7 @@ OwnTokens = Union[List[List[int]], str, None]  # the model's own generate() for 
 @run_options
 def cli(mode: Tuple[Tuple[str, ...], ...], decode_mode: Tuple[Tuple[str, ...], ...], new_tokens: int,
         new_tokens_spread: float, stop_token: Optional[int], decode_graph: str, decode_buckets: Optional[str],
-        decode_guard: bool,
+        decode_guard: bool, decode_calibration_rounds: int,
         layers: Optional[int], dense_layers: Optional[int],
         hidden: Optional[int], experts: Optional[int], top_k: Optional[int], shared_experts: Optional[int],
         **options: Any) -> None:  # Any: click's values of every other option, each of its own type
@@ -100,7 +104,8 @@ def cli(mode: Tuple[Tuple[str, ...], ...], decode_mode: Tuple[Tuple[str, ...], .
                      kv_store="memory", mode=[name for names in mode for name in names], **options)
     decode = decode_config(job, new_tokens=new_tokens, spread=new_tokens_spread, stop_token=stop_token,
                            decode_modes=[name for names in decode_mode for name in names], graph=decode_graph,
-                           buckets=decode_buckets, guard=decode_guard)
+                           buckets=decode_buckets, guard=decode_guard,
+                           calibration_rounds=decode_calibration_rounds)
     sys.exit(run_job(job, decode))
 
 
@@ -209,7 +214,8 @@ def _calibrate(job: JobConfig, decode: DecodeConfig, model: DecodeModel, peers: 
 
     start = time.perf_counter()
     cal = calibrate_decode(model, max_tokens=len(job.seq_lens),
-                           histories=calibration_histories(job.seq_lens, decode.new_tokens), progress=heard,
+                           histories=calibration_histories(job.seq_lens, decode.new_tokens),
+                           repeats=decode.calibration_rounds, progress=heard,
                            report=lambda line: say(line, err=True))
     progress("")
     say(f"{cal.format()}\n(in {time.perf_counter() - start:.1f} s; auto takes serial unless another mode is "

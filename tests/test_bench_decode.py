@@ -87,7 +87,8 @@ def test_a_mode_with_its_own_argument_is_one_maker(monkeypatch):
 def test_the_decode_benchmark_runs_at_a_tiny_size():
     proc = subprocess.run([sys.executable, "-m", "launch.bench.decode", "--preset", "tiny", "--tokens", "1,2",
                            "--links", "0.1", "--warmup", "0", "--iters", "1", "--min-seconds", "0", "--modes",
-                           "two-batch,auto", "--calibrate-at", "0.1"], capture_output=True, text=True, timeout=300,
+                           "two-batch,auto", "--calibrate-at", "0.1", "--calibration-rounds", "1"],
+                          capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, PYTHONPATH=ROOT, OVERLAP_FORKSERVER_PRELOAD=""), cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     n = 3  # serial, two-batch, auto: a time per mode, then a speedup per mode but serial's
@@ -95,7 +96,8 @@ def test_the_decode_benchmark_runs_at_a_tiny_size():
     for tokens in (1, 2):
         assert re.search(rf"^ +{tokens} +0\.1{row}", proc.stdout, re.M), proc.stdout
     assert "serial ms" in proc.stdout and "two-batch x" in proc.stdout and "targets:" in proc.stdout
-    assert "calibrated decode at 0.1 GB/s" in proc.stdout and "predicted x (error)" in proc.stdout
+    assert "calibrated decode at 0.1 GB/s in " in proc.stdout and " s (1 round)" in proc.stdout
+    assert "predicted x (error)" in proc.stdout
     assert "auto's calibration measured once, at 0.1 GB/s, for every link" in proc.stdout
     assert "auto as chosen x: serial's TPOT over auto's steps each costed" in proc.stdout
 
@@ -113,5 +115,7 @@ def test_the_guard_is_named_under_the_table_where_it_set_a_mode_aside_and_a_bad_
     assert f"\n  auto at 256 tokens/rank, {said}\n" in text and "auto at 128" not in text, text
     refused = CliRunner().invoke(main, ["--calibrate-at", "0"])
     assert refused.exit_code == 2 and "--calibrate-at must be a link speed > 0 GB/s, got 0" in refused.output
+    refused = CliRunner().invoke(main, ["--calibration-rounds", "0"])
+    assert refused.exit_code == 2 and "--calibration-rounds must be at least 1, got 0" in refused.output
     refused = CliRunner().invoke(main, ["--calibrate-at", "0.1", "--modes", "two-batch"])
     assert refused.exit_code == 2 and "--calibrate-at sets auto's calibration: add auto to --modes" in refused.output

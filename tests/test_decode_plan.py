@@ -157,9 +157,22 @@ def _auto_body(ctx):
     from launch.models import build_model, preset
     from launch.runner import make_expert_parallel
 
+    import launch.decode_plan as planning
+    from launch.decode_step import TOKENS
+
     model = make_expert_parallel(build_model(dataclasses.replace(preset("tiny"), n_experts=4), seed=2), ctx.group)
-    measured = calibrate_decode(model, max_tokens=3, histories=(4, 6), modes=("serial", "chunked-2"), repeats=1,
-                                steps=1)
+    stepped, real = [], planning.decode_step
+
+    def spy(model, layers, make, inputs, *rest):
+        stepped.append(torch.cat([values[TOKENS] for values in inputs]).tolist())
+        return real(model, layers, make, inputs, *rest)
+
+    planning.decode_step = spy  # this rank's process only
+    try:
+        measured = calibrate_decode(model, max_tokens=3, histories=(4, 6), modes=("serial", "chunked-2"), repeats=1,
+                                    steps=1)
+    finally:
+        planning.decode_step = real
     # two-batch only pays from 3 tokens on: as requests finish and the batch shrinks, auto turns to serial
     plan = DecodeCalibration((1, 2, 3), (4, 20), {"serial": ((1.0, 1.0), (2.0, 2.0), (3.0, 3.0)),
                                                  "two-batch": ((2.0, 2.0), (2.5, 2.5), (2.0, 2.0))})
@@ -173,17 +186,20 @@ def _auto_body(ctx):
         refused = None
     except DecodeError as err:
         refused = str(err)
-    return measured, auto, serial.tokens, refused
+    return measured, auto, serial.tokens, refused, sorted(stepped[-1])
 
 
 def test_auto_chooses_per_step_alike_on_every_rank_and_generates_serials_tokens():
     """On two ranks: the calibration's table is the same on both (the slowest rank's times); auto's choice changes
     as requests finish, is the same on every rank, and its tokens are serial's; ranks that calibrate different
-    batches get one error naming the difference instead of a hang."""
+    batches get one error naming the difference instead of a hang. The calibration's steps carry other token ids on
+    each rank, as a job's do (the same ids route alike on every rank, and the exchanges line up as no job's do)."""
     from overlap.multirank import run_ranks
 
-    (cal0, auto0, serial0, refused0), (cal1, auto1, serial1, refused1) = run_ranks(_auto_body, 2, timeout=180)
+    (cal0, auto0, serial0, refused0, ids0), (cal1, auto1, serial1, refused1, ids1) = run_ranks(_auto_body, 2,
+                                                                                                timeout=180)
     assert cal0 == cal1 and cal0.tokens == (1, 2, 3) and cal0.modes == ("serial", "chunked-2")
+    assert len(ids0) == len(ids1) == 3 and ids0 != ids1, (ids0, ids1)
     assert auto0.modes == auto1.modes and auto0.modes[0] == "two-batch" and auto0.modes[-1] == "serial"
     assert len(auto0.predicted) == auto0.steps == len(auto0.modes)
     assert auto0.tokens == serial0 and auto1.tokens == serial1

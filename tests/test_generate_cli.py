@@ -28,6 +28,7 @@ def _run(args, ranks=None, env=None, timeout=180):
     (["--decode-graph", "cpu", "--decode-mode", "auto"], "--decode-mode auto chooses from eager steps' times"),
     (["--decode-graph", "cpu", "--kv-offload"], "--decode-graph captures steps over the device cache"),
     (["--decode-buckets", "0,4"], "--decode-buckets must be positive sizes"),
+    (["--decode-calibration-rounds", "0"], "--decode-calibration-rounds must be at least 1, got 0"),
 ])
 def test_a_bad_generation_option_is_one_line_before_any_rank_joins(args, words, capsys, monkeypatch):
     from launch.generate import main
@@ -43,7 +44,7 @@ def test_two_ranks_that_finish_apart_generate_every_modes_tokens_on_the_device_a
     --kv-offload (the cache on the host, prefetched) every mode generates the same tokens, and the table and
     results say how much of the prefetch compute hid."""
     args = ["--new-tokens", "8", "--new-tokens-spread", "0.75", "--stop-token", "5", "--batch", "3", "--seq-len", "16",
-            "--decode-mode", "serial,auto,two-batch", "--check"]
+            "--decode-calibration-rounds", "1", "--decode-mode", "serial,auto,two-batch", "--check"]
     device = _run(args + ["--out", str(tmp_path / "device")], ranks=2)
     assert device.returncode == 0, device.stdout + device.stderr[-3000:]
     assert "check: every mode generates serial's tokens" in device.stdout
@@ -53,6 +54,8 @@ def test_two_ranks_that_finish_apart_generate_every_modes_tokens_on_the_device_a
     assert "decode calibration, ms at histories 16 / 23" in device.stdout, device.stdout
     assert "calibrating decode (none cached for this machine, model and link; cached after this run in " \
         in device.stderr, device.stderr[-3000:]  # the conftest's empty cache of this test
+    cached = re.search(r"cached after this run in (\S+)\)", device.stderr).group(1)
+    assert json.loads(open(cached).read())["key"]["repeats"] == 1  # --decode-calibration-rounds reached it
     assert re.search(r"^shared / auto: decode steps per mode \d+ [a-z0-9-]+.*; TPOT predicted [0-9.]+ ms, "
                      r"measured [0-9.]+ ms, serial measured [0-9.]+ ms; guard: \d+ serial probe step\(s\) of \d+; "
                      r"(no mode set aside|set aside .+ \(measured slower than serial\))$", device.stdout, re.M), \

@@ -19,18 +19,18 @@ The defaults, the ``small`` preset at 0.03, 0.1 and 1 GB/s, put communication at
 floor); smaller batches are latency-bound, 45-60% at any link. (``tiny`` is 50-75% at any link.)
 
 Before a link's points it calibrates decode (`launch.decode_plan.calibrate_decode`, as the launcher's
-``--decode-mode auto`` does), and ``auto`` runs as a mode, with its guard (`microbatch.planning.DecodeGuard`,
-one per point, kept over its rounds; ``--no-decode-guard``: none): the table shows what it chose and its
-speedup as measured by the fixed modes that ran the same schedules, and each mode's predicted speedup with
-its error. Auto's speedup in ``auto as chosen x`` (the one the targets judge) costs each of its steps at the TPOT
-of the fixed mode it chose there, plus its own host time per step for choosing: its own row (``auto x``) is a
-second, independent sample of the same schedules, as noisy as any mode's. ``--calibrate-at GBPS`` calibrates
-once, at that link, for every link: a stale calibration on purpose, to see what the guard makes of it. Each
-point runs at least ``--iters`` rounds, and more at small batches (until serial's steps add up to about
-``--min-seconds``), since their times spread widely on a shared host. The last lines check the targets (issue
-29): the best overlapped mode at least 1.15x serial at 256 tokens per rank where communication is at least 30%
-of serial's step; auto within 5% of the best fixed mode and at most 2% above serial at every point; predicted
-speedups within 10% of the measured ones at 90% of the points. Example::
+``--decode-mode auto`` does, with ``--calibration-rounds`` rounds: 16 by default, four times the launcher's), and
+``auto`` runs as a mode, with its guard (`microbatch.planning.DecodeGuard`, one per point, kept over its rounds;
+``--no-decode-guard``: none): the table shows what it chose and its speedup as measured by the fixed modes that ran
+the same schedules, and each mode's predicted speedup with its error. Auto's speedup in ``auto as chosen x`` (the
+one the targets judge) costs each of its steps at the TPOT of the fixed mode it chose there, plus its own host time
+per step for choosing: its own row (``auto x``) is a second, independent sample of the same schedules, as noisy as
+any mode's. ``--calibrate-at GBPS`` calibrates once, at that link, for every link: a stale calibration on purpose,
+to see what the guard makes of it. Each point runs at least ``--iters`` rounds, and more at small batches (until
+serial's steps add up to about ``--min-seconds``), since their times spread widely on a shared host. The last lines
+check the targets (issue 29): the best overlapped mode at least 1.15x serial at 256 tokens per rank where
+communication is at least 30% of serial's step; auto within 5% of the best fixed mode and at most 2% above serial at
+every point; predicted speedups within 10% of the measured ones at 90% of the points. Example::
 
     python -m launch.bench.decode
     python -m launch.bench.decode --tokens 8,64 --links 0.05,0.2 --iters 3
@@ -57,6 +57,9 @@ AUTO = "auto"
 TARGET_TOKENS, TARGET_SHARE, TARGET_SPEEDUP = 256, 0.30, 1.15  # issue 29: overlap pays where comm is large
 MAX_ROUNDS = 200
 HOST_TOKENS, TARGET_HOST = 32, 0.10  # the executor's own host time per decode step, against TPOT
+# rounds behind each entry of auto's calibration: four times the launcher's default, about half its noise (the
+# predictions target compares two measurements; the calibration's would otherwise carry most of the error)
+CALIBRATION_ROUNDS = 16
 
 
 def decode_modes() -> Tuple[str, ...]:
@@ -274,7 +277,8 @@ def _point(ctx: Any, model: Any, point: Point, modes: Sequence[str], prompt_len:
 
 def _rank_body(ctx: Any, preset_name: str, modes: List[str], tokens: List[int], links: List[float], prompt_len: int,
                new_tokens: int, warmup: int, iters: int, min_seconds: float, seed: int, comm_priority: str,
-               guard: bool = True, calibrate_at: Optional[float] = None) -> Any:
+               guard: bool = True, calibrate_at: Optional[float] = None, calibration_rounds: int = CALIBRATION_ROUNDS
+               ) -> Any:
     import overlap
     from launch.models import build_model, preset
     from launch.runner import make_expert_parallel
@@ -285,25 +289,29 @@ def _rank_body(ctx: Any, preset_name: str, modes: List[str], tokens: List[int], 
     fixed = None  # --calibrate-at: one calibration, at that link, for every link's points
     if AUTO in modes and calibrate_at is not None:
         overlap.set_link(overlap.Link(calibrate_at))
-        fixed = _calibrate(ctx, model, max(tokens), prompt_len, new_tokens, calibrate_at)
+        fixed = _calibrate(ctx, model, max(tokens), prompt_len, new_tokens, calibrate_at, calibration_rounds)
     for gbps in links:
         overlap.set_link(overlap.Link(gbps))
-        plan = fixed or (_calibrate(ctx, model, max(tokens), prompt_len, new_tokens, gbps) if AUTO in modes else None)
+        plan = fixed or (_calibrate(ctx, model, max(tokens), prompt_len, new_tokens, gbps, calibration_rounds)
+                         if AUTO in modes else None)
         for n in tokens:
             out.append(_point(ctx, model, Point(model, ctx.group, n, gbps, plan, guard), modes, prompt_len,
                               new_tokens, warmup, iters, min_seconds, seed))
     return out if ctx.rank == 0 else None
 
 
-def _calibrate(ctx: Any, model: Any, max_tokens: int, prompt_len: int, new_tokens: int, gbps: float) -> Any:
+def _calibrate(ctx: Any, model: Any, max_tokens: int, prompt_len: int, new_tokens: int, gbps: float,
+               rounds: int) -> Any:
     """The link's decode calibration, as the launcher's ``--decode-mode auto`` makes it (progress on rank 0)."""
     from launch.decode_plan import calibrate_decode, calibration_histories
 
     start = time.perf_counter()
     plan = calibrate_decode(model, max_tokens=max_tokens, histories=calibration_histories([prompt_len], new_tokens),
-                            refresh=True)  # measured in this run, as the modes it is judged against
+                            repeats=rounds, refresh=True)  # measured in this run, as the modes it is judged against
     if ctx.rank == 0:
-        print(f"calibrated decode at {gbps:g} GB/s in {time.perf_counter() - start:.1f} s", flush=True)
+        print(f"calibrated decode at {gbps:g} GB/s in {time.perf_counter() - start:.1f} s "
+              f"({rounds} round{'s' if rounds != 1 else ''})",
+              flush=True)
     return plan
 
 
@@ -504,9 +512,12 @@ def _numbers(text: str, kind: Callable[[str], Any]) -> List[Any]:
 @click.option("--calibrate-at", type=float, default=None,
               help="Calibrate auto once, at this link speed (GB/s), for every link's points: a calibration gone "
                    "stale on purpose, to see what auto (and its guard) make of it. Default: each link its own.")
+@click.option("--calibration-rounds", type=int, default=CALIBRATION_ROUNDS,
+              help="Rounds of every mode behind each entry of auto's calibration (the launcher's "
+                   "--decode-calibration-rounds, default 4 there): more, steadier predictions.")
 def main(preset_name: str, tokens: str, links: str, prompt_len: int, new_tokens: int, warmup: int, iters: int,
          min_seconds: float, seed: int, modes: str, comm_priority: str, guard: bool,
-         calibrate_at: Optional[float]) -> None:
+         calibrate_at: Optional[float], calibration_rounds: int) -> None:
     """Time per output token of every decode mode over tokens per rank and link speeds, on 2 CPU ranks."""
     from overlap.multirank import run_ranks
 
@@ -521,6 +532,8 @@ def main(preset_name: str, tokens: str, links: str, prompt_len: int, new_tokens:
         raise click.BadParameter(f"unknown decode mode {unknown[0]!r} (these: {', '.join(decode_modes())})")
     if calibrate_at is not None and not calibrate_at > 0:
         raise click.BadParameter(f"--calibrate-at must be a link speed > 0 GB/s, got {calibrate_at:g}")
+    if calibration_rounds < 1:
+        raise click.BadParameter(f"--calibration-rounds must be at least 1, got {calibration_rounds}")
     if calibrate_at is not None and AUTO not in mode_list:
         raise click.BadParameter("--calibrate-at sets auto's calibration: add auto to --modes")
     click.echo(f"2 CPU ranks, preset {preset_name}, prompts of {prompt_len} tokens, {new_tokens} new tokens each, "
@@ -530,7 +543,8 @@ def main(preset_name: str, tokens: str, links: str, prompt_len: int, new_tokens:
         click.echo(f"auto's calibration measured once, at {calibrate_at:g} GB/s, for every link (its predictions "
                    f"and the targets' checks of them are for that link)")
     points = run_ranks(_rank_body, 2, preset_name, mode_list, token_points, link_points, prompt_len, new_tokens,
-                       warmup, iters, min_seconds, seed, comm_priority, guard, calibrate_at, timeout=3600)[0]
+                       warmup, iters, min_seconds, seed, comm_priority, guard, calibrate_at, calibration_rounds,
+                       timeout=3600)[0]
     click.echo(report(points))
 
 
