@@ -44,7 +44,7 @@ AUTO_MODES = ("serial", "shared", "two-batch", "chunked-2", "chunked-4")
 Progress = Callable[[str], None]
 DECODE_FORMAT = 2  # the decode calibration's cache files (2: the steps' token ids differ per rank)
 # rounds per entry, timed steps per round: 16 samples in each entry's median by default. Each entry's median carries
-# about 3-12% of noise on a shared 2-core host (step times spread 10-30%); more rounds halve it at four times the time
+# about 3-12% of noise on a shared 2-core host (step times spread 10-30%), 2-6% with 8 rounds (as 1 / sqrt(rounds))
 REPEATS, STEPS = DECODE_CALIBRATION_ROUNDS, 4
 _LOG = logging.getLogger(__name__)
 
@@ -170,8 +170,9 @@ def _measure(model: DecodeModel, group: Optional[Any], points: Tuple[int, ...], 
 def calibration_ids(requests: int, vocab: int, seed: int, rank: int) -> List[int]:
     """The token ids of a calibration's steps on ``rank``: random, and different on every rank, as a job's requests
     are. With the same ids on every rank the tokens route alike everywhere, and the micro-batched modes' exchanges
-    line up as no job's do: on 2 CPU ranks two-batch at 256 tokens measured 1.27-1.46x serial over repeated
-    calibrations, against 1.29-1.32x in generation; with ids per rank 1.31-1.35x."""
+    line up as no job's do: on 2 CPU ranks, two-batch at 256 tokens measured 1.27-1.46x serial from run to run with
+    the same ids, 1.31-1.35x with ids per rank (generation's steps beside them 1.31-1.32x), and every full run of the
+    decode benchmark had predicted it 9-22% too fast."""
     gen = torch.Generator().manual_seed(seed + 1009 * rank)
     return torch.randint(0, vocab, (requests,), generator=gen).tolist()
 

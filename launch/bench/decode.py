@@ -310,8 +310,7 @@ def _calibrate(ctx: Any, model: Any, max_tokens: int, prompt_len: int, new_token
                             repeats=rounds, refresh=True)  # measured in this run, as the modes it is judged against
     if ctx.rank == 0:
         print(f"calibrated decode at {gbps:g} GB/s in {time.perf_counter() - start:.1f} s "
-              f"({rounds} round{'s' if rounds != 1 else ''})",
-              flush=True)
+              f"({rounds} round{'s' if rounds != 1 else ''})", flush=True)
     return plan
 
 
