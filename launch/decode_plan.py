@@ -149,7 +149,7 @@ def _measure(model: DecodeModel, group: Optional[Any], points: Tuple[int, ...], 
     h0, h1 = histories
     cache = _scratch_cache(model, points[-1], h1 + 1)
     slots = cache.admit(points[-1])
-    ids = calibration_ids(points[-1], model.cfg.vocab, seed, _rank(group))
+    ids = calibration_ids(points[-1], model.cfg.vocab, seed, dist.get_rank(group) if group is not None else 0)
     step = _Step(model, cache, history_weight(model), group)
     times: Dict[Tuple[str, int, int], List[float]] = {}
     grid = [(n, h) for n in points for h in (h0, h1)]
@@ -175,10 +175,6 @@ def calibration_ids(requests: int, vocab: int, seed: int, rank: int) -> List[int
     decode benchmark had predicted it 9-22% too fast."""
     gen = torch.Generator().manual_seed(seed + 1009 * rank)
     return torch.randint(0, vocab, (requests,), generator=gen).tolist()
-
-
-def _rank(group: Optional[Any]) -> int:
-    return 0 if group is None else dist.get_rank(group)
 
 
 def _scratch_cache(model: DecodeModel, requests: int, rows: int) -> KVCache:
