@@ -9,7 +9,9 @@ Nothing here knows a class name. A block is a module with a child ``experts``:
 - **routing**: for fused experts, what the block's own forward passes them, captured by running a shallow
   copy of the block with its experts replaced by a recorder (which ends the forward at the experts call)
   and its shared experts by zero stubs (`CapturedRouter`); where the block passes its router child's output
-  on unchanged, that child alone (`RoutingOf`, found by `CapturedRouter.observe`); for a list of experts,
+  on unchanged, that child alone (`RoutingOf`, found by `CapturedRouter.observe`), also where its router scores
+  identity experts past the weighted ones that the block takes out of its experts' picks and adds itself
+  (`folds_identity`, checked with identity picks forced in: `Observed.forced`); for a list of experts,
   which the block calls one by one, its ``router`` / ``gate`` child, which must return the top-k ids and
   weights;
 - optional **shared experts** (`SHARED_NAMES`), a gated MLP, with an optional sigmoid output gate
@@ -425,6 +427,20 @@ class _Spy(nn.Module):
             return getattr(self._modules["inner"], name)
 
 
+class _Forced(_Spy):
+    """Stands in for a router child: its output with the top-k ids (item ``at``) replaced by ``ids``."""
+
+    def __init__(self, inner: nn.Module, at: int, ids: torch.Tensor):
+        super().__init__(inner)
+        self.at, self.ids = at, ids
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        out = list(self.inner(*args, **kwargs))
+        out[self.at] = self.ids
+        self.calls.append((args, kwargs, tuple(out)))
+        return tuple(out)
+
+
 def _shallow_copy(block: nn.Module, swap: dict) -> nn.Module:
     """A copy of ``block`` sharing every child, parameter and buffer, with the children in ``swap`` replaced and
     no hooks (they would see the stand-ins); ``block`` itself is left as it is."""
@@ -481,6 +497,9 @@ class Observed(NamedTuple):
     shortcut: Optional[nn.Module]
     scale: Optional["DenseScores"] = None  # the experts' tokens are scaled by these scores (`DenseTopK`)
     scores: Optional[torch.Tensor] = None  # the scores on the probe batch, [tokens, experts]
+    # the block adds its identity experts itself (`CapturedRouter.observe`): (router child's name, the stand-in that
+    # forces identity picks into its output); index and weights are the router's picks with those forced in
+    forced: Optional[Tuple[str, nn.Module]] = None
 
 
 class DenseScores(nn.Module):
@@ -546,6 +565,69 @@ def _dense_layout(name: str, block: nn.Module, h: torch.Tensor, spy: Optional["_
                f"router")
 
 
+def _router_call(spy: Optional[_Spy], block: nn.Module,
+                 x: torch.Tensor) -> Optional[Tuple[tuple, bool, List[Tuple[str, torch.Tensor]]]]:
+    """``(output, batched, extra)`` of the router child's one call, where it got the block's tokens (``batched``:
+    as ``x``, ``[1, tokens, hidden]``; else flat), then only the block's own tensors (``extra``); else None."""
+    if spy is None or len(spy.calls) != 1:
+        return None
+    args, kwargs, out = spy.calls[0]
+    extra = _own_tensors(block, args[1:])
+    if not isinstance(out, tuple) or not args or not isinstance(args[0], torch.Tensor) or extra is None or kwargs:
+        return None
+    flat = x.reshape(-1, x.shape[-1])
+    batched = args[0].shape == x.shape and torch.equal(args[0], x)
+    return (out, batched, extra) if batched or (args[0].shape == flat.shape and torch.equal(args[0], flat)) else None
+
+
+def _picks(out: object) -> Optional[Tuple[int, int]]:
+    """Where a router's output holds its top-k ids and weights: its one integer tensor and the one float tensor of
+    that shape (None where there are not exactly these)."""
+    if not isinstance(out, (tuple, list)) or not all(isinstance(t, torch.Tensor) for t in out):
+        return None
+    ints = [i for i, t in enumerate(out) if not t.is_floating_point()]
+    like = [i for i, t in enumerate(out) if len(ints) == 1 and t.is_floating_point() and t.shape == out[ints[0]].shape]
+    return (ints[0], like[0]) if len(ints) == len(like) == 1 else None
+
+
+def _scored(out: tuple, idx: torch.Tensor, weighted: int) -> int:
+    """How many experts past the ``weighted`` ones a router scores: the widest float tensor of its output beside
+    its picks ``idx`` (its scores, ``[tokens, experts]``)."""
+    widths = [t.shape[-1] for t in out if t.is_floating_point() and t.shape[:-1] == idx.shape[:-1]]
+    return max(widths + [weighted]) - weighted
+
+
+def _with_identity(idx: torch.Tensor, weighted: int, past: int) -> torch.Tensor:
+    """The picks ``idx`` with the first of every other token an identity expert (``weighted`` .. ``weighted + past
+    - 1`` in turn)."""
+    forced = idx.clone()
+    rows = forced.view(-1, forced.shape[-1])
+    even = torch.arange(0, rows.shape[0], 2, device=idx.device)
+    rows[even, 0] = (weighted + (even // 2) % past).to(rows.dtype)
+    return forced
+
+
+def folds_identity(picks: Tuple[torch.Tensor, torch.Tensor], passed: Tuple[torch.Tensor, torch.Tensor],
+                   weighted: int) -> bool:
+    """Whether ``passed``, the ids and weights a block gave its experts, are a router's ``picks`` with each
+    identity pick (an id from ``weighted`` on) taken out: weight 0, on an id below ``weighted``; the other picks
+    as they are. False where no pick is an identity expert."""
+    (idx, w), (got_i, got_w) = picks, passed
+    if not idx.numel() == w.numel() == got_i.numel() == got_w.numel():
+        return False
+    idx, w, got_i, got_w = (t.reshape(-1) for t in (idx, w, got_i, got_w))
+    ident = idx >= weighted
+    kept, moved = ~ident, got_i[ident]
+    return bool(ident.any()) and torch.equal(got_i[kept], idx[kept]) and torch.equal(got_w[kept], w[kept]) \
+        and bool((got_w[ident] == 0).all()) and bool(((moved >= 0) & (moved < weighted)).all())
+
+
+def forced_block(block: nn.Module, seen: Observed) -> nn.Module:
+    """``block`` as the probe runs it: with its router's picks forced to hold identity experts where ``seen`` says
+    the block adds them itself (`Observed.forced`), else itself."""
+    return block if seen.forced is None else _shallow_copy(block, dict([seen.forced]))
+
+
 class CapturedRouter(nn.Module):
     """The routing a block computes, as ``(top_k_index, top_k_weights)``: the block's own forward with its routed
     experts recorded (not computed) and its shared experts stubbed out, up to its experts call. Costs the
@@ -588,12 +670,13 @@ class CapturedRouter(nn.Module):
                             f"{len(seen)} times, expected once with (hidden_states, top_k_index, top_k_weights)")
         return seen[0]
 
-    def observe(self, x: torch.Tensor, experts: int = 0) -> Observed:
+    def observe(self, x: torch.Tensor, experts: int = 0, weighted: int = 0) -> Observed:
         """Capture on ``x`` (``[1, tokens, hidden]``), watching the router child: where the block passes the
         router's ids and weights (the tensors themselves) to its experts, and the router got the block's
-        input, that router alone is the routing, at the cost of nothing else. A block that passes its
-        ``experts`` experts one tensor must pass the tokens scaled by the router's dense scores
-        (`DenseTopK`, with the scores in ``scale``)."""
+        input, that router alone is the routing, at the cost of nothing else; so too where the router scores
+        identity experts past the ``weighted`` ones (default ``experts``) that the block adds itself (`_fold`).
+        A block that passes its ``experts`` experts one tensor must pass the tokens scaled by the router's
+        dense scores (`DenseTopK`, with the scores in ``scale``)."""
         name = next((n for n in ROUTER_NAMES if isinstance(self.block._modules.get(n), nn.Module)), None)
         spy = _Spy(self.block._modules[name]) if name else None
         got = self._capture(_shallow_copy(self.block, {name: spy}) if spy else self.block, x, one_tensor=True)
@@ -602,19 +685,41 @@ class CapturedRouter(nn.Module):
             return _dense_layout(self._name, self.block, got.args[0], spy, flat, experts)
         hs, idx, w = got
         roles = self.block._modules[ROUTED].roles
-        shortcut = None
         tokens = hs.dtype == flat.dtype and hs.numel() == flat.numel() and torch.equal(hs.reshape(flat.shape), flat)
-        if spy is not None and len(spy.calls) == 1 and tokens:
-            args, kwargs, out = spy.calls[0]
-            at_i = [i for i, t in enumerate(out) if t is idx] if isinstance(out, tuple) else []
-            at_w = [i for i, t in enumerate(out) if t is w] if isinstance(out, tuple) else []
-            extra = _own_tensors(self.block, args[1:])
-            if args and isinstance(args[0], torch.Tensor) and extra is not None and not kwargs \
-                    and len(at_i) == len(at_w) == 1:
-                batched = args[0].shape == x.shape and torch.equal(args[0], x)
-                if batched or (args[0].shape == flat.shape and torch.equal(args[0], flat)):
-                    shortcut = RoutingOf(spy.inner, at_i[0], at_w[0], batched, extra)
-        return Observed(hs, idx, w, roles, shortcut)
+        call = _router_call(spy, self.block, x) if tokens else None
+        if call is None:
+            return Observed(hs, idx, w, roles, None)
+        out, batched, extra = call
+        at_i, at_w = [i for i, t in enumerate(out) if t is idx], [i for i, t in enumerate(out) if t is w]
+        if len(at_i) == len(at_w) == 1:
+            return Observed(hs, idx, w, roles, RoutingOf(spy.inner, at_i[0], at_w[0], batched, extra))
+        folded = self._fold(x, name, spy.inner, call, weighted or experts)
+        return Observed(hs, idx, w, roles, None) if folded is None else folded
+
+    def _fold(self, x: torch.Tensor, name: str, router: nn.Module, call: Tuple[tuple, bool, list],
+              weighted: int) -> Optional[Observed]:
+        """A block whose router also scores identity experts (ids from ``weighted`` on) and that takes those picks
+        out of its experts' (weight 0, on a weighted expert's id), adding the token times their weight itself:
+        what it passes its experts with the router's picks forced to hold identity experts (`_with_identity`)
+        must be exactly that; then the router is the routing. None where it scores none, or the block does
+        otherwise."""
+        out, batched, extra = call
+        picks = _picks(out)
+        past = 0 if picks is None or weighted < 1 else _scored(out, out[picks[0]], weighted)
+        if not past:
+            return None
+        at_i, at_w = picks
+        forced = _Forced(router, at_i, _with_identity(out[at_i], weighted, past))
+        try:
+            hs, idx, w = self._capture(_shallow_copy(self.block, {name: forced}), x)
+        except Exception:  # noqa: BLE001 (its forward cannot take identity picks: not this structure)
+            return None
+        idx_f, w_f = forced.calls[0][2][at_i], forced.calls[0][2][at_w]
+        if not folds_identity((idx_f, w_f), (idx, w), weighted):
+            return None
+        routing = RoutingOf(router, at_i, at_w, batched, extra)
+        return Observed(hs, idx_f, w_f, self.block._modules[ROUTED].roles, routing,
+                        forced=(name, _Forced(router, at_i, forced.ids)))
 
     def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         hs, idx, w = self._capture(self.block, x.unsqueeze(0))
@@ -634,14 +739,9 @@ def child_router(block: nn.Module, probe: torch.Tensor) -> nn.Module:
     router = getattr(block, names[0])
     with torch.no_grad():
         out = router(probe)
-    if isinstance(out, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in out):
-        ints = [i for i, t in enumerate(out) if not t.is_floating_point()]
-        if len(ints) == 1:
-            like = [i for i, t in enumerate(out) if t.is_floating_point() and t.shape == out[ints[0]].shape]
-            if len(like) == 1:
-                if (ints[0], like[0]) == (0, 1) and len(out) == 2:
-                    return router
-                return RoutingOf(router, ints[0], like[0])
+    picks = _picks(out)
+    if picks is not None:
+        return router if picks == (0, 1) and len(out) == 2 else RoutingOf(router, *picks)
     raise _fail(block, f"its router {names[0]} ({type(router).__name__}) does not return the top-k expert ids "
                        f"and weights (it computes only part of the routing, and the block the rest)")
 

@@ -12,7 +12,10 @@ loader already sharded (``block.experts.ep_shard = (first_expert, total_experts)
 What the experts compute is checked, not assumed: their biases, the GLU their attributes suggest (a clamped
 SwiGLU for a ``limit``), identity experts past the weighted ones (`IdentitySlots`), and tokens scaled by
 dense router scores before the experts (`collectives._recognise.DenseTopK`) are each modelled only where
-the experts' own forward, run on a probe, computes exactly that.
+the experts' own forward, run on a probe, computes exactly that. Identity experts the block adds itself, its
+experts getting those picks with weight 0 (`collectives._recognise.folds_identity`: LongCat-Flash from
+transformers 5.25; before, its experts module returned the token), are modelled where the block's own output,
+with identity picks forced into its router's, is exactly that.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._recognise import (PROBE_RTOL, ROUTED, ROUTER_NAMES, SHARED_GATE_NAMES, SHARED_NAMES, CapturedRouter, Observed,
-                         RoutedExperts, _fail, call_experts, child_router, find_moe_blocks, shared_part)
+                         RoutedExperts, _fail, call_experts, child_router, find_moe_blocks, forced_block, shared_part)
 from .dispatch import group_size
 from .experts import LocalExperts
 from .layer import ExpertParallelMoE, SharedExperts
@@ -167,8 +170,9 @@ def _check_experts(block: nn.Module, routed: RoutedExperts, roles, idx_dtype: to
 
 
 def _why_not(block: nn.Module, want: torch.Tensor, routed: torch.Tensor, shared: Optional[torch.Tensor],
-             dtype: torch.dtype) -> str:
-    """What the probe saw, where the block's output is not routed + shared."""
+             dtype: torch.dtype, folded: Optional[int] = None) -> str:
+    """What the probe saw, where the block's output is not routed + shared (``folded``: the weighted experts of a
+    block that takes the identity picks out of its experts')."""
     rest = want - (shared if shared is not None else 0)
     scale = float((rest * routed).sum() / (routed * routed).sum().clamp_min(1e-30))
     if _differs(rest, scale * routed, dtype) is None:
@@ -176,6 +180,9 @@ def _why_not(block: nn.Module, want: torch.Tensor, routed: torch.Tensor, shared:
     known = {ROUTED, *ROUTER_NAMES, *SHARED_NAMES, *SHARED_GATE_NAMES}
     others = [n for n in block._modules if n not in known]
     hint = "its shared experts may be combined in a way we do not model, or " if shared is not None else ""
+    if folded is not None:
+        hint += (f"it takes its router's picks past its {folded} weighted experts out of its experts' and adds "
+                 f"other than the token times their weight (not identity experts), or ")
     hint += "the block transforms the experts' output or adds something else"
     return hint + (f" (its other parts: {', '.join(others)})" if others else "")
 
@@ -193,11 +200,14 @@ def _runs(block: nn.Module, fn):
 
 def _probe(block: nn.Module, routed: RoutedExperts, router: nn.Module, shared: Optional[SharedExperts],
            x: torch.Tensor, seen: Optional[Observed]):
-    """The block's own output on the probe batch ``x`` must be routed experts + shared part; returns the GLU its
-    experts compute (see `_check_experts`)."""
+    """The block's own output on the probe batch ``x`` (with identity picks forced in, where it adds identity
+    experts itself) must be routed experts + shared part; returns the GLU its experts compute (see
+    `_check_experts`)."""
     h = x.shape[-1]
     flat = x.reshape(-1, h)
     dtype = routed.weight.dtype
+    folded = _folded(seen)
+    target = block if seen is None else forced_block(block, seen)
     with torch.no_grad():
         if seen is not None:
             hs, idx, w, roles = seen.hidden, seen.index, seen.weights, seen.roles
@@ -206,15 +216,15 @@ def _probe(block: nn.Module, routed: RoutedExperts, router: nn.Module, shared: O
         if hs.shape[-1] != h or hs.numel() != flat.numel() or not torch.equal(hs.reshape(-1, h), flat):
             raise _fail(block, "its router transforms the tokens before the experts (they get other hidden "
                                "states than the block's input, e.g. scaled by the router scores)")
-        want = _output(_runs(block, lambda: block(x)))
+        want = _output(_runs(block, lambda: target(x)))
         if not isinstance(want, torch.Tensor):
             raise _fail(block, f"its forward returns {type(want).__name__}, not the output tensor")
         idx, w = idx.reshape(-1, idx.shape[-1]), w.reshape(-1, w.shape[-1])
         top = int(idx.max()) if idx.numel() else 0
-        if idx.numel() and (int(idx.min()) < 0 or (top >= routed.total and not routed.has_identity)):
+        if idx.numel() and (int(idx.min()) < 0 or (top >= routed.total and not (routed.has_identity or folded))):
             raise _fail(block, f"its router picks expert ids outside 0..{routed.total - 1} (e.g. zero or identity "
                                f"experts), which have no weights to shard")
-        identity = sorted({e for e in idx.unique().tolist() if e >= routed.count})
+        identity = [] if folded else sorted({e for e in idx.unique().tolist() if e >= routed.count})
         glu = _check_experts(block, routed, roles, idx.dtype, w.dtype, identity,
                              seen is not None and seen.scale is not None, idx.shape[-1])
         got = _dense_routed(flat, idx, w, routed, glu, None if seen is None else seen.scores)
@@ -223,8 +233,13 @@ def _probe(block: nn.Module, routed: RoutedExperts, router: nn.Module, shared: O
         diff = _differs(want, got if extra is None else got + extra, dtype)
         if diff is not None:
             raise _fail(block, f"its output is not routed experts + shared part on a probe batch ({diff}): "
-                               + _why_not(block, want, got, extra, dtype))
+                               + _why_not(block, want, got, extra, dtype, routed.count if folded else None))
     return glu
+
+
+def _folded(seen: Optional[Observed]) -> bool:
+    """Whether the block adds its identity experts itself (`Observed.forced`)."""
+    return seen is not None and seen.forced is not None
 
 
 def _settled_glu(block: nn.Module, routed: RoutedExperts, roles, dense: bool):
@@ -318,7 +333,7 @@ def wrap_expert_parallel(module: nn.Module, group: Optional[dist.ProcessGroup] =
         router = CapturedRouter(module, shared_names)
         try:
             with torch.no_grad():
-                seen = _runs(module, lambda: router.observe(x, routed.count))
+                seen = _runs(module, lambda: router.observe(x, routed.count, routed.total))
         except TypeError:
             if probe:
                 raise
@@ -333,8 +348,9 @@ def wrap_expert_parallel(module: nn.Module, group: Optional[dist.ProcessGroup] =
     gate_up, down = routed.stacked(lo - routed.first, n)
     gate_up_bias, down_bias = routed.stacked_biases(lo - routed.first, n)
     total, first = routed.total, lo
-    if routed.has_identity and scale is None:  # one identity expert after each rank's weighted ones
+    identity = (routed.has_identity or _folded(seen)) and scale is None
+    if identity:  # one identity expert after each rank's weighted ones
         router, total, first = IdentitySlots(router, routed.total, world, rank), routed.total + world, rank * (n + 1)
     local = LocalExperts(gate_up, down, first, routed.act, impl, gate_up_bias=gate_up_bias, down_bias=down_bias,
-                         glu=glu, identity=int(routed.has_identity and scale is None), input_scale=scale)
+                         glu=glu, identity=int(identity), input_scale=scale)
     return ExpertParallelMoE(router, local, total, group, shared, overlap_shared)
