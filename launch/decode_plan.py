@@ -6,8 +6,10 @@ at two history lengths, on a scratch KV cache whose slots claim that history (at
 their values do not matter for the time) and on token ids that differ from rank to rank (`calibration_ids`: as a
 job's, since where the tokens route shapes the exchanges). The modes run interleaved: each round runs every point
 once in every mode, the modes' order turning from point to point, so that the host's drift spreads over all of
-them; each entry is the median of ``repeats`` rounds after one untimed round. Every rank runs the same steps
-(they exchange), and the table ends the same on every rank: the largest time of any rank, in one all-reduce.
+them; each entry is the median of ``repeats`` rounds after one untimed round, with that median's relative standard
+error (its noise: auto takes a mode over serial only where the gain is well outside it). Every rank runs the same
+steps (they exchange), and the table ends the same on every rank: the largest time and noise of any rank, in one
+all-reduce.
 
 The result is a `microbatch.planning.DecodeCalibration`, which `launch.decode.generate(mode="auto")` reads
 every step (`microbatch.planning.choose_decode`). It is cached as the prefill's calibration is (in
@@ -32,7 +34,7 @@ from collectives import MOE_CAPACITY
 from launch.config import DECODE_CALIBRATION_ROUNDS
 from microbatch import KV_STEP, DecodeModel, KVCache, KVStep
 from microbatch.planning.calibration import cache_file, calibration_key, read_cache, write_cache
-from microbatch.planning.decode import SERIAL, DecodeCalibration, DecodeCalibrationError
+from microbatch.planning.decode import SERIAL, DecodeCalibration, DecodeCalibrationError, relative_error
 from microbatch.planning.probes import max_over_ranks
 
 from .decode import DecodeError, expert_group, history_weight, split_by_cost
@@ -42,7 +44,7 @@ from .decode_step import DECODE_STEP, TOKENS, bucket_of, decode_step
 # two micro-batches; three and four micro-batches halve a decode batch's matmuls again and rarely pay.
 AUTO_MODES = ("serial", "shared", "two-batch", "chunked-2", "chunked-4")
 Progress = Callable[[str], None]
-DECODE_FORMAT = 2  # the decode calibration's cache files (2: the steps' token ids differ per rank)
+DECODE_FORMAT = 3  # the decode calibration's cache files (2: the steps' token ids differ per rank; 3: with noise)
 # rounds per entry, timed steps per round: 16 samples in each entry's median by default. Each entry's median carries
 # about 3-12% of noise on a shared 2-core host (step times spread 10-30%), 2-6% with 8 rounds (as 1 / sqrt(rounds))
 REPEATS, STEPS = DECODE_CALIBRATION_ROUNDS, 4
@@ -99,7 +101,8 @@ def calibrate_decode(model: DecodeModel, *, max_tokens: int, histories: Tuple[in
 
 
 def decode_calibration_key(model: DecodeModel, group: Optional[Any], points: Sequence[int],
-                           histories: Tuple[int, int], modes: Sequence[str], repeats: int, steps: int) -> Dict[str, Any]:
+                           histories: Tuple[int, int], modes: Sequence[str], repeats: int,
+                           steps: int) -> Dict[str, Any]:
     """What a decode calibration is valid for: the prefill calibration's key (machine, torch, path, ranks, model
     shape, dtype, link, comm-thread priority) with the decode calibration's own settings."""
     key = calibration_key(model, group, points, repeats)  # type: ignore[arg-type]  # reads cfg and parameters only
@@ -118,6 +121,8 @@ def _load(key: Dict[str, Any], path: str) -> Optional[DecodeCalibration]:
         cal = DecodeCalibration.from_dict(data.get("calibration"))
         if (list(cal.tokens), list(cal.histories), list(cal.modes)) != (key["tokens"], key["histories"], key["modes"]):
             raise DecodeCalibrationError("its token points, histories or modes are not its key's")
+        if cal.noise is None:  # every rank's table has the same entries: they are reduced together
+            raise DecodeCalibrationError("it has no noise figures")
     except DecodeCalibrationError as err:
         _LOG.warning("ignoring the decode calibration %s: %s; measuring again", path, err)
         return None
@@ -132,14 +137,14 @@ def _everyone_has(cached: Optional[DecodeCalibration], group: Optional[Any]) -> 
 
 
 def _alike(cal: DecodeCalibration, group: Optional[Any]) -> DecodeCalibration:
-    """``cal`` with the largest of the ranks' times in every entry (each rank read its own file: the same table on
-    every rank, whatever the files hold; their shapes are the agreed key's)."""
+    """``cal`` with the largest of the ranks' times and noise in every entry (each rank read its own file: the same
+    table on every rank, whatever the files hold; their shapes are the agreed key's)."""
     if group is None:
         return cal
-    flat = max_over_ranks([t for rows in cal.seconds.values() for row in rows for t in row], group)
-    it = iter(flat)
-    return DecodeCalibration(cal.tokens, cal.histories, {m: tuple((next(it), next(it)) for _ in cal.tokens)
-                                                         for m in cal.modes})
+    tables = [cal.seconds] + ([cal.noise] if cal.noise is not None else [])
+    it = iter(max_over_ranks([t for table in tables for m in cal.modes for row in table[m] for t in row], group))
+    seconds, *noise = [{m: tuple((next(it), next(it)) for _ in cal.tokens) for m in cal.modes} for _ in tables]
+    return DecodeCalibration(cal.tokens, cal.histories, seconds, noise[0] if noise else None)
 
 
 def _measure(model: DecodeModel, group: Optional[Any], points: Tuple[int, ...], histories: Tuple[int, int],
@@ -164,7 +169,9 @@ def _measure(model: DecodeModel, group: Optional[Any], points: Tuple[int, ...], 
                                                        for _ in range(steps))
     seconds = {m: tuple((statistics.median(times[m, n, h0]), statistics.median(times[m, n, h1])) for n in points)
                for m in names}
-    return _alike(DecodeCalibration(points, (h0, h1), seconds), group)
+    noise = {m: tuple((relative_error(times[m, n, h0]), relative_error(times[m, n, h1])) for n in points)
+             for m in names}
+    return _alike(DecodeCalibration(points, (h0, h1), seconds, noise), group)
 
 
 def calibration_ids(requests: int, vocab: int, seed: int, rank: int) -> List[int]:

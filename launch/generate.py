@@ -206,7 +206,7 @@ def _calibrate(job: JobConfig, decode: DecodeConfig, model: DecodeModel, peers: 
     """The decode calibration ``--decode-mode auto`` chooses from: every candidate mode's step time at 1 to the
     batch's requests per rank and the job's shortest and longest histories (the same job on every rank)."""
     from launch.decode_plan import calibrate_decode, calibration_histories
-    from microbatch.planning.decode import DEFAULT_MARGIN
+    from microbatch.planning.decode import DEFAULT_CONFIDENCE, DEFAULT_MARGIN
 
     def heard(line: str) -> None:
         peers.beat(line)
@@ -219,7 +219,8 @@ def _calibrate(job: JobConfig, decode: DecodeConfig, model: DecodeModel, peers: 
                            report=lambda line: say(line, err=True))
     progress("")
     say(f"{cal.format()}\n(in {time.perf_counter() - start:.1f} s; auto takes serial unless another mode is "
-        f"predicted at least {DEFAULT_MARGIN:.0%} faster)")
+        f"predicted at least {DEFAULT_MARGIN:.0%} faster, and by {DEFAULT_CONFIDENCE:g} standard errors of the two "
+        f"entries)")
     return cal
 
 

@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from microbatch.planning import DecodeCalibration, DecodeCalibrationError, DecodeGuard, choose_decode
+from microbatch.planning.decode import relative_error
 
 TABLE = DecodeCalibration((1, 2, 4), (8, 24), {
     "serial": ((1.0, 2.0), (2.0, 3.0), (4.0, 6.0)),
@@ -33,12 +34,43 @@ def test_the_choice_is_the_fastest_but_serial_unless_another_is_clearly_faster()
         choose_decode(TABLE, 1, 8, modes=["serial", "chunked-2"])
 
 
+def test_serial_stays_where_the_predicted_gain_is_inside_the_calibrations_noise():
+    seconds = {"serial": ((1.0, 1.0), (2.0, 2.0)), "shared": ((0.9, 0.9), (1.8, 1.8))}  # shared 10% faster
+    quiet = DecodeCalibration((1, 2), (8, 24), seconds, {"serial": ((0.01, 0.01), (0.01, 0.01)),
+                                                         "shared": ((0.01, 0.01), (0.01, 0.01))})
+    loud = DecodeCalibration((1, 2), (8, 24), seconds, {"serial": ((0.05, 0.01), (0.01, 0.01)),
+                                                        "shared": ((0.01, 0.01), (0.01, 0.06))})
+    assert loud.noise_at("serial", 1) == 0.05 and loud.noise_at("shared", 1) == 0.06  # the entries it reads
+    assert choose_decode(quiet, 1, 8).mode == "shared"  # 1.5 x 1.4% of noise: the 5% margin decides
+    assert choose_decode(loud, 1, 8).mode == "serial"  # 1.5 x hypot(5%, 6%) = 11.7% > 10%
+    assert choose_decode(loud, 1, 8, confidence=1.0).mode == "shared"  # 7.8% < 10%
+    assert choose_decode(DecodeCalibration((1, 2), (8, 24), seconds), 1, 8).mode == "shared"  # no noise figures
+    # a noisy fastest gives way to a steadier mode that is clearly faster, not to serial
+    three = DecodeCalibration((1,), (8, 24), {"serial": ((1.0, 1.0),), "two-batch": ((0.7, 0.7),),
+                                              "chunked-2": ((0.8, 0.8),)},
+                              {"serial": ((0.02, 0.02),), "two-batch": ((0.3, 0.3),), "chunked-2": ((0.02, 0.02),)})
+    assert choose_decode(three, 1, 8).mode == "chunked-2"
+    # the median's standard error from the interquartile range: one stray slow step barely moves it
+    assert relative_error([1.0]) == 0.0
+    assert relative_error([1.0, 2.0, 3.0, 4.0, 5.0]) == pytest.approx(1.25 * 2 / 1.349 / 3 / 5 ** 0.5)
+    assert relative_error([1.0] * 9 + [1.02] * 10 + [50.0]) < 0.01
+
+
 def test_a_table_round_trips_and_a_bad_one_is_refused_in_one_line():
     assert DecodeCalibration.from_dict(TABLE.to_dict()) == TABLE
+    noisy = DecodeCalibration(TABLE.tokens, TABLE.histories, TABLE.seconds,
+                              {m: ((0.01, 0.02),) * 3 for m in TABLE.modes})
+    assert DecodeCalibration.from_dict(noisy.to_dict()) == noisy and "noise" not in TABLE.to_dict()
+    assert "noise (relative standard error of an entry's median): 1.0% to 2.0%" in noisy.format()
     bad = [({"tokens": [2, 1], "histories": [8, 24], "seconds": {"serial": [[1, 1], [1, 1]]}}, "increasing counts"),
            ({"tokens": [1], "histories": [8, 24], "seconds": {"shared": [[1, 1]]}}, "measures serial"),
            ({"tokens": [1], "histories": [8, 24], "seconds": {"serial": [[1, 0]]}}, "two positive times"),
-           ({"tokens": [1], "histories": [8]}, "not a decode calibration")]
+           ({"tokens": [1], "histories": [8]}, "not a decode calibration"),
+           ({"tokens": [1], "histories": [8, 24], "seconds": {"serial": [[1, 1]]}, "noise": {"serial": [[0.1, -1]]}},
+            "two noise figures >= 0"),
+           ({"tokens": [1], "histories": [8, 24], "seconds": {"serial": [[1, 1]]}, "noise": {"serial": [[0.1, "nan"]]}},
+            "two noise figures >= 0"),
+           ({"tokens": [1], "histories": [8, 24], "seconds": {"serial": [[1, 1]]}, "noise": {}}, "two noise figures")]
     for data, words in bad:
         with pytest.raises(DecodeCalibrationError, match=words):
             DecodeCalibration.from_dict(data)
@@ -220,8 +252,8 @@ def _cache_body(ctx, root):
 
     def run(**kw):
         lines, measured = [], []
-        cal = calibrate_decode(model, max_tokens=2, histories=(4, 6), modes=("serial", "chunked-2"), repeats=1,
-                               steps=1, cache=kw.pop("cache", mine), report=lines.append, progress=measured.append,
+        cal = calibrate_decode(model, max_tokens=2, histories=(4, 6), modes=("serial", "chunked-2"), repeats=2,
+                               steps=2, cache=kw.pop("cache", mine), report=lines.append, progress=measured.append,
                                **kw)
         return cal, lines, bool(measured)
 
@@ -232,15 +264,23 @@ def _cache_body(ctx, root):
         data = json.load(f)
     if ctx.rank == 0:  # rank 0's file says its steps took longer: both ranks read the slowest rank's numbers
         data["calibration"]["seconds"]["serial"][0] = [1.0, 2.0]
+        data["calibration"]["noise"]["serial"][0] = [5.0, 6.0]
         with open(path, "w") as f:
             json.dump(data, f)
     edited = run()
     refreshed = run(refresh=True)
     one_rank = run(cache=mine if ctx.rank == 0 else mine + "-empty")  # only rank 0 has it
+    with open(path) as f:
+        data = json.load(f)
+    if ctx.rank == 1:  # a table without its noise on one rank: ignored there, measured again on both
+        del data["calibration"]["noise"]
+        with open(path, "w") as f:
+            json.dump(data, f)
+    noiseless = run()
     with open(path, "w") as f:
         f.write("{not json")
     damaged = run()
-    return first, again, edited, refreshed, one_rank, damaged
+    return first, again, edited, refreshed, one_rank, damaged, noiseless
 
 
 def test_the_decode_calibration_is_cached_and_read_back_alike_on_every_rank(tmp_path):
@@ -249,13 +289,18 @@ def test_the_decode_calibration_is_cached_and_read_back_alike_on_every_rank(tmp_
     from overlap.multirank import run_ranks
 
     out = run_ranks(_cache_body, 2, str(tmp_path), timeout=180)
-    for first, again, edited, refreshed, one_rank, damaged in out:
+    for first, again, edited, refreshed, one_rank, damaged, noiseless in out:
         assert first[2] and "calibrating decode (none cached" in first[1][0]
+        assert first[0].noise is not None and all(x > 0 for rows in first[0].noise.values() for r in rows
+                                                  for x in r), first[0].noise
+        assert edited[0].noise["serial"][0] == (5.0, 6.0)
+        assert noiseless[2]  # measured again on both ranks, no hang
         assert not again[2] and again[0] == first[0] and again[1][0].startswith("decode calibration: cached (")
         assert not edited[2] and edited[0].seconds["serial"][0] == (1.0, 2.0)
         assert refreshed[2] and "calibrating decode (refreshing" in refreshed[1][0]
         assert damaged[2] and "none cached" in damaged[1][0]
     assert out[0][4][2] and out[1][4][2] and "not cached on every rank" in out[0][4][1][0]
+    assert "not cached on every rank" in out[0][6][1][0] and "none cached" in out[1][6][1][0]  # rank 1 ignored its own
     assert out[0][2][0] == out[1][2][0]
 
 

@@ -10,13 +10,16 @@ ranks (every rank holds the same table, so every rank predicts and chooses alike
 `DecodeCalibration.predict` reads the table: linear in the tokens between the two buckets around them and
 linear in the history between (or beyond) the two measured lengths. `choose_decode` predicts every candidate
 for a step (the widest rank's tokens, the longest history) and keeps serial unless another mode is predicted
-at least ``margin`` faster: a wrong choice between modes that close costs little, one against serial is what
-users see. Pure Python: no collective, no tensor.
+faster by at least ``margin`` and by at least ``confidence`` standard errors of the two medians (each entry's
+``noise``, measured with it): a wrong choice between modes that close costs little, one against serial is what
+users see, and a gain the calibration's own noise could make up is no gain. Pure Python: no collective, no tensor.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import statistics
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 SERIAL = "serial"
@@ -24,6 +27,9 @@ SERIAL = "serial"
 # less often, but its misses are losses against serial; a larger margin's are gains left. Measured on 2 CPU ranks
 # (docs/decode.md), margins of 2% and 5% missed as often; 2%'s misses included a step mix 2% slower than serial
 DEFAULT_MARGIN = 0.05
+# ... and by this many standard errors of the two entries' medians: a predicted gain that the calibration's noise
+# alone would show one time in 15 is not taken (on a shared 2-core host an entry of 16 steps carries 3-8% of noise)
+DEFAULT_CONFIDENCE = 1.5
 
 
 class DecodeCalibrationError(ValueError):
@@ -33,11 +39,13 @@ class DecodeCalibrationError(ValueError):
 @dataclasses.dataclass(frozen=True)
 class DecodeCalibration:
     """Step seconds per mode at each ``tokens`` (per rank) and each of two ``histories`` (rows per request):
-    ``seconds[mode][i][j]`` at ``tokens[i]``, ``histories[j]``."""
+    ``seconds[mode][i][j]`` at ``tokens[i]``, ``histories[j]``; ``noise``, where measured, the relative standard
+    error of each of those medians (`relative_error`), in the same layout."""
 
     tokens: Tuple[int, ...]
     histories: Tuple[int, int]
     seconds: Mapping[str, Tuple[Tuple[float, float], ...]]
+    noise: Optional[Mapping[str, Tuple[Tuple[float, float], ...]]] = None
 
     def __post_init__(self) -> None:
         if not self.tokens or list(self.tokens) != sorted(set(self.tokens)) or self.tokens[0] < 1:
@@ -51,6 +59,13 @@ class DecodeCalibration:
             if len(rows) != len(self.tokens) or any(len(r) != 2 or min(r) <= 0 for r in rows):
                 raise DecodeCalibrationError(f"mode {mode}: need two positive times for each of {len(self.tokens)} "
                                              f"token counts")
+        if self.noise is not None:
+            for mode in self.seconds:
+                rows = self.noise.get(mode, ())
+                if len(rows) != len(self.tokens) or any(len(r) != 2 or not all(0 <= x < math.inf for x in r)
+                                                        for r in rows):
+                    raise DecodeCalibrationError(f"mode {mode}: need two noise figures >= 0 for each of "
+                                                 f"{len(self.tokens)} token counts")
 
     @property
     def modes(self) -> Tuple[str, ...]:
@@ -69,31 +84,62 @@ class DecodeCalibration:
         t0, t1 = self.tokens[i], self.tokens[i + 1]
         return max(1e-9, at[i] + (at[i + 1] - at[i]) * (tokens - t0) / (t1 - t0))
 
+    def noise_at(self, mode: str, tokens: int) -> float:
+        """The relative standard error of ``mode``'s prediction for ``tokens`` per rank: the largest of the entries
+        it reads (both histories'); 0 where the table has no noise figures."""
+        if self.noise is None:
+            return 0.0
+        rows = self.noise[mode]
+        i = min(_segment(self.tokens, tokens), max(len(rows) - 2, 0))
+        return max(max(r) for r in rows[i:i + 2])
+
     def to_dict(self) -> Dict[str, Any]:
-        return {"tokens": list(self.tokens), "histories": list(self.histories),
-                "seconds": {m: [list(r) for r in rows] for m, rows in self.seconds.items()}}
+        out = {"tokens": list(self.tokens), "histories": list(self.histories),
+               "seconds": {m: [list(r) for r in rows] for m, rows in self.seconds.items()}}
+        if self.noise is not None:
+            out["noise"] = {m: [list(r) for r in rows] for m, rows in self.noise.items()}
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "DecodeCalibration":
         try:
+            noise = data.get("noise")
             return cls(tuple(int(t) for t in data["tokens"]), tuple(int(h) for h in data["histories"]),
-                       {str(m): tuple((float(r[0]), float(r[1])) for r in rows) for m, rows in data["seconds"].items()})
+                       _table(data["seconds"]), None if noise is None else _table(noise))
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
             if isinstance(exc, DecodeCalibrationError):
                 raise
             raise DecodeCalibrationError(f"not a decode calibration: {exc!r}") from None
 
     def format(self) -> str:
-        """The table: a row per token count, a column per mode (ms, at the shorter / longer history)."""
+        """The table: a row per token count, a column per mode (ms, at the shorter / longer history), and the range
+        of the entries' noise."""
         head = f"{'tokens':>6}  " + "  ".join(f"{m:>17}" for m in self.modes)
         lines = [f"decode calibration, ms at histories {self.histories[0]} / {self.histories[1]}", head]
         for i, t in enumerate(self.tokens):
             cells = [f"{r[i][0] * 1e3:8.2f}/{r[i][1] * 1e3:8.2f}" for r in self.seconds.values()]
             lines.append(f"{t:>6}  " + "  ".join(f"{c:>17}" for c in cells))
+        if self.noise is not None:
+            every = [x for rows in self.noise.values() for r in rows for x in r]
+            lines.append(f"noise (relative standard error of an entry's median): {min(every):.1%} to {max(every):.1%}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
         return json.dumps(self.to_dict())
+
+
+def _table(data: Mapping[str, Any]) -> Dict[str, Tuple[Tuple[float, float], ...]]:
+    return {str(m): tuple((float(r[0]), float(r[1])) for r in rows) for m, rows in data.items()}
+
+
+def relative_error(samples: Sequence[float]) -> float:
+    """The relative standard error of the median of ``samples``: about 1.25 standard errors of a mean, the
+    standard deviation read from the interquartile range (robust to the stray slow step a shared host throws),
+    over the median; 0 for fewer than two samples."""
+    if len(samples) < 2:
+        return 0.0
+    q1, median, q3 = statistics.quantiles(samples, n=4, method="inclusive")
+    return 1.25 * (q3 - q1) / 1.349 / median / math.sqrt(len(samples)) if median > 0 else 0.0
 
 
 def _segment(points: Sequence[int], x: float) -> int:
@@ -119,18 +165,26 @@ class DecodeChoice:
 
 
 def choose_decode(cal: DecodeCalibration, tokens: int, history: float, modes: Optional[Sequence[str]] = None,
-                  margin: float = DEFAULT_MARGIN) -> DecodeChoice:
+                  margin: float = DEFAULT_MARGIN, confidence: float = DEFAULT_CONFIDENCE) -> DecodeChoice:
     """The fastest predicted of ``modes`` (default: the calibrated ones) for a step of ``tokens`` per rank (the
-    widest rank's) and ``history`` rows (the longest); serial unless another is at least ``margin`` faster."""
+    widest rank's) and ``history`` rows (the longest); serial unless another is faster by at least ``margin`` and
+    by at least ``confidence`` standard errors of its and serial's predictions (`DecodeCalibration.noise_at`)."""
     names = list(modes or cal.modes)
     unknown = [m for m in names if m not in cal.seconds]
     if unknown:
         raise ValueError(f"mode {unknown[0]} was not calibrated (calibrated: {', '.join(cal.modes)})")
     predicted = {m: cal.predict(m, tokens, history) for m in names}
+    if SERIAL in predicted:
+        serial_noise = cal.noise_at(SERIAL, tokens)
+
+        def clear(m: str) -> bool:
+            needed = max(margin, confidence * math.hypot(cal.noise_at(m, tokens), serial_noise))
+            return m == SERIAL or predicted[m] <= predicted[SERIAL] * (1.0 - needed)
+
+        names = [m for m in names if clear(m)]
     best = min(names, key=lambda m: (predicted[m], names.index(m)))
-    if SERIAL in predicted and predicted[best] > predicted[SERIAL] * (1.0 - margin):
-        best = SERIAL
     return DecodeChoice(best, predicted)
 
 
-__all__ = ["DEFAULT_MARGIN", "SERIAL", "DecodeCalibration", "DecodeCalibrationError", "DecodeChoice", "choose_decode"]
+__all__ = ["DEFAULT_CONFIDENCE", "DEFAULT_MARGIN", "SERIAL", "DecodeCalibration", "DecodeCalibrationError",
+           "DecodeChoice", "choose_decode", "relative_error"]
