@@ -52,6 +52,8 @@ def test_two_ranks_that_finish_apart_generate_every_modes_tokens_on_the_device_a
         assert any(line.startswith(mode + " ") for line in device.stdout.splitlines()), device.stdout
     # auto: the calibration it chose from, then its steps per mode and predicted / measured TPOT beside serial's
     assert "decode calibration, ms at histories 16 / 23" in device.stdout, device.stdout
+    assert re.search(r"^noise \(relative standard error of an entry's median\): [0-9.]+% to [0-9.]+%$", device.stdout,
+                     re.M) and "faster, and by 1.5 standard errors of the two entries)" in device.stdout, device.stdout
     assert "calibrating decode (none cached for this machine, model and link; cached after this run in " \
         in device.stderr, device.stderr[-3000:]  # the conftest's empty cache of this test
     cached = re.search(r"cached after this run in (\S+)\)", device.stderr).group(1)
