@@ -202,6 +202,29 @@ def test_normal_priority_by_default(registry, monkeypatch):
     _in_enrolled_thread(check)
 
 
+def test_off_lists_no_thread_once_nothing_is_raised(registry, monkeypatch):
+    """Off (the default) costs a collective nothing after the first look; switched back from rt, it looks once more."""
+    listed = []
+    real_listdir = os.listdir
+    monkeypatch.setattr(os, "listdir", lambda p: listed.append(p) or real_listdir(p))
+    for _ in range(3):
+        assert comm_threads.prioritize_comm_threads() == 0
+    assert listed.count(comm_threads._TASKS) == 1
+    policies = {}
+    monkeypatch.setattr(os, "sched_setscheduler", lambda tid, policy, param: policies.__setitem__(tid, policy))
+    monkeypatch.setattr(os, "sched_getscheduler", lambda tid: policies.get(tid, os.SCHED_OTHER))
+
+    def check(tid):
+        overlap.set_comm_priority("rt")
+        assert policies == {tid: os.SCHED_FIFO}
+        overlap.set_comm_priority("off")  # lowered by a look of its own
+        assert policies == {tid: os.SCHED_OTHER}
+        before = listed.count(comm_threads._TASKS)
+        assert comm_threads.prioritize_comm_threads() == 0 and listed.count(comm_threads._TASKS) == before
+
+    _in_enrolled_thread(check)
+
+
 def test_reset_forgets_the_setting(registry):
     overlap.set_comm_priority("rt")
     assert comm_threads.requested_mode() == "rt"
