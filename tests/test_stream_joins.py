@@ -1,0 +1,83 @@
+"""Every side stream of a decode step ends joined to the caller's stream, in every decode mode.
+
+A device graph (``torch.cuda.CUDAGraph``, `launch.graph_decode`) is captured on the caller's stream: work forked to
+another stream that the caller has not waited for by the end of the capture fails it ("unjoined"). The executor
+places its waits from the data flow; this checks, on the lowerings the CPU path keeps, that they also join every
+stream, directly or through another stream's wait, before the step returns (the same lowering on every eager path).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict
+
+import pytest
+
+from overlap.multirank import run_ranks
+
+pytestmark = pytest.mark.spawns_ranks
+
+
+def unjoined(lowering) -> Dict[str, int]:
+    """The streams whose last launch the caller has not waited for by the end, with that launch's index."""
+    clocks: Dict[str, Dict[str, int]] = {}  # per stream: the last launch of each stream it has waited for
+    recorded: Dict[str, Dict[str, int]] = {lowering.input_event: {}} if lowering.input_event else {}
+    last: Dict[str, int] = {}
+    for step in lowering.steps:
+        stream = step.scheduled.stream
+        clock = clocks.setdefault(stream, {})
+        for tag in step.waits:
+            for s, i in recorded.get(tag, {}).items():
+                clock[s] = max(clock.get(s, -1), i)
+        clock[stream] = last[stream] = step.index
+        if step.record:
+            recorded[step.record] = dict(clock)
+    end = dict(clocks.get(lowering.caller, {}))
+    for tag in lowering.final_waits:
+        for s, i in recorded.get(tag, {}).items():
+            end[s] = max(end.get(s, -1), i)
+    return {s: i for s, i in last.items() if s != lowering.caller and end.get(s, -1) < i}
+
+
+def _lowerings_body(ctx):
+    from launch.decode import generate
+    from launch.models import build_model, preset
+    from launch.runner import make_expert_parallel
+    from microbatch import DECODE_MODES
+    from overlap.state import STATE
+
+    model = make_expert_parallel(build_model(preset("tiny"), seed=0), ctx.group)
+    out = {}
+    for mode in DECODE_MODES:
+        for graph in (None, "cpu"):  # eager steps, and the padded static step a device graph captures
+            STATE.programs.clear()
+            generate(model, [[1, 2, 3], [4, 5], [6, 7, 8, 9]][:2 + ctx.rank], 3, mode=mode, graph=graph)
+            out[mode, graph] = [p.lowering for p in STATE.programs.values()]
+    return out
+
+
+@pytest.fixture(scope="module")
+def lowerings():
+    return run_ranks(_lowerings_body, 2, timeout=300)
+
+
+def test_every_side_stream_is_joined_to_the_caller_by_the_end_of_a_decode_step(lowerings):
+    for out in lowerings:
+        sides = set()
+        for (mode, graph), kept in out.items():
+            assert kept, (mode, graph)
+            for lowering in kept:
+                assert unjoined(lowering) == {}, (mode, graph, lowering.format())
+                sides |= {s.scheduled.stream for s in lowering.steps} - {lowering.caller}
+        assert {"ep_comm", "shared_expert"} <= sides  # the overlapped modes did fork work
+
+
+def test_the_check_finds_a_stream_left_forked(lowerings):
+    cuts = 0
+    for (mode, graph), kept in lowerings[0].items():
+        for lowering in kept:
+            forked = [s for s in lowering.steps if s.scheduled.stream != lowering.caller]
+            if forked:  # cut the step right after its first launch on another stream
+                cut = dataclasses.replace(lowering, steps=lowering.steps[:lowering.steps.index(forked[0]) + 1])
+                assert unjoined(cut) == {forked[0].scheduled.stream: forked[0].index}, (mode, graph)
+                cuts += 1
+    assert cuts >= 2 * 7  # every overlapped mode, eager and padded
