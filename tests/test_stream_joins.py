@@ -13,29 +13,29 @@ from typing import Dict
 import pytest
 
 from overlap.multirank import run_ranks
+from overlap.observability.sanitizer import _StreamClocks
 
 pytestmark = pytest.mark.spawns_ranks
 
 
 def unjoined(lowering) -> Dict[str, int]:
-    """The streams whose last launch the caller has not waited for by the end, with that launch's index."""
-    clocks: Dict[str, Dict[str, int]] = {}  # per stream: the last launch of each stream it has waited for
-    recorded: Dict[str, Dict[str, int]] = {lowering.input_event: {}} if lowering.input_event else {}
+    """The streams whose last launch the caller has not waited for by the end, with that launch's number on its
+    stream (the sanitizer's vector clocks, `overlap.observability.sanitizer._StreamClocks`, over the lowering)."""
+    clocks = _StreamClocks()
+    if lowering.input_event:
+        clocks.record(lowering.input_event, lowering.caller)
     last: Dict[str, int] = {}
     for step in lowering.steps:
         stream = step.scheduled.stream
-        clock = clocks.setdefault(stream, {})
         for tag in step.waits:
-            for s, i in recorded.get(tag, {}).items():
-                clock[s] = max(clock.get(s, -1), i)
-        clock[stream] = last[stream] = step.index
+            clocks.wait(tag, stream)
+        last[stream] = clocks.tick(stream)
         if step.record:
-            recorded[step.record] = dict(clock)
-    end = dict(clocks.get(lowering.caller, {}))
+            clocks.record(step.record, stream)
     for tag in lowering.final_waits:
-        for s, i in recorded.get(tag, {}).items():
-            end[s] = max(end.get(s, -1), i)
-    return {s: i for s, i in last.items() if s != lowering.caller and end.get(s, -1) < i}
+        clocks.wait(tag, lowering.caller)
+    end = clocks.clock(lowering.caller)
+    return {s: n for s, n in last.items() if s != lowering.caller and end.get(s, 0) < n}
 
 
 def _lowerings_body(ctx):
@@ -76,8 +76,8 @@ def test_the_check_finds_a_stream_left_forked(lowerings):
     for (mode, graph), kept in lowerings[0].items():
         for lowering in kept:
             forked = [s for s in lowering.steps if s.scheduled.stream != lowering.caller]
-            if forked:  # cut the step right after its first launch on another stream
+            if forked:  # cut the step right after its first launch on another stream: that stream's first
                 cut = dataclasses.replace(lowering, steps=lowering.steps[:lowering.steps.index(forked[0]) + 1])
-                assert unjoined(cut) == {forked[0].scheduled.stream: forked[0].index}, (mode, graph)
+                assert unjoined(cut) == {forked[0].scheduled.stream: 1}, (mode, graph)
                 cuts += 1
     assert cuts >= 2 * 7  # every overlapped mode, eager and padded
