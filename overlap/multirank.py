@@ -41,6 +41,10 @@ _PRELOAD = ("torch", "torch.distributed", "overlap")
 
 def _child(fn: Callable[..., Any], rank: int, world: int, store_dir: str, timeout: float, threads: int,
            env: Dict[str, str], results: Any, args: tuple, kwargs: dict) -> None:
+    # the caller's environment as it was at the call: a forkserver's children inherit the one it started with,
+    # which can be an earlier caller's (a test's calibration cache folder, a variable removed since)
+    for name in [n for n in os.environ if n not in env]:
+        del os.environ[name]
     os.environ.update(env)
     enable_from_env()  # with env applied: honour $OVERLAP_SANITIZE (and OVERLAP_SANITIZE passed in env)
     torch.set_num_threads(threads)
@@ -104,7 +108,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: Opti
     """Run ``fn(ctx, *args, **kwargs)`` on ``world_size`` ranks and return the results in rank order.
 
     ``fn`` must be importable (a module-level function) because ranks are separate processes.
-    ``env`` is set in each rank before ``fn`` runs. Under torchrun ``fn`` runs on the first
+    Each rank runs in the caller's environment as it is at this call, with ``env`` set on top. Under torchrun ``fn`` runs on the first
     ``world_size`` ranks of the job, on a group of their own, and every rank of the job (taking
     part or not) gets the same list and the same `RankFailure`, `RankTimeout` or skip.
     """
@@ -118,8 +122,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: Opti
     results = mpctx.Queue()
     store_dir = tempfile.mkdtemp(prefix="overlap-ranks-")
     procs = [mpctx.Process(target=_child, name=f"rank{r}", daemon=True,
-                           args=(fn, r, world_size, store_dir, timeout, threads, dict(env or {}), results,
-                                 args, kwargs))
+                           args=(fn, r, world_size, store_dir, timeout, threads, {**os.environ, **(env or {})},
+                                 results, args, kwargs))
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -67,6 +67,23 @@ def test_env_reaches_ranks():
     assert run_ranks(_env_probe, 2, env={"OVERLAP_ENABLE": "0"}) == ["0", "0"]
 
 
+def _environment_probe(ctx):
+    return os.environ.get("OVERLAP_TEST_SET_LATER"), "OVERLAP_TEST_REMOVED" in os.environ, \
+        os.environ.get("OVERLAP_CALIBRATION_CACHE")
+
+
+@pytest.mark.spawns_ranks
+def test_ranks_run_in_the_callers_environment_of_the_call_not_the_forkservers(monkeypatch):
+    """A forkserver's children inherit the environment it started with: ranks of a later call would see an earlier
+    caller's variables (a test's calibration cache folder, read by the next test's ranks) and miss the new ones."""
+    monkeypatch.setenv("OVERLAP_TEST_REMOVED", "1")
+    run_ranks(_environment_probe, 1)  # the forkserver runs from here on, with this environment
+    monkeypatch.delenv("OVERLAP_TEST_REMOVED")
+    monkeypatch.setenv("OVERLAP_TEST_SET_LATER", "now")
+    monkeypatch.setenv("OVERLAP_CALIBRATION_CACHE", "/nonexistent/this-call")
+    assert run_ranks(_environment_probe, 2) == [("now", False, "/nonexistent/this-call")] * 2
+
+
 @pytest.mark.spawns_ranks
 def test_under_torchrun_uses_the_existing_group(tmp_path):
     probe = tmp_path / "probe.py"
