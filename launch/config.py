@@ -522,8 +522,6 @@ def decode_config(job: JobConfig, *, new_tokens: int, spread: float, stop_token:
     if (job.check or any(d == AUTO for _, d in runs)) and ("serial", "serial") not in runs:
         runs.insert(0, ("serial", "serial"))  # the reference of --check, and what auto is measured beside
     captured = None if graph == "off" else graph
-    if captured is not None and any(d == AUTO for _, d in runs):
-        raise ConfigError("--decode-mode auto chooses from eager steps' times: with --decode-graph, name the modes")
     if captured is not None and job.kv_offload:
         raise ConfigError("--decode-graph captures steps over the device cache: drop --kv-offload")
     return DecodeConfig(new_tokens, float(spread), stop_token, tuple(runs), captured, parse_buckets(buckets),

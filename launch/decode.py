@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,7 @@ from .runner import after_attention, split_for
 
 AUTO = "auto"  # the decode mode that chooses each step's mode from a decode calibration
 OnStep = Callable[[int, int], None]  # (step, active requests on every rank): step 0 is the prefill's token
+Decoders = Union[GraphDecoder, Mapping[str, GraphDecoder]]  # one decoder, or auto's: one per candidate mode
 _PREFILL_ROWS = "kv_prefill_rows"  # a prefill micro-batch's rows of the cache (its tokens' slice of the batch's)
 
 
@@ -106,7 +107,7 @@ def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: U
              prefill_mode: str = "serial", on_step: Optional[OnStep] = None, margins: bool = False,
              buckets: Optional[Sequence[int]] = None, plan: Optional[DecodeCalibration] = None,
              margin: float = DEFAULT_MARGIN, guard: Union[bool, DecodeGuard] = True, graph: Optional[str] = None,
-             decoder: Optional[GraphDecoder] = None) -> Generated:
+             decoder: Optional[Decoders] = None) -> Generated:
     """Greedy generation (see the module docstring): prefill in ``prefill_mode``, decode steps in ``mode``.
 
     ``prompts``: this rank's requests' token ids (none is fine with several ranks); ``new_tokens``: the most
@@ -121,27 +122,33 @@ def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: U
     across generations, False for none. ``graph``: decode steps padded to
     their bucket and captured once per bucket on that path (`launch.graph_decode.GraphDecoder`: ``ge``,
     ``aclgraph``, ``cuda``; ``cpu`` runs the padded step eagerly), or through ``decoder`` (its cache, mode and
-    graphs, kept across generations).
+    graphs, kept across generations). With ``mode="auto"`` the steps are captured too: ``decoder`` is then a
+    mapping of each mode of ``plan`` to its decoder over one cache (``graph`` builds them), and ``plan`` a
+    calibration of those captured steps (`launch.decode_plan.calibrate_decode` with ``decoders``).
     """
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     limits = _limits(prompts, new_tokens)
-    mode = mode or (decoder.mode if decoder is not None else "serial")
+    if mode is None:
+        mode = AUTO if isinstance(decoder, Mapping) else decoder.mode if decoder is not None else "serial"
     if mode == AUTO and plan is None:
         raise ValueError("decode mode 'auto' chooses each step's mode from a decode calibration: pass "
                          "plan=launch.decode_plan.calibrate_decode(model, ...)")
-    if (graph is not None or decoder is not None) and mode == AUTO:
-        raise ValueError("decode mode 'auto' chooses from eager steps' times: with graph capture, name the mode")
+    captured = graph is not None or decoder is not None
+    if mode == AUTO and plan.padded != captured:
+        raise ValueError("decode mode 'auto' with captured steps chooses from a calibration of them "
+                         "(calibrate_decode(model, decoders=...))" if captured else
+                         "this decode calibration timed captured steps: pass their decoders (decoder=...)")
     hows = {m: microbatch.decode_mode(m) for m in (plan.modes if mode == AUTO else (mode,))}
     layers = {m: model.decode_layer_operations(h.moe_chunks) for m, h in hows.items()}  # a model that cannot decode
     group = expert_group(model)  # says so first
     if decoder is None and graph is not None:
-        decoder = GraphDecoder(model, cache or new_cache(model, prompts, limits), mode, graph, buckets)
-    if decoder is not None:
-        if decoder.mode != mode or (cache is not None and cache is not decoder.cache):
-            raise ValueError(f"the decoder runs mode {decoder.mode!r} over its own cache: pass neither another mode "
-                             f"({mode!r}) nor another cache")
-        cache = decoder.cache
+        shared = cache or new_cache(model, prompts, limits)
+        decoder = GraphDecoder(model, shared, mode, graph, buckets) if mode != AUTO else {
+            m: GraphDecoder(model, shared, m, graph, buckets) for m in plan.modes}
+    decoders = _decoders_for(decoder, mode, hows, cache)
+    if decoders:
+        cache = next(iter(decoders.values())).cache
     cache = cache or new_cache(model, prompts, limits)
     slots = cache.admit(len(prompts))
     device = next(model.parameters()).device
@@ -167,11 +174,11 @@ def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: U
         going = set(still)
         cache.release([slots[i] for i in active if i not in going])
         history = [lens[i] + len(out.tokens[i]) - 1 for i in still]  # rows held before this step's
-        if decoder is None:
+        if not decoders:
             splits = {n: split_by_cost(history, n, per_row) for n in counts}
             widest = {n: max(map(len, p)) for n, p in splits.items()}
         else:  # its static step attends over the whole cache: a contiguous cut, no cost to balance
-            widest = {decoder.micro_batches: decoder.widest(len(still))}
+            widest = {d.micro_batches: d.widest(len(still)) for d in decoders.values()}
         took = time.perf_counter() - ran[2] if ran is not None else 0.0
         step = _step_status(_Post(len(still), widest, max(history, default=0), mode, took), problem, group)
         if ran is not None and checks is not None:
@@ -191,9 +198,10 @@ def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: U
             out.predicted.append(choice.seconds)
             ran = (name, choice.seconds, time.perf_counter())
         out.modes.append(name)
-        if decoder is not None:  # padded to the bucket, the bucket's graph replayed; it counts the rows itself
-            ids = decoder.step([slots[i] for i in still], [out.tokens[i][-1] for i in still],
-                               widest=step.widest[decoder.micro_batches])
+        if decoders:  # padded to the bucket, the bucket's graph replayed; it counts the rows itself
+            run = decoders[name]
+            ids = run.step([slots[i] for i in still], [out.tokens[i][-1] for i in still],
+                           widest=step.widest[run.micro_batches])
             active = still
             nxt, gaps, problem = read_picked(Picked(ids), active, out.steps)
             continue
@@ -213,6 +221,30 @@ def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: U
             cache.advance(kv.rows)
         active = order
         nxt, gaps, problem = read_picked(picked, active, out.steps)
+
+
+def _decoders_for(decoder: Optional[Decoders], mode: str, hows: Mapping[str, microbatch.Mode],
+                  cache: Optional[KVCache]) -> Dict[str, GraphDecoder]:
+    """The decoder of each mode a generation may run (none: eager steps), checked against ``mode`` (auto: every
+    calibrated mode's, over one cache) and ``cache``; a one-line ValueError for what does not fit."""
+    if decoder is None:
+        return {}
+    if mode != AUTO:
+        if not isinstance(decoder, GraphDecoder) or decoder.mode != mode or cache not in (None, decoder.cache):
+            raise ValueError(f"the decoder runs its own mode over its own cache: pass neither another mode ({mode!r}) "
+                             f"nor another cache")
+        return {mode: decoder}
+    if not isinstance(decoder, Mapping):
+        raise ValueError("decode mode 'auto' takes one decoder per calibrated mode: decoder={mode: GraphDecoder}")
+    missing = [m for m in hows if m not in decoder]
+    if missing:
+        raise ValueError(f"decode mode 'auto' has no decoder for the calibrated mode {missing[0]!r}")
+    chosen = {m: decoder[m] for m in hows}
+    for m, d in chosen.items():
+        if d.mode != m or d.cache is not chosen[next(iter(chosen))].cache or cache not in (None, d.cache):
+            raise ValueError(f"auto's decoders run their own modes over one cache: {m!r}'s runs {d.mode!r} or has "
+                             f"another cache")
+    return chosen
 
 
 def _guard_for(mode: str, guard: Union[bool, DecodeGuard]) -> Optional[DecodeGuard]:
@@ -362,6 +394,6 @@ def first_difference(tokens: Sequence[Sequence[int]], reference: Sequence[Sequen
     return first
 
 
-__all__ = ["AUTO", "DECODE_STEP", "TOKENS", "DecodeError", "Generated", "NonFiniteLogits", "Picked", "bucket_of",
-           "decode_step", "expert_group", "first_difference", "generate", "greedy_generate", "history_weight",
-           "new_cache", "split_by_cost"]
+__all__ = ["AUTO", "DECODE_STEP", "TOKENS", "DecodeError", "Decoders", "Generated", "NonFiniteLogits", "Picked",
+           "bucket_of", "decode_step", "expert_group", "first_difference", "generate", "greedy_generate",
+           "history_weight", "new_cache", "split_by_cost"]

@@ -11,19 +11,27 @@ error (its noise: auto takes a mode over serial only where the gain is well outs
 steps (they exchange), and the table ends the same on every rank: the largest time and noise of any rank, in one
 all-reduce.
 
+With ``decoders`` (`launch.graph_decode.GraphDecoder`, one per candidate mode over one cache) it times the
+captured steps instead, the ones `launch.decode.generate(mode="auto", decoder=decoders)` replays: each mode's
+step padded to its bucket, on scratch slots of the decoders' cache (left as it was). Such a step's time depends on
+its bucket alone, so the token points are where a mode's buckets end (`graph_token_points`) and the table is read as
+a step function (``padded``); a captured step attends over the cache's whole room, so a history past the cache's
+last row is measured at that row.
+
 The result is a `microbatch.planning.DecodeCalibration`, which `launch.decode.generate(mode="auto")` reads
 every step (`microbatch.planning.choose_decode`). It is cached as the prefill's calibration is (in
 ``$OVERLAP_CALIBRATION_CACHE``, default ``~/.cache/npu-overlap/calibration/``), per machine, torch, path,
 ranks, model shape, dtype, link, comm-thread priority and the calibration's own settings (token points,
-histories, modes, rounds, steps): a later run of the same job reads it instead of measuring, when every
-rank has it. ``refresh=True`` (the benchmark) measures again whatever the cache holds.
+histories, modes, rounds, steps; the graph path and buckets of captured steps): a later run of the same job
+reads it instead of measuring, when every rank has it. ``refresh=True`` (the benchmark) measures again
+whatever the cache holds.
 """
 from __future__ import annotations
 
 import logging
 import statistics
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -39,6 +47,9 @@ from microbatch.planning.probes import max_over_ranks
 
 from .decode import DecodeError, expert_group, history_weight, split_by_cost
 from .decode_step import DECODE_STEP, TOKENS, bucket_of, decode_step
+
+if TYPE_CHECKING:
+    from .graph_decode import GraphDecoder
 
 # The candidates of ``--decode-mode auto``: one batch (whole, its shared experts beside, its MoE in chunks) and
 # two micro-batches; three and four micro-batches halve a decode batch's matmuls again and rarely pay.
@@ -60,16 +71,30 @@ def token_points(max_tokens: int) -> Tuple[int, ...]:
     return tuple(points) + (max(1, int(max_tokens)),)
 
 
+def graph_token_points(max_tokens: int, micro_batches: Sequence[int], buckets: Optional[Sequence[int]] = None
+                       ) -> Tuple[int, ...]:
+    """The tokens per rank a calibration of captured steps measures: where a bucket ends for a mode of each of
+    ``micro_batches`` (``N x bucket``: a step of up to that many tokens pads to the same bucket; ``buckets``
+    default the powers of two), up to ``max_tokens``, and ``max_tokens``."""
+    top = max(1, int(max_tokens))
+    sizes = sorted(set(buckets)) if buckets is not None else [1 << i for i in range(top.bit_length() + 1)]
+    return tuple(sorted({n * b for n in set(micro_batches) for b in sizes if n * b < top} | {top}))
+
+
 def calibrate_decode(model: DecodeModel, *, max_tokens: int, histories: Tuple[int, int],
                      modes: Sequence[str] = AUTO_MODES, repeats: int = REPEATS, steps: int = STEPS, seed: int = 0,
                      progress: Optional[Progress] = None, refresh: bool = False, cache: Optional[str] = None,
-                     report: Optional[Progress] = None) -> DecodeCalibration:
+                     report: Optional[Progress] = None, decoders: Optional[Mapping[str, "GraphDecoder"]] = None
+                     ) -> DecodeCalibration:
     """Every mode of ``modes`` (serial first or added) timed at each of `token_points` (``max_tokens``) and at the two
     ``histories`` (rows each request holds before the step): ``repeats`` rounds of ``steps`` steps in a row per
     mode and point, after one more step (see the module docstring). Read from the cache instead where every rank
     has it (``refresh``: measure anyway; ``cache``: the folder, else ``$OVERLAP_CALIBRATION_CACHE``'s); ``report``
-    is told in a line which it was. Collective over the model's expert group: every rank calls it with the same
-    arguments (checked first, in one all-reduce)."""
+    is told in a line which it was. ``decoders``: time the captured steps of these, one per mode (``modes`` is then
+    theirs), over one cache with ``max_tokens`` free slots. Collective over the model's expert group: every rank
+    calls it with the same arguments (checked first, in one all-reduce)."""
+    if decoders is not None:
+        modes = _check_decoders(decoders)
     names = [SERIAL] + [m for m in modes if m != SERIAL]
     hows = {m: microbatch.decode_mode(m) for m in names}
     if max_tokens < 1 or repeats < 1 or steps < 1:
@@ -80,11 +105,23 @@ def calibrate_decode(model: DecodeModel, *, max_tokens: int, histories: Tuple[in
         raise ValueError(f"histories must be two lengths 1 <= short < long, got {histories}")
     layers = {m: model.decode_layer_operations(h.moe_chunks) for m, h in hows.items()}
     group = expert_group(model)
+    graph = next(iter(decoders.values())) if decoders else None
+    room = [] if graph is None or len(graph.cache.active) + max_tokens <= len(graph.cache.lengths) else [
+        f"the decoders' cache has {len(graph.cache.lengths) - len(graph.cache.active)} free slots, the calibration "
+        f"takes {max_tokens} (max_tokens)"]
+    settings = {"max_tokens": max_tokens, "histories": [h0, h1], "modes": names, "repeats": repeats, "steps": steps,
+                "graph": graph.path if graph is not None else "off",
+                "buckets": list(graph.buckets or ()) if graph is not None else []}
     if group is not None:  # the ranks run these steps together: a rank with other ones would hang the others
-        overlap.agree({"max_tokens": max_tokens, "histories": [h0, h1], "modes": names, "repeats": repeats,
-                       "steps": steps}, overlap.GroupTransport(group, "decode.calibrate"), error=DecodeError)
-    points = token_points(max_tokens)
-    key = decode_calibration_key(model, group, points, (h0, h1), names, repeats, steps)
+        overlap.agree(settings, overlap.GroupTransport(group, "decode.calibrate"), problems=room, error=DecodeError)
+    elif room:
+        raise DecodeError(room[0])
+    if graph is None:
+        points = token_points(max_tokens)
+    else:
+        points = graph_token_points(max_tokens, [d.micro_batches for d in decoders.values()], graph.buckets)
+    key = decode_calibration_key(model, group, points, (h0, h1), names, repeats, steps,
+                                 graph=None if graph is None else (graph.path, graph.buckets))
     path = cache_file(key, cache)
     cached = None if refresh else _load(key, path)
     if _everyone_has(cached, group):
@@ -95,20 +132,46 @@ def calibrate_decode(model: DecodeModel, *, max_tokens: int, histories: Tuple[in
         why = "refreshing" if refresh else "none cached for this machine, model and link" if cached is None else \
             "not cached on every rank"
         report(f"calibrating decode ({why}; cached after this run in {path})")
-    cal = _measure(model, group, points, (h0, h1), names, hows, layers, repeats, steps, seed, progress)
+    if decoders is None:
+        timer: "_Timer" = _Step(model, points[-1], h1, layers, hows, group)
+    else:
+        timer = _GraphStep(decoders, points[-1], group)
+    try:
+        cal = _measure(model, group, points, (h0, h1), names, timer, repeats, steps, seed, progress)
+    finally:
+        timer.close()
     write_cache(path, {"format": DECODE_FORMAT, "key": key, "calibration": cal.to_dict()})
     return cal
 
 
 def decode_calibration_key(model: DecodeModel, group: Optional[Any], points: Sequence[int],
                            histories: Tuple[int, int], modes: Sequence[str], repeats: int,
-                           steps: int) -> Dict[str, Any]:
+                           steps: int, graph: Optional[Tuple[str, Optional[Sequence[int]]]] = None) -> Dict[str, Any]:
     """What a decode calibration is valid for: the prefill calibration's key (machine, torch, path, ranks, model
-    shape, dtype, link, comm-thread priority) with the decode calibration's own settings."""
+    shape, dtype, link, comm-thread priority) with the decode calibration's own settings; ``graph``: the path and
+    buckets of captured steps."""
     key = calibration_key(model, group, points, repeats)  # type: ignore[arg-type]  # reads cfg and parameters only
     key.update({"kind": "decode", "decode_format": DECODE_FORMAT, "histories": list(histories), "modes": list(modes),
                 "steps": int(steps)})
+    if graph is not None:
+        key["graph"] = {"path": graph[0], "buckets": list(graph[1] or ())}
     return key
+
+
+def _check_decoders(decoders: Mapping[str, "GraphDecoder"]) -> List[str]:
+    """The modes of ``decoders`` (serial among them), each decoder's mode its key, all over one cache, path and
+    buckets; a ValueError naming what is not."""
+    if not decoders or SERIAL not in decoders:
+        raise ValueError(f"a calibration of captured steps needs a decoder for serial, the reference; got "
+                         f"{', '.join(decoders) or 'none'}")
+    first = next(iter(decoders.values()))
+    for mode, d in decoders.items():
+        if d.mode != mode:
+            raise ValueError(f"the decoder for {mode!r} runs mode {d.mode!r}")
+        if (d.cache, d.path, d.buckets) != (first.cache, first.path, first.buckets):
+            raise ValueError(f"the decoders must share one cache, path and buckets ({mode!r}'s differ from "
+                             f"{first.mode!r}'s)")
+    return list(decoders)
 
 
 def _load(key: Dict[str, Any], path: str) -> Optional[DecodeCalibration]:
@@ -123,6 +186,8 @@ def _load(key: Dict[str, Any], path: str) -> Optional[DecodeCalibration]:
             raise DecodeCalibrationError("its token points, histories or modes are not its key's")
         if cal.noise is None:  # every rank's table has the same entries: they are reduced together
             raise DecodeCalibrationError("it has no noise figures")
+        if cal.padded != ("graph" in key):
+            raise DecodeCalibrationError("its steps are not the key's (captured or eager)")
     except DecodeCalibrationError as err:
         _LOG.warning("ignoring the decode calibration %s: %s; measuring again", path, err)
         return None
@@ -144,18 +209,15 @@ def _alike(cal: DecodeCalibration, group: Optional[Any]) -> DecodeCalibration:
     tables = [cal.seconds] + ([cal.noise] if cal.noise is not None else [])
     it = iter(max_over_ranks([t for table in tables for m in cal.modes for row in table[m] for t in row], group))
     seconds, *noise = [{m: tuple((next(it), next(it)) for _ in cal.tokens) for m in cal.modes} for _ in tables]
-    return DecodeCalibration(cal.tokens, cal.histories, seconds, noise[0] if noise else None)
+    return DecodeCalibration(cal.tokens, cal.histories, seconds, noise[0] if noise else None, cal.padded)
 
 
 def _measure(model: DecodeModel, group: Optional[Any], points: Tuple[int, ...], histories: Tuple[int, int],
-             names: Sequence[str], hows: Dict[str, microbatch.Mode], layers: Dict[str, Any], repeats: int, steps: int,
-             seed: int, progress: Optional[Progress]) -> DecodeCalibration:
+             names: Sequence[str], step: "_Timer", repeats: int, steps: int, seed: int,
+             progress: Optional[Progress]) -> DecodeCalibration:
     """The table measured (the module docstring), the same on every rank."""
     h0, h1 = histories
-    cache = _scratch_cache(model, points[-1], h1 + 1)
-    slots = cache.admit(points[-1])
     ids = calibration_ids(points[-1], model.cfg.vocab, seed, dist.get_rank(group) if group is not None else 0)
-    step = _Step(model, cache, history_weight(model), group)
     times: Dict[Tuple[str, int, int], List[float]] = {}
     grid = [(n, h) for n in points for h in (h0, h1)]
     for rnd in range(repeats):
@@ -164,14 +226,13 @@ def _measure(model: DecodeModel, group: Optional[Any], points: Tuple[int, ...], 
                 progress(f"calibrating decode: round {rnd + 1}/{repeats}, {n} tokens per rank, history {h}")
             turn = (k + rnd) % len(names)
             for m in names[turn:] + names[:turn]:
-                step.run(layers[m], hows[m], slots[:n], ids[:n], h)  # the first step of a block is not timed
-                times.setdefault((m, n, h), []).extend(step.run(layers[m], hows[m], slots[:n], ids[:n], h)
-                                                       for _ in range(steps))
+                step.run(m, ids[:n], h)  # the first step of a block is not timed (a captured step: its capture)
+                times.setdefault((m, n, h), []).extend(step.run(m, ids[:n], h) for _ in range(steps))
     seconds = {m: tuple((statistics.median(times[m, n, h0]), statistics.median(times[m, n, h1])) for n in points)
                for m in names}
     noise = {m: tuple((relative_error(times[m, n, h0]), relative_error(times[m, n, h1])) for n in points)
              for m in names}
-    return _alike(DecodeCalibration(points, (h0, h1), seconds, noise), group)
+    return _alike(DecodeCalibration(points, (h0, h1), seconds, noise, padded=step.padded), group)
 
 
 def calibration_ids(requests: int, vocab: int, seed: int, rank: int) -> List[int]:
@@ -190,33 +251,84 @@ def _scratch_cache(model: DecodeModel, requests: int, rows: int) -> KVCache:
     return KVCache(cfg.n_layers, requests, rows, cfg.k_shape, cfg.v_shape, dtype=weight.dtype, device=weight.device)
 
 
-class _Step:
-    """One timed decode step, as `launch.decode.generate` runs it: the ranks' agreement, the step's rows and inputs,
-    the step, its tokens read back (the cache is left as it was: the step's rows are not counted)."""
+def _post_step(group: Optional[Any], active: int, history: int, mode: str) -> None:
+    """What generate agrees each step, of the same size."""
+    if group is not None:
+        overlap.agree({"active": active, "widest": [active], "history": history, "decode mode": mode},
+                      overlap.GroupTransport(group, "decode.step"), per_rank=["active", "widest", "history"],
+                      error=DecodeError)
 
-    def __init__(self, model: DecodeModel, cache: KVCache, per_row: float, group: Optional[Any]):
-        self.model, self.cache, self.per_row, self.group = model, cache, per_row, group
 
-    def run(self, layers: Sequence[Sequence[microbatch.Operation]], how: microbatch.Mode, slots: Sequence[int],
-            ids: Sequence[int], history: int) -> float:
-        """Seconds of a step of ``len(slots)`` requests holding ``history`` rows each."""
-        cache = self.cache
+class _Timer:
+    """What `_measure` times: ``run(mode, ids, history)`` is the seconds of one step of ``len(ids)`` requests
+    holding ``history`` rows each (the cache left as it was); ``close()`` gives back what it took."""
+
+    padded = False
+
+    def run(self, mode: str, ids: Sequence[int], history: int) -> float:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class _Step(_Timer):
+    """One timed eager decode step, as `launch.decode.generate` runs it, on a scratch cache: the ranks' agreement,
+    the step's rows and inputs, the step, its tokens read back (the step's rows are not counted)."""
+
+    def __init__(self, model: DecodeModel, requests: int, history: int, layers: Mapping[str, Any],
+                 hows: Mapping[str, microbatch.Mode], group: Optional[Any]):
+        self.model, self.layers, self.hows, self.group = model, layers, hows, group
+        self.cache = _scratch_cache(model, requests, history + 1)
+        self.slots = self.cache.admit(requests)
+        self.per_row = history_weight(model)
+
+    def run(self, mode: str, ids: Sequence[int], history: int) -> float:
+        cache, how, slots = self.cache, self.hows[mode], self.slots[:len(ids)]
         for s in slots:
             cache.lengths[s] = history
         start = time.perf_counter()
         parts = split_by_cost([history] * len(slots), how.micro_batches, self.per_row)
-        if self.group is not None:  # what generate agrees each step, of the same size
-            overlap.agree({"active": len(slots), "widest": [len(slots)], "history": history, "decode mode": how.name},
-                          overlap.GroupTransport(self.group, "decode.step"), per_rank=["active", "widest", "history"],
-                          error=DecodeError)
+        _post_step(self.group, len(slots), history, how.name)
         capacity = bucket_of(max(map(len, parts)))  # every rank measures the same point: the same widest part
         inputs = [{TOKENS: torch.tensor([ids[j] for j in part], dtype=torch.long, device=cache.device),
                    KV_STEP: KVStep(cache, cache.rows([slots[j] for j in part])), MOE_CAPACITY: capacity}
                   for part in parts]
         with overlap.no_host_sync(DECODE_STEP):
-            picked = decode_step(self.model, layers, how.make, inputs)
+            picked = decode_step(self.model, self.layers[mode], how.make, inputs)
         picked.ids.tolist()
         return time.perf_counter() - start
+
+
+class _GraphStep(_Timer):
+    """One timed captured step, as `launch.decode.generate` replays it: the ranks' agreement, the mode's decoder's
+    step (padded to its bucket, captured on its first use), its tokens read back; on scratch slots of the decoders'
+    cache, whose lengths are put back after each step and which are released by `close`."""
+
+    padded = True
+
+    def __init__(self, decoders: Mapping[str, "GraphDecoder"], requests: int, group: Optional[Any]):
+        self.decoders, self.group = decoders, group
+        self.cache = next(iter(decoders.values())).cache
+        self.slots = self.cache.admit(requests)
+
+    def run(self, mode: str, ids: Sequence[int], history: int) -> float:
+        cache, decoder, slots = self.cache, self.decoders[mode], self.slots[:len(ids)]
+        history = min(history, cache.max_len - 1)  # a captured step attends over the whole room anyway
+        for s in slots:
+            cache.lengths[s] = history
+        start = time.perf_counter()
+        _post_step(self.group, len(slots), history, mode)
+        decoder.step(slots, ids, widest=decoder.widest(len(slots))).tolist()  # the same point on every rank
+        seconds = time.perf_counter() - start
+        for s in slots:
+            cache.lengths[s] = history  # the step counted its row: not kept
+        return seconds
+
+    def close(self) -> None:
+        for s in self.slots:
+            self.cache.lengths[s] = 0
+        self.cache.release(self.slots)
 
 
 def calibration_histories(prompt_lens: Sequence[int], new_tokens: int) -> Tuple[int, int]:
@@ -227,4 +339,4 @@ def calibration_histories(prompt_lens: Sequence[int], new_tokens: int) -> Tuple[
 
 
 __all__ = ["AUTO_MODES", "DECODE_FORMAT", "REPEATS", "STEPS", "calibrate_decode", "calibration_histories",
-           "calibration_ids", "decode_calibration_key", "token_points"]
+           "calibration_ids", "decode_calibration_key", "graph_token_points", "token_points"]

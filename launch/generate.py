@@ -46,8 +46,8 @@ from launch.job import main as job_main, progress, say, script as job_script
 from launch.options import batch_options, model_options, run_options, timing_options
 
 if TYPE_CHECKING:  # the launcher's parts are imported where the job needs them (a bad option fails first)
+    from launch.decode import Decoders
     from launch.generation import Run, RunResult
-    from launch.graph_decode import GraphDecoder
     from launch.health import Fault, Peers
     from microbatch import DecodeModel, KVCache
     from microbatch.planning import DecodeCalibration
@@ -157,9 +157,10 @@ def _generate_job(job: JobConfig, decode: DecodeConfig, dev: torch.device, fault
     make_expert_parallel(model, dist.group.WORLD, two_step_dispatch=job.dispatch == "two-step")
     runs = [Run(p, d) for p, d in decode.runs]
     say(_headline(job, decode, model, world, limits))
-    plan = _calibrate(job, decode, model, peers) if any(r.decode == AUTO for r in runs) else None
     make_cache = functools.partial(_new_cache, job, model, prompts, limits)
     decoders = _decoders(job, decode, model, runs, make_cache)
+    auto = next((r.label for r in runs if r.decode == AUTO), None)
+    plan = _calibrate(job, decode, model, peers, decoders.get(auto)) if auto is not None else None
     results = measure_generation(model, prompts, limits, runs, dist.group.WORLD, make_cache,
                                  stop_token=decode.stop_token, warmup=job.warmup, iters=job.iters,
                                  margins=job.check and job.dtype != torch.float32,
@@ -184,27 +185,35 @@ def _generate_job(job: JobConfig, decode: DecodeConfig, dev: torch.device, fault
 
 
 def _decoders(job: JobConfig, decode: DecodeConfig, model: DecodeModel, runs: Sequence["Run"],
-              make_cache: Callable[[], "KVCache"]) -> Dict[str, "GraphDecoder"]:
-    """With ``--decode-graph``, a `GraphDecoder` per run (its cache and graphs kept across the rounds); what one
-    refuses (a transformers model, say) is one line on every rank before any exchange."""
+              make_cache: Callable[[], "KVCache"]) -> Dict[str, "Decoders"]:
+    """With ``--decode-graph``, a `GraphDecoder` per run (its cache and graphs kept across the rounds), and for an
+    auto run one per candidate mode over one cache; what one refuses (a transformers model, say) is one line on
+    every rank before any exchange."""
     if decode.graph is None:
         return {}
     from launch.agreement import agree_ready
+    from launch.decode_plan import AUTO_MODES
     from launch.graph_decode import GraphDecoder
 
-    decoders, problem = {}, None
+    decoders: Dict[str, "Decoders"] = {}
+    problem = None
     try:
         for r in runs:
-            decoders[r.label] = GraphDecoder(model, make_cache(), r.decode, decode.graph, decode.buckets)
+            cache = make_cache()
+            decoders[r.label] = GraphDecoder(model, cache, r.decode, decode.graph, decode.buckets) \
+                if r.decode != AUTO else {m: GraphDecoder(model, cache, m, decode.graph, decode.buckets)
+                                          for m in AUTO_MODES}
     except ValueError as err:
         problem = f"--decode-graph {decode.graph}: {err}"
     agree_ready("building the decode graphs", problem, job.timeout)
     return decoders
 
 
-def _calibrate(job: JobConfig, decode: DecodeConfig, model: DecodeModel, peers: Peers) -> "DecodeCalibration":
+def _calibrate(job: JobConfig, decode: DecodeConfig, model: DecodeModel, peers: Peers,
+               decoders: Optional["Decoders"] = None) -> "DecodeCalibration":
     """The decode calibration ``--decode-mode auto`` chooses from: every candidate mode's step time at 1 to the
-    batch's requests per rank and the job's shortest and longest histories (the same job on every rank)."""
+    batch's requests per rank and the job's shortest and longest histories (the same job on every rank); with
+    ``--decode-graph``, of the captured steps of auto's ``decoders``."""
     from launch.decode_plan import calibrate_decode, calibration_histories
     from microbatch.planning.decode import DEFAULT_CONFIDENCE, DEFAULT_MARGIN
 
@@ -216,7 +225,8 @@ def _calibrate(job: JobConfig, decode: DecodeConfig, model: DecodeModel, peers: 
     cal = calibrate_decode(model, max_tokens=len(job.seq_lens),
                            histories=calibration_histories(job.seq_lens, decode.new_tokens),
                            repeats=decode.calibration_rounds, progress=heard,
-                           report=lambda line: say(line, err=True))
+                           report=lambda line: say(line, err=True),
+                           decoders=decoders if isinstance(decoders, dict) else None)
     progress("")
     say(f"{cal.format()}\n(in {time.perf_counter() - start:.1f} s; auto takes serial unless another mode is "
         f"predicted at least {DEFAULT_MARGIN:.0%} faster, and by {DEFAULT_CONFIDENCE:g} standard errors of the two "

@@ -32,8 +32,7 @@ from microbatch.planning.guard import DecodeGuard
 from overlap import Span, Timeline
 from overlap.observability import gather, metrics
 
-from .decode import AUTO, Generated, first_difference, generate
-from .graph_decode import GraphDecoder
+from .decode import AUTO, Decoders, Generated, first_difference, generate
 from .measure import rounds, spread
 
 MakeCache = Callable[[], KVCache]  # a fresh cache for one generation
@@ -138,13 +137,14 @@ def measure_generation(model: DecodeModel, prompts: Sequence[Sequence[int]], lim
                        runs: Sequence[Run], group: Optional[dist.ProcessGroup], make_cache: MakeCache, *,
                        stop_token: Optional[int] = None, warmup: int = 1, iters: int = 3, margins: bool = False,
                        progress: Optional[Progress] = None, plan: Optional[DecodeCalibration] = None,
-                       decoders: Optional[Mapping[str, GraphDecoder]] = None,
+                       decoders: Optional[Mapping[str, Decoders]] = None,
                        buckets: Optional[Sequence[int]] = None, guard: bool = True) -> List[RunResult]:
     """Generate ``prompts`` (this rank's; ``limits``: each one's most new tokens) ``warmup + iters`` times in each
     run, interleaved (`launch.measure.rounds`); ``make_cache()`` gives each generation its cache;
     ``progress(line, round_start, first_round)`` hears of every step; ``plan``: the decode calibration a run
     whose decode mode is ``auto`` chooses from (`launch.decode_plan.calibrate_decode`); ``decoders``: by run
-    label, the `GraphDecoder` whose captured steps (and cache) the run's generations use; ``buckets``: the sizes
+    label, the `GraphDecoder` whose captured steps (and cache) the run's generations use (an auto run's: one per
+    mode of ``plan``, over one cache); ``buckets``: the sizes
     eager steps pad their exchange to; ``guard``: an auto run checks its choices with a `DecodeGuard` kept across
     its rounds."""
     by_label = {r.label: r for r in runs}

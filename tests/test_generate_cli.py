@@ -25,7 +25,6 @@ def _run(args, ranks=None, env=None, timeout=180):
     (["--mode", "serial,shared,two-batch", "--decode-mode", "serial,shared"],
      "--decode-mode lists 2 modes and --mode 3"),
     (["--decode-mode", "five-batch"], "unknown mode 'five-batch'"),
-    (["--decode-graph", "cpu", "--decode-mode", "auto"], "--decode-mode auto chooses from eager steps' times"),
     (["--decode-graph", "cpu", "--kv-offload"], "--decode-graph captures steps over the device cache"),
     (["--decode-buckets", "0,4"], "--decode-buckets must be positive sizes"),
     (["--decode-calibration-rounds", "0"], "--decode-calibration-rounds must be at least 1, got 0"),
@@ -96,6 +95,18 @@ def test_decode_steps_captured_per_bucket_generate_serials_tokens():
                  "--warmup", "1", "--iters", "1", "--check"])
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "decode steps captured per bucket on cpu | buckets 2,4" in proc.stdout, proc.stdout
+    assert "check: every mode generates serial's tokens" in proc.stdout, proc.stdout
+
+
+def test_auto_chooses_among_captured_steps_from_a_calibration_of_them():
+    """--decode-mode auto with --decode-graph cpu, one process: the calibration times the captured steps (padded to
+    their buckets, at the points where the buckets end) and auto's tokens are serial's."""
+    proc = _run(["--batch", "3", "--seq-len", "8", "--new-tokens", "4", "--mode", "serial", "--decode-mode", "auto",
+                 "--decode-graph", "cpu", "--decode-calibration-rounds", "1", "--warmup", "0", "--iters", "1",
+                 "--check"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert "captured decode steps (padded to their buckets), ms at histories 8 / 11" in proc.stdout, proc.stdout
+    assert re.search(r"^serial / auto: decode steps per mode \d+ ", proc.stdout, re.M), proc.stdout
     assert "check: every mode generates serial's tokens" in proc.stdout, proc.stdout
 
 

@@ -14,6 +14,7 @@ from launch.decode import DECODE_STEP, generate, new_cache
 from launch.graph_decode import GraphDecoder
 from launch.models import build_model, preset
 from microbatch import KVCache, KVCacheError, OffloadedKVCache
+from microbatch.planning import DecodeCalibration
 from overlap.multirank import run_ranks
 
 H, D = 2, 8
@@ -171,6 +172,8 @@ def test_what_it_refuses_it_says_in_one_line(path, what, why):
 GRAPH_PLANS = [((5, 2, 3, 2), [2, 2, 4, 4]), ((2, 3, 1), [2, 3, 4])]  # two-batch widest 2, 1, 1: buckets 2, 1, 1
 GRAPH_MODE = "two-batch"
 GRAPH_PATHS = ("ge", "aclgraph")
+AUTO_PLAN = DecodeCalibration((1, 2, 4), (1, 20), {"serial": ((1.0, 1.0), (2.0, 2.0), (4.0, 4.0)),
+                                                  GRAPH_MODE: ((3.0, 3.0), (3.0, 3.0), (3.0, 3.0))}, padded=True)
 
 
 def _graphs_body(ctx):
@@ -193,6 +196,17 @@ def _graphs_body(ctx):
             got = generate(model, prompts, limits, decoder=decoder)
         out[path] = dict(tokens=got.tokens, steps=got.steps, buckets=decoder.compiled_buckets,
                          graphs=[tc.contract_summary(gm, path) for gm in graphs])
+    graphs = []  # auto on ge: a decoder per mode over one cache, each step replaying the chosen mode's graph
+
+    def count(gm, example_inputs):
+        graphs.append(gm)
+        return tc.strip_air(gm)
+    cache = new_cache(model, prompts, limits)
+    decoders = {m: GraphDecoder(model, cache, m, "ge", backend=count) for m in AUTO_PLAN.modes}
+    with tc.installed(), tc._sanitizer_set_aside():
+        got = generate(model, prompts, limits, mode="auto", plan=AUTO_PLAN, decoder=decoders, guard=False)
+    out["auto"] = dict(tokens=got.tokens, modes=got.modes, graphs=len(graphs),
+                       buckets={m: d.compiled_buckets for m, d in decoders.items()})
     torch._dynamo.reset()
     return out
 
@@ -215,6 +229,18 @@ def test_one_graph_per_bucket_replayed_for_the_steps_of_that_bucket(captured, pa
         assert got["steps"] == 3 and got["buckets"] == [1, 2], (rank, got["steps"], got["buckets"])
         assert len(got["graphs"]) == 2, (rank, len(got["graphs"]))
         assert got["tokens"] == out["want"], (rank, path, got["tokens"], out["want"])
+
+
+@pytest.mark.spawns_ranks
+def test_auto_on_ge_replays_the_graph_of_the_mode_it_chooses_for_the_steps_bucket(captured):
+    """Auto over captured steps on ge: 4 tokens per rank at the first step (two-batch predicted faster), 2 at the
+    next two (serial): one graph per mode for its bucket (2), the last step replays serial's, and the stripped graphs
+    generate eager serial's tokens on each rank."""
+    for rank, out in enumerate(captured):
+        got = out["auto"]
+        assert got["modes"] == [GRAPH_MODE, "serial", "serial"], (rank, got["modes"])
+        assert got["buckets"] == {"serial": [2], GRAPH_MODE: [2]} and got["graphs"] == 2, (rank, got)
+        assert got["tokens"] == out["want"], (rank, got["tokens"], out["want"])
 
 
 @pytest.mark.spawns_ranks

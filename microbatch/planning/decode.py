@@ -8,11 +8,14 @@ at two history lengths, the modes interleaved, each entry the median of its repe
 ranks (every rank holds the same table, so every rank predicts and chooses alike).
 
 `DecodeCalibration.predict` reads the table: linear in the tokens between the two buckets around them and
-linear in the history between (or beyond) the two measured lengths. `choose_decode` predicts every candidate
-for a step (the widest rank's tokens, the longest history) and keeps serial unless another mode is predicted
-faster by at least ``margin`` and by at least ``confidence`` standard errors of the two medians (each entry's
-``noise``, measured with it): a wrong choice between modes that close costs little, one against serial is what
-users see, and a gain the calibration's own noise could make up is no gain. Pure Python: no collective, no tensor.
+linear in the history between (or beyond) the two measured lengths. A table of captured steps (``padded``:
+each step padded to its bucket, `launch.graph_decode`) costs a step what the first measured point at or above
+its tokens costs: its time is a step function of the bucket, and the points are where the buckets end.
+`choose_decode` predicts every candidate for a step (the widest rank's tokens, the longest history) and keeps
+serial unless another mode is predicted faster by at least ``margin`` and by at least ``confidence`` standard
+errors of the two medians (each entry's ``noise``, measured with it): a wrong choice between modes that close
+costs little, one against serial is what users see, and a gain the calibration's own noise could make up is no
+gain. Pure Python: no collective, no tensor.
 """
 from __future__ import annotations
 
@@ -40,12 +43,14 @@ class DecodeCalibrationError(ValueError):
 class DecodeCalibration:
     """Step seconds per mode at each ``tokens`` (per rank) and each of two ``histories`` (rows per request):
     ``seconds[mode][i][j]`` at ``tokens[i]``, ``histories[j]``; ``noise``, where measured, the relative standard
-    error of each of those medians (`relative_error`), in the same layout."""
+    error of each of those medians (`relative_error`), in the same layout; ``padded``: steps padded to their bucket
+    and captured (`launch.graph_decode.GraphDecoder`), read as a step function of the tokens (`predict`)."""
 
     tokens: Tuple[int, ...]
     histories: Tuple[int, int]
     seconds: Mapping[str, Tuple[Tuple[float, float], ...]]
     noise: Optional[Mapping[str, Tuple[Tuple[float, float], ...]]] = None
+    padded: bool = False
 
     def __post_init__(self) -> None:
         if not self.tokens or list(self.tokens) != sorted(set(self.tokens)) or self.tokens[0] < 1:
@@ -73,11 +78,15 @@ class DecodeCalibration:
 
     def predict(self, mode: str, tokens: int, history: float) -> float:
         """Predicted seconds of a step of ``mode`` with ``tokens`` per rank (the widest rank's) and requests of
-        ``history`` rows (the longest): linear between the measured points, the end segments extended."""
+        ``history`` rows (the longest): linear between the measured points, the end segments extended; in a
+        ``padded`` table the first point at or above ``tokens`` (the last beyond): its step pads to the same
+        bucket."""
         h0, h1 = self.histories
         # attention only grows with the history: a shorter time at the longer one is noise, read as no growth
         at = [r[0] + (r[1] - r[0]) * (history - h0) / (h1 - h0) if r[1] >= r[0] else (r[0] + r[1]) / 2
               for r in self.seconds[mode]]
+        if self.padded:
+            return max(1e-9, at[_at_or_above(self.tokens, tokens)])
         if len(at) == 1:
             return max(1e-9, at[0])
         i = min(_segment(self.tokens, tokens), len(at) - 2)
@@ -90,6 +99,8 @@ class DecodeCalibration:
         if self.noise is None:
             return 0.0
         rows = self.noise[mode]
+        if self.padded:
+            return max(rows[_at_or_above(self.tokens, tokens)])
         i = min(_segment(self.tokens, tokens), max(len(rows) - 2, 0))
         return max(max(r) for r in rows[i:i + 2])
 
@@ -98,14 +109,19 @@ class DecodeCalibration:
                "seconds": {m: [list(r) for r in rows] for m, rows in self.seconds.items()}}
         if self.noise is not None:
             out["noise"] = {m: [list(r) for r in rows] for m, rows in self.noise.items()}
+        if self.padded:
+            out["padded"] = True
         return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "DecodeCalibration":
         try:
             noise = data.get("noise")
+            padded = data.get("padded", False)
+            if not isinstance(padded, bool):
+                raise DecodeCalibrationError(f"padded must be true or false, got {padded!r}")
             return cls(tuple(int(t) for t in data["tokens"]), tuple(int(h) for h in data["histories"]),
-                       _table(data["seconds"]), None if noise is None else _table(noise))
+                       _table(data["seconds"]), None if noise is None else _table(noise), padded)
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
             if isinstance(exc, DecodeCalibrationError):
                 raise
@@ -115,7 +131,8 @@ class DecodeCalibration:
         """The table: a row per token count, a column per mode (ms, at the shorter / longer history), and the range
         of the entries' noise."""
         head = f"{'tokens':>6}  " + "  ".join(f"{m:>17}" for m in self.modes)
-        lines = [f"decode calibration, ms at histories {self.histories[0]} / {self.histories[1]}", head]
+        what = "captured decode steps (padded to their buckets)" if self.padded else "decode calibration"
+        lines = [f"{what}, ms at histories {self.histories[0]} / {self.histories[1]}", head]
         for i, t in enumerate(self.tokens):
             cells = [f"{r[i][0] * 1e3:8.2f}/{r[i][1] * 1e3:8.2f}" for r in self.seconds.values()]
             lines.append(f"{t:>6}  " + "  ".join(f"{c:>17}" for c in cells))
@@ -140,6 +157,11 @@ def relative_error(samples: Sequence[float]) -> float:
         return 0.0
     q1, median, q3 = statistics.quantiles(samples, n=4, method="inclusive")
     return 1.25 * (q3 - q1) / 1.349 / median / math.sqrt(len(samples)) if median > 0 else 0.0
+
+
+def _at_or_above(points: Sequence[int], x: float) -> int:
+    """The index of the first of ``points`` at or above ``x`` (the last where none is)."""
+    return next((i for i, p in enumerate(points) if p >= x), len(points) - 1)
 
 
 def _segment(points: Sequence[int], x: float) -> int:
