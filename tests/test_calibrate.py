@@ -305,6 +305,11 @@ def _timed(model, batch, mode, plan, group, iters=3):
     return statistics.median(times)
 
 
+# how far a prediction may be from the measurement here: a model off by its units or a missing term, not a speed (the
+# benchmarks judge the predictions); a factor of 2 failed with 4 pytest workers on 2 cores (ratios up to 2.3)
+FACTOR = 3.0
+
+
 def _calibrate_and_predict(ctx, cache):
     # A link that dominates the exchanges keeps the comparison meaningful on a loaded host;
     # the check is a generous factor, never a speed.
@@ -324,7 +329,7 @@ def _calibrate_and_predict(ctx, cache):
         measured = _slowest([m for _, m in got.values()], ctx.group)  # the same verdict on every rank
         got = {mode: (p, m) for (mode, (p, _)), m in zip(got.items(), measured)}
         attempts.append(got)
-        if all(0.5 <= m / p <= 2.0 for p, m in got.values()):
+        if all(1 / FACTOR <= m / p <= FACTOR for p, m in got.values()):
             break
     saved = os.path.isfile(cache_file(cal.key, cache))  # looked for where it was written: this rank's folder
     return cal.to_dict(), seconds, attempts, saved
@@ -362,7 +367,7 @@ def test_two_ranks_calibrate_alike_and_predict_within_a_factor(tmp_path):
         cal.async_peer_s)
     assert saved
     ratios = [{mode: m / p for mode, (p, m) in got.items()} for got in attempts]
-    assert any(all(0.5 <= r <= 2.0 for r in rs.values()) for rs in ratios), ratios
+    assert any(all(1 / FACTOR <= r <= FACTOR for r in rs.values()) for rs in ratios), ratios
 
 
 def _mixed_cache(ctx, root):
