@@ -42,6 +42,9 @@ AUTO = "auto"  # --mode auto: the planner's choice (microbatch/planning/choice.p
 ALL_MODES = tuple(name for name, m in microbatch.MODES.items() if m.in_all)
 MODE_NAMES = tuple(microbatch.MODES) + ("all", AUTO)  # what --mode takes, in a comma-separated list
 DECODE_MODE_NAMES = tuple(microbatch.DECODE_MODES) + ("all", AUTO)  # what --decode-mode takes
+# the candidates of --decode-mode auto (--decode-auto-modes): one batch (whole, its shared experts beside, its MoE
+# in chunks) and two micro-batches; three and four micro-batches halve a decode batch's matmuls again and rarely pay
+DECODE_AUTO_MODES = ("serial", "shared", "two-batch", "chunked-2", "chunked-4")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -471,13 +474,14 @@ class DecodeConfig:
     buckets: Optional[Tuple[int, ...]] = None  # --decode-buckets (None: the powers of two)
     guard: bool = True  # --decode-guard: auto sets aside a mode its steps measured slower than serial
     calibration_rounds: int = DECODE_CALIBRATION_ROUNDS  # --decode-calibration-rounds
+    auto_modes: Tuple[str, ...] = DECODE_AUTO_MODES  # --decode-auto-modes: auto's candidates, serial first
 
     def fingerprint(self) -> Dict[str, Union[bool, int, float, str, None, List[int], List[List[str]]]]:
         """What must be equal on every rank, by option (`launch.agreement.agree`)."""
         return {"--new-tokens": self.new_tokens, "--new-tokens-spread": self.spread, "--stop-token": self.stop_token,
                 "--decode-mode": [list(r) for r in self.runs], "--decode-graph": self.graph or "off",
                 "--decode-buckets": list(self.buckets or ()), "--decode-guard": self.guard,
-                "--decode-calibration-rounds": self.calibration_rounds}
+                "--decode-calibration-rounds": self.calibration_rounds, "--decode-auto-modes": list(self.auto_modes)}
 
     def min_new_tokens(self) -> int:
         return max(1, math.ceil(self.new_tokens * (1.0 - self.spread) - 1e-9))  # 10 * (1 - 0.7) is 3.0000000000000004
@@ -490,7 +494,8 @@ def vocab_size(job: JobConfig) -> int:
 
 def decode_config(job: JobConfig, *, new_tokens: int, spread: float, stop_token: Optional[int],
                   decode_modes: Sequence[str], graph: str = "off", buckets: Optional[str] = None,
-                  guard: bool = True, calibration_rounds: int = DECODE_CALIBRATION_ROUNDS) -> DecodeConfig:
+                  guard: bool = True, calibration_rounds: int = DECODE_CALIBRATION_ROUNDS,
+                  auto_modes: Sequence[str] = DECODE_AUTO_MODES) -> DecodeConfig:
     """The generation options, checked against the job (`ConfigError` names the first problem).
 
     ``decode_modes``: the ``--decode-mode`` names (empty: the same as ``--mode``). Each prefill mode is paired
@@ -499,6 +504,10 @@ def decode_config(job: JobConfig, *, new_tokens: int, spread: float, stop_token:
         raise ConfigError(f"--new-tokens must be at least 1, got {new_tokens}")
     if calibration_rounds < 1:
         raise ConfigError(f"--decode-calibration-rounds must be at least 1, got {calibration_rounds}")
+    if not auto_modes or any(m in ("all", AUTO) for m in auto_modes):
+        raise ConfigError(f"--decode-auto-modes names decode modes for auto to choose from (not all or auto), got "
+                          f"{','.join(auto_modes) or 'none'}")
+    candidates = tuple(dict.fromkeys(("serial",) + tuple(auto_modes)))  # serial: the reference, always a candidate
     if not (math.isfinite(spread) and 0.0 <= spread < 1.0):
         raise ConfigError(f"--new-tokens-spread must be in [0, 1), got {spread:g}")
     vocab = vocab_size(job)
@@ -525,7 +534,7 @@ def decode_config(job: JobConfig, *, new_tokens: int, spread: float, stop_token:
     if captured is not None and job.kv_offload:
         raise ConfigError("--decode-graph captures steps over the device cache: drop --kv-offload")
     return DecodeConfig(new_tokens, float(spread), stop_token, tuple(runs), captured, parse_buckets(buckets),
-                        bool(guard), int(calibration_rounds))
+                        bool(guard), int(calibration_rounds), candidates)
 
 
 def parse_buckets(text: Optional[str]) -> Optional[Tuple[int, ...]]:

@@ -39,7 +39,7 @@ import torch.distributed as dist
 import microbatch
 import overlap
 from collectives import MOE_CAPACITY
-from launch.config import DECODE_CALIBRATION_ROUNDS
+from launch.config import DECODE_AUTO_MODES, DECODE_CALIBRATION_ROUNDS
 from microbatch import KV_STEP, DecodeModel, KVCache, KVStep
 from microbatch.planning.calibration import cache_file, calibration_key, read_cache, write_cache
 from microbatch.planning.decode import SERIAL, DecodeCalibration, DecodeCalibrationError, relative_error
@@ -51,9 +51,7 @@ from .decode_step import DECODE_STEP, TOKENS, bucket_of, decode_step
 if TYPE_CHECKING:
     from .graph_decode import GraphDecoder
 
-# The candidates of ``--decode-mode auto``: one batch (whole, its shared experts beside, its MoE in chunks) and
-# two micro-batches; three and four micro-batches halve a decode batch's matmuls again and rarely pay.
-AUTO_MODES = ("serial", "shared", "two-batch", "chunked-2", "chunked-4")
+AUTO_MODES = DECODE_AUTO_MODES  # the candidates of ``--decode-mode auto`` by default (launch.config)
 Progress = Callable[[str], None]
 DECODE_FORMAT = 3  # the decode calibration's cache files (2: the steps' token ids differ per rank; 3: with noise)
 # rounds per entry, timed steps per round: 16 samples in each entry's median by default. Each entry's median carries

@@ -40,8 +40,8 @@ import torch.distributed as dist
 
 import microbatch
 from launch.build import build_model, holds_whole_model
-from launch.config import (AUTO, DECODE_CALIBRATION_ROUNDS, DECODE_MODE_NAMES, DecodeConfig, JobConfig, ModeList,
-                           decode_config, job_config)
+from launch.config import (AUTO, DECODE_AUTO_MODES, DECODE_CALIBRATION_ROUNDS, DECODE_MODE_NAMES, DecodeConfig,
+                           JobConfig, ModeList, decode_config, job_config)
 from launch.job import main as job_main, progress, say, script as job_script
 from launch.options import batch_options, model_options, run_options, timing_options
 
@@ -83,6 +83,10 @@ OwnTokens = Union[List[List[int]], str, None]  # the model's own generate() for 
 @click.option("--decode-calibration-rounds", type=int, default=DECODE_CALIBRATION_ROUNDS,
               help="With --decode-mode auto: rounds of every candidate mode behind each entry of its calibration "
                    "(4 steps each); more rounds, steadier predictions and a longer calibration (cached).")
+@click.option("--decode-auto-modes", type=ModeList(DECODE_MODE_NAMES), default=",".join(DECODE_AUTO_MODES),
+              help="With --decode-mode auto: the modes it chooses from, comma-separated (serial is always one); "
+                   "fewer modes, a shorter calibration and, with --decode-graph, fewer graphs (one per mode and "
+                   "bucket).")
 @batch_options(seq_len=64)
 @timing_options
 @click.option("--check", is_flag=True,
@@ -92,7 +96,7 @@ OwnTokens = Union[List[List[int]], str, None]  # the model's own generate() for 
 @run_options
 def cli(mode: Tuple[Tuple[str, ...], ...], decode_mode: Tuple[Tuple[str, ...], ...], new_tokens: int,
         new_tokens_spread: float, stop_token: Optional[int], decode_graph: str, decode_buckets: Optional[str],
-        decode_guard: bool, decode_calibration_rounds: int,
+        decode_guard: bool, decode_calibration_rounds: int, decode_auto_modes: Tuple[str, ...],
         layers: Optional[int], dense_layers: Optional[int],
         hidden: Optional[int], experts: Optional[int], top_k: Optional[int], shared_experts: Optional[int],
         **options: Any) -> None:  # Any: click's values of every other option, each of its own type
@@ -105,7 +109,7 @@ def cli(mode: Tuple[Tuple[str, ...], ...], decode_mode: Tuple[Tuple[str, ...], .
     decode = decode_config(job, new_tokens=new_tokens, spread=new_tokens_spread, stop_token=stop_token,
                            decode_modes=[name for names in decode_mode for name in names], graph=decode_graph,
                            buckets=decode_buckets, guard=decode_guard,
-                           calibration_rounds=decode_calibration_rounds)
+                           calibration_rounds=decode_calibration_rounds, auto_modes=decode_auto_modes)
     sys.exit(run_job(job, decode))
 
 
@@ -192,7 +196,6 @@ def _decoders(job: JobConfig, decode: DecodeConfig, model: DecodeModel, runs: Se
     if decode.graph is None:
         return {}
     from launch.agreement import agree_ready
-    from launch.decode_plan import AUTO_MODES
     from launch.graph_decode import GraphDecoder
 
     decoders: Dict[str, "Decoders"] = {}
@@ -202,7 +205,7 @@ def _decoders(job: JobConfig, decode: DecodeConfig, model: DecodeModel, runs: Se
             cache = make_cache()
             decoders[r.label] = GraphDecoder(model, cache, r.decode, decode.graph, decode.buckets) \
                 if r.decode != AUTO else {m: GraphDecoder(model, cache, m, decode.graph, decode.buckets)
-                                          for m in AUTO_MODES}
+                                          for m in decode.auto_modes}
     except ValueError as err:
         problem = f"--decode-graph {decode.graph}: {err}"
     agree_ready("building the decode graphs", problem, job.timeout)
@@ -224,7 +227,7 @@ def _calibrate(job: JobConfig, decode: DecodeConfig, model: DecodeModel, peers: 
     start = time.perf_counter()
     cal = calibrate_decode(model, max_tokens=len(job.seq_lens),
                            histories=calibration_histories(job.seq_lens, decode.new_tokens),
-                           repeats=decode.calibration_rounds, progress=heard,
+                           modes=decode.auto_modes, repeats=decode.calibration_rounds, progress=heard,
                            report=lambda line: say(line, err=True),
                            decoders=decoders if isinstance(decoders, dict) else None)
     progress("")

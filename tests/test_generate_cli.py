@@ -28,6 +28,9 @@ def _run(args, ranks=None, env=None, timeout=180):
     (["--decode-graph", "cpu", "--kv-offload"], "--decode-graph captures steps over the device cache"),
     (["--decode-buckets", "0,4"], "--decode-buckets must be positive sizes"),
     (["--decode-calibration-rounds", "0"], "--decode-calibration-rounds must be at least 1, got 0"),
+    (["--decode-auto-modes", "serial,auto"], "--decode-auto-modes names decode modes for auto to choose from"),
+    (["--decode-auto-modes", "all"], "--decode-auto-modes names decode modes for auto to choose from"),
+    (["--decode-auto-modes", "two-batch,five-batch"], "unknown mode 'five-batch'"),
 ])
 def test_a_bad_generation_option_is_one_line_before_any_rank_joins(args, words, capsys, monkeypatch):
     from launch.generate import main
@@ -100,12 +103,15 @@ def test_decode_steps_captured_per_bucket_generate_serials_tokens():
 
 def test_auto_chooses_among_captured_steps_from_a_calibration_of_them():
     """--decode-mode auto with --decode-graph cpu, one process: the calibration times the captured steps (padded to
-    their buckets, at the points where the buckets end) and auto's tokens are serial's."""
+    their buckets, at the points where the buckets end) of the candidates --decode-auto-modes names (serial added),
+    and auto's tokens are serial's."""
     proc = _run(["--batch", "3", "--seq-len", "8", "--new-tokens", "4", "--mode", "serial", "--decode-mode", "auto",
-                 "--decode-graph", "cpu", "--decode-calibration-rounds", "1", "--warmup", "0", "--iters", "1",
-                 "--check"])
+                 "--decode-graph", "cpu", "--decode-auto-modes", "chunked-2,two-batch", "--decode-calibration-rounds",
+                 "1", "--warmup", "0", "--iters", "1", "--check"])
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "captured decode steps (padded to their buckets), ms at histories 8 / 11" in proc.stdout, proc.stdout
+    head = re.search(r"^tokens +(.*)$", proc.stdout, re.M).group(1).split()
+    assert head == ["serial", "chunked-2", "two-batch"], proc.stdout
     assert re.search(r"^serial / auto: decode steps per mode \d+ ", proc.stdout, re.M), proc.stdout
     assert "check: every mode generates serial's tokens" in proc.stdout, proc.stdout
 
