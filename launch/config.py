@@ -476,7 +476,7 @@ class DecodeConfig:
     calibration_rounds: int = DECODE_CALIBRATION_ROUNDS  # --decode-calibration-rounds
     auto_modes: Tuple[str, ...] = DECODE_AUTO_MODES  # --decode-auto-modes: auto's candidates, serial first
 
-    def fingerprint(self) -> Dict[str, Union[bool, int, float, str, None, List[int], List[List[str]]]]:
+    def fingerprint(self) -> Dict[str, Union[bool, int, float, str, None, List[int], List[str], List[List[str]]]]:
         """What must be equal on every rank, by option (`launch.agreement.agree`)."""
         return {"--new-tokens": self.new_tokens, "--new-tokens-spread": self.spread, "--stop-token": self.stop_token,
                 "--decode-mode": [list(r) for r in self.runs], "--decode-graph": self.graph or "off",
