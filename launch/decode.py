@@ -36,7 +36,7 @@ from microbatch.planning.guard import DecodeGuard
 from microbatch.split import merge_outputs
 
 from .decode_step import DECODE_STEP, TOKENS, Picked, bucket_of, decode_step, read_picked
-from .graph_decode import GraphDecoder
+from .graph_decode import GraphDecoder, decoders_of
 from .runner import after_attention, split_for
 
 AUTO = "auto"  # the decode mode that chooses each step's mode from a decode calibration
@@ -236,14 +236,9 @@ def _decoders_for(decoder: Optional[Decoders], mode: str, hows: Mapping[str, mic
         return {mode: decoder}
     if not isinstance(decoder, Mapping):
         raise ValueError("decode mode 'auto' takes one decoder per calibrated mode: decoder={mode: GraphDecoder}")
-    missing = [m for m in hows if m not in decoder]
-    if missing:
-        raise ValueError(f"decode mode 'auto' has no decoder for the calibrated mode {missing[0]!r}")
-    chosen = {m: decoder[m] for m in hows}
-    for m, d in chosen.items():
-        if d.mode != m or d.cache is not chosen[next(iter(chosen))].cache or cache not in (None, d.cache):
-            raise ValueError(f"auto's decoders run their own modes over one cache: {m!r}'s runs {d.mode!r} or has "
-                             f"another cache")
+    chosen = decoders_of(decoder, list(hows))
+    if cache not in (None, next(iter(chosen.values())).cache):
+        raise ValueError("auto's decoders run over their own cache: pass no other cache")
     return chosen
 
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -47,9 +47,7 @@ from microbatch.planning.probes import max_over_ranks
 
 from .decode import DecodeError, expert_group, history_weight, split_by_cost
 from .decode_step import DECODE_STEP, TOKENS, bucket_of, decode_step
-
-if TYPE_CHECKING:
-    from .graph_decode import GraphDecoder
+from .graph_decode import GraphDecoder, decoders_of
 
 AUTO_MODES = DECODE_AUTO_MODES  # the candidates of ``--decode-mode auto`` by default (launch.config)
 Progress = Callable[[str], None]
@@ -82,7 +80,7 @@ def graph_token_points(max_tokens: int, micro_batches: Sequence[int], buckets: O
 def calibrate_decode(model: DecodeModel, *, max_tokens: int, histories: Tuple[int, int],
                      modes: Sequence[str] = AUTO_MODES, repeats: int = REPEATS, steps: int = STEPS, seed: int = 0,
                      progress: Optional[Progress] = None, refresh: bool = False, cache: Optional[str] = None,
-                     report: Optional[Progress] = None, decoders: Optional[Mapping[str, "GraphDecoder"]] = None
+                     report: Optional[Progress] = None, decoders: Optional[Mapping[str, GraphDecoder]] = None
                      ) -> DecodeCalibration:
     """Every mode of ``modes`` (serial first or added) timed at each of `token_points` (``max_tokens``) and at the two
     ``histories`` (rows each request holds before the step): ``repeats`` rounds of ``steps`` steps in a row per
@@ -156,20 +154,12 @@ def decode_calibration_key(model: DecodeModel, group: Optional[Any], points: Seq
     return key
 
 
-def _check_decoders(decoders: Mapping[str, "GraphDecoder"]) -> List[str]:
-    """The modes of ``decoders`` (serial among them), each decoder's mode its key, all over one cache, path and
-    buckets; a ValueError naming what is not."""
-    if not decoders or SERIAL not in decoders:
+def _check_decoders(decoders: Mapping[str, GraphDecoder]) -> List[str]:
+    """The modes of ``decoders``, serial among them, checked by `launch.graph_decode.decoders_of`."""
+    if SERIAL not in decoders:
         raise ValueError(f"a calibration of captured steps needs a decoder for serial, the reference; got "
                          f"{', '.join(decoders) or 'none'}")
-    first = next(iter(decoders.values()))
-    for mode, d in decoders.items():
-        if d.mode != mode:
-            raise ValueError(f"the decoder for {mode!r} runs mode {d.mode!r}")
-        if (d.cache, d.path, d.buckets) != (first.cache, first.path, first.buckets):
-            raise ValueError(f"the decoders must share one cache, path and buckets ({mode!r}'s differ from "
-                             f"{first.mode!r}'s)")
-    return list(decoders)
+    return list(decoders_of(decoders, list(decoders)))
 
 
 def _load(key: Dict[str, Any], path: str) -> Optional[DecodeCalibration]:
@@ -305,7 +295,7 @@ class _GraphStep(_Timer):
 
     padded = True
 
-    def __init__(self, decoders: Mapping[str, "GraphDecoder"], requests: int, group: Optional[Any]):
+    def __init__(self, decoders: Mapping[str, GraphDecoder], requests: int, group: Optional[Any]):
         self.decoders, self.group = decoders, group
         self.cache = next(iter(decoders.values())).cache
         self.slots = self.cache.admit(requests)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import types
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -119,6 +119,24 @@ class GraphDecoder:
             run = fn
         self._steps[bucket] = run
         return run
+
+
+def decoders_of(decoders: Mapping[str, GraphDecoder], modes: Sequence[str]) -> Dict[str, GraphDecoder]:
+    """The decoders of ``modes`` (``decoders`` keyed by the mode each runs, as auto takes them), checked to run over
+    one cache with one path and buckets: a one-line ValueError naming a missing or mismatched one."""
+    missing = [m for m in modes if m not in decoders]
+    if missing:
+        raise ValueError(f"no decoder for the calibrated mode {missing[0]!r} (decoders for: "
+                         f"{', '.join(decoders) or 'none'})")
+    chosen = {m: decoders[m] for m in modes}
+    first = next(iter(chosen.values()), None)
+    for mode, d in chosen.items():
+        if d.mode != mode:
+            raise ValueError(f"the decoder for {mode!r} runs mode {d.mode!r}")
+        if d.cache is not first.cache or (d.path, d.buckets) != (first.path, first.buckets):
+            raise ValueError(f"the decoders must share one cache, path and buckets ({mode!r}'s differ from "
+                             f"{first.mode!r}'s)")
+    return chosen
 
 
 def _refuse(model: DecodeModel, cache: KVCache, path: str, target: overlap.backends.Backend, captures: bool) -> None:
@@ -218,4 +236,4 @@ class _DeviceGraph:
         return self.out.clone()
 
 
-__all__ = ["GraphDecoder"]
+__all__ = ["GraphDecoder", "decoders_of"]

@@ -105,7 +105,8 @@ def test_auto_with_steps_of_another_kind_than_its_calibration_is_refused_in_one_
         (dict(plan=PADDED, decoder=decoders["serial"]), "takes one decoder per calibrated mode"),
         (dict(plan=PADDED, decoder={"serial": decoders["serial"]}), "no decoder for the calibrated mode 'two-batch'"),
         (dict(plan=PADDED, decoder=dict(decoders, serial=GraphDecoder(model, new_cache(model, prompts, 2)))),
-         "over one cache"),
+         "must share one cache, path and buckets"),
+        (dict(plan=PADDED, decoder=dict(decoders, serial=decoders["two-batch"])), "the decoder for 'serial' runs mode"),
     ]
     for kwargs, message in cases:
         with pytest.raises(ValueError) as err:
