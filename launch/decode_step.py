@@ -21,12 +21,15 @@ TOKENS = "tokens"  # a decode micro-batch's input: its requests' last tokens, em
 
 
 def decode_step(model: DecodeModel, layers: Sequence[Sequence[Operation]], make: Callable[..., Any],
-                inputs: Sequence[Dict[str, Any]], margins: bool = False) -> "Picked":
+                inputs: Sequence[Dict[str, Any]], margins: bool = False,
+                lowered: Optional[microbatch.Lowered] = None) -> "Picked":
     """One decode step on the device, nothing read on the host: each micro-batch's ``TOKENS`` embedded, the
     layers in ``make``'s schedule (each micro-batch also reads its ``KV_STEP`` and ``MOE_CAPACITY``), the final
-    norm, the LM head and the greedy pick (`Picked`)."""
+    norm, the LM head and the greedy pick (`Picked`). ``lowered``: that schedule lowered ahead (`lower_step`),
+    for a step a compiler traces."""
     staged = [{HIDDEN: model.embed_tokens(v[TOKENS]), **{k: x for k, x in v.items() if k != TOKENS}} for v in inputs]
-    logits = model.logits(model.norm(torch.cat(microbatch.run_made(make, layers, staged))))
+    hidden = microbatch.run_made(make, layers, staged) if lowered is None else lowered.run(staged)
+    logits = model.logits(model.norm(torch.cat(hidden)))
     finite = torch.isfinite(logits).all(-1)
     ids = torch.where(finite, logits.argmax(-1), torch.full_like(finite, -1, dtype=torch.long))
     gaps = None
@@ -34,6 +37,14 @@ def decode_step(model: DecodeModel, layers: Sequence[Sequence[Operation]], make:
         top = logits.float().topk(2, dim=-1).values
         gaps = top[:, 0] - top[:, 1]
     return Picked(ids, gaps)
+
+
+def lower_step(layers: Sequence[Sequence[Operation]], make: Callable[..., Any], parts: int, path: str,
+               names: Sequence[str]) -> microbatch.Lowered:
+    """The schedule of `decode_step` over ``parts`` micro-batches whose inputs are ``names`` (``TOKENS``
+    among them), checked and lowered for ``path`` ahead of a trace (`microbatch.lower_ahead`)."""
+    staged = dict.fromkeys([HIDDEN] + [n for n in names if n != TOKENS])
+    return microbatch.lower_ahead(make, layers, [staged] * parts, path)
 
 
 @dataclasses.dataclass
@@ -66,4 +77,4 @@ def bucket_of(tokens: int, buckets: Optional[Sequence[int]] = None) -> int:
     return min((b for b in buckets if b >= tokens), default=tokens)
 
 
-__all__ = ["DECODE_STEP", "TOKENS", "Picked", "bucket_of", "decode_step", "read_picked"]
+__all__ = ["DECODE_STEP", "TOKENS", "Picked", "bucket_of", "decode_step", "lower_step", "read_picked"]

@@ -34,7 +34,7 @@ from collectives import MOE_CAPACITY, ExpertParallelMoE
 from microbatch import KV_STEP, DecodeModel, KVCache
 from microbatch.kv_cache import StaticKVStep, StaticRows
 
-from .decode_step import DECODE_STEP, TOKENS, bucket_of, decode_step
+from .decode_step import DECODE_STEP, TOKENS, bucket_of, decode_step, lower_step
 
 StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 CompileBackend = Union[str, Callable[..., object]]
@@ -106,7 +106,10 @@ class GraphDecoder:
         return ids.index_select(0, where)
 
     def _build(self, bucket: int) -> StepFn:
-        fn = _static_step(self.model, self.layers, self.how.make, self.cache, self.micro_batches, bucket)
+        # on a graph path the schedule is lowered here, once: the trace then holds the launches, not the lowering
+        lowered = lower_step(self.layers, self.how.make, self.micro_batches, self.path, _STEP_INPUTS) \
+            if self.target.is_graph else None
+        fn = _static_step(self.model, self.layers, self.how.make, self.cache, self.micro_batches, bucket, lowered)
         if self.target.is_graph:
             own = _own_code(fn, f"decode_step_bucket_{bucket}")
             run: StepFn = torch.compile(own, backend=self.compile_backend or self.target.compile_backend(),
@@ -179,17 +182,22 @@ def _layout(n: int, parts: int, bucket: int) -> Tuple[List[int], List[int]]:
     return layout, real
 
 
+_STEP_INPUTS = (TOKENS, MOE_CAPACITY, KV_STEP)  # what each micro-batch of a captured step passes
+
+
 def _static_step(model: DecodeModel, layers: Sequence[Sequence[microbatch.Operation]], make: Callable[..., object],
-                 cache: KVCache, parts: int, bucket: int) -> StepFn:
+                 cache: KVCache, parts: int, bucket: int, lowered: Optional[microbatch.Lowered] = None) -> StepFn:
     """The step of one bucket on tensors only: ``(tokens, index, held, real)`` of ``parts x bucket`` rows to the
-    picked ids (`launch.decode.decode_step` with `StaticKVStep` attention, the exchange capacity ``bucket``)."""
+    picked ids (`launch.decode.decode_step` with `StaticKVStep` attention, the exchange capacity ``bucket``;
+    ``lowered``: its schedule lowered ahead, `lower_step`)."""
 
     def decode_static(tokens: torch.Tensor, index: torch.Tensor, held: torch.Tensor, real: torch.Tensor
                       ) -> torch.Tensor:
         rows = StaticRows(index, held, real)
-        inputs = [{TOKENS: tokens[i * bucket:(i + 1) * bucket], MOE_CAPACITY: bucket,
-                   KV_STEP: StaticKVStep(cache, rows.part(i * bucket, (i + 1) * bucket))} for i in range(parts)]
-        return decode_step(model, layers, make, inputs).ids
+        inputs = [dict(zip(_STEP_INPUTS, (tokens[i * bucket:(i + 1) * bucket], bucket,
+                                          StaticKVStep(cache, rows.part(i * bucket, (i + 1) * bucket)))))
+                  for i in range(parts)]
+        return decode_step(model, layers, make, inputs, lowered=lowered).ids
     return decode_static
 
 

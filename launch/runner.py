@@ -30,7 +30,7 @@ import overlap
 from collectives import CapacityExpertParallelMoE, ExpertParallelMoE, wrap_expert_parallel
 from microbatch import Operation, Split
 from microbatch.batch import K, V, Batch
-from microbatch.forward import MakeSchedule, cut_refusal, run_schedule, serial_split
+from microbatch.forward import MakeSchedule, cut_refusal, micro_batch_inputs, run_schedule, serial_split
 from microbatch.model import ForwardModel, MoELayer, MoEModel
 from microbatch.planning.split import DEFAULT_MAX_IMBALANCE, DEFAULT_MIN_TOKENS, decide_split, propose_split
 from overlap import OffloadCache
@@ -158,9 +158,11 @@ def graph_prefill(model: MoEModel, batch: Batch, mode: str, plan: Split, path: s
         raise ValueError(f"graph_prefill compiles for a torchair graph path (ge or aclgraph), not {path!r}")
     layers = layer_operations(model)
     make = microbatch.mode(mode).make
+    # checked and lowered here, once: the trace then holds the launches, not the lowering
+    lowered = microbatch.lower_ahead(make, layers, micro_batch_inputs(model, batch, plan), path)
 
     def run(tokens: torch.Tensor) -> torch.Tensor:
-        return run_schedule(model, Batch(tokens, batch.seq), plan, layers, make)
+        return run_schedule(model, Batch(tokens, batch.seq), plan, layers, make, lowered)
 
     compiled = torch.compile(run, backend=backend or overlap.backends.get(path).compile_backend(), fullgraph=True,
                              dynamic=False)

@@ -7,7 +7,7 @@ forward through one, on a `Batch` split as `microbatch.planning` decides: cut in
 micro-batches that every rank agrees on, or into the mode and split the planner predicts fastest.
 """
 from .batch import K, KV_STEP, PREFIX_KV, SEQ, V, Batch, SeqInfo
-from .executor import Lowering, Step, event_tag, execute, lower, run, run_made
+from .executor import Lowered, Lowering, Step, event_tag, execute, lower, lower_ahead, run, run_made
 from .kv_cache import KVCache, KVCacheError, KVRows, KVStep
 from .kv_offload import OffloadedKVCache, PrefetchReport
 from .forward import cut_refusal, forward_layer_by_layer, micro_batch_inputs, run_schedule, serial_split
@@ -23,7 +23,7 @@ from .split import Split, merge_outputs, micro_batches, prefix_kv, prefix_source
 __all__ = [
     # the executor and the schedules
     "CHUNKS", "DECODE_MODES", "HIDDEN", "MODES", "OUT", "FromMicroBatch", "Mode", "Operation", "Lowering", "Schedule",
-    "ScheduleError", "ScheduledOp", "State", "Step", "as_listed", "as_operation", "chunked", "decode_mode", "event_tag", "execute", "lower", "mode", "n_batch", "n_batch_name",
+    "ScheduleError", "ScheduledOp", "State", "Step", "as_listed", "as_operation", "chunked", "decode_mode", "event_tag", "execute", "lower", "lower_ahead", "Lowered", "mode", "n_batch", "n_batch_name",
     "normalize_layers", "replay_stats", "run", "run_made", "schedule_for", "serial", "shared", "two_batch", "validate",
     # a packed batch, a split of it, and the model contract
     "Batch", "K", "KV_STEP", "PREFIX_KV", "SEQ", "SeqInfo", "V",

@@ -21,8 +21,8 @@ import overlap
 from overlap import EP_COMM, backends, tensors_in
 
 from . import replay
-from .operations import State, split_outputs
-from .schedules import OUT, Flow, Key, Layers, Schedule, ScheduledOp, normalize_layers, validate
+from .operations import FromMicroBatch, State, split_outputs
+from .schedules import OUT, Flow, Key, Layers, Schedule, ScheduledOp, ScheduleError, normalize_layers, validate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +158,53 @@ def lower(schedule: Schedule, layers: Layers, inputs: Sequence[Mapping[str, Any]
     return lowering, flow
 
 
+@dataclasses.dataclass(frozen=True)
+class Lowered:
+    """A schedule checked and lowered before a trace (`lower_ahead`); `run` executes it on each call's values.
+
+    A compiler (``torch.compile``) traces whatever Python runs inside the compiled function: with `run`
+    there, that is the schedule's generator, its check and its lowering too, work whose result depends
+    on the schedule alone and which took about half of a capture's tracing time. Lowered ahead, the
+    trace holds the launches only.
+    """
+
+    lowering: Lowering
+    flow: Flow
+    structure: Tuple[Any, ...]  # per micro-batch, the inputs' names and links it was lowered for
+
+    def run(self, inputs: Sequence[Mapping[str, Any]]) -> List[Any]:
+        """`run`'s result for ``inputs``, which must have the names and links the schedule was lowered for,
+        on the path and caller stream it was lowered for (else `ScheduleError`, before any launch)."""
+        where = (overlap.current_path(), overlap.current_stream_tag())
+        if where != (self.lowering.path, self.lowering.caller):
+            raise ScheduleError(f"a schedule lowered for path {self.lowering.path!r} on stream "
+                                f"{self.lowering.caller!r} runs on path {where[0]!r} on stream {where[1]!r}")
+        if _structure(inputs) != self.structure:
+            raise ScheduleError(f"a schedule lowered for the inputs {_names(self.structure)} got "
+                                f"{_names(_structure(inputs))} (names per micro-batch)")
+        return execute(self.lowering, self.flow, inputs)
+
+
+def lower_ahead(make: Callable[[Layers, int], Schedule], layers: Layers, inputs: Sequence[Mapping[str, Any]],
+                path: str, output: str = OUT) -> Lowered:
+    """``make(layers, len(inputs))`` checked and lowered for ``path`` on the current stream, outside any trace:
+    a compiled function then calls `Lowered.run` instead of `run_made`. ``inputs``: one mapping per micro-batch
+    with the names (and `microbatch.FromMicroBatch` links) its calls will pass; other values are not read."""
+    with overlap.use_path(path):
+        lowering, flow = lower(make(layers, len(inputs)), normalize_layers(layers), inputs, output=output)
+    return Lowered(lowering, flow, _structure(inputs))
+
+
+def _structure(inputs: Sequence[Mapping[str, Any]]) -> Tuple[Any, ...]:
+    """What a lowering depends on in ``inputs``: the names, and the links of `FromMicroBatch` values."""
+    return tuple(tuple(sorted((name, (v.mbs, v.names, v.fn is None) if isinstance(v, FromMicroBatch) else None)
+                              for name, v in inp.items())) for inp in inputs)
+
+
+def _names(structure: Tuple[Any, ...]) -> str:
+    return ", ".join("[" + ", ".join(name for name, _ in mb) + "]" for mb in structure)
+
+
 def run(schedule: Schedule, layers: Layers, inputs: Sequence[Mapping[str, Any]], output: str = OUT) -> List[Any]:
     """Run ``schedule`` over ``layers`` for micro-batches starting from ``inputs``; their outputs in order.
 
@@ -204,6 +251,8 @@ def _replay(schedule: Schedule, layers: Layers, fns: List[Callable[..., Any]], s
 def execute(lowering: Lowering, flow: Flow, inputs: Sequence[Mapping[str, Any]]) -> List[Any]:
     """Run a `Lowering` (see `lower`); returns each micro-batch's final value."""
     states: Dict[Tuple[int, int], State] = defaultdict(State)
+    # as `replay.Program`: where the path's record_stream does nothing (cpu, ge), no tensor is visited for it
+    record_streams = type(backends.get(lowering.path)).record_stream is not backends.Backend.record_stream
 
     def get(key: Key) -> Any:
         return inputs[key[1]][key[2]] if key[0] == "in" else states[key[0], key[1]][key[2]]
@@ -215,7 +264,7 @@ def execute(lowering: Lowering, flow: Flow, inputs: Sequence[Mapping[str, Any]])
         with overlap.stream(l.stream):
             for tag in step.waits:
                 overlap.event(tag).wait()
-            for key in step.crossing:
+            for key in step.crossing if record_streams else ():
                 for t in tensors_in(get(key)):
                     overlap.record_stream(t, l.stream)
             args = [_read(r, get) for r in flow.reads[step.index]]
@@ -270,4 +319,4 @@ def _wait_tensors(args: List[Any], deps: Sequence[torch.Tensor]) -> List[Any]:
     return [visit(a) for a in args]
 
 
-__all__ = ["Lowering", "Step", "event_tag", "execute", "lower", "run", "run_made"]
+__all__ = ["Lowered", "Lowering", "Step", "event_tag", "execute", "lower", "lower_ahead", "run", "run_made"]

@@ -19,7 +19,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .batch import K, PREFIX_KV, SEQ, V, Batch
-from .executor import run_made
+from .executor import Lowered, run_made
 from .model import KV, ForwardModel, MoEModel
 from .operations import FromMicroBatch, Operation
 from .schedules import HIDDEN, Schedule
@@ -66,14 +66,15 @@ def _prefix_input(plan: Split, mb: int) -> Optional[FromMicroBatch]:
 
 
 def run_schedule(model: ForwardModel, batch: Batch, plan: Split, layers: List[List[Operation]],
-                 make: MakeSchedule) -> torch.Tensor:
+                 make: MakeSchedule, lowered: Optional[Lowered] = None) -> torch.Tensor:
     """Final hidden states of ``batch`` when the schedule ``make(layers, micro-batches)`` runs ``layers``.
 
     Split the batch as ``plan`` says, give each micro-batch its inputs, build the schedule, run
-    it, and merge the micro-batches' normed outputs back into packed order.
+    it, and merge the micro-batches' normed outputs back into packed order. ``lowered``: that
+    schedule lowered ahead (`microbatch.lower_ahead`, for a function a compiler traces).
     """
     inputs = micro_batch_inputs(model, batch, plan)
-    outputs = run_made(make, layers, inputs)
+    outputs = run_made(make, layers, inputs) if lowered is None else lowered.run(inputs)
     finals = [model.norm(h) for h in outputs]
     return finals[0] if plan.serial else merge_outputs(plan, *finals)
 

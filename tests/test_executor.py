@@ -8,8 +8,8 @@ import torch
 
 import overlap
 from overlap.state import STATE
-from microbatch import (FromMicroBatch, ScheduledOp, Operation, Schedule, ScheduleError, event_tag, lower, run, serial,
-                        shared, two_batch)
+from microbatch import (FromMicroBatch, ScheduledOp, Operation, Schedule, ScheduleError, event_tag, lower,
+                        lower_ahead, run, serial, shared, two_batch)
 from overlap.multirank import run_ranks
 from support.layers import weightless_layer
 
@@ -437,3 +437,31 @@ def test_aclgraph_graph_records_before_every_wait():
     assert tc.unordered_reads(gm, "aclgraph") == [], "every cross-stream read waits for a record after its writer"
     out = tc.strip_air(gm)(*args)
     assert all(torch.equal(a, b) for a, b in zip(out, _serial_eager(layers, args)))
+
+
+# ---- lowered ahead of a trace --------------------------------------------------------------------
+
+def test_a_schedule_lowered_ahead_runs_as_run_does_and_refuses_what_it_was_not_lowered_for():
+    """`lower_ahead` + `Lowered.run` (what a compiled function calls) computes `run`'s result with each call's
+    values; other input names, another path or another caller stream is a one-line ScheduleError before any
+    launch."""
+    launched = []
+    layers = [moe_layer(i, lambda x: launched.append(1) or x.flip(0)) for i in range(2)]
+    first, second = _inputs(0), _inputs(1)
+    lowered = lower_ahead(two_batch, layers, first, "cpu")
+    with overlap.use_path("cpu"):
+        for inputs in (first, second):
+            want = run(two_batch(layers, 2), layers, inputs)
+            got = lowered.run(inputs)
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+        launched.clear()
+        renamed = [{"hidden": i["hidden"], "extra": None} for i in first]
+        with pytest.raises(ScheduleError, match=r"lowered for the inputs \[hidden\], \[hidden\] got "
+                                                r"\[extra, hidden\], \[extra, hidden\]") as err:
+            lowered.run(renamed)
+        assert "\n" not in str(err.value)
+        with overlap.stream(overlap.SHARED_EXPERT), pytest.raises(ScheduleError, match="on stream 'shared_expert'"):
+            lowered.run(first)
+    with overlap.use_path("ge"), pytest.raises(ScheduleError, match="lowered for path 'cpu' .* runs on path 'ge'"):
+        lowered.run(first)
+    assert launched == []

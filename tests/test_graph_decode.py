@@ -192,10 +192,10 @@ def _graphs_body(ctx):
             graphs.append(gm)
             return tc.strip_air(gm)
         decoder = GraphDecoder(model, new_cache(model, prompts, limits), GRAPH_MODE, path, backend=keep)
-        with tc.installed(), tc._sanitizer_set_aside():
+        with tc.installed(), tc._sanitizer_set_aside(), tc.schedule_checks() as checks:
             got = generate(model, prompts, limits, decoder=decoder)
         out[path] = dict(tokens=got.tokens, steps=got.steps, buckets=decoder.compiled_buckets,
-                         graphs=[tc.contract_summary(gm, path) for gm in graphs])
+                         graphs=[tc.contract_summary(gm, path) for gm in graphs], checks=checks)
     graphs = []  # auto on ge: a decoder per mode over one cache, each step replaying the chosen mode's graph
 
     def count(gm, example_inputs):
@@ -228,6 +228,8 @@ def test_one_graph_per_bucket_replayed_for_the_steps_of_that_bucket(captured, pa
         got = out[path]
         assert got["steps"] == 3 and got["buckets"] == [1, 2], (rank, got["steps"], got["buckets"])
         assert len(got["graphs"]) == 2, (rank, len(got["graphs"]))
+        # each bucket's schedule checked and lowered once, before its trace (the prefill's was, by the eager run)
+        assert got["checks"] == [False, False], (rank, got["checks"])
         assert got["tokens"] == out["want"], (rank, path, got["tokens"], out["want"])
 
 

@@ -336,6 +336,26 @@ def _capturing_backend(graphs: List[torch.fx.GraphModule]) -> Callable:
 
 
 @contextlib.contextmanager
+def schedule_checks() -> Iterator[List[bool]]:
+    """Inside the block, each check of a schedule by the executor (`microbatch.validate`, the first thing a
+    lowering does) appends whether Dynamo was tracing it: a compiled step's schedule is lowered before its trace
+    (`microbatch.lower_ahead`), so every entry should be False."""
+    import microbatch.executor as executor
+
+    seen: List[bool] = []
+    real = executor.validate
+
+    def validate(*args: Any, **kwargs: Any) -> Any:
+        seen.append(torch.compiler.is_compiling())
+        return real(*args, **kwargs)
+    executor.validate = validate
+    try:
+        yield seen
+    finally:
+        executor.validate = real
+
+
+@contextlib.contextmanager
 def _sanitizer_set_aside() -> Iterator[None]:
     """The process-wide stream sanitizer (``OVERLAP_SANITIZE``), if one runs, sees nothing inside the block.
 
