@@ -21,7 +21,7 @@ import overlap
 from overlap import EP_COMM, backends, tensors_in
 
 from . import replay
-from .operations import FromMicroBatch, State, split_outputs
+from .operations import State, split_outputs
 from .schedules import OUT, Flow, Key, Layers, Schedule, ScheduledOp, ScheduleError, normalize_layers, validate
 
 
@@ -179,9 +179,9 @@ class Lowered:
         if where != (self.lowering.path, self.lowering.caller):
             raise ScheduleError(f"a schedule lowered for path {self.lowering.path!r} on stream "
                                 f"{self.lowering.caller!r} runs on path {where[0]!r} on stream {where[1]!r}")
-        if _structure(inputs) != self.structure:
+        if replay.input_structure(inputs) != self.structure:
             raise ScheduleError(f"a schedule lowered for the inputs {_names(self.structure)} got "
-                                f"{_names(_structure(inputs))} (names per micro-batch)")
+                                f"{_names(replay.input_structure(inputs))} (names per micro-batch)")
         return execute(self.lowering, self.flow, inputs)
 
 
@@ -192,13 +192,7 @@ def lower_ahead(make: Callable[[Layers, int], Schedule], layers: Layers, inputs:
     with the names (and `microbatch.FromMicroBatch` links) its calls will pass; other values are not read."""
     with overlap.use_path(path):
         lowering, flow = lower(make(layers, len(inputs)), normalize_layers(layers), inputs, output=output)
-    return Lowered(lowering, flow, _structure(inputs))
-
-
-def _structure(inputs: Sequence[Mapping[str, Any]]) -> Tuple[Any, ...]:
-    """What a lowering depends on in ``inputs``: the names, and the links of `FromMicroBatch` values."""
-    return tuple(tuple(sorted((name, (v.mbs, v.names, v.fn is None) if isinstance(v, FromMicroBatch) else None)
-                              for name, v in inp.items())) for inp in inputs)
+    return Lowered(lowering, flow, replay.input_structure(inputs))
 
 
 def _names(structure: Tuple[Any, ...]) -> str:
@@ -251,8 +245,7 @@ def _replay(schedule: Schedule, layers: Layers, fns: List[Callable[..., Any]], s
 def execute(lowering: Lowering, flow: Flow, inputs: Sequence[Mapping[str, Any]]) -> List[Any]:
     """Run a `Lowering` (see `lower`); returns each micro-batch's final value."""
     states: Dict[Tuple[int, int], State] = defaultdict(State)
-    # as `replay.Program`: where the path's record_stream does nothing (cpu, ge), no tensor is visited for it
-    record_streams = type(backends.get(lowering.path)).record_stream is not backends.Backend.record_stream
+    record_streams = replay.records_streams(backends.get(lowering.path))
 
     def get(key: Key) -> Any:
         return inputs[key[1]][key[2]] if key[0] == "in" else states[key[0], key[1]][key[2]]

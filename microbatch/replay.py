@@ -97,7 +97,7 @@ class Program:
         self.caller = lowering.caller
         self.input_event = overlap.event(lowering.input_event) if lowering.input_event else None
         self.final_waits = tuple(overlap.event(t) for t in lowering.final_waits)
-        self.record_streams = type(self.backend).record_stream is not Backend.record_stream
+        self.record_streams = records_streams(self.backend)
 
     def replay(self, fns: Sequence[Callable[..., Any]], inputs: Sequence[Mapping[str, Any]]) -> List[Any]:
         """Run the program: ``fns`` are the operations' functions in layer order, ``inputs`` each
@@ -230,6 +230,17 @@ def _fn_positions(sig: Tuple[Any, ...]) -> Dict[Tuple[int, str], int]:
         for op in ops:
             out[li, op[0]] = len(out)
     return out
+
+
+def records_streams(backend: Backend) -> bool:
+    """Whether ``backend``'s ``record_stream`` does anything (not on cpu or ge): where it does not, a run visits
+    no tensor for it."""
+    return type(backend).record_stream is not Backend.record_stream
+
+
+def input_structure(inputs: Sequence[Mapping[str, Any]]) -> Tuple[Any, ...]:
+    """`_input_signature` with each micro-batch's names sorted: what a lowering depends on, in any order."""
+    return tuple(tuple(sorted(mb)) for mb in _input_signature(inputs))
 
 
 def replays() -> bool:
