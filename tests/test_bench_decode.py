@@ -1,10 +1,11 @@
 """The decode benchmark (launch/bench/decode.py): its table and targets from given figures, and a run at a tiny size."""
 import os
 import re
-import subprocess
 import sys
 
 import pytest
+
+from support import zygote
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -93,11 +94,10 @@ def test_a_mode_with_its_own_argument_is_one_maker(monkeypatch):
 
 @pytest.mark.spawns_ranks
 def test_the_decode_benchmark_runs_at_a_tiny_size():
-    proc = subprocess.run([sys.executable, "-m", "launch.bench.decode", "--preset", "tiny", "--tokens", "1,2",
-                           "--links", "0.1", "--warmup", "0", "--iters", "1", "--min-seconds", "0", "--modes",
-                           "two-batch,auto", "--calibrate-at", "0.1", "--calibration-rounds", "1"],
-                          capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, PYTHONPATH=ROOT, OVERLAP_FORKSERVER_PRELOAD=""), cwd=ROOT)
+    proc = zygote.run([sys.executable, "-m", "launch.bench.decode", "--preset", "tiny", "--tokens", "1,2",
+                       "--links", "0.1", "--warmup", "0", "--iters", "1", "--min-seconds", "0", "--modes",
+                       "two-batch,auto", "--calibrate-at", "0.1", "--calibration-rounds", "1"],
+                      timeout=300, env=dict(os.environ, PYTHONPATH=ROOT, OVERLAP_FORKSERVER_PRELOAD=""), cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     n = 3  # serial, two-batch, auto: a time per mode, then a speedup per mode but serial's
     row = r" +\d+% +" + r"[0-9.]+ +" * n + r"[0-9.]+x +" * (n - 1) + r"\S+ "

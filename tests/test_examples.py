@@ -22,6 +22,7 @@ from typing import List, Optional
 
 import pytest
 
+from support import zygote
 from support.example_runner import DONE
 from support.ports import free_port
 
@@ -109,8 +110,7 @@ def run_example(code: str, folder: str, timeout: float = TIMEOUT_S) -> subproces
                     str(free_port())]
     env = dict(os.environ, PYTHONPATH=ROOT, OVERLAP_SANITIZE="raise",
                OVERLAP_CALIBRATION_CACHE=os.path.join(folder, "calibration"))  # measured afresh, kept out of ~
-    proc = subprocess.Popen(cmd, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = zygote.Popen(cmd, cwd=folder, env=env)  # in a session of its own
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

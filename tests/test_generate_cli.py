@@ -2,12 +2,12 @@
 import json
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 import torch
 
+from support import zygote
 from support.launcher import GENERATE, ROOT, TINY, run_here, run_launcher
 
 pytestmark = [pytest.mark.spawns_ranks, pytest.mark.timeout(300)]  # drives torchrun itself
@@ -131,8 +131,7 @@ def test_a_mode_whose_tokens_differ_from_serial_fails_the_check_naming_where():
         f"sys.argv = ['launch/generate.py'] + {TINY + ['--batch', '2', '--seq-len', '8', '--new-tokens', '4', '--mode', 'serial,two-batch', '--check']!r}\n"
         "from launch.generate import script\n"
         "script()\n")
-    proc = subprocess.run([sys.executable, "-c", prog], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
-                          capture_output=True, text=True, timeout=180)
+    proc = zygote.run([sys.executable, "-c", prog], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), timeout=180)
     assert proc.returncode == 1, proc.stdout + proc.stderr[-2000:]
     assert ("two-batch: 1 rank(s) differ from serial's tokens, first at decode step 2 (0: the prefill's token) of "
             "request 1 on rank 0") in proc.stdout, proc.stdout

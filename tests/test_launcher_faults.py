@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from support import zygote
 from support.launcher import ROOT, SCRIPT, TINY, all_text, by_hand, run_launcher
 from support.ports import free_port
 
@@ -101,8 +102,7 @@ def _by_hand_late_rank0(args):
     for rank in (1, 0):
         env = dict(os.environ, PYTHONPATH=ROOT, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2",
                    RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
-        procs[rank] = subprocess.Popen([sys.executable, SCRIPT] + args, env=env, cwd=ROOT, stdout=subprocess.PIPE,
-                                       stderr=subprocess.PIPE, text=True)
+        procs[rank] = zygote.Popen([sys.executable, SCRIPT] + args, env=env, cwd=ROOT)
         if rank == 1:
             procs[1].wait(timeout=60)  # rank 1 has finished (and spoken) before rank 0 starts
     return [(procs[r].wait(timeout=60),) + procs[r].communicate() for r in (0, 1)]
@@ -206,8 +206,7 @@ def test_usage_errors_are_printed_once_under_torchrun():
 @pytest.mark.parametrize("sig, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_interrupted_runs_leave_no_kv_files(tmp_path, sig, status):
     env = dict(os.environ, PYTHONPATH=ROOT, TMPDIR=str(tmp_path), OVERLAP_FAULT="rank=0,iter=0,kind=hang")
-    proc = subprocess.Popen([sys.executable, SCRIPT] + SMALL + ["--kv-offload", "--kv-store", "mmap"], env=env,
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = zygote.Popen([sys.executable, SCRIPT] + SMALL + ["--kv-offload", "--kv-store", "mmap"], env=env, cwd=ROOT)
     seen = ""
     deadline = time.monotonic() + 120
     while "running serial" not in seen and time.monotonic() < deadline:

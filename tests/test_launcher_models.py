@@ -2,11 +2,11 @@
 import json
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 
+from support import zygote
 from support.launcher import ROOT, TINY, run_here, run_launcher
 
 pytest.importorskip("transformers")
@@ -97,8 +97,8 @@ p.script()
 
 def test_the_comparison_with_a_checkpoints_own_forward_catches_a_difference(checkpoint):
     folder = checkpoint
-    proc = subprocess.run([sys.executable, "-c", _SKEWED] + SMALL + ["--model", str(folder), "--check"],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
+    proc = zygote.run([sys.executable, "-c", _SKEWED] + SMALL + ["--model", str(folder), "--check"],
+                      timeout=300, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert f"check: FAILED: serial differs from {folder}'s own forward by 1.0" in proc.stdout, proc.stdout
 
@@ -163,9 +163,9 @@ def test_a_family_that_cannot_cut_a_request_says_so():
 
 
 def test_the_pipeline_benchmark_runs_a_family():
-    proc = subprocess.run([sys.executable, "-m", "launch.bench.pipeline", "--model", "mixtral", "--preset", "tiny",
-                           "--batch", "2", "--seq-len", "16", "--warmup", "0", "--iters", "1"], cwd=ROOT,
-                          env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=300)
+    proc = zygote.run([sys.executable, "-m", "launch.bench.pipeline", "--model", "mixtral", "--preset", "tiny",
+                       "--batch", "2", "--seq-len", "16", "--warmup", "0", "--iters", "1"], cwd=ROOT,
+                      env=dict(os.environ, PYTHONPATH=ROOT), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "mixtral at the shapes of preset tiny" in proc.stdout
     for mode in ("serial", "shared", "two-batch"):

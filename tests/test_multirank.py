@@ -7,6 +7,7 @@ import time
 import pytest
 
 from overlap.multirank import RankFailure, RankTimeout, run_ranks
+from support import zygote
 from support.ports import free_port
 from support.ranks import sum_ranks
 
@@ -96,9 +97,8 @@ def test_under_torchrun_uses_the_existing_group(tmp_path):
         "one = run_ranks(sum_ranks, 1, 1.0)\n"
         "print('RESULT', dist.get_rank(), two, one, flush=True)\n" % os.path.join(ROOT, "tests"))
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.path.join(ROOT, "tests"))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--master-port", str(free_port()), str(probe)],
-                          capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    proc = zygote.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                       "--master-port", str(free_port()), str(probe)], timeout=120, env=env, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = sorted(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))
     # every rank gets every participant's result, as with spawned ranks; rank 1 sits out the 1-rank call

@@ -1,7 +1,6 @@
 """The planner: the fastest predicted candidate wins, every rank decides alike, auto runs and equals serial."""
 import os
 import re
-import subprocess
 import sys
 
 import pytest
@@ -10,6 +9,7 @@ import microbatch
 from microbatch.planning import CostModel, Interconnect, Linear, OpCost, Transfer, choose
 from overlap.multirank import run_ranks
 
+from support import zygote
 from support.launcher import ROOT, SCRIPT
 from support.ports import free_port
 
@@ -105,7 +105,7 @@ def test_the_launcher_plans_runs_and_writes_the_prediction(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()), SCRIPT,
            "--preset", "tiny", "--mode", "auto", "--check", "--warmup", "0", "--iters", "1", "--seq-lens", "48,30,20",
            "--out", str(tmp_path / "out")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    proc = zygote.run(cmd, timeout=300, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert out.count("auto: chose") == 1 and "predicted" in out and "measured" in out
@@ -127,7 +127,7 @@ def test_auto_in_a_mode_list_says_whether_its_calibration_is_cached(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT, OVERLAP_CALIBRATION_CACHE=str(tmp_path / "cal"))
     cmd = [sys.executable, SCRIPT, "--preset", "tiny", "--mode", "two-batch,auto", "--warmup", "0", "--iters", "1",
            "--seq-lens", "48,30,20"]
-    runs = [subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT) for _ in range(2)]
+    runs = [zygote.run(cmd, timeout=300, env=env, cwd=ROOT) for _ in range(2)]
     for proc in runs:
         assert proc.returncode == 0, proc.stderr[-3000:]
     (cached,) = (tmp_path / "cal").glob("*.json")
@@ -145,9 +145,9 @@ def test_auto_in_a_mode_list_says_whether_its_calibration_is_cached(tmp_path):
 def test_the_planning_benchmark_runs_at_a_tiny_size(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT, OVERLAP_CALIBRATION_CACHE=str(tmp_path))
     env.pop("OVERLAP_FORKSERVER_PRELOAD", None)  # the suite's preloads transformers, which these ranks never use
-    proc = subprocess.run([sys.executable, "-m", "launch.bench.plan", "--preset", "tiny", "--tokens", "48",
-                           "--links", "0.1", "--warmup", "0", "--iters", "1", "--min-seconds", "0", "--repeats", "2"], capture_output=True, text=True,
-                          timeout=300, env=env, cwd=ROOT)
+    proc = zygote.run([sys.executable, "-m", "launch.bench.plan", "--preset", "tiny", "--tokens", "48", "--links", "0.1",
+                       "--warmup", "0", "--iters", "1", "--min-seconds", "0", "--repeats", "2"],
+                      timeout=300, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "48 tokens per rank" in proc.stdout and "auto chose" in proc.stdout and "targets:" in proc.stdout
     for mode in ("serial", "shared", "two-batch", "three-batch", "four-batch", "auto"):

@@ -3,7 +3,6 @@ import gzip
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
@@ -12,6 +11,7 @@ from click.testing import CliRunner
 from overlap import Span
 from overlap.observability.report import EXIT_BAD_INPUT, EXIT_BELOW, analyse, main
 from overlap.observability.timeline import save_chrome_trace
+from support import zygote
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -90,8 +90,7 @@ def test_the_report_prints_the_launchers_figures_on_its_own_trace(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
            os.path.join(ROOT, "launch", "prefill.py"), "--preset", "tiny", "--batch", "2", "--seq-len", "32",
            "--warmup", "0", "--iters", "3", "--out", str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=ROOT,
-                          env=dict(os.environ, PYTHONPATH=ROOT))
+    proc = zygote.run(cmd, timeout=240, cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT))
     assert proc.returncode == 0, proc.stderr[-3000:]
     trace = str(tmp_path / "trace_two-batch.json")
     row = next(r for r in json.loads((tmp_path / "results.json").read_text())["rows"] if r["mode"] == "two-batch")
@@ -239,8 +238,8 @@ def test_bad_inputs_name_file_and_problem(tmp_path):
 def test_module_entry_point(tmp_path):
     path, _ = _toolkit_trace(tmp_path, comm_start=0.003)
     env = dict(os.environ, PYTHONPATH=ROOT)
-    proc = subprocess.run([sys.executable, "-m", "overlap.observability.report", path, "--min-overlap", "0.5"], env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = zygote.run([sys.executable, "-m", "overlap.observability.report", path, "--min-overlap", "0.5"], env=env,
+                      timeout=120)
     assert proc.returncode == EXIT_BELOW, proc.stderr
     assert "busy" in proc.stdout and "FAIL" in proc.stderr
 
@@ -446,8 +445,8 @@ def test_bad_input_from_the_command_line_is_one_line(tmp_path):
     (tmp_path / "nan.json").write_bytes(_trace([dict(GOOD[0], ts=NAN), GOOD[1]]))
     env = dict(os.environ, PYTHONPATH=ROOT)
     for name in ("binary.json", "nan.json"):
-        proc = subprocess.run([sys.executable, "-m", "overlap.observability.report", str(tmp_path / name),
-                               "--min-overlap", "0.5"], env=env, capture_output=True, text=True, timeout=120)
+        proc = zygote.run([sys.executable, "-m", "overlap.observability.report", str(tmp_path / name),
+                           "--min-overlap", "0.5"], env=env, timeout=120)
         assert proc.returncode == EXIT_BAD_INPUT, proc.stderr
         assert proc.stdout == "" and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
         assert name in proc.stderr and "Traceback" not in proc.stderr
@@ -574,8 +573,8 @@ def test_a_named_pipe_or_a_device_is_refused_not_waited_on(tmp_path):
     path, _ = _toolkit_trace(tmp_path, comm_start=0.0025)
     env = dict(os.environ, PYTHONPATH=ROOT)
     for args, named in (([fifo], fifo), ([path, "--plan", fifo], fifo), ([os.devnull], os.devnull)):
-        proc = subprocess.run([sys.executable, "-m", "overlap.observability.report"] + [str(a) for a in args],
-                              env=env, capture_output=True, text=True, timeout=120)
+        proc = zygote.run([sys.executable, "-m", "overlap.observability.report"] + [str(a) for a in args],
+                          env=env, timeout=120)
         assert proc.returncode == EXIT_BAD_INPUT and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
         assert str(named) in proc.stderr and "not a regular file or a folder" in proc.stderr, proc.stderr
     _bad(path, "a folder, not a trace file", args=("--plan", tmp_path), names_file=False)

@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from support import zygote
 from support.ports import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -129,7 +130,7 @@ def test_one_agent(tmp_path, world):
     env = _suite(tmp_path)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
            "--master-port", str(free_port())] + _pytest_args(tmp_path)
-    proc = subprocess.run(cmd, env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=240)
+    proc = zygote.run(cmd, env=env, cwd=str(tmp_path), timeout=240)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-4000:]  # a rank failed: the job fails
     _check_report(proc.stdout, world)
@@ -141,8 +142,7 @@ def test_two_agents_as_two_nodes(tmp_path):
     port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "suite"]
-    agents = [subprocess.Popen(cmd + ["--node-rank", str(n)] + _pytest_args(tmp_path), env=env,
-                               cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    agents = [zygote.Popen(cmd + ["--node-rank", str(n)] + _pytest_args(tmp_path), env=env, cwd=str(tmp_path))
               for n in range(2)]
     outs = []
     try:
@@ -170,7 +170,7 @@ def pytest_collection_modifyitems(items):
 ''')
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-port", str(free_port())] + _pytest_args(tmp_path)
-    proc = subprocess.run(cmd, env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=240)
+    proc = zygote.run(cmd, env=env, cwd=str(tmp_path), timeout=240)
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-4000:]
     assert "the ranks collected different tests (rank 0: 7 tests" in out and "rank 1: 6 tests" in out, out[-4000:]
@@ -270,8 +270,7 @@ def test_a_frozen_rank_is_named_and_fails_the_test_on_every_other_rank(tmp_path,
     world = 3
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
            "--master-port", str(free_port())] + _pytest_args(suite)
-    proc = subprocess.Popen(cmd, env=env, cwd=str(suite), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = zygote.Popen(cmd, env=env, cwd=str(suite))  # in a session of its own
     live = [r for r in range(world) if r != frozen]
     try:
         # once every live rank has ended its session, end the frozen one: torchrun would, after its grace period

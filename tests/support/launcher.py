@@ -8,6 +8,7 @@ import subprocess
 import sys
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
+from support import zygote
 from support.ports import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -26,7 +27,7 @@ def run_launcher(args: Sequence[str], ranks: Optional[int] = None, env: Optional
     full_env = dict(os.environ, PYTHONPATH=ROOT)
     full_env.pop("OVERLAP_FAULT", None)
     full_env.update(env or {})
-    return subprocess.run(cmd + list(args), capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
+    return zygote.run(cmd + list(args), timeout=timeout, env=full_env, cwd=ROOT)
 
 
 def run_here(main: Callable[[List[str]], None], args: Sequence[str], capsys, monkeypatch) -> Tuple[int, str, str]:
@@ -62,8 +63,7 @@ def by_hand(per_rank_args: Sequence[Sequence[str]], env: Union[None, Dict[str, s
                         LOCAL_WORLD_SIZE=str(len(per_rank_args)))
         rank_env.pop("OVERLAP_FAULT", None)
         rank_env.update(extra or {})
-        procs.append(subprocess.Popen([sys.executable, SCRIPT] + list(args), env=rank_env, cwd=ROOT,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(zygote.Popen([sys.executable, SCRIPT] + list(args), env=rank_env, cwd=ROOT))
     outs = []
     for p in procs:
         try:
