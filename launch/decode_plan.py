@@ -99,7 +99,9 @@ def calibrate_decode(model: DecodeModel, *, max_tokens: int, histories: Tuple[in
     h0, h1 = int(histories[0]), int(histories[1])
     if not 1 <= h0 < h1:
         raise ValueError(f"histories must be two lengths 1 <= short < long, got {histories}")
-    layers = {m: model.decode_layer_operations(h.moe_chunks) for m, h in hows.items()}
+    # eager steps run each mode's layers (built here: a model decode cannot run is refused before any collective);
+    # captured steps hold their own
+    layers = {m: model.decode_layer_operations(h.moe_chunks) for m, h in hows.items()} if decoders is None else {}
     group = expert_group(model)
     graph = next(iter(decoders.values())) if decoders else None
     room = [] if graph is None or len(graph.cache.active) + max_tokens <= len(graph.cache.lengths) else [
