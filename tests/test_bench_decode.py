@@ -17,7 +17,7 @@ def _point(tokens, link, share, ms):
 
 
 def test_the_table_and_the_overlap_target_from_given_figures():
-    from launch.bench.decode import report, target_overlap_pays
+    from launch.bench.decode_targets import report, target_overlap_pays
 
     pays = _point(256, 0.1, 0.4, {"serial": 100.0, "shared": 95.0, "two-batch": 80.0})
     text = report([pays, _point(8, 0.1, 0.5, {"serial": 10.0, "shared": 12.0, "two-batch": 20.0})])
@@ -34,7 +34,7 @@ def test_the_table_and_the_overlap_target_from_given_figures():
 
 
 def test_the_executors_host_time_is_judged_against_serials_tpot_at_32_tokens():
-    from launch.bench.decode import report, target_host
+    from launch.bench.decode_targets import report, target_host
 
     quick = dict(_point(32, 0.1, 0.4, {"serial": 20.0, "shared": 19.0}), executor_s=0.0015)
     slow = dict(_point(32, 1.0, 0.3, {"serial": 20.0, "shared": 19.0}), executor_s=0.0025)
@@ -44,7 +44,7 @@ def test_the_executors_host_time_is_judged_against_serials_tpot_at_32_tokens():
 
 
 def test_auto_is_judged_as_the_fixed_mode_it_ran_and_predictions_by_their_ratio_to_serial():
-    from launch.bench.decode import auto_as_fixed, prediction_errors, report, target_auto, target_prediction
+    from launch.bench.decode_targets import auto_as_fixed, prediction_errors, report, target_auto, target_prediction
 
     p = _point(64, 0.1, 0.4, {"serial": 100.0, "shared": 90.0, "two-batch": 80.0, "auto": 95.0})
     p["chosen"] = {"two-batch": 7}
@@ -114,7 +114,8 @@ def test_the_decode_benchmark_runs_at_a_tiny_size():
 def test_the_guard_is_named_under_the_table_where_it_set_a_mode_aside_and_a_bad_calibration_link_is_refused():
     from click.testing import CliRunner
 
-    from launch.bench.decode import main, report
+    from launch.bench.decode import main
+    from launch.bench.decode_targets import report
 
     said = "guard: 3 serial probe step(s) of 28; set aside two-batch at 22 step(s) (measured slower than serial)"
     p = dict(_point(256, 1.0, 0.2, {"serial": 100.0, "two-batch": 120.0, "auto": 100.0}), chosen={"serial": 28},

@@ -5,5 +5,7 @@
 - `offload`: prefill with and without the KV offload stream, and the device memory it holds;
 - `plan`: the planner's predictions against measured times over a sweep, and ``--mode auto`` against the best
   fixed mode;
+- `decode`: time per output token of every decode mode and of ``--decode-mode auto`` over batch sizes and links
+  (`decode_targets`: its table and issue 29's targets);
 - `comm_threads`: the CPU path's communication threads at real-time and normal priority, quiet and under load.
 """
