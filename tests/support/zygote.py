@@ -1,9 +1,10 @@
 """Python processes for the tests, forked from an interpreter that has already imported torch.
 
 Importing torch costs a new interpreter about 2 s of CPU, most of what a launcher test's process does: forking
-these processes took the suite from 952 to 759 s of CPU (7:56 to 6:23 with ``pytest -n auto`` on 2 cores). `Popen` and `run` mirror
-`subprocess`'s for ``[sys.executable, SCRIPT | -m MODULE | -c CODE, *args]``: each pytest worker starts one
-server process (the "zygote") that imports torch and nothing of this repository, and forks it per call. The child
+these processes took the suite from 952 to 759 s of CPU (7:56 to 6:23 with ``pytest -n auto`` on 2 cores).
+`Popen` and `run` mirror `subprocess`'s for ``[sys.executable, SCRIPT | -m MODULE | -c CODE, *args]``: each pytest
+worker starts one server process (the "zygote") that imports torch and nothing of this repository, and forks it
+per call. The child
 then sets up what a fresh interpreter would (environment, working folder, ``sys.argv``, ``sys.path`` from the
 given ``PYTHONPATH``, its own session, stdin from /dev/null) and runs the program as ``__main__``; it leaves like
 one too (non-daemon threads joined, atexit handlers, the exit status of ``sys.exit``).
@@ -78,7 +79,6 @@ def _serve(fd: int, base_path: List[str]) -> None:
 
 
 def _child(request: Dict, fds: List[int], sock: socket.socket, base_path: List[str]) -> None:
-    code = 1
     try:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -103,8 +103,7 @@ def _child(request: Dict, fds: List[int], sock: socket.socket, base_path: List[s
 
         traceback.print_exc()
         _leave(1)
-    code = _run_main(kind, target)
-    _leave(code)
+    _leave(_run_main(kind, target))
 
 
 def _run_main(kind: str, target: str) -> int:
