@@ -15,8 +15,8 @@ With ``decoders`` (`launch.graph_decode.GraphDecoder`, one per candidate mode ov
 captured steps instead, the ones `launch.decode.generate(mode="auto", decoder=decoders)` replays: each mode's
 step padded to its bucket, on scratch slots of the decoders' cache (left as it was). Such a step's time depends on
 its bucket alone, so the token points are where a mode's buckets end (`graph_token_points`) and the table is read as
-a step function (``padded``); a captured step attends over the cache's whole room, so a history past the cache's
-last row is measured at that row.
+a step function (``padded``); a captured step attends over the cache's whole room, so it is timed at the short
+history alone and that time stands for both (half the steps of an eager calibration).
 
 The result is a `microbatch.planning.DecodeCalibration`, which `launch.decode.generate(mode="auto")` reads
 every step (`microbatch.planning.choose_decode`). It is cached as the prefill's calibration is (in
@@ -209,7 +209,9 @@ def _measure(model: DecodeModel, group: Optional[Any], points: Tuple[int, ...], 
     h0, h1 = histories
     ids = calibration_ids(points[-1], model.cfg.vocab, seed, dist.get_rank(group) if group is not None else 0)
     times: Dict[Tuple[str, int, int], List[float]] = {}
-    grid = [(n, h) for n in points for h in (h0, h1)]
+    # a captured step attends over the cache's whole room: one history stands for both
+    measured = (h0,) if step.padded else (h0, h1)
+    grid = [(n, h) for n in points for h in measured]
     for rnd in range(repeats):
         for k, (n, h) in enumerate(grid):
             if progress is not None:
@@ -218,9 +220,9 @@ def _measure(model: DecodeModel, group: Optional[Any], points: Tuple[int, ...], 
             for m in names[turn:] + names[:turn]:
                 step.run(m, ids[:n], h)  # the first step of a block is not timed (a captured step: its capture)
                 times.setdefault((m, n, h), []).extend(step.run(m, ids[:n], h) for _ in range(steps))
-    seconds = {m: tuple((statistics.median(times[m, n, h0]), statistics.median(times[m, n, h1])) for n in points)
+    seconds = {m: tuple(tuple(statistics.median(times[m, n, h]) for h in (h0, measured[-1])) for n in points)
                for m in names}
-    noise = {m: tuple((relative_error(times[m, n, h0]), relative_error(times[m, n, h1])) for n in points)
+    noise = {m: tuple(tuple(relative_error(times[m, n, h]) for h in (h0, measured[-1])) for n in points)
              for m in names}
     return _alike(DecodeCalibration(points, (h0, h1), seconds, noise, padded=step.padded), group)
 

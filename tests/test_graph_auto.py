@@ -1,6 +1,7 @@
 """``--decode-mode auto`` over captured decode steps: a calibration of the captured steps, and a decoder per mode."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import pytest
@@ -65,7 +66,7 @@ def _graph_auto_body(ctx):
             slots, tokens, widest)
     cal = calibrate_decode(model, max_tokens=3, histories=(4, 9), repeats=1, steps=1, decoders=decoders)
     left = (list(cache.active), list(cache.lengths))
-    calibrated = sorted(set(stepped))
+    calibrated = sorted(collections.Counter(stepped).items())
     stepped.clear()
     with HostSyncs() as syncs:
         auto = generate(model, prompts, counts, mode="auto", plan=PADDED, decoder=decoders, guard=False)
@@ -77,15 +78,17 @@ def _graph_auto_body(ctx):
 @pytest.mark.cpu_only
 def test_auto_over_captured_steps_times_them_and_generates_serials_tokens():
     """On two ranks: the calibration times each mode's captured step (padded to its bucket) at the points where the
-    buckets end, on scratch slots of the decoders' cache that it gives back, the same table on both ranks; auto then
+    buckets end, at one history (a captured step attends over the whole cache: one untimed and one timed step per
+    mode and point), on scratch slots of the decoders' cache that it gives back, the same table on both ranks; auto then
     replays the decoder of the mode it chooses each step, alike on both ranks as the batch shrinks, with no host sync
     inside a step, and generates eager serial's tokens."""
     out = run_ranks(_graph_auto_body, 2, timeout=240)
     (cal0, *_), (cal1, *_) = out
     assert cal0 == cal1 and cal0.padded and cal0.modes == MODES and cal0.tokens == (1, 2, 3), cal0
+    assert all(r[0] == r[1] for rows in cal0.seconds.values() for r in rows), cal0.seconds
     for cal, left, calibrated, auto, stepped, in_steps, built, want in out:
         assert left == ([], [0, 0, 0]), left  # the scratch slots given back, their rows not counted
-        assert calibrated == sorted((m, n) for m in MODES for n in (1, 2, 3)), calibrated
+        assert calibrated == sorted(((m, n), 2) for m in MODES for n in (1, 2, 3)), calibrated
         assert auto.tokens == want and built == want
         assert {m for m, _ in stepped} == {"serial", "two-batch", "chunked-2"}, auto.modes
         assert in_steps == [], in_steps
