@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from types import FrameType
@@ -53,6 +54,8 @@ def main(cli: click.Command, args: Optional[List[str]], prog_name: str) -> None:
     """Run ``cli``: a bad option or configuration is printed once per node, before any rank joins a
     group; Ctrl-C and torchrun's SIGTERM end the run through its clean-up (exit 130 / 143)."""
     signal.signal(signal.SIGTERM, _terminated)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # an ignored Ctrl-C stays ignored
+        signal.signal(signal.SIGINT, _interrupted)
     try:
         cli.main(args=args, prog_name=prog_name, standalone_mode=False)
     except click.ClickException as exc:  # ConfigError and click's usage errors
@@ -96,6 +99,17 @@ def _terminated(signum: int, frame: Optional[FrameType]) -> None:
         sys.stderr.flush()
         os._exit(128 + signum)
     raise SystemExit(128 + signum)
+
+
+def _interrupted(signum: int, frame: Optional[FrameType]) -> None:
+    """Ctrl-C: KeyboardInterrupt, through the run's clean-up. Where it lands inside a ``__del__``, Python would
+    swallow it there and run on (a rank stuck at that moment stays stuck): it is delivered again a moment later."""
+    if _in_finalizer(frame):
+        again = threading.Timer(0.05, os.kill, (os.getpid(), signum))
+        again.daemon = True
+        again.start()
+        return
+    raise KeyboardInterrupt
 
 
 def _in_finalizer(frame: Optional[FrameType]) -> bool:

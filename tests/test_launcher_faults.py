@@ -211,8 +211,16 @@ def test_interrupted_runs_leave_no_kv_files(tmp_path, sig, status):
     deadline = time.monotonic() + 120
     while "running serial" not in seen and time.monotonic() < deadline:
         seen += proc.stderr.readline()
+    if "running serial" not in seen:
+        proc.kill()
+        pytest.fail(f"the launcher did not reach its run within 120 s: {seen[-3000:]}")
     proc.send_signal(sig)
-    out, err = proc.communicate(timeout=60)
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate(timeout=30)
+        pytest.fail(f"the launcher did not end within 60 s of {sig.name}: {seen[-2000:]}{err[-3000:]}")
     assert proc.returncode == status, seen + err
     assert not list(tmp_path.glob("kv-*")), list(tmp_path.iterdir())
 

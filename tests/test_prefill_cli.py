@@ -272,6 +272,30 @@ def test_sigterm_inside_a_finalizer_ends_the_rank_without_a_traceback():
     assert "RAN ON" not in proc.stdout and "Traceback" not in proc.stderr, proc.stderr[-2000:]
 
 
+def test_ctrl_c_inside_a_finalizer_still_interrupts_the_run():
+    """Ctrl-C can land while the garbage collector runs some ``__del__``: Python swallows the KeyboardInterrupt
+    raised there and runs on, so a rank stuck just after (a hang, a wait) stayed stuck and the run's clean-up
+    never ran (CI saw a SIGINT'd launcher hang). It is delivered again once out of the finalizer."""
+    prog = ("import os, signal, sys, time\n"
+            "import launch.job as p\n"
+            "signal.signal(signal.SIGINT, p._interrupted)\n"
+            "class Held:\n"
+            "    def __del__(self):\n"
+            "        os.kill(os.getpid(), signal.SIGINT)\n"
+            "        for _ in range(1000):\n"
+            "            pass\n"
+            "try:\n"
+            "    Held()\n"
+            "    time.sleep(20)\n"
+            "    print('RAN ON', flush=True)\n"
+            "except KeyboardInterrupt:\n"
+            "    print('INTERRUPTED', flush=True)\n")
+    proc = subprocess.run([sys.executable, "-c", prog], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip() == "INTERRUPTED", proc.stdout + proc.stderr[-2000:]
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
 @pytest.mark.parametrize("options, env, message", [
     (dict(timeout=1e15), {}, "--timeout must be a positive number of seconds, got 1e+15 (at most 9.22e+09"),
     (dict(seed=99999999999999999999), {}, "--seed must be an integer between 0 and 4294967295, got 9999"),
