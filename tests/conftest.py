@@ -65,7 +65,14 @@ def _clean_overlap_state(monkeypatch, tmp_path_factory):
 
 @pytest.hookimpl(trylast=True)  # after the terminal reporter exists: torchrun mode quiets it on ranks > 0
 def pytest_configure(config):
+    import signal
+
     import overlap
+
+    # A suite started in the background by a script (bash ignores SIGINT in its asynchronous commands) would pass
+    # the ignored Ctrl-C on to every launcher it starts, and the tests that interrupt one would wait on it in vain.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     from overlap.multirank import default_timeout, under_torchrun
 
     try:

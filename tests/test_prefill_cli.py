@@ -280,7 +280,7 @@ def test_sigterm_inside_a_finalizer_ends_the_rank_without_a_traceback():
 def test_ctrl_c_inside_a_finalizer_still_interrupts_the_run():
     """Ctrl-C can land while the garbage collector runs some ``__del__``: Python swallows the KeyboardInterrupt
     raised there and runs on, so a rank stuck just after (a hang, a wait) stayed stuck and the run's clean-up
-    never ran (CI saw a SIGINT'd launcher hang). It is delivered again once out of the finalizer."""
+    never ran. It is delivered again once out of the finalizer."""
     proc = _signal_in_a_finalizer("SIGINT", "_interrupted", "    try:\n        Held()\n        time.sleep(20)\n"
                                   "        print('RAN ON', flush=True)\n    except KeyboardInterrupt:\n"
                                   "        print('INTERRUPTED', flush=True)\n")
