@@ -209,9 +209,10 @@ def _measure(model: DecodeModel, group: Optional[Any], points: Tuple[int, ...], 
     h0, h1 = histories
     ids = calibration_ids(points[-1], model.cfg.vocab, seed, dist.get_rank(group) if group is not None else 0)
     times: Dict[Tuple[str, int, int], List[float]] = {}
-    # a captured step attends over the cache's whole room: one history stands for both
-    measured = (h0,) if step.padded else (h0, h1)
-    grid = [(n, h) for n in points for h in measured]
+    # the table's two history columns, as measured: a captured step attends over the cache's whole room, so one
+    # history stands for both
+    columns = (h0, h0) if step.padded else (h0, h1)
+    grid = [(n, h) for n in points for h in dict.fromkeys(columns)]
     for rnd in range(repeats):
         for k, (n, h) in enumerate(grid):
             if progress is not None:
@@ -220,10 +221,8 @@ def _measure(model: DecodeModel, group: Optional[Any], points: Tuple[int, ...], 
             for m in names[turn:] + names[:turn]:
                 step.run(m, ids[:n], h)  # the first step of a block is not timed (a captured step: its capture)
                 times.setdefault((m, n, h), []).extend(step.run(m, ids[:n], h) for _ in range(steps))
-    seconds = {m: tuple(tuple(statistics.median(times[m, n, h]) for h in (h0, measured[-1])) for n in points)
-               for m in names}
-    noise = {m: tuple(tuple(relative_error(times[m, n, h]) for h in (h0, measured[-1])) for n in points)
-             for m in names}
+    seconds = {m: tuple(tuple(statistics.median(times[m, n, h]) for h in columns) for n in points) for m in names}
+    noise = {m: tuple(tuple(relative_error(times[m, n, h]) for h in columns) for n in points) for m in names}
     return _alike(DecodeCalibration(points, (h0, h1), seconds, noise, padded=step.padded), group)
 
 

@@ -68,12 +68,12 @@ def pytest_configure(config):
     import signal
 
     import overlap
+    from overlap.multirank import default_timeout, under_torchrun
 
     # A suite started in the background by a script (bash ignores SIGINT in its asynchronous commands) would pass
     # the ignored Ctrl-C on to every launcher it starts, and the tests that interrupt one would wait on it in vain.
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    from overlap.multirank import default_timeout, under_torchrun
 
     try:
         default_timeout()  # a bad OVERLAP_RANK_TIMEOUT: one line naming it, not a failure in every multi-rank test

@@ -254,7 +254,7 @@ def test_sigterm_while_leaving_neither_prints_a_traceback_nor_loses_the_report(w
 
 def _signal_in_a_finalizer(sig: str, handler: str, then: str) -> subprocess.CompletedProcess:
     """A program that installs ``launch.job``'s ``handler`` for ``sig``, sends itself ``sig`` from inside a
-    ``__del__``, then runs ``then`` (indented code): the signal lands in the finalizer, as the collector's do."""
+    ``__del__``, then runs ``then`` (code): the signal lands in the finalizer, as the collector's do."""
     prog = ("import os, signal, sys, time\n"
             "import launch.job as p\n"
             f"signal.signal(signal.{sig}, p.{handler})\n"
@@ -263,7 +263,7 @@ def _signal_in_a_finalizer(sig: str, handler: str, then: str) -> subprocess.Comp
             f"        os.kill(os.getpid(), signal.{sig})\n"
             "        for _ in range(1000):\n"
             "            pass\n"
-            "if True:\n" + then)
+            + then)
     return subprocess.run([sys.executable, "-c", prog], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT),
                           capture_output=True, text=True, timeout=120)
 
@@ -272,7 +272,7 @@ def test_sigterm_inside_a_finalizer_ends_the_rank_without_a_traceback():
     """torchrun's SIGTERM can land while the garbage collector runs some library's ``__del__`` (CI saw it in
     regex's): the SystemExit raised there was swallowed, printed as 'Exception ignored in ... Traceback ...
     SystemExit: 143' naming launch/job.py, and the rank ran on. It ends the rank with 143, quietly."""
-    proc = _signal_in_a_finalizer("SIGTERM", "_terminated", "    Held()\n    print('RAN ON', flush=True)\n")
+    proc = _signal_in_a_finalizer("SIGTERM", "_terminated", "Held()\nprint('RAN ON', flush=True)\n")
     assert proc.returncode == 128 + signal.SIGTERM, proc.stdout + proc.stderr[-2000:]
     assert "RAN ON" not in proc.stdout and "Traceback" not in proc.stderr, proc.stderr[-2000:]
 
@@ -281,9 +281,9 @@ def test_ctrl_c_inside_a_finalizer_still_interrupts_the_run():
     """Ctrl-C can land while the garbage collector runs some ``__del__``: Python swallows the KeyboardInterrupt
     raised there and runs on, so a rank stuck just after (a hang, a wait) stayed stuck and the run's clean-up
     never ran. It is delivered again once out of the finalizer."""
-    proc = _signal_in_a_finalizer("SIGINT", "_interrupted", "    try:\n        Held()\n        time.sleep(20)\n"
-                                  "        print('RAN ON', flush=True)\n    except KeyboardInterrupt:\n"
-                                  "        print('INTERRUPTED', flush=True)\n")
+    proc = _signal_in_a_finalizer("SIGINT", "_interrupted", "try:\n    Held()\n    time.sleep(20)\n"
+                                  "    print('RAN ON', flush=True)\nexcept KeyboardInterrupt:\n"
+                                  "    print('INTERRUPTED', flush=True)\n")
     assert proc.stdout.strip() == "INTERRUPTED", proc.stdout + proc.stderr[-2000:]
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
 
