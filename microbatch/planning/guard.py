@@ -12,9 +12,18 @@ the measurements does not flip the choice step by step, and the steps go to seri
 next choice: a calibration found wrong once is not trusted for the runner-up. The guard only vetoes: a mode
 the calibration does not choose is never run to find out whether it would be faster.
 
-To compare with serial it needs serial's steps: where the calibration chooses another mode, it runs serial (a
-probe) until serial has ``min_samples`` measured steps, and once every ``probe_every`` steps after. Measurements
-older than ``forget`` steps are dropped.
+How it judges:
+- The spread of a step's time is the host's, whatever the mode, so it is pooled: the standard deviation of the
+  log ratios about each mode's mean, over every mode's kept steps. A mode judged on 3 steps borrows the others'
+  to size its standard error, rather than trusting the spread of its own 3 (which comes out less than half the
+  true one about one time in five).
+- A mode is set aside only on serial's steps measured beside its own: from ``min_samples`` steps before its
+  oldest kept step on. Where only older serial steps say it is slower (a host that slowed since them looks
+  just like a slower mode), serial runs first, as a probe, until it has enough recent steps.
+- To compare with serial it needs serial's steps: where the calibration chooses another mode, it runs serial (a
+  probe) until serial has ``min_samples`` measured steps, once every ``probe_every`` steps after, and once
+  every ``probe_every // 4`` while the verdict is not clear either way (within ``confidence`` standard errors
+  of serial's speed). Measurements older than ``forget`` steps are dropped.
 
 Pure Python: the caller times each step and records the slowest rank's time, so every rank's guard holds the
 same figures and chooses alike.
@@ -24,9 +33,12 @@ from __future__ import annotations
 import collections
 import math
 import statistics
-from typing import Deque, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from .decode import DEFAULT_MARGIN, SERIAL, DecodeCalibration, DecodeChoice, choose_decode
+
+
+KEEP, PROBE, SLOWER = "keep", "probe", "slower"  # the guard's verdicts on the calibration's choice
 
 
 class DecodeGuard:
@@ -35,7 +47,7 @@ class DecodeGuard:
     ``window``: the steps per mode whose ratios are kept; ``min_samples``: the steps a mode (and serial) needs
     before it is judged; ``confidence``: how many standard errors below serial a mode's measured speedup must be
     to be set aside; ``hold``: the steps a mode is set aside for; ``probe_every``: steps between serial probes
-    once serial has its samples; ``forget``: steps after which a measurement is dropped."""
+    once serial has its samples (a quarter of it while the verdict is not clear); ``forget``: steps after which a measurement is dropped."""
 
     def __init__(self, *, window: int = 8, min_samples: int = 3, confidence: float = 1.5, hold: int = 64,
                  probe_every: int = 32, forget: int = 256):
@@ -64,12 +76,13 @@ class DecodeGuard:
         mode = choice.mode
         if mode == SERIAL or SERIAL not in choice.predicted:
             return choice
-        if mode not in self._held and self._slower(mode, choice.predicted):
+        verdict = KEEP if mode in self._held else self._verdict(mode, choice.predicted)
+        if verdict == SLOWER:
             self._held[mode] = self.steps + self.hold - 1
         if mode in self._held:
             self.vetoed[mode] = self.vetoed.get(mode, 0) + 1
             return DecodeChoice(SERIAL, choice.predicted)
-        if self._probe_due():
+        if verdict == PROBE:
             self.probes += 1
             return DecodeChoice(SERIAL, choice.predicted, probe=True)
         return choice
@@ -83,10 +96,8 @@ class DecodeGuard:
     def speedup(self, mode: str, predicted: Mapping[str, float]) -> Optional[float]:
         """``mode``'s speedup over serial for a step of ``predicted`` seconds per mode, each prediction corrected
         by its mode's measured ratio (the median); None until both have ``min_samples`` measured steps."""
-        own, serial = self._estimate(mode), self._estimate(SERIAL)
-        if own is None or serial is None or mode not in predicted or SERIAL not in predicted:
-            return None
-        return predicted[SERIAL] * serial[0] / (predicted[mode] * own[0])
+        judged = self._judge(mode, predicted)
+        return None if judged is None else math.exp(judged[0])
 
     def summary(self) -> str:
         """What the guard did, in one line."""
@@ -94,29 +105,58 @@ class DecodeGuard:
         return (f"guard: {self.probes} serial probe step(s) of {self.steps}; "
                 + (f"set aside {aside} (measured slower than serial)" if aside else "no mode set aside"))
 
-    def _estimate(self, mode: str) -> Optional[Tuple[float, float]]:
-        """The median of ``mode``'s measured ratios and its relative standard error (about 1.25 standard errors
-        of a mean, for a median); None below ``min_samples`` steps."""
-        kept = self._ratios.get(mode)
-        if not kept or len(kept) < self.min_samples:
+    def _logs(self, mode: str, since: int = 0) -> List[float]:
+        return [math.log(r) for step, r in self._ratios.get(mode, ()) if step >= since]
+
+    def _spread(self) -> Optional[float]:
+        """The standard deviation of a step's log ratio, pooled over every mode's kept steps (each about its own
+        mean): the host's step-to-step noise, the same whatever the mode, so a mode of 3 steps borrows the
+        others' to judge it; None below two steps of freedom."""
+        squares, free = 0.0, 0
+        for kept in self._ratios.values():
+            logs = [math.log(r) for _, r in kept]
+            if len(logs) > 1:
+                mean = statistics.fmean(logs)
+                squares += sum((x - mean) ** 2 for x in logs)
+                free += len(logs) - 1
+        return math.sqrt(squares / free) if free >= 2 else None
+
+    def _judge(self, mode: str, predicted: Mapping[str, float], since: int = 0
+               ) -> Optional[Tuple[float, float]]:
+        """``mode``'s corrected log speedup over serial and its standard error, serial's steps from step ``since``
+        on; None until both have ``min_samples`` measured steps."""
+        own, serial, spread = self._logs(mode), self._logs(SERIAL, since), self._spread()
+        if len(own) < self.min_samples or len(serial) < self.min_samples or spread is None \
+                or mode not in predicted or SERIAL not in predicted:
             return None
-        values = [r for _, r in kept]
-        median = statistics.median(values)
-        spread = statistics.stdev(values) / median if len(values) > 1 else 0.0
-        return median, 1.25 * spread / math.sqrt(len(values))
+        log_speedup = (math.log(predicted[SERIAL]) + statistics.median(serial)
+                       - math.log(predicted[mode]) - statistics.median(own))
+        # a median's standard error is about 1.25 times a mean's
+        return log_speedup, 1.25 * spread * math.sqrt(1.0 / len(own) + 1.0 / len(serial))
 
-    def _slower(self, mode: str, predicted: Mapping[str, float]) -> bool:
-        """Whether ``mode``'s corrected speedup over serial is below 1 by more than ``confidence`` standard errors."""
-        own, serial, speedup = self._estimate(mode), self._estimate(SERIAL), self.speedup(mode, predicted)
-        if own is None or serial is None or speedup is None:
-            return False
-        return speedup < 1.0 - self.confidence * math.hypot(own[1], serial[1])
-
-    def _probe_due(self) -> bool:
-        serial = self._ratios.get(SERIAL)
+    def _verdict(self, mode: str, predicted: Mapping[str, float]) -> str:
+        """``SLOWER``: ``mode``'s corrected speedup over serial is below 1 by more than ``confidence`` standard errors,
+        judged on serial's steps from ``min_samples`` before ``mode``'s oldest kept one on; ``PROBE``: serial should
+        run now, because only older serial steps say so (a host that slowed since them would look like a slower
+        mode), or neither verdict is clear yet and serial has not run for ``probe_every`` // 4 steps, or serial's
+        probe is due; else ``KEEP``."""
+        kept, serial = self._ratios.get(mode), self._ratios.get(SERIAL)
         if not serial or len(serial) < self.min_samples:
-            return True
-        return self.steps - serial[-1][0] >= self.probe_every
+            return PROBE
+        since = self.steps - serial[-1][0]
+        if since >= self.probe_every:
+            return PROBE
+        if not kept:
+            return KEEP
+        for start, slower in ((kept[0][0] - self.min_samples, SLOWER), (0, PROBE)):
+            judged = self._judge(mode, predicted, start)
+            if judged is not None:
+                log_speedup, error = judged
+                if log_speedup < -self.confidence * error:
+                    return slower
+                unsure = log_speedup < self.confidence * error and since >= max(1, self.probe_every // 4)
+                return PROBE if unsure else KEEP
+        return KEEP
 
     def _drop_old(self) -> None:
         for kept in self._ratios.values():
