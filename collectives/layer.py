@@ -63,7 +63,7 @@ from .dispatch import CombineHandle, DispatchHandle, PendingDispatch, _peers, co
 from .experts import LocalExperts
 from .layout import AGREED_HINTS, ExpertBatch, LayoutError, fields_by_name, layer_fields
 from .reference import MoEConfig, Router
-from .static_step import decode_stages
+from .static_step import capacity_exchange, decode_stages
 from .values import MOE_IN, MOE_OUT
 
 
@@ -195,6 +195,17 @@ class ExpertParallelMoE(nn.Module):
     def _dispatch(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> DispatchHandle:
         self._check_shapes_once(x, idx)
         return dispatch(x, idx, weights, self.num_experts, self.group, stream_tag=None, async_finish=True)
+
+    @property
+    def decode_exchange(self) -> str:
+        """What its decode steps exchange through: ``"capacity"`` (`collectives.static_step`); an MC2 layer's
+        ``"mc2"`` or ``"auto"`` (MC2 where it runs, for buckets up to its threshold)."""
+        return "capacity"
+
+    def _decode_dispatch(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, capacity: int) -> Any:
+        """A decode step's dispatch (`decode_stages`): a static exchange of ``capacity`` rows per rank, with no
+        host sync; its handle goes to this layer's ``_experts`` / ``_combine`` unless it is the capacity one."""
+        return capacity_exchange(self, x, idx, weights, capacity)
 
     def _dispatch_counts(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> PendingDispatch:
         self._check_shapes_once(x, idx)

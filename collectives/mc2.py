@@ -422,17 +422,20 @@ class MC2ExpertParallelMoE(ExpertParallelMoE):
     """`ExpertParallelMoE` whose dispatch / combine backend is chosen by `choose_backend` (``backend``,
     ``max_tokens_per_rank``, ``mc2_threshold``): same stages; on either backend the experts take the batch's
     device group list (`collectives.handles`). ``validate``: MC2's agreement all-reduce on every call (else
-    on the first only)."""
+    on the first only). Its decode steps (`decode_stages`) choose by ``decode_backend`` (None: ``backend``) with
+    the step's capacity as the bound: MC2, or the capacity exchange where that is ``"all_to_all"``. With
+    ``backend="auto"`` and no ``max_tokens_per_rank`` prefill keeps the all-to-all and its count stage."""
 
     def __init__(self, router: nn.Module, experts: LocalExperts, num_experts: int,
                  group: Optional[dist.ProcessGroup] = None, shared: Optional[SharedExperts] = None,
                  overlap_shared: bool = True, *, backend: str = "auto", max_tokens_per_rank: Optional[int] = None,
-                 mc2_threshold: int = MC2_MAX_TOKENS, validate: bool = True):
+                 mc2_threshold: int = MC2_MAX_TOKENS, validate: bool = True, decode_backend: Optional[str] = None):
         super().__init__(router, experts, num_experts, group, shared, overlap_shared)
-        if backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        for name, value in (("backend", backend), ("decode_backend", decode_backend or backend)):
+            if value not in BACKENDS:
+                raise ValueError(f"{name} must be one of {BACKENDS}, got {value!r}")
         self.backend, self.max_tokens_per_rank, self.mc2_threshold = backend, max_tokens_per_rank, mc2_threshold
-        self.validate = validate
+        self.validate, self.decode_backend = validate, decode_backend
         self.group_name: Optional[str] = None  # the HCCL communicator's name, asked once (eagerly)
 
     @classmethod
@@ -453,13 +456,35 @@ class MC2ExpertParallelMoE(ExpertParallelMoE):
             return super()._dispatch(x, idx, weights)
         if self.max_tokens_per_rank is None:
             raise LayoutError("backend='mc2' needs max_tokens_per_rank (the same bound on every rank)")
+        return self._mc2(x, idx, weights, self.max_tokens_per_rank, self.validate)
+
+    def _has_count_stage(self) -> bool:
+        return self.two_step_dispatch and self.backend_for() == "all_to_all"
+
+    @property
+    def decode_exchange(self) -> str:
+        return {"all_to_all": "capacity"}.get(self.decode_backend or self.backend, self.decode_backend or self.backend)
+
+    def _decode_dispatch(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, capacity: int) -> Any:
+        """A decode step's dispatch: MC2 with the step's capacity (its bucket, the same on every rank) as the
+        batch bound where `choose_backend` takes MC2 for it, else the capacity exchange; checked on the first
+        call only, whatever ``validate`` says (a decode step reads nothing on the host)."""
+        backend = choose_backend(self.decode_backend or self.backend, capacity, self.mc2_threshold,
+                                 group_size(self.group))
+        if backend == "all_to_all":
+            return super()._decode_dispatch(x, idx, weights, capacity)
+        return self._mc2(x, idx, weights, capacity, False)
+
+    def _mc2(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, max_tokens: int,
+             validate: bool) -> MC2DispatchHandle:
+        """`mc2_dispatch` of the layer's tokens, with the ranks' agreement checked where ``validate`` or on the
+        layer's first dispatch."""
         first = self._shapes_unchecked()
         if self.group_name is None and mc2_available():
             self.group_name = _group_name(self.group)
-        handle = mc2_dispatch(x, idx, weights, self.num_experts, self.group,
-                              max_tokens_per_rank=self.max_tokens_per_rank, stream_tag=None, async_finish=True,
-                              validate=self.validate or first, group_name=self.group_name,
-                              precheck=(lambda: self._check_experts(x)) if first else None)
+        handle = mc2_dispatch(x, idx, weights, self.num_experts, self.group, max_tokens_per_rank=max_tokens,
+                              stream_tag=None, async_finish=True, validate=validate or first,
+                              group_name=self.group_name, precheck=(lambda: self._check_experts(x)) if first else None)
         if first:
             self._shapes_checked = True
         return handle

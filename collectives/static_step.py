@@ -38,7 +38,7 @@ from microbatch import Operation
 from overlap import DEFAULT, EP_COMM, SHARED_EXPERT
 
 from ._grouping import ROUTING_OPS, GroupedRows, group_rows
-from .capacity import CapacityCombineHandle, CapacityDispatchHandle, _capacity_dispatch, all_local_experts, \
+from .capacity import CapacityDispatchHandle, _capacity_dispatch, all_local_experts, \
     capacity_combine, expert_path, grouped_experts
 from .experts import device_group_impl, torch_npu_with
 from .layout import LayoutError
@@ -118,17 +118,16 @@ class _StaticStep:
     def __init__(self, layer: "ExpertParallelMoE"):
         self.layer = layer
 
-    def dispatch(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, capacity: int
-                 ) -> CapacityDispatchHandle:
+    def dispatch(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, capacity: int) -> Any:
         _check_capacity(capacity, x.shape[0])
-        layer = self.layer
-        layer._check_shapes_once(x, idx)  # one all-reduce on the layer's first call: the prefill's, as a rule
-        return _capacity_dispatch(x, idx, weights, layer.num_experts, layer.group, capacity, False, one_exchange=True)
+        return self.layer._decode_dispatch(x, idx, weights, capacity)
 
-    def dispatch_chunk(self, chunk: Tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]) -> CapacityDispatchHandle:
+    def dispatch_chunk(self, chunk: Tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]) -> Any:
         return self.dispatch(*chunk)
 
-    def experts(self, handle: CapacityDispatchHandle) -> Tuple[torch.Tensor, Any]:
+    def experts(self, handle: Any) -> Tuple[torch.Tensor, Any]:
+        if not isinstance(handle, CapacityDispatchHandle):  # another static exchange (MC2): the layer's own
+            return self.layer._experts(handle)
         experts = self.layer.experts
         plain = getattr(experts, "plain", True)
         which = expert_path("auto", handle.recv_x, experts) if plain else _device_impl(handle.recv_x, experts)
@@ -140,12 +139,21 @@ class _StaticStep:
         grouped = group_rows(handle.recv_x, handle.recv_ids, handle.recv_weights, experts.num_local, npu)
         return experts(grouped.x, grouped.group_list, impl=which or "loop"), grouped
 
-    def combine(self, y: torch.Tensor, batch: Any, handle: CapacityDispatchHandle) -> CapacityCombineHandle:
+    def combine(self, y: torch.Tensor, batch: Any, handle: Any) -> Any:
+        if not isinstance(handle, CapacityDispatchHandle):
+            return self.layer._combine(y, batch, handle)
         return capacity_combine(y, handle, grouped=batch if isinstance(batch, GroupedRows) else None)
+
+
+def capacity_exchange(layer: "ExpertParallelMoE", x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
+                      capacity: int) -> CapacityDispatchHandle:
+    """A decode step's static exchange: ``capacity`` rows to every rank, the rows' metadata with them."""
+    layer._check_shapes_once(x, idx)  # one all-reduce on the layer's first call: the prefill's, as a rule
+    return _capacity_dispatch(x, idx, weights, layer.num_experts, layer.group, capacity, False, one_exchange=True)
 
 
 def _device_impl(x: torch.Tensor, experts: Any) -> Optional[str]:
     return device_group_impl(x, experts.gate_up, experts.down)
 
 
-__all__ = ["decode_stages"]
+__all__ = ["capacity_exchange", "decode_stages"]

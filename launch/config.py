@@ -475,13 +475,15 @@ class DecodeConfig:
     guard: bool = True  # --decode-guard: auto sets aside a mode its steps measured slower than serial
     calibration_rounds: int = DECODE_CALIBRATION_ROUNDS  # --decode-calibration-rounds
     auto_modes: Tuple[str, ...] = DECODE_AUTO_MODES  # --decode-auto-modes: auto's candidates, serial first
+    exchange: str = "capacity"  # --decode-exchange: capacity, mc2 or auto (launch.runner.DECODE_EXCHANGES)
 
     def fingerprint(self) -> Dict[str, Union[bool, int, float, str, None, List[int], List[str], List[List[str]]]]:
         """What must be equal on every rank, by option (`launch.agreement.agree`)."""
         return {"--new-tokens": self.new_tokens, "--new-tokens-spread": self.spread, "--stop-token": self.stop_token,
                 "--decode-mode": [list(r) for r in self.runs], "--decode-graph": self.graph or "off",
                 "--decode-buckets": list(self.buckets or ()), "--decode-guard": self.guard,
-                "--decode-calibration-rounds": self.calibration_rounds, "--decode-auto-modes": list(self.auto_modes)}
+                "--decode-calibration-rounds": self.calibration_rounds, "--decode-auto-modes": list(self.auto_modes),
+                "--decode-exchange": self.exchange}
 
     def min_new_tokens(self) -> int:
         return max(1, math.ceil(self.new_tokens * (1.0 - self.spread) - 1e-9))  # 10 * (1 - 0.7) is 3.0000000000000004
@@ -495,7 +497,7 @@ def vocab_size(job: JobConfig) -> int:
 def decode_config(job: JobConfig, *, new_tokens: int, spread: float, stop_token: Optional[int],
                   decode_modes: Sequence[str], graph: str = "off", buckets: Optional[str] = None,
                   guard: bool = True, calibration_rounds: int = DECODE_CALIBRATION_ROUNDS,
-                  auto_modes: Sequence[str] = DECODE_AUTO_MODES) -> DecodeConfig:
+                  auto_modes: Sequence[str] = DECODE_AUTO_MODES, exchange: str = "capacity") -> DecodeConfig:
     """The generation options, checked against the job (`ConfigError` names the first problem).
 
     ``decode_modes``: the ``--decode-mode`` names (empty: the same as ``--mode``). Each prefill mode is paired
@@ -533,8 +535,21 @@ def decode_config(job: JobConfig, *, new_tokens: int, spread: float, stop_token:
     captured = None if graph == "off" else graph
     if captured is not None and job.kv_offload:
         raise ConfigError("--decode-graph captures steps over the device cache: drop --kv-offload")
+    _check_exchange(job, exchange)
     return DecodeConfig(new_tokens, float(spread), stop_token, tuple(runs), captured, parse_buckets(buckets),
-                        bool(guard), int(calibration_rounds), candidates)
+                        bool(guard), int(calibration_rounds), candidates, exchange)
+
+
+def _check_exchange(job: JobConfig, exchange: str) -> None:
+    """``--decode-exchange``: MC2 runs torch_npu's fused operators, on Ascend, over bf16 / fp16 tokens."""
+    if exchange not in ("capacity", "mc2", "auto"):
+        raise ConfigError(f"--decode-exchange must be capacity, mc2 or auto, got {exchange!r}")
+    if exchange == "mc2" and job.device != "npu":
+        raise ConfigError(f"--decode-exchange mc2 runs torch_npu's fused MC2 operators on Ascend (--device npu), "
+                          f"not on {job.device}: use capacity, or auto (MC2 where it runs)")
+    if exchange == "mc2" and job.dtype not in (torch.bfloat16, torch.float16):
+        raise ConfigError(f"--decode-exchange mc2 takes bfloat16 or float16 tokens, not "
+                          f"{str(job.dtype).replace('torch.', '')}: pass --dtype bfloat16")
 
 
 def parse_buckets(text: Optional[str]) -> Optional[Tuple[int, ...]]:

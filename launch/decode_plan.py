@@ -153,6 +153,9 @@ def decode_calibration_key(model: DecodeModel, group: Optional[Any], points: Seq
                 "steps": int(steps)})
     if graph is not None:
         key["graph"] = {"path": graph[0], "buckets": list(graph[1] or ())}
+    exchanges = sorted({getattr(layer.moe, "decode_exchange", "capacity") for layer in model.moe_layers()})
+    if exchanges != ["capacity"]:  # MC2's steps take their own time (the capacity exchange's keys stay as they were)
+        key["exchange"] = exchanges
     return key
 
 

@@ -87,6 +87,10 @@ OwnTokens = Union[List[List[int]], str, None]  # the model's own generate() for 
               help="With --decode-mode auto: the modes it chooses from, comma-separated (serial is always one); "
                    "fewer modes, a shorter calibration and, with --decode-graph, fewer graphs (one per mode and "
                    "bucket).")
+@click.option("--decode-exchange", type=click.Choice(["capacity", "mc2", "auto"]), default="capacity",
+              help="What decode steps exchange through: capacity (a static all-to-all of one capacity per bucket), "
+                   "mc2 (torch_npu's fused MC2 dispatch / combine, on Ascend) or auto (MC2 where torch_npu has it, "
+                   "for buckets up to 256 tokens; capacity elsewhere). Prefill keeps its all-to-all.")
 @batch_options(seq_len=64)
 @timing_options
 @click.option("--check", is_flag=True,
@@ -96,7 +100,7 @@ OwnTokens = Union[List[List[int]], str, None]  # the model's own generate() for 
 @run_options
 def cli(mode: Tuple[Tuple[str, ...], ...], decode_mode: Tuple[Tuple[str, ...], ...], new_tokens: int,
         new_tokens_spread: float, stop_token: Optional[int], decode_graph: str, decode_buckets: Optional[str],
-        decode_guard: bool, decode_calibration_rounds: int, decode_auto_modes: Tuple[str, ...],
+        decode_guard: bool, decode_calibration_rounds: int, decode_auto_modes: Tuple[str, ...], decode_exchange: str,
         layers: Optional[int], dense_layers: Optional[int],
         hidden: Optional[int], experts: Optional[int], top_k: Optional[int], shared_experts: Optional[int],
         **options: Any) -> None:  # Any: click's values of every other option, each of its own type
@@ -109,7 +113,8 @@ def cli(mode: Tuple[Tuple[str, ...], ...], decode_mode: Tuple[Tuple[str, ...], .
     decode = decode_config(job, new_tokens=new_tokens, spread=new_tokens_spread, stop_token=stop_token,
                            decode_modes=[name for names in decode_mode for name in names], graph=decode_graph,
                            buckets=decode_buckets, guard=decode_guard,
-                           calibration_rounds=decode_calibration_rounds, auto_modes=decode_auto_modes)
+                           calibration_rounds=decode_calibration_rounds, auto_modes=decode_auto_modes,
+                           exchange=decode_exchange)
     sys.exit(run_job(job, decode))
 
 
@@ -147,7 +152,8 @@ def _generate_job(job: JobConfig, decode: DecodeConfig, dev: torch.device, fault
 
     rank, world = dist.get_rank(), dist.get_world_size()
     problems = [p for p in (check_memory(job, world, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), dev),
-                            check_out_dir(job.out_dir) if job.out_dir and rank == 0 else None) if p]
+                            check_out_dir(job.out_dir) if job.out_dir and rank == 0 else None,
+                            _exchange_problem(decode, world)) if p]
     agree(job, sum(job.seq_lens), problems, job.timeout, extra=decode.fingerprint())
     model = build_model(job, rank, world, dev)
     agree_ready("checking that the model decodes", _decode_refusal(model), job.timeout)
@@ -158,7 +164,8 @@ def _generate_job(job: JobConfig, decode: DecodeConfig, dev: torch.device, fault
     if fault is not None:
         fault.poison(rank, model)
     own = _own_tokens(job, model, prompts, limits, decode.stop_token, world)  # before the blocks become EP
-    make_expert_parallel(model, dist.group.WORLD, two_step_dispatch=job.dispatch == "two-step")
+    make_expert_parallel(model, dist.group.WORLD, two_step_dispatch=job.dispatch == "two-step",
+                         decode_exchange=decode.exchange)
     runs = [Run(p, d) for p, d in decode.runs]
     say(_headline(job, decode, model, world, limits))
     make_cache = functools.partial(_new_cache, job, model, prompts, limits)
@@ -323,8 +330,22 @@ def _headline(job: JobConfig, decode: DecodeConfig, model: DecodeModel, world: i
             + f" | kv cache {'host, prefetched' if job.kv_offload else 'device'}"
             + (f" | decode steps captured per bucket on {decode.graph}" if decode.graph else "")
             + (f" | buckets {','.join(map(str, decode.buckets))}" if decode.buckets else "")
+            + (f" | decode exchange {decode.exchange}" if decode.exchange != "capacity" else "")
             + (f" | simulated link {job.link}" if job.link else "")
             + ("" if overlap.is_enabled() else f" | overlap off (${overlap.ENV_ENABLE}): every mode single-stream"))
+
+
+def _exchange_problem(decode: DecodeConfig, world: int) -> Optional[str]:
+    """Why ``--decode-exchange mc2`` cannot run here (None where it can): MC2 needs torch_npu's fused operators on
+    the npu path and at least two ranks."""
+    if decode.exchange != "mc2":
+        return None
+    from collectives.mc2 import mc2_available
+
+    if not mc2_available():
+        return ("--decode-exchange mc2 needs torch_npu with npu_moe_distribute_dispatch_v2 / combine_v2 on the npu "
+                "path: use capacity, or auto (MC2 where it runs)")
+    return None if world > 1 else "--decode-exchange mc2 needs at least 2 ranks (MC2 exchanges between ranks)"
 
 
 def _lens(lens: Sequence[int]) -> str:

@@ -362,3 +362,18 @@ def test_the_launchers_auto_run_keeps_one_guard_over_its_rounds_or_none():
         guarded.guard  # 2 rounds of 5 steps, one guard
     assert guarded.row()["decode_guard"] == guarded.guard
     assert bare.guard is None and set(bare.chosen) == {"two-batch"} and bare.row()["decode_guard"] is None
+
+
+def test_a_calibration_of_mc2_decode_steps_is_cached_apart_from_the_capacity_exchanges():
+    from launch.decode_plan import decode_calibration_key
+    from launch.models import build_model, preset
+    from launch.runner import make_expert_parallel
+
+    keys = {}
+    for exchange in ("capacity", "mc2", "auto"):
+        model = make_expert_parallel(build_model(preset("tiny"), seed=0), None, decode_exchange=exchange)
+        keys[exchange] = decode_calibration_key(model, None, (1, 2), (8, 24), ("serial", "shared"), 4, 4)
+    assert "exchange" not in keys["capacity"]  # the keys of calibrations cached before stay valid
+    assert keys["mc2"]["exchange"] == ["mc2"] and keys["auto"]["exchange"] == ["auto"]
+    with pytest.raises(ValueError, match="decode_exchange must be one of"):
+        make_expert_parallel(build_model(preset("tiny"), seed=0), None, decode_exchange="nccl")

@@ -31,6 +31,9 @@ def _run(args, ranks=None, env=None, timeout=180):
     (["--decode-auto-modes", "serial,auto"], "--decode-auto-modes names decode modes for auto to choose from"),
     (["--decode-auto-modes", "all"], "--decode-auto-modes names decode modes for auto to choose from"),
     (["--decode-auto-modes", "two-batch,five-batch"], "unknown mode 'five-batch'"),
+    (["--decode-exchange", "mc2"], "--decode-exchange mc2 runs torch_npu's fused MC2 operators on Ascend (--device "
+                                   "npu), not on cpu"),
+    (["--decode-exchange", "nccl"], "Invalid value for '--decode-exchange'"),
 ])
 def test_a_bad_generation_option_is_one_line_before_any_rank_joins(args, words, capsys, monkeypatch):
     from launch.generate import main
@@ -99,6 +102,28 @@ def test_decode_steps_captured_per_bucket_generate_serials_tokens():
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "decode steps captured per bucket on cpu | buckets 2,4" in proc.stdout, proc.stdout
     assert "check: every mode generates serial's tokens" in proc.stdout, proc.stdout
+
+
+def test_decode_exchange_auto_runs_the_capacity_exchange_where_mc2_does_not_run():
+    """--decode-exchange auto on CPU, one process: MC2 layers whose decode steps take the capacity exchange (no
+    torch_npu here), every mode with serial's tokens; the headline names the exchange."""
+    proc = _run(["--batch", "2", "--seq-len", "8", "--new-tokens", "3", "--mode", "serial", "--decode-mode",
+                 "serial,chunked-2", "--decode-exchange", "auto", "--warmup", "0", "--iters", "1", "--check"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert " | decode exchange auto" in proc.stdout, proc.stdout
+    assert "check: every mode generates serial's tokens" in proc.stdout, proc.stdout
+
+
+def test_mc2_decode_wants_half_precision_tokens():
+    import types
+
+    from launch.config import ConfigError, _check_exchange
+
+    npu = types.SimpleNamespace(device="npu", dtype=torch.float32)
+    with pytest.raises(ConfigError, match="--decode-exchange mc2 takes bfloat16 or float16 tokens, not float32"):
+        _check_exchange(npu, "mc2")
+    _check_exchange(types.SimpleNamespace(device="npu", dtype=torch.bfloat16), "mc2")
+    _check_exchange(npu, "auto")  # auto runs the capacity exchange wherever MC2 does not
 
 
 def test_auto_chooses_among_captured_steps_from_a_calibration_of_them():

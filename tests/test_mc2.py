@@ -345,3 +345,95 @@ def test_mc2_refuses_what_the_operators_refuse():
         with pytest.raises(MC2Error, match="at most 24 experts per rank"):
             mc2_dispatch(x, idx, w, 64, max_tokens_per_rank=8, validate=False, chip="a2")
     assert not calls("npu_moe_distribute_dispatch_v2")
+
+
+# --- decode: MC2 as a decode step's static exchange ------------------------------------------------------
+
+def _decode_body(ctx, backend: str, threshold: int):
+    import microbatch
+    from collectives import MOE_CAPACITY, MOE_IN, MOE_OUT
+    from overlap import HostSyncs, no_host_sync
+
+    GROUPS["ep"] = ctx.group
+    cfg = MoEConfig(hidden=64, ffn=16, n_experts=4 * ctx.world_size, top_k=2, n_shared=1)
+    moe = _moe(cfg)
+    torch.manual_seed(30 + ctx.rank)
+    x = torch.randn(5 + ctx.rank, cfg.hidden).to(torch.bfloat16)  # 5 and 6 tokens: one capacity (8) for both
+    layer = MC2ExpertParallelMoE.wrap(moe, ctx.group, backend=backend, mc2_threshold=threshold)
+    out = {}
+    with installed(fake_npu(*MC2_OPS)), mock.patch.object(mc2, "_group_name", lambda group: "ep"):
+        for chunks in (1, 2):
+            ops = layer.decode_stages(chunks)
+
+            def step():
+                (y,) = microbatch.run(microbatch.schedule_for("shared", [ops], 1), [ops],
+                                      [{MOE_IN: x, MOE_CAPACITY: 8}], output=MOE_OUT)
+                return y
+
+            step()  # the layer's first call checks the ranks' shapes once
+            CALLS.clear()
+            with HostSyncs() as syncs, no_host_sync():
+                y = step()
+            # the fake operators read their inputs on the host; the toolkit's code around them must not
+            ours = [str(s) for s in syncs.found if "/tests/" not in s.where]
+            out[chunks] = (y, ours, list(CALLS))
+    return out, moe(x)
+
+
+@pytest.mark.cpu_only
+@pytest.mark.parametrize("backend,threshold,uses_mc2", [("mc2", 256, True), ("auto", 256, True), ("auto", 2, False)],
+                         ids=["mc2", "auto", "auto_over_threshold"])
+def test_decode_stages_take_mc2_with_the_steps_capacity_and_no_host_sync(backend, threshold, uses_mc2):
+    """On 2 ranks: an MC2 layer's decode step, whole or in 2 chunks, sends through MC2 with the step's capacity as
+    the batch bound (every rank the same ``global_bs``; a chunk half of it), equals the dense layer, and reads
+    nothing on the host; where the capacity is over ``mc2_threshold``, ``auto`` takes the capacity exchange."""
+    for rank, (out, dense) in enumerate(run_ranks(_decode_body, 2, backend, threshold, timeout=120)):
+        for chunks, (y, ours, seen) in out.items():
+            torch.testing.assert_close(y, dense, **BF16, msg=lambda m: f"rank {rank}, {chunks} chunk(s): {m}")
+            assert ours == [], (rank, chunks, ours)
+            dispatches = calls_of(seen, "npu_moe_distribute_dispatch_v2")
+            if uses_mc2:
+                bound = 8 // chunks
+                assert dispatches == [dict(global_bs=2 * bound, mask=True, bs=bound)] * chunks, (rank, dispatches)
+                assert len(calls_of(seen, "npu_moe_distribute_combine_v2")) == chunks
+            else:
+                assert dispatches == [] and calls_of(seen, "npu_moe_distribute_combine_v2") == []
+
+
+def _generate_body(ctx):
+    import dataclasses
+
+    from launch.decode import generate
+    from launch.models import build_model, preset
+    from launch.runner import make_expert_parallel
+
+    GROUPS["ep"] = ctx.group
+    cfg = dataclasses.replace(preset("tiny"), n_experts=4)
+    prompts = [[1 + ctx.rank, 2, 3], [4, 5, 6 + ctx.rank], [7, 8, 9]][:2 + ctx.rank]  # 2 and 3 requests
+    out = {}
+    for exchange in ("capacity", "mc2"):
+        model = build_model(cfg, seed=3, dtype=torch.bfloat16)
+        make_expert_parallel(model, ctx.group, decode_exchange=exchange)
+        with installed(fake_npu(*MC2_OPS)), mock.patch.object(mc2, "_group_name", lambda group: "ep"):
+            out[exchange] = {m: generate(model, prompts, 5, mode=m).tokens for m in ("serial", "two-batch",
+                                                                                   "chunked-2")}
+            out[exchange + " calls"] = [op for op, _ in CALLS]
+        with installed(fake_npu(*MC2_OPS)), mock.patch.object(mc2, "_group_name", lambda group: "ep"):
+            generate(model, prompts, 1)  # a prefill, no decode step
+            out[exchange + " prefill calls"] = [op for op, _ in CALLS]
+    return out
+
+
+@pytest.mark.cpu_only
+def test_generation_with_mc2_decode_steps_gives_the_capacity_exchanges_tokens():
+    """On 2 ranks, the reference decoder in bf16 with ``make_expert_parallel(decode_exchange="mc2")``: its decode
+    steps go through MC2 (prefill keeps the all-to-all), and every mode generates the tokens the capacity exchange
+    does."""
+    for rank, out in enumerate(run_ranks(_generate_body, 2, timeout=180)):
+        want = out["capacity"]["serial"]
+        assert all(tokens == want for tokens in out["capacity"].values()), (rank, out["capacity"])
+        assert out["mc2"] == out["capacity"], (rank, out["mc2"], want)
+        assert "npu_moe_distribute_dispatch_v2" not in out["capacity calls"]
+        assert out["mc2 calls"].count("npu_moe_distribute_dispatch_v2") > 0
+        assert out["mc2 prefill calls"] == out["capacity prefill calls"] and \
+            "npu_moe_distribute_dispatch_v2" not in out["mc2 prefill calls"]
