@@ -69,6 +69,7 @@ def test_two_ranks_that_finish_apart_generate_every_modes_tokens_on_the_device_a
         device.stdout
     results = json.loads((tmp_path / "device" / "results.json").read_text())
     assert results["check"] == "passed" and results["new_tokens_spread"] == 0.75 and results["stop_token"] == 5
+    assert results["decode_exchange"] == "capacity"
     rows = {r["mode"]: r for r in results["rows"]}
     assert set(rows) == {"serial", "shared / auto", "two-batch"}
     auto = rows["shared / auto"]
