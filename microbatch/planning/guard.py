@@ -38,7 +38,7 @@ from typing import Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 from .decode import DEFAULT_MARGIN, SERIAL, DecodeCalibration, DecodeChoice, choose_decode
 
 
-KEEP, PROBE, SLOWER = "keep", "probe", "slower"  # the guard's verdicts on the calibration's choice
+_KEEP, _PROBE, _SLOWER = "keep", "probe", "slower"  # the guard's verdicts on the calibration's choice
 
 
 class DecodeGuard:
@@ -47,7 +47,8 @@ class DecodeGuard:
     ``window``: the steps per mode whose ratios are kept; ``min_samples``: the steps a mode (and serial) needs
     before it is judged; ``confidence``: how many standard errors below serial a mode's measured speedup must be
     to be set aside; ``hold``: the steps a mode is set aside for; ``probe_every``: steps between serial probes
-    once serial has its samples (a quarter of it while the verdict is not clear); ``forget``: steps after which a measurement is dropped."""
+    once serial has its samples (a quarter of it while the verdict is not clear); ``forget``: steps after which a
+    measurement is dropped."""
 
     def __init__(self, *, window: int = 8, min_samples: int = 3, confidence: float = 1.5, hold: int = 64,
                  probe_every: int = 32, forget: int = 256):
@@ -76,13 +77,13 @@ class DecodeGuard:
         mode = choice.mode
         if mode == SERIAL or SERIAL not in choice.predicted:
             return choice
-        verdict = KEEP if mode in self._held else self._verdict(mode, choice.predicted)
-        if verdict == SLOWER:
+        verdict = _KEEP if mode in self._held else self._verdict(mode, choice.predicted)
+        if verdict == _SLOWER:
             self._held[mode] = self.steps + self.hold - 1
         if mode in self._held:
             self.vetoed[mode] = self.vetoed.get(mode, 0) + 1
             return DecodeChoice(SERIAL, choice.predicted)
-        if verdict == PROBE:
+        if verdict == _PROBE:
             self.probes += 1
             return DecodeChoice(SERIAL, choice.predicted, probe=True)
         return choice
@@ -135,28 +136,28 @@ class DecodeGuard:
         return log_speedup, 1.25 * spread * math.sqrt(1.0 / len(own) + 1.0 / len(serial))
 
     def _verdict(self, mode: str, predicted: Mapping[str, float]) -> str:
-        """``SLOWER``: ``mode``'s corrected speedup over serial is below 1 by more than ``confidence`` standard errors,
-        judged on serial's steps from ``min_samples`` before ``mode``'s oldest kept one on; ``PROBE``: serial should
+        """``_SLOWER``: ``mode``'s corrected speedup over serial is below 1 by more than ``confidence`` standard errors,
+        judged on serial's steps from ``min_samples`` before ``mode``'s oldest kept one on; ``_PROBE``: serial should
         run now, because only older serial steps say so (a host that slowed since them would look like a slower
         mode), or neither verdict is clear yet and serial has not run for ``probe_every`` // 4 steps, or serial's
-        probe is due; else ``KEEP``."""
+        probe is due; else ``_KEEP``."""
         kept, serial = self._ratios.get(mode), self._ratios.get(SERIAL)
         if not serial or len(serial) < self.min_samples:
-            return PROBE
+            return _PROBE
         since = self.steps - serial[-1][0]
         if since >= self.probe_every:
-            return PROBE
+            return _PROBE
         if not kept:
-            return KEEP
-        for start, slower in ((kept[0][0] - self.min_samples, SLOWER), (0, PROBE)):
+            return _KEEP
+        for start, slower in ((kept[0][0] - self.min_samples, _SLOWER), (0, _PROBE)):
             judged = self._judge(mode, predicted, start)
             if judged is not None:
                 log_speedup, error = judged
                 if log_speedup < -self.confidence * error:
                     return slower
                 unsure = log_speedup < self.confidence * error and since >= max(1, self.probe_every // 4)
-                return PROBE if unsure else KEEP
-        return KEEP
+                return _PROBE if unsure else _KEEP
+        return _KEEP
 
     def _drop_old(self) -> None:
         for kept in self._ratios.values():
