@@ -463,7 +463,8 @@ class MC2ExpertParallelMoE(ExpertParallelMoE):
 
     @property
     def decode_exchange(self) -> str:
-        return {"all_to_all": "capacity"}.get(self.decode_backend or self.backend, self.decode_backend or self.backend)
+        backend = self.decode_backend or self.backend
+        return "capacity" if backend == "all_to_all" else backend
 
     def _decode_dispatch(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, capacity: int) -> Any:
         """A decode step's dispatch: MC2 with the step's capacity (its bucket, the same on every rank) as the

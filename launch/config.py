@@ -45,6 +45,8 @@ DECODE_MODE_NAMES = tuple(microbatch.DECODE_MODES) + ("all", AUTO)  # what --dec
 # the candidates of --decode-mode auto (--decode-auto-modes): one batch (whole, its shared experts beside, its MoE
 # in chunks) and two micro-batches; three and four micro-batches halve a decode batch's matmuls again and rarely pay
 DECODE_AUTO_MODES = ("serial", "shared", "two-batch", "chunked-2", "chunked-4")
+# --decode-exchange: what decode steps exchange through (launch.runner.make_expert_parallel)
+DECODE_EXCHANGES = ("capacity", "mc2", "auto")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -475,7 +477,7 @@ class DecodeConfig:
     guard: bool = True  # --decode-guard: auto sets aside a mode its steps measured slower than serial
     calibration_rounds: int = DECODE_CALIBRATION_ROUNDS  # --decode-calibration-rounds
     auto_modes: Tuple[str, ...] = DECODE_AUTO_MODES  # --decode-auto-modes: auto's candidates, serial first
-    exchange: str = "capacity"  # --decode-exchange: capacity, mc2 or auto (launch.runner.DECODE_EXCHANGES)
+    exchange: str = "capacity"  # --decode-exchange: one of DECODE_EXCHANGES
 
     def fingerprint(self) -> Dict[str, Union[bool, int, float, str, None, List[int], List[str], List[List[str]]]]:
         """What must be equal on every rank, by option (`launch.agreement.agree`)."""
@@ -542,8 +544,8 @@ def decode_config(job: JobConfig, *, new_tokens: int, spread: float, stop_token:
 
 def _check_exchange(job: JobConfig, exchange: str) -> None:
     """``--decode-exchange``: MC2 runs torch_npu's fused operators, on Ascend, over bf16 / fp16 tokens."""
-    if exchange not in ("capacity", "mc2", "auto"):
-        raise ConfigError(f"--decode-exchange must be capacity, mc2 or auto, got {exchange!r}")
+    if exchange not in DECODE_EXCHANGES:
+        raise ConfigError(f"--decode-exchange must be one of {', '.join(DECODE_EXCHANGES)}, got {exchange!r}")
     if exchange == "mc2" and job.device != "npu":
         raise ConfigError(f"--decode-exchange mc2 runs torch_npu's fused MC2 operators on Ascend (--device npu), "
                           f"not on {job.device}: use capacity, or auto (MC2 where it runs)")

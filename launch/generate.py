@@ -40,8 +40,8 @@ import torch.distributed as dist
 
 import microbatch
 from launch.build import build_model, holds_whole_model
-from launch.config import (AUTO, DECODE_AUTO_MODES, DECODE_CALIBRATION_ROUNDS, DECODE_MODE_NAMES, DecodeConfig,
-                           JobConfig, ModeList, decode_config, job_config)
+from launch.config import (AUTO, DECODE_AUTO_MODES, DECODE_CALIBRATION_ROUNDS, DECODE_EXCHANGES, DECODE_MODE_NAMES,
+                           DecodeConfig, JobConfig, ModeList, decode_config, job_config)
 from launch.job import main as job_main, progress, say, script as job_script
 from launch.options import batch_options, model_options, run_options, timing_options
 
@@ -87,7 +87,7 @@ OwnTokens = Union[List[List[int]], str, None]  # the model's own generate() for 
               help="With --decode-mode auto: the modes it chooses from, comma-separated (serial is always one); "
                    "fewer modes, a shorter calibration and, with --decode-graph, fewer graphs (one per mode and "
                    "bucket).")
-@click.option("--decode-exchange", type=click.Choice(["capacity", "mc2", "auto"]), default="capacity",
+@click.option("--decode-exchange", type=click.Choice(list(DECODE_EXCHANGES)), default="capacity",
               help="What decode steps exchange through: capacity (a static all-to-all of one capacity per bucket), "
                    "mc2 (torch_npu's fused MC2 dispatch / combine, on Ascend) or auto (MC2 where torch_npu has it, "
                    "for buckets up to 256 tokens; capacity elsewhere). Prefill keeps its all-to-all.")

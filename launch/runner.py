@@ -28,15 +28,13 @@ import torch.distributed as dist
 import microbatch
 import overlap
 from collectives import CapacityExpertParallelMoE, ExpertParallelMoE, MC2ExpertParallelMoE, wrap_expert_parallel
+from launch.config import DECODE_EXCHANGES
 from microbatch import Operation, Split
 from microbatch.batch import K, V, Batch
 from microbatch.forward import MakeSchedule, cut_refusal, micro_batch_inputs, run_schedule, serial_split
 from microbatch.model import ForwardModel, MoELayer, MoEModel
 from microbatch.planning.split import DEFAULT_MAX_IMBALANCE, DEFAULT_MIN_TOKENS, decide_split, propose_split
 from overlap import OffloadCache
-
-
-DECODE_EXCHANGES = ("capacity", "mc2", "auto")  # --decode-exchange
 
 
 def make_expert_parallel(model: MoEModel, group: Optional[dist.ProcessGroup], impl: str = "auto", *,

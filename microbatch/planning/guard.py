@@ -64,7 +64,7 @@ class DecodeGuard:
         self.steps = 0  # steps chosen
         self.probes = 0  # steps run in serial to measure it, where the calibration chose another mode
         self.vetoed: Dict[str, int] = {}  # by mode: steps where the calibration chose it and serial ran instead
-        self._ratios: Dict[str, Deque[Tuple[int, float]]] = {}  # by mode: (step, measured / predicted seconds)
+        self._ratios: Dict[str, Deque[Tuple[int, float]]] = {}  # by mode: (step, log of measured / predicted seconds)
         self._held: Dict[str, int] = {}  # by mode set aside: the last step it is
 
     def choose(self, cal: DecodeCalibration, tokens: int, history: float, modes: Optional[Sequence[str]] = None,
@@ -92,7 +92,7 @@ class DecodeGuard:
         """A step of ``mode`` predicted to take ``predicted`` seconds took ``measured`` (the slowest rank's)."""
         if predicted > 0 and measured > 0:
             kept = self._ratios.setdefault(mode, collections.deque(maxlen=self.window))
-            kept.append((self.steps, measured / predicted))
+            kept.append((self.steps, math.log(measured / predicted)))
 
     def speedup(self, mode: str, predicted: Mapping[str, float]) -> Optional[float]:
         """``mode``'s speedup over serial for a step of ``predicted`` seconds per mode, each prediction corrected
@@ -107,7 +107,7 @@ class DecodeGuard:
                 + (f"set aside {aside} (measured slower than serial)" if aside else "no mode set aside"))
 
     def _logs(self, mode: str, since: int = 0) -> List[float]:
-        return [math.log(r) for step, r in self._ratios.get(mode, ()) if step >= since]
+        return [r for step, r in self._ratios.get(mode, ()) if step >= since]
 
     def _spread(self) -> Optional[float]:
         """The standard deviation of a step's log ratio, pooled over every mode's kept steps (each about its own
@@ -115,7 +115,7 @@ class DecodeGuard:
         others' to judge it; None below two steps of freedom."""
         squares, free = 0.0, 0
         for kept in self._ratios.values():
-            logs = [math.log(r) for _, r in kept]
+            logs = [r for _, r in kept]
             if len(logs) > 1:
                 mean = statistics.fmean(logs)
                 squares += sum((x - mean) ** 2 for x in logs)
@@ -149,15 +149,15 @@ class DecodeGuard:
             return _PROBE
         if not kept:
             return _KEEP
-        for start, slower in ((kept[0][0] - self.min_samples, _SLOWER), (0, _PROBE)):
-            judged = self._judge(mode, predicted, start)
-            if judged is not None:
-                log_speedup, error = judged
-                if log_speedup < -self.confidence * error:
-                    return slower
-                unsure = log_speedup < self.confidence * error and since >= max(1, self.probe_every // 4)
-                return _PROBE if unsure else _KEEP
-        return _KEEP
+        beside = self._judge(mode, predicted, kept[0][0] - self.min_samples)  # serial's steps beside the mode's
+        judged = beside if beside is not None else self._judge(mode, predicted)
+        if judged is None:
+            return _KEEP
+        log_speedup, error = judged
+        if log_speedup < -self.confidence * error:
+            return _SLOWER if beside is not None else _PROBE
+        unsure = log_speedup < self.confidence * error and since >= max(1, self.probe_every // 4)
+        return _PROBE if unsure else _KEEP
 
     def _drop_old(self) -> None:
         for kept in self._ratios.values():
