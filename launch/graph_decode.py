@@ -116,7 +116,7 @@ class GraphDecoder:
                                         fullgraph=True, dynamic=False)
         elif self.device_graph:
             with overlap.use_path(self.path), overlap.no_host_sync(f"{DECODE_STEP} capture (bucket {bucket})"):
-                run = _DeviceGraph(fn, torch.cuda, self.micro_batches * bucket, self.cache.device,
+                run = _DeviceGraph(fn, self.target.mod, self.micro_batches * bucket, self.cache.device,
                                    f"{self.mode} bucket {bucket}")
         else:
             run = fn

@@ -1,5 +1,10 @@
 """The eager device paths, ``cuda`` and ``npu``: one device stream per tag, device events, record_stream.
 
+The main stream (tag ``DEFAULT``) is the caller's: the stream current when the toolkit first leaves it for a side
+stream, not the device's default stream. A model run on a stream of its own (a serving engine's) keeps its work
+there, and a graph capture (``torch.cuda.graph``, which captures on a stream of its own) sees every launch: work
+sent to the device's default stream while another stream captures invalidates the capture.
+
 Both devices have the same stream API (``torch.cuda`` / ``torch.npu``: ``Stream``, ``Event``,
 ``stream()``, ``current_stream()``, ``synchronize()``); the NPU adds per-stream core limits
 (``torch.npu.set_stream_limit``) and torch_npu's fused operators. torch_npu is imported only
@@ -7,8 +12,10 @@ when the ``npu`` path is used.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import time
-from typing import Any, ContextManager, Dict, List, Optional, Sequence, Tuple
+from typing import Any, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -16,6 +23,10 @@ from ..context import DEFAULT
 from ..hooks import Span
 from ..state import STATE
 from .base import Backend
+
+
+# the caller's stream while a side-stream scope is entered (unset outside any: the current stream is the main one)
+_main_stream: contextvars.ContextVar[Optional[Any]] = contextvars.ContextVar("overlap_main_stream", default=None)
 
 
 class DeviceClock:
@@ -101,10 +112,15 @@ class DeviceBackend(Backend):
     def set_device(self, local_rank: int) -> None:
         self.mod.set_device(local_rank % max(1, self.mod.device_count()))
 
+    def main_stream(self) -> Any:
+        """The main stream (``DEFAULT``): the caller's, current when the outermost side-stream scope was entered."""
+        main = _main_stream.get()
+        return self.mod.current_stream() if main is None else main
+
     def get_stream(self, tag: str, priority: int = 0) -> Any:
         mod = self.mod
         if tag == DEFAULT:
-            return mod.default_stream()
+            return self.main_stream()
         key = (self.device_type, mod.current_device(), tag)
         with STATE.lock:
             s = STATE.device_streams.get(key)
@@ -117,7 +133,18 @@ class DeviceBackend(Backend):
             return sorted({DEFAULT} | {t for (kind, _, t) in STATE.device_streams if kind == self.device_type})
 
     def stream_scope(self, tag: str, priority: int, outer: str) -> Optional[ContextManager[Any]]:
-        return self.mod.stream(self.get_stream(tag, priority))
+        if tag == DEFAULT and _main_stream.get() is None:
+            return None  # on the main stream already
+        return self._scope(tag, priority)
+
+    @contextlib.contextmanager
+    def _scope(self, tag: str, priority: int) -> Iterator[Any]:
+        token = _main_stream.set(self.main_stream())
+        try:
+            with self.mod.stream(self.get_stream(tag, priority)) as s:
+                yield s
+        finally:
+            _main_stream.reset(token)
 
     def _event(self, event: Any) -> Any:
         ev = event.payload.get(self.name)
@@ -142,7 +169,7 @@ class DeviceBackend(Backend):
         cur = mod.current_stream()
         with STATE.lock:
             mine = [s for (kind, _, _), s in STATE.device_streams.items() if kind == self.device_type]
-        for s in [mod.default_stream()] + mine:
+        for s in [self.main_stream()] + mine:
             if s != cur:
                 cur.wait_stream(s)
 
