@@ -7,6 +7,7 @@ from typing import Union
 import torch
 import torch.distributed as dist
 
+import overlap
 from launch.config import JobConfig
 from launch.job import say
 from microbatch.model import MoEModel
@@ -31,7 +32,8 @@ def build_model(job: JobConfig, rank: int, world: int, dev: torch.device) -> MoE
     except CheckpointError as exc:  # what this rank found in its part (a missing expert...): exit 2 on every rank
         problem = str(exc).splitlines()[0]
     agree_ready("loading the checkpoint", problem, job.timeout)  # the store only: no rank is left in a collective
-    held = torch.tensor([report.bytes_held, report.bytes_read], dtype=torch.float64)
+    held = torch.tensor([report.bytes_held, report.bytes_read], dtype=torch.float64,
+                        device=overlap.collective_device())
     every = [torch.zeros_like(held) for _ in range(world)]
     dist.all_gather(every, held)  # every rank reaches this point: it is after the job agreement
     say("weights: " + ", ".join(f"rank {r} holds {_mib(h[0])} (read {_mib(h[1])})" for r, h in enumerate(every))

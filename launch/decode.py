@@ -40,7 +40,8 @@ from .graph_decode import GraphDecoder, decoders_of
 from .runner import after_attention, split_for
 
 AUTO = "auto"  # the decode mode that chooses each step's mode from a decode calibration
-OnStep = Callable[[int, int], None]  # (step, active requests on every rank): step 0 is the prefill's token
+# (step, active requests on every rank) -> whether the caller observes the next step (step 0: the prefill's token)
+OnStep = Callable[[int, int], Optional[bool]]
 Decoders = Union[GraphDecoder, Mapping[str, GraphDecoder]]  # one decoder, or auto's: one per candidate mode
 _PREFILL_ROWS = "kv_prefill_rows"  # a prefill micro-batch's rows of the cache (its tokens' slice of the batch's)
 
@@ -113,7 +114,8 @@ def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: U
     ``prompts``: this rank's requests' token ids (none is fine with several ranks); ``new_tokens``: the most
     each generates (one count, or one per prompt); ``cache``: where the keys and values go (default
     `new_cache`; its slots are taken and freed here); ``on_step(step, active)`` is called once each step's
-    tokens are taken, with the number of requests still active on every rank; ``buckets``: the sizes a step's
+    tokens are taken, with the number of requests still active on every rank; where it returns True the caller
+    observes the next step (a timeline), whose time the guard then does not count; ``buckets``: the sizes a step's
     exchange is padded to (`bucket_of`; default the powers of two). ``mode="auto"`` chooses each step's mode
     from ``plan`` (`launch.decode_plan.calibrate_decode`; the same on every rank), serial unless another is
     predicted at least ``margin`` faster (`microbatch.planning.choose_decode`), and checks its choices with
@@ -162,7 +164,7 @@ def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: U
     per_row = history_weight(model)
     counts = sorted({h.micro_batches for h in hows.values()})
     checks = _guard_for(mode, guard)
-    ran: Optional[Tuple[str, float, float]] = None  # auto's last step: mode, predicted seconds, start
+    ran: Optional[Tuple[str, float, float, bool]] = None  # auto's last step: mode, predicted seconds, start, observed
     while True:
         still = []
         for j, (i, t) in enumerate(zip(active, nxt)):
@@ -181,10 +183,9 @@ def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: U
             widest = {d.micro_batches: d.widest(len(still)) for d in decoders.values()}
         took = time.perf_counter() - ran[2] if ran is not None else 0.0
         step = _step_status(_Post(len(still), widest, max(history, default=0), mode, took), problem, group)
-        if ran is not None and checks is not None:
+        if ran is not None and checks is not None and not ran[3]:
             checks.record(ran[0], ran[1], step.seconds)
-        if on_step is not None:
-            on_step(out.steps, step.active)
+        observed = bool(on_step(out.steps, step.active)) if on_step is not None else False
         if not step.active:
             return out
         out.steps += 1
@@ -196,7 +197,7 @@ def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: U
                 choice = choose_decode(plan, step.tokens, step.history, margin=margin)
             name = choice.mode
             out.predicted.append(choice.seconds)
-            ran = (name, choice.seconds, time.perf_counter())
+            ran = (name, choice.seconds, time.perf_counter(), observed)
         out.modes.append(name)
         if decoders:  # padded to the bucket, the bucket's graph replayed; it counts the rows itself
             run = decoders[name]

@@ -134,7 +134,12 @@ def write_generation_outputs(out_dir: str, job: JobConfig, decode: DecodeConfig,
                        "failures": failed}, f, indent=2)
 
     _atomic(os.path.join(out_dir, "results.json"), results_json)
-    pngs = _traces(out_dir, [(r.run.file_label, r.spans, f"{r.run.label}: one decode step, {world} rank(s)")
-                             for r in results if r.spans], say)
+    traced = [(r.run.file_label, r.spans, f"{r.run.label}: one decode step, {world} rank(s)") for r in results
+              if r.spans]
+    pngs = _traces(out_dir, traced, say)
+    if not traced:  # a timed round records its second decode step and every fourth after it
+        say(f"wrote {out_dir}/results.json (no trace: a generation of one decode step records none; "
+            f"--new-tokens 3 or more)")
+        return
     say(f"wrote {out_dir}/results.json, trace_<mode>.json" + (" and timeline_<mode>.png" if pngs else "")
         + " (one decode step each)")

@@ -364,6 +364,64 @@ def test_the_launchers_auto_run_keeps_one_guard_over_its_rounds_or_none():
     assert bare.guard is None and set(bare.chosen) == {"two-batch"} and bare.row()["decode_guard"] is None
 
 
+def test_an_observed_decode_step_is_no_sample_of_the_tpot_nor_of_the_guard(monkeypatch):
+    """A timed round records the launches of one decode step in `OBSERVE_EVERY` (its timeline); observing costs
+    that step its events and clock synchronizes (on a GPU half of a small eager step), so neither the TPOT nor
+    the guard counts it. A clock that ticks 1 per read and 100 more where a timeline starts stands in for that."""
+    import functools
+
+    import launch.generation as generation
+    from launch.decode import new_cache
+    from launch.generation import Run, measure_generation, observes
+    from launch.models import build_model, preset
+
+    clock = [0.0]
+
+    class Ticking:
+        @staticmethod
+        def perf_counter():
+            clock[0] += 1.0
+            return clock[0]
+
+    class Observing:
+        spans: list = []
+
+        def start(self):
+            clock[0] += 100.0
+            return self
+
+        def stop(self):
+            return self
+
+    class Counting(DecodeGuard):
+        made: list = []
+
+        def __init__(self):
+            super().__init__()
+            self.records = 0
+            Counting.made.append(self)
+
+        def record(self, mode, predicted, measured):
+            self.records += 1
+            super().record(mode, predicted, measured)
+
+    monkeypatch.setattr(generation, "time", Ticking)
+    monkeypatch.setattr(generation, "Timeline", Observing)
+    monkeypatch.setattr(generation, "DecodeGuard", Counting)
+    model = build_model(preset("tiny"), seed=1)
+    prompts, limits = [[1, 2, 3], [4, 5, 6]], [10, 10]  # 9 decode steps a generation
+    plan = DecodeCalibration((1, 2), (3, 9), {"serial": ((1.0, 1.0), (2.0, 2.0)),
+                                             "two-batch": ((0.5, 0.5), (1.0, 1.0))})
+    runs = [Run("serial", "serial"), Run("serial", "auto")]
+    results = measure_generation(model, prompts, limits, runs, None, functools.partial(new_cache, model, prompts, limits),
+                                 warmup=0, iters=2, plan=plan)
+    observed = len([s for s in range(9) if observes(s)])
+    assert observed >= 1
+    for r in results:
+        assert len(r.step_s) == 2 * (9 - observed) and max(r.step_s) < 100, (r.run, r.step_s)
+    assert [g.records for g in Counting.made] == [2 * (9 - observed)]
+
+
 def test_a_calibration_of_mc2_decode_steps_is_cached_apart_from_the_capacity_exchanges():
     from launch.decode_plan import decode_calibration_key
     from launch.models import build_model, preset
