@@ -108,7 +108,7 @@ def _prefill_job(job: JobConfig, dev: torch.device, fault: Optional[Fault], peer
     """The job once the group is joined (`run_job`): its exit status; what fails is said by `launch.job.guarded`."""
     from launch.agreement import agree, agree_ready
     from launch.job import finish
-    from launch.measure import check_against_serial, measure_modes, not_finite, table
+    from launch.measure import check_against_serial, measure_modes, near_tie_notes, not_finite, table
     from launch.memory import check as check_memory
     from microbatch.batch import Batch
     from microbatch.planning import max_over_ranks
@@ -155,9 +155,13 @@ def _prefill_job(job: JobConfig, dev: torch.device, fault: Optional[Fault], peer
                           cache=cache, before_iter=before_iter, compile_mode=compile_mode, choice=choice)
         _progress("")
         failed = not_finite(results)  # a wrong answer whatever --check says
+        ties: List[str] = []
         if job.check and not failed:
             failed = check_against_serial(results, job.dtype) + _check_own_forward(job, results, own)
+            ties = near_tie_notes(results, job.dtype)
         say(table(results, tokens))
+        for line in ties:
+            say(line)
         for r in results:
             if r.mode == AUTO or microbatch.mode(r.mode).micro_batches > 1:
                 say(f"{r.mode} split: {r.split}")

@@ -194,6 +194,44 @@ def test_the_help_names_the_command_and_every_kind_of_model(command, usage):
     assert "reference decoder" in summary and "transformers" in summary and "checkpoint" in summary, summary
 
 
+def test_in_bf16_a_few_rows_over_the_tolerance_are_a_near_tie_and_many_a_failure():
+    """In bf16 a mode whose output differs from serial's beyond the tolerance in at most 0.1% of the rows passes
+    with a note (a router's near-tie rounded the other way in another batch shape: 3 of 8192 rows on an H200);
+    more rows, a non-finite difference, or any such row in float32 fail."""
+    import torch
+
+    from launch.measure import ModeResult, _rows_over, check_against_serial, near_tie_notes, tolerance
+
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(8192, 16, generator=g)
+
+    def results(rows, dtype):
+        out = ref.clone()
+        out[rows, 3] += 0.3  # over 5e-2 x max(1, |ref|) in those rows only
+        serial, mode = ModeResult("serial", [0.1], "", [], ref.to(dtype)), ModeResult("two-batch", [0.1], "", [],
+                                                                                    out.to(dtype))
+        serial.ref_scale, serial.max_diff, serial.rows_over = float(ref.abs().max()), 0.0, 0.0
+        # what `launch.measure._compare` finds (over the ranks: one here)
+        mode.max_diff = float((mode.output - serial.output).abs().max())
+        mode.rows_over = _rows_over(mode.output, serial.output, tolerance(dtype, serial.ref_scale))
+        return [serial, mode]
+
+    few = results([5, 900, 4000], torch.bfloat16)
+    assert few[1].rows_over == pytest.approx(3 / 8192)
+    assert check_against_serial(few, torch.bfloat16) == []
+    (note,) = near_tie_notes(few, torch.bfloat16)
+    assert note.startswith("two-batch: 0.037% of the rows differ from serial") and "near-tie" in note
+    many = results(list(range(0, 8192, 512)), torch.bfloat16)  # 16 rows: 0.2%
+    (msg,) = check_against_serial(many, torch.bfloat16)
+    assert msg.startswith("two-batch differs from serial by") and "0.195% of the rows" in msg
+    assert near_tie_notes(many, torch.bfloat16) == []
+    strict = results([5], torch.float32)
+    assert check_against_serial(strict, torch.float32) and near_tie_notes(strict, torch.float32) == []
+    broken = results([5], torch.bfloat16)
+    broken[1].max_diff = float("inf")
+    assert check_against_serial(broken, torch.bfloat16)
+
+
 def test_check_verdict_fails_a_mode_that_differs_from_serial():
     import torch
 
