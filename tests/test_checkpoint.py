@@ -184,7 +184,8 @@ def test_one_rank_computes_what_the_original_computes(written, family):
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_dtypes_are_those_from_pretrained_gives(written, family, dtype):
-    """Cast like from_pretrained, DeepSeek-V3's router and bias kept in float32."""
+    """Cast like from_pretrained, parameter by parameter (DeepSeek-V3's router and bias kept in float32 where this
+    transformers keeps them: 5.25 does, 5.17 does not)."""
     _, path, _ = written[family]
     ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     loaded, report = load_checkpoint(path, dtype=str(dtype).split(".")[1])
@@ -194,8 +195,6 @@ def test_dtypes_are_those_from_pretrained_gives(written, family, dtype):
     for key in want:
         assert got[key].dtype == want[key].dtype and torch.equal(got[key], want[key]), key
     assert report.bytes_held < report.bytes_read  # float32 on disk, half precision held
-    if family == "deepseek_v3":
-        assert got["model.layers.1.mlp.gate.weight"].dtype == torch.float32
 
 
 # ---------------------------------------------------------------- other layouts

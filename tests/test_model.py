@@ -60,7 +60,7 @@ def test_weights_are_the_same_on_every_rank(model):
 def test_the_reference_decoder_implements_the_model_contract(model):
     """`microbatch.model.MoEModel`: every member, with a signature that takes the contract's calls; its shapes
     (`ModelShape`), each layer (`Layer`) and each MoE layer (`MoELayer`) too."""
-    assert protocol_problems(model, MoEModel) == [] and isinstance(model, MoEModel)
+    assert protocol_problems(model, MoEModel) == []
     assert protocol_problems(model.cfg, ModelShape) == []
     assert [protocol_problems(layer, Layer) for layer in model.layers] == [[]] * TINY.n_layers
     moe = list(model.moe_layers())
@@ -107,7 +107,7 @@ def test_the_contract_check_sees_signatures_and_kinds(model):
 
     off = build_model(TINY, seed=3)
     off.__class__ = Off
-    assert isinstance(off, MoEModel)
+    assert all(hasattr(off, m) for m in protocol_members(MoEModel))  # every name is there: isinstance's check
     assert protocol_problems(off, MoEModel) == [
         "Off.logits: takes no positional parameter 1 (hidden)",
         "Off.norm: requires ['extra'], which the protocol does not pass"]
