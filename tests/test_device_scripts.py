@@ -20,14 +20,14 @@ def _commands(script: str):
     out = []
     for line in text.splitlines():
         # npu-smoke's profiled run: a script that passes its arguments after the profile folder to prefill's main
-        m = re.match(r'\s*torchrun .*?(launch/(?:prefill|generate)\.py|"\$out/npu_profile\.py" "\$out/[^"]*")(.*)',
+        m = re.match(r'(?:\s*step \w+ \d+)?\s*torchrun .*?(launch/(?:prefill|generate)\.py|"\$out/npu_profile\.py" "\$out/[^"]*")(.*)',
                      line)
         if m is None:
             continue
         args = re.split(r"\s(?:2>&1|\||>)", m.group(2))[0]
         for shell, value in VALUES.items():
             args = args.replace(shell, value)
-        args = re.sub(r'"\$out[^"]*"', "out", args)
+        args = re.sub(r'"\$(?:out|art)[^"]*"', "out", args)
         out.append((m.group(1) if m.group(1).startswith("launch/") else "launch/prefill.py", shlex.split(args)))
     return out
 
