@@ -534,12 +534,22 @@ def decode_config(job: JobConfig, *, new_tokens: int, spread: float, stop_token:
     runs = list(dict.fromkeys(runs))  # repeats dropped, order kept
     if (job.check or any(d == AUTO for _, d in runs)) and ("serial", "serial") not in runs:
         runs.insert(0, ("serial", "serial"))  # the reference of --check, and what auto is measured beside
-    captured = None if graph == "off" else graph
-    if captured is not None and job.kv_offload:
-        raise ConfigError("--decode-graph captures steps over the device cache: drop --kv-offload")
+    captured = captured_path(job, graph)
     _check_exchange(job, exchange)
     return DecodeConfig(new_tokens, float(spread), stop_token, tuple(runs), captured, parse_buckets(buckets),
                         bool(guard), int(calibration_rounds), candidates, exchange)
+
+
+def captured_path(job: JobConfig, graph: str) -> Optional[str]:
+    """``--decode-graph``: the path decode steps are captured on per bucket (None: eager steps). ``auto`` captures
+    on CUDA where the run can (the device cache, the reference model: an eager step there is bound by its
+    launches, 6-10 times a captured one on an H200) and runs eager steps elsewhere."""
+    if graph == "auto":
+        return "cuda" if job.device == "cuda" and not job.kv_offload and not job.transformers else None
+    captured = None if graph == "off" else graph
+    if captured is not None and job.kv_offload:
+        raise ConfigError("--decode-graph captures steps over the device cache: drop --kv-offload")
+    return captured
 
 
 def _check_exchange(job: JobConfig, exchange: str) -> None:

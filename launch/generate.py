@@ -71,9 +71,10 @@ OwnTokens = Union[List[List[int]], str, None]  # the model's own generate() for 
 @click.option("--stop-token", type=int, help="A token id that ends a request (it is kept).")
 @click.option("--kv-offload/--no-kv-offload", default=False,
               help="Keep the KV cache on the host, the next layer's keys and values prefetched on the copy stream.")
-@click.option("--decode-graph", type=click.Choice(["off", "cpu", "ge", "aclgraph", "cuda"]), default="off",
+@click.option("--decode-graph", type=click.Choice(["auto", "off", "cpu", "ge", "aclgraph", "cuda"]), default="auto",
               help="Pad each decode step to its bucket and capture it once per bucket on this path, then replay "
-                   "(cpu: the padded static step, eager); off: eager steps.")
+                   "(cpu: the padded static step, eager); off: eager steps; auto: cuda with --device cuda where the "
+                   "run can (no --kv-offload, the reference model), else off.")
 @click.option("--decode-buckets", type=str, default=None,
               help="The sizes a decode step's micro-batches (their exchange, and a captured step) are padded to, "
                    "comma-separated (default: the powers of two).")

@@ -235,7 +235,8 @@ class _DeviceGraph:
                 self.out = fn(*self.inputs)
         except RuntimeError as err:
             first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-            raise RuntimeError(f"capturing the decode step ({what}) as a device graph failed: {first}") from err
+            raise RuntimeError(f"capturing the decode step ({what}) as a device graph failed: {first} (the "
+                               f"generation launcher's --decode-graph off runs eager steps)") from err
 
     def __call__(self, *args: torch.Tensor) -> torch.Tensor:
         for buf, x in zip(self.inputs, args):

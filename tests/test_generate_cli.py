@@ -192,3 +192,24 @@ def test_a_near_tie_that_flips_in_half_precision_is_reported_not_failed(dtype, m
     assert where in (failures + notes)[0]
     if dtype != torch.float32:
         assert f"logit margin there is {margin:.3g}" in (failures + notes)[0]
+
+
+def test_decode_graph_auto_captures_on_cuda_where_the_run_can_and_runs_eager_steps_elsewhere():
+    """``--decode-graph auto`` (the default): the CUDA graphs where the job runs on CUDA over the device cache with
+    the reference model (eager steps there are bound by their launches), eager steps on CPU, on Ascend, with
+    ``--kv-offload`` and with a transformers model; a path named is taken as it is."""
+    import dataclasses
+
+    from launch.config import ConfigError, captured_path, job_config
+
+    job = job_config(world=1, device="cpu", exec_path="auto", mode="serial", kv_offload=False, kv_store="memory",
+                     preset_name="tiny", overrides={}, batch=2, seq_len=16, seq_lens=None, dtype="float32", warmup=0,
+                     iters=1, seed=0, check=False, out_dir=None, cpu_link="off", timeout=30.0)
+    cuda = dataclasses.replace(job, device="cuda")
+    assert captured_path(cuda, "auto") == "cuda"
+    assert captured_path(job, "auto") is None and captured_path(dataclasses.replace(job, device="npu"), "auto") is None
+    assert captured_path(dataclasses.replace(cuda, kv_offload=True), "auto") is None
+    assert captured_path(dataclasses.replace(cuda, model_name="qwen3_moe"), "auto") is None
+    assert captured_path(cuda, "off") is None and captured_path(job, "cpu") == "cpu"
+    with pytest.raises(ConfigError, match="drop --kv-offload"):
+        captured_path(dataclasses.replace(job, kv_offload=True), "cpu")
