@@ -6,6 +6,6 @@ import os
 
 def pytest_runtest_logreport(report):
     path = os.environ.get("FAILURE_LOG")
-    if path and report.failed:
+    if path and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:  # under xdist: the controller's copy
         with open(path, "a") as f:
             f.write(f"=== {report.nodeid} ({report.when})\n{str(report.longrepr)[-2000:]}\n\n")
