@@ -164,7 +164,8 @@ def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: U
     per_row = history_weight(model)
     counts = sorted({h.micro_batches for h in hows.values()})
     checks = _guard_for(mode, guard)
-    ran: Optional[Tuple[str, float, float, bool]] = None  # auto's last step: mode, predicted seconds, start, observed
+    # auto's last step: mode, predicted seconds, start, observed, what was built before it (`_builds`)
+    ran: Optional[Tuple[str, float, float, bool, Tuple[int, int]]] = None
     while True:
         still = []
         for j, (i, t) in enumerate(zip(active, nxt)):
@@ -182,9 +183,10 @@ def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: U
         else:  # its static step attends over the whole cache: a contiguous cut, no cost to balance
             widest = {d.micro_batches: d.widest(len(still)) for d in decoders.values()}
         took = time.perf_counter() - ran[2] if ran is not None else 0.0
-        step = _step_status(_Post(len(still), widest, max(history, default=0), mode, took), problem, group)
-        if ran is not None and checks is not None and not ran[3]:
-            checks.record(ran[0], ran[1], step.seconds)
+        built = ran is not None and _builds(decoders) != ran[4]
+        step = _step_status(_Post(len(still), widest, max(history, default=0), mode, took, built), problem, group)
+        if ran is not None and checks is not None and not ran[3] and not step.built:
+            checks.record(ran[0], ran[1], step.seconds)  # a step that lowered or captured is no measurement
         observed = bool(on_step(out.steps, step.active)) if on_step is not None else False
         if not step.active:
             return out
@@ -197,7 +199,7 @@ def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: U
                 choice = choose_decode(plan, step.tokens, step.history, margin=margin)
             name = choice.mode
             out.predicted.append(choice.seconds)
-            ran = (name, choice.seconds, time.perf_counter(), observed)
+            ran = (name, choice.seconds, time.perf_counter(), observed, _builds(decoders))
         out.modes.append(name)
         if decoders:  # padded to the bucket, the bucket's graph replayed; it counts the rows itself
             run = decoders[name]
@@ -342,6 +344,7 @@ class _Post:
     history: int
     mode: str
     seconds: float = 0.0  # the last step's time on this rank (auto's guard; 0 before the first)
+    built: bool = False  # the last step lowered a schedule or captured a bucket on this rank
 
 
 @dataclasses.dataclass(frozen=True)
@@ -354,6 +357,7 @@ class _Step:
     widest: Dict[int, int]
     history: int
     seconds: float = 0.0  # the last step's time on the slowest rank
+    built: bool = False  # the last step lowered a schedule or captured a bucket on some rank
 
 
 def _step_status(post: _Post, problem: Optional[str], group: Optional[dist.ProcessGroup]) -> _Step:
@@ -363,15 +367,22 @@ def _step_status(post: _Post, problem: Optional[str], group: Optional[dist.Proce
     if group is None:
         if problem:
             raise NonFiniteLogits(problem)
-        return _Step(post.active, post.active, dict(post.widest), post.history, post.seconds)
+        return _Step(post.active, post.active, dict(post.widest), post.history, post.seconds, post.built)
     mine = {"active": post.active, "widest": [post.widest[n] for n in sorted(post.widest)],
-            "history": post.history, "decode mode": post.mode, "seconds": post.seconds}
+            "history": post.history, "decode mode": post.mode, "seconds": post.seconds, "built": post.built}
     posts = overlap.agree(mine, overlap.GroupTransport(group, "decode.step"), problems=[problem] if problem else [],
-                          per_rank=["active", "widest", "history", "seconds"], error=DecodeError,
+                          per_rank=["active", "widest", "history", "seconds", "built"], error=DecodeError,
                           problem_error=NonFiniteLogits)
     widest = {n: max(p["widest"][i] for p in posts) for i, n in enumerate(sorted(post.widest))}
     return _Step(sum(p["active"] for p in posts), max(p["active"] for p in posts), widest,
-                 max(p["history"] for p in posts), max(float(p["seconds"]) for p in posts))
+                 max(p["history"] for p in posts), max(float(p["seconds"]) for p in posts),
+                 any(p["built"] for p in posts))
+
+
+def _builds(decoders: Mapping[str, GraphDecoder]) -> Tuple[int, int]:
+    """What this process has built so far: schedules lowered (`microbatch.replay_stats`), buckets captured. A step
+    that builds pays for it once (a lowering; on a device a capture or a compile): its time is no measurement."""
+    return microbatch.replay_stats()["lowered"], sum(len(d.compiled_buckets) for d in decoders.values())
 
 
 def first_difference(tokens: Sequence[Sequence[int]], reference: Sequence[Sequence[int]]
