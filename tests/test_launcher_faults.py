@@ -119,7 +119,8 @@ def test_non_finite_weights_fail_the_run_with_or_without_check():
 def test_a_run_too_big_for_the_memory_is_refused_with_the_numbers():
     proc = run_launcher(TINY + ["--preset", "deepseek-v3", "--experts", "8", "--batch", "1", "--seq-len", "8"], ranks=2)
     out = proc.stdout + proc.stderr
-    assert proc.returncode != 0 and out.count("needs about") == 1 and "GiB of host memory" in out, out[-3000:]
+    # a line per rank at most: ranks whose free memory reads alike (to 0.01 GiB) share one
+    assert proc.returncode != 0 and 1 <= out.count("needs about") <= 2 and "GiB of host memory" in out, out[-3000:]
     assert "running serial" not in out
 
 
