@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -164,8 +164,7 @@ def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: U
     per_row = history_weight(model)
     counts = sorted({h.micro_batches for h in hows.values()})
     checks = _guard_for(mode, guard)
-    # auto's last step: mode, predicted seconds, start, observed, what was built before it (`_builds`)
-    ran: Optional[Tuple[str, float, float, bool, Tuple[int, int]]] = None
+    ran: Optional[_Ran] = None  # auto's last step
     while True:
         still = []
         for j, (i, t) in enumerate(zip(active, nxt)):
@@ -182,11 +181,11 @@ def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: U
             widest = {n: max(map(len, p)) for n, p in splits.items()}
         else:  # its static step attends over the whole cache: a contiguous cut, no cost to balance
             widest = {d.micro_batches: d.widest(len(still)) for d in decoders.values()}
-        took = time.perf_counter() - ran[2] if ran is not None else 0.0
-        built = ran is not None and _builds(decoders) != ran[4]
+        took = time.perf_counter() - ran.start if ran is not None else 0.0
+        built = ran is not None and _builds(decoders) != ran.builds
         step = _step_status(_Post(len(still), widest, max(history, default=0), mode, took, built), problem, group)
-        if ran is not None and checks is not None and not ran[3] and not step.built:
-            checks.record(ran[0], ran[1], step.seconds)  # a step that lowered or captured is no measurement
+        if ran is not None and checks is not None and not ran.observed and not step.built:
+            checks.record(ran.mode, ran.predicted, step.seconds)  # a step that lowered or captured is no measurement
         observed = bool(on_step(out.steps, step.active)) if on_step is not None else False
         if not step.active:
             return out
@@ -199,7 +198,7 @@ def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: U
                 choice = choose_decode(plan, step.tokens, step.history, margin=margin)
             name = choice.mode
             out.predicted.append(choice.seconds)
-            ran = (name, choice.seconds, time.perf_counter(), observed, _builds(decoders))
+            ran = _Ran(name, choice.seconds, time.perf_counter(), observed, _builds(decoders))
         out.modes.append(name)
         if decoders:  # padded to the bucket, the bucket's graph replayed; it counts the rows itself
             run = decoders[name]
@@ -332,6 +331,16 @@ def _greedy(logits: torch.Tensor, requests: List[int], step: int, margins: bool
         top = logits.float().topk(2, dim=-1).values
         gaps = (top[:, 0] - top[:, 1]).tolist()
     return logits.argmax(-1).tolist(), gaps, problem
+
+
+class _Ran(NamedTuple):
+    """Auto's last step, as its guard needs it once the step is done."""
+
+    mode: str
+    predicted: float  # seconds
+    start: float  # perf_counter
+    observed: bool  # the caller recorded its launches (`OnStep`)
+    builds: Tuple[int, int]  # `_builds` before it
 
 
 @dataclasses.dataclass(frozen=True)
