@@ -83,15 +83,14 @@ def reduce_rows(y: torch.Tensor, g: GroupedRows) -> torch.Tensor:
         return g.npu.npu_moe_finalize_routing(expanded_permuted_rows=y, skip1=None, skip2=None, bias=None,
                                               scales=g.weights.to(y.dtype), expanded_src_to_dst_row=g.dst,
                                               export_for_source_row=None, drop_pad_mode=2)
-    pairs = y.index_select(0, g.dst.long()).view(rows, k, y.shape[-1])
-    here = g.ids >= 0
-    zero = torch.zeros((), dtype=torch.float32, device=y.device)
-    out = None
-    for s in range(k):
-        term = torch.where(here[:, s, None], pairs[:, s].float() * g.weights[:, s, None].float(), zero)
-        out = term if out is None else out + term
-    if out is None or rows == 0:
+    if rows == 0:
         return torch.zeros(rows, y.shape[-1], dtype=torch.float32, device=y.device)
+    pairs = y.index_select(0, g.dst.long()).view(rows, k, y.shape[-1]).float()
+    zero = torch.zeros((), dtype=torch.float32, device=y.device)
+    terms = torch.where((g.ids >= 0)[..., None], pairs * g.weights.float()[..., None], zero)
+    out = terms[:, 0]
+    for s in range(1, k):  # one slot after another, the reference's order (a sum kernel may associate otherwise)
+        out = out + terms[:, s]
     return out
 
 

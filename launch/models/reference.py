@@ -54,14 +54,24 @@ class RMSNorm(nn.Module):
         return (xf * self.weight.float()).to(x.dtype)
 
 
-def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding of ``x`` [tokens, heads, head_dim] (rotate-half layout), in float32."""
-    half = x.shape[-1] // 2
-    inv_freq = theta ** (-torch.arange(half, dtype=torch.float32, device=x.device) / half)
+def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The rotary tables ``(cos, sin)`` of ``positions [tokens]``, each ``[tokens, 1, head_dim]`` float32 (both
+    halves alike): made once per layer and shared by its queries and keys (`rope`)."""
+    half = head_dim // 2
+    inv_freq = theta ** (-torch.arange(half, dtype=torch.float32, device=positions.device) / half)
     angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
-    cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
-    x1, x2 = x.float()[..., :half], x.float()[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
+    angles = torch.cat([angles, angles], dim=-1)[:, None, :]
+    return angles.cos(), angles.sin()
+
+
+def rope(x: torch.Tensor, tables: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotary embedding of ``x`` [tokens, heads, head_dim] (rotate-half layout), in float32:
+    ``(x1 cos - x2 sin, x2 cos + x1 sin)`` for the halves ``x1, x2``, in four operations."""
+    cos, sin = tables
+    xf = x.float()
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-xf[..., half:], xf[..., :half]], dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)
 
 
 def _causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -108,8 +118,8 @@ class DecoderLayer(nn.Module):
         x = self.attn_norm(hidden)
         q, k, v = (proj(x).view(t, h, d) for proj in (self.q_proj, self.k_proj, self.v_proj))
         if self.cfg.rope_theta is not None:
-            pos = seq.positions(hidden.device)
-            q, k = _rope(q, pos, self.cfg.rope_theta), _rope(k, pos, self.cfg.rope_theta)
+            tables = rope_tables(seq.positions(hidden.device), d, self.cfg.rope_theta)
+            q, k = rope(q, tables), rope(k, tables)
         out = torch.empty_like(q)
         start = pstart = 0
         for n, p in zip(seq.seq_lens, seq.prefix_lens):
@@ -129,7 +139,8 @@ class DecoderLayer(nn.Module):
         x = self.attn_norm(hidden)
         q, k, v = (proj(x).view(t, h, d) for proj in (self.q_proj, self.k_proj, self.v_proj))
         if self.cfg.rope_theta is not None:
-            q, k = _rope(q, step.positions, self.cfg.rope_theta), _rope(k, step.positions, self.cfg.rope_theta)
+            tables = rope_tables(step.positions, d, self.cfg.rope_theta)
+            q, k = rope(q, tables), rope(k, tables)
         return hidden + self.o_proj(step.attend(self.index, q, k, v).reshape(t, h * d))
 
     def decode_operations(self, chunks: int = 1) -> List[Operation]:
