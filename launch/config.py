@@ -163,13 +163,17 @@ def parse_seq_lens(text: Optional[str], batch: int, seq_len: int) -> List[int]:
 
 
 def resolve_device(device: str, path: Optional[str]) -> str:
-    """The device to run on: ``auto`` is npu if torch_npu sees one, else cuda, else cpu."""
+    """The device to run on: ``auto`` is npu if torch_npu sees one, else cuda, else cpu; or the device of the path
+    ``$OVERLAP_PATH`` names, where that is the CPU or the device found (``OVERLAP_PATH=cpu``: the CPU path on a
+    machine with a GPU)."""
     try:
         found = overlap.backends.get(overlap.detect_path()).device_type
-    except ValueError as exc:  # $OVERLAP_GRAPH_PATH, read on the way
+        forced = overlap.context.env_path()
+    except ValueError as exc:  # $OVERLAP_GRAPH_PATH or $OVERLAP_PATH, read on the way
         raise ConfigError(str(exc)) from None
     if device == "auto":
-        device = found
+        wanted = overlap.backends.get(forced).device_type if forced else found
+        device = wanted if wanted in ("cpu", found) else found  # else `environment` names $OVERLAP_PATH
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda: no CUDA device is available on this machine")
     if device == "npu" and found != "npu":

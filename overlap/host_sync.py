@@ -131,6 +131,7 @@ class HostSyncs:
         self.found: List[HostSync] = []
         self._saved: List[Tuple[Any, str, Any]] = []
         self._lock = threading.Lock()
+        self._busy = threading.local()  # inside a counted call on this thread: the calls it makes are not counted
 
     def inside(self, scope: Optional[str] = None) -> List[HostSync]:
         """The syncs made inside `no_host_sync` scopes (only those labelled ``scope``, if given)."""
@@ -144,17 +145,17 @@ class HostSyncs:
         original = getattr(owner, name, None)
         if original is None:
             return
-        record = self._record
-        busy = threading.local()  # a patched call made by another one is counted once
+        record, busy = self._record, self._busy
 
         def counted(*args: Any, **kwargs: Any) -> Any:
-            if not getattr(busy, "on", False) and when(*args, **kwargs):
-                busy.on = True
-                try:
-                    record(label)
-                finally:
-                    busy.on = False
-            return original(*args, **kwargs)
+            if getattr(busy, "on", False) or not when(*args, **kwargs):
+                return original(*args, **kwargs)
+            busy.on = True  # what this sync calls (overlap.synchronize: the device's) is part of it, not another
+            try:
+                record(label)
+                return original(*args, **kwargs)
+            finally:
+                busy.on = False
 
         own = name in vars(owner)  # else inherited (a C base's method): removed again on exit, not set
         try:

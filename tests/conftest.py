@@ -30,6 +30,12 @@ def pytest_xdist_auto_num_workers(config):
 if "PYTEST_XDIST_WORKER" in os.environ:  # before torch is imported; a value the user set is kept
     os.environ.setdefault("OMP_NUM_THREADS", str(_threads_per_worker()))
 
+# The path every test starts on: the CPU path (its spawned ranks join over gloo), also on a machine with a GPU or an
+# NPU, where detection would pick the device and two spawned ranks would share its one card; $OVERLAP_PATH as the
+# user set it, or detection under torchrun, where the suite runs on the ranks and cards torchrun made
+_UNDER_TORCHRUN = "TORCHELASTIC_RUN_ID" in os.environ or ("WORLD_SIZE" in os.environ and "RANK" in os.environ)
+SUITE_PATH = os.environ.get("OVERLAP_PATH") or (None if _UNDER_TORCHRUN else "cpu")
+
 # What the rank bodies of the multi-rank tests import, imported once by each worker's forkserver instead of in
 # every rank it forks (transformers' modeling code alone is about 2 s of CPU a process); empty turns it off
 os.environ.setdefault("OVERLAP_FORKSERVER_PRELOAD", ",".join([
@@ -41,14 +47,17 @@ os.environ.setdefault("OVERLAP_FORKSERVER_PRELOAD", ",".join([
 
 @pytest.fixture(autouse=True)
 def _clean_overlap_state(monkeypatch, tmp_path_factory):
-    """Each test starts from a fresh toolkit state: auto-detected path, overlap on, no streams, events or limits,
-    and an empty calibration cache of its own (what it calibrates is measured, and stays out of ~/.cache)."""
+    """Each test starts from a fresh toolkit state: the suite's path (`SUITE_PATH`), overlap on, no streams, events
+    or limits, and an empty calibration cache of its own (what it calibrates is measured, and stays out of
+    ~/.cache)."""
     import overlap
 
     monkeypatch.setenv("OVERLAP_CALIBRATION_CACHE", str(tmp_path_factory.mktemp("calibration")))
 
     for var in (overlap.ENV_PATH, overlap.ENV_ENABLE, "OVERLAP_CORE_BUDGET", "OVERLAP_CPU_LINK"):
         monkeypatch.delenv(var, raising=False)
+    if SUITE_PATH:
+        monkeypatch.setenv(overlap.ENV_PATH, SUITE_PATH)
     from overlap.state import STATE
 
     overlap.reset()

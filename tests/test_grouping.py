@@ -201,8 +201,14 @@ def test_grouping_and_grouped_matmul_trace_with_static_shapes():
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+@pytest.fixture
+def cuda_path(monkeypatch):
+    """The CUDA path, which the suite's default (``OVERLAP_PATH=cpu``, tests/conftest.py) is not."""
+    monkeypatch.setenv("OVERLAP_PATH", "cuda")
+
+
 @cuda
-def test_cuda_grouped_matmul_takes_a_device_group_list():
+def test_cuda_grouped_matmul_takes_a_device_group_list(cuda_path):
     dev = torch.device("cuda")
     gate_up, down = (t.to(dev) for t in expert_weights(4, torch.bfloat16, hidden=64, ffn=32))
     x = torch.randn(40, 64, device=dev).to(torch.bfloat16)
@@ -216,7 +222,7 @@ def test_cuda_grouped_matmul_takes_a_device_group_list():
 
 
 @cuda
-def test_cuda_grouping_reduces_like_the_reference_and_compiles():
+def test_cuda_grouping_reduces_like_the_reference_and_compiles(cuda_path):
     import torch._dynamo
 
     dev = torch.device("cuda")
@@ -245,7 +251,7 @@ def test_cuda_grouping_reduces_like_the_reference_and_compiles():
 
 
 @cuda
-def test_cuda_capacity_layer_groups_on_the_device():
+def test_cuda_capacity_layer_groups_on_the_device(cuda_path):
     from collectives import CapacityExpertParallelMoE, MoE, MoEConfig
     from collectives.capacity import expert_path
 

@@ -42,3 +42,13 @@ def test_leaving_restores_torch_and_a_scope_forbids_host_reads():
     with no_host_sync():
         assert not host_reads_allowed()
     assert host_reads_allowed()
+
+
+def test_a_synchronize_that_makes_another_is_one_sync(monkeypatch):
+    """On a device `overlap.synchronize` waits with the device's own synchronize: one host sync, not two."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)  # a device's, on this CPU host
+    monkeypatch.setattr(overlap.backends.current(), "synchronize", lambda: torch.cuda.synchronize())
+    with HostSyncs() as syncs:
+        overlap.synchronize()
+        torch.cuda.synchronize()  # made by itself: one more
+    assert [s.what for s in syncs.found] == ["overlap.synchronize", "torch.cuda.synchronize"], syncs.found

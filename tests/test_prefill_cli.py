@@ -440,3 +440,27 @@ def test_group_routing_that_does_not_fit_the_experts_is_named_with_its_valid_ran
     cfg.n_group, cfg.topk_group = 1, 2
     with pytest.raises(ConfigError, match="topk_group=2 must be between 1 and n_group=1"):
         check_transformers_model("deepseek_v3", cfg, torch.float32)
+
+
+def test_device_auto_runs_the_cpu_path_where_overlap_path_says_so_on_a_machine_with_a_gpu(monkeypatch):
+    """The suite sets OVERLAP_PATH=cpu (tests/conftest.py): on a GPU machine its launcher runs start CPU ranks,
+    not two ranks on its one card. A path whose device is not here still fails, naming $OVERLAP_PATH."""
+    import torch
+
+    import overlap
+    from launch.config import ConfigError, resolve_device
+
+    monkeypatch.setattr(overlap, "detect_path", lambda: "cuda")  # a machine with a GPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("OVERLAP_PATH", "cpu")
+    assert resolve_device("auto", None) == "cpu"
+    monkeypatch.setenv("OVERLAP_PATH", "cuda")
+    assert resolve_device("auto", None) == "cuda"
+    monkeypatch.delenv("OVERLAP_PATH")
+    assert resolve_device("auto", None) == "cuda"
+    monkeypatch.setattr(overlap, "detect_path", lambda: "cpu")  # and one without
+    monkeypatch.setenv("OVERLAP_PATH", "cuda")
+    assert resolve_device("auto", None) == "cpu"  # the job's environment check names OVERLAP_PATH=cuda next
+    monkeypatch.setenv("OVERLAP_PATH", "tpu")
+    with pytest.raises(ConfigError, match="OVERLAP_PATH"):
+        resolve_device("auto", None)
