@@ -20,10 +20,19 @@ decode step writes (every request holds its prompt), and writes back what is the
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 import torch.nn.functional as F
+
+
+_T = TypeVar("_T")
+
+
+def _once(memo: Dict[Hashable, Any], key: Hashable, make: Callable[[], _T]) -> _T:
+    if key not in memo:
+        memo[key] = make()
+    return memo[key]
 
 
 class KVCacheError(ValueError):
@@ -213,11 +222,17 @@ class KVStep:
 
     cache: KVCache
     rows: KVRows
+    made: Dict[Hashable, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)  # `once`'s
 
     @property
     def positions(self) -> torch.Tensor:
         """Each row's position in its request (rotary embeddings): ``[rows]``."""
         return self.rows.where[:, 1]
+
+    def once(self, key: Hashable, make: Callable[[], _T]) -> _T:
+        """``make()``, made by the first layer of this step that asks for ``key`` and given to the others: what every
+        layer computes alike from the step (rotary tables, a mask), once a step instead of once a layer."""
+        return _once(self.made, key, make)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Write layer ``layer``'s keys and values of this step's rows and attend to every slot's history."""
@@ -254,11 +269,16 @@ class StaticKVStep:
 
     cache: KVCache
     rows: StaticRows
+    made: Dict[Hashable, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)  # `once`'s
 
     @property
     def positions(self) -> torch.Tensor:
         """Each row's position in its request (rotary embeddings): ``[rows]``."""
         return self.rows.held
+
+    def once(self, key: Hashable, make: Callable[[], _T]) -> _T:
+        """`KVStep.once`: in a captured step, made in the graph by the first layer that asks."""
+        return _once(self.made, key, make)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Write layer ``layer``'s keys and values of this step's rows and attend to every slot's history."""

@@ -57,7 +57,8 @@ def test_rotary_embedding_turns_each_pair_by_its_angle():
     assert torch.equal(got[0], x[0].float().double())  # position 0 is no turn at all
 
 
-def test_a_layers_queries_and_keys_share_one_rotary_table_in_a_decode_step():
+def test_a_decode_steps_rotary_tables_are_made_once_for_every_layer():
+    """By the step's first layer (`KVStep.once`), for its queries and keys and every layer after it."""
     model = build_model(preset("tiny"), seed=3)
     counts = []
     for layer in model.layers:  # each layer's decode attention, counted call by call
@@ -68,9 +69,43 @@ def test_a_layers_queries_and_keys_share_one_rotary_table_in_a_decode_step():
             return out
         layer.decode_attention = counted
     greedy_generate(model, [[1, 2, 3], [4, 5]], 3)
-    assert len(counts) == 2 * model.cfg.n_layers  # two decode steps
-    for count in counts:
-        assert count["aten.cos"] == 1 and count["aten.sin"] == 1, dict(count)
+    layers = model.cfg.n_layers
+    assert len(counts) == 2 * layers  # two decode steps
+    for step in (counts[:layers], counts[layers:]):
+        assert [c["aten.cos"] for c in step] == [1] + [0] * (layers - 1), [dict(c) for c in step]
+
+
+def test_a_transformers_models_rotary_embedding_and_mask_are_made_once_a_decode_step():
+    """The adapter's decode (every layer a call of the family's attention) asks the model's rotary embedding and
+    builds the mask once a step, not once a layer; the tokens stay the model's own `generate`'s."""
+    pytest.importorskip("transformers")
+    from launch.models import build_transformers_model, transformers_adapter
+
+    model = build_transformers_model("qwen3_moe", seed=7)
+    rotary = model.hf.model.rotary_emb
+    calls = collections.Counter()
+    inner_rotary, inner_mask = rotary.forward, transformers_adapter.decode_mask
+
+    def rotary_forward(*args, **kwargs):
+        calls["rotary"] += 1
+        return inner_rotary(*args, **kwargs)
+
+    def mask(*args, **kwargs):
+        calls["mask"] += 1
+        return inner_mask(*args, **kwargs)
+
+    rotary.forward = rotary_forward
+    prompts = [[3, 1, 4, 1], [5, 9]]
+    want = model.own_generate(prompts, 4)
+    calls.clear()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(transformers_adapter, "decode_mask", mask)
+        got = greedy_generate(model, prompts, 4)
+    steps = 3  # 4 new tokens: the prefill's and three decode steps
+    assert got == want
+    assert calls["mask"] == steps, calls
+    prefill = len(prompts) * len(model.hf.model.layers)  # the prefill's: once per request and layer
+    assert calls["rotary"] == steps + prefill, calls
 
 
 @pytest.mark.parametrize("k", [1, 4])

@@ -139,7 +139,8 @@ class DecoderLayer(nn.Module):
         x = self.attn_norm(hidden)
         q, k, v = (proj(x).view(t, h, d) for proj in (self.q_proj, self.k_proj, self.v_proj))
         if self.cfg.rope_theta is not None:
-            tables = rope_tables(step.positions, d, self.cfg.rope_theta)
+            theta = self.cfg.rope_theta
+            tables = step.once(("rope", d, theta), lambda: rope_tables(step.positions, d, theta))
             q, k = rope(q, tables), rope(k, tables)
         return hidden + self.o_proj(step.attend(self.index, q, k, v).reshape(t, h * d))
 

@@ -313,8 +313,12 @@ class _Attention:
             cache.update(keys[:, :held].transpose(1, 2).to(x.dtype), values[:, :held].transpose(1, 2).to(x.dtype),
                          self.index)
         pos = step.positions[:, None]  # [requests, 1]: each request's length so far
-        mask = decode_mask(step.positions, held, self.window, x.dtype, self.chunk)
-        out = _first(self.module(hidden_states=x[:, None], position_embeddings=self._position(x[:, None], pos),
+        # alike in every layer of a kind: made by the step's first (`KVStep.once`)
+        mask = step.once(("mask", held, self.window, self.chunk, x.dtype),
+                         lambda: decode_mask(step.positions, held, self.window, x.dtype, self.chunk))
+        turn = step.once(("rotary", id(self.rotary), self.kind if self.typed_rotary else None, x.dtype),
+                         lambda: self._position(x[:, None], pos))
+        out = _first(self.module(hidden_states=x[:, None], position_embeddings=turn,
                                  attention_mask=mask, position_ids=pos, **{self.cache_keyword: cache}))
         got = cache.layers[self.index] if len(cache.layers) > self.index else None
         if got is None or not got.is_initialized or got.keys.shape[-2] != held + 1:
