@@ -128,10 +128,12 @@ def test_a_family_users_bring_runs_every_mode_on_two_ranks(family):
 
 
 @pytest.mark.parametrize("family, ranks, message", [
-    ("deepseek_v32", 2, "--model deepseek_v32: the adapter cannot run deepseek_v32: TypeError: layer 0 "
-                        "(DeepseekV32DecoderLayer) is indexed_attention: the adapter runs attention (self_attn) of "
-                        "the kinds full, sliding, chunked"),
-    ("glm4v_moe_text", None, "--model glm4v_moe_text: glm4v_moe_text is not a causal LM AutoModelForCausalLM builds"),
+    # the layer's kind as the installed transformers names it (indexed_attention in 5.25, another in 5.17)
+    ("deepseek_v32", 2, re.escape("--model deepseek_v32: the adapter cannot run deepseek_v32: TypeError: layer 0 "
+                                  "(DeepseekV32DecoderLayer) is ") + r"\w+"
+                        + re.escape(": the adapter runs attention (self_attn) of the kinds full, sliding, chunked")),
+    ("glm4v_moe_text", None, re.escape("--model glm4v_moe_text: glm4v_moe_text is not a causal LM "
+                                       "AutoModelForCausalLM builds")),
 ])
 def test_a_family_the_adapter_cannot_run_is_one_line_before_any_collective(family, ranks, message, capsys,
                                                                            monkeypatch):
@@ -144,7 +146,7 @@ def test_a_family_the_adapter_cannot_run_is_one_line_before_any_collective(famil
         proc = run_launcher(BROUGHT + ["--model", family], ranks=ranks)
         returncode, out = proc.returncode, proc.stdout + proc.stderr
     assert returncode == (2 if ranks is None else 1), out[-3000:]
-    assert out.count(message) == 1, out[-3000:]
+    assert len(re.findall(message, out)) == 1, out[-3000:]
     assert ("Traceback" not in out) if ranks is None else not re.search(r'File ".*/(launch|collectives)/', out), \
         out[-3000:]
     assert "unexpected error" not in out and "prefill:" not in out  # no headline: no group was joined

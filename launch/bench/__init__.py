@@ -9,3 +9,8 @@
   (`decode_targets`: its table and issue 29's targets);
 - `comm_threads`: the CPU path's communication threads at real-time and normal priority, quiet and under load.
 """
+
+# The environment of a benchmark's ranks (`overlap.run_ranks`): the CPU path, over gloo, whatever devices the machine
+# has. The benchmarks measure the CPU stand-in with its simulated link; on a machine with a GPU the path detected
+# would put their two ranks on its one card, and their CPU tensors into NCCL.
+CPU_RANKS = {"OVERLAP_PATH": "cpu"}

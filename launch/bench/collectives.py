@@ -44,6 +44,7 @@ import torch.distributed as dist
 import overlap
 from collectives import MoE, MoEConfig, combine, dispatch, wrap_expert_parallel
 from overlap import Timeline
+from launch.bench import CPU_RANKS
 from overlap.multirank import run_ranks
 from overlap.observability import gather, metrics
 
@@ -220,7 +221,7 @@ def _target(ratio: float, one_way_s: float) -> str:
 @click.option("--threads", default=1, show_default=True, help="torch threads per rank")
 def main(**opts: Any) -> None:
     """Dispatch/combine vs raw all_to_all, deduplicated bytes, and the MoE layer's overlap (2 CPU ranks)."""
-    results = run_ranks(_body, 2, opts, timeout=900, threads=opts["threads"])
+    results = run_ranks(_body, 2, opts, timeout=900, threads=opts["threads"], env=CPU_RANKS)
     click.echo(_report(results, opts))
 
 

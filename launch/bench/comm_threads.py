@@ -262,6 +262,7 @@ def main(preset_name: str, tokens: int, seq_len: int, link: float, modes: str, s
          rounds: int, compute_ms: float, exchanges: int, seed: int) -> None:
     """Communication-thread priority settings side by side in one run, on a quiet host and beside other jobs."""
     from overlap import comm_threads
+    from launch.bench import CPU_RANKS
     from overlap.multirank import run_ranks
 
     import microbatch
@@ -275,7 +276,7 @@ def main(preset_name: str, tokens: int, seq_len: int, link: float, modes: str, s
                f"{rounds} rounds interleaved, settings {', '.join(settings)}, loads "
                f"{', '.join(_load_name(n) for n in loads)}")
     results = run_ranks(_rank_body, 2, preset_name, tokens, seq_len, link, mode_list, rounds, compute_ms, exchanges,
-                        seed, settings, loads, timeout=3600)
+                        seed, settings, loads, timeout=3600, env=CPU_RANKS)
     click.echo(report(results, mode_list, settings, loads))
 
 

@@ -351,6 +351,7 @@ def main(preset_name: str, tokens: str, links: str, prompt_len: int, new_tokens:
          min_seconds: float, seed: int, modes: str, comm_priority: str, guard: bool,
          calibrate_at: Optional[float], calibration_rounds: int) -> None:
     """Time per output token of every decode mode over tokens per rank and link speeds, on 2 CPU ranks."""
+    from launch.bench import CPU_RANKS
     from overlap.multirank import run_ranks
 
     if new_tokens < 2 or prompt_len < 1:
@@ -376,7 +377,7 @@ def main(preset_name: str, tokens: str, links: str, prompt_len: int, new_tokens:
                    f"and the targets' checks of them are for that link)")
     points = run_ranks(_rank_body, 2, preset_name, mode_list, token_points, link_points, prompt_len, new_tokens,
                        warmup, iters, min_seconds, seed, comm_priority, guard, calibrate_at, calibration_rounds,
-                       timeout=3600)[0]
+                       timeout=3600, env=CPU_RANKS)[0]
     click.echo(report(points))
 
 

@@ -129,6 +129,7 @@ def verdict(by: Dict[str, Any]) -> str:
 def main(ranks: int, preset_name: str, batch: int, seq_len: int, warmup: int, iters: int, cpu_link: str,
          seed: int, model_name: str, dispatch_steps: str) -> None:
     """Serial vs shared-expert overlap vs two-batch prefill, side by side in one run."""
+    from launch.bench import CPU_RANKS
     from overlap.multirank import run_ranks
 
     link = None if cpu_link.lower() in ("off", "none", "0") else cpu_link
@@ -136,7 +137,7 @@ def main(ranks: int, preset_name: str, batch: int, seq_len: int, warmup: int, it
     click.echo(f"{ranks} CPU ranks, {what}, {batch} x {seq_len} tokens per rank, simulated link {link or 'off'}, "
                f"{dispatch_steps} dispatch")
     out = run_ranks(_rank_body, ranks, preset_name, [seq_len] * batch, warmup, iters, link, seed, model_name,
-                    dispatch_steps == "two-step", timeout=1800)
+                    dispatch_steps == "two-step", timeout=1800, env=CPU_RANKS)
     click.echo(out[0])
 
 

@@ -258,6 +258,7 @@ def _report(points: List[Dict[str, Any]]) -> Tuple[str, List[str]]:
 def main(preset_name: str, tokens: str, links: str, seq_len: int, warmup: int, iters: int, min_seconds: float,
          repeats: int, seed: int, refresh: bool, comm_priority: str) -> None:
     """Predicted vs measured time of every mode, and auto vs the best fixed mode, over a sweep."""
+    from launch.bench import CPU_RANKS
     from overlap.multirank import run_ranks
 
     token_points = [int(t) for t in tokens.split(",") if t]
@@ -266,7 +267,7 @@ def main(preset_name: str, tokens: str, links: str, seq_len: int, warmup: int, i
                f"rounds (and about {min_seconds:g} s per mode), calibrations of {repeats} runs per count, "
                f"modes interleaved round by round")
     points = run_ranks(_rank_body, 2, preset_name, token_points, link_points, seq_len, warmup, iters, seed, refresh,
-                       repeats, min_seconds, comm_priority, timeout=3600)[0]
+                       repeats, min_seconds, comm_priority, timeout=3600, env=CPU_RANKS)[0]
     if points:
         click.echo(f"CPU communication threads: {points[0]['comm_threads']}")
     text, misses = _report(points)

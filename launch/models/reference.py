@@ -56,7 +56,8 @@ class RMSNorm(nn.Module):
 
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> Tuple[torch.Tensor, torch.Tensor]:
     """The rotary tables ``(cos, sin)`` of ``positions [tokens]``, each ``[tokens, 1, head_dim]`` float32 (both
-    halves alike): made once per layer and shared by its queries and keys (`rope`)."""
+    halves alike), shared by a layer's queries and keys (`rope`), and in a decode step by every layer
+    (`microbatch.KVStep.once`)."""
     half = head_dim // 2
     inv_freq = theta ** (-torch.arange(half, dtype=torch.float32, device=positions.device) / half)
     angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
@@ -66,7 +67,8 @@ def rope_tables(positions: torch.Tensor, head_dim: int, theta: float) -> Tuple[t
 
 def rope(x: torch.Tensor, tables: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """Rotary embedding of ``x`` [tokens, heads, head_dim] (rotate-half layout), in float32:
-    ``(x1 cos - x2 sin, x2 cos + x1 sin)`` for the halves ``x1, x2``, in four operations."""
+    ``(x1 cos - x2 sin, x2 cos + x1 sin)`` for the halves ``x1, x2``: ``x`` times cos plus ``x`` with its halves
+    swapped (the first negated) times sin."""
     cos, sin = tables
     xf = x.float()
     half = x.shape[-1] // 2
