@@ -282,14 +282,13 @@ def reduce_slots(expert_out: torch.Tensor, ids: torch.Tensor, weights: torch.Ten
     ``expert_out [E_local, R, H]``; ``ids [R, k]`` local expert ids (-1: none), ``weights [R, k]``.
     A slot without a local expert adds an exact zero (selected, not multiplied by 0: NaN * 0 is NaN).
     """
-    rows = torch.arange(ids.shape[0], device=ids.device)
-    here = ids >= 0
+    rows = torch.arange(ids.shape[0], device=ids.device)[:, None]
+    chosen = expert_out[ids.clamp(min=0), rows].float()  # [R, k, H]: every slot's expert over its row, at once
     zero = torch.zeros((), dtype=torch.float32, device=ids.device)
-    out = None
-    for s in range(ids.shape[1]):
-        term = expert_out[ids[:, s].clamp(min=0), rows].float() * weights[:, s, None].float()
-        term = torch.where(here[:, s, None], term, zero)
-        out = term if out is None else out + term
+    terms = torch.where((ids >= 0)[..., None], chosen * weights.float()[..., None], zero)
+    out = terms[:, 0]
+    for s in range(1, ids.shape[1]):  # one slot after another, the reference's order
+        out = out + terms[:, s]
     return out
 
 

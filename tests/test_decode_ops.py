@@ -123,3 +123,27 @@ def test_reduce_rows_of_one_slot_and_of_several_equal_the_slot_by_slot_sum(k):
             if ids[r, s] >= 0:
                 want[r] = want[r] + pairs[r * k + s] * weights[r, s]
     assert torch.equal(reduce_rows(y, grouped), want)
+
+
+def test_reduce_slots_of_every_expert_over_every_row_is_the_slot_by_slot_sum_in_a_few_operations():
+    """The capacity layer's "all" expert path (every local expert over every received row, where no grouped
+    matmul takes the dtype: CUDA in float32): the same sums bit for bit, not a gather, multiply, select and add
+    per slot."""
+    from collectives.capacity import reduce_slots
+
+    g = torch.Generator().manual_seed(9)
+    local, rows, k = 3, 11, 4
+    out = torch.randn(local, rows, 16, generator=g)
+    ids = torch.randint(-1, local, (rows, k), generator=g)
+    weights = torch.where(ids >= 0, torch.rand(rows, k, generator=g), torch.zeros(()))
+    out[:, 0] = float("nan")  # row 0's experts are NaN: only its chosen slots may carry it, none where it chose none
+    ids[0] = -1
+    want = torch.zeros(rows, 16)
+    for r in range(rows):
+        for s in range(k):
+            if ids[r, s] >= 0:
+                want[r] = want[r] + out[ids[r, s], r] * weights[r, s]
+    with _Ops() as ops:
+        got = reduce_slots(out, ids, weights)
+    assert torch.equal(got, want)
+    assert sum(ops.count.values()) <= 2 * k + 10, dict(ops.count)
