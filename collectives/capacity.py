@@ -9,7 +9,11 @@ read on the host:
 - dispatch: a token goes at most once to each rank that holds one of its experts (as in
   `collectives.dispatch`); the rows for rank ``r`` fill block ``r`` of the send buffer in token
   order, and the rest of the block is padding (a zero row, expert ids -1, weights 0). Own rows
-  travel too (the all-to-all copies them locally).
+  travel too (the all-to-all copies them locally). Where the capacity holds every token of the call
+  (a decode step's: its bucket), each block is simply the tokens in order, those with no expert on
+  rank ``r`` sent with ids -1 and weights 0 (the same bytes: ``capacity`` rows a block either way),
+  which saves placing them (`_whole_blocks`: no slot per token to compute, nothing to scatter, and a
+  combine that adds the ranks' blocks row by row).
 - experts (``expert_path``): ``"grouped"`` sorts the ``world * capacity * k`` (row, slot) pairs by
   local expert on the device, with static shapes (`collectives._grouping`: stable sort, pairs
   without a local expert last), and runs a grouped matmul driven by a device group list, so the
@@ -88,7 +92,9 @@ class CapacityDispatchHandle(ReceivedMetadata):
 
     recv_x: torch.Tensor  # [W*C, H]
     recv_meta: torch.Tensor  # [W*C, 2k] float32: local expert ids (-1: elsewhere or padding), then weights
-    slot_token: torch.Tensor  # [W, C] int64: token sent in each row of block r, num_tokens for padding
+    # [W, C] int64: token sent in each row of block r, num_tokens for padding; None: row t of every block is
+    # token t (the capacity holds every token: `_whole_blocks`)
+    slot_token: Optional[torch.Tensor]
     num_tokens: int
     capacity: int
     group: Optional[dist.ProcessGroup]
@@ -121,12 +127,20 @@ class CapacityCombineHandle:
     """Rows returned by every rank (block ``r`` from rank ``r``, in the order they were sent); `wait` sums them."""
 
     returned: torch.Tensor  # [W*C, H]
-    slot_token: torch.Tensor  # [W, C]
+    slot_token: Optional[torch.Tensor]  # [W, C], or None: row t of every block is token t
     num_tokens: int
     dtype: torch.dtype
+    world: int = 1
 
     def wait(self) -> torch.Tensor:
         """The combined tokens ``[T, H]``: each token's rows summed in rank order, in float32."""
+        if self.slot_token is None:  # a rank a token did not go to returned an exact zero for it
+            rows, hidden = self.returned.shape
+            blocks = self.returned.view(self.world, rows // self.world, hidden)[:, :self.num_tokens].float()
+            out = blocks[0]
+            for r in range(1, self.world):
+                out = out + blocks[r]
+            return out.to(self.dtype)
         world, cap = self.slot_token.shape
         out = torch.zeros(self.num_tokens + 1, self.returned.shape[-1], dtype=torch.float32,
                           device=self.returned.device)  # the last row collects the padding
@@ -222,6 +236,23 @@ def _pack_blocks(x: torch.Tensor, idx: torch.Tensor, topk_weights: torch.Tensor,
     return send_x, send_meta
 
 
+def _whole_blocks(x: torch.Tensor, idx: torch.Tensor, topk_weights: torch.Tensor, world: int, capacity: int,
+                  experts_per_rank: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """`_pack_blocks` where ``capacity`` holds every token: block ``r`` is the tokens in order (then zero rows),
+    each with its local expert ids on rank ``r`` (-1 where none: the row is sent and not used) and weights."""
+    tokens, k = idx.shape
+    x = x.detach()
+    weights = topk_weights.float()
+    if capacity > tokens:
+        pad = capacity - tokens
+        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+        idx = torch.cat([idx, idx.new_full((pad, k), -1)])
+        weights = torch.cat([weights, weights.new_zeros(pad, k)])
+    owner = torch.arange(world, device=x.device)[:, None, None]  # the destination of every row of block r
+    send_meta = local_metadata(idx[None], weights[None], owner, experts_per_rank).view(world * capacity, 2 * k)
+    return x.repeat(world, 1), send_meta
+
+
 def capacity_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
                       group: Optional[dist.ProcessGroup] = None, capacity: Optional[int] = None, *,
                       validate: bool = True) -> CapacityDispatchHandle:
@@ -256,11 +287,16 @@ def _capacity_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: to
         raise
     epr = num_experts // world
     idx = topk_idx.long()
-    in_rank = token_in_rank(idx, epr, world)
-    need = 0 if torch.compiler.is_compiling() or not validate or tokens == 0 else int(in_rank.sum(0).max())
-    _check_capacity(cap, need, tokens, group, validate, fields)
-    slot_token = _slots(in_rank, cap)
-    send_x, send_meta = _pack_blocks(x, idx, topk_weights, slot_token, epr)
+    if cap >= tokens:  # nothing can overflow: no rank gets a token twice
+        _check_capacity(cap, 0, tokens, group, validate, fields)
+        slot_token = None
+        send_x, send_meta = _whole_blocks(x, idx, topk_weights, world, cap, epr)
+    else:
+        in_rank = token_in_rank(idx, epr, world)
+        need = 0 if torch.compiler.is_compiling() or not validate or tokens == 0 else int(in_rank.sum(0).max())
+        _check_capacity(cap, need, tokens, group, validate, fields)
+        slot_token = _slots(in_rank, cap)
+        send_x, send_meta = _pack_blocks(x, idx, topk_weights, slot_token, epr)
     if one_exchange:
         recv_x, recv_meta = _exchange_with_metadata(send_x, send_meta, cap, group)
     else:
@@ -346,7 +382,7 @@ def capacity_combine(expert_out: torch.Tensor, handle: CapacityDispatchHandle,
     else:
         partial = reduce_slots(expert_out, handle.recv_ids, handle.recv_weights).to(dtype or handle.dtype)
     returned = _exchange(partial, handle.capacity, handle.group, "combine")
-    return CapacityCombineHandle(returned, handle.slot_token, handle.num_tokens, handle.dtype)
+    return CapacityCombineHandle(returned, handle.slot_token, handle.num_tokens, handle.dtype, group_size(handle.group))
 
 
 __all__ = [

@@ -122,7 +122,7 @@ def test_padding_rows_carry_no_expert_and_no_weight():
     x = torch.randn(3, 4)
     idx, w = torch.tensor([[1], [0], [1]]), torch.tensor([[0.5], [0.25], [0.75]])
     h = capacity_dispatch(x, idx, w, 2, capacity=5)
-    assert h.recv_x.shape == (5, 4) and h.slot_token.tolist() == [[0, 1, 2, 3, 3]]
+    assert h.recv_x.shape == (5, 4) and h.slot_token is None  # the capacity holds every token: rows in order
     assert h.recv_ids[:, 0].tolist() == [1, 0, 1, -1, -1]
     assert h.recv_weights[:, 0].tolist() == [0.5, 0.25, 0.75, 0.0, 0.0]
     assert torch.equal(h.recv_x[:3], x) and not h.recv_x[3:].any()
@@ -182,6 +182,35 @@ def test_capacity_blocks_are_the_layouts_rows_padded():
     assert torch.equal(send_meta[real], pack_metadata(layout, idx, w))
     assert torch.equal(send_x[real], x[layout.send_token])
     assert (send_meta[~real, :k] == -1).all() and not send_meta[~real, k:].any() and not send_x[~real].any()
+
+
+def test_whole_blocks_hold_the_placed_rows_at_their_tokens_and_nothing_for_the_others():
+    """Where the capacity holds every token, block r of the send buffers is the tokens in order: the rows
+    `_pack_blocks` places for rank r sit at their tokens' rows, with the same metadata; the tokens not sent to
+    rank r carry no expert and no weight there, and the padding is zero rows."""
+    from collectives.capacity import _pack_blocks, _slots, _whole_blocks
+    from collectives.layout import token_in_rank
+
+    g = torch.Generator().manual_seed(4)
+    world, experts, tokens, k, cap = 4, 8, 10, 3, 12
+    x = torch.randn(tokens, 4, generator=g)
+    idx = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
+    w = torch.rand(tokens, k, generator=g)
+    slot_token = _slots(token_in_rank(idx, experts // world, world), cap)
+    placed_x, placed_meta = _pack_blocks(x, idx, w, slot_token, experts // world)
+    whole_x, whole_meta = _whole_blocks(x, idx, w, world, cap, experts // world)
+    assert whole_x.shape == placed_x.shape and whole_meta.shape == placed_meta.shape
+    sent = torch.zeros(world, cap, dtype=torch.bool)
+    for r in range(world):
+        for j, t in enumerate(slot_token[r].tolist()):
+            if t < tokens:
+                sent[r, t] = True
+                assert torch.equal(whole_x[r * cap + t], placed_x[r * cap + j])
+                assert torch.equal(whole_meta[r * cap + t], placed_meta[r * cap + j])
+    rest = ~sent.reshape(-1)
+    assert (whole_meta[rest, :k] == -1).all() and not whole_meta[rest, k:].any()
+    assert torch.equal(whole_x.view(world, cap, 4)[:, :tokens], x.expand(world, tokens, 4))
+    assert not whole_x.view(world, cap, 4)[:, tokens:].any()
 
 
 # --- device-side grouping: expert work proportional to the routed rows -----------------------------------
@@ -349,3 +378,25 @@ def test_combine_refuses_outputs_of_another_hidden_size():
     with pytest.raises(LayoutError, match=r"expert output must be \[local experts, 5, 8\] .*got shape \(4, 5, 16\)"):
         capacity_combine(torch.randn(4, 5, 16), h)
     assert capacity_combine(batch.x, h, grouped=batch.grouped).wait().shape == (5, 8)
+
+
+def _placed_body(ctx):
+    cfg = MoEConfig(hidden=16, ffn=8, n_experts=8, top_k=1, n_shared=0)
+    moe = _moe(cfg)
+    moe.router = _Fixed(cfg, lambda t: t)  # token t to expert t % 8: four tokens to each rank
+    layer = CapacityExpertParallelMoE.wrap(moe, ctx.group, capacity=4)
+    torch.manual_seed(300 + ctx.rank)
+    x = torch.randn(8, cfg.hidden)
+    from collectives.capacity import capacity_dispatch as dispatch_of
+
+    idx, w = moe.router(x)
+    placed = dispatch_of(x, idx, w, cfg.n_experts, ctx.group, capacity=4).slot_token is not None
+    return placed, layer(x), moe(x)
+
+
+def test_a_capacity_below_the_token_count_places_each_ranks_rows_and_equals_dense():
+    """The placed layout (a slot per token and rank, `_slots`): what the capacity path runs where the capacity
+    does not hold every token of the call (a decode step's always does)."""
+    for placed, got, dense in run_ranks(_placed_body, 2, timeout=120):
+        assert placed
+        torch.testing.assert_close(got, dense, **TOL)
