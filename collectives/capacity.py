@@ -130,7 +130,7 @@ class CapacityCombineHandle:
     slot_token: Optional[torch.Tensor]  # [W, C], or None: row t of every block is token t
     num_tokens: int
     dtype: torch.dtype
-    world: int = 1
+    world: int  # ranks of the group (the blocks of ``returned``)
 
     def wait(self) -> torch.Tensor:
         """The combined tokens ``[T, H]``: each token's rows summed in rank order, in float32."""
@@ -287,14 +287,14 @@ def _capacity_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: to
         raise
     epr = num_experts // world
     idx = topk_idx.long()
-    if cap >= tokens:  # nothing can overflow: no rank gets a token twice
-        _check_capacity(cap, 0, tokens, group, validate, fields)
+    whole = cap >= tokens  # every token fits every block: nothing can overflow, nothing to place
+    in_rank = None if whole else token_in_rank(idx, epr, world)
+    need = 0 if whole or torch.compiler.is_compiling() or not validate or tokens == 0 else int(in_rank.sum(0).max())
+    _check_capacity(cap, need, tokens, group, validate, fields)
+    if whole:
         slot_token = None
         send_x, send_meta = _whole_blocks(x, idx, topk_weights, world, cap, epr)
     else:
-        in_rank = token_in_rank(idx, epr, world)
-        need = 0 if torch.compiler.is_compiling() or not validate or tokens == 0 else int(in_rank.sum(0).max())
-        _check_capacity(cap, need, tokens, group, validate, fields)
         slot_token = _slots(in_rank, cap)
         send_x, send_meta = _pack_blocks(x, idx, topk_weights, slot_token, epr)
     if one_exchange:

@@ -30,11 +30,7 @@ def pytest_xdist_auto_num_workers(config):
 if "PYTEST_XDIST_WORKER" in os.environ:  # before torch is imported; a value the user set is kept
     os.environ.setdefault("OMP_NUM_THREADS", str(_threads_per_worker()))
 
-# The path every test starts on: the CPU path (its spawned ranks join over gloo), also on a machine with a GPU or an
-# NPU, where detection would pick the device and two spawned ranks would share its one card; $OVERLAP_PATH as the
-# user set it, or detection under torchrun, where the suite runs on the ranks and cards torchrun made
-_UNDER_TORCHRUN = "TORCHELASTIC_RUN_ID" in os.environ or ("WORLD_SIZE" in os.environ and "RANK" in os.environ)
-SUITE_PATH = os.environ.get("OVERLAP_PATH") or (None if _UNDER_TORCHRUN else "cpu")
+_USER_PATH = os.environ.get("OVERLAP_PATH")  # read before any test changes it (`suite_path`)
 
 # What the rank bodies of the multi-rank tests import, imported once by each worker's forkserver instead of in
 # every rank it forks (transformers' modeling code alone is about 2 s of CPU a process); empty turns it off
@@ -45,9 +41,18 @@ os.environ.setdefault("OVERLAP_FORKSERVER_PRELOAD", ",".join([
     "transformers.models.mixtral.modeling_mixtral", "transformers.models.qwen2_moe.modeling_qwen2_moe"]))
 
 
+def suite_path():
+    """The path every test starts on: $OVERLAP_PATH as the user set it; else, under torchrun, detection (the suite
+    runs on the ranks and cards torchrun made); else the CPU path (its spawned ranks join over gloo), also on a
+    machine with a GPU or an NPU, where detection would pick the device and two spawned ranks would share its card."""
+    from overlap.multirank import under_torchrun
+
+    return _USER_PATH or (None if under_torchrun() else "cpu")
+
+
 @pytest.fixture(autouse=True)
 def _clean_overlap_state(monkeypatch, tmp_path_factory):
-    """Each test starts from a fresh toolkit state: the suite's path (`SUITE_PATH`), overlap on, no streams, events
+    """Each test starts from a fresh toolkit state: the suite's path (`suite_path`), overlap on, no streams, events
     or limits, and an empty calibration cache of its own (what it calibrates is measured, and stays out of
     ~/.cache)."""
     import overlap
@@ -56,8 +61,9 @@ def _clean_overlap_state(monkeypatch, tmp_path_factory):
 
     for var in (overlap.ENV_PATH, overlap.ENV_ENABLE, "OVERLAP_CORE_BUDGET", "OVERLAP_CPU_LINK"):
         monkeypatch.delenv(var, raising=False)
-    if SUITE_PATH:
-        monkeypatch.setenv(overlap.ENV_PATH, SUITE_PATH)
+    path = suite_path()
+    if path:
+        monkeypatch.setenv(overlap.ENV_PATH, path)
     from overlap.state import STATE
 
     overlap.reset()

@@ -7,7 +7,7 @@ import overlap
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_auto_detects_cpu_here(monkeypatch):
-    monkeypatch.delenv(overlap.ENV_PATH, raising=False)  # the suite's own (tests/conftest.py: SUITE_PATH)
+    monkeypatch.delenv(overlap.ENV_PATH, raising=False)  # the suite's own (tests/conftest.py: suite_path)
     assert overlap.detect_path() == "cpu"
     assert overlap.current_path() == "cpu"
 
@@ -78,7 +78,7 @@ def test_one_stream_object_per_tag():
 def test_a_bad_switch_or_graph_path_in_the_environment_is_a_value_error_naming_it(monkeypatch, var, value, match):
     """Before: ``maybe`` (anything but 0, false, off, no) was taken for on, and $OVERLAP_GRAPH_PATH was read
     only inside a compiled region on an NPU, so a typo went unnoticed everywhere else."""
-    monkeypatch.delenv(overlap.ENV_PATH, raising=False)  # detection reads it (the suite sets a path: SUITE_PATH)
+    monkeypatch.delenv(overlap.ENV_PATH, raising=False)  # detection reads it (the suite sets a path: suite_path)
     monkeypatch.setenv(var, value)
     with pytest.raises(ValueError, match=match):
         overlap.is_enabled() if var == "OVERLAP_ENABLE" else overlap.current_path()

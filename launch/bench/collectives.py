@@ -43,8 +43,8 @@ import torch.distributed as dist
 
 import overlap
 from collectives import MoE, MoEConfig, combine, dispatch, wrap_expert_parallel
-from overlap import Timeline
 from launch.bench import CPU_RANKS
+from overlap import Timeline
 from overlap.multirank import run_ranks
 from overlap.observability import gather, metrics
 

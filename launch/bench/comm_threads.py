@@ -261,8 +261,8 @@ def _parse_list(text: str, valid: Sequence[str], option: str) -> List[str]:
 def main(preset_name: str, tokens: int, seq_len: int, link: float, modes: str, settings_text: str, loads_text: str,
          rounds: int, compute_ms: float, exchanges: int, seed: int) -> None:
     """Communication-thread priority settings side by side in one run, on a quiet host and beside other jobs."""
-    from overlap import comm_threads
     from launch.bench import CPU_RANKS
+    from overlap import comm_threads
     from overlap.multirank import run_ranks
 
     import microbatch
