@@ -19,7 +19,7 @@ from .dispatch import (CombineHandle, DispatchHandle, PendingDispatch, combine, 
 from .experts import LocalExperts, grouped_mlp, resolve_impl
 from .handles import EPBatch, EPCombineHandle, EPDispatchHandle
 from .layer import ExpertParallelMoE, SharedExperts
-from .values import MOE_CAPACITY, MOE_IN, MOE_OUT
+from .values import MOE_ACTIVE, MOE_CAPACITY, MOE_IN, MOE_OUT
 from .layout import (DispatchLayout, ExpertBatch, LayoutError, check_routing, compute_layout, expand, reduce_local,
                      reduce_ranks)
 from .mc2 import (MC2Batch, MC2CombineHandle, MC2DispatchHandle, MC2Error, MC2ExpertParallelMoE, check_mc2_buffer,
@@ -31,7 +31,7 @@ __all__ = [
     "CapacityBatch", "CapacityCombineHandle", "CapacityDispatchHandle", "CapacityExpertParallelMoE",
     "capacity_combine", "capacity_dispatch", "CombineHandle", "PendingDispatch", "DispatchHandle", "DispatchLayout", "EPBatch",
     "EPCombineHandle", "EPDispatchHandle", "ExpertBatch", "ExpertParallelMoE", "LayoutError", "LocalExperts",
-    "MC2Batch", "MC2CombineHandle", "MC2DispatchHandle", "MC2Error", "MC2ExpertParallelMoE", "MOE_CAPACITY", "MOE_IN",
+    "MC2Batch", "MC2CombineHandle", "MC2DispatchHandle", "MC2Error", "MC2ExpertParallelMoE", "MOE_ACTIVE", "MOE_CAPACITY", "MOE_IN",
     "MOE_OUT",
     "MoE", "MoEConfig", "SharedExperts", "TransformersRouter", "check_mc2_buffer", "check_routing",
     "choose_backend", "combine", "combine_dense", "compute_layout", "dispatch", "ep_combine", "ep_dispatch",

@@ -59,8 +59,8 @@ from overlap import GroupTransport, agree
 from ._grouping import ROUTING_OPS, GroupedRows, group_rows, reduce_rows
 from .dispatch import _peers, group_size
 from .experts import LocalExperts, device_group_impl, grouped_mlp, torch_npu_with
-from .layout import AGREED_HINTS, LayoutError, ReceivedMetadata, check_routing, fields_by_name, layer_fields, \
-    local_metadata, token_in_rank
+from .layout import AGREED_HINTS, LayoutError, ReceivedMetadata, check_active, check_routing, fields_by_name, \
+    layer_fields, local_metadata, token_in_rank
 
 
 @dataclasses.dataclass
@@ -237,12 +237,15 @@ def _pack_blocks(x: torch.Tensor, idx: torch.Tensor, topk_weights: torch.Tensor,
 
 
 def _whole_blocks(x: torch.Tensor, idx: torch.Tensor, topk_weights: torch.Tensor, world: int, capacity: int,
-                  experts_per_rank: int) -> Tuple[torch.Tensor, torch.Tensor]:
+                  experts_per_rank: int, active: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """`_pack_blocks` where ``capacity`` holds every token: block ``r`` is the tokens in order (then zero rows),
-    each with its local expert ids on rank ``r`` (-1 where none: the row is sent and not used) and weights."""
+    each with its local expert ids on rank ``r`` (-1 where none: the row is sent and not used) and weights.
+    ``active`` False: a padding token, -1 on every rank (no expert computes it)."""
     tokens, k = idx.shape
     x = x.detach()
     weights = topk_weights.float()
+    if active is not None:
+        idx = torch.where(active.view(tokens, 1), idx, -1)  # rank -1: not here anywhere, so its weights go to 0
     if capacity > tokens:
         pad = capacity - tokens
         x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
@@ -267,18 +270,23 @@ def capacity_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: tor
 
 def _capacity_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
                        group: Optional[dist.ProcessGroup], capacity: Optional[int], validate: bool,
-                       precheck: Optional[Callable[[], None]] = None, one_exchange: bool = False
-                       ) -> CapacityDispatchHandle:
+                       precheck: Optional[Callable[[], None]] = None, one_exchange: bool = False,
+                       active: Optional[torch.Tensor] = None) -> CapacityDispatchHandle:
     """`capacity_dispatch`; ``precheck`` (the layer's own checks) raises `LayoutError` like bad routing does;
-    ``one_exchange``: the rows and their metadata travel in one all-to-all (`_exchange_with_metadata`)."""
+    ``one_exchange``: the rows and their metadata travel in one all-to-all (`_exchange_with_metadata`);
+    ``active`` (bool ``[T]``, `collectives.MOE_ACTIVE`; a capacity of at least ``T``): False for a padding row,
+    sent to no expert."""
     world = group_size(group)
     fields = layer_fields(x, topk_idx, num_experts)
     try:
         check_routing(x, topk_idx, topk_weights, num_experts, world)
+        check_active(x, active)
         tokens = topk_idx.shape[0]
         cap = tokens if capacity is None else int(capacity)
         if cap < 0:
             raise LayoutError(f"capacity must be >= 0, got {cap}")
+        if active is not None and cap < tokens:
+            raise LayoutError(f"a real-row mask needs a capacity of at least the {tokens} tokens, got {cap}")
         if precheck is not None:
             precheck()
     except LayoutError as err:
@@ -293,7 +301,7 @@ def _capacity_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: to
     _check_capacity(cap, need, tokens, group, validate, fields)
     if whole:
         slot_token = None
-        send_x, send_meta = _whole_blocks(x, idx, topk_weights, world, cap, epr)
+        send_x, send_meta = _whole_blocks(x, idx, topk_weights, world, cap, epr, active)
     else:
         slot_token = _slots(in_rank, cap)
         send_x, send_meta = _pack_blocks(x, idx, topk_weights, slot_token, epr)

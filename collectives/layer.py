@@ -202,10 +202,12 @@ class ExpertParallelMoE(nn.Module):
         ``"mc2"`` or ``"auto"`` (MC2 where it runs, for buckets up to its threshold)."""
         return "capacity"
 
-    def _decode_dispatch(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, capacity: int) -> Any:
+    def _decode_dispatch(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, capacity: int,
+                         active: Optional[torch.Tensor] = None) -> Any:
         """A decode step's dispatch (`decode_stages`): a static exchange of ``capacity`` rows per rank, with no
-        host sync; its handle goes to this layer's ``_experts`` / ``_combine`` unless it is the capacity one."""
-        return capacity_exchange(self, x, idx, weights, capacity)
+        host sync, padding rows (``active`` False) sent to no expert; its handle goes to this layer's ``_experts`` /
+        ``_combine`` unless it is the capacity one."""
+        return capacity_exchange(self, x, idx, weights, capacity, active)
 
     def _dispatch_counts(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> PendingDispatch:
         self._check_shapes_once(x, idx)
@@ -254,7 +256,8 @@ class ExpertParallelMoE(nn.Module):
         """The layer for a decode step: no host sync, static shapes (`collectives.static_step`).
 
         The dispatch also reads ``MOE_CAPACITY`` (rows per destination rank, the same on every rank and at
-        least the micro-batch's tokens on each, so nothing can overflow); ``chunks`` > 1 runs the routed
+        least the micro-batch's tokens on each, so nothing can overflow) and ``MOE_ACTIVE`` (None, or bool
+        ``[tokens]``: False for a padding row, which no expert computes); ``chunks`` > 1 runs the routed
         experts in that many chunks of the tokens, each dispatched and combined under the others' experts.
         """
         return decode_stages(self, chunks)

@@ -132,6 +132,18 @@ def check_routing(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.T
             raise LayoutError(f"expert id {bad} in topk_idx is out of range [0, {num_experts})")
 
 
+def check_active(x: torch.Tensor, active: Optional[torch.Tensor]) -> None:
+    """Reject a malformed real-row mask (`collectives.MOE_ACTIVE`): None, or bool ``[tokens]`` on the tokens'
+    device (shapes only: nothing read on the host)."""
+    if active is None:
+        return
+    if not isinstance(active, torch.Tensor) or active.dtype != torch.bool or tuple(active.shape) != (x.shape[0],):
+        got = f"{active.dtype} {tuple(active.shape)}" if isinstance(active, torch.Tensor) else type(active).__name__
+        raise LayoutError(f"the real-row mask must be a bool tensor [{x.shape[0]}] (one flag per token), got {got}")
+    if active.device != x.device:
+        raise LayoutError(f"the real-row mask is on {active.device}, the tokens on {x.device}")
+
+
 def check_splits(what: str, splits: Sequence[int], world_size: int) -> List[int]:
     """Split sizes as a list of non-negative ints, one per rank."""
     out = [int(s) for s in splits]

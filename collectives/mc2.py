@@ -44,7 +44,7 @@ from .dispatch import DispatchHandle, _exchange_event, _peers, _rank, _side, dis
 from .experts import LocalExperts, torch_npu_with
 from .handles import EPBatch, EPCombineHandle, EPDispatchHandle
 from .layer import ExpertParallelMoE, SharedExperts
-from .layout import AGREED_HINTS, LayoutError, check_routing, fields_by_name, layer_fields
+from .layout import AGREED_HINTS, LayoutError, check_active, check_routing, fields_by_name, layer_fields
 
 BACKENDS = ("auto", "all_to_all", "mc2")
 MC2_MAX_TOKENS = 256  # default threshold of "auto": tokens per rank at or below it take MC2
@@ -290,14 +290,18 @@ class MC2DispatchHandle:
                            stream_tag=stream_tag, event_tag=event_tag)
 
 
-def _pad(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
-         rows: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """Tokens, int32 ids and float32 weights padded to ``rows``, and the active mask (None: no padding)."""
+def _pad(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, rows: int, active: Optional[torch.Tensor] = None
+         ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Tokens, int32 ids and float32 weights padded to ``rows``, and the active mask (None: every row active):
+    ``active``'s rows, then the padding's."""
     ids, weights = idx.to(torch.int32), weights.float()
     extra = rows - x.shape[0]
     if extra == 0:
-        return x, ids, weights, None
-    mask = torch.arange(rows, device=x.device) < x.shape[0]  # active tokens first, as the operators want
+        return x, ids, weights, active
+    if active is None:
+        mask = torch.arange(rows, device=x.device) < x.shape[0]  # active tokens first, as the operators want
+    else:
+        mask = torch.cat([active, active.new_zeros(extra)])
     return (torch.cat([x, x.new_zeros(extra, x.shape[1])]), torch.cat([ids, ids.new_zeros(extra, ids.shape[1])]),
             torch.cat([weights, weights.new_zeros(extra, weights.shape[1])]), mask)
 
@@ -314,12 +318,13 @@ def _comm_span(name: str, reads: Sequence[torch.Tensor]) -> Iterator[None]:
 
 def _validated(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
                group: Optional[dist.ProcessGroup], max_tokens: int, validate: bool, check_ids: bool,
-               chip: Optional[str], precheck: Any = None) -> None:
+               chip: Optional[str], precheck: Any = None, active: Optional[torch.Tensor] = None) -> None:
     """Every check before the fused dispatch; with ``validate`` every rank raises if one does."""
     world = group_size(group)
     rejected = None
     try:
         check_routing(x, topk_idx, topk_weights, num_experts, world, check_ids)
+        check_active(x, active)
         _check_call(x, topk_idx, num_experts, world, max_tokens, chip)
         check_mc2_buffer(max_tokens, x.shape[1], topk_idx.shape[1], num_experts, world, x.dtype, chip=chip)
         if precheck is not None:
@@ -337,9 +342,11 @@ def mc2_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
                  previous_event: Optional[overlap.Event] = None, async_finish: bool = False,
                  stream_tag: Optional[str] = EP_COMM, event_tag: str = "ep_mc2_dispatch", validate: bool = True,
                  check_ids: bool = True, chip: Optional[str] = None, group_name: Optional[str] = None,
-                 precheck: Any = None) -> MC2DispatchHandle:
+                 precheck: Any = None, active: Optional[torch.Tensor] = None) -> MC2DispatchHandle:
     """Send tokens ``x [T, H]`` (T <= ``max_tokens_per_rank``, the same bound on every rank) to their experts
     with ``npu_moe_distribute_dispatch_v2``; streams and events as `collectives.dispatch.dispatch`.
+    ``active`` (bool ``[T]``, the active tokens first; None: all): the tokens sent, the others left out
+    (``x_active_mask``).
 
     ``chip`` (``"a2"`` / ``"a3"``; None: from the SoC name) picks the buffer formula and limits;
     ``group_name``: the group's HCCL communicator name, when known (None: asked from the group, eagerly);
@@ -348,10 +355,10 @@ def mc2_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     npu = _require()  # CPU / CUDA: an MC2Error before any collective
     max_tokens = int(max_tokens_per_rank)
     chip = chip or chip_of(overlap.backends.current().soc_version())
-    _validated(x, topk_idx, topk_weights, num_experts, group, max_tokens, validate, check_ids, chip, precheck)
+    _validated(x, topk_idx, topk_weights, num_experts, group, max_tokens, validate, check_ids, chip, precheck, active)
     world = group_size(group)
     call = _Call(group_name or _group_name(group), world, _rank(group), num_experts, max_tokens * world)
-    xs, ids, weights, mask = _pad(x.detach(), topk_idx, topk_weights, max_tokens)
+    xs, ids, weights, mask = _pad(x.detach(), topk_idx, topk_weights, max_tokens, active)
     with _side(stream_tag, previous_event, event_tag) as caller:
         with _comm_span("mc2.dispatch", (xs, ids)):
             out = npu.npu_moe_distribute_dispatch_v2(
@@ -466,18 +473,20 @@ class MC2ExpertParallelMoE(ExpertParallelMoE):
         backend = self.decode_backend or self.backend
         return "capacity" if backend == "all_to_all" else backend
 
-    def _decode_dispatch(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, capacity: int) -> Any:
+    def _decode_dispatch(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, capacity: int,
+                         active: Optional[torch.Tensor] = None) -> Any:
         """A decode step's dispatch: MC2 with the step's capacity (its bucket, the same on every rank) as the
         batch bound where `choose_backend` takes MC2 for it, else the capacity exchange; checked on the first
-        call only, whatever ``validate`` says (a decode step reads nothing on the host)."""
+        call only, whatever ``validate`` says (a decode step reads nothing on the host). Padding rows (``active``
+        False, after the real ones) are left out of MC2's exchange (``x_active_mask``)."""
         backend = choose_backend(self.decode_backend or self.backend, capacity, self.mc2_threshold,
                                  group_size(self.group))
         if backend == "all_to_all":
-            return super()._decode_dispatch(x, idx, weights, capacity)
-        return self._mc2(x, idx, weights, capacity, False)
+            return super()._decode_dispatch(x, idx, weights, capacity, active)
+        return self._mc2(x, idx, weights, capacity, False, active)
 
     def _mc2(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, max_tokens: int,
-             validate: bool) -> MC2DispatchHandle:
+             validate: bool, active: Optional[torch.Tensor] = None) -> MC2DispatchHandle:
         """`mc2_dispatch` of the layer's tokens, with the ranks' agreement checked where ``validate`` or on the
         layer's first dispatch."""
         first = self._shapes_unchecked()
@@ -485,7 +494,8 @@ class MC2ExpertParallelMoE(ExpertParallelMoE):
             self.group_name = _group_name(self.group)
         handle = mc2_dispatch(x, idx, weights, self.num_experts, self.group, max_tokens_per_rank=max_tokens,
                               stream_tag=None, async_finish=True, validate=validate or first,
-                              group_name=self.group_name, precheck=(lambda: self._check_experts(x)) if first else None)
+                              group_name=self.group_name, precheck=(lambda: self._check_experts(x)) if first else None,
+                              active=active)
         if first:
             self._shapes_checked = True
         return handle

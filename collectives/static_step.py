@@ -14,6 +14,13 @@ widest micro-batch over the ranks): a token goes at most once to each rank, so n
 its tokens to one rank and nothing can overflow. A capacity below this rank's tokens is refused before the
 exchange (a host comparison of shapes, not of values).
 
+Padding rows: the dispatch also reads ``MOE_ACTIVE``, None where every row is real, else a bool ``[T]`` on the
+device, False for a padding row (a captured step pads its micro-batches to the bucket, `launch.graph_decode`).
+A padding row takes no expert: the capacity exchange sends it with expert id -1 on every rank (the same bytes),
+MC2 leaves it out (``x_active_mask``; the real rows first, as the bucket's layout puts them). Routed as a real
+token it would cost expert rows, and since every padding row carries the same token and history they would all
+choose the same experts: with half a bucket of padding, their ranks compute half a bucket's rows more.
+
 Chunks: with ``chunks`` = K > 1 the tokens are cut into K slices of ``ceil(T / K)`` rows (the last ones may be
 short or empty) after the gate, each with a capacity of ``ceil(capacity / K)``, and the stages are listed
 as a pipeline: ``dispatch_0, dispatch_1, experts_0, combine_0, dispatch_2, experts_1, combine_1, ...``. On
@@ -42,12 +49,14 @@ from .capacity import CapacityDispatchHandle, _capacity_dispatch, all_local_expe
     capacity_combine, expert_path, grouped_experts
 from .experts import device_group_impl, torch_npu_with
 from .layout import LayoutError
-from .values import MOE_CAPACITY, MOE_IN
+from .values import MOE_ACTIVE, MOE_CAPACITY, MOE_IN
 
 if TYPE_CHECKING:
     from .layer import ExpertParallelMoE
 
 _ROUTED = ("moe_topk_idx", "moe_topk_weights")
+_STEP = (MOE_CAPACITY, MOE_ACTIVE)  # what the caller gives each micro-batch of a decode step
+_Chunk = Tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, Optional[torch.Tensor]]  # x, ids, weights, cap, active
 
 
 def decode_stages(layer: "ExpertParallelMoE", chunks: int = 1) -> List[Operation]:
@@ -56,8 +65,7 @@ def decode_stages(layer: "ExpertParallelMoE", chunks: int = 1) -> List[Operation
         raise ValueError(f"the MoE runs in 1 to 8 chunks, got {chunks}")
     step = _StaticStep(layer)
     if chunks == 1:
-        dispatch = [Operation("dispatch", step.dispatch, (MOE_IN,) + _ROUTED + (MOE_CAPACITY,), ("moe_dispatch",),
-                              EP_COMM)]
+        dispatch = [Operation("dispatch", step.dispatch, (MOE_IN,) + _ROUTED + _STEP, ("moe_dispatch",), EP_COMM)]
         return layer._compose(dispatch, step.experts, step.combine)
     return _chunked(layer, step, int(chunks))
 
@@ -67,8 +75,7 @@ def _chunked(layer: "ExpertParallelMoE", step: "_StaticStep", k: int) -> List[Op
     side = SHARED_EXPERT if layer.overlap_shared else DEFAULT
     d, e, c = (lambda i: f"moe_dispatch_{i}"), (lambda i: f"moe_expert_out_{i}"), (lambda i: f"moe_combine_{i}")
     ops = [Operation("gate", layer._gate, (MOE_IN,), _ROUTED, DEFAULT),
-           Operation("cut", _Cut(k), (MOE_IN,) + _ROUTED + (MOE_CAPACITY,), tuple(f"moe_chunk_{i}" for i in range(k)),
-                     DEFAULT)]
+           Operation("cut", _Cut(k), (MOE_IN,) + _ROUTED + _STEP, tuple(f"moe_chunk_{i}" for i in range(k)), DEFAULT)]
 
     def dispatch(i: int) -> Operation:
         return Operation(f"dispatch_{i}", step.dispatch_chunk, (f"moe_chunk_{i}",), (d(i),), EP_COMM)
@@ -92,18 +99,18 @@ def _chunked(layer: "ExpertParallelMoE", step: "_StaticStep", k: int) -> List[Op
 
 
 class _Cut:
-    """The tokens, their routing and the capacity cut into ``k`` chunks of ``ceil(T / k)`` rows."""
+    """The tokens, their routing, the capacity and the real rows cut into ``k`` chunks of ``ceil(T / k)`` rows."""
 
     def __init__(self, k: int):
         self.k = k
 
-    def __call__(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, capacity: int
-                 ) -> Tuple[Tuple[torch.Tensor, torch.Tensor, torch.Tensor, int], ...]:
+    def __call__(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, capacity: int,
+                 active: Optional[torch.Tensor]) -> Tuple[_Chunk, ...]:
         _check_capacity(capacity, x.shape[0])
         rows = math.ceil(x.shape[0] / self.k)
         cap = math.ceil(int(capacity) / self.k)
-        return tuple((x[i * rows:(i + 1) * rows], idx[i * rows:(i + 1) * rows], weights[i * rows:(i + 1) * rows],
-                      cap) for i in range(self.k))
+        cut = [slice(i * rows, (i + 1) * rows) for i in range(self.k)]
+        return tuple((x[c], idx[c], weights[c], cap, None if active is None else active[c]) for c in cut)
 
 
 def _check_capacity(capacity: Any, tokens: int) -> None:
@@ -118,11 +125,12 @@ class _StaticStep:
     def __init__(self, layer: "ExpertParallelMoE"):
         self.layer = layer
 
-    def dispatch(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, capacity: int) -> Any:
+    def dispatch(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, capacity: int,
+                 active: Optional[torch.Tensor]) -> Any:
         _check_capacity(capacity, x.shape[0])
-        return self.layer._decode_dispatch(x, idx, weights, capacity)
+        return self.layer._decode_dispatch(x, idx, weights, capacity, active)
 
-    def dispatch_chunk(self, chunk: Tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]) -> Any:
+    def dispatch_chunk(self, chunk: _Chunk) -> Any:
         return self.dispatch(*chunk)
 
     def experts(self, handle: Any) -> Tuple[torch.Tensor, Any]:
@@ -146,10 +154,12 @@ class _StaticStep:
 
 
 def capacity_exchange(layer: "ExpertParallelMoE", x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
-                      capacity: int) -> CapacityDispatchHandle:
-    """A decode step's static exchange: ``capacity`` rows to every rank, the rows' metadata with them."""
+                      capacity: int, active: Optional[torch.Tensor] = None) -> CapacityDispatchHandle:
+    """A decode step's static exchange: ``capacity`` rows to every rank, the rows' metadata with them; ``active``
+    False: a padding row, sent with no expert."""
     layer._check_shapes_once(x, idx)  # one all-reduce on the layer's first call: the prefill's, as a rule
-    return _capacity_dispatch(x, idx, weights, layer.num_experts, layer.group, capacity, False, one_exchange=True)
+    return _capacity_dispatch(x, idx, weights, layer.num_experts, layer.group, capacity, False, one_exchange=True,
+                              active=active)
 
 
 def _device_impl(x: torch.Tensor, experts: Any) -> Optional[str]:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 import microbatch
 import overlap
-from collectives import MOE_CAPACITY, ExpertParallelMoE, group_size
+from collectives import MOE_ACTIVE, MOE_CAPACITY, ExpertParallelMoE, group_size
 from microbatch import (KV_STEP, K, V, Batch, DecodeModel, KVCache, KVRows, KVStep, OffloadedKVCache, Operation,
                         SeqInfo)
 from microbatch.forward import micro_batch_inputs
@@ -216,7 +216,7 @@ def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: U
             requests = [still[j] for j in part]
             steps.append(KVStep(cache, cache.rows([slots[i] for i in requests])))
             step_tokens = torch.tensor([out.tokens[i][-1] for i in requests], dtype=torch.long, device=device)
-            inputs.append({TOKENS: step_tokens, KV_STEP: steps[-1], MOE_CAPACITY: capacity})
+            inputs.append({TOKENS: step_tokens, KV_STEP: steps[-1], MOE_CAPACITY: capacity, MOE_ACTIVE: None})
         with overlap.no_host_sync(f"{DECODE_STEP} {out.steps}"):
             picked = decode_step(model, layers[name], how.make, inputs, margins)
         for kv in steps:

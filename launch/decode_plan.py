@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 import microbatch
 import overlap
-from collectives import MOE_CAPACITY
+from collectives import MOE_ACTIVE, MOE_CAPACITY
 from launch.config import DECODE_AUTO_MODES, DECODE_CALIBRATION_ROUNDS
 from microbatch import KV_STEP, DecodeModel, KVCache, KVStep
 from microbatch.planning.calibration import cache_file, calibration_key, read_cache, write_cache
@@ -286,7 +286,8 @@ class _Step(_Timer):
         _post_step(self.group, len(slots), history, how.name)
         capacity = bucket_of(max(map(len, parts)))  # every rank measures the same point: the same widest part
         inputs = [{TOKENS: torch.tensor([ids[j] for j in part], dtype=torch.long, device=cache.device),
-                   KV_STEP: KVStep(cache, cache.rows([slots[j] for j in part])), MOE_CAPACITY: capacity}
+                   KV_STEP: KVStep(cache, cache.rows([slots[j] for j in part])), MOE_CAPACITY: capacity,
+                   MOE_ACTIVE: None}
                   for part in parts]
         with overlap.no_host_sync(DECODE_STEP):
             picked = decode_step(self.model, self.layers[mode], how.make, inputs)

@@ -5,9 +5,11 @@ history grows. `GraphDecoder` makes them static. A step of ``n`` active requests
 micro-batches cuts them into ``N`` contiguous parts of at most ``ceil(n / N)`` (`GraphDecoder.widest`), takes
 the **bucket** of the widest part over the ranks (`launch.decode.bucket_of`: the powers of two, or the
 ``buckets`` given, the same on every rank) and pads every part to it: ``N x bucket`` rows whatever ``n``,
-the MoE's exchange capacity the bucket (`collectives.static_step`). Attention reads every slot's whole
-``max_len`` with a mask built on the device from each row's length (`microbatch.kv_cache.StaticRows`); a
-padding row writes back what row 0 of a slot holds, so it never changes a request's cache rows. Nothing in
+the MoE's exchange capacity the bucket (`collectives.static_step`), its padding rows sent to no expert
+(``MOE_ACTIVE``: every padding row carries the same token, so routed they would all load the same experts).
+Attention reads every slot's whole ``max_len`` with a mask built on the device from each row's length
+(`microbatch.kv_cache.StaticRows`); a padding row writes back what row 0 of a slot holds, so it never changes a
+request's cache rows. Nothing in
 the step depends on the host's values but the bucket, so one graph per bucket serves every step of it:
 
 - ``ge`` / ``aclgraph``: ``torch.compile(fullgraph=True, dynamic=False)`` with the path's torchair backend
@@ -30,7 +32,7 @@ import torch
 
 import microbatch
 import overlap
-from collectives import MOE_CAPACITY, ExpertParallelMoE
+from collectives import MOE_ACTIVE, MOE_CAPACITY, ExpertParallelMoE
 from microbatch import KV_STEP, DecodeModel, KVCache
 from microbatch.kv_cache import StaticKVStep, StaticRows
 
@@ -182,7 +184,7 @@ def _layout(n: int, parts: int, bucket: int) -> Tuple[List[int], List[int]]:
     return layout, real
 
 
-_STEP_INPUTS = (TOKENS, MOE_CAPACITY, KV_STEP)  # what each micro-batch of a captured step passes
+_STEP_INPUTS = (TOKENS, MOE_CAPACITY, KV_STEP, MOE_ACTIVE)  # what each micro-batch of a captured step passes
 
 
 def _static_step(model: DecodeModel, layers: Sequence[Sequence[microbatch.Operation]], make: Callable[..., object],
@@ -194,9 +196,9 @@ def _static_step(model: DecodeModel, layers: Sequence[Sequence[microbatch.Operat
     def decode_static(tokens: torch.Tensor, index: torch.Tensor, held: torch.Tensor, real: torch.Tensor
                       ) -> torch.Tensor:
         rows = StaticRows(index, held, real)
-        inputs = [dict(zip(_STEP_INPUTS, (tokens[i * bucket:(i + 1) * bucket], bucket,
-                                          StaticKVStep(cache, rows.part(i * bucket, (i + 1) * bucket)))))
-                  for i in range(parts)]
+        cut = [slice(i * bucket, (i + 1) * bucket) for i in range(parts)]
+        inputs = [dict(zip(_STEP_INPUTS, (tokens[c], bucket, StaticKVStep(cache, rows.part(c.start, c.stop)),
+                                          real[c]))) for c in cut]
         return decode_step(model, layers, make, inputs, lowered=lowered).ids
     return decode_static
 

@@ -104,6 +104,18 @@ def test_the_padded_static_step_generates_the_tokens_of_generate(mode, buckets, 
 PLANS = [((6, 3, 4), [3, 2, 5]), ((2, 7), [1, 4])]  # per rank: prompt lengths, new tokens; rank 1 ends first
 
 
+def _count_expert_pairs(monkeypatch_target, pairs):
+    """Record, on the device, how many (row, expert) pairs reach this rank's experts in each decode step's MoE."""
+    from collectives import static_step
+
+    experts = static_step._StaticStep.experts
+
+    def counted(self, handle):
+        pairs.append((handle.recv_ids >= 0).sum())
+        return experts(self, handle)
+    monkeypatch_target.setattr(static_step._StaticStep, "experts", counted)
+
+
 def _ranks_body(ctx, mode):
     from launch.runner import make_expert_parallel
     from overlap import HostSyncs
@@ -111,27 +123,35 @@ def _ranks_body(ctx, mode):
     lens, limits = PLANS[ctx.rank]
     prompts = _prompts(lens, seed=30 + ctx.rank)
     model = make_expert_parallel(build_model(CFG, seed=5), ctx.group)
-    want = generate(model, prompts, limits, mode="serial").tokens
-    decoder = GraphDecoder(model, new_cache(model, prompts, limits), mode, "cpu")
-    calls = []
-    _buckets_seen(decoder, calls)
-    with HostSyncs() as syncs:
+    eager, padded = [], []
+    with pytest.MonkeyPatch.context() as mp:
+        _count_expert_pairs(mp, eager)
+        want = generate(model, prompts, limits, mode=mode).tokens
+    with HostSyncs() as syncs, pytest.MonkeyPatch.context() as mp:
+        _count_expert_pairs(mp, padded)
+        decoder = GraphDecoder(model, new_cache(model, prompts, limits), mode, "cpu")
+        calls = []
+        _buckets_seen(decoder, calls)
         got = generate(model, prompts, limits, decoder=decoder, prefill_mode="serial")
     in_steps = [str(s) for s in syncs.inside() if (s.scope or "").startswith(DECODE_STEP)]
-    return got.tokens, want, calls, in_steps
+    pairs = [int(sum(p)) for p in (eager, padded)]
+    return got.tokens, want, calls, in_steps, pairs
 
 
 @pytest.mark.cpu_only
-@pytest.mark.parametrize("mode", ["serial", "shared"])
+@pytest.mark.parametrize("mode", ["serial", "shared", "chunked-2", "two-batch"])
 def test_two_ranks_pad_to_the_bucket_they_agree_on(mode):
     """Experts over two ranks with different requests (rank 1 done two steps early, taking part with padding rows
     only): each step padded to the bucket of the widest micro-batch over the ranks, the same on both, generates
-    eager serial's tokens on each rank, with no host sync inside a step."""
+    the eager step's tokens on each rank, with no host sync inside a step; the padding rows reach no expert (the
+    experts compute the (row, expert) pairs of the eager steps, which have no padding)."""
     out = run_ranks(_ranks_body, 2, mode, timeout=120)
-    for rank, (got, want, calls, in_steps) in enumerate(out):
+    for rank, (got, want, calls, in_steps, (eager, padded)) in enumerate(out):
         assert got == want, (rank, mode, got, want)
         assert in_steps == [], (rank, in_steps)
-    assert out[0][2] == out[1][2] == [4, 2, 1, 1], [o[2] for o in out]
+        assert padded == eager > 0, (rank, mode, padded, eager)
+    if mode in ("serial", "shared"):
+        assert out[0][2] == out[1][2] == [4, 2, 1, 1], [o[2] for o in out]
 
 
 class _NotReference(torch.nn.Module):

@@ -351,7 +351,7 @@ def test_mc2_refuses_what_the_operators_refuse():
 
 def _decode_body(ctx, backend: str, threshold: int):
     import microbatch
-    from collectives import MOE_CAPACITY, MOE_IN, MOE_OUT
+    from collectives import MOE_ACTIVE, MOE_CAPACITY, MOE_IN, MOE_OUT
     from overlap import HostSyncs, no_host_sync
 
     GROUPS["ep"] = ctx.group
@@ -365,9 +365,9 @@ def _decode_body(ctx, backend: str, threshold: int):
         for chunks in (1, 2):
             ops = layer.decode_stages(chunks)
 
-            def step():
+            def step(active=None):
                 (y,) = microbatch.run(microbatch.schedule_for("shared", [ops], 1), [ops],
-                                      [{MOE_IN: x, MOE_CAPACITY: 8}], output=MOE_OUT)
+                                      [{MOE_IN: x, MOE_CAPACITY: 8, MOE_ACTIVE: active}], output=MOE_OUT)
                 return y
 
             step()  # the layer's first call checks the ranks' shapes once
@@ -377,7 +377,9 @@ def _decode_body(ctx, backend: str, threshold: int):
             # the fake operators read their inputs on the host; the toolkit's code around them must not
             ours = [str(s) for s in syncs.found if "/tests/" not in s.where]
             out[chunks] = (y, ours, list(CALLS))
-    return out, moe(x)
+            out["padded", chunks] = step(torch.arange(x.shape[0]) < 3)  # rows 3.. are padding
+    sh = layer.shared
+    return out, moe(x), sh.down(sh.activation(sh.gate_up(x)), x)
 
 
 @pytest.mark.cpu_only
@@ -386,8 +388,13 @@ def _decode_body(ctx, backend: str, threshold: int):
 def test_decode_stages_take_mc2_with_the_steps_capacity_and_no_host_sync(backend, threshold, uses_mc2):
     """On 2 ranks: an MC2 layer's decode step, whole or in 2 chunks, sends through MC2 with the step's capacity as
     the batch bound (every rank the same ``global_bs``; a chunk half of it), equals the dense layer, and reads
-    nothing on the host; where the capacity is over ``mc2_threshold``, ``auto`` takes the capacity exchange."""
-    for rank, (out, dense) in enumerate(run_ranks(_decode_body, 2, backend, threshold, timeout=120)):
+    nothing on the host; where the capacity is over ``mc2_threshold``, ``auto`` takes the capacity exchange. Either
+    exchange leaves padding rows out (``x_active_mask``, or expert id -1)."""
+    for rank, (out, dense, shared) in enumerate(run_ranks(_decode_body, 2, backend, threshold, timeout=120)):
+        for chunks in (1, 2):  # padding rows (``MOE_ACTIVE`` False) reach no expert: the shared experts' output alone
+            y = out.pop(("padded", chunks))
+            torch.testing.assert_close(y[:3], dense[:3], **BF16, msg=lambda m: f"rank {rank}, padded {chunks}: {m}")
+            torch.testing.assert_close(y[3:], shared[3:], **BF16, msg=lambda m: f"rank {rank}, padding {chunks}: {m}")
         for chunks, (y, ours, seen) in out.items():
             torch.testing.assert_close(y, dense, **BF16, msg=lambda m: f"rank {rank}, {chunks} chunk(s): {m}")
             assert ours == [], (rank, chunks, ours)

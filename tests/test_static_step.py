@@ -3,15 +3,15 @@ import pytest
 import torch
 
 import microbatch
-from collectives import MOE_CAPACITY, MOE_IN, MOE_OUT, ExpertParallelMoE, LayoutError, MoEConfig
+from collectives import MOE_ACTIVE, MOE_CAPACITY, MOE_IN, MOE_OUT, ExpertParallelMoE, LayoutError, MoEConfig
 from overlap import HostSyncs, no_host_sync
 
 CFG = MoEConfig(hidden=32, ffn=16, n_experts=8, top_k=2, n_shared=1)
 
 
-def _run(ops, x, capacity, mode="serial"):
-    (out,) = microbatch.run(microbatch.schedule_for(mode, [ops], 1), [ops], [{MOE_IN: x, MOE_CAPACITY: capacity}],
-                            output=MOE_OUT)
+def _run(ops, x, capacity, mode="serial", active=None):
+    (out,) = microbatch.run(microbatch.schedule_for(mode, [ops], 1), [ops],
+                            [{MOE_IN: x, MOE_CAPACITY: capacity, MOE_ACTIVE: active}], output=MOE_OUT)
     return out
 
 
@@ -28,6 +28,33 @@ def test_decode_stages_equal_the_layer_whole_or_in_chunks_without_a_host_sync(ch
         got = _run(ops, x, 8, mode="shared")
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert syncs.found == []
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 3])
+def test_padding_rows_take_no_expert_and_change_no_real_row(chunks):
+    """``MOE_ACTIVE`` False (a captured step's padding, after the real rows): the row is routed to no expert, so its
+    output is the shared experts' alone; the real rows equal the layer's on them alone."""
+    torch.manual_seed(0)
+    layer = ExpertParallelMoE.from_config(CFG)
+    x = torch.randn(7, CFG.hidden)
+    active = torch.arange(7) < 4
+    ops = layer.decode_stages(chunks)
+    with no_host_sync():
+        got = _run(ops, x, 8, active=active)
+    torch.testing.assert_close(got[:4], layer(x[:4]), rtol=1e-5, atol=1e-5)
+    sh = layer.shared
+    torch.testing.assert_close(got[4:], sh.down(sh.activation(sh.gate_up(x[4:])), x[4:]), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("active, why", [
+    (torch.ones(6, dtype=torch.bool), r"bool tensor \[7\] \(one flag per token\), got torch.bool \(6,\)"),
+    (torch.ones(7), r"bool tensor \[7\] \(one flag per token\), got torch.float32 \(7,\)"),
+])
+def test_a_malformed_real_row_mask_is_refused_in_one_line(active, why):
+    layer = ExpertParallelMoE.from_config(CFG)
+    with pytest.raises(LayoutError, match=why) as err:
+        _run(layer.decode_stages(), torch.randn(7, CFG.hidden), 8, active=active)
+    assert "\n" not in str(err.value)
 
 
 def test_a_capacity_below_the_tokens_is_refused_before_the_exchange():
@@ -54,8 +81,8 @@ def _chunked_body(ctx, chunks):
         runs = {}
         for on in (True, False):
             with overlap.enabled(on), Timeline() as tl:
-                (out,) = microbatch.run(microbatch.chunked([ops], 1), [ops], [{MOE_IN: x, MOE_CAPACITY: 10}],
-                                        output=MOE_OUT)
+                (out,) = microbatch.run(microbatch.chunked([ops], 1), [ops],
+                                        [{MOE_IN: x, MOE_CAPACITY: 10, MOE_ACTIVE: None}], output=MOE_OUT)
             comm = [s for s in tl.spans if s.kind == "comm"]  # in issue order: d0, d1, c0, d2, c1, d3, ...
             experts = {s.name: s for s in tl.spans if s.name.startswith("experts_")}
             dispatches = [s for s in comm if s.name == "dispatch"]

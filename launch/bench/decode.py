@@ -163,7 +163,7 @@ def _executor_host(model: Any, tokens: int, history: int, group: Any, steps: int
     import dataclasses as dc
 
     import microbatch
-    from collectives import MOE_CAPACITY
+    from collectives import MOE_ACTIVE, MOE_CAPACITY
     from launch.decode import split_by_cost
     from launch.decode_step import bucket_of
     from microbatch import HIDDEN, KV_STEP, KVCache, KVStep
@@ -193,7 +193,7 @@ def _executor_host(model: Any, tokens: int, history: int, group: Any, steps: int
     host = []
     for _ in range(steps + 1):  # the first step lowers the program: not counted
         staged = [{HIDDEN: model.embed_tokens(ids), KV_STEP: KVStep(cache, cache.rows([slots[j] for j in part])),
-                   MOE_CAPACITY: bucket_of(tokens)}]
+                   MOE_CAPACITY: bucket_of(tokens), MOE_ACTIVE: None}]
         inside[0] = 0.0
         start = time.perf_counter()
         microbatch.run_made(make, layers, staged)
