@@ -20,7 +20,8 @@ group has at least two ranks and ``max_tokens_per_rank`` is at most ``mc2_thresh
 Before the first call the HCCL window MC2 needs is computed from Ascend's formula
 (`mc2_buffer_mb`) and compared with ``HCCL_BUFFSIZE`` (MB, default 200): too small is an
 `MC2Error` naming the value to set, not a device fault. Ranks with fewer tokens than
-``max_tokens_per_rank`` are padded to it and pass ``x_active_mask`` (padding is not sent), so every
+``max_tokens_per_rank`` are padded to it and pass ``x_active_mask`` (padding is not sent; on A2 with HCCL's
+"hierarchy" algorithm, which takes no mask, the padding is sent as tokens and its outputs dropped), so every
 rank calls the operators with the same batch size. With ``validate`` (eager, more than one rank)
 one small all-reduce before the fused operator makes every rank raise `LayoutError` / `MC2Error`
 if any rank rejects its input or the ranks disagree; Ascend wants MC2's communicator to hold MC2
@@ -302,8 +303,16 @@ def _pad(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, rows: int, a
         mask = torch.arange(rows, device=x.device) < x.shape[0]  # active tokens first, as the operators want
     else:
         mask = torch.cat([active, active.new_zeros(extra)])
-    return (torch.cat([x, x.new_zeros(extra, x.shape[1])]), torch.cat([ids, ids.new_zeros(extra, ids.shape[1])]),
-            torch.cat([weights, weights.new_zeros(extra, weights.shape[1])]), mask)
+    k = ids.shape[1]
+    pad_ids = torch.arange(k, dtype=ids.dtype, device=ids.device).expand(extra, k)  # distinct in a row, as required
+    return (torch.cat([x, x.new_zeros(extra, x.shape[1])]), torch.cat([ids, pad_ids]),
+            torch.cat([weights, weights.new_zeros(extra, k)]), mask)
+
+
+def _takes_active_mask(chip: Optional[str]) -> bool:
+    """Whether the operators take ``x_active_mask`` here: not A2's "hierarchy" algorithm (HCCL's environment picks
+    it where no ``comm_alg`` is passed, as here), which sends the padding as tokens instead (outputs unused)."""
+    return not (chip == "a2" and _a2_alg("") == "hierarchy")
 
 
 @contextlib.contextmanager
@@ -359,6 +368,8 @@ def mc2_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     world = group_size(group)
     call = _Call(group_name or _group_name(group), world, _rank(group), num_experts, max_tokens * world)
     xs, ids, weights, mask = _pad(x.detach(), topk_idx, topk_weights, max_tokens, active)
+    if not _takes_active_mask(chip):
+        mask = None
     with _side(stream_tag, previous_event, event_tag) as caller:
         with _comm_span("mc2.dispatch", (xs, ids)):
             out = npu.npu_moe_distribute_dispatch_v2(

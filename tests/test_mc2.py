@@ -2,6 +2,7 @@
 gloo all_to_all (the wheel's argument names and return tuple); the HCCL buffer check; the backend choice."""
 from __future__ import annotations
 
+import os
 from typing import Dict, List, Optional
 from unittest import mock
 
@@ -45,6 +46,7 @@ def npu_moe_distribute_dispatch_v2(x, expert_ids, group_ep, ep_world_size, ep_ra
     assert x.dim() == 2 and x.dtype in (torch.float16, torch.bfloat16) and expert_ids.dtype == torch.int32
     assert w == dist.get_world_size(group) and ep_rank_id == dist.get_rank(group) and moe_expert_num % w == 0
     assert quant_mode == 0 and scales is None and expert_token_nums_type in (0, 1) and global_bs in (0, bs * w)
+    assert all(len(set(row)) == k for row in expert_ids.tolist()), "the K ids of a row must differ"
     if x_active_mask is not None:  # 1-D bool, active tokens first
         assert x_active_mask.dtype == torch.bool and x_active_mask.shape == (bs,)
         assert torch.equal(x_active_mask, x_active_mask.sort(descending=True, stable=True).values)
@@ -128,9 +130,12 @@ def _moe(cfg: MoEConfig) -> MoE:
     return MoE(cfg).requires_grad_(False).to(torch.bfloat16)
 
 
-def _mc2_body(ctx, tokens: List[int], max_tokens: int):
+def _mc2_body(ctx, tokens: List[int], max_tokens: int, a2_hierarchy: bool = False):
     GROUPS["ep"] = ctx.group
     CALLS.clear()  # a rank's process may have run other tests (torchrun mode)
+    if a2_hierarchy:  # an A2 whose HCCL environment selects the "hierarchy" algorithm: no x_active_mask there
+        os.environ.update(HCCL_INTRA_PCIE_ENABLE="1", HCCL_INTRA_ROCE_ENABLE="0")
+        mock.patch.object(mc2, "chip_of", lambda soc: "a2").start()
     cfg = MoEConfig(hidden=64, ffn=16, n_experts=4 * ctx.world_size, top_k=2, n_shared=1)
     moe = _moe(cfg)
     torch.manual_seed(10 + ctx.rank)
@@ -167,6 +172,18 @@ def test_mc2_equals_dense_on_two_ranks(tokens, max_tokens):
             assert c == dict(global_bs=2 * max_tokens, mask=tokens[rank] < max_tokens, bs=max_tokens)
     # every (token, expert) pair arrived once: the group lists add up to the pairs routed to each rank
     assert sum(sum(r["counts"]) for r in results) == 2 * sum(tokens)
+
+
+@pytest.mark.cpu_only
+def test_on_a2_with_the_hierarchy_algorithm_padding_travels_as_tokens_without_a_mask():
+    """A2's "hierarchy" algorithm takes no ``x_active_mask``: a padded rank sends its padding as tokens (ids distinct
+    in a row, as the operators require), and the real rows still equal the dense reference."""
+    results = run_ranks(_mc2_body, 2, [5, 3], 8, True, timeout=120)
+    for rank, r in enumerate(results):
+        torch.testing.assert_close(r["routed"], r["dense_routed"], **BF16, msg=lambda m: f"rank {rank}: {m}")
+        torch.testing.assert_close(r["whole"], r["dense"], **BF16, msg=lambda m: f"rank {rank} layer: {m}")
+        dispatches = calls_of(r["seen"], "npu_moe_distribute_dispatch_v2")
+        assert dispatches == [dict(global_bs=16, mask=False, bs=8)] * 2, (rank, dispatches)
 
 
 def calls_of(seen, name):
