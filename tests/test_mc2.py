@@ -131,11 +131,18 @@ def _moe(cfg: MoEConfig) -> MoE:
 
 
 def _mc2_body(ctx, tokens: List[int], max_tokens: int, a2_hierarchy: bool = False):
+    if not a2_hierarchy:
+        return _mc2_run(ctx, tokens, max_tokens)
+    # an A2 whose HCCL environment selects the "hierarchy" algorithm: no x_active_mask there (restored after: under
+    # torchrun this process runs the other tests too)
+    with mock.patch.dict(os.environ, HCCL_INTRA_PCIE_ENABLE="1", HCCL_INTRA_ROCE_ENABLE="0"), \
+            mock.patch.object(mc2, "chip_of", lambda soc: "a2"):
+        return _mc2_run(ctx, tokens, max_tokens)
+
+
+def _mc2_run(ctx, tokens: List[int], max_tokens: int):
     GROUPS["ep"] = ctx.group
     CALLS.clear()  # a rank's process may have run other tests (torchrun mode)
-    if a2_hierarchy:  # an A2 whose HCCL environment selects the "hierarchy" algorithm: no x_active_mask there
-        os.environ.update(HCCL_INTRA_PCIE_ENABLE="1", HCCL_INTRA_ROCE_ENABLE="0")
-        mock.patch.object(mc2, "chip_of", lambda soc: "a2").start()
     cfg = MoEConfig(hidden=64, ffn=16, n_experts=4 * ctx.world_size, top_k=2, n_shared=1)
     moe = _moe(cfg)
     torch.manual_seed(10 + ctx.rank)
