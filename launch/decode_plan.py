@@ -130,6 +130,8 @@ def calibrate_decode(model: DecodeModel, *, max_tokens: int, histories: Tuple[in
         why = "refreshing" if refresh else "none cached for this machine, model and link" if cached is None else \
             "not cached on every rank"
         report(f"calibrating decode ({why}; cached after this run in {path})")
+    if overlap.backends.current().device_type == "cpu":  # every mode and size in turn: freed memory kept for reuse
+        overlap.keep_freed_memory()  # as a device's allocator keeps it (else the steps measure page faults)
     if decoders is None:
         timer: "_Timer" = _Step(model, points[-1], h1, layers, hows, group)
     else:

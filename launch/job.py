@@ -167,6 +167,8 @@ def start(job: JobConfig) -> Optional[Tuple[torch.device, Optional[Fault], Peers
     overlap.set_path(job.device)
     overlap.set_link(job.link or OFF)  # --cpu-link off is off, whatever $OVERLAP_CPU_LINK says
     overlap.set_comm_priority(job.comm_priority)
+    if job.device == "cpu":
+        overlap.keep_freed_memory()  # the CPU stand-in for a device's caching allocator (overlap.host_memory)
     overlap.set_wait_timeout(job.timeout)  # every wait of the toolkit, as the collectives' own timeout
     overlap.sanitize_from_env()
     fault = Fault.from_env()

@@ -19,6 +19,7 @@ from .cores import (CoreBudget, CoreBudgetError, core_budget, limit_cores, parse
                     reset_core_limits, set_core_budget, stream_limits)
 from .events import Event, event, wait_tensor
 from .hooks import Span, add_observer, remove_observer, span
+from .host_memory import ENV_KEEP_MEMORY, keep_freed_memory
 from .host_sync import HostSync, HostSyncs, host_reads_allowed, no_host_sync
 from .link import Link, current_link, parse_link, set_link
 from .observability import Sanitizer, StreamRaceError, Timeline
@@ -29,14 +30,16 @@ from .streams import (EP_COMM, KV_OFFLOAD, SHARED_EXPERT, get_stream, issue_ahea
                       record_stream, stream, synchronize)
 
 __all__ = [
-    "DEFAULT", "EP_COMM", "KV_OFFLOAD", "SHARED_EXPERT", "PATHS", "ENV_COMM_PRIORITY", "ENV_ENABLE", "ENV_PATH",
+    "DEFAULT", "EP_COMM", "KV_OFFLOAD", "SHARED_EXPERT", "PATHS", "ENV_COMM_PRIORITY", "ENV_ENABLE",
+    "ENV_KEEP_MEMORY", "ENV_PATH",
     "CoreBudget", "CoreBudgetError", "Disagreement", "Event", "GroupTransport", "HostSync", "HostSyncs", "Link", "OffloadCache",
     "OffloadError", "Sanitizer", "Span", "StoreTransport", "StreamRaceError", "Timeline", "WaitTimeout",
     "add_observer", "agree", "all_reduce", "all_to_all_single", "collective_device", "comm_priority",
     "compare_posts", "copy_", "core_budget",
     "current_link", "current_path", "current_stream_tag", "describe_comm_priority", "detect_path", "enabled",
     "event", "get_stream", "host_reads_allowed", "is_enabled",
-    "issue_ahead", "issue_collective", "issue_host", "limit_cores", "no_host_sync", "parse_budget", "parse_link", "read_soc_config",
+    "issue_ahead", "issue_collective", "issue_host", "keep_freed_memory",
+    "limit_cores", "no_host_sync", "parse_budget", "parse_link", "read_soc_config",
     "record_stream", "remove_observer", "reset", "reset_core_limits", "sanitize_from_env", "set_core_budget",
     "set_comm_priority", "set_enabled", "set_link", "set_path", "set_wait_timeout", "span", "stream",
     "stream_limits", "synchronize", "tensors_in", "use_path", "wait_tensor", "wait_timeout",

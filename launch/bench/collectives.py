@@ -158,6 +158,7 @@ def _layer(ctx: Any, tokens: int, hidden: int, experts: int, k: int, ffn: int, r
 
 def _body(ctx: Any, opts: Dict[str, Any]) -> Dict[str, Any]:
     torch.set_grad_enabled(False)
+    overlap.keep_freed_memory()  # as the launchers on the CPU path (overlap.host_memory)
     ex = _exchange(ctx, opts["tokens"], opts["hidden"], opts["experts"], opts["top_k"], opts["repeats"],
                    opts["min_exchange_ms"])
     layer = _layer(ctx, opts["layer_tokens"], opts["hidden"], opts["experts"], opts["top_k"], opts["ffn"],

@@ -147,6 +147,7 @@ def _rank_body(ctx: Any, preset_name: str, tokens: int, seq_len: int, link: floa
     from launch.runner import make_expert_parallel, split_for, prefill
     from microbatch.batch import Batch
 
+    overlap.keep_freed_memory()  # as the launchers on the CPU path (overlap.host_memory)
     overlap.set_link(overlap.Link(link))
     model = make_expert_parallel(build_model(preset(preset_name), seed=seed), ctx.group)
     full, rest = divmod(tokens, seq_len)

@@ -286,6 +286,7 @@ def _rank_body(ctx: Any, preset_name: str, modes: List[str], tokens: List[int], 
     from launch.models import build_model, preset
     from launch.runner import make_expert_parallel
 
+    overlap.keep_freed_memory()  # as the launchers on the CPU path (overlap.host_memory)
     overlap.set_comm_priority(comm_priority)
     model = make_expert_parallel(build_model(preset(preset_name), seed=seed), ctx.group)
     out = []

@@ -51,6 +51,7 @@ def _rank_body(ctx: Any, preset_name: str, seq_lens: List[int], warmup: int, ite
     from launch.runner import make_expert_parallel
     from microbatch.batch import Batch
 
+    overlap.keep_freed_memory()  # as the launchers on the CPU path (overlap.host_memory)
     overlap.set_link(overlap.parse_link(link) if link else None)
     model = make_expert_parallel(_build(preset_name, model_name, seed), ctx.group, two_step_dispatch=two_step)
     batch = Batch.random(seq_lens, model.cfg.vocab, seed=seed + ctx.rank + 1)

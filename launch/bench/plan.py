@@ -153,6 +153,7 @@ def _rank_body(ctx: Any, preset_name: str, tokens: List[int], links: List[float]
     from launch.runner import make_expert_parallel
     from microbatch.planning import calibrate
 
+    overlap.keep_freed_memory()  # as the launchers on the CPU path (overlap.host_memory)
     overlap.set_comm_priority(comm_priority)
     model = make_expert_parallel(build_model(preset(preset_name), seed=seed), ctx.group)
     out = []

@@ -50,6 +50,7 @@ import torch.distributed as dist
 
 import overlap
 from overlap import Span, Timeline, backends
+from overlap.host_memory import freed_memory_setting
 
 from ..batch import Batch
 from ..forward import run_schedule, serial_split
@@ -650,6 +651,8 @@ def calibration_key(model: MoEModel, group: Optional[dist.ProcessGroup] = None, 
             "model": _config_fields(model), "dtype": str(_model_dtype(model)),
             "link": None if link is None else {"gbps": link.gbps, "latency_us": link.latency_us},
             "comm_priority": overlap.comm_priority() if backends.current().name == "cpu" else None,
+            # measured with freed host memory kept or not (overlap.host_memory): the CPU path's calibrations differ
+            "host_memory": freed_memory_setting() if backends.current().name == "cpu" else None,
             "tokens": [int(n) for n in tokens], "repeats": int(repeats), "seq_len": int(seq_len)}
     return json.loads(_canonical(key))  # as it reads back from the cache
 
@@ -848,6 +851,8 @@ def calibrate(model: MoEModel, group: Optional[dist.ProcessGroup] = None, *, max
             "the ranks' cached files differ" if differ else "not cached on every rank"
         report(f"calibrating the operations and the interconnect ({why}; cached after this run in "
                f"{cache_file(key, cache)})")
+    if backends.current().device_type == "cpu":  # steps of every size in turn: freed memory kept, as a device keeps it
+        overlap.keep_freed_memory()
     cal = agree(measure_costs(model, group, tokens, repeats, seq_len), group)
     save(cal, cache)
     return cal
