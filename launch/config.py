@@ -219,6 +219,7 @@ def environment(device: str, path: Optional[str]) -> Tuple[Tuple[str, EnvValue],
     from overlap.comm_threads import env_comm_priority
     from overlap.context import ENV_PATH, env_enabled, env_graph_path, env_path
     from overlap.cores import ENV_BUDGET, ENV_SOC, env_core_budget
+    from overlap.host_memory import ENV_KEEP_MEMORY, env_keep_memory
     from overlap.link import env_link
     from overlap.observability.sanitizer import ENV_SANITIZE, env_mode
 
@@ -227,6 +228,7 @@ def environment(device: str, path: Optional[str]) -> Tuple[Tuple[str, EnvValue],
         env_graph_path()
         env_link()
         env_comm_priority()
+        keep_memory = env_keep_memory()
         enabled = env_enabled()
         sanitize = env_mode() or "off"
         budget = env_core_budget()
@@ -243,6 +245,8 @@ def environment(device: str, path: Optional[str]) -> Tuple[Tuple[str, EnvValue],
         # not pass on one rank and fail on another once it does)
         (f"${ENV_BUDGET}", None if budget is None else f"{budget.aic}|{budget.aiv}"),
         (f"${ENV_SOC}", os.environ.get(ENV_SOC, "").strip() or None),
+        # the CPU path's freed host memory kept (overlap.host_memory): the steps' and calibrations' times differ
+        (f"${ENV_KEEP_MEMORY}", None if device != "cpu" else "off" if keep_memory is False else "on"),
     ]
     if device == "npu":  # HCCL sizes every communicator's buffer from it, and MC2's window must fit alike
         from collectives.mc2 import ENV_BUFFSIZE, MC2Error, hccl_buffsize_mb

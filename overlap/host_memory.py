@@ -41,8 +41,23 @@ def _glibc() -> Optional[Any]:
         return None
 
 
+_ON, _OFF = ("1", "on", "yes", "true"), ("0", "off", "no", "false")
+
+
+def env_keep_memory() -> Optional[bool]:
+    """``$OVERLAP_CPU_KEEP_MEMORY``: False for 0 / off / no / false, True for 1 / on / yes / true, None when unset or
+    empty; ValueError naming it otherwise."""
+    env = os.environ.get(ENV_KEEP_MEMORY, "").strip().lower()
+    if not env:
+        return None
+    if env in _ON + _OFF:
+        return env in _ON
+    raise ValueError(f"${ENV_KEEP_MEMORY}={env!r}: expected {', '.join(_ON)} (freed host memory kept, the default) "
+                     f"or {', '.join(_OFF)} (glibc's defaults)")
+
+
 def _switched_off() -> bool:
-    return os.environ.get(ENV_KEEP_MEMORY, "").strip().lower() in ("0", "off", "no", "false")
+    return env_keep_memory() is False
 
 
 def freed_memory_setting() -> str:
@@ -68,4 +83,4 @@ def keep_freed_memory() -> str:
     return _kept
 
 
-__all__ = ["ENV_KEEP_MEMORY", "freed_memory_setting", "keep_freed_memory"]
+__all__ = ["ENV_KEEP_MEMORY", "env_keep_memory", "freed_memory_setting", "keep_freed_memory"]

@@ -43,6 +43,13 @@ def test_the_switch_leaves_glibc_alone(fake_libc, monkeypatch, value):
     assert fake_libc.calls == []
 
 
+def test_a_bad_switch_is_a_value_error_naming_it(fake_libc, monkeypatch):
+    monkeypatch.setenv(host_memory.ENV_KEEP_MEMORY, "maybe")
+    with pytest.raises(ValueError, match=r"\$OVERLAP_CPU_KEEP_MEMORY='maybe': expected 1, on, yes, true"):
+        overlap.keep_freed_memory()
+    assert fake_libc.calls == []
+
+
 def test_without_glibc_or_where_glibc_refuses_it_says_so(fake_libc, monkeypatch):
     fake_libc.accepts = False
     assert "refused" in overlap.keep_freed_memory()

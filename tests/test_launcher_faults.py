@@ -36,6 +36,7 @@ _ENVIRONMENT = [  # (variable, (rank 0's value, rank 1's value), the line that n
     ("OVERLAP_ENABLE", ("1", "0"), "ranks disagree on $OVERLAP_ENABLE: rank 0: 'on'; rank 1: 'off'"),
     ("OVERLAP_CPU_LINK", ("0.1", "2"),
      "ranks disagree on --cpu-link (or its default $OVERLAP_CPU_LINK): rank 0: '0.1 GB/s'; rank 1: '2 GB/s'"),
+    ("OVERLAP_CPU_KEEP_MEMORY", ("1", "0"), "ranks disagree on $OVERLAP_CPU_KEEP_MEMORY: rank 0: 'on'; rank 1: 'off'"),
 ]
 
 

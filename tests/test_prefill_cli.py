@@ -355,6 +355,7 @@ def test_ctrl_c_inside_a_finalizer_still_interrupts_the_run():
     (dict(), {"OVERLAP_SANITIZE": "bogus"}, "$OVERLAP_SANITIZE='bogus': expected 0, 1, warn or raise"),
     (dict(cpu_link="off"), {"OVERLAP_CPU_LINK": "abc"}, "OVERLAP_CPU_LINK: expected 'GBPS[,LATENCY_US]'"),
     (dict(), {"OVERLAP_CPU_COMM_PRIORITY": "high"}, "$OVERLAP_CPU_COMM_PRIORITY: expected one of rt, off"),
+    (dict(), {"OVERLAP_CPU_KEEP_MEMORY": "maybe"}, "$OVERLAP_CPU_KEEP_MEMORY='maybe': expected 1, on, yes, true"),
 ])
 def test_a_bad_option_or_environment_value_is_one_configuration_error_naming_it(monkeypatch, options, env, message):
     """Checked with the options, before any rank joins a group (exit 2 from the command line); before,
