@@ -44,6 +44,7 @@ from microbatch import KV_STEP, DecodeModel, KVCache, KVStep
 from microbatch.planning.calibration import cache_file, calibration_key, read_cache, write_cache
 from microbatch.planning.decode import SERIAL, DecodeCalibration, DecodeCalibrationError, relative_error
 from microbatch.planning.probes import max_over_ranks
+from overlap.host_memory import keep_on_host_path
 
 from .decode import DecodeError, expert_group, history_weight, split_by_cost
 from .decode_step import DECODE_STEP, TOKENS, bucket_of, decode_step
@@ -130,8 +131,7 @@ def calibrate_decode(model: DecodeModel, *, max_tokens: int, histories: Tuple[in
         why = "refreshing" if refresh else "none cached for this machine, model and link" if cached is None else \
             "not cached on every rank"
         report(f"calibrating decode ({why}; cached after this run in {path})")
-    if overlap.backends.current().device_type == "cpu":  # every mode and size in turn: freed memory kept for reuse
-        overlap.keep_freed_memory()  # as a device's allocator keeps it (else the steps measure page faults)
+    keep_on_host_path()
     if decoders is None:
         timer: "_Timer" = _Step(model, points[-1], h1, layers, hows, group)
     else:

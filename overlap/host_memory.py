@@ -83,4 +83,13 @@ def keep_freed_memory() -> str:
     return _kept
 
 
-__all__ = ["ENV_KEEP_MEMORY", "env_keep_memory", "freed_memory_setting", "keep_freed_memory"]
+def keep_on_host_path() -> None:
+    """`keep_freed_memory` where the current path computes on the host (a calibration's steps run every size in
+    turn: kept, they measure what a device's allocator would give them, not page faults); elsewhere nothing."""
+    from . import backends
+
+    if backends.current().device_type == "cpu":
+        keep_freed_memory()
+
+
+__all__ = ["ENV_KEEP_MEMORY", "env_keep_memory", "freed_memory_setting", "keep_freed_memory", "keep_on_host_path"]

@@ -104,7 +104,7 @@ def test_the_padded_static_step_generates_the_tokens_of_generate(mode, buckets, 
 PLANS = [((6, 3, 4), [3, 2, 5]), ((2, 7), [1, 4])]  # per rank: prompt lengths, new tokens; rank 1 ends first
 
 
-def _count_expert_pairs(monkeypatch_target, pairs):
+def _count_expert_pairs(mp, pairs):
     """Record, on the device, how many (row, expert) pairs reach this rank's experts in each decode step's MoE."""
     from collectives import static_step
 
@@ -113,7 +113,7 @@ def _count_expert_pairs(monkeypatch_target, pairs):
     def counted(self, handle):
         pairs.append((handle.recv_ids >= 0).sum())
         return experts(self, handle)
-    monkeypatch_target.setattr(static_step._StaticStep, "experts", counted)
+    mp.setattr(static_step._StaticStep, "experts", counted)
 
 
 def _ranks_body(ctx, mode):

@@ -90,7 +90,7 @@ def test_the_calibrations_on_the_cpu_path_keep_freed_memory(monkeypatch):
     from launch.models import build_model, preset
 
     asked = []
-    monkeypatch.setattr(overlap, "keep_freed_memory", lambda: asked.append(1) or "kept")
+    monkeypatch.setattr(host_memory, "keep_freed_memory", lambda: asked.append(1) or "kept")
     model = build_model(dataclasses.replace(preset("tiny"), n_layers=2, n_dense_layers=1), seed=2)
     with torch.no_grad():
         calibrate_decode(model, max_tokens=1, histories=(2, 3), modes=("serial",), repeats=1, steps=1, refresh=True,
@@ -108,7 +108,7 @@ def test_the_prefill_calibration_keeps_freed_memory_before_it_measures(monkeypat
     from microbatch.planning import calibrate
 
     order = []
-    monkeypatch.setattr(overlap, "keep_freed_memory", lambda: order.append("keep") or "kept")
+    monkeypatch.setattr(host_memory, "keep_freed_memory", lambda: order.append("keep") or "kept")
 
     def measure(*args, **kwargs):
         order.append("measure")

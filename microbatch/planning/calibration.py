@@ -50,7 +50,7 @@ import torch.distributed as dist
 
 import overlap
 from overlap import Span, Timeline, backends
-from overlap.host_memory import freed_memory_setting
+from overlap.host_memory import freed_memory_setting, keep_on_host_path
 
 from ..batch import Batch
 from ..forward import run_schedule, serial_split
@@ -851,8 +851,7 @@ def calibrate(model: MoEModel, group: Optional[dist.ProcessGroup] = None, *, max
             "the ranks' cached files differ" if differ else "not cached on every rank"
         report(f"calibrating the operations and the interconnect ({why}; cached after this run in "
                f"{cache_file(key, cache)})")
-    if backends.current().device_type == "cpu":  # steps of every size in turn: freed memory kept, as a device keeps it
-        overlap.keep_freed_memory()
+    keep_on_host_path()
     cal = agree(measure_costs(model, group, tokens, repeats, seq_len), group)
     save(cal, cache)
     return cal
