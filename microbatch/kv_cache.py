@@ -147,9 +147,11 @@ class KVCache:
 
     def history(self, layer: int, rows: "KVRows") -> Tuple[torch.Tensor, torch.Tensor]:
         """Every slot of ``rows``'s keys ``[slots, rows.longest, *k_shape]`` and values, those of ``rows``
-        included (rows past a slot's length are padding: ``rows.mask`` says which are held)."""
-        return (self.k[layer].index_select(0, rows.index)[:, :rows.longest],
-                self.v[layer].index_select(0, rows.index)[:, :rows.longest])
+        included (rows past a slot's length are padding: ``rows.mask`` says which are held). A copy of the
+        slots' first ``rows.longest`` rows, never of the whole ``max_len`` (attention over a view of the cache
+        is slower on CPU than the copy and attention over it)."""
+        return (self.k[layer, :, :rows.longest].index_select(0, rows.index),
+                self.v[layer, :, :rows.longest].index_select(0, rows.index))
 
     def attend(self, layer: int, rows: "KVRows", q: torch.Tensor) -> torch.Tensor:
         """Decode attention: ``q [len(rows.slots), heads, head_dim]``, one query per request, over each slot's

@@ -74,3 +74,34 @@ def test_what_does_not_fit_is_refused_by_name():
         cache.write(0, cache.rows([a], [2]), torch.zeros(3, H, D), torch.zeros(3, H, D))
     with pytest.raises(KVCacheError, match="max_len must be at least 1"):
         KVCache(1, 1, 0, (H, D))
+
+
+def test_decode_attention_copies_the_histories_not_the_whole_room():
+    """A decode step reads each slot's rows up to the longest history, whatever the cache's ``max_len`` (the room
+    for the longest prompt and every new token): copying the whole room made attention O(max_len) per step."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Materialised(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.elements = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if not func.is_view:  # a new tensor
+                self.elements += sum(t.numel() for t in (out if isinstance(out, (tuple, list)) else (out,))
+                                     if isinstance(t, torch.Tensor))
+            return out
+
+    max_len, prompt = 512, 3
+    cache = KVCache(1, 4, max_len, (H, D))
+    slots = cache.admit(3)
+    prefill = cache.rows(slots, [prompt] * 3)
+    cache.write(0, prefill, torch.randn(9, H, D), torch.randn(9, H, D))
+    cache.advance(prefill)
+    rows = cache.rows(slots)
+    with Materialised() as seen:
+        k, v = cache.history(0, rows)
+    assert k.shape == v.shape == (3, prompt + 1, H, D)
+    assert seen.elements <= 2 * 3 * (prompt + 1) * H * D, f"{seen.elements} elements copied for a history of " \
+                                                            f"{prompt + 1} rows in a room of {max_len}"
