@@ -49,6 +49,25 @@ def test_the_fastest_prediction_wins_and_ties_go_to_fewer_micro_batches():
     assert "auto: chose" in slow.format() and slow.best.describe() in slow.format()
 
 
+def test_a_split_wins_over_one_batch_only_by_more_than_the_margin():
+    lens = [(64, 64, 64, 64)]
+    # a link where splitting gains a few per cent: the split is the fastest prediction, one batch the choice
+    for spb in (2e-10, 5e-10, 1e-9, 2e-9):
+        free = choose(_Cal(spb), _layers(), lens, device=False, split_margin=0.0)
+        whole = min(c.predicted_s for c in free.candidates if c.micro_batches == 1)
+        if free.best.micro_batches > 1 and free.best.predicted_s > whole * 0.95:
+            break
+    else:
+        pytest.fail("no link put a split within 5% of one batch")
+    kept = choose(_Cal(spb), _layers(), lens, device=False)
+    assert kept.best.micro_batches == 1 and kept.best.predicted_s == pytest.approx(whole)
+    assert kept.candidates == free.candidates  # the same predictions, another decision
+    slow = choose(_Cal(2.5e-8), _layers(), lens, device=False)  # a split far ahead is still taken
+    assert slow.best.micro_batches >= 2
+    with pytest.raises(ValueError, match="split_margin must be in"):
+        choose(_Cal(0.0), _layers(), lens, device=False, split_margin=1.0)
+
+
 def test_a_rank_that_cannot_split_removes_the_split_candidates():
     lens = [(64, 64, 64, 64), (1,)]
     choice = choose(_Cal(2.5e-8), _layers(), lens, device=False)

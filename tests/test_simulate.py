@@ -189,8 +189,10 @@ def test_a_host_blocking_count_exchange_delays_later_issues():
     assert pred.total_s > free.total_s
 
 
-def test_a_count_exchange_read_by_a_later_launch_blocks_the_host_only_there():
-    """The dispatch in two steps: ``counts`` issues the count exchange, ``dispatch`` reads it on the host (read_at)."""
+def test_a_count_exchange_read_by_a_later_launch_runs_ahead_on_the_cpu_path_and_in_place_on_a_device():
+    """The dispatch in two steps: ``counts`` issues the count exchange, ``dispatch`` reads it (read_at). The CPU path
+    reads it and sends the tokens ahead on the comm stream's thread (`overlap.issue_ahead`); a device's host reads it
+    in the reading launch's place."""
     layers = [[_op("attn", ["hidden"], ["x"]), _op("counts", ["x"], ["k"], EP_COMM),
                _op("dispatch", ["k"], ["y"], EP_COMM), _op("fin", ["y"], ["out"])]]
     sched = _schedule((0, 0, "attn"), (0, 0, "counts", EP_COMM), (1, 0, "attn"), (1, 0, "counts", EP_COMM),
@@ -203,12 +205,17 @@ def test_a_count_exchange_read_by_a_later_launch_blocks_the_host_only_there():
                        "fin": OpCost(Linear(1))}, latency=1.0, per_byte=1e-3)
 
     pred = _run(sched, layers, [1, 1], costs("dispatch"))
-    # counts0 3-3.5, its exchange 3.5-4.5 under attn1 3.5-6.5; counts1 6.5-7, exchange 7-8; dispatch0 reads
-    # counts0 (long done) at 7, payload 8-10 after counts1 on the link; dispatch1 waits for counts1 until 8
+    # counts0 3-3.5, its exchange 3.5-4.5; dispatch0 runs ahead once it returns: 4.5-5, payload 5-7 on the link.
+    # attn1 3.5-7 (3 s, and the 0.5 s dispatch0 took from the cores meanwhile); counts1 7-7.5, exchange 7.5-8.5;
+    # dispatch1 ahead 8.5-9, payload 9-11; the host meets dispatch0 (issued) and dispatch1 (at 9) in their places;
+    # fin0 9-10, fin1 after the payload, 11-12
     assert _span(pred, "attn", 1).start == pytest.approx(3.5)
-    assert _span(pred, "dispatch", 0, "issue").start == pytest.approx(7.0)
-    assert _span(pred, "dispatch", 1, "issue").start == pytest.approx(8.0)
-    assert pred.total_s == pytest.approx(13.0)
+    assert _span(pred, "attn", 1).end == pytest.approx(7.0)
+    assert _span(pred, "dispatch", 0, "issue").start == pytest.approx(4.5)
+    assert _span(pred, "dispatch", 0, "comm").end == pytest.approx(7.0)  # not waiting for the host to reach it
+    assert _span(pred, "dispatch", 1, "issue").start == pytest.approx(8.5)
+    assert _span(pred, "fin", 0).start == pytest.approx(9.0)
+    assert pred.total_s == pytest.approx(12.0)
     now = _run(sched, layers, [1, 1], costs(""))  # read in its own launch: the host waits right there
     assert _span(now, "attn", 1).start == pytest.approx(4.5)
     # on a device the host reads in the reading launch's place: attn1 is issued at once

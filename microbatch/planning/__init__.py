@@ -21,7 +21,7 @@ from .probes import barrier, contention, contention_fit, grouped, max_over_ranks
 from .calibration import (ENV_CACHE, Calibration, OpFit, Run, TransferFit, cache_dir, cache_file, calibrate,
                           calibration_key, check_cached, fit_collective, fit_linear, fit_runs, predict_mode,
                           request_length, token_points)
-from .choice import Candidate, Choice, choose, gather_lens
+from .choice import SPLIT_MARGIN, Candidate, Choice, choose, gather_lens
 from .decode import DecodeCalibration, DecodeCalibrationError, DecodeChoice, choose_decode
 from .guard import DecodeGuard
 
@@ -38,7 +38,7 @@ __all__ = [
     "calibration_key", "check_cached", "fit_collective", "fit_linear", "fit_runs", "predict_mode", "request_length",
     "token_points",
     # choice
-    "Candidate", "Choice", "choose", "gather_lens",
+    "SPLIT_MARGIN", "Candidate", "Choice", "choose", "gather_lens",
     # decode
     "DecodeCalibration", "DecodeCalibrationError", "DecodeChoice", "choose_decode",
     # guard

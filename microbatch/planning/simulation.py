@@ -23,11 +23,14 @@ asynchronous collective whose link time ran out while the host computed returns 
 ``async_notice_s`` after it begins (gloo's thread gets a core late); one that begins earlier
 returns at the link time's end or ``async_peer_s`` after the issue, whichever is later, on
 average over those quantiles (another rank may still compute). A launch that reads an earlier
-launch's transfer (`Transfer.read_at`) does so on the host in its own place, on either path. (The
-CPU path runs that read and the transfers after it ahead, on the comm stream's own thread, as
-`overlap.issue_ahead` does. That is not modelled: modelled, it predicted two-batch 23% faster
-than it ran at 256 tokens per rank here, and the planner would pick it where it loses; in place,
-within 10% at 256 and 1024, on the safe side at 1024.) Device
+launch's transfer (`Transfer.read_at`) on a side stream runs ahead on that stream's own thread, as
+`overlap.issue_ahead` runs it: from when the read returns (as a wait begun at the transfer's issue),
+its work and its transfers' issue run there and its transfers take the link then, the host's next
+transfers wait until it has issued them, and the launch itself, in its place, only waits for that.
+Its work still takes the cores: what of it falls inside the host's compute is added to that compute
+(a host that waits meanwhile loses nothing). (Modelled in place instead, the link idled until the host
+reached the reading launch: two-batch predicted 10-21% too slow relative to serial wherever the
+link was slow, 2 CPU ranks, 256-4096 tokens per rank at 0.02 GB/s.) Device
 semantics (``device=True``): every operation runs on its stream, the host only issues, and an
 event wait makes the stream wait, not the host.
 
@@ -148,6 +151,11 @@ class Prediction:
 Source = Union[Schedule, Lowering]
 
 
+def _overlap(a: float, b: float, c: float, d: float) -> float:
+    """The length of ``[a, b]`` inside ``[c, d]``."""
+    return max(0.0, min(b, d) - max(a, c))
+
+
 def _launches(source: Source) -> Tuple[ScheduledOp, ...]:
     if isinstance(source, Lowering):
         return tuple(s.scheduled for s in source.steps)
@@ -205,6 +213,10 @@ class _Streams:
         self.pending: List[Tuple[float, float]] = []  # (issued, end) of the current launch's asynchronous transfers
         self.asynchronous: Dict[int, List[Tuple[float, float]]] = {}  # launch -> (issued, end) of those
         self.unread: Dict[Tuple[int, int, str], List[Tuple[float, float]]] = {}  # (mb, layer, reader) -> transfers
+        # CPU path, (mb, layer, reader) -> its work run ahead: (start, end, its transfers' (issued, end))
+        self.ahead: Dict[Tuple[int, int, str], Tuple[float, float, List[Tuple[float, float]]]] = {}
+        self.ahead_until = 0.0  # the host's next transfers wait until the work run ahead has issued its own
+        self.stolen: List[Tuple[float, float, float]] = []  # (start, end, seconds) of host work run ahead
 
     def completion(self, launch: int, done: float, wait_from: float) -> float:
         """When a wait for ``launch`` that begins at ``wait_from`` returns (CPU path): ``done``, or later
@@ -254,12 +266,18 @@ class _Streams:
         t += self._contended(start, cost.compute(tokens))
         done = t
         c = self.costs
+        if cost.transfers:
+            t = max(t, self.ahead_until)
         for tr in cost.transfers:
             issued = t
             if l.stream != self.main:  # asynchronous: the host spends the issue, the transfer is under way
                 t += c.async_issue_s + c.async_issue_per_byte * tr.nbytes(tokens)
             end = self.transfer(issued, l.stream, tr, tokens, meta)
-            if l.stream == self.main or (tr.blocking and not self._read_later(l, tr, issued, end)):
+            if l.stream != self.main and tr.blocking and tr.read_at and tr.read_at != l.op:
+                self._run_ahead(l, tr, tokens, issued, end)
+                self.in_flight.append((end, tr.nbytes(tokens)))
+                self.pending.append((issued, end))
+            elif l.stream == self.main or (tr.blocking and not self._read_later(l, tr, issued, end)):
                 t = max(t, end)  # a synchronous collective, or one read on the host right away
             else:
                 self.in_flight.append((end, tr.nbytes(tokens)))
@@ -268,6 +286,36 @@ class _Streams:
         self._op_span(l, cost, start, t, meta)
         self.host = t
         return done
+
+    def _run_ahead(self, l: ScheduledOp, tr: Transfer, tokens: int, issued: float, end: float) -> None:
+        """The launch that reads ``tr`` (`Transfer.read_at`), run ahead on ``l``'s stream's thread once the read
+        returns: its work, then each of its transfers issued (and booked on the link)."""
+        c = self.costs
+        cost = c.op(l.layer, tr.read_at)
+        start = self._noticed(issued, end, issued)  # the thread waits for the read from the moment it is issued
+        t = start + cost.compute(tokens)
+        meta = {"mb": l.mb, "layer": l.layer}
+        transfers = []
+        for tr2 in cost.transfers:
+            t += c.async_issue_s + c.async_issue_per_byte * tr2.nbytes(tokens)
+            done = self.transfer(t, l.stream, tr2, tokens, meta)
+            self.in_flight.append((done, tr2.nbytes(tokens)))
+            transfers.append((t, done))
+        self.ahead[(l.mb, l.layer, tr.read_at)] = (start, t, transfers)
+        self.ahead_until = max(self.ahead_until, t)
+        self.stolen.append((start, t, t - start))
+
+    def collect_ahead(self, l: ScheduledOp, ready: float) -> Optional[float]:
+        """A launch whose work ran ahead (`_run_ahead`): the host waits until it has issued its transfers;
+        returns when all of it is done (None: it did not run ahead)."""
+        run = self.ahead.pop((l.mb, l.layer, l.op), None)
+        if run is None:
+            return None
+        start, issued, transfers = run
+        self.host = max(self.host + self.costs.host_overhead_s, ready, issued)
+        self.pending.extend(transfers)
+        self._op_span(l, self.costs.op(l.layer, l.op), start, issued, {"mb": l.mb, "layer": l.layer})
+        return max([issued] + [end for _, end in transfers])
 
     def _read_later(self, l: ScheduledOp, tr: Transfer, issued: float, end: float) -> bool:
         """Leave a transfer that a later launch reads on the host (`Transfer.read_at`) for `read_back`."""
@@ -281,6 +329,10 @@ class _Streams:
         meanwhile take from it (their completion runs on the same cores); one that ends while the host
         waits costs nothing."""
         c = self.costs
+        if self.stolen:  # host work run ahead on a comm thread meanwhile takes the same cores
+            end = start + work
+            work += sum(seconds * _overlap(a, b, start, end) / (b - a) if b > a else 0.0 for a, b, seconds in self.stolen)
+            self.stolen = [(a, b, seconds) for a, b, seconds in self.stolen if b > end]
         if not (c.async_host_s or c.async_host_per_byte) or not self.in_flight:
             return work
         ended = [(e, n) for e, n in self.in_flight if e <= start + work]
@@ -326,7 +378,8 @@ def simulate(source: Source, flow: Flow, tokens: Sequence[int], costs: CostModel
         wait_from = sim.host + costs.host_overhead_s
         ready = max((sim.completion(j, done[j], wait_from) for j in edges[i]), default=0.0)
         ready = max(ready, sim.read_back(l, wait_from))
-        done.append(step(l, costs.op(l.layer, l.op), tokens[l.mb], ready))
+        collected = None if device else sim.collect_ahead(l, ready)
+        done.append(step(l, costs.op(l.layer, l.op), tokens[l.mb], ready) if collected is None else collected)
         if sim.pending:
             sim.asynchronous[i], sim.pending = sim.pending, []
     total = max([sim.host] + done) + costs.frame(sum(tokens[:n_mb]))
