@@ -13,7 +13,7 @@ predicts every candidate's prefill time on every rank's batch:
 A candidate's time is the slowest rank's (the exchanges hold every rank to the slowest). The
 fastest wins; ties go to fewer micro-batches, and a split wins over one batch only where it is predicted
 more than ``split_margin`` (`SPLIT_MARGIN`, 5%) faster: the simulation leaves out the ranks' jitter at a
-split's extra exchanges, and on 2 CPU ranks it predicted the split modes 5-18% too fast relative to
+split's extra exchanges, and on 2 CPU ranks it predicted the split modes 5-22% too fast relative to
 serial at 64-256 tokens per rank. The inputs are every rank's request lengths (one
 all-gather) and a calibration every rank holds alike (`calibrate` agrees it), so every rank takes
 the same decision, with no further agreement needed.

@@ -216,7 +216,7 @@ class _Streams:
         # CPU path, (mb, layer, reader) -> its work run ahead: (start, end, its transfers' (issued, end))
         self.ahead: Dict[Tuple[int, int, str], Tuple[float, float, List[Tuple[float, float]]]] = {}
         self.ahead_until = 0.0  # the host's next transfers wait until the work run ahead has issued its own
-        self.stolen: List[Tuple[float, float, float]] = []  # (start, end, seconds) of host work run ahead
+        self.stolen: List[Tuple[float, float]] = []  # (start, end) of host work run ahead on a comm thread
 
     def completion(self, launch: int, done: float, wait_from: float) -> float:
         """When a wait for ``launch`` that begins at ``wait_from`` returns (CPU path): ``done``, or later
@@ -303,7 +303,7 @@ class _Streams:
             transfers.append((t, done))
         self.ahead[(l.mb, l.layer, tr.read_at)] = (start, t, transfers)
         self.ahead_until = max(self.ahead_until, t)
-        self.stolen.append((start, t, t - start))
+        self.stolen.append((start, t))
 
     def collect_ahead(self, l: ScheduledOp, ready: float) -> Optional[float]:
         """A launch whose work ran ahead (`_run_ahead`): the host waits until it has issued its transfers;
@@ -331,8 +331,8 @@ class _Streams:
         c = self.costs
         if self.stolen:  # host work run ahead on a comm thread meanwhile takes the same cores
             end = start + work
-            work += sum(seconds * _overlap(a, b, start, end) / (b - a) if b > a else 0.0 for a, b, seconds in self.stolen)
-            self.stolen = [(a, b, seconds) for a, b, seconds in self.stolen if b > end]
+            work += sum(_overlap(a, b, start, end) for a, b in self.stolen)
+            self.stolen = [(a, b) for a, b in self.stolen if b > end]
         if not (c.async_host_s or c.async_host_per_byte) or not self.in_flight:
             return work
         ended = [(e, n) for e, n in self.in_flight if e <= start + work]
