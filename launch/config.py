@@ -73,6 +73,7 @@ class JobConfig:
     asked_modes: Tuple[str, ...] = ()  # the modes --mode names, expanded ("all"), before serial is added
     environment: Tuple[Tuple[str, EnvValue], ...] = ()  # ("$NAME", value) of the variables that shape the run
     dispatch: str = "two-step"  # --dispatch: the MoE layers' count exchange apart from the tokens, or not
+    split_margin: float = microbatch.planning.SPLIT_MARGIN  # --auto-split-margin: what a split must gain to be chosen
 
     @property
     def serial_added(self) -> bool:
@@ -430,7 +431,7 @@ def job_config(*, world: int, device: str, exec_path: str, mode: Union[str, Sequ
                preset_name: str, overrides: Overrides, batch: int, seq_len: int, seq_lens: Optional[str],
                dtype: str, warmup: int, iters: int, seed: int, check: bool, out_dir: Optional[str], cpu_link: str,
                timeout: float, model_name: str = REFERENCE, cpu_comm_priority: str = "off",
-               dispatch: str = "two-step") -> JobConfig:
+               dispatch: str = "two-step", auto_split_margin: float = microbatch.planning.SPLIT_MARGIN) -> JobConfig:
     """The job of the command-line options and the environment, checked; `ConfigError` names the first problem.
 
     ``mode`` is one comma-separated list, or several (``--mode`` given more than once: they add up).
@@ -441,6 +442,9 @@ def job_config(*, world: int, device: str, exec_path: str, mode: Union[str, Sequ
     except ValueError as exc:
         raise ConfigError(f"--mode: {exc}") from None
     _check_numbers(seed, timeout, warmup, iters, out_dir)
+    if not (math.isfinite(auto_split_margin) and 0.0 <= auto_split_margin < 1.0):
+        raise ConfigError(f"--auto-split-margin must be a fraction in [0, 1) (0.05: a split must be predicted 5% "
+                          f"faster than one batch), got {auto_split_margin:g}")
     if model_name != REFERENCE and not os.path.isdir(model_name):
         _check_transformers_overrides(model_name, overrides, DTYPES[dtype])  # before transformers_config builds one
     model = (build_model_config(preset_name, overrides) if model_name == REFERENCE
@@ -460,7 +464,7 @@ def job_config(*, world: int, device: str, exec_path: str, mode: Union[str, Sequ
     modes, expanded = resolve_modes(asked, check)
     job = JobConfig(model, tuple(lens), modes, device, path,
                     kv_offload, kv_store, DTYPES[dtype], warmup, iters, seed, check, out_dir, link, timeout,
-                    model_name, cpu_comm_priority, expanded, env, dispatch)
+                    model_name, cpu_comm_priority, expanded, env, dispatch, auto_split_margin)
     if job.graph and AUTO in modes:
         raise ConfigError(f"--mode auto plans the eager paths; on --path {path} pick a mode")
     if job.graph and job.transformers:

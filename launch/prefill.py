@@ -58,6 +58,10 @@ OwnForward = Union[torch.Tensor, str, None]  # the model's own forward for --che
                    + ": all = serial, shared, two-batch; auto = the planner's choice for this batch (calibrated, "
                    "cached), measured beside serial. Given more than once, the lists add up. With --check, serial "
                    "runs too, as the reference.")
+@click.option("--auto-split-margin", type=float, default=microbatch.planning.SPLIT_MARGIN,
+              help="With --mode auto: how much faster than the best single batch a split must be predicted to "
+                   "be chosen (a fraction; 0: any gain). The simulation leaves out the ranks' jitter at a split's "
+                   "extra exchanges.")
 @click.option("--kv-offload/--no-kv-offload", default=False, help="Offload each layer's K/V on the copy stream.")
 @click.option("--kv-store", type=click.Choice(["memory", "mmap"]), default="memory",
               help="Host tier of the KV offload (mmap: files under --out, or a temporary folder).")
@@ -224,7 +228,7 @@ def _plan_auto(job: JobConfig, model: MoEModel, batch: Batch) -> Choice:
     cal = calibrate(model, dist.group.WORLD, max_tokens=max(sum(lens) for lens in all_lens),
                     seq_len=request_length(all_lens),  # attention's cost follows the requests' length
                     report=lambda msg: say(msg, err=True))
-    choice = choose(cal, model, all_lens, allow_cut=cut_refusal(model) is None)
+    choice = choose(cal, model, all_lens, allow_cut=cut_refusal(model) is None, split_margin=job.split_margin)
     say(choice.format())
     return choice
 

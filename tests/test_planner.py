@@ -62,6 +62,7 @@ def test_a_split_wins_over_one_batch_only_by_more_than_the_margin():
     kept = choose(_Cal(spb), _layers(), lens, device=False)
     assert kept.best.micro_batches == 1 and kept.best.predicted_s == pytest.approx(whole)
     assert kept.candidates == free.candidates  # the same predictions, another decision
+    assert "within the 5% a split must gain" in kept.format() and "split must gain" not in free.format()
     slow = choose(_Cal(2.5e-8), _layers(), lens, device=False)  # a split far ahead is still taken
     assert slow.best.micro_batches >= 2
     with pytest.raises(ValueError, match="split_margin must be in"):

@@ -356,6 +356,9 @@ def test_ctrl_c_inside_a_finalizer_still_interrupts_the_run():
     (dict(cpu_link="off"), {"OVERLAP_CPU_LINK": "abc"}, "OVERLAP_CPU_LINK: expected 'GBPS[,LATENCY_US]'"),
     (dict(), {"OVERLAP_CPU_COMM_PRIORITY": "high"}, "$OVERLAP_CPU_COMM_PRIORITY: expected one of rt, off"),
     (dict(), {"OVERLAP_CPU_KEEP_MEMORY": "maybe"}, "$OVERLAP_CPU_KEEP_MEMORY='maybe': expected 1, on, yes, true"),
+    (dict(auto_split_margin=1.0), {}, "--auto-split-margin must be a fraction in [0, 1) (0.05: a split must be"),
+    (dict(auto_split_margin=float("nan")), {}, "--auto-split-margin must be a fraction in [0, 1)"),
+    (dict(auto_split_margin=-0.1), {}, "--auto-split-margin must be a fraction in [0, 1)"),
 ])
 def test_a_bad_option_or_environment_value_is_one_configuration_error_naming_it(monkeypatch, options, env, message):
     """Checked with the options, before any rank joins a group (exit 2 from the command line); before,
@@ -465,3 +468,26 @@ def test_device_auto_runs_the_cpu_path_where_overlap_path_says_so_on_a_machine_w
     monkeypatch.setenv("OVERLAP_PATH", "tpu")
     with pytest.raises(ConfigError, match="OVERLAP_PATH"):
         resolve_device("auto", None)
+
+
+def test_the_auto_split_margin_reaches_the_planner_and_the_ranks_agree_on_it(monkeypatch):
+    import microbatch.planning as planning
+    from launch import prefill
+    from launch.agreement import fingerprint
+
+    job = _job(mode="auto", auto_split_margin=0.2)
+    assert job.split_margin == 0.2 and _job(mode="auto").split_margin == planning.SPLIT_MARGIN
+    assert fingerprint(job)["--auto-split-margin"] == 0.2 != fingerprint(_job(mode="auto"))["--auto-split-margin"]
+    seen = {}
+    monkeypatch.setattr(planning, "gather_lens", lambda lens, group: [tuple(lens)])
+    monkeypatch.setattr(planning, "calibrate", lambda *a, **k: "calibration")
+    monkeypatch.setattr(planning, "request_length", lambda all_lens: 16)
+
+    class _Said:
+        def format(self):
+            return "auto: chose serial"
+
+    monkeypatch.setattr(planning, "choose", lambda cal, model, all_lens, **kw: seen.update(kw) or _Said())
+    batch = type("B", (), {"seq": type("S", (), {"seq_lens": (16, 16)})()})()
+    prefill._plan_auto(job, model=None, batch=batch)
+    assert seen["split_margin"] == 0.2

@@ -79,6 +79,7 @@ class Choice:
     serial_s: float
     calibration: Optional[Calibration] = None  # what the predictions came from
     device: bool = False  # device semantics in the simulation (compute off the host)
+    split_margin: float = SPLIT_MARGIN  # what a split had to gain over one batch to be chosen
 
     def predict(self, model: ModelOrLayers, plan: Split) -> Prediction:
         """The chosen schedule's predicted timeline (`simulation.Prediction`) for this rank's ``plan``."""
@@ -108,6 +109,10 @@ class Choice:
         """The choice and the best candidates with their predicted times, as text."""
         lines = [f"auto: chose {self.best.describe()}: predicted {self.best.predicted_s * 1e3:.1f} ms, "
                  f"{self.speedup:.2f}x serial's predicted {self.serial_s * 1e3:.1f} ms"]
+        fastest = self.candidates[0] if self.candidates else self.best
+        if fastest.predicted_s < self.best.predicted_s:
+            lines[0] += (f" ({fastest.mode} predicted {1 - fastest.predicted_s / self.best.predicted_s:.1%} faster, "
+                         f"within the {self.split_margin:.0%} a split must gain)")
         for c in self.candidates[:top]:
             lines.append(f"  {c.predicted_s * 1e3:9.1f} ms  {c.describe()}")
         return "\n".join(lines)
@@ -182,7 +187,7 @@ def choose(cal: Calibration, model: ModelOrLayers, all_lens: Sequence[Tuple[int,
     whole = next((c for c in found if c.micro_batches == 1), None)
     if best.micro_batches > 1 and whole is not None and best.predicted_s > whole.predicted_s * (1.0 - split_margin):
         best = whole
-    return Choice(best, tuple(found), serial.predicted_s, cal, device)
+    return Choice(best, tuple(found), serial.predicted_s, cal, device, split_margin)
 
 
 __all__ = ["SPLIT_MARGIN", "Candidate", "Choice", "choose", "gather_lens"]
