@@ -64,9 +64,9 @@ logger = logging.getLogger(__name__)
 
 ENV_CACHE = "OVERLAP_CALIBRATION_CACHE"
 DEFAULT_CACHE = os.path.join("~", ".cache", "npu-overlap", "calibration")
-FORMAT = 8  # 2: link booked at issue (overlap.link); 3: waits; 5: contention per byte; 6: issue, notice, frame;
+FORMAT = 9  # 2: link booked at issue (overlap.link); 3: waits; 5: contention per byte; 6: issue, notice, frame;
 # 7: the CPU path's comm threads real-time (overlap.comm_threads), in the key; 8: read_at (a count exchange
-# read by the next operation)
+# read by the next operation); 9: contention one collective at a time, notice as the host's wait
 # A layer keeps its own fit where it differs from its group's at the largest token count by more than this.
 LAYER_REL, LAYER_ABS_S = 0.5, 10e-6
 

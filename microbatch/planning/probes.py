@@ -110,10 +110,12 @@ def contention(group: Optional[dist.ProcessGroup], rows: int, hidden: int, dtype
 
     On a CPU host gloo's threads move the bytes and finish the collective on the cores that compute,
     so a rank's compute runs slower while its side-stream exchanges complete. Measured as the
-    difference between a fixed piece of work run alone and run while ``in_flight`` all-to-alls of
-    ``rows`` rows per rank, issued just before on the communication stream, complete, per
-    collective (medians of ``repeats`` pairs; 0 when the difference is within noise). 0 off the CPU
-    path or without a group: a device's collectives run on an engine of their own.
+    difference between a fixed piece of work run alone and run while one all-to-all of ``rows`` rows
+    per rank, issued just before on the communication stream, completes, the host waiting for it after
+    the piece: ``in_flight`` such pieces one after another per repeat, as a schedule issues them (medians
+    over ``repeats``; 0 when the difference is within noise). Issued all at once instead, their threads'
+    wake-ups were shared and each cost a third to a fifth of this. 0 off the CPU path or without a
+    group: a device's collectives run on an engine of their own.
     """
     return _contention(group, rows, hidden, dtype, repeats, in_flight)[0]
 
@@ -125,7 +127,7 @@ def _contention(group: Optional[dist.ProcessGroup], rows: int, hidden: int, dtyp
         return 0.0, 0.0
     world = dist.get_world_size(group)
     x = torch.zeros(world * rows, hidden, dtype=dtype)
-    outs = [torch.empty_like(x) for _ in range(in_flight)]
+    out = torch.empty_like(x)
     a, w = torch.randn(64, hidden, dtype=dtype), torch.randn(hidden, hidden, dtype=dtype)
     link = overlap.current_link()
     booked = link.seconds((world - 1) * rows * hidden * x.element_size()) if link is not None else 0.0
@@ -137,24 +139,27 @@ def _contention(group: Optional[dist.ProcessGroup], rows: int, hidden: int, dtyp
         return time.perf_counter() - t
 
     unit = min(work(50) for _ in range(3)) / 50
-    # long enough that every exchange completes inside it, and at least 10 ms
-    n = max_over_ranks([max(10e-3, 2 * in_flight * booked) / max(unit, 1e-7)], group)[0]
+    # long enough that the exchange completes inside it, and at least 1 ms
+    n = max_over_ranks([max(1e-3, 2 * booked + 0.5e-3) / max(unit, 1e-7)], group)[0]
     n = int(min(n, 1e6))
     alone, loaded, issue = [], [], []
     for _ in range(repeats):
         barrier(group)
-        alone.append(work(n))
+        alone.append(statistics.median(work(n) for _ in range(in_flight)))
         barrier(group)
-        ev = overlap.event("calibrate.contention")
-        t0 = time.perf_counter()
-        with overlap.stream(overlap.EP_COMM):
-            for out in outs:
+        pieces, issued = [], []
+        for _ in range(in_flight):
+            ev = overlap.event("calibrate.contention")
+            t0 = time.perf_counter()
+            with overlap.stream(overlap.EP_COMM):
                 overlap.all_to_all_single(out, x, group=group, name=SWEEP)
-            ev.record()
-        issue.append((time.perf_counter() - t0) / in_flight)
-        loaded.append(work(n))
-        ev.synchronize()
-    return max(0.0, (statistics.median(loaded) - statistics.median(alone)) / in_flight), statistics.median(issue)
+                ev.record()
+            issued.append(time.perf_counter() - t0)
+            pieces.append(work(n))
+            ev.synchronize()
+        loaded.append(statistics.median(pieces))
+        issue.append(statistics.median(issued))
+    return max(0.0, statistics.median(loaded) - statistics.median(alone)), statistics.median(issue)
 
 
 def notice(group: Optional[dist.ProcessGroup], hidden: int, dtype: torch.dtype, samples: int = NOTICE_SAMPLES
@@ -166,8 +171,9 @@ def notice(group: Optional[dist.ProcessGroup], hidden: int, dtype: torch.dtype, 
     holds, on this rank and on the others. Measured on a one-row exchange (its link time is next to
     nothing) issued on the communication stream, ``samples`` times each:
 
-    - ``busy``: every rank computes 5 ms after issuing, then waits; the mean time from the end of
-      the compute to the completion (0 for a sample that completed under the compute);
+    - ``busy``: every rank computes 5 ms after issuing, then waits; the mean time the wait takes to
+      return (the host's to see a completion, even one that came under the compute: 0.07-0.11 ms
+      here, where the collective's own end had measured 0);
     - ``peer``: one rank (in turn) computes 5 ms after issuing while the others wait at once; the
       seconds from issue to completion on the waiting ranks, as `PEER_QUANTILES` quantiles (a longer
       transfer hides what the other rank's compute delays).
@@ -180,7 +186,7 @@ def notice(group: Optional[dist.ProcessGroup], hidden: int, dtype: torch.dtype, 
     a, w = torch.randn(64, hidden, dtype=dtype), torch.randn(hidden, hidden, dtype=dtype)
 
     def exchange(compute: bool) -> Tuple[float, float]:
-        """(span, seconds computed) of one exchange issued before ``compute`` or an immediate wait."""
+        """(span, seconds the wait took) of one exchange issued before ``compute`` or an immediate wait."""
         barrier(group)
         with Timeline() as tl:
             ev = overlap.event("calibrate.notice")
@@ -190,15 +196,16 @@ def notice(group: Optional[dist.ProcessGroup], hidden: int, dtype: torch.dtype, 
                 ev.record()
             while compute and time.perf_counter() - t0 < 5e-3:
                 torch.mm(a, w)
-            computed = time.perf_counter() - t0
+            t1 = time.perf_counter()
             ev.synchronize()
+            waited = time.perf_counter() - t1
         (s,) = tl.find(name=SWEEP)
-        return s.end - s.start, computed  # spans keep their own clock: compare durations
+        return s.end - s.start, waited  # spans keep their own clock: compare durations
 
     busy, waiting = [], []
     for i in range(samples):
-        span, computed = exchange(True)
-        busy.append(max(0.0, span - computed))
+        _, waited = exchange(True)
+        busy.append(waited)
         span, _ = exchange(i % world == rank)
         if i % world != rank:
             waiting.append(span)
