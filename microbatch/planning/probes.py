@@ -114,8 +114,8 @@ def contention(group: Optional[dist.ProcessGroup], rows: int, hidden: int, dtype
     per rank, issued just before on the communication stream, completes, the host waiting for it after
     the piece: ``in_flight`` such pieces one after another per repeat, as a schedule issues them (medians
     over ``repeats``; 0 when the difference is within noise). Issued all at once instead, their threads'
-    wake-ups were shared and each cost a third to a fifth of this. 0 off the CPU path or without a
-    group: a device's collectives run on an engine of their own.
+    wake-ups were shared: 0.02-0.05 ms each against 0.12 ms one at a time (2 CPU ranks). 0 off the CPU
+    path or without a group: a device's collectives run on an engine of their own.
     """
     return _contention(group, rows, hidden, dtype, repeats, in_flight)[0]
 
@@ -172,8 +172,8 @@ def notice(group: Optional[dist.ProcessGroup], hidden: int, dtype: torch.dtype, 
     nothing) issued on the communication stream, ``samples`` times each:
 
     - ``busy``: every rank computes 5 ms after issuing, then waits; the mean time the wait takes to
-      return (the host's to see a completion, even one that came under the compute: 0.07-0.11 ms
-      here, where the collective's own end had measured 0);
+      return (the host's to see a completion, even one that came under the compute: 0.04 ms on 2
+      CPU ranks, where the collective's own end had measured 0);
     - ``peer``: one rank (in turn) computes 5 ms after issuing while the others wait at once; the
       seconds from issue to completion on the waiting ranks, as `PEER_QUANTILES` quantiles (a longer
       transfer hides what the other rank's compute delays).
