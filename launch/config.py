@@ -443,7 +443,7 @@ def job_config(*, world: int, device: str, exec_path: str, mode: Union[str, Sequ
         raise ConfigError(f"--mode: {exc}") from None
     _check_numbers(seed, timeout, warmup, iters, out_dir)
     if not (math.isfinite(auto_split_margin) and 0.0 <= auto_split_margin < 1.0):
-        raise ConfigError(f"--auto-split-margin must be a fraction in [0, 1) (0.05: a split must be predicted 5% "
+        raise ConfigError(f"--auto-split-margin must be a fraction in [0, 1) (0.1: a split must be predicted 10% "
                           f"faster than one batch), got {auto_split_margin:g}")
     if model_name != REFERENCE and not os.path.isdir(model_name):
         _check_transformers_overrides(model_name, overrides, DTYPES[dtype])  # before transformers_config builds one

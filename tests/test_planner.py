@@ -55,14 +55,14 @@ def test_a_split_wins_over_one_batch_only_by_more_than_the_margin():
     for spb in (2e-10, 5e-10, 1e-9, 2e-9):
         free = choose(_Cal(spb), _layers(), lens, device=False, split_margin=0.0)
         whole = min(c.predicted_s for c in free.candidates if c.micro_batches == 1)
-        if free.best.micro_batches > 1 and free.best.predicted_s > whole * 0.95:
+        if free.best.micro_batches > 1 and free.best.predicted_s > whole * 0.90:
             break
     else:
-        pytest.fail("no link put a split within 5% of one batch")
+        pytest.fail("no link put a split within 10% of one batch")
     kept = choose(_Cal(spb), _layers(), lens, device=False)
     assert kept.best.micro_batches == 1 and kept.best.predicted_s == pytest.approx(whole)
     assert kept.candidates == free.candidates  # the same predictions, another decision
-    assert "within the 5% a split must gain" in kept.format() and "split must gain" not in free.format()
+    assert "within the 10% a split must gain" in kept.format() and "split must gain" not in free.format()
     slow = choose(_Cal(2.5e-8), _layers(), lens, device=False)  # a split far ahead is still taken
     assert slow.best.micro_batches >= 2
     with pytest.raises(ValueError, match="split_margin must be in"):

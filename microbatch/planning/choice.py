@@ -12,7 +12,7 @@ predicts every candidate's prefill time on every rank's batch:
 
 A candidate's time is the slowest rank's (the exchanges hold every rank to the slowest). The
 fastest wins; ties go to fewer micro-batches, and a split wins over one batch only where it is predicted
-more than ``split_margin`` (`SPLIT_MARGIN`, 5%) faster: the simulation leaves out the ranks' jitter at a
+more than ``split_margin`` (`SPLIT_MARGIN`, 10%) faster: the simulation leaves out the ranks' jitter at a
 split's extra exchanges, and on 2 CPU ranks it predicted the split modes 5-22% too fast relative to
 serial at 64-256 tokens per rank. The inputs are every rank's request lengths (one
 all-gather) and a calibration every rank holds alike (`calibrate` agrees it), so every rank takes
@@ -36,7 +36,7 @@ from .calibration import Calibration, ModelOrLayers, layers_of, predict_mode
 from .simulation import Prediction, predict
 from .split import DEFAULT_MIN_TOKENS, Split, decide_split, propose_split
 
-SPLIT_MARGIN = 0.05  # a split's predicted gain over the best single batch must exceed this to be chosen
+SPLIT_MARGIN = 0.10  # a split's predicted gain over the best single batch must exceed this to be chosen
 # propose_split's max_imbalance per candidate split: boundaries only (no cut), cut above 10%, cut whenever uneven
 _SPLITS = ((None, "at request boundaries"), (0.1, "cut inside a request above 10% imbalance"),
            (0.0, "cut inside a request whenever boundaries are uneven"))
