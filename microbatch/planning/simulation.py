@@ -151,7 +151,7 @@ class Prediction:
 Source = Union[Schedule, Lowering]
 
 
-def _overlap(a: float, b: float, c: float, d: float) -> float:
+def _shared_length(a: float, b: float, c: float, d: float) -> float:
     """The length of ``[a, b]`` inside ``[c, d]``."""
     return max(0.0, min(b, d) - max(a, c))
 
@@ -331,7 +331,7 @@ class _Streams:
         c = self.costs
         if self.stolen:  # host work run ahead on a comm thread meanwhile takes the same cores
             end = start + work
-            work += sum(_overlap(a, b, start, end) for a, b in self.stolen)
+            work += sum(_shared_length(a, b, start, end) for a, b in self.stolen)
             self.stolen = [(a, b) for a, b in self.stolen if b > end]
         if not (c.async_host_s or c.async_host_per_byte) or not self.in_flight:
             return work
