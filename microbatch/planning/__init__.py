@@ -17,10 +17,10 @@ reached through their module, `microbatch.planning.calibration`.
 from .split import DEFAULT_MAX_IMBALANCE, DEFAULT_MIN_TOKENS, MAX_MICRO_BATCHES, agree_split, decide_split, propose_split
 from .simulation import (CostModel, Interconnect, Linear, OpCost, Prediction, Transfer, cross_stream_edges,
                          placeholder_inputs, predict, simulate)
-from .probes import barrier, contention, contention_fit, grouped, max_over_ranks, notice, sweep
+from .probes import barrier, contention, contention_fit, cpu_async, grouped, max_over_ranks, notice, sweep
 from .calibration import (ENV_CACHE, Calibration, OpFit, Run, TransferFit, cache_dir, cache_file, calibrate,
-                          calibration_key, check_cached, fit_collective, fit_linear, fit_runs, predict_mode,
-                          request_length, token_points)
+                          calibration_key, check_cached, fit_collective, fit_linear, fit_residual, fit_runs,
+                          predict_mode, request_length, token_points)
 from .choice import SPLIT_MARGIN, Candidate, Choice, choose, gather_lens
 from .decode import DecodeCalibration, DecodeCalibrationError, DecodeChoice, choose_decode
 from .guard import DecodeGuard
@@ -32,11 +32,11 @@ __all__ = [
     "CostModel", "Interconnect", "Linear", "OpCost", "Prediction", "Transfer", "cross_stream_edges",
     "placeholder_inputs", "predict", "simulate",
     # probes
-    "barrier", "contention", "contention_fit", "grouped", "max_over_ranks", "notice", "sweep",
+    "barrier", "contention", "contention_fit", "cpu_async", "grouped", "max_over_ranks", "notice", "sweep",
     # calibration
     "ENV_CACHE", "Calibration", "OpFit", "Run", "TransferFit", "cache_dir", "cache_file", "calibrate",
-    "calibration_key", "check_cached", "fit_collective", "fit_linear", "fit_runs", "predict_mode", "request_length",
-    "token_points",
+    "calibration_key", "check_cached", "fit_collective", "fit_linear", "fit_residual", "fit_runs", "predict_mode",
+    "request_length", "token_points",
     # choice
     "SPLIT_MARGIN", "Candidate", "Choice", "choose", "gather_lens",
     # decode

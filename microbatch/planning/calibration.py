@@ -20,6 +20,10 @@ at a few token counts, records each run on a `Timeline`, and fits:
 - CPU path only: how late an asynchronous collective completes on a busy host (`probes.notice`): after
   a wait that begins once its link time ran out under compute, and beyond its link time while
   another rank still computes;
+- CPU path only: what an asynchronous collective costs the host in a running schedule beyond what
+  those probes see (`fit_residual`): two-batch and serial prefills are timed, interleaved, at the
+  smallest token counts that split in two, and the contention per collective is corrected until
+  two-batch is predicted as measured relative to serial;
 - the frame: each serial run is the whole prefill as the launcher runs it (embedding to final
   norm), timed; what lies outside the executor's launches is fitted ``a + b * tokens``.
 
@@ -53,20 +57,23 @@ from overlap import Span, Timeline, backends
 from overlap.host_memory import freed_memory_setting, keep_on_host_path
 
 from ..batch import Batch
-from ..forward import run_schedule, serial_split
+from ..forward import cut_refusal, run_schedule, serial_split
 from ..model import MoEModel
 from ..operations import Operation
-from ..schedules import serial
-from .probes import PEER_QUANTILES, barrier, contention_fit, grouped, max_over_ranks, notice, sweep
+from ..schedules import serial, two_batch
+from .probes import PEER_QUANTILES, barrier, contention_fit, cpu_async, grouped, max_over_ranks, notice, sweep
 from .simulation import CostModel, Interconnect, Linear, OpCost, Prediction, Transfer, predict
+from .split import propose_split
 
 logger = logging.getLogger(__name__)
 
 ENV_CACHE = "OVERLAP_CALIBRATION_CACHE"
 DEFAULT_CACHE = os.path.join("~", ".cache", "npu-overlap", "calibration")
-FORMAT = 9  # 2: link booked at issue (overlap.link); 3: waits; 5: contention per byte; 6: issue, notice, frame;
+FORMAT = 10  # 2: link booked at issue (overlap.link); 3: waits; 5: contention per byte; 6: issue, notice, frame;
 # 7: the CPU path's comm threads real-time (overlap.comm_threads), in the key; 8: read_at (a count exchange
-# read by the next operation); 9: contention one collective at a time, notice as the host's wait
+# read by the next operation); 9: contention one collective at a time, notice as the host's wait; 10: residual
+# `fit_residual` fits: the smallest token counts that split in two, how many, and each one's timed rounds
+RESIDUAL_COUNTS, RESIDUAL_ROUNDS = 2, 20
 # A layer keeps its own fit where it differs from its group's at the largest token count by more than this.
 LAYER_REL, LAYER_ABS_S = 0.5, 10e-6
 
@@ -143,6 +150,9 @@ class Calibration:
     async_notice_s: float = 0.0  # CPU path: `probes.notice`'s busy
     async_peer_s: List[float] = dataclasses.field(default_factory=list)  # CPU path: `probes.notice`'s peer quantiles
     frame: Tuple[float, float] = (0.0, 0.0)  # seconds outside the executor's launches per prefill: a + b * tokens
+    # CPU path: host seconds per asynchronous collective in a running schedule beyond `async_host_s` (`fit_residual`;
+    # may be < 0); the cost model adds it to the contention
+    async_residual_s: float = 0.0
 
     @property
     def interconnect(self) -> Interconnect:
@@ -174,7 +184,8 @@ class Calibration:
             if op not in by_name or self.layers[layer]:
                 by_name[op] = cost
         return CostModel(by_name, self.interconnect, self.host_overhead_s, per_layer=per_layer,
-                         async_host_s=self.async_host_s, async_host_per_byte=self.async_host_per_byte,
+                         async_host_s=max(0.0, self.async_host_s + self.async_residual_s),
+                         async_host_per_byte=self.async_host_per_byte,
                          async_issue_s=self.async_issue_s, async_issue_per_byte=self.async_issue_per_byte,
                          async_notice_s=self.async_notice_s, async_peer_s=tuple(self.async_peer_s),
                          frame=Linear(*self.frame))
@@ -201,7 +212,7 @@ class Calibration:
             out += [t.a, t.b, float(t.blocking), t.wait_s, t.wait_per_token]
         return out + [self.host_overhead_s, *self.collective, self.elapsed_s, self.async_host_s,
                       self.async_host_per_byte, self.async_issue_s, self.async_issue_per_byte, *self.frame,
-                      self.async_notice_s, *self.async_peer_s]
+                      self.async_residual_s, self.async_notice_s, *self.async_peer_s]
 
     def with_values(self, values: Sequence[float]) -> "Calibration":
         it = iter(values)
@@ -210,12 +221,12 @@ class Calibration:
         transfers = [dataclasses.replace(t, a=next(it), b=next(it), blocking=next(it) > 0.5, wait_s=next(it),
                                          wait_per_token=next(it))
                      for t in self.transfers]
-        host, ca, cb, elapsed, contended, per_byte, issue, issue_per_byte, fa, fb, notice, *peer = it
+        host, ca, cb, elapsed, contended, per_byte, issue, issue_per_byte, fa, fb, residual, notice, *peer = it
         return dataclasses.replace(self, ops=ops, layer_ops=layer_ops, transfers=transfers, host_overhead_s=host,
                                    collective=(ca, cb), elapsed_s=elapsed, async_host_s=contended,
                                    async_host_per_byte=per_byte, async_issue_s=issue,
                                    async_issue_per_byte=issue_per_byte, frame=(fa, fb), async_notice_s=notice,
-                                   async_peer_s=sorted(peer))
+                                   async_peer_s=sorted(peer), async_residual_s=residual)
 
     def structure(self) -> str:
         """What must be the same on every rank for `values` to line up."""
@@ -490,6 +501,8 @@ def check_cached(data: Any, key: Mapping[str, Any]) -> Calibration:
     scalars = {name: _number(raw[name], name) for name in ("host_overhead_s", "elapsed_s", "async_host_s",
                                                            "async_host_per_byte", "async_issue_s",
                                                            "async_issue_per_byte", "async_notice_s")}
+    # a correction of the contention: of either sign, but never below none at all
+    scalars["async_residual_s"] = _number(raw["async_residual_s"], "async_residual_s", -scalars["async_host_s"])
     return Calibration(dict(raw["key"]), list(layers), ops, layer_ops, transfers, tokens=list(tokens),
                        link=None if link is None else dict(link), collective=tuple(pair["collective"]),
                        frame=tuple(pair["frame"]), async_peer_s=peer, **scalars)
@@ -743,6 +756,69 @@ def _recorded(model: MoEModel, layers: List[List[Operation]], batch: Batch,
     return Run(batch.seq.num_tokens, tl.spans, seen.nbytes, seen.blocking, wall, seen.read_at)
 
 
+def _split_ratios(model: MoEModel, layers: List[List[Operation]], tokens: Sequence[int], seq_len: int,
+                  group: Optional[dist.ProcessGroup], rounds: int = RESIDUAL_ROUNDS) -> List[Tuple[List[int], float]]:
+    """Per token count, of the `RESIDUAL_COUNTS` smallest of ``tokens`` that split in two: (two-batch's
+    micro-batch token counts, its median prefill time over serial's), the two timed interleaved
+    ``rounds`` times after a warm-up (each time the slowest rank's). The ranks' batches are alike, so
+    they split alike."""
+    allow_cut = cut_refusal(model) is None
+    rank = dist.get_rank(group) if grouped(group) else 0
+    out: List[Tuple[List[int], float]] = []
+    for n in sorted(tokens):
+        batch = _batch(model, n, seq_len, seed=2000 + rank)
+        plan = propose_split(batch.seq.seq_lens, 2, allow_cut=allow_cut)
+        if plan.serial:
+            continue
+        runs = ((serial_split(batch, "calibration"), serial), (plan, two_batch))
+        times: List[List[float]] = [[], []]
+        for r in range(rounds + 1):
+            for i in ((0, 1) if r % 2 else (1, 0)):
+                barrier(group)
+                t0 = time.perf_counter()
+                run_schedule(model, batch, runs[i][0], layers, runs[i][1])
+                overlap.synchronize()
+                if r:
+                    times[i].append(time.perf_counter() - t0)
+        slowest = max_over_ranks(times[0] + times[1], group)
+        ratio = statistics.median(slowest[rounds:]) / statistics.median(slowest[:rounds])
+        out.append((list(plan.token_counts), ratio))
+        if len(out) == RESIDUAL_COUNTS:
+            break
+    return out
+
+
+def fit_residual(cal: Calibration, model: ModelOrLayers, measured: Sequence[Tuple[Sequence[int], float]],
+                 high: float = 5e-3) -> float:
+    """The host seconds per asynchronous collective, beyond ``cal``'s contention (`Calibration.async_residual_s`),
+    at which two-batch prefills are predicted closest to ``measured`` relative to serial (least squares; CPU path).
+
+    ``measured``: (two-batch's micro-batch token counts, its measured time over serial's), as
+    `measure_costs` times them. The probes time each effect alone, on a quiet host; in a running
+    schedule, on 2 CPU ranks, each asynchronous collective cost a further 0.15-0.25 ms (the comm
+    thread and the host trading the interpreter and the cores, several exchanges in flight), and
+    split modes at 32-256 tokens were predicted 10-20% too fast relative to serial. Least squares,
+    so that a count whose prediction the residual hardly moves (its exchanges end while the host
+    waits on a slow link) does not pull it far. Between ``-async_host_s`` (no contention at all) and
+    ``high``; 0 without ``measured``.
+    """
+    if not measured:
+        return 0.0
+    layers = layers_of(model)
+    serial_s = [predict_mode(cal, layers, "serial", [sum(counts)], device=False).total_s for counts, _ in measured]
+
+    def squares(residual: float) -> float:
+        c = dataclasses.replace(cal, async_residual_s=residual)
+        return sum((predict_mode(c, layers, "two-batch", list(counts), device=False).total_s / s - ratio) ** 2
+                   for (counts, ratio), s in zip(measured, serial_s))
+
+    lo, hi = -cal.async_host_s, high
+    for _ in range(40):  # ternary search: the prediction grows with the residual, so the squares have one valley
+        a, b = lo + (hi - lo) / 3, hi - (hi - lo) / 3
+        lo, hi = (lo, b) if squares(a) <= squares(b) else (a, hi)
+    return (lo + hi) / 2
+
+
 def _is_moe(model: MoEModel, index: int) -> bool:
     return bool(model.layers[index].is_moe)
 
@@ -768,6 +844,7 @@ def measure_costs(model: MoEModel, group: Optional[dist.ProcessGroup] = None,
         contended, issued = contention_fit(group, (max(1, min(tokens)), max(tokens)), hidden, _model_dtype(model),
                                            max(3, repeats))
         noticed, peer = notice(group, hidden, _model_dtype(model))
+        ratios = _split_ratios(model, layers, tokens, seq_len, group) if cpu_async(group) else []
     link = overlap.current_link()
     used = None if link is None else {"gbps": link.gbps, "latency_us": link.latency_us}
     collective = fit_collective([(n, s) for n, s, _ in swept], link)
@@ -776,11 +853,14 @@ def measure_costs(model: MoEModel, group: Optional[dist.ProcessGroup] = None,
     outside = _outside(swept)
     issue = (max(0.0, issued[0] - outside.a), max(0.0, issued[1] - outside.b))
     cal = fit_runs(runs, [_is_moe(model, i) for i in range(len(layers))], _interconnect(used, collective))
-    return dataclasses.replace(cal, key=calibration_key(model, group, tokens, repeats, seq_len), link=used,
-                               collective=collective, elapsed_s=time.perf_counter() - t0,
-                               async_host_s=contended[0], async_host_per_byte=contended[1],
-                               async_issue_s=issue[0], async_issue_per_byte=issue[1], async_notice_s=noticed,
-                               async_peer_s=peer)
+    cal = dataclasses.replace(cal, key=calibration_key(model, group, tokens, repeats, seq_len), link=used,
+                              collective=collective, async_host_s=contended[0], async_host_per_byte=contended[1],
+                              async_issue_s=issue[0], async_issue_per_byte=issue[1], async_notice_s=noticed,
+                              async_peer_s=peer)
+    if ratios:  # fitted to the numbers every rank will hold, so that every rank fits the same
+        cal.async_residual_s = fit_residual(agree(cal, group), layers, ratios)
+    cal.elapsed_s = time.perf_counter() - t0
+    return cal
 
 
 def agree(cal: Calibration, group: Any = None) -> Calibration:
@@ -877,5 +957,5 @@ def predict_mode(cal: Calibration, model: ModelOrLayers, mode: str, tokens: Sequ
 
 __all__ = ["Calibration", "ENV_CACHE", "ModelOrLayers", "OpFit", "Run", "TransferFit", "agree", "cache_dir",
            "cache_file", "calibrate", "check_cached", "calibration_key", "request_length", "fit_collective",
-           "fit_linear", "fit_runs", "layers_of", "load", "measure_costs", "predict_mode", "read_cache", "save",
+           "fit_linear", "fit_residual", "fit_runs", "layers_of", "load", "measure_costs", "predict_mode", "read_cache", "save",
            "token_points", "write_cache"]

@@ -49,8 +49,9 @@ def max_over_ranks(values: Sequence[float], group: Optional[dist.ProcessGroup],
     return t.tolist()
 
 
-def _cpu_async(group: Optional[dist.ProcessGroup]) -> bool:
-    """Whether the CPU probes have something to measure: peers, gloo on the CPU, asynchronous side streams."""
+def cpu_async(group: Optional[dist.ProcessGroup]) -> bool:
+    """Whether ``group``'s exchanges are asynchronous on CPU threads that share the cores with compute
+    (the CPU probes measure something): peers, gloo on the CPU, asynchronous side streams."""
     return (grouped(group) and collective_device(group).type == "cpu"
             and backends.current().is_asynchronous(overlap.EP_COMM))
 
@@ -123,7 +124,7 @@ def contention(group: Optional[dist.ProcessGroup], rows: int, hidden: int, dtype
 def _contention(group: Optional[dist.ProcessGroup], rows: int, hidden: int, dtype: torch.dtype, repeats: int,
                 in_flight: int = 8) -> Tuple[float, float]:
     """`contention`, and the host seconds each of those asynchronous collectives took to issue."""
-    if not _cpu_async(group):
+    if not cpu_async(group):
         return 0.0, 0.0
     world = dist.get_world_size(group)
     x = torch.zeros(world * rows, hidden, dtype=dtype)
@@ -178,7 +179,7 @@ def notice(group: Optional[dist.ProcessGroup], hidden: int, dtype: torch.dtype, 
       seconds from issue to completion on the waiting ranks, as `PEER_QUANTILES` quantiles (a longer
       transfer hides what the other rank's compute delays).
     """
-    if not _cpu_async(group):
+    if not cpu_async(group):
         return 0.0, []
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     x = torch.zeros(world, hidden, dtype=dtype)
@@ -215,5 +216,5 @@ def notice(group: Optional[dist.ProcessGroup], hidden: int, dtype: torch.dtype, 
     return statistics.mean(busy), peer
 
 
-__all__ = ["NOTICE_SAMPLES", "PEER_QUANTILES", "SWEEP", "barrier", "contention", "contention_fit", "grouped",
-           "max_over_ranks", "notice", "sweep"]
+__all__ = ["NOTICE_SAMPLES", "PEER_QUANTILES", "SWEEP", "barrier", "contention", "contention_fit", "cpu_async",
+           "grouped", "max_over_ranks", "notice", "sweep"]
