@@ -28,8 +28,8 @@ DEFAULT = "default"  # the main stream's tag (torchair's name for it)
 _path_override: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("overlap_path", default=None)
 _enable_override: contextvars.ContextVar[Optional[bool]] = contextvars.ContextVar("overlap_enable", default=None)
 _stream_tag: contextvars.ContextVar[str] = contextvars.ContextVar("overlap_stream", default=DEFAULT)
-_FALSE_WORDS = ("0", "false", "off", "no")
-_TRUE_WORDS = ("", "1", "true", "on", "yes")  # unset or empty: on
+ON_WORDS = ("1", "true", "on", "yes")  # what a switch in the environment takes for on
+OFF_WORDS = ("0", "false", "off", "no")  # ... and for off
 
 
 def eager_in_trace(fn):  # type: ignore[no-untyped-def]
@@ -79,17 +79,23 @@ def env_graph_path() -> str:
     return value
 
 
+def env_switch(name: str, on: str, off: str) -> Optional[bool]:
+    """``$name`` as a switch: True for `ON_WORDS` (1, true, on, yes), False for `OFF_WORDS` (0, false, off, no),
+    None when unset or empty; ValueError naming it, the words and what each side means (``on``, ``off``) for
+    any other word (``maybe`` is neither)."""
+    raw = os.environ.get(name, "")
+    value = raw.strip().lower()
+    if not value:
+        return None
+    if value in ON_WORDS + OFF_WORDS:
+        return value in ON_WORDS
+    raise ValueError(f"${name}={raw!r}: expected {', '.join(ON_WORDS)} ({on}) or {', '.join(OFF_WORDS)} ({off})")
+
+
 def env_enabled() -> bool:
     """``$OVERLAP_ENABLE``: on unless it says 0, false, off or no; ValueError naming it for a word that is
-    neither (``maybe`` is not taken for on)."""
-    raw = os.environ.get(ENV_ENABLE, "")
-    value = raw.strip().lower()
-    if value in _FALSE_WORDS:
-        return False
-    if value not in _TRUE_WORDS:
-        raise ValueError(f"${ENV_ENABLE}={raw!r}: expected 1, true, on, yes (overlap on) or 0, false, off, no "
-                         f"(single-stream)")
-    return True
+    neither (`env_switch`)."""
+    return env_switch(ENV_ENABLE, "overlap on", "single-stream") is not False
 
 
 def detect_path() -> str:

@@ -22,8 +22,9 @@ it does nothing.
 from __future__ import annotations
 
 import ctypes
-import os
 from typing import Any, Optional
+
+from .context import env_switch
 
 ENV_KEEP_MEMORY = "OVERLAP_CPU_KEEP_MEMORY"
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
@@ -41,19 +42,10 @@ def _glibc() -> Optional[Any]:
         return None
 
 
-_ON, _OFF = ("1", "on", "yes", "true"), ("0", "off", "no", "false")
-
-
 def env_keep_memory() -> Optional[bool]:
-    """``$OVERLAP_CPU_KEEP_MEMORY``: False for 0 / off / no / false, True for 1 / on / yes / true, None when unset or
-    empty; ValueError naming it otherwise."""
-    env = os.environ.get(ENV_KEEP_MEMORY, "").strip().lower()
-    if not env:
-        return None
-    if env in _ON + _OFF:
-        return env in _ON
-    raise ValueError(f"${ENV_KEEP_MEMORY}={env!r}: expected {', '.join(_ON)} (freed host memory kept, the default) "
-                     f"or {', '.join(_OFF)} (glibc's defaults)")
+    """``$OVERLAP_CPU_KEEP_MEMORY``: False for 0 / false / off / no, True for 1 / true / on / yes, None when unset or
+    empty; ValueError naming it otherwise (`overlap.context.env_switch`)."""
+    return env_switch(ENV_KEEP_MEMORY, "freed host memory kept, the default", "glibc's defaults")
 
 
 def _switched_off() -> bool:

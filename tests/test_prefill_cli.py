@@ -355,7 +355,7 @@ def test_ctrl_c_inside_a_finalizer_still_interrupts_the_run():
     (dict(), {"OVERLAP_SANITIZE": "bogus"}, "$OVERLAP_SANITIZE='bogus': expected 0, 1, warn or raise"),
     (dict(cpu_link="off"), {"OVERLAP_CPU_LINK": "abc"}, "OVERLAP_CPU_LINK: expected 'GBPS[,LATENCY_US]'"),
     (dict(), {"OVERLAP_CPU_COMM_PRIORITY": "high"}, "$OVERLAP_CPU_COMM_PRIORITY: expected one of rt, off"),
-    (dict(), {"OVERLAP_CPU_KEEP_MEMORY": "maybe"}, "$OVERLAP_CPU_KEEP_MEMORY='maybe': expected 1, on, yes, true"),
+    (dict(), {"OVERLAP_CPU_KEEP_MEMORY": "maybe"}, "$OVERLAP_CPU_KEEP_MEMORY='maybe': expected 1, true, on, yes"),
     (dict(auto_split_margin=1.0), {}, "--auto-split-margin must be a fraction in [0, 1) (0.1: a split must be"),
     (dict(auto_split_margin=float("nan")), {}, "--auto-split-margin must be a fraction in [0, 1)"),
     (dict(auto_split_margin=-0.1), {}, "--auto-split-margin must be a fraction in [0, 1)"),

@@ -53,7 +53,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from .. import hooks
-from ..context import current_stream_tag
+from ..context import OFF_WORDS, ON_WORDS, current_stream_tag
 from ..hooks import Span
 from ..state import STATE
 
@@ -532,9 +532,9 @@ def env_mode() -> Optional[str]:
     warn) or ``"raise"``; ValueError naming the variable for anything else."""
     raw = os.environ.get(ENV_SANITIZE, "")
     value = raw.strip().lower()
-    if value in ("", "0", "false", "off", "no"):
+    if value in ("",) + OFF_WORDS:
         return None
-    if value in ("1", "true", "on", "yes", "warn"):
+    if value in ON_WORDS + ("warn",):
         return "warn"
     if value == "raise":
         return "raise"
