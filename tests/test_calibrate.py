@@ -446,6 +446,21 @@ def test_ranks_measure_together_when_one_lacks_the_cache(tmp_path):
         assert len(refused) == 2 and "same model and arguments" in refused[0] and "same model" in refused[1]
 
 
+def _split_ratios_body(ctx):
+    model = make_expert_parallel(build_model(CFG, seed=5), ctx.group)
+    with torch.no_grad(), overlap.enabled(True):
+        return cal_mod._split_ratios(model, model.layer_operations(), [8, 64, 32, 128], 64, ctx.group, rounds=2)
+
+
+@pytest.mark.cpu_only
+def test_the_residual_times_two_batch_at_the_two_smallest_counts_that_split_alike_on_every_rank():
+    r0, r1 = run_ranks(_split_ratios_body, 2, timeout=120)
+    assert r0 == r1, (r0, r1)  # the slowest rank's times: one ratio for every rank
+    # 8 tokens cannot take two micro-batches of 16; 32 and 64 are the smallest that do; 128 is not timed
+    assert [counts for counts, _ in r0] == [[16, 16], [32, 32]], r0
+    assert all(math.isfinite(ratio) and ratio > 0 for _, ratio in r0), r0
+
+
 def _agree_body(ctx):
     out = {"max": agree(_calibration(host_overhead_s=1e-5 * (1 + ctx.rank)), ctx.group).host_overhead_s}
     cases = {"structure": _calibration(layers=[False] * (2 + ctx.rank)),
