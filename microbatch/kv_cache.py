@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 
 _T = TypeVar("_T")
+_STATIC_MASK = "kv_cache.static_mask"  # `StaticKVStep.once`'s key of the step's attention mask
 
 
 def _once(memo: Dict[Hashable, Any], key: Hashable, make: Callable[[], _T]) -> _T:
@@ -194,12 +195,18 @@ class KVCache:
             keep = rows.real.view((n,) + (1,) * (new.dim() - 1))
             store[layer, rows.index, rows.held] = torch.where(keep, new.to(store.dtype), old)
 
-    def attend_static(self, layer: int, rows: "StaticRows", q: torch.Tensor) -> torch.Tensor:
+    def static_mask(self, rows: "StaticRows") -> torch.Tensor:
+        """The rows of its slot each row of a static step attends to, ``[rows, max_len]`` bool: ``0..held``, its new
+        one included (a padding row: row 0). Built on the device; the same for every layer of the step."""
+        return torch.arange(self.max_len, device=rows.held.device)[None, :] <= rows.held[:, None]
+
+    def attend_static(self, layer: int, rows: "StaticRows", q: torch.Tensor,
+                      mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """`attend` of a static step: each row's query over its slot's whole ``max_len`` rows, masked on the
-        device to the rows it holds and its new one (a padding row sees row 0 of its slot)."""
+        device to the rows it holds and its new one (``mask``: `static_mask`, built here when not given)."""
         keys = self.k[layer].index_select(0, rows.index).transpose(1, 2)  # [B, H, max_len, D]
         values = self.v[layer].index_select(0, rows.index).transpose(1, 2)
-        mask = torch.arange(self.max_len, device=rows.held.device)[None, :] <= rows.held[:, None]
+        mask = self.static_mask(rows) if mask is None else mask
         out = F.scaled_dot_product_attention(q.unsqueeze(2).to(keys.dtype), keys, values,
                                              attn_mask=mask[:, None, None, :])
         return out.squeeze(2).to(q.dtype)
@@ -283,9 +290,11 @@ class StaticKVStep:
         return _once(self.made, key, make)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Write layer ``layer``'s keys and values of this step's rows and attend to every slot's history."""
+        """Write layer ``layer``'s keys and values of this step's rows and attend to every slot's history (the mask
+        built once a step, by the first layer: in a captured graph, two kernels fewer a layer)."""
         self.cache.write_static(layer, self.rows, k, v)
-        return self.cache.attend_static(layer, self.rows, q)
+        mask = self.once(_STATIC_MASK, lambda: self.cache.static_mask(self.rows))
+        return self.cache.attend_static(layer, self.rows, q, mask)
 
 
 __all__ = ["KVCache", "KVCacheError", "KVRows", "KVStep", "StaticKVStep", "StaticRows"]

@@ -8,12 +8,14 @@ import dataclasses
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import overlap
 from launch.decode import DECODE_STEP, generate, new_cache
 from launch.graph_decode import GraphDecoder
 from launch.models import build_model, preset
 from microbatch import KVCache, KVCacheError, OffloadedKVCache
+from microbatch.kv_cache import StaticKVStep
 from microbatch.planning import DecodeCalibration
 from overlap.multirank import run_ranks
 
@@ -57,6 +59,38 @@ def test_padding_rows_change_no_row_and_static_attention_equals_the_eager_one():
     assert torch.isfinite(got).all()  # a padding row attends to one row: no empty softmax
     cache.advance(rows)
     assert [cache.lengths[s] for s in (a, b, c)] == [4, 1, 6]
+
+
+class _Counted(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.cpu_only
+def test_a_static_step_builds_its_attention_mask_once_for_every_layer():
+    """Before: every layer built the step's mask again (an arange and a compare a layer: kernels in a captured
+    graph), though it depends on the step's rows only."""
+    torch.manual_seed(0)
+    layers = 3
+    cache = KVCache(layers, 4, 16, (H, D))
+    held = cache.admit(2)
+    prompt = cache.rows(held, [3, 5])
+    for layer in range(layers):
+        cache.write(layer, prompt, torch.randn(8, H, D), torch.randn(8, H, D))
+    cache.advance(prompt)
+    rows = cache.static_rows([held[1], None, held[0]])
+    step = StaticKVStep(cache, rows)
+    kvq = [[torch.randn(3, H, D) for _ in range(3)] for _ in range(layers)]
+    with _Counted() as counted:
+        got = [step.attend(layer, q, k, v) for layer, (q, k, v) in enumerate(kvq)]
+    assert counted.ops["arange"] == 1 and counted.ops["le"] == 1, counted.ops
+    for layer, (q, _, _) in enumerate(kvq):  # the same attention as each layer's own mask gives
+        torch.testing.assert_close(got[layer], cache.attend_static(layer, rows, q))
 
 
 @pytest.mark.parametrize("slots, why", [
