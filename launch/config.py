@@ -490,6 +490,7 @@ class DecodeConfig:
     calibration_rounds: int = DECODE_CALIBRATION_ROUNDS  # --decode-calibration-rounds
     auto_modes: Tuple[str, ...] = DECODE_AUTO_MODES  # --decode-auto-modes: auto's candidates, serial first
     exchange: str = "capacity"  # --decode-exchange: one of DECODE_EXCHANGES
+    length_buckets: bool = False  # --decode-length-buckets: captured steps attend over the room the histories use
 
     def fingerprint(self) -> Dict[str, Union[bool, int, float, str, None, List[int], List[str], List[List[str]]]]:
         """What must be equal on every rank, by option (`launch.agreement.agree`)."""
@@ -497,7 +498,7 @@ class DecodeConfig:
                 "--decode-mode": [list(r) for r in self.runs], "--decode-graph": self.graph or "off",
                 "--decode-buckets": list(self.buckets or ()), "--decode-guard": self.guard,
                 "--decode-calibration-rounds": self.calibration_rounds, "--decode-auto-modes": list(self.auto_modes),
-                "--decode-exchange": self.exchange}
+                "--decode-exchange": self.exchange, "--decode-length-buckets": self.length_buckets}
 
     def min_new_tokens(self) -> int:
         return max(1, math.ceil(self.new_tokens * (1.0 - self.spread) - 1e-9))  # 10 * (1 - 0.7) is 3.0000000000000004
@@ -511,7 +512,8 @@ def vocab_size(job: JobConfig) -> int:
 def decode_config(job: JobConfig, *, new_tokens: int, spread: float, stop_token: Optional[int],
                   decode_modes: Sequence[str], graph: str = "off", buckets: Optional[str] = None,
                   guard: bool = True, calibration_rounds: int = DECODE_CALIBRATION_ROUNDS,
-                  auto_modes: Sequence[str] = DECODE_AUTO_MODES, exchange: str = "capacity") -> DecodeConfig:
+                  auto_modes: Sequence[str] = DECODE_AUTO_MODES, exchange: str = "capacity",
+                  length_buckets: bool = False) -> DecodeConfig:
     """The generation options, checked against the job (`ConfigError` names the first problem).
 
     ``decode_modes``: the ``--decode-mode`` names (empty: the same as ``--mode``). Each prefill mode is paired
@@ -547,9 +549,12 @@ def decode_config(job: JobConfig, *, new_tokens: int, spread: float, stop_token:
     if (job.check or any(d == AUTO for _, d in runs)) and ("serial", "serial") not in runs:
         runs.insert(0, ("serial", "serial"))  # the reference of --check, and what auto is measured beside
     captured = captured_path(job, graph)
+    if length_buckets and graph == "off":
+        raise ConfigError("--decode-length-buckets sizes the captured steps' attention; with --decode-graph off the "
+                          "eager steps attend over their histories already")
     _check_exchange(job, exchange)
     return DecodeConfig(new_tokens, float(spread), stop_token, tuple(runs), captured, parse_buckets(buckets),
-                        bool(guard), int(calibration_rounds), candidates, exchange)
+                        bool(guard), int(calibration_rounds), candidates, exchange, bool(length_buckets))
 
 
 def captured_path(job: JobConfig, graph: str) -> Optional[str]:

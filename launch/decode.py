@@ -108,7 +108,7 @@ def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: U
              prefill_mode: str = "serial", on_step: Optional[OnStep] = None, margins: bool = False,
              buckets: Optional[Sequence[int]] = None, plan: Optional[DecodeCalibration] = None,
              margin: float = DEFAULT_MARGIN, guard: Union[bool, DecodeGuard] = True, graph: Optional[str] = None,
-             decoder: Optional[Decoders] = None) -> Generated:
+             decoder: Optional[Decoders] = None, length_buckets: bool = False) -> Generated:
     """Greedy generation (see the module docstring): prefill in ``prefill_mode``, decode steps in ``mode``.
 
     ``prompts``: this rank's requests' token ids (none is fine with several ranks); ``new_tokens``: the most
@@ -123,8 +123,9 @@ def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: U
     mode measured slower than serial is set aside): True for a new one, one of your own to keep what it measured
     across generations, False for none. ``graph``: decode steps padded to
     their bucket and captured once per bucket on that path (`launch.graph_decode.GraphDecoder`: ``ge``,
-    ``aclgraph``, ``cuda``; ``cpu`` runs the padded step eagerly), or through ``decoder`` (its cache, mode and
-    graphs, kept across generations). With ``mode="auto"`` the steps are captured too: ``decoder`` is then a
+    ``aclgraph``, ``cuda``; ``cpu`` runs the padded step eagerly; ``length_buckets``: attention over the room
+    the histories use, a graph per bucket and length), or through ``decoder`` (its cache, mode and graphs, kept
+    across generations). With ``mode="auto"`` the steps are captured too: ``decoder`` is then a
     mapping of each mode of ``plan`` to its decoder over one cache (``graph`` builds them), and ``plan`` a
     calibration of those captured steps (`launch.decode_plan.calibrate_decode` with ``decoders``).
     """
@@ -146,8 +147,9 @@ def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: U
     group = expert_group(model)  # says so first
     if decoder is None and graph is not None:
         shared = cache or new_cache(model, prompts, limits)
-        decoder = GraphDecoder(model, shared, mode, graph, buckets) if mode != AUTO else {
-            m: GraphDecoder(model, shared, m, graph, buckets) for m in plan.modes}
+        decoder = GraphDecoder(model, shared, mode, graph, buckets, length_buckets=length_buckets) \
+            if mode != AUTO else {m: GraphDecoder(model, shared, m, graph, buckets, length_buckets=length_buckets)
+                                  for m in plan.modes}
     decoders = _decoders_for(decoder, mode, hows, cache)
     if decoders:
         cache = next(iter(decoders.values())).cache
@@ -203,7 +205,7 @@ def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: U
         if decoders:  # padded to the bucket, the bucket's graph replayed; it counts the rows itself
             run = decoders[name]
             ids = run.step([slots[i] for i in still], [out.tokens[i][-1] for i in still],
-                           widest=step.widest[run.micro_batches])
+                           widest=step.widest[run.micro_batches], history=step.history)
             active = still
             nxt, gaps, problem = read_picked(Picked(ids), active, out.steps)
             continue
@@ -391,7 +393,7 @@ def _step_status(post: _Post, problem: Optional[str], group: Optional[dist.Proce
 def _builds(decoders: Mapping[str, GraphDecoder]) -> Tuple[int, int]:
     """What this process has built so far: schedules lowered (`microbatch.replay_stats`), buckets captured. A step
     that builds pays for it once (a lowering; on a device a capture or a compile): its time is no measurement."""
-    return microbatch.replay_stats()["lowered"], sum(len(d.compiled_buckets) for d in decoders.values())
+    return microbatch.replay_stats()["lowered"], sum(len(d.compiled_steps) for d in decoders.values())
 
 
 def first_difference(tokens: Sequence[Sequence[int]], reference: Sequence[Sequence[int]]

@@ -16,15 +16,16 @@ captured steps instead, the ones `launch.decode.generate(mode="auto", decoder=de
 step padded to its bucket, on scratch slots of the decoders' cache (left as it was). Such a step's time depends on
 its bucket alone, so the token points are where a mode's buckets end (`graph_token_points`) and the table is read as
 a step function (``padded``); a captured step attends over the cache's whole room, so it is timed at the short
-history alone and that time stands for both (half the steps of an eager calibration).
+history alone and that time stands for both (half the steps of an eager calibration), unless its decoders have
+length buckets (it then attends over the room the history uses: timed at both).
 
 The result is a `microbatch.planning.DecodeCalibration`, which `launch.decode.generate(mode="auto")` reads
 every step (`microbatch.planning.choose_decode`). It is cached as the prefill's calibration is (in
 ``$OVERLAP_CALIBRATION_CACHE``, default ``~/.cache/npu-overlap/calibration/``), per machine, torch, path,
 ranks, model shape, dtype, link, comm-thread priority and the calibration's own settings (token points,
-histories, modes, rounds, steps; the graph path and buckets of captured steps): a later run of the same job
-reads it instead of measuring, when every rank has it. ``refresh=True`` (the benchmark) measures again
-whatever the cache holds.
+histories, modes, rounds, steps; the graph path, buckets and length buckets of captured steps): a later run of
+the same job reads it instead of measuring, when every rank has it. ``refresh=True`` (the benchmark) measures
+again whatever the cache holds.
 """
 from __future__ import annotations
 
@@ -120,7 +121,7 @@ def calibrate_decode(model: DecodeModel, *, max_tokens: int, histories: Tuple[in
     else:
         points = graph_token_points(max_tokens, [d.micro_batches for d in decoders.values()], graph.buckets)
     key = decode_calibration_key(model, group, points, (h0, h1), names, repeats, steps,
-                                 graph=None if graph is None else (graph.path, graph.buckets))
+                                 graph=None if graph is None else (graph.path, graph.buckets, graph.length_buckets))
     path = cache_file(key, cache)
     cached = None if refresh else _load(key, path)
     if _everyone_has(cached, group):
@@ -146,15 +147,18 @@ def calibrate_decode(model: DecodeModel, *, max_tokens: int, histories: Tuple[in
 
 def decode_calibration_key(model: DecodeModel, group: Optional[Any], points: Sequence[int],
                            histories: Tuple[int, int], modes: Sequence[str], repeats: int,
-                           steps: int, graph: Optional[Tuple[str, Optional[Sequence[int]]]] = None) -> Dict[str, Any]:
+                           steps: int, graph: Optional[Tuple[str, Optional[Sequence[int]], bool]] = None
+                           ) -> Dict[str, Any]:
     """What a decode calibration is valid for: the prefill calibration's key (machine, torch, path, ranks, model
-    shape, dtype, link, comm-thread priority) with the decode calibration's own settings; ``graph``: the path and
-    buckets of captured steps."""
+    shape, dtype, link, comm-thread priority) with the decode calibration's own settings; ``graph``: the path,
+    buckets and length buckets of captured steps."""
     key = calibration_key(model, group, points, repeats)  # type: ignore[arg-type]  # reads cfg and parameters only
     key.update({"kind": "decode", "decode_format": DECODE_FORMAT, "histories": list(histories), "modes": list(modes),
                 "steps": int(steps)})
     if graph is not None:
         key["graph"] = {"path": graph[0], "buckets": list(graph[1] or ())}
+        if graph[2]:  # keys without length buckets stay as they were
+            key["graph"]["length_buckets"] = True
     exchanges = sorted({getattr(layer.moe, "decode_exchange", "capacity") for layer in model.moe_layers()})
     if exchanges != ["capacity"]:  # MC2's steps take their own time (the capacity exchange's keys stay as they were)
         key["exchange"] = exchanges
@@ -215,8 +219,8 @@ def _measure(model: DecodeModel, group: Optional[Any], points: Tuple[int, ...], 
     ids = calibration_ids(points[-1], model.cfg.vocab, seed, dist.get_rank(group) if group is not None else 0)
     times: Dict[Tuple[str, int, int], List[float]] = {}
     # the table's two history columns, as measured: a captured step attends over the cache's whole room, so one
-    # history stands for both
-    columns = (h0, h0) if step.padded else (h0, h1)
+    # history stands for both (with length buckets, over the room the history uses)
+    columns = (h0, h0) if step.whole_room else (h0, h1)
     grid = [(n, h) for n in points for h in dict.fromkeys(columns)]
     for rnd in range(repeats):
         for k, (n, h) in enumerate(grid):
@@ -259,7 +263,8 @@ class _Timer:
     """What `_measure` times: ``run(mode, ids, history)`` is the seconds of one step of ``len(ids)`` requests
     holding ``history`` rows each (the cache left as it was); ``close()`` gives back what it took."""
 
-    padded = False
+    padded = False  # a captured step: its time is its bucket's
+    whole_room = False  # ... and attends over the cache's whole room, whatever the history
 
     def run(self, mode: str, ids: Sequence[int], history: int) -> float:
         raise NotImplementedError
@@ -306,17 +311,19 @@ class _GraphStep(_Timer):
 
     def __init__(self, decoders: Mapping[str, GraphDecoder], requests: int, group: Optional[Any]):
         self.decoders, self.group = decoders, group
-        self.cache = next(iter(decoders.values())).cache
+        first = next(iter(decoders.values()))
+        self.cache, self.whole_room = first.cache, not first.length_buckets
         self.slots = self.cache.admit(requests)
 
     def run(self, mode: str, ids: Sequence[int], history: int) -> float:
         cache, decoder, slots = self.cache, self.decoders[mode], self.slots[:len(ids)]
-        history = min(history, cache.max_len - 1)  # a captured step attends over the whole room anyway
+        history = min(history, cache.max_len - 1)  # the room holds no more
         for s in slots:
             cache.lengths[s] = history
         start = time.perf_counter()
         _post_step(self.group, len(slots), history, mode)
-        decoder.step(slots, ids, widest=decoder.widest(len(slots))).tolist()  # the same point on every rank
+        # the same point on every rank
+        decoder.step(slots, ids, widest=decoder.widest(len(slots)), history=history).tolist()
         seconds = time.perf_counter() - start
         for s in slots:
             cache.lengths[s] = history  # the step counted its row: not kept

@@ -78,6 +78,11 @@ OwnTokens = Union[List[List[int]], str, None]  # the model's own generate() for 
 @click.option("--decode-buckets", type=str, default=None,
               help="The sizes a decode step's micro-batches (their exchange, and a captured step) are padded to, "
                    "comma-separated (default: the powers of two).")
+@click.option("--decode-length-buckets/--no-decode-length-buckets", default=False,
+              help="With --decode-graph: a captured step attends over the room its requests' histories use (a "
+                   "power of two of rows, at least 16, the ranks agreeing), one graph per bucket and length, "
+                   "instead of every request's whole room (prompt and new tokens): less read and copied a step, "
+                   "more graphs.")
 @click.option("--decode-guard/--no-decode-guard", default=True,
               help="With --decode-mode auto: time every step and set aside a mode whose steps measure slower than "
                    "serial's (running serial now and then to compare); off: the calibration's choice alone.")
@@ -101,8 +106,8 @@ OwnTokens = Union[List[List[int]], str, None]  # the model's own generate() for 
 @run_options
 def cli(mode: Tuple[Tuple[str, ...], ...], decode_mode: Tuple[Tuple[str, ...], ...], new_tokens: int,
         new_tokens_spread: float, stop_token: Optional[int], decode_graph: str, decode_buckets: Optional[str],
-        decode_guard: bool, decode_calibration_rounds: int, decode_auto_modes: Tuple[str, ...], decode_exchange: str,
-        layers: Optional[int], dense_layers: Optional[int],
+        decode_length_buckets: bool, decode_guard: bool, decode_calibration_rounds: int,
+        decode_auto_modes: Tuple[str, ...], decode_exchange: str, layers: Optional[int], dense_layers: Optional[int],
         hidden: Optional[int], experts: Optional[int], top_k: Optional[int], shared_experts: Optional[int],
         **options: Any) -> None:  # Any: click's values of every other option, each of its own type
     """Greedy generation of a MoE model (the toolkit's reference decoder, a transformers model type, or a
@@ -115,7 +120,7 @@ def cli(mode: Tuple[Tuple[str, ...], ...], decode_mode: Tuple[Tuple[str, ...], .
                            decode_modes=[name for names in decode_mode for name in names], graph=decode_graph,
                            buckets=decode_buckets, guard=decode_guard,
                            calibration_rounds=decode_calibration_rounds, auto_modes=decode_auto_modes,
-                           exchange=decode_exchange)
+                           exchange=decode_exchange, length_buckets=decode_length_buckets)
     sys.exit(run_job(job, decode))
 
 
@@ -211,9 +216,9 @@ def _decoders(job: JobConfig, decode: DecodeConfig, model: DecodeModel, runs: Se
     try:
         for r in runs:
             cache = make_cache()
-            decoders[r.label] = GraphDecoder(model, cache, r.decode, decode.graph, decode.buckets) \
-                if r.decode != AUTO else {m: GraphDecoder(model, cache, m, decode.graph, decode.buckets)
-                                          for m in decode.auto_modes}
+            graphs = dict(path=decode.graph, buckets=decode.buckets, length_buckets=decode.length_buckets)
+            decoders[r.label] = GraphDecoder(model, cache, r.decode, **graphs) if r.decode != AUTO else {
+                m: GraphDecoder(model, cache, m, **graphs) for m in decode.auto_modes}
     except ValueError as err:
         problem = f"--decode-graph {decode.graph}: {err}"
     agree_ready("building the decode graphs", problem, job.timeout)
@@ -329,7 +334,8 @@ def _headline(job: JobConfig, decode: DecodeConfig, model: DecodeModel, world: i
             + (f", stop token {decode.stop_token}" if decode.stop_token is not None else "")
             + f" | {str(job.dtype).replace('torch.', '')}"
             + f" | kv cache {'host, prefetched' if job.kv_offload else 'device'}"
-            + (f" | decode steps captured per bucket on {decode.graph}" if decode.graph else "")
+            + (f" | decode steps captured per bucket{' and length' if decode.length_buckets else ''} on "
+               f"{decode.graph}" if decode.graph else "")
             + (f" | buckets {','.join(map(str, decode.buckets))}" if decode.buckets else "")
             + (f" | decode exchange {decode.exchange}" if decode.exchange != "capacity" else "")
             + (f" | simulated link {job.link}" if job.link else "")

@@ -10,7 +10,11 @@ the MoE's exchange capacity the bucket (`collectives.static_step`), its padding 
 Attention reads every slot's whole ``max_len`` with a mask built on the device from each row's length
 (`microbatch.kv_cache.StaticRows`); a padding row writes back what row 0 of a slot holds, so it never changes a
 request's cache rows. Nothing in
-the step depends on the host's values but the bucket, so one graph per bucket serves every step of it:
+the step depends on the host's values but the bucket, so one graph per bucket serves every step of it.
+With ``length_buckets`` attention reads each slot's first ``length`` rows instead, the power of two (at
+least `MIN_LENGTH`, at most ``max_len``) that holds the longest history over the ranks and the step's new
+row (`GraphDecoder.length`; the ranks agree on it with the bucket): one graph per (bucket, length), so a
+step reads and gathers the room its histories use, not the whole ``max_len``, at the price of more graphs.
 
 - ``ge`` / ``aclgraph``: ``torch.compile(fullgraph=True, dynamic=False)`` with the path's torchair backend
   (`overlap.backends.Backend.compile_backend`), as `launch.runner.graph_prefill`; each bucket a function of
@@ -20,7 +24,7 @@ the step depends on the host's values but the bucket, so one graph per bucket se
 - ``cpu``: the padded static step run eagerly (what the graphs compute, testable on any machine).
 
 `launch.decode.generate(graph=path)` (or ``decoder=``) runs its decode steps through a `GraphDecoder`; the
-generation launcher's ``--decode-graph PATH`` and ``--decode-buckets``.
+generation launcher's ``--decode-graph PATH``, ``--decode-buckets`` and ``--decode-length-buckets``.
 """
 from __future__ import annotations
 
@@ -39,6 +43,7 @@ from microbatch.kv_cache import StaticKVStep, StaticRows
 from .decode_step import DECODE_STEP, TOKENS, bucket_of, decode_step, lower_step
 
 StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+MIN_LENGTH = 16  # the shortest room a step with length buckets attends over (fewer graphs for short histories)
 CompileBackend = Union[str, Callable[..., object]]
 
 
@@ -46,13 +51,16 @@ class GraphDecoder:
     """Decode steps of ``model`` over ``cache`` in ``mode`` (`microbatch.DECODE_MODES`), one graph per bucket on
     ``path`` (see the module docstring). ``buckets``: the sizes a micro-batch is padded to, the same on every
     rank (default: the powers of two); ``backend``: what ``torch.compile`` uses on ``ge`` / ``aclgraph``
-    (default: the path's own). Refused with a ValueError: a path that captures nothing here (``npu``: use
-    ``aclgraph``), a cache that is not a device `KVCache` (the host cache), a model whose attention does not
-    go through the step's ``attend`` (the transformers adapter), and on the graph paths a MoE block that is
-    not an `ExpertParallelMoE` (its decode stages are the static ones)."""
+    (default: the path's own); ``length_buckets``: attention over the room the histories use, a graph per
+    (bucket, length), instead of every slot's whole ``max_len`` (see the module docstring). Refused with a
+    ValueError: a path that captures nothing here (``npu``: use ``aclgraph``), a cache that is not a device
+    `KVCache` (the host cache), a model whose attention does not go through the step's ``attend`` (the
+    transformers adapter), and on the graph paths a MoE block that is not an `ExpertParallelMoE` (its decode
+    stages are the static ones)."""
 
     def __init__(self, model: DecodeModel, cache: KVCache, mode: str = "serial", path: str = "cpu",
-                 buckets: Optional[Sequence[int]] = None, backend: Optional[CompileBackend] = None):
+                 buckets: Optional[Sequence[int]] = None, backend: Optional[CompileBackend] = None,
+                 length_buckets: bool = False):
         self.target = overlap.backends.get(path)  # a ValueError for an unknown path
         self.device_graph = self.target.device_type == "cuda"  # torch.cuda.CUDAGraph (the NPU's graphs: aclgraph)
         self.captures = self.target.is_graph or self.device_graph
@@ -62,7 +70,8 @@ class GraphDecoder:
         self.buckets = _checked_buckets(buckets)
         self.compile_backend = backend
         self.layers = model.decode_layer_operations(self.how.moe_chunks)
-        self._steps: Dict[int, StepFn] = {}
+        self.length_buckets = bool(length_buckets)
+        self._steps: Dict[Tuple[int, int], StepFn] = {}
 
     @property
     def micro_batches(self) -> int:
@@ -72,7 +81,21 @@ class GraphDecoder:
     @property
     def compiled_buckets(self) -> List[int]:
         """The buckets with a step built so far (captured, or on ``cpu`` run), in order."""
+        return sorted({bucket for bucket, _ in self._steps})
+
+    @property
+    def compiled_steps(self) -> List[Tuple[int, int]]:
+        """The (bucket, length) of every step built so far, in order (one length, ``max_len``, without
+        ``length_buckets``)."""
         return sorted(self._steps)
+
+    def length(self, history: int) -> int:
+        """The rows of each slot a step attends over when the longest history over the ranks is ``history`` rows
+        (before the step's own): ``max_len``, or with ``length_buckets`` the power of two (at least `MIN_LENGTH`)
+        that holds those rows and the new one, at most ``max_len``."""
+        if not self.length_buckets:
+            return self.cache.max_len
+        return min(self.cache.max_len, max(MIN_LENGTH, bucket_of(history + 1)))
 
     def widest(self, active: int) -> int:
         """The rows of the widest micro-batch of a step of ``active`` requests (what the ranks agree on)."""
@@ -84,51 +107,57 @@ class GraphDecoder:
 
     @torch.no_grad()
     def step(self, slots: Sequence[int], tokens: Union[Sequence[int], torch.Tensor],
-             widest: Optional[int] = None) -> torch.Tensor:
+             widest: Optional[int] = None, history: Optional[int] = None) -> torch.Tensor:
         """One decode step of the requests in ``slots`` (in use in the cache) whose last tokens are ``tokens``:
         padded to its bucket, the bucket's graph built on first use or replayed; returns each request's picked
         token id (a device tensor, -1 where its logits hold NaN or inf) and counts its new row in the cache.
-        ``widest``: the widest micro-batch over the ranks (default this rank's: one process)."""
+        ``widest``: the widest micro-batch over the ranks; ``history``: the longest history over the ranks, in
+        rows before this step's (`length`); each by default this rank's (one process)."""
         slots, mine = list(slots), self.widest(len(slots))
         if len(tokens) != len(slots):
             raise ValueError(f"{len(slots)} slots but {len(tokens)} tokens")
         widest = mine if widest is None else int(widest)
         if widest < mine:
             raise ValueError(f"widest={widest} is below this rank's widest micro-batch of {mine} rows")
-        bucket = self.bucket(widest)
+        longest = max((self.cache.lengths[s] for s in slots), default=0)
+        history = longest if history is None else int(history)
+        if history < longest:
+            raise ValueError(f"history={history} is below this rank's longest history of {longest} rows")
+        bucket, length = self.bucket(widest), self.length(history)
         layout, real = _layout(len(slots), self.micro_batches, bucket)
         rows = self.cache.static_rows([slots[j] if j >= 0 else None for j in layout])
         where = torch.tensor(real, dtype=torch.long, device=self.cache.device)
         padded = torch.zeros(len(layout), dtype=torch.long, device=self.cache.device)
         padded[where] = torch.as_tensor(tokens, dtype=torch.long).to(self.cache.device)
-        run = self._steps.get(bucket) or self._build(bucket)
+        run = self._steps.get((bucket, length)) or self._build(bucket, length)
         with overlap.use_path(self.path), overlap.no_host_sync(f"{DECODE_STEP} (bucket {bucket})"):
             ids = run(padded, rows.index, rows.held, rows.real)
         self.cache.advance(rows)
         return ids.index_select(0, where)
 
-    def _build(self, bucket: int) -> StepFn:
+    def _build(self, bucket: int, length: int) -> StepFn:
         # on a graph path the schedule is lowered here, once: the trace then holds the launches, not the lowering
         lowered = lower_step(self.layers, self.how.make, self.micro_batches, self.path, _STEP_INPUTS) \
             if self.target.is_graph else None
-        fn = _static_step(self.model, self.layers, self.how.make, self.cache, self.micro_batches, bucket, lowered)
+        fn = _static_step(self.model, self.layers, self.how.make, self.cache, self.micro_batches, bucket, length,
+                          lowered)
         if self.target.is_graph:
-            own = _own_code(fn, f"decode_step_bucket_{bucket}")
+            own = _own_code(fn, f"decode_step_bucket_{bucket}_rows_{length}")
             run: StepFn = torch.compile(own, backend=self.compile_backend or self.target.compile_backend(),
                                         fullgraph=True, dynamic=False)
         elif self.device_graph:
             with overlap.use_path(self.path), overlap.no_host_sync(f"{DECODE_STEP} capture (bucket {bucket})"):
                 run = _DeviceGraph(fn, self.target.mod, self.micro_batches * bucket, self.cache.device,
-                                   f"{self.mode} bucket {bucket}")
+                                   f"{self.mode} bucket {bucket}, {length} rows")
         else:
             run = fn
-        self._steps[bucket] = run
+        self._steps[bucket, length] = run
         return run
 
 
 def decoders_of(decoders: Mapping[str, GraphDecoder], modes: Sequence[str]) -> Dict[str, GraphDecoder]:
     """The decoders of ``modes`` (``decoders`` keyed by the mode each runs, as auto takes them), checked to run over
-    one cache with one path and buckets: a one-line ValueError naming a missing or mismatched one."""
+    one cache with one path, buckets and length buckets: a one-line ValueError naming a missing or mismatched one."""
     missing = [m for m in modes if m not in decoders]
     if missing:
         raise ValueError(f"no decoder for the calibrated mode {missing[0]!r} (decoders for: "
@@ -138,9 +167,10 @@ def decoders_of(decoders: Mapping[str, GraphDecoder], modes: Sequence[str]) -> D
     for mode, d in chosen.items():
         if d.mode != mode:
             raise ValueError(f"the decoder for {mode!r} runs mode {d.mode!r}")
-        if d.cache is not first.cache or (d.path, d.buckets) != (first.path, first.buckets):
-            raise ValueError(f"the decoders must share one cache, path and buckets ({mode!r}'s differ from "
-                             f"{first.mode!r}'s)")
+        if d.cache is not first.cache or (d.path, d.buckets, d.length_buckets) != (first.path, first.buckets,
+                                                                                  first.length_buckets):
+            raise ValueError(f"the decoders must share one cache, path, buckets and length buckets ({mode!r}'s "
+                             f"differ from {first.mode!r}'s)")
     return chosen
 
 
@@ -188,16 +218,17 @@ _STEP_INPUTS = (TOKENS, MOE_CAPACITY, KV_STEP, MOE_ACTIVE)  # what each micro-ba
 
 
 def _static_step(model: DecodeModel, layers: Sequence[Sequence[microbatch.Operation]], make: Callable[..., object],
-                 cache: KVCache, parts: int, bucket: int, lowered: Optional[microbatch.Lowered] = None) -> StepFn:
+                 cache: KVCache, parts: int, bucket: int, length: int, lowered: Optional[microbatch.Lowered] = None
+                 ) -> StepFn:
     """The step of one bucket on tensors only: ``(tokens, index, held, real)`` of ``parts x bucket`` rows to the
-    picked ids (`launch.decode.decode_step` with `StaticKVStep` attention, the exchange capacity ``bucket``;
-    ``lowered``: its schedule lowered ahead, `lower_step`)."""
+    picked ids (`launch.decode.decode_step` with `StaticKVStep` attention over each slot's first ``length`` rows,
+    the exchange capacity ``bucket``; ``lowered``: its schedule lowered ahead, `lower_step`)."""
 
     def decode_static(tokens: torch.Tensor, index: torch.Tensor, held: torch.Tensor, real: torch.Tensor
                       ) -> torch.Tensor:
         rows = StaticRows(index, held, real)
         cut = [slice(i * bucket, (i + 1) * bucket) for i in range(parts)]
-        inputs = [dict(zip(_STEP_INPUTS, (tokens[c], bucket, StaticKVStep(cache, rows.part(c.start, c.stop)),
+        inputs = [dict(zip(_STEP_INPUTS, (tokens[c], bucket, StaticKVStep(cache, rows.part(c.start, c.stop), length),
                                           real[c]))) for c in cut]
         return decode_step(model, layers, make, inputs, lowered=lowered).ids
     return decode_static
@@ -205,7 +236,8 @@ def _static_step(model: DecodeModel, layers: Sequence[Sequence[microbatch.Operat
 
 def _own_code(fn: Callable[..., torch.Tensor], name: str) -> StepFn:
     """``fn`` with a code object of its own: Dynamo keeps its graphs per code object and reads the path while
-    tracing without a guard, so each bucket of each decoder gets its own (one graph each, no recompile limit)."""
+    tracing without a guard, so each step (bucket, length) of each decoder gets its own (one graph each, no
+    recompile limit)."""
     return types.FunctionType(fn.__code__.replace(co_name=name), fn.__globals__, name, fn.__defaults__,
                               fn.__closure__)
 
@@ -216,7 +248,7 @@ class _DeviceGraph:
     The static inputs start as a step of padding rows only (row 0 of slot 0, written back unchanged), which
     the warm-up runs on a side stream (PyTorch's recipe: the allocator and lazy initialisation settle outside
     the capture) and the capture records; every call copies its inputs into them, replays, and copies the
-    ids out. Every rank builds the same bucket at the same step, so the warm-up's exchanges pair up.
+    ids out. Every rank builds the same bucket and length at the same step, so the warm-up's exchanges pair up.
     """
 
     def __init__(self, fn: StepFn, mod: types.ModuleType, rows: int, device: torch.device, what: str,
@@ -247,4 +279,4 @@ class _DeviceGraph:
         return self.out.clone()
 
 
-__all__ = ["GraphDecoder", "decoders_of"]
+__all__ = ["MIN_LENGTH", "GraphDecoder", "decoders_of"]

@@ -195,18 +195,22 @@ class KVCache:
             keep = rows.real.view((n,) + (1,) * (new.dim() - 1))
             store[layer, rows.index, rows.held] = torch.where(keep, new.to(store.dtype), old)
 
-    def static_mask(self, rows: "StaticRows") -> torch.Tensor:
-        """The rows of its slot each row of a static step attends to, ``[rows, max_len]`` bool: ``0..held``, its new
-        one included (a padding row: row 0). Built on the device; the same for every layer of the step."""
-        return torch.arange(self.max_len, device=rows.held.device)[None, :] <= rows.held[:, None]
+    def static_mask(self, rows: "StaticRows", length: Optional[int] = None) -> torch.Tensor:
+        """The rows of its slot each row of a static step attends to, ``[rows, length]`` bool (default ``max_len``):
+        ``0..held``, its new one included (a padding row: row 0). Built on the device; the same for every layer
+        of the step."""
+        n = self.max_len if length is None else length
+        return torch.arange(n, device=rows.held.device)[None, :] <= rows.held[:, None]
 
-    def attend_static(self, layer: int, rows: "StaticRows", q: torch.Tensor,
-                      mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """`attend` of a static step: each row's query over its slot's whole ``max_len`` rows, masked on the
-        device to the rows it holds and its new one (``mask``: `static_mask`, built here when not given)."""
-        keys = self.k[layer].index_select(0, rows.index).transpose(1, 2)  # [B, H, max_len, D]
-        values = self.v[layer].index_select(0, rows.index).transpose(1, 2)
-        mask = self.static_mask(rows) if mask is None else mask
+    def attend_static(self, layer: int, rows: "StaticRows", q: torch.Tensor, mask: Optional[torch.Tensor] = None,
+                      length: Optional[int] = None) -> torch.Tensor:
+        """`attend` of a static step: each row's query over its slot's first ``length`` rows (default: the whole
+        ``max_len``; every row's ``held`` must lie below it), masked on the device to the rows it holds and its
+        new one (``mask``: `static_mask`, built here when not given)."""
+        n = self.max_len if length is None else length
+        keys = self.k[layer, :, :n].index_select(0, rows.index).transpose(1, 2)  # [B, H, length, D]
+        values = self.v[layer, :, :n].index_select(0, rows.index).transpose(1, 2)
+        mask = self.static_mask(rows, n) if mask is None else mask
         out = F.scaled_dot_product_attention(q.unsqueeze(2).to(keys.dtype), keys, values,
                                              attn_mask=mask[:, None, None, :])
         return out.squeeze(2).to(q.dtype)
@@ -274,10 +278,12 @@ class StaticRows:
 @dataclasses.dataclass(frozen=True)
 class StaticKVStep:
     """A static decode step's view of the cache for attention (the ``KV_STEP`` value of a graph-captured step):
-    `KVStep`'s ``positions`` and ``attend``, over every slot's whole ``max_len``."""
+    `KVStep`'s ``positions`` and ``attend``, over every slot's first ``length`` rows (default its whole
+    ``max_len``; a graph per length keeps the shapes static)."""
 
     cache: KVCache
     rows: StaticRows
+    length: Optional[int] = None
     made: Dict[Hashable, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)  # `once`'s
 
     @property
@@ -293,8 +299,8 @@ class StaticKVStep:
         """Write layer ``layer``'s keys and values of this step's rows and attend to every slot's history (the mask
         built once a step, by the first layer: in a captured graph, two kernels fewer a layer)."""
         self.cache.write_static(layer, self.rows, k, v)
-        mask = self.once(_STATIC_MASK, lambda: self.cache.static_mask(self.rows))
-        return self.cache.attend_static(layer, self.rows, q, mask)
+        mask = self.once(_STATIC_MASK, lambda: self.cache.static_mask(self.rows, self.length))
+        return self.cache.attend_static(layer, self.rows, q, mask, self.length)
 
 
 __all__ = ["KVCache", "KVCacheError", "KVRows", "KVStep", "StaticKVStep", "StaticRows"]

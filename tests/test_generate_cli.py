@@ -27,6 +27,8 @@ def _run(args, ranks=None, env=None, timeout=180):
     (["--decode-mode", "five-batch"], "unknown mode 'five-batch'"),
     (["--decode-graph", "cpu", "--kv-offload"], "--decode-graph captures steps over the device cache"),
     (["--decode-buckets", "0,4"], "--decode-buckets must be positive sizes"),
+    (["--decode-graph", "off", "--decode-length-buckets"], "--decode-length-buckets sizes the captured steps' "
+                                                            "attention; with --decode-graph off"),
     (["--decode-calibration-rounds", "0"], "--decode-calibration-rounds must be at least 1, got 0"),
     (["--decode-auto-modes", "serial,auto"], "--decode-auto-modes names decode modes for auto to choose from"),
     (["--decode-auto-modes", "all"], "--decode-auto-modes names decode modes for auto to choose from"),
@@ -103,6 +105,27 @@ def test_decode_steps_captured_per_bucket_generate_serials_tokens():
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "decode steps captured per bucket on cpu | buckets 2,4" in proc.stdout, proc.stdout
     assert "check: every mode generates serial's tokens" in proc.stdout, proc.stdout
+
+
+def test_decode_steps_with_length_buckets_generate_serials_tokens():
+    """--decode-length-buckets: each captured step attends over the room its histories use, one process."""
+    proc = _run(["--batch", "3", "--seq-len", "8", "--new-tokens", "12", "--mode", "serial", "--decode-mode",
+                 "serial,two-batch", "--decode-graph", "cpu", "--decode-length-buckets", "--warmup", "0", "--iters",
+                 "1", "--check"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert "decode steps captured per bucket and length on cpu" in proc.stdout, proc.stdout
+    assert "check: every mode generates serial's tokens" in proc.stdout, proc.stdout
+
+
+def test_the_ranks_agree_on_length_buckets():
+    from launch.config import decode_config, job_config
+
+    job = job_config(world=1, device="cpu", exec_path="auto", mode="serial", kv_offload=False, kv_store="memory",
+                     preset_name="tiny", overrides={}, batch=2, seq_len=16, seq_lens=None, dtype="float32", warmup=0,
+                     iters=1, seed=0, check=False, out_dir=None, cpu_link="off", timeout=30.0)
+    prints = [decode_config(job, new_tokens=4, spread=0.0, stop_token=None, decode_modes=[], graph="cpu",
+                            length_buckets=on).fingerprint() for on in (False, True)]
+    assert [p["--decode-length-buckets"] for p in prints] == [False, True]
 
 
 def test_decode_exchange_auto_runs_the_capacity_exchange_where_mc2_does_not_run():

@@ -62,8 +62,8 @@ def _graph_auto_body(ctx):
     stepped = []
     for m, d in decoders.items():
         real = d.step
-        d.step = lambda slots, tokens, widest=None, m=m, real=real: stepped.append((m, len(slots))) or real(
-            slots, tokens, widest)
+        d.step = lambda slots, tokens, widest=None, history=None, m=m, real=real: stepped.append(
+            (m, len(slots))) or real(slots, tokens, widest, history)
     cal = calibrate_decode(model, max_tokens=3, histories=(4, 9), repeats=1, steps=1, decoders=decoders)
     left = (list(cache.active), list(cache.lengths))
     calibrated = sorted(collections.Counter(stepped).items())
@@ -108,14 +108,14 @@ def test_auto_with_steps_of_another_kind_than_its_calibration_is_refused_in_one_
         (dict(plan=PADDED, decoder=decoders["serial"]), "takes one decoder per calibrated mode"),
         (dict(plan=PADDED, decoder={"serial": decoders["serial"]}), "no decoder for the calibrated mode 'two-batch'"),
         (dict(plan=PADDED, decoder=dict(decoders, serial=GraphDecoder(model, new_cache(model, prompts, 2)))),
-         "must share one cache, path and buckets"),
+         "must share one cache, path, buckets and length buckets"),
         (dict(plan=PADDED, decoder=dict(decoders, serial=decoders["two-batch"])), "the decoder for 'serial' runs mode"),
     ]
     for kwargs, message in cases:
         with pytest.raises(ValueError) as err:
             generate(model, prompts, 2, mode="auto", **kwargs)
         assert message in str(err.value) and "\n" not in str(err.value), (kwargs, str(err.value))
-    with pytest.raises(ValueError, match="must share one cache, path and buckets"):
+    with pytest.raises(ValueError, match="must share one cache, path, buckets and length buckets"):
         calibrate_decode(model, max_tokens=2, histories=(4, 5), decoders=dict(
             decoders, serial=GraphDecoder(model, new_cache(model, prompts, 2))))
     with pytest.raises(ValueError, match="needs a decoder for serial"):

@@ -106,9 +106,9 @@ def _buckets_seen(decoder, calls):
     """Wrap ``decoder.step`` to append each step's bucket to ``calls``."""
     step = decoder.step
 
-    def stepping(slots, tokens, widest=None):
+    def stepping(slots, tokens, widest=None, history=None):
         calls.append(decoder.bucket(decoder.widest(len(slots)) if widest is None else widest))
-        return step(slots, tokens, widest)
+        return step(slots, tokens, widest, history)
     decoder.step = stepping
 
 
@@ -188,6 +188,109 @@ def test_two_ranks_pad_to_the_bucket_they_agree_on(mode):
         assert out[0][2] == out[1][2] == [4, 2, 1, 1], [o[2] for o in out]
 
 
+class _Gathered(TorchDispatchMode):
+    """The elements each ``index_select`` materialises (the static attention's gathers of keys and values)."""
+
+    def __init__(self):
+        super().__init__()
+        self.elements = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ == "index_select":
+            self.elements.append(out.numel())
+        return out
+
+
+@pytest.mark.cpu_only
+def test_a_static_step_with_a_length_reads_that_many_rows_and_attends_alike():
+    """Attention over each slot's first ``length`` rows gathers those rows only, and gives what the whole room gives
+    (the rows past every row's history are masked either way)."""
+    cache, (a, b, c) = _prefilled([3, 1, 5], max_len=32)
+    rows = cache.static_rows([c, None, a, None])
+    k, v, q = (torch.randn(4, H, D) for _ in range(3))
+    cache.write_static(0, rows, k, v)
+    whole = cache.attend_static(0, rows, q)
+    with _Gathered() as gathered:
+        short = StaticKVStep(cache, rows, length=8).attend(0, q, k, v)  # writes the same rows again
+    torch.testing.assert_close(short, whole)
+    assert gathered.elements == [4 * 8 * H * D] * 2, gathered.elements  # keys and values: 8 rows, not 32
+    with _Gathered() as gathered:
+        StaticKVStep(cache, rows).attend(0, q, k, v)
+    assert gathered.elements == [4 * 32 * H * D] * 2, gathered.elements
+
+
+@pytest.mark.cpu_only
+@pytest.mark.parametrize("mode", ["serial", "two-batch"])
+def test_length_buckets_build_a_step_per_length_and_generate_the_tokens_of_generate(mode):
+    """With length buckets the padded step attends over the room the histories use: one step per (bucket, length),
+    lengths the powers of two (at least 16) up to the cache's room, and the eager generate's tokens."""
+    from launch.graph_decode import MIN_LENGTH
+
+    model = build_model(CFG, seed=4)
+    prompts, limits = _prompts((6, 3, 9, 2, 5), seed=20), [12, 3, 30, 5, 20]
+    want = generate(model, prompts, limits, mode=mode).tokens
+    decoder = GraphDecoder(model, new_cache(model, prompts, limits), mode, "cpu", length_buckets=True)
+    room = decoder.cache.max_len
+    assert (MIN_LENGTH, room) == (16, 39)  # the longest prompt and the most new tokens
+    assert [decoder.length(h) for h in (0, 15, 16, 31, 32, 38)] == [16, 16, 32, 32, room, room]
+    got = generate(model, prompts, limits, decoder=decoder)
+    assert got.tokens == want
+    assert sorted({length for _, length in decoder.compiled_steps}) == [16, 32, room], decoder.compiled_steps
+    assert GraphDecoder(model, decoder.cache, mode, "cpu").length(5) == room  # without: the whole room
+
+
+def _length_ranks_body(ctx):
+    from launch.runner import make_expert_parallel
+
+    lens, limits = [(3, 4), (12,)][ctx.rank], [(20, 6), (9,)][ctx.rank]  # rank 1's history is the longer at first
+    prompts = _prompts(lens, seed=40 + ctx.rank)
+    model = make_expert_parallel(build_model(CFG, seed=5), ctx.group)
+    want = generate(model, prompts, limits, mode="serial").tokens
+    cache = new_cache(model, [[0] * 12] * 2, [20, 20])  # the same room on both ranks: 32 rows, 2 slots
+    decoder = GraphDecoder(model, cache, "serial", "cpu", length_buckets=True)
+    lengths, step = [], decoder.step
+
+    def stepping(slots, tokens, widest=None, history=None):
+        own = max((cache.lengths[s] for s in slots), default=0)
+        lengths.append(decoder.length(own if history is None else history))
+        return step(slots, tokens, widest, history)
+    decoder.step = stepping
+    got = generate(model, prompts, limits, decoder=decoder)
+    return got.tokens, want, lengths, decoder.compiled_steps
+
+
+@pytest.mark.cpu_only
+def test_two_ranks_with_length_buckets_attend_over_the_length_they_agree_on():
+    """The length follows the longest history over the ranks (rank 1's at first, rank 0's later), so both ranks
+    run the same length at every step and build the same steps (on a device their captures' warm-up exchanges
+    pair up), and generate the eager tokens."""
+    (got0, want0, len0, steps0), (got1, want1, len1, steps1) = run_ranks(_length_ranks_body, 2, timeout=120)
+    assert (got0, got1) == (want0, want1)
+    assert len0 == len1 and sorted(set(len0)) == [16, 32], (len0, len1)
+    assert steps0 == steps1, (steps0, steps1)
+
+
+@pytest.mark.cpu_only
+@pytest.mark.parametrize("length_buckets, timed", [(False, [4]), (True, [4, 20])])
+def test_a_calibration_of_steps_with_length_buckets_times_both_histories(tmp_path, length_buckets, timed):
+    """A captured step over the whole room takes as long at any history: timed at the short one alone. With length
+    buckets it attends over the room the history uses: timed at both, and cached under a key of its own."""
+    from launch.decode_plan import calibrate_decode, decode_calibration_key
+
+    model = build_model(CFG, seed=4)
+    prompts, limits = [[1] * 4] * 3, [24] * 3
+    decoder = GraphDecoder(model, new_cache(model, prompts, limits), "serial", "cpu", length_buckets=length_buckets)
+    seen, step = [], decoder.step
+    decoder.step = lambda slots, tokens, widest=None, history=None: seen.append(history) or step(
+        slots, tokens, widest, history)
+    cal = calibrate_decode(model, max_tokens=2, histories=(4, 20), modes=("serial",), repeats=1, steps=1,
+                           decoders={"serial": decoder}, cache=str(tmp_path))
+    assert sorted(set(seen)) == timed and cal.padded
+    key = decode_calibration_key(model, None, (1, 2), (4, 20), ("serial",), 1, 1, graph=("cpu", None, length_buckets))
+    assert key["graph"].get("length_buckets", False) == length_buckets  # keys without them stay as they were
+
+
 class _NotReference(torch.nn.Module):
     """Stands for a model whose attention reads the cache itself (the transformers adapter)."""
 
@@ -250,6 +353,17 @@ def _graphs_body(ctx):
             got = generate(model, prompts, limits, decoder=decoder)
         out[path] = dict(tokens=got.tokens, steps=got.steps, buckets=decoder.compiled_buckets,
                          graphs=[tc.contract_summary(gm, path) for gm in graphs], checks=checks)
+    traced = []  # length buckets on ge: the attention's room a static slice of the cache inside the graph
+
+    def trace(gm, example_inputs):
+        traced.append(gm)
+        return tc.strip_air(gm)
+    decoder = GraphDecoder(model, new_cache(model, prompts, limits), GRAPH_MODE, "ge", backend=trace,
+                           length_buckets=True)
+    with tc.installed(), tc._sanitizer_set_aside():
+        got = generate(model, prompts, limits, decoder=decoder)
+    out["lengths"] = dict(tokens=got.tokens, steps=decoder.compiled_steps, graphs=len(traced),
+                          room=decoder.cache.max_len)
     graphs = []  # auto on ge: a decoder per mode over one cache, each step replaying the chosen mode's graph
 
     def count(gm, example_inputs):
@@ -285,6 +399,16 @@ def test_one_graph_per_bucket_replayed_for_the_steps_of_that_bucket(captured, pa
         # each bucket's schedule checked and lowered once, before its trace (the prefill's was, by the eager run)
         assert got["checks"] == [False, False], (rank, got["checks"])
         assert got["tokens"] == out["want"], (rank, path, got["tokens"], out["want"])
+
+
+@pytest.mark.spawns_ranks
+def test_length_buckets_trace_on_ge_and_generate_serials_tokens(captured):
+    """With length buckets on ge the steps trace with the attention over a static slice of the cache (here the whole
+    room: the histories stay under the shortest length), one graph per (bucket, length), the tokens eager serial's."""
+    for rank, out in enumerate(captured):
+        got = out["lengths"]
+        assert got["steps"] == [(1, got["room"]), (2, got["room"])] and got["graphs"] == 2, (rank, got)
+        assert got["tokens"] == out["want"], (rank, got["tokens"], out["want"])
 
 
 @pytest.mark.spawns_ranks
