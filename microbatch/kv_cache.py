@@ -13,9 +13,10 @@ device: no host sync in a decode step.
 
 A graph captured once for a number of rows (`launch.graph_decode`) needs a step whose shapes do not change
 from step to step: `static_rows` pads a decode step's rows to a fixed count and describes them with tensors
-only (`StaticRows`), and `StaticKVStep` attends over every slot's whole ``max_len`` with a mask built on the
-device from each row's length. A padding row writes nothing new: it points at row 0 of a slot, which no
-decode step writes (every request holds its prompt), and writes back what is there.
+only (`StaticRows`), and `StaticKVStep` attends over every slot's whole ``max_len`` (or its first ``length``
+rows: a graph per length) with a mask built on the device from each row's length. A padding row writes
+nothing new: it points at row 0 of a slot, which no decode step writes (every request holds its prompt), and
+writes back what is there.
 """
 from __future__ import annotations
 
@@ -285,6 +286,11 @@ class StaticKVStep:
     rows: StaticRows
     length: Optional[int] = None
     made: Dict[Hashable, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)  # `once`'s
+
+    def __post_init__(self) -> None:
+        if self.length is not None and not 1 <= self.length <= self.cache.max_len:
+            raise KVCacheError(f"a static step attends over 1 to {self.cache.max_len} rows of each slot (its room), "
+                               f"got length {self.length}")
 
     @property
     def positions(self) -> torch.Tensor:

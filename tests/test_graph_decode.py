@@ -218,6 +218,9 @@ def test_a_static_step_with_a_length_reads_that_many_rows_and_attends_alike():
     with _Gathered() as gathered:
         StaticKVStep(cache, rows).attend(0, q, k, v)
     assert gathered.elements == [4 * 32 * H * D] * 2, gathered.elements
+    for length in (0, 33):  # beyond the room, or none of it: one line, before any kernel
+        with pytest.raises(KVCacheError, match=f"1 to 32 rows of each slot .* got length {length}"):
+            StaticKVStep(cache, rows, length=length)
 
 
 @pytest.mark.cpu_only
