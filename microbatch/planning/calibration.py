@@ -60,7 +60,8 @@ from ..batch import Batch
 from ..forward import cut_refusal, run_schedule, serial_split
 from ..model import MoEModel
 from ..operations import Operation
-from ..schedules import serial, two_batch
+from ..schedules import Schedule, serial, two_batch
+from ..split import Split
 from .probes import PEER_QUANTILES, barrier, contention_fit, cpu_async, grouped, max_over_ranks, notice, sweep
 from .simulation import CostModel, Interconnect, Linear, OpCost, Prediction, Transfer, predict
 from .split import propose_split
@@ -734,10 +735,12 @@ def _batch(model: MoEModel, tokens: int, seq_len: int, seed: int) -> Batch:
     return Batch.random(lens, model.cfg.vocab, seed=seed, device=device)
 
 
-def _serial(model: MoEModel, layers: List[List[Operation]], batch: Batch) -> float:
-    """One serial prefill as the launcher runs it (embedding to final norm); its wall seconds."""
+def _timed(model: MoEModel, layers: List[List[Operation]], batch: Batch, plan: Optional[Split] = None,
+           make: Callable[..., Schedule] = serial) -> float:
+    """One prefill as the launcher runs it (embedding to final norm), split as ``plan`` says (default: one batch)
+    and scheduled by ``make``; its wall seconds."""
     t0 = time.perf_counter()
-    run_schedule(model, batch, serial_split(batch, "calibration"), layers, serial)
+    run_schedule(model, batch, plan or serial_split(batch, "calibration"), layers, make)
     overlap.synchronize()
     return time.perf_counter() - t0
 
@@ -749,7 +752,7 @@ def _recorded(model: MoEModel, layers: List[List[Operation]], batch: Batch,
     overlap.add_observer(seen)
     tl.start()
     try:
-        wall = _serial(model, layers, batch)
+        wall = _timed(model, layers, batch)
     finally:
         tl.stop()
         overlap.remove_observer(seen)
@@ -770,16 +773,14 @@ def _split_ratios(model: MoEModel, layers: List[List[Operation]], tokens: Sequen
         plan = propose_split(batch.seq.seq_lens, 2, allow_cut=allow_cut)
         if plan.serial:
             continue
-        runs = ((serial_split(batch, "calibration"), serial), (plan, two_batch))
+        runs = ((None, serial), (plan, two_batch))
         times: List[List[float]] = [[], []]
         for r in range(rounds + 1):
             for i in ((0, 1) if r % 2 else (1, 0)):
                 barrier(group)
-                t0 = time.perf_counter()
-                run_schedule(model, batch, runs[i][0], layers, runs[i][1])
-                overlap.synchronize()
+                seconds = _timed(model, layers, batch, *runs[i])
                 if r:
-                    times[i].append(time.perf_counter() - t0)
+                    times[i].append(seconds)
         slowest = max_over_ranks(times[0] + times[1], group)
         ratio = statistics.median(slowest[rounds:]) / statistics.median(slowest[:rounds])
         out.append((list(plan.token_counts), ratio))
@@ -836,7 +837,7 @@ def measure_costs(model: MoEModel, group: Optional[dist.ProcessGroup] = None,
         runs = []
         for n in tokens:
             barrier(group)
-            _serial(model, layers, _batch(model, n, seq_len, seed=rank))  # warm-up: agreement, buffers of this size
+            _timed(model, layers, _batch(model, n, seq_len, seed=rank))  # warm-up: agreement, buffers of this size
             runs += [_recorded(model, layers, _batch(model, n, seq_len, seed=1000 * rank + i), group)
                      for i in range(repeats)]
         hidden = int(model.cfg.hidden)
