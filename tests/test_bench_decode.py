@@ -33,6 +33,21 @@ def test_the_table_and_the_overlap_target_from_given_figures():
     assert "not checked (no point at 32 tokens/rank)" in text
 
 
+def test_the_ceiling_is_serials_tpot_at_the_link_over_each_mode_with_no_link():
+    from launch.bench.decode_targets import ceilings, report, target_overlap_pays
+
+    p = _point(256, 0.1, 0.33, {"serial": 60.0, "two-batch": 55.0, "chunked-2": 54.0})
+    assert ceilings(p) == {}  # not measured at this point
+    p["unlinked"] = {"serial": 61.0, "two-batch": 53.0, "chunked-2": 55.0}  # serial's at the link, beside them
+    assert ceilings(p) == pytest.approx({"two-batch": 61 / 53, "chunked-2": 61 / 55})
+    what, met, detail = target_overlap_pays([p])
+    assert met is False and detail == "chunked-2 1.11x at 0.1 GB/s (comm 33%; at most 1.15x (two-batch) with no link at all)"
+    text = report([p, _point(8, 0.1, 0.5, {"serial": 10.0, "two-batch": 20.0, "chunked-2": 15.0})])
+    assert ("\n  at 256 tokens/rank with no link at all (serial at 0.1 GB/s beside them): two-batch 1.15x, chunked-2 1.11x: "
+            "the most each could reach here, hiding the whole link\n") in text, text
+    assert "at 8 tokens/rank with no link" not in text
+
+
 def test_the_executors_host_time_is_judged_against_serials_tpot_at_32_tokens():
     from launch.bench.decode_targets import report, target_host
 
@@ -96,7 +111,7 @@ def test_a_mode_with_its_own_argument_is_one_maker(monkeypatch):
 def test_the_decode_benchmark_runs_at_a_tiny_size():
     proc = zygote.run([sys.executable, "-m", "launch.bench.decode", "--preset", "tiny", "--tokens", "1,2",
                        "--links", "0.1", "--warmup", "0", "--iters", "1", "--min-seconds", "0", "--modes",
-                       "two-batch,auto", "--calibrate-at", "0.1", "--calibration-rounds", "1"],
+                       "two-batch,auto", "--calibrate-at", "0.1", "--calibration-rounds", "1", "--ceiling-at", "2"],
                       timeout=300, env=dict(os.environ, PYTHONPATH=ROOT, OVERLAP_FORKSERVER_PRELOAD=""), cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     n = 3  # serial, two-batch, auto: a time per mode, then a speedup per mode but serial's
@@ -109,6 +124,10 @@ def test_the_decode_benchmark_runs_at_a_tiny_size():
     assert "predicted x (error)" in proc.stdout
     assert "auto's calibration measured once, at 0.1 GB/s, for every link" in proc.stdout
     assert "auto as chosen x: serial's TPOT over auto's steps each costed" in proc.stdout
+    # at --ceiling-at's size only, two-batch also ran with no link beside serial at the link (auto is no fixed mode)
+    assert re.search(r"^  at 2 tokens/rank with no link at all \(serial at 0\.1 GB/s beside them\): two-batch "
+                     r"[0-9.]+x: the most", proc.stdout, re.M), proc.stdout
+    assert "at 1 tokens/rank with no link" not in proc.stdout
 
 
 def test_the_guard_is_named_under_the_table_where_it_set_a_mode_aside_and_a_bad_calibration_link_is_refused():

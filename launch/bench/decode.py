@@ -32,7 +32,10 @@ check the targets (issue 29): the best overlapped mode at least 1.15x serial at 
 communication is at least 30% of serial's step; auto within 5% of the best fixed mode and at most 2% above serial at
 every point (each miss named with the standard error of its comparison, from the steps' spread, and the misses by
 more than two of them counted: the rest this host's noise alone could make); predicted speedups within 10% of the
-measured ones at 90% of the points. Example::
+measured ones at 90% of the points. At ``--ceiling-at`` tokens per rank (default 256, the gain target's), the
+overlapped modes also run with no link at all, interleaved round by round with serial at the point's link: serial's
+TPOT over such a mode's is the most the mode could reach there however much of the link it hid (its split's own cost
+is left), printed under the link's table and beside the gain target. Example::
 
     python -m launch.bench.decode
     python -m launch.bench.decode --tokens 8,64 --links 0.05,0.2 --iters 3
@@ -54,7 +57,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import click
 
-from launch.bench.decode_targets import AUTO, SERIAL, report
+from launch.bench.decode_targets import AUTO, SERIAL, TARGET_TOKENS, report
 
 MAX_ROUNDS = 200
 # rounds behind each entry of auto's calibration: four times the launcher's default, about half its noise (the
@@ -239,8 +242,9 @@ def _enough(serial_steps: List[float], timed: int, iters: int, min_seconds: floa
 
 
 def _point(ctx: Any, model: Any, point: Point, modes: Sequence[str], prompt_len: int, new_tokens: int, warmup: int,
-           iters: int, min_seconds: float, seed: int) -> Dict[str, Any]:
-    """Every mode's decode-step times at one point, interleaved round by round; serial's comm share."""
+           iters: int, min_seconds: float, seed: int, ceiling_at: int = 0) -> Dict[str, Any]:
+    """Every mode's decode-step times at one point, interleaved round by round; serial's comm share; at
+    ``ceiling_at`` tokens per rank, the overlapped modes' with no link too (`_unlinked`)."""
     from launch.measure import rounds, spread
     from microbatch.planning import max_over_ranks
     from microbatch.planning.decode import relative_error
@@ -259,6 +263,8 @@ def _point(ctx: Any, model: Any, point: Point, modes: Sequence[str], prompt_len:
         timed += i >= warmup
         if i >= warmup and _enough(steps[SERIAL], timed, iters, min_seconds, ctx.group):
             break
+    unlinked = _unlinked(ctx, point, modes, prompts, new_tokens, kwargs, warmup, iters, min_seconds) \
+        if point.tokens == ceiling_at else {}
     share = _comm_share(model, prompts, new_tokens, kwargs[SERIAL], ctx.group)
     host = _executor_host(model, point.tokens, prompt_len + new_tokens // 2, ctx.group)
     rows, noise = {}, {}
@@ -275,13 +281,43 @@ def _point(ctx: Any, model: Any, point: Point, modes: Sequence[str], prompt_len:
             "steps": len(steps[SERIAL]) // max(timed, 1), "rows": rows, "noise": noise, "predicted": predicted,
             "executor_s": host,
             "chosen": dict(collections.Counter(chosen)), "guard": guard.summary() if guard else None,
-            "vetoed": dict(guard.vetoed) if guard else {}}
+            "vetoed": dict(guard.vetoed) if guard else {}, **unlinked}
+
+
+def _unlinked(ctx: Any, point: Point, modes: Sequence[str], prompts: List[List[int]], new_tokens: int,
+              kwargs: Dict[str, Any], warmup: int, iters: int, min_seconds: float) -> Dict[str, Any]:
+    """The overlapped fixed modes with no link at all, interleaved round by round with serial at the point's link:
+    ``unlinked`` (per mode, the median TPOT of the slowest rank, serial's at the link) for the point's ``ceiling``
+    (`launch.bench.decode_targets.ceilings`). A mode's steps cannot be faster over a link than with none, so serial's
+    TPOT over such a mode's is the most it could reach here, however much of the link it hid."""
+    import overlap
+    from launch.measure import rounds
+    from microbatch.planning import max_over_ranks
+    from overlap.link import OFF
+
+    linked = overlap.current_link() or OFF
+    names = [SERIAL] + [m for m in modes if m not in (SERIAL, AUTO)]
+    steps: Dict[str, List[float]] = {m: [] for m in names}
+    timed = 0
+    try:
+        for i, order in enumerate(rounds(names, warmup, MAX_ROUNDS)):
+            for m in order:
+                overlap.set_link(linked if m == SERIAL else OFF)
+                got, _, _ = _step_times(point.model, prompts, new_tokens, kwargs[m], ctx.group)
+                if i >= warmup:
+                    steps[m].extend(got)
+            timed += i >= warmup
+            if i >= warmup and _enough(steps[SERIAL], timed, iters, min_seconds, ctx.group):
+                break
+    finally:
+        overlap.set_link(linked)
+    return {"unlinked": {m: statistics.median(max_over_ranks(steps[m], ctx.group)) for m in names}}
 
 
 def _rank_body(ctx: Any, preset_name: str, modes: List[str], tokens: List[int], links: List[float], prompt_len: int,
                new_tokens: int, warmup: int, iters: int, min_seconds: float, seed: int, comm_priority: str,
-               guard: bool = True, calibrate_at: Optional[float] = None, calibration_rounds: int = CALIBRATION_ROUNDS
-               ) -> Any:
+               guard: bool = True, calibrate_at: Optional[float] = None, calibration_rounds: int = CALIBRATION_ROUNDS,
+               ceiling_at: int = 0) -> Any:
     import overlap
     from launch.models import build_model, preset
     from launch.runner import make_expert_parallel
@@ -300,7 +336,7 @@ def _rank_body(ctx: Any, preset_name: str, modes: List[str], tokens: List[int], 
                          if AUTO in modes else None)
         for n in tokens:
             out.append(_point(ctx, model, Point(model, ctx.group, n, gbps, plan, guard), modes, prompt_len,
-                              new_tokens, warmup, iters, min_seconds, seed))
+                              new_tokens, warmup, iters, min_seconds, seed, ceiling_at))
     return out if ctx.rank == 0 else None
 
 
@@ -348,9 +384,12 @@ def _numbers(text: str, kind: Callable[[str], Any]) -> List[Any]:
 @click.option("--calibration-rounds", type=int, default=CALIBRATION_ROUNDS,
               help="Rounds of every mode behind each entry of auto's calibration (the launcher's "
                    "--decode-calibration-rounds, default 4 there): more, steadier predictions.")
+@click.option("--ceiling-at", type=int, default=TARGET_TOKENS,
+              help="At this many tokens per rank, also time the overlapped modes with no link at all, interleaved "
+                   "with serial at the point's link: the most any overlap could reach there on this host (0: not).")
 def main(preset_name: str, tokens: str, links: str, prompt_len: int, new_tokens: int, warmup: int, iters: int,
          min_seconds: float, seed: int, modes: str, comm_priority: str, guard: bool,
-         calibrate_at: Optional[float], calibration_rounds: int) -> None:
+         calibrate_at: Optional[float], calibration_rounds: int, ceiling_at: int) -> None:
     """Time per output token of every decode mode over tokens per rank and link speeds, on 2 CPU ranks."""
     from launch.bench import CPU_RANKS
     from overlap.multirank import run_ranks
@@ -378,7 +417,7 @@ def main(preset_name: str, tokens: str, links: str, prompt_len: int, new_tokens:
                    f"and the targets' checks of them are for that link)")
     points = run_ranks(_rank_body, 2, preset_name, mode_list, token_points, link_points, prompt_len, new_tokens,
                        warmup, iters, min_seconds, seed, comm_priority, guard, calibrate_at, calibration_rounds,
-                       timeout=3600, env=CPU_RANKS)[0]
+                       ceiling_at, timeout=3600, env=CPU_RANKS)[0]
     click.echo(report(points))
 
 

@@ -2,7 +2,8 @@
 
 A point is what `launch.bench.decode` measured at one batch size and link, a dict: ``tokens`` per rank, ``link``
 (GB/s), ``comm_share`` (communication's share of a serial step), ``rows`` (per mode: median TPOT in seconds and its
-spread), ``noise``, ``predicted``, ``executor_s``, ``chosen`` and the guard's summary. Each target is
+spread), ``noise``, ``predicted``, ``executor_s``, ``chosen`` and the guard's summary, and at the ceiling's batch
+size ``unlinked`` (per mode, TPOT with no link at all, serial's at the point's link; `ceilings`). Each target is
 ``(what, met, figures)``, met None where no point could judge it.
 """
 from __future__ import annotations
@@ -25,6 +26,24 @@ def speedups(point: Dict[str, Any]) -> Dict[str, float]:
 def best_mode(point: Dict[str, Any]) -> str:
     """The fixed mode with the smallest TPOT at a point (auto is judged against it)."""
     return min((m for m in point["rows"] if m != AUTO), key=lambda m: point["rows"][m][0])
+
+
+def ceilings(point: Dict[str, Any]) -> Dict[str, float]:
+    """Per overlapped fixed mode, the most it could reach at a point: serial's TPOT at the point's link over the
+    mode's with no link at all, measured side by side (``unlinked``); empty where the point has no such figures.
+    Hiding every byte of the link still leaves a split's own cost (more launches, exchanges and weight reads)."""
+    unlinked = point.get("unlinked") or {}
+    if SERIAL not in unlinked:
+        return {}
+    return {m: unlinked[SERIAL] / t for m, t in unlinked.items() if m != SERIAL}
+
+
+def _ceiling_text(point: Dict[str, Any]) -> str:
+    ups = ceilings(point)
+    if not ups:
+        return ""
+    best = max(ups, key=lambda m: ups[m])
+    return f"; at most {ups[best]:.2f}x ({best}) with no link at all"
 
 
 def _pct(v: Optional[float]) -> str:
@@ -76,7 +95,8 @@ def target_overlap_pays(points: Sequence[Dict[str, Any]]) -> Target:
         ups = {m: s for m, s in speedups(p).items() if m not in (SERIAL, AUTO)}  # the fixed overlapped modes
         if ups:
             mode = max(ups, key=lambda m: ups[m])
-            found.append((ups[mode], f"{mode} {ups[mode]:.2f}x at {p['link']:g} GB/s (comm {_pct(p['comm_share'])})"))
+            found.append((ups[mode], f"{mode} {ups[mode]:.2f}x at {p['link']:g} GB/s (comm {_pct(p['comm_share'])}"
+                                     f"{_ceiling_text(p)})"))
     if not found:
         return what, None, f"no point at {TARGET_TOKENS} tokens/rank with comm >= {TARGET_SHARE:.0%}"
     return what, all(s >= TARGET_SPEEDUP for s, _ in found), "; ".join(text for _, text in found)
@@ -181,6 +201,10 @@ def report(points: Sequence[Dict[str, Any]]) -> str:
         lines += [f"\nlink {gbps:g} GB/s", table([p for p in points if p["link"] == gbps])]
         lines += [f"  auto at {p['tokens']} tokens/rank, {p['guard']}" for p in points
                   if p["link"] == gbps and p.get("vetoed")]
+        lines += [f"  at {p['tokens']} tokens/rank with no link at all (serial at {gbps:g} GB/s beside them): "
+                  + ", ".join(f"{m} {x:.2f}x" for m, x in ceilings(p).items())
+                  + ": the most each could reach here, hiding the whole link" for p in points
+                  if p["link"] == gbps and ceilings(p)]
     lines.append("\ncomm/serial: communication's share of a serial decode step; ms: TPOT, the median "
                  "decode-step time (slowest rank); x: serial's TPOT over the mode's; spread: the largest of the "
                  "modes' interquartile range of step times over their median; rounds x steps: timed rounds per mode "
