@@ -53,7 +53,8 @@ from .graph_decode import GraphDecoder, decoders_of
 
 AUTO_MODES = DECODE_AUTO_MODES  # the candidates of ``--decode-mode auto`` by default (launch.config)
 Progress = Callable[[str], None]
-DECODE_FORMAT = 3  # the decode calibration's cache files (2: the steps' token ids differ per rank; 3: with noise)
+DECODE_FORMAT = 4  # the decode calibration's cache files (2: the steps' token ids differ per rank; 3: with noise;
+# 4: a link's unobserved completions run no callback, overlap.link.DelayedWork: the overlapped steps take less)
 # rounds per entry, timed steps per round: 16 samples in each entry's median by default. Each entry's median carries
 # about 3-12% of noise on a shared 2-core host (step times spread 10-30%), 2-6% with 8 rounds (as 1 / sqrt(rounds))
 REPEATS, STEPS = DECODE_CALIBRATION_ROUNDS, 4

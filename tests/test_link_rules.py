@@ -228,6 +228,35 @@ def test_in_flight_transfers_share_one_clock_thread():
         assert extra <= 3, extra
 
 
+def _noticed_by_the_waiter(ctx):
+    """An exchange over the slow link with nobody observing, then with a timeline: the link's clock calls each time,
+    and how long the unobserved wait took."""
+    overlap.set_link(SLOW)
+    calls = []
+    at = link_mod._CLOCK.at
+    link_mod._CLOCK.at = lambda when, fn: (calls.append(when), at(when, fn))[1]
+    try:
+        start = time.perf_counter()
+        _async(ctx, ROWS, "quiet")()
+        took = time.perf_counter() - start
+        quiet = len(calls)
+        with Timeline() as tl:
+            _async(ctx, ROWS, "observed")()
+        (span,) = tl.find(name="observed", kind="comm")
+    finally:
+        link_mod._CLOCK.at = at
+    return quiet, took, len(calls) - quiet, span.end - span.start
+
+
+def test_with_nobody_observing_a_transfer_completes_where_it_is_waited_with_no_callback():
+    """No Python runs on gloo's or the clock's thread for an unobserved exchange (it would take the interpreter from the
+    computing thread); the wait still lasts the link's time. Observed, the clock ends its span at the booking's end."""
+    per = link_mod.transfer_seconds(SLOW, ROWS * ROW)
+    for quiet, took, observed, length in run_ranks(_noticed_by_the_waiter, 2, timeout=60):
+        assert quiet == 0 and took >= per - EPS, (quiet, took, per)
+        assert observed == 1 and length >= per - EPS, (observed, length)
+
+
 def test_the_clock_runs_callbacks_in_time_order_and_survives_a_failure():
     clock = link_mod._Clock()
     ran, done = [], threading.Event()

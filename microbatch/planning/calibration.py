@@ -70,10 +70,11 @@ logger = logging.getLogger(__name__)
 
 ENV_CACHE = "OVERLAP_CALIBRATION_CACHE"
 DEFAULT_CACHE = os.path.join("~", ".cache", "npu-overlap", "calibration")
-FORMAT = 10  # 2: link booked at issue (overlap.link); 3: waits; 5: contention per byte; 6: issue, notice, frame;
+FORMAT = 11  # 2: link booked at issue (overlap.link); 3: waits; 5: contention per byte; 6: issue, notice, frame;
 # 7: the CPU path's comm threads real-time (overlap.comm_threads), in the key; 8: read_at (a count exchange
 # read by the next operation); 9: contention one collective at a time, notice as the host's wait; 10: residual
-# `fit_residual` fits: the smallest token counts that split in two, how many, and each one's timed rounds
+# `fit_residual` fits: the smallest token counts that split in two, how many, and each one's timed rounds;
+# 11: a link's unobserved completions run no callback (overlap.link.DelayedWork): less contention to measure
 RESIDUAL_COUNTS, RESIDUAL_ROUNDS = 2, 20
 # A layer keeps its own fit where it differs from its group's at the largest token count by more than this.
 LAYER_REL, LAYER_ABS_S = 0.5, 10e-6

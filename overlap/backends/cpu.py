@@ -175,7 +175,7 @@ class CpuStream:
             until = reserve(delay) if delay > 0 else None  # a simulated link, booked at issue (see overlap.link)
             work = issue(True)
             if until is not None:
-                work = DelayedWork(work, until, lambda end: hooks.end_span(span, end))
+                work = DelayedWork(work, until, None if span is None else lambda end: hooks.end_span(span, end))
             elif span is not None:
                 work.get_future().add_done_callback(lambda _f: hooks.end_span(span))
             self._pending.append(_Pending(name, self.tag, "collective", work, reads, writes))
