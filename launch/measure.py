@@ -1,14 +1,15 @@
-"""Time prefill modes side by side in one run, each timed round recorded on a timeline.
+"""Time prefill modes side by side in one run, then record a round of each on a timeline.
 
 Used by the launcher and the benchmarks. The modes run interleaved, one iteration of each per
-round (`rounds`), so that a change of load on the host biases no mode. Every figure is a ratio of
-times measured in the same run, each the same statistic over the timed rounds:
+round (`rounds`), so that a change of load on the host biases no mode. The timed rounds run with
+nobody observing; a round after them (`RECORDED`) is recorded on a timeline and not timed. Every
+figure is a ratio of times measured in the same run, each the same statistic over the timed rounds:
 
 - speedup over serial: the ratio of the medians of the slowest rank's times;
 - spread: the rounds' interquartile range over their median (`spread`);
 - hidden comm: the hidden share of communication (`overlap.observability._intervals`) of the
-  round at its median; that round's spans are the mode's trace;
-- serial's communication share (`comm_share`, median over the rounds) and from it the ideal
+  recorded round at its median; that round's spans are the mode's trace;
+- serial's communication share (`comm_share`, median over the recorded rounds) and from it the ideal
   speedup (compute + comm) / max(compute, comm) (`ideal_speedup`) and, per mode, the speedup its
   hidden communication can explain (`explained_speedup`).
 
@@ -41,6 +42,7 @@ from .config import AUTO
 from .runner import split_for, prefill
 
 CompileMode = Callable[[str, Split], Callable[[], torch.Tensor]]  # (mode, split) -> a compiled prefill
+RECORDED = 1  # rounds per mode recorded on a timeline after the timed ones (`measure_modes`)
 
 
 @dataclasses.dataclass
@@ -50,10 +52,10 @@ class ModeResult:
     mode: str
     times_s: List[float]
     split: str
-    spans: List[Span]  # every rank's spans of the round at the median hidden share
+    spans: List[Span]  # every rank's spans of the recorded round at the median hidden share
     output: torch.Tensor
     hidden_comm_share: Optional[float] = None  # of the round whose spans are kept: the median
-    comm_shares: List[Optional[float]] = dataclasses.field(default_factory=list)  # per timed round
+    comm_shares: List[Optional[float]] = dataclasses.field(default_factory=list)  # per recorded round
     comm_share: Optional[float] = None  # serial only: communication / prefill time, median over the rounds
     speedup: Optional[float] = None
     ideal_speedup: Optional[float] = None
@@ -92,9 +94,14 @@ def rounds(modes: Sequence[str], warmup: int, iters: int) -> List[List[str]]:
 def measure_modes(model: MoEModel, batch: Batch, modes: Sequence[str], group: Optional[dist.ProcessGroup], *,
                   warmup: int = 1, iters: int = 3, cache: Optional[OffloadCache] = None,
                   before_iter: Optional[Callable[[str, int], None]] = None,
-                  compile_mode: Optional[CompileMode] = None, choice: Optional[Choice] = None) -> List[ModeResult]:
-    """Run each mode ``warmup + iters`` times, interleaved (see `rounds`); every timed round is recorded on a timeline.
+                  compile_mode: Optional[CompileMode] = None, choice: Optional[Choice] = None,
+                  recorded: int = RECORDED) -> List[ModeResult]:
+    """Run each mode ``warmup + iters + recorded`` times, interleaved (see `rounds`): the ``iters`` rounds are timed,
+    the last ``recorded`` ones recorded on a timeline and not timed.
 
+    A timeline observes every launch (a span each, and on the CPU path's simulated link the completions' times from
+    callbacks on other threads, `overlap.link.DelayedWork`), which a run nobody observes does not pay; so the times
+    come from rounds nobody observes, and the spans, the hidden share and the communication share from rounds apart.
     ``before_iter(mode, i)`` is called before every run with the mode's own iteration index.
     ``compile_mode(mode, plan)`` returns a compiled prefill to run instead of the eager executor
     (the graph paths); a compiled graph's launches are not seen one by one, so it gets no timeline
@@ -120,9 +127,11 @@ def measure_modes(model: MoEModel, batch: Batch, modes: Sequence[str], group: Op
             steps[mode] = step
     times: Dict[str, List[float]] = {m: [] for m in modes}
     timelines: Dict[str, List[Timeline]] = {m: [] for m in modes}
+    recorded_s: Dict[str, List[float]] = {m: [] for m in modes}
     outputs: Dict[str, torch.Tensor] = {}
-    for r, round_modes in enumerate(rounds(modes, warmup, iters)):
-        record = r >= warmup and compile_mode is None
+    recorded = max(0, int(recorded)) if compile_mode is None else 0
+    for r, round_modes in enumerate(rounds(modes, warmup, iters + recorded)):
+        record = r >= warmup + iters
         for mode in round_modes:
             if before_iter is not None:
                 before_iter(mode, r)
@@ -136,7 +145,8 @@ def measure_modes(model: MoEModel, batch: Batch, modes: Sequence[str], group: Op
             dt = time.perf_counter() - t0
             if tl is not None:
                 timelines[mode].append(tl.stop())
-            if r >= warmup:
+                recorded_s[mode].append(dt)
+            elif r >= warmup:
                 times[mode].append(dt)
     results = []
     for mode in modes:
@@ -144,23 +154,23 @@ def measure_modes(model: MoEModel, batch: Batch, modes: Sequence[str], group: Op
         # one all-reduce: the slowest rank's times, and whether any rank's output is not finite
         *slowest, bad = max_over_ranks(times[mode] + [0.0 if bool(torch.isfinite(out).all()) else 1.0], group)
         result = ModeResult(mode, slowest, plans[mode].reason, [], out.float(), finite=bad == 0.0, plan=plans[mode])
-        _keep_median_round([gather(tl.spans, group) for tl in timelines[mode]], result)
+        _keep_median_round([gather(tl.spans, group) for tl in timelines[mode]], recorded_s[mode], result)
         results.append(result)
     _compare(results, group)
     return results
 
 
-def _keep_median_round(per_round: List[List[Span]], result: ModeResult) -> None:
-    """Each round's communication share; the hidden share and the spans of the round at the median.
+def _keep_median_round(per_round: List[List[Span]], seconds: List[float], result: ModeResult) -> None:
+    """Each recorded round's communication share; the hidden share and the spans of the round at the median.
 
-    The median is the lower middle one (a round that ran), by hidden share, then time, so that
-    ``overlap-report`` on the mode's trace prints the table's figure.
+    The median is the lower middle one (a round that ran), by hidden share, then its time (``seconds``, this rank's),
+    so that ``overlap-report`` on the mode's trace prints the table's figure.
     """
     if not per_round:
         return
     result.comm_shares = [comm_share(spans) for spans in per_round]
     hidden = [metrics(spans).hidden_share for spans in per_round]
-    order = sorted(range(len(per_round)), key=lambda i: (-1.0 if hidden[i] is None else hidden[i], result.times_s[i]))
+    order = sorted(range(len(per_round)), key=lambda i: (-1.0 if hidden[i] is None else hidden[i], seconds[i]))
     k = order[(len(order) - 1) // 2]
     result.spans, result.hidden_comm_share = per_round[k], hidden[k]
 

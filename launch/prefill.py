@@ -112,7 +112,7 @@ def _prefill_job(job: JobConfig, dev: torch.device, fault: Optional[Fault], peer
     """The job once the group is joined (`run_job`): its exit status; what fails is said by `launch.job.guarded`."""
     from launch.agreement import agree, agree_ready
     from launch.job import finish
-    from launch.measure import check_against_serial, measure_modes, near_tie_notes, not_finite, table
+    from launch.measure import RECORDED, check_against_serial, measure_modes, near_tie_notes, not_finite, table
     from launch.memory import check as check_memory
     from microbatch.batch import Batch
     from microbatch.planning import max_over_ranks
@@ -149,7 +149,7 @@ def _prefill_job(job: JobConfig, dev: torch.device, fault: Optional[Fault], peer
         counter = iter(range(1 << 30))
 
         def before_iter(mode: str, i: int) -> None:
-            _progress(f"{mode}: iteration {i + 1}/{job.warmup + job.iters}", first=i == 0)
+            _progress(f"{mode}: iteration {i + 1}/{job.warmup + job.iters + RECORDED}", first=i == 0)
             if fault is not None:
                 fault.maybe_fail(rank, next(counter))
             peers.beat(f"{mode} iteration {i + 1}")
