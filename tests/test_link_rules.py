@@ -211,14 +211,16 @@ def test_a_transfer_waits_for_a_late_peer_beyond_its_booking(ranks):
 
 
 def _many_in_flight(ctx):
-    """Twenty exchanges in flight at once, each arriving before its booking ends: one clock completes them all."""
+    """Twenty exchanges in flight at once, each arriving before its booking ends, observed (a timeline: their
+    completions' times come from the clock): one clock completes them all."""
     overlap.set_link(LATENT)
     before = threading.active_count()
-    waits = [_async(ctx, 1, f"many{i}") for i in range(20)]
-    time.sleep(0.1)  # the bytes arrive at once; the bookings queue on the link until 20 x 40 ms
-    during = threading.active_count()
-    for w in waits:
-        w()
+    with Timeline():
+        waits = [_async(ctx, 1, f"many{i}") for i in range(20)]
+        time.sleep(0.1)  # the bytes arrive at once; the bookings queue on the link until 20 x 40 ms
+        during = threading.active_count()
+        for w in waits:
+            w()
     return during - before
 
 
