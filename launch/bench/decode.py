@@ -245,24 +245,20 @@ def _point(ctx: Any, model: Any, point: Point, modes: Sequence[str], prompt_len:
            iters: int, min_seconds: float, seed: int, ceiling_at: int = 0) -> Dict[str, Any]:
     """Every mode's decode-step times at one point, interleaved round by round; serial's comm share; at
     ``ceiling_at`` tokens per rank, the overlapped modes' with no link too (`_unlinked`)."""
-    from launch.measure import rounds, spread
+    from launch.measure import spread
     from microbatch.planning import max_over_ranks
     from microbatch.planning.decode import relative_error
 
     prompts = _prompts(point.tokens, prompt_len, model.cfg.vocab, seed + 1009 * ctx.rank + point.tokens)
     kwargs = {m: generate_arguments(m, point) for m in modes}
-    steps: Dict[str, List[float]] = {m: [] for m in modes}
     chosen: List[str] = []  # auto's modes, every timed step
-    timed = 0
-    for i, order in enumerate(rounds(list(modes), warmup, MAX_ROUNDS)):
-        for m in order:
-            got, _, out = _step_times(model, prompts, new_tokens, kwargs[m], ctx.group)
-            if i >= warmup:
-                steps[m].extend(got)
-                chosen += out.modes if m == AUTO else []
-        timed += i >= warmup
-        if i >= warmup and _enough(steps[SERIAL], timed, iters, min_seconds, ctx.group):
-            break
+
+    def run(m: str, timed: bool) -> List[float]:
+        got, _, out = _step_times(model, prompts, new_tokens, kwargs[m], ctx.group)
+        chosen.extend(out.modes if timed and m == AUTO else ())
+        return got
+
+    steps, timed = _interleaved(list(modes), run, warmup, iters, min_seconds, ctx.group)
     unlinked = _unlinked(ctx, point, modes, prompts, new_tokens, kwargs, warmup, iters, min_seconds) \
         if point.tokens == ceiling_at else {}
     share = _comm_share(model, prompts, new_tokens, kwargs[SERIAL], ctx.group)
@@ -291,27 +287,41 @@ def _unlinked(ctx: Any, point: Point, modes: Sequence[str], prompts: List[List[i
     (`launch.bench.decode_targets.ceilings`). A mode's steps cannot be faster over a link than with none, so serial's
     TPOT over such a mode's is the most it could reach here, however much of the link it hid."""
     import overlap
-    from launch.measure import rounds
     from microbatch.planning import max_over_ranks
     from overlap.link import OFF
 
     linked = overlap.current_link() or OFF
     names = [SERIAL] + [m for m in modes if m not in (SERIAL, AUTO)]
-    steps: Dict[str, List[float]] = {m: [] for m in names}
-    timed = 0
+
+    def run(m: str, timed: bool) -> List[float]:
+        overlap.set_link(linked if m == SERIAL else OFF)
+        return _step_times(point.model, prompts, new_tokens, kwargs[m], ctx.group)[0]
+
     try:
-        for i, order in enumerate(rounds(names, warmup, MAX_ROUNDS)):
-            for m in order:
-                overlap.set_link(linked if m == SERIAL else OFF)
-                got, _, _ = _step_times(point.model, prompts, new_tokens, kwargs[m], ctx.group)
-                if i >= warmup:
-                    steps[m].extend(got)
-            timed += i >= warmup
-            if i >= warmup and _enough(steps[SERIAL], timed, iters, min_seconds, ctx.group):
-                break
+        steps, _ = _interleaved(names, run, warmup, iters, min_seconds, ctx.group)
     finally:
         overlap.set_link(linked)
     return {"unlinked": {m: statistics.median(max_over_ranks(steps[m], ctx.group)) for m in names}}
+
+
+def _interleaved(names: List[str], run: Callable[[str, bool], List[float]], warmup: int, iters: int,
+                 min_seconds: float, group: Any) -> Tuple[Dict[str, List[float]], int]:
+    """Each of ``names`` once a round, in `launch.measure.rounds`' order, until `_enough` rounds are timed (serial
+    first among ``names``): ``run(name, timed)`` generates once and returns its step seconds. Per name the timed
+    rounds' steps, and how many rounds were timed."""
+    from launch.measure import rounds
+
+    steps: Dict[str, List[float]] = {m: [] for m in names}
+    timed = 0
+    for i, order in enumerate(rounds(names, warmup, MAX_ROUNDS)):
+        for m in order:
+            got = run(m, i >= warmup)
+            if i >= warmup:
+                steps[m].extend(got)
+        timed += i >= warmup
+        if i >= warmup and _enough(steps[SERIAL], timed, iters, min_seconds, group):
+            break
+    return steps, timed
 
 
 def _rank_body(ctx: Any, preset_name: str, modes: List[str], tokens: List[int], links: List[float], prompt_len: int,
