@@ -128,7 +128,6 @@ def _point(ctx: Any, model: Any, tokens: int, seq_len: int, cal: Any, warmup: in
             "same_as": _same_schedule(choice.best, results, ctx.group),
             "rounds": rounds, "async_host_s": cal.async_host_s, "async_host_per_byte": cal.async_host_per_byte,
             "async_issue_s": cal.async_issue_s, "async_notice_s": cal.async_notice_s,
-            "async_residual_s": cal.async_residual_s,
             "async_peer_s": statistics.median(cal.async_peer_s) if cal.async_peer_s else 0.0,
             "two_batch": breakdown,
             "rows": [(r.mode, r.median_s, p, _quartiles(r.times_s)) for r, p in zip(results, predicted)]}
@@ -177,8 +176,7 @@ def _report(points: List[Dict[str, Any]]) -> Tuple[str, List[str]]:
         lines.append(f"\n{p['tokens']} tokens per rank, link {p['link']:g} GB/s: communication "
                      f"{'-' if share is None else f'{share:.0%}'} of serial time; auto chose {p['choice']}; "
                      f"{p['rounds']} rounds; an asynchronous collective takes {p['async_host_s'] * 1e3:.2f} ms "
-                     f"+ {p['async_host_per_byte'] * 1e9:.2f} ms/MB of the compute it ends under (probed; "
-                     f"{p.get('async_residual_s', 0.0) * 1e3:+.2f} ms fitted to two-batch runs) and "
+                     f"+ {p['async_host_per_byte'] * 1e9:.2f} ms/MB of the compute it ends under and "
                      f"{p.get('async_issue_s', 0.0) * 1e3:.2f} ms to issue; a busy host sees it complete "
                      f"{p.get('async_notice_s', 0.0) * 1e3:.2f} ms late, a median {p.get('async_peer_s', 0.0) * 1e3:.2f} "
                      f"ms after its issue while the other rank computes")

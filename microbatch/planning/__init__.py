@@ -19,7 +19,7 @@ from .simulation import (CostModel, Interconnect, Linear, OpCost, Prediction, Tr
                          placeholder_inputs, predict, simulate)
 from .probes import barrier, contention, contention_fit, cpu_async, grouped, max_over_ranks, notice, sweep
 from .calibration import (ENV_CACHE, Calibration, OpFit, Run, TransferFit, cache_dir, cache_file, calibrate,
-                          calibration_key, check_cached, fit_collective, fit_linear, fit_residual, fit_runs,
+                          calibration_key, check_cached, fit_collective, fit_linear, fit_runs,
                           predict_mode, request_length, token_points)
 from .choice import SPLIT_MARGIN, Candidate, Choice, choose, gather_lens
 from .decode import DecodeCalibration, DecodeCalibrationError, DecodeChoice, choose_decode
@@ -35,7 +35,7 @@ __all__ = [
     "barrier", "contention", "contention_fit", "cpu_async", "grouped", "max_over_ranks", "notice", "sweep",
     # calibration
     "ENV_CACHE", "Calibration", "OpFit", "Run", "TransferFit", "cache_dir", "cache_file", "calibrate",
-    "calibration_key", "check_cached", "fit_collective", "fit_linear", "fit_residual", "fit_runs", "predict_mode",
+    "calibration_key", "check_cached", "fit_collective", "fit_linear", "fit_runs", "predict_mode",
     "request_length", "token_points",
     # choice
     "SPLIT_MARGIN", "Candidate", "Choice", "choose", "gather_lens",

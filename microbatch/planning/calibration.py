@@ -8,7 +8,8 @@ at a few token counts, records each run on a `Timeline`, and fits:
   part: its span less the collectives inside it;
 - per communication operation, its collectives in order, the bytes each moves (``a + b * tokens``)
   and whether the host reads it back (the dispatch's count exchange), in the same operation or in the
-  next one (the dispatch in two steps: ``dispatch`` reads what ``dispatch_counts`` issued);
+  next one (the dispatch in two steps: ``dispatch`` reads what ``dispatch_counts`` issued), and what each
+  takes beyond the interconnect's time per token of its launch (`TransferFit`: the ranks' drift);
 - the executor's own host overhead per operation: the median gap between consecutive operations;
 - the interconnect, ``latency + bytes * seconds_per_byte``: the simulated link in use
   (`overlap.current_link`, CPU path) plus what a collective costs beyond it, from a sweep of
@@ -20,10 +21,6 @@ at a few token counts, records each run on a `Timeline`, and fits:
 - CPU path only: how late an asynchronous collective completes on a busy host (`probes.notice`): after
   a wait that begins once its link time ran out under compute, and beyond its link time while
   another rank still computes;
-- CPU path only: what an asynchronous collective costs the host in a running schedule beyond what
-  those probes see (`fit_residual`): two-batch and serial prefills are timed, interleaved, at the
-  smallest token counts that split in two, and the contention per collective is corrected until
-  two-batch is predicted as measured relative to serial;
 - the frame: each serial run is the whole prefill as the launcher runs it (embedding to final
   norm), timed; what lies outside the executor's launches is fitted ``a + b * tokens``.
 
@@ -57,25 +54,24 @@ from overlap import Span, Timeline, backends
 from overlap.host_memory import freed_memory_setting, keep_on_host_path
 
 from ..batch import Batch
-from ..forward import cut_refusal, run_schedule, serial_split
+from ..forward import run_schedule, serial_split
 from ..model import MoEModel
 from ..operations import Operation
-from ..schedules import Schedule, serial, two_batch
+from ..schedules import Schedule, serial
 from ..split import Split
-from .probes import PEER_QUANTILES, barrier, contention_fit, cpu_async, grouped, max_over_ranks, notice, sweep
+from .probes import PEER_QUANTILES, barrier, contention_fit, grouped, max_over_ranks, notice, sweep
 from .simulation import CostModel, Interconnect, Linear, OpCost, Prediction, Transfer, predict
-from .split import propose_split
 
 logger = logging.getLogger(__name__)
 
 ENV_CACHE = "OVERLAP_CALIBRATION_CACHE"
 DEFAULT_CACHE = os.path.join("~", ".cache", "npu-overlap", "calibration")
-FORMAT = 11  # 2: link booked at issue (overlap.link); 3: waits; 5: contention per byte; 6: issue, notice, frame;
+FORMAT = 12  # 2: link booked at issue (overlap.link); 3: waits; 5: contention per byte; 6: issue, notice, frame;
 # 7: the CPU path's comm threads real-time (overlap.comm_threads), in the key; 8: read_at (a count exchange
 # read by the next operation); 9: contention one collective at a time, notice as the host's wait; 10: residual
 # `fit_residual` fits: the smallest token counts that split in two, how many, and each one's timed rounds;
-# 11: a link's unobserved completions run no callback (overlap.link.DelayedWork): less contention to measure
-RESIDUAL_COUNTS, RESIDUAL_ROUNDS = 2, 20
+# 11: a link's unobserved completions run no callback (overlap.link.DelayedWork): less contention to measure;
+# 12: each collective's wait fitted through the origin (`_drift`), no residual, the runs in rounds over the counts
 # A layer keeps its own fit where it differs from its group's at the largest token count by more than this.
 LAYER_REL, LAYER_ABS_S = 0.5, 10e-6
 
@@ -107,9 +103,10 @@ class OpFit:
 class TransferFit:
     """Collective ``name`` inside operation ``op``: ``a + b * tokens`` bytes; ``blocking``: read on the host,
     by ``op`` itself or (``read_at``) by the operation of that name that follows it;
-    ``wait_s + wait_per_token * tokens``: what it took in the serial runs beyond the interconnect's
-    time for its bytes (fitted to the medians per token count; mostly waiting for the slower rank
-    to arrive, which drifts further from the faster one over longer compute)."""
+    ``wait_s + wait_per_token * tokens``: what it takes beyond the interconnect's time for its bytes,
+    mostly waiting for the slower rank, which drifts further from the faster one over longer compute.
+    `fit_runs` fits it through the origin (``wait_s`` 0): an intercept fitted to serial runs would charge
+    every micro-batch's exchange a whole batch's drift (see `_drift`)."""
 
     op: str
     moe: bool
@@ -152,9 +149,6 @@ class Calibration:
     async_notice_s: float = 0.0  # CPU path: `probes.notice`'s busy
     async_peer_s: List[float] = dataclasses.field(default_factory=list)  # CPU path: `probes.notice`'s peer quantiles
     frame: Tuple[float, float] = (0.0, 0.0)  # seconds outside the executor's launches per prefill: a + b * tokens
-    # CPU path: host seconds per asynchronous collective in a running schedule beyond `async_host_s` (`fit_residual`;
-    # may be < 0); the cost model adds it to the contention
-    async_residual_s: float = 0.0
 
     @property
     def interconnect(self) -> Interconnect:
@@ -186,7 +180,7 @@ class Calibration:
             if op not in by_name or self.layers[layer]:
                 by_name[op] = cost
         return CostModel(by_name, self.interconnect, self.host_overhead_s, per_layer=per_layer,
-                         async_host_s=max(0.0, self.async_host_s + self.async_residual_s),
+                         async_host_s=self.async_host_s,
                          async_host_per_byte=self.async_host_per_byte,
                          async_issue_s=self.async_issue_s, async_issue_per_byte=self.async_issue_per_byte,
                          async_notice_s=self.async_notice_s, async_peer_s=tuple(self.async_peer_s),
@@ -214,7 +208,7 @@ class Calibration:
             out += [t.a, t.b, float(t.blocking), t.wait_s, t.wait_per_token]
         return out + [self.host_overhead_s, *self.collective, self.elapsed_s, self.async_host_s,
                       self.async_host_per_byte, self.async_issue_s, self.async_issue_per_byte, *self.frame,
-                      self.async_residual_s, self.async_notice_s, *self.async_peer_s]
+                      self.async_notice_s, *self.async_peer_s]
 
     def with_values(self, values: Sequence[float]) -> "Calibration":
         it = iter(values)
@@ -223,12 +217,12 @@ class Calibration:
         transfers = [dataclasses.replace(t, a=next(it), b=next(it), blocking=next(it) > 0.5, wait_s=next(it),
                                          wait_per_token=next(it))
                      for t in self.transfers]
-        host, ca, cb, elapsed, contended, per_byte, issue, issue_per_byte, fa, fb, residual, notice, *peer = it
+        host, ca, cb, elapsed, contended, per_byte, issue, issue_per_byte, fa, fb, notice, *peer = it
         return dataclasses.replace(self, ops=ops, layer_ops=layer_ops, transfers=transfers, host_overhead_s=host,
                                    collective=(ca, cb), elapsed_s=elapsed, async_host_s=contended,
                                    async_host_per_byte=per_byte, async_issue_s=issue,
                                    async_issue_per_byte=issue_per_byte, frame=(fa, fb), async_notice_s=notice,
-                                   async_peer_s=sorted(peer), async_residual_s=residual)
+                                   async_peer_s=sorted(peer))
 
     def structure(self) -> str:
         """What must be the same on every rank for `values` to line up."""
@@ -345,7 +339,7 @@ class _Samples:
 def fit_runs(runs: Sequence[Run], moe_layers: Sequence[bool], interconnect: Optional[Interconnect] = None
              ) -> Calibration:
     """Fit operation costs, transfer sizes and the host overhead from recorded serial runs (no key, no link);
-    with ``interconnect``, also each collective's wait beyond it (`TransferFit.wait_s`, ``wait_per_token``)."""
+    with ``interconnect``, also each collective's wait beyond it per token (`TransferFit.wait_per_token`)."""
     seen = _Samples()
     for run in runs:
         seen.add_run(run, moe_layers)
@@ -356,7 +350,7 @@ def fit_runs(runs: Sequence[Run], moe_layers: Sequence[bool], interconnect: Opti
         at: Dict[int, List[float]] = {}
         for tokens, n, sec in seen.spans[key]:
             at.setdefault(tokens, []).append(sec - interconnect.seconds(n))
-        return _line_up({x: statistics.median(v) for x, v in at.items()})
+        return 0.0, _drift({x: statistics.median(v) for x, v in at.items()})
 
     ops = [OpFit(op, moe, *_ab(_median_fit(v))) for (op, moe), v in sorted(seen.group.items())]
     layer_ops = [OpFit(op, bool(moe_layers[li]), *_ab(_median_fit(v)), layer=li)
@@ -380,11 +374,15 @@ def _least_squares(xs: Sequence[float], ys: Sequence[float], ws: Sequence[float]
     return my - b * mx, b, my
 
 
-def _line_up(points: Mapping[float, float]) -> Tuple[float, float]:
-    """Least squares ``a + b * x`` through the points, ``a`` of either sign (a wait may be less than the
-    link), ``b >= 0`` (flat at the mean otherwise)."""
-    a, b, my = _least_squares(list(points), list(points.values()), [1.0] * len(points))
-    return (a, b) if b > 0 else (my, 0.0)
+def _drift(points: Mapping[float, float]) -> float:
+    """Least squares ``b * x`` through the points, ``b >= 0``: a collective's wait per token of its launch.
+
+    The wait is the ranks' drift since they last met, which grows with the compute between; on 2 CPU
+    ranks its fixed part, fitted to serial runs (and the largest of the ranks' fits), was 0.2-0.6 ms a
+    collective, mostly one rank's noise, and charged to every micro-batch's exchange it predicted
+    three and four micro-batches 11-27% too slow relative to serial at 64-256 tokens per rank."""
+    xx = sum(x * x for x in points)
+    return max(0.0, sum(x * y for x, y in points.items()) / xx) if xx else 0.0
 
 
 def _ab(f: Linear) -> Tuple[float, float]:
@@ -503,8 +501,6 @@ def check_cached(data: Any, key: Mapping[str, Any]) -> Calibration:
     scalars = {name: _number(raw[name], name) for name in ("host_overhead_s", "elapsed_s", "async_host_s",
                                                            "async_host_per_byte", "async_issue_s",
                                                            "async_issue_per_byte", "async_notice_s")}
-    # a correction of the contention: of either sign, but never below none at all
-    scalars["async_residual_s"] = _number(raw["async_residual_s"], "async_residual_s", -scalars["async_host_s"])
     return Calibration(dict(raw["key"]), list(layers), ops, layer_ops, transfers, tokens=list(tokens),
                        link=None if link is None else dict(link), collective=tuple(pair["collective"]),
                        frame=tuple(pair["frame"]), async_peer_s=peer, **scalars)
@@ -760,67 +756,6 @@ def _recorded(model: MoEModel, layers: List[List[Operation]], batch: Batch,
     return Run(batch.seq.num_tokens, tl.spans, seen.nbytes, seen.blocking, wall, seen.read_at)
 
 
-def _split_ratios(model: MoEModel, layers: List[List[Operation]], tokens: Sequence[int], seq_len: int,
-                  group: Optional[dist.ProcessGroup], rounds: int = RESIDUAL_ROUNDS) -> List[Tuple[List[int], float]]:
-    """Per token count, of the `RESIDUAL_COUNTS` smallest of ``tokens`` that split in two: (two-batch's
-    micro-batch token counts, its median prefill time over serial's), the two timed interleaved
-    ``rounds`` times after a warm-up (each time the slowest rank's). The ranks' batches are alike, so
-    they split alike."""
-    allow_cut = cut_refusal(model) is None
-    rank = dist.get_rank(group) if grouped(group) else 0
-    out: List[Tuple[List[int], float]] = []
-    for n in sorted(tokens):
-        batch = _batch(model, n, seq_len, seed=2000 + rank)
-        plan = propose_split(batch.seq.seq_lens, 2, allow_cut=allow_cut)
-        if plan.serial:
-            continue
-        runs = ((None, serial), (plan, two_batch))
-        times: List[List[float]] = [[], []]
-        for r in range(rounds + 1):
-            for i in ((0, 1) if r % 2 else (1, 0)):
-                barrier(group)
-                seconds = _timed(model, layers, batch, *runs[i])
-                if r:
-                    times[i].append(seconds)
-        slowest = max_over_ranks(times[0] + times[1], group)
-        ratio = statistics.median(slowest[rounds:]) / statistics.median(slowest[:rounds])
-        out.append((list(plan.token_counts), ratio))
-        if len(out) == RESIDUAL_COUNTS:
-            break
-    return out
-
-
-def fit_residual(cal: Calibration, model: ModelOrLayers, measured: Sequence[Tuple[Sequence[int], float]],
-                 high: float = 5e-3) -> float:
-    """The host seconds per asynchronous collective, beyond ``cal``'s contention (`Calibration.async_residual_s`),
-    at which two-batch prefills are predicted closest to ``measured`` relative to serial (least squares; CPU path).
-
-    ``measured``: (two-batch's micro-batch token counts, its measured time over serial's), as
-    `measure_costs` times them. The probes time each effect alone, on a quiet host; in a running
-    schedule, on 2 CPU ranks, each asynchronous collective cost a further 0.15-0.25 ms (the comm
-    thread and the host trading the interpreter and the cores, several exchanges in flight), and
-    split modes at 32-256 tokens were predicted 10-20% too fast relative to serial. Least squares,
-    so that a count whose prediction the residual hardly moves (its exchanges end while the host
-    waits on a slow link) does not pull it far. Between ``-async_host_s`` (no contention at all) and
-    ``high``; 0 without ``measured``.
-    """
-    if not measured:
-        return 0.0
-    layers = layers_of(model)
-    serial_s = [predict_mode(cal, layers, "serial", [sum(counts)], device=False).total_s for counts, _ in measured]
-
-    def squares(residual: float) -> float:
-        c = dataclasses.replace(cal, async_residual_s=residual)
-        return sum((predict_mode(c, layers, "two-batch", list(counts), device=False).total_s / s - ratio) ** 2
-                   for (counts, ratio), s in zip(measured, serial_s))
-
-    lo, hi = -cal.async_host_s, high
-    for _ in range(40):  # ternary search: the prediction grows with the residual, so the squares have one valley
-        a, b = lo + (hi - lo) / 3, hi - (hi - lo) / 3
-        lo, hi = (lo, b) if squares(a) <= squares(b) else (a, hi)
-    return (lo + hi) / 2
-
-
 def _is_moe(model: MoEModel, index: int) -> bool:
     return bool(model.layers[index].is_moe)
 
@@ -835,18 +770,18 @@ def measure_costs(model: MoEModel, group: Optional[dist.ProcessGroup] = None,
     rank = dist.get_rank(group) if grouped(group) else 0
     layers = model.layer_operations()
     with torch.no_grad(), overlap.enabled(True):
-        runs = []
         for n in tokens:
             barrier(group)
             _timed(model, layers, _batch(model, n, seq_len, seed=rank))  # warm-up: agreement, buffers of this size
-            runs += [_recorded(model, layers, _batch(model, n, seq_len, seed=1000 * rank + i), group)
-                     for i in range(repeats)]
+        # the repeats in rounds over the counts, so that a slow spell of a shared host raises every count a little
+        # rather than a few counts much, which bends each fit's fixed part against its part per token
+        runs = [_recorded(model, layers, _batch(model, n, seq_len, seed=1000 * rank + i), group)
+                for i in range(repeats) for n in tokens]
         hidden = int(model.cfg.hidden)
         swept = sweep(group, sorted({1, *tokens}), hidden, _model_dtype(model), repeats)
         contended, issued = contention_fit(group, (max(1, min(tokens)), max(tokens)), hidden, _model_dtype(model),
                                            max(3, repeats))
         noticed, peer = notice(group, hidden, _model_dtype(model))
-        ratios = _split_ratios(model, layers, tokens, seq_len, group) if cpu_async(group) else []
     link = overlap.current_link()
     used = None if link is None else {"gbps": link.gbps, "latency_us": link.latency_us}
     collective = fit_collective([(n, s) for n, s, _ in swept], link)
@@ -859,8 +794,6 @@ def measure_costs(model: MoEModel, group: Optional[dist.ProcessGroup] = None,
                               collective=collective, async_host_s=contended[0], async_host_per_byte=contended[1],
                               async_issue_s=issue[0], async_issue_per_byte=issue[1], async_notice_s=noticed,
                               async_peer_s=peer)
-    if ratios:  # fitted to the numbers every rank will hold, so that every rank fits the same
-        cal.async_residual_s = fit_residual(agree(cal, group), layers, ratios)
     cal.elapsed_s = time.perf_counter() - t0
     return cal
 
@@ -959,5 +892,5 @@ def predict_mode(cal: Calibration, model: ModelOrLayers, mode: str, tokens: Sequ
 
 __all__ = ["Calibration", "ENV_CACHE", "ModelOrLayers", "OpFit", "Run", "TransferFit", "agree", "cache_dir",
            "cache_file", "calibrate", "check_cached", "calibration_key", "request_length", "fit_collective",
-           "fit_linear", "fit_residual", "fit_runs", "layers_of", "load", "measure_costs", "predict_mode", "read_cache", "save",
+           "fit_linear", "fit_runs", "layers_of", "load", "measure_costs", "predict_mode", "read_cache", "save",
            "token_points", "write_cache"]
