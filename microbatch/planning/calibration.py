@@ -344,19 +344,19 @@ def fit_runs(runs: Sequence[Run], moe_layers: Sequence[bool], interconnect: Opti
     for run in runs:
         seen.add_run(run, moe_layers)
 
-    def wait(key: Tuple[str, bool, str]) -> Tuple[float, float]:
+    def drift(key: Tuple[str, bool, str]) -> float:
         if interconnect is None or not seen.spans.get(key):
-            return 0.0, 0.0
+            return 0.0
         at: Dict[int, List[float]] = {}
         for tokens, n, sec in seen.spans[key]:
             at.setdefault(tokens, []).append(sec - interconnect.seconds(n))
-        return 0.0, _drift({x: statistics.median(v) for x, v in at.items()})
+        return _drift({x: statistics.median(v) for x, v in at.items()})
 
     ops = [OpFit(op, moe, *_ab(_median_fit(v))) for (op, moe), v in sorted(seen.group.items())]
     layer_ops = [OpFit(op, bool(moe_layers[li]), *_ab(_median_fit(v)), layer=li)
                  for (op, li), v in sorted(seen.layer.items(), key=lambda kv: (kv[0][1], kv[0][0]))]
     transfers = [TransferFit(op, moe, name, *_ab(_median_fit(seen.sizes[op, moe, name], relative=False)),
-                             (op, moe, name) in seen.blocking, *wait((op, moe, name)),
+                             (op, moe, name) in seen.blocking, wait_per_token=drift((op, moe, name)),
                              read_at=seen.read_at.get((op, moe, name), ""))
                  for (op, moe), names in sorted(seen.order.items()) for name in names]
     frame = _ab(_median_fit(seen.frame)) if seen.frame else (0.0, 0.0)
