@@ -16,7 +16,7 @@ import collections
 import dataclasses
 from typing import Any, Counter, Dict, Iterable, List, Optional, Sequence, Tuple
 
-from ._traces import TraceError, _events, _load_json, _meta, _names, _slices, is_toolkit_trace
+from ._traces import TraceError, complete_slices, is_toolkit_trace, named_ids, read_json, trace_events, trace_metadata
 from .timeline import GENERATOR
 
 Key = Tuple[Any, str, str, Any, Any]  # rank, stream, name, mb, layer
@@ -97,14 +97,14 @@ class ToolkitTrace:
 
 def read_trace(source: str) -> ToolkitTrace:
     """A Chrome trace written by this toolkit (either JSON format); `TraceError` for anything else."""
-    data = _load_json(source)
-    events = _events(data, source)
+    data = read_json(source)
+    events = trace_events(data, source)
     if not is_toolkit_trace(data, events):
         raise TraceError(f"{source}: not a trace of this toolkit (no otherData.generator {GENERATOR!r}): --plan "
                          f"compares two traces written by overlap's save_chrome_trace")
-    threads = _names(events, "thread_name")
+    threads = named_ids(events, "thread_name")
     raw = []
-    for e, s, t in _slices(events, source):
+    for e, s, t in complete_slices(events, source):
         args = e.get("args", {})
         rank = _hashable(args.get("rank", e.get("pid")))
         stream = str(args.get("stream", threads.get((e.get("pid"), e.get("tid")), e.get("tid"))))
@@ -116,7 +116,7 @@ def read_trace(source: str) -> ToolkitTrace:
     for sp in raw:
         first[sp.rank] = min(first.get(sp.rank, sp.start), sp.start)
     spans = [dataclasses.replace(sp, start=sp.start - first[sp.rank], end=sp.end - first[sp.rank]) for sp in raw]
-    prediction = _meta(data, "otherData").get("prediction")
+    prediction = trace_metadata(data, "otherData").get("prediction")
     return ToolkitTrace(source, spans, prediction if isinstance(prediction, dict) else None, isinstance(data, list))
 
 

@@ -142,7 +142,7 @@ def _read_text(source: str) -> str:
     return text
 
 
-def _load_json(source: str) -> Any:
+def read_json(source: str) -> Any:
     text = _read_text(source)
     try:
         return json.loads(text)
@@ -161,7 +161,7 @@ def _describe(data: Any) -> str:
     return {str: "a string", bool: "a boolean", type(None): "null"}.get(type(data), "a number")
 
 
-def _events(data: Any, source: str) -> List[Dict[str, Any]]:
+def trace_events(data: Any, source: str) -> List[Dict[str, Any]]:
     """The trace's events, each checked to be an object whose fields the readers can use."""
     events = data.get("traceEvents") if isinstance(data, dict) else data
     if not isinstance(events, list):
@@ -177,7 +177,7 @@ def _events(data: Any, source: str) -> List[Dict[str, Any]]:
     return events
 
 
-def _meta(data: Any, key: str) -> Dict[str, Any]:
+def trace_metadata(data: Any, key: str) -> Dict[str, Any]:
     """An optional top-level object of a trace; empty when absent or not an object."""
     value = data.get(key) if isinstance(data, dict) else None
     return value if isinstance(value, dict) else {}
@@ -187,14 +187,14 @@ def is_toolkit_trace(data: Any, events: List[Dict[str, Any]]) -> bool:
     """A trace written by `overlap.Timeline`: ``otherData.generator`` says so in the JSON object format; in
     the bare-array format, which has no such field, every complete event is as the toolkit writes it
     (``args`` with its rank, stream and kind, ``cat`` the kind)."""
-    if _meta(data, "otherData").get("generator") == GENERATOR:
+    if trace_metadata(data, "otherData").get("generator") == GENERATOR:
         return True
     slices = [e for e in events if e.get("ph") == "X"]
     return isinstance(data, list) and bool(slices) and all(
         {"rank", "stream", "kind"} <= set(e.get("args", {})) and e.get("cat") == e["args"]["kind"] for e in slices)
 
 
-def _slices(events: List[Dict[str, Any]], source: str) -> List[Tuple[Dict[str, Any], float, float]]:
+def complete_slices(events: List[Dict[str, Any]], source: str) -> List[Tuple[Dict[str, Any], float, float]]:
     """Complete ("X") events with start and end in seconds since the file's first event."""
     raw = []
     for i, e in enumerate(events):
@@ -221,23 +221,23 @@ def _relative(raw: List[Tuple[Any, float, float, str]], source: str) -> List[Tup
     return out
 
 
-def _names(events: List[Dict[str, Any]], kind: str) -> Dict[Any, str]:
+def named_ids(events: List[Dict[str, Any]], kind: str) -> Dict[Any, str]:
     key = (lambda e: e.get("pid")) if kind == "process_name" else (lambda e: (e.get("pid"), e.get("tid")))
     return {key(e): str(e.get("args", {}).get("name")) for e in events if e.get("ph") == "M" and e.get("name") == kind}
 
 
 def _toolkit(events: List[Dict[str, Any]], source: str) -> List[Item]:
-    procs, threads = _names(events, "process_name"), _names(events, "thread_name")
+    procs, threads = named_ids(events, "process_name"), named_ids(events, "thread_name")
     return [(procs.get(e.get("pid"), f"rank {e.get('pid')}"),
              threads.get((e.get("pid"), e.get("tid")), str(e.get("tid"))),
              str(e.get("cat") or classify(str(e.get("name", "")))), s, t)
-            for e, s, t in _slices(events, source)]
+            for e, s, t in complete_slices(events, source)]
 
 
 def _torch_profiler(data: Any, events: List[Dict[str, Any]], source: str) -> List[Item]:
-    rank = _meta(data, "distributedInfo").get("rank")
+    rank = trace_metadata(data, "distributedInfo").get("rank")
     prefix = "" if rank is None else f"rank {rank} "
-    slices = _slices(events, source)
+    slices = complete_slices(events, source)
     device = [x for x in slices if x[0].get("cat") in _DEVICE_CATS]
     items: List[Item] = []
     if device:
@@ -281,7 +281,7 @@ def _hardware_stream(e: Dict[str, Any]) -> str:
 
 
 def _ascend_hardware(events: List[Dict[str, Any]], source: str, process: str) -> Tuple[List[Item], Optional[Tuple]]:
-    procs = _names(events, "process_name")
+    procs = named_ids(events, "process_name")
     hw = {pid for pid, name in procs.items() if name == "Ascend Hardware"}
     if not hw:
         raise TraceError(f"{source}: no 'Ascend Hardware' process (no process_name metadata event with that name)")
@@ -289,7 +289,7 @@ def _ascend_hardware(events: List[Dict[str, Any]], source: str, process: str) ->
     comm: List[Tuple[float, float]] = []
     not_overlapped: List[Tuple[float, float]] = []
     analysis = {pid for pid, name in procs.items() if name == "Overlap Analysis"}
-    for e, s, t in _slices(events, source):
+    for e, s, t in complete_slices(events, source):
         name = str(e.get("name", ""))
         if e.get("pid") in hw:
             tasks.append((_hardware_stream(e), name, str(e.get("args", {}).get("Task Type", "")), (s, t)))
@@ -401,7 +401,7 @@ def _load_npu_folder(root: str) -> Trace:
             raise TraceError(f"{d}: none of {TRACE_VIEW}, {KERNEL_DETAILS} or {STEP_TRACE} is a readable file in it "
                              f"(not parsed yet, or exported only as .db?)")
         if os.path.isfile(view):
-            items, summary = _ascend_hardware(_events(_load_json(view), view), view, process)
+            items, summary = _ascend_hardware(trace_events(read_json(view), view), view, process)
             trace.items += items
             if summary:
                 trace.profiler_overlap[process] = summary
@@ -423,12 +423,12 @@ def load(source: str) -> Trace:
         if base == STEP_TRACE or "step_trace" in base:
             return Trace(source, "torch_npu step_trace_time.csv", profiler_overlap={base: _step_trace(source)})
         return Trace(source, "torch_npu kernel_details.csv", _kernel_details(source, base))
-    data = _load_json(source)
-    events = _events(data, source)
+    data = read_json(source)
+    events = trace_events(data, source)
     if is_toolkit_trace(data, events):
         layout = "" if isinstance(data, dict) else ", JSON array format"
         return Trace(source, f"overlap timeline{layout}", _toolkit(events, source))
-    if "Ascend Hardware" in _names(events, "process_name").values():
+    if "Ascend Hardware" in named_ids(events, "process_name").values():
         items, summary = _ascend_hardware(events, source, base)
         return Trace(source, "torch_npu trace_view.json", items, {base: summary} if summary else {})
     return Trace(source, "torch.profiler Chrome trace", _torch_profiler(data, events, source))
