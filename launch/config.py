@@ -38,7 +38,7 @@ class ConfigError(click.ClickException):
 
 REFERENCE = "reference"
 DECODE_CALIBRATION_ROUNDS = 4  # rounds of every mode behind each decode calibration entry (--decode-calibration-rounds)
-AUTO = "auto"  # --mode auto: the planner's choice (microbatch/planning/choice.py), measured beside serial
+AUTO = "auto"  # --mode auto: the planner's choice (microbatch/planning/prefill/choice.py), measured beside serial
 ALL_MODES = tuple(name for name, m in microbatch.MODES.items() if m.in_all)
 MODE_NAMES = tuple(microbatch.MODES) + ("all", AUTO)  # what --mode takes, in a comma-separated list
 DECODE_MODE_NAMES = tuple(microbatch.DECODE_MODES) + ("all", AUTO)  # what --decode-mode takes

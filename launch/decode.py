@@ -32,7 +32,7 @@ from microbatch import (KV_STEP, K, V, Batch, DecodeModel, KVCache, KVRows, KVSt
                         SeqInfo)
 from microbatch.forward import micro_batch_inputs
 from microbatch.planning.decode import DEFAULT_MARGIN, DecodeCalibration, choose_decode
-from microbatch.planning.guard import DecodeGuard
+from microbatch.planning import DecodeGuard
 from microbatch.split import merge_outputs
 
 from .decode_step import DECODE_STEP, TOKENS, Picked, bucket_of, decode_step, read_picked

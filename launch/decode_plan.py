@@ -42,7 +42,7 @@ import overlap
 from collectives import MOE_ACTIVE, MOE_CAPACITY
 from launch.config import DECODE_AUTO_MODES, DECODE_CALIBRATION_ROUNDS
 from microbatch import KV_STEP, DecodeModel, KVCache, KVStep
-from microbatch.planning.calibration import cache_file, calibration_key, read_cache, write_cache
+from microbatch.planning.cache import cache_file, calibration_key, read_cache, write_cache
 from microbatch.planning.decode import SERIAL, DecodeCalibration, DecodeCalibrationError, relative_error
 from microbatch.planning.probes import max_over_ranks
 from overlap.host_memory import keep_on_host_path

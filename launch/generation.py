@@ -27,8 +27,7 @@ import torch.distributed as dist
 
 import overlap
 from microbatch import DecodeModel, KVCache, OffloadedKVCache, PrefetchReport
-from microbatch.planning.decode import DecodeCalibration
-from microbatch.planning.guard import DecodeGuard
+from microbatch.planning import DecodeCalibration, DecodeGuard
 from overlap import Span, Timeline
 from overlap.observability import gather, metrics
 

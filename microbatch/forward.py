@@ -39,74 +39,74 @@ def cut_refusal(model: Optional[ForwardModel]) -> Optional[str]:
     return None if model is None else model.no_cut_reason
 
 
-def _check_cut(model: ForwardModel, plan: Split) -> None:
+def _check_cut(model: ForwardModel, split: Split) -> None:
     refusal = cut_refusal(model)
-    if plan.cut is not None and refusal:
-        raise ValueError(f"the plan cuts request {plan.cut[0]} across micro-batches, but {refusal}; "
+    if split.cut is not None and refusal:
+        raise ValueError(f"the plan cuts request {split.cut[0]} across micro-batches, but {refusal}; "
                          f"plan with split_for(..., model=model)")
 
 
-def micro_batch_inputs(model: ForwardModel, batch: Batch, plan: Split) -> List[Dict[str, object]]:
-    """The executor's initial values of each micro-batch of ``plan`` (one when it is serial).
+def micro_batch_inputs(model: ForwardModel, batch: Batch, split: Split) -> List[Dict[str, object]]:
+    """The executor's initial values of each micro-batch of ``split`` (one when it is serial).
 
     A micro-batch whose first request was cut has a ``PREFIX_KV`` that reads ``K``, ``V`` of the
     same layer from the earlier micro-batches holding that request's earlier parts (their rows of
-    it, concatenated: `prefix_kv`); the others' is None. A cut plan for a model that refuses
+    it, concatenated: `prefix_kv`); the others' is None. A cut split for a model that refuses
     cuts (`cut_refusal`) raises before anything runs.
     """
-    _check_cut(model, plan)
-    parts = [batch] if plan.serial else list(split_batch(batch, plan))
-    return [{HIDDEN: model.embed_tokens(part.tokens), SEQ: part.seq, PREFIX_KV: _prefix_input(plan, i)}
+    _check_cut(model, split)
+    parts = [batch] if split.serial else list(split_batch(batch, split))
+    return [{HIDDEN: model.embed_tokens(part.tokens), SEQ: part.seq, PREFIX_KV: _prefix_input(split, i)}
             for i, part in enumerate(parts)]
 
 
-def _prefix_input(plan: Split, mb: int) -> Optional[FromMicroBatch]:
-    sources = prefix_sources(plan, mb)
-    return FromMicroBatch(sources, K, V, fn=functools.partial(prefix_kv, plan, mb=mb)) if sources else None
+def _prefix_input(split: Split, mb: int) -> Optional[FromMicroBatch]:
+    sources = prefix_sources(split, mb)
+    return FromMicroBatch(sources, K, V, fn=functools.partial(prefix_kv, split, mb=mb)) if sources else None
 
 
-def run_schedule(model: ForwardModel, batch: Batch, plan: Split, layers: List[List[Operation]],
+def run_schedule(model: ForwardModel, batch: Batch, split: Split, layers: List[List[Operation]],
                  make: MakeSchedule, lowered: Optional[Lowered] = None) -> torch.Tensor:
     """Final hidden states of ``batch`` when the schedule ``make(layers, micro-batches)`` runs ``layers``.
 
-    Split the batch as ``plan`` says, give each micro-batch its inputs, build the schedule, run
+    Split the batch as ``split`` says, give each micro-batch its inputs, build the schedule, run
     it, and merge the micro-batches' normed outputs back into packed order. ``lowered``: that
     schedule lowered ahead (`microbatch.lower_ahead`, for a function a compiler traces).
     """
-    inputs = micro_batch_inputs(model, batch, plan)
+    inputs = micro_batch_inputs(model, batch, split)
     outputs = run_made(make, layers, inputs) if lowered is None else lowered.run(inputs)
     finals = [model.norm(h) for h in outputs]
-    return finals[0] if plan.serial else merge_outputs(plan, *finals)
+    return finals[0] if split.serial else merge_outputs(split, *finals)
 
 
-def _prefix(plan: Split, mb: int, kvs: Sequence[Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]]
+def _prefix(split: Split, mb: int, kvs: Sequence[Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]]
             ) -> Optional[KV]:
     """Micro-batch ``mb``'s prefix from the earlier micro-batches' ``(k, v)`` of this layer (None without)."""
-    sources = prefix_sources(plan, mb)
+    sources = prefix_sources(split, mb)
     if not sources or kvs[sources[0]][0] is None:  # no cut, or a layer without keys and values
         return None
-    return prefix_kv(plan, *[t for j in sources for t in kvs[j]], mb=mb)
+    return prefix_kv(split, *[t for j in sources for t in kvs[j]], mb=mb)
 
 
 @torch.no_grad()
-def forward_layer_by_layer(model: MoEModel, batch: Batch, plan: Split) -> torch.Tensor:
-    """``model`` on the micro-batches of ``plan``, layer by layer, without overlap (a serial plan: its forward).
+def forward_layer_by_layer(model: MoEModel, batch: Batch, split: Split) -> torch.Tensor:
+    """``model`` on the micro-batches of ``split``, layer by layer, without overlap (a serial split: its forward).
 
     Each layer runs micro-batch 0, 1, ... in turn, so a cut request's later parts find their
-    prefix keys and values computed; the normed outputs are merged into packed order. A cut plan
+    prefix keys and values computed; the normed outputs are merged into packed order. A cut split
     for a model that refuses cuts (`cut_refusal`) raises before anything runs.
     """
-    if plan.serial:
+    if split.serial:
         return model.forward(batch)
-    _check_cut(model, plan)
-    parts = split_batch(batch, plan)
+    _check_cut(model, split)
+    parts = split_batch(batch, split)
     hidden = [model.embed_tokens(p.tokens) for p in parts]
     for layer in model.layers:
         kvs: List[Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]] = []
         for mb, part in enumerate(parts):
-            hidden[mb], k, v = layer.run(hidden[mb], part.seq, _prefix(plan, mb, kvs), mb=mb)
+            hidden[mb], k, v = layer.run(hidden[mb], part.seq, _prefix(split, mb, kvs), mb=mb)
             kvs.append((k, v))
-    return merge_outputs(plan, *[model.norm(h) for h in hidden])
+    return merge_outputs(split, *[model.norm(h) for h in hidden])
 
 
 __all__ = ["MakeSchedule", "cut_refusal", "forward_layer_by_layer", "micro_batch_inputs", "run_schedule",

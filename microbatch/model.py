@@ -5,7 +5,7 @@ transformers adapter (`launch.models.transformers_adapter.TransformersModel`);
 ``tests/test_model.py`` and ``tests/test_transformers_models.py`` check every member below on
 both, name and signature. Its consumers are the forward through a schedule (`microbatch.forward`),
 the runner and the launcher (`launch.runner`, `launch.measure`, `launch.prefill`, `launch.health`)
-and planning (`microbatch.planning.calibration`, `microbatch.planning.choice`).
+and planning (`microbatch.planning.prefill`: its calibration and its choice).
 
 - `MoEModel`: the whole contract. Embedding (`embed_tokens`), the layers (``layers``, each a
   `Layer`, and as the executor's operations: `layer_operations`), the final norm (`norm`, and its

@@ -26,11 +26,11 @@ class Split:
     """Where micro-batches 1..N-1 start in a packed batch (``points``), or serial (``split_at`` None).
 
     ``split_at`` is the first split point (where micro-batch 1 starts), ``points`` all N-1 of them
-    (a plan built with ``split_at`` alone has two parts). ``reason`` says why, in words (logged by
+    (a split built with ``split_at`` alone has two parts). ``reason`` says why, in words (logged by
     `microbatch.planning.agree_split`). ``cut`` is ``(request, offset)`` of the first split point
     that falls inside a request (its first ``offset`` tokens are in earlier micro-batches), ``cuts``
     every such point.
-    ``fewer`` are this batch's plans with fewer micro-batches, most first, that `agree_split`
+    ``fewer`` are this batch's splits with fewer micro-batches, most first, that `agree_split`
     falls back to when another rank cannot split into as many.
     """
 
@@ -116,16 +116,16 @@ def _position(cu: Sequence[int], token: int) -> Tuple[int, int]:
     return r, token - cu[r]
 
 
-def _serial_error(plan: Split, what: str) -> ValueError:
-    return ValueError(f"the plan is serial ({plan.reason}); {what}")
+def _serial_error(split: Split, what: str) -> ValueError:
+    return ValueError(f"the plan is serial ({split.reason}); {what}")
 
 
-def micro_batches(plan: Split) -> Tuple[SeqInfo, ...]:
+def micro_batches(split: Split) -> Tuple[SeqInfo, ...]:
     """Each micro-batch's `SeqInfo`; a cut request's later part has its earlier parts as prefix."""
-    if plan.serial:
-        raise _serial_error(plan, "there are no micro-batches")
-    lens, cu = plan.seq_lens, SeqInfo(plan.seq_lens).cu_seqlens
-    starts = [_position(cu, p) for p in plan.points]
+    if split.serial:
+        raise _serial_error(split, "there are no micro-batches")
+    lens, cu = split.seq_lens, SeqInfo(split.seq_lens).cu_seqlens
+    starts = [_position(cu, p) for p in split.points]
     out = []
     for (r0, o0), (r1, o1) in zip([(0, 0)] + starts, starts + [(len(lens), 0)]):
         if r0 == r1:  # one piece of one request
@@ -136,26 +136,26 @@ def micro_batches(plan: Split) -> Tuple[SeqInfo, ...]:
     return tuple(out)
 
 
-def _check_rows(plan: Split, x: torch.Tensor, what: str) -> None:
-    if x.shape[0] != plan.num_tokens:
-        raise ValueError(f"{what} has {x.shape[0]} rows but the plan is for {plan.num_tokens} tokens "
-                         f"(seq_lens {list(plan.seq_lens)})")
+def _check_rows(split: Split, x: torch.Tensor, what: str) -> None:
+    if x.shape[0] != split.num_tokens:
+        raise ValueError(f"{what} has {x.shape[0]} rows but the plan is for {split.num_tokens} tokens "
+                         f"(seq_lens {list(split.seq_lens)})")
 
 
-def split_tokens(plan: Split, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+def split_tokens(split: Split, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
     """Slice a packed per-token tensor (tokens first) into each micro-batch's rows (views)."""
-    if plan.serial:
-        raise _serial_error(plan, "there is nothing to split")
-    _check_rows(plan, x, "the tensor to split")
-    edges = plan.edges
+    if split.serial:
+        raise _serial_error(split, "there is nothing to split")
+    _check_rows(split, x, "the tensor to split")
+    edges = split.edges
     return tuple(x[a:b] for a, b in zip(edges, edges[1:]))
 
 
-def split_batch(batch: Batch, plan: Split) -> Tuple[Batch, ...]:
-    """The micro-batches of ``batch`` that ``plan`` says (two, or N): token ids and `SeqInfo` of each."""
-    if plan.seq_lens != batch.seq.seq_lens:
-        raise ValueError(f"the plan is for seq_lens {list(plan.seq_lens)}, the batch has {list(batch.seq.seq_lens)}")
-    return tuple(Batch(t, s) for t, s in zip(split_tokens(plan, batch.tokens), micro_batches(plan)))
+def split_batch(batch: Batch, split: Split) -> Tuple[Batch, ...]:
+    """The micro-batches of ``batch`` that ``split`` says (two, or N): token ids and `SeqInfo` of each."""
+    if split.seq_lens != batch.seq.seq_lens:
+        raise ValueError(f"the plan is for seq_lens {list(split.seq_lens)}, the batch has {list(batch.seq.seq_lens)}")
+    return tuple(Batch(t, s) for t, s in zip(split_tokens(split, batch.tokens), micro_batches(split)))
 
 
 def _and(items: Sequence[object]) -> str:
@@ -163,41 +163,41 @@ def _and(items: Sequence[object]) -> str:
     return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
 
 
-def merge_outputs(plan: Split, *outputs: torch.Tensor) -> torch.Tensor:
+def merge_outputs(split: Split, *outputs: torch.Tensor) -> torch.Tensor:
     """Concatenate the micro-batches' per-token outputs back into packed order."""
-    counts = plan.token_counts
-    if plan.serial or tuple(y.shape[0] for y in outputs) != counts:
+    counts = split.token_counts
+    if split.serial or tuple(y.shape[0] for y in outputs) != counts:
         raise ValueError(f"outputs of {_and([y.shape[0] for y in outputs])} rows do not match the plan's "
                          f"micro-batches of {_and(counts)} tokens")
     return torch.cat(list(outputs), dim=0)
 
 
-def prefix_sources(plan: Split, mb: int) -> Tuple[int, ...]:
+def prefix_sources(split: Split, mb: int) -> Tuple[int, ...]:
     """The earlier micro-batches holding the start of micro-batch ``mb``'s first request, in order.
 
     Empty when that request starts in ``mb`` (no prefix); ``(mb - 1,)`` for a request cut once;
     more for a request cut several times, which spans them all.
     """
-    if plan.serial or mb <= 0:
+    if split.serial or mb <= 0:
         return ()
-    edges, cu = plan.edges, SeqInfo(plan.seq_lens).cu_seqlens
+    edges, cu = split.edges, SeqInfo(split.seq_lens).cu_seqlens
     first = cu[_request_at(cu, edges[mb])]  # where the request starts in the packed batch
     return tuple(j for j in range(mb) if edges[j + 1] > first)
 
 
-def prefix_kv(plan: Split, *kv: torch.Tensor, mb: int = 1) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+def prefix_kv(split: Split, *kv: torch.Tensor, mb: int = 1) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
     """Micro-batch ``mb``'s prefix keys and values, or None when its first request starts in it.
 
     ``kv`` are the keys and values of each micro-batch of `prefix_sources` in order
     (``k0, v0`` for micro-batch 1 of two parts): the rows of the cut request, concatenated.
     """
-    sources = prefix_sources(plan, mb)
+    sources = prefix_sources(split, mb)
     if not sources:
         return None
     if len(kv) != 2 * len(sources):
         raise ValueError(f"micro-batch {mb}'s prefix is in micro-batches {list(sources)}: pass their keys and "
                          f"values ({2 * len(sources)} tensors), got {len(kv)}")
-    edges, cu = plan.edges, SeqInfo(plan.seq_lens).cu_seqlens
+    edges, cu = split.edges, SeqInfo(split.seq_lens).cu_seqlens
     first = cu[_request_at(cu, edges[mb])]
     ks, vs = [], []
     for j, k, v in zip(sources, kv[0::2], kv[1::2]):

@@ -292,13 +292,14 @@ def test_the_harness_check_can_fail():
 
 # --- no Any in a public signature where a type exists ----------------------------------------------------------
 ANY_CHECKED = ("launch/prefill.py", "launch/runner.py", "launch/measure.py", "launch/config.py", "launch/outputs.py",
-               "launch/memory.py", "launch/health.py", "microbatch/planning/calibration.py",
-               "microbatch/planning/choice.py", "microbatch/planning/split.py", "microbatch/planning/probes.py",
+               "launch/memory.py", "launch/health.py", "microbatch/planning/cache.py",
+               "microbatch/planning/prefill/calibration.py", "microbatch/planning/prefill/fit.py",
+               "microbatch/planning/prefill/measure.py", "microbatch/planning/prefill/choice.py",
+               "microbatch/planning/split.py", "microbatch/planning/probes.py",
                "microbatch/forward.py", "microbatch/model.py", "microbatch/split.py")
 # What is left, each where a value really is anything: JSON (a calibration's key and cache file, the job's model
-# fields), click's other options (prefill.cli), the keyword arguments decide_split forwards to propose_split,
-# and the calibration's rank agreement (`agree`, being replaced by overlap.agreement).
-MAX_ANY = 12
+# fields), click's other options (prefill.cli), and the keyword arguments decide_split forwards to propose_split.
+MAX_ANY = 11
 
 
 def _any_in_annotation(node):
@@ -375,11 +376,11 @@ _AGREE_NAME = re.compile(r"(^|_)agree(d|ment)?(_|$)")  # agree, _agree_once, agr
 # The places' public entry points, each built on the helper (their module must call it).
 _AGREEMENT_ENTRY_POINTS = {
     os.path.join("launch", "agreement.py"): {"agree", "agree_ready"},  # the job, through torchrun's store
-    os.path.join("microbatch", "planning", "calibration.py"): {"agree"},  # the structure, then the maximum
+    os.path.join("microbatch", "planning", "prefill", "measure.py"): {"agree"},  # the structure, then the maximum
     os.path.join("microbatch", "planning", "split.py"): {"agree_split"},  # the votes, then the common count
 }
 # Left as it was while another change reworks its file: the calibration cache's check (to move onto the helper).
-_KNOWN_HAND_ROLLED = {(os.path.join("microbatch", "planning", "calibration.py"), "_everyone_has")}
+_KNOWN_HAND_ROLLED = {(os.path.join("microbatch", "planning", "prefill", "measure.py"), "_everyone_has")}
 _REDUCERS = {"all_reduce", "max_over_ranks", "_all_max", "all_gather", "all_gather_into_tensor"}
 
 

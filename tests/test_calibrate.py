@@ -1,4 +1,5 @@
-"""Calibration: the fit on synthetic timelines, the cache, and real runs of the reference model on 2 CPU ranks."""
+"""Calibrating a prefill (`microbatch.planning.prefill`): a calibration's data and its cache file, and its
+measuring: the runs in rounds, the cache, and real runs of the reference model on 2 CPU ranks."""
 import json
 import math
 import os
@@ -12,38 +13,17 @@ import torch.distributed as dist
 import overlap
 from launch.models import build_model, preset
 from launch.runner import make_expert_parallel, split_for, prefill
-from microbatch import Interconnect, Linear
+from microbatch import Linear
 from microbatch.batch import Batch
-from microbatch.planning import calibration as cal_mod
-from microbatch.planning.calibration import (Calibration, OpFit, Run, TransferFit, agree, cache_file, calibrate,
-                                             calibration_key, fit_collective, fit_linear, fit_runs, load,
-                                             predict_mode, token_points)
+from microbatch.planning.cache import ENV_CACHE, cache_file, calibration_key
+from microbatch.planning.prefill import measure as measure_mod
+from microbatch.planning.prefill.calibration import Calibration, OpFit, TransferFit, load
+from microbatch.planning.prefill.choice import predict_mode
+from microbatch.planning.prefill.measure import agree, calibrate, token_points
 from microbatch.planning.probes import PEER_QUANTILES
-from overlap import DEFAULT, Span
 from overlap.multirank import run_ranks
 
 CFG = preset("tiny")
-
-
-def test_fit_linear_recovers_the_line_and_clamps_it():
-    xs = [32, 64, 96, 128]
-    f = fit_linear(xs, [2e-4 + 3e-6 * x for x in xs])
-    assert (f.a, f.b) == pytest.approx((2e-4, 3e-6))
-    assert fit_linear(xs, [5.0 - x * 0.01 for x in xs]) == Linear(pytest.approx(5.0 - 0.8), 0.0)  # no negative slope
-    through = fit_linear(xs, [-1.0 + 0.1 * x for x in xs])  # no negative intercept: through the origin
-    assert through.a == 0.0 and through.b > 0
-    assert fit_linear([64, 64], [1.0, 3.0]) == Linear(2.0, 0.0)
-    assert fit_linear([], []) == Linear()
-
-
-def test_fit_linear_relative_keeps_the_small_end():
-    xs = [32, 108, 362, 1218, 4096]
-    ys = [2e-4 + 3e-6 * x for x in xs]
-    ys[-1] *= 1.1  # 10% of noise at the largest count
-    absolute, relative = fit_linear(xs, ys), fit_linear(xs, ys, relative=True)
-    assert abs(absolute(32) / ys[0] - 1) > 0.2  # the intercept pays for the large point
-    assert abs(relative(32) / ys[0] - 1) < 0.05
-    assert fit_linear(xs[:4], ys[:4], relative=True) == Linear(pytest.approx(2e-4), pytest.approx(3e-6))
 
 
 def test_token_points():
@@ -52,85 +32,6 @@ def test_token_points():
     assert token_points(20) == [20] and token_points(256, points=1) == [256]
     with pytest.raises(ValueError):
         token_points(0)
-
-
-# known costs (seconds: a + b * tokens) of a dense layer and two MoE layers; layer 2's experts cost 4x layer 1's
-COSTS = {"attn": (4e-4, 3e-6), "mlp": (1e-4, 1e-6), "gate": (5e-5, 2e-7), "dispatch": (3e-4, 2e-6),
-         "experts": (2e-4, 1e-6), "combine": (1e-4, 5e-7), "finalize": (6e-5, 1e-7)}
-LAYERS = [["attn", "mlp"], ["attn", "gate", "dispatch", "experts", "combine", "finalize"]]
-MOE = [False, True, True]
-GAP = 20e-6
-FRAME = (1e-3, 4e-6)  # embedding, final norm: outside the executor's launches
-COMM = {"dispatch": [("dispatch.counts", 160, 0, 1e-4, True), ("dispatch", 64, 200, 5e-4, False)],
-        "combine": [("combine", 64, 200, 4e-4, False)]}  # name, bytes a, bytes b, seconds, host-read
-
-
-def _synthetic_run(tokens, jitter=0.0, drift=0.0):
-    """A serial run of known costs; ``drift``: seconds per token the count exchange waits beyond them."""
-    spans, nbytes, blocking = [], {}, set()
-    t = 0.0
-    for li, moe in enumerate(MOE):
-        for op in LAYERS[moe]:
-            a, b = COSTS[op]
-            work = (a + b * tokens) * (4 if (op, li) == ("experts", 2) else 1) * (1 + jitter)
-            start, t = t, t + work
-            for name, ba, bb, seconds, host_read in COMM.get(op, ()):
-                seconds += drift * tokens if host_read else 0.0
-                c = Span(name, DEFAULT, "comm", 0, t, t + seconds, {"mb": 0, "layer": li})
-                spans.append(c)
-                nbytes[c.id] = ba + bb * tokens
-                if host_read:
-                    blocking.add(c.id)
-                t += seconds
-            kind = "issue" if op in COMM else "compute"
-            spans.append(Span(op, DEFAULT, kind, 0, start, t, {"mb": 0, "layer": li}))
-            t += GAP
-    spans.append(Span("embed", DEFAULT, "compute", 0, -1.0, -0.5))  # no layer: not an operation of the executor
-    wall = (t - GAP) + FRAME[0] + FRAME[1] * tokens  # the whole prefill: the launches and the frame around them
-    return Run(tokens, spans, nbytes, blocking, wall)
-
-
-def test_each_collective_waits_per_token_what_the_serial_runs_show_beyond_the_interconnect():
-    drift = 2e-6  # the count exchange waits 2 us more per token: the ranks drift apart over longer compute
-    runs = [_synthetic_run(n, jitter, drift) for n in (32, 64, 128) for jitter in (0.0, 0.5)]
-    assert all(t.wait_s == t.wait_per_token == 0.0 for t in fit_runs(runs, MOE).transfers)  # no interconnect given
-    link = Interconnect(latency_s=1e-4, seconds_per_byte=1e-7)
-    cal = fit_runs(runs, MOE, link)
-    waits = {t.name: (t.wait_s, t.wait_per_token) for t in cal.transfers}
-    # a line through the origin, least squares over the medians per token count: the count exchange's span is
-    # 1e-4 + drift * n against the link's 1e-4 + 1.6e-5, so its slope is a little under the drift
-    beyond = {n: 1e-4 + drift * n - link.seconds(160) for n in (32, 64, 128)}
-    slope = sum(n * w for n, w in beyond.items()) / sum(n * n for n in beyond)
-    assert waits["dispatch.counts"] == pytest.approx((0.0, slope)) and 0.9 * drift < slope < drift
-    # the payloads' spans are constant while their bytes grow: no wait grows with them (never below none)
-    assert waits["dispatch"] == waits["combine"] == (0.0, 0.0)
-    # so a batch split in two waits, in all, what it waits whole: the drift is the compute's, not the exchange's
-    counts = cal.cost_model().op(1, "dispatch").transfers[0]
-    assert counts.wait(50) + counts.wait(50) == pytest.approx(counts.wait(100)) and counts.wait(100) > 0
-
-
-def test_fit_on_synthetic_timelines_recovers_the_costs():
-    runs = [_synthetic_run(n, jitter) for n in (32, 64, 128, 256) for jitter in (0.0, 0.0, 0.5)]  # one slow repeat
-    cal = fit_runs(runs, MOE)
-    assert cal.tokens == [32, 64, 128, 256] and cal.layers == MOE
-    assert cal.host_overhead_s == pytest.approx(GAP)
-    assert cal.frame == pytest.approx(FRAME) and cal.cost_model().frame(100) == pytest.approx(1e-3 + 4e-4)
-    fits = {(f.op, f.moe): (f.a, f.b) for f in cal.ops}
-    for op, ab in COSTS.items():  # the comm ops' cost is their host part: the collectives are taken out
-        if op != "experts":
-            assert fits[op, True if op != "mlp" else False] == pytest.approx(ab, rel=1e-6), op
-    assert fits["attn", False] == pytest.approx(COSTS["attn"], rel=1e-6)
-    transfers = [(t.op, t.name, t.a, t.b, t.blocking) for t in cal.transfers]
-    assert transfers == [("combine", "combine", pytest.approx(64), pytest.approx(200), False),
-                         ("dispatch", "dispatch.counts", pytest.approx(160), 0.0, True),
-                         ("dispatch", "dispatch", pytest.approx(64), pytest.approx(200), False)]
-    model = cal.cost_model()
-    a, b = COSTS["experts"]
-    assert model.op(1, "experts").compute(100) == pytest.approx(a + b * 100, rel=1e-6)  # each layer its own fit
-    assert model.op(2, "experts").compute(100) == pytest.approx(4 * (a + b * 100), rel=1e-6)
-    assert model.op(1, "attn") == model.op(2, "attn")  # alike layers share their kind's fit
-    assert model.op(1, "dispatch").transfers[0] == cal_mod.Transfer("dispatch.counts", Linear(160, 0.0), True)
-    assert model.op(0, "mlp").transfers == ()
 
 
 def _calibration(**kw):
@@ -158,44 +59,36 @@ def test_calibration_round_trips_and_adds_the_link():
     assert _calibration(link=None).interconnect.latency_s == pytest.approx(1e-4)
 
 
-def test_collective_cost_beyond_the_link():
-    link = overlap.Link(gbps=1.0, latency_us=100)
-    samples = [(n, link.seconds(n) + 2e-4 + 3e-9 * n + jitter) for n in (1000, 10 ** 5, 10 ** 6)
-               for jitter in (0.0, 0.0, 1e-3)]
-    assert fit_collective(samples, link) == pytest.approx((2e-4, 3e-9))
-    assert fit_collective(samples, None)[0] == pytest.approx(2e-4 + 1e-4)
-
-
 @pytest.fixture
 def counted(monkeypatch):
     """Counts the measurements `calibrate` makes (instead of loading)."""
     calls = []
-    real = cal_mod.measure_costs
+    real = measure_mod.measure_costs
 
     def measure(*args, **kwargs):
         calls.append(args[2])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(cal_mod, "measure_costs", measure)
+    monkeypatch.setattr(measure_mod, "measure_costs", measure)
     return calls
 
 
 def test_the_recorded_runs_go_in_rounds_over_the_token_counts(monkeypatch):
     """A slow spell of the host then raises every count a little, not a few counts much (bending the fits)."""
     recorded = []
-    real = cal_mod._recorded
+    real = measure_mod._recorded
 
     def record(model, layers, batch, group):
         recorded.append(batch.seq.num_tokens)
         return real(model, layers, batch, group)
 
-    monkeypatch.setattr(cal_mod, "_recorded", record)
-    cal_mod.measure_costs(build_model(CFG, seed=1), None, tokens=(8, 16, 24), repeats=2, seq_len=8)
+    monkeypatch.setattr(measure_mod, "_recorded", record)
+    measure_mod.measure_costs(build_model(CFG, seed=1), None, tokens=(8, 16, 24), repeats=2, seq_len=8)
     assert recorded == [8, 16, 24, 8, 16, 24]
 
 
 def test_cache_key_load_and_refresh(tmp_path, monkeypatch, counted):
-    monkeypatch.setenv(cal_mod.ENV_CACHE, str(tmp_path / "env"))
+    monkeypatch.setenv(ENV_CACHE, str(tmp_path / "env"))
     model = build_model(CFG, seed=1)  # one process, no group: the MoE blocks stay whole
     opts = dict(max_tokens=24, points=2, repeats=1, seq_len=12)
     first = calibrate(model, **opts)
@@ -297,7 +190,7 @@ def test_a_cache_no_calibration_can_hold_is_measured_again_with_a_warning(tmp_pa
         data = json.load(f)
     with open(path, "w") as f:
         json.dump(corrupt(data), f)
-    with caplog.at_level("WARNING", logger="microbatch.planning.calibration"):
+    with caplog.at_level("WARNING", logger="microbatch.planning"):
         again = calibrate(model, **opts)
     assert len(counted) == 2, "the corrupt cache was used as if it were measured"
     assert any(path in r.getMessage() and "measuring again" in r.getMessage() for r in caplog.records), caplog.text
@@ -311,14 +204,14 @@ def _slowest(values, group):
     return t.tolist()
 
 
-def _timed(model, batch, mode, plan, group, iters=3):
-    prefill(model, batch, mode, plan)  # warm-up
+def _timed(model, batch, mode, split, group, iters=3):
+    prefill(model, batch, mode, split)  # warm-up
     overlap.synchronize()
     times = []
     for _ in range(iters):
         dist.barrier(group=group)
         t0 = time.perf_counter()
-        prefill(model, batch, mode, plan)
+        prefill(model, batch, mode, split)
         overlap.synchronize()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
@@ -342,9 +235,9 @@ def _calibrate_and_predict(ctx, cache):
     for _ in range(3):  # a host busy with other work can slow one attempt down: look again
         got = {}
         for mode in ("serial", "two-batch"):
-            plan = split_for(mode, batch, ctx.group, min_tokens=8)
-            tokens = [plan.num_tokens] if plan.serial else list(plan.token_counts)
-            got[mode] = (predict_mode(cal, model, mode, tokens).total_s, _timed(model, batch, mode, plan, ctx.group))
+            split = split_for(mode, batch, ctx.group, min_tokens=8)
+            tokens = [split.num_tokens] if split.serial else list(split.token_counts)
+            got[mode] = (predict_mode(cal, model, mode, tokens).total_s, _timed(model, batch, mode, split, ctx.group))
         measured = _slowest([m for _, m in got.values()], ctx.group)  # the same verdict on every rank
         got = {mode: (p, m) for (mode, (p, _)), m in zip(got.items(), measured)}
         attempts.append(got)
@@ -393,13 +286,13 @@ def test_two_ranks_calibrate_alike_and_predict_within_a_factor(tmp_path):
 def _mixed_cache(ctx, root):
     """Rank 0 finds the calibration in its cache, rank 1 does not: both must measure, or both would hang."""
     calls = []
-    real = cal_mod.measure_costs
+    real = measure_mod.measure_costs
 
     def measure(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    cal_mod.measure_costs = measure
+    measure_mod.measure_costs = measure
     try:
         model = make_expert_parallel(build_model(CFG, seed=5), ctx.group)
         cache = os.path.join(root, f"rank{ctx.rank}")
@@ -419,7 +312,7 @@ def _mixed_cache(ctx, root):
         except RuntimeError as e:
             refused.append(str(e))
     finally:  # under torchrun the rank's process goes on to other tests
-        cal_mod.measure_costs = real
+        measure_mod.measure_costs = real
     return len(calls), second.to_dict(), third == second, refused
 
 
@@ -459,7 +352,7 @@ def _differing_caches(ctx, root):
     import logging
 
     calls, warned = [], []
-    real = cal_mod.measure_costs
+    real = measure_mod.measure_costs
 
     def measure(*args, **kwargs):
         calls.append(1)
@@ -470,8 +363,8 @@ def _differing_caches(ctx, root):
             warned.append(record.getMessage())
 
     handler = Warned(logging.WARNING)
-    cal_mod.measure_costs = measure
-    cal_mod.logger.addHandler(handler)
+    measure_mod.measure_costs = measure
+    measure_mod.logger.addHandler(handler)
     try:
         model = make_expert_parallel(build_model(CFG, seed=5), ctx.group)
         cache = os.path.join(root, f"rank{ctx.rank}")
@@ -489,8 +382,8 @@ def _differing_caches(ctx, root):
         except Exception as e:  # noqa: BLE001 - the old answer: blame the model
             again = f"{type(e).__name__}: {e}"
     finally:  # under torchrun the rank's process goes on to other tests
-        cal_mod.measure_costs = real
-        cal_mod.logger.removeHandler(handler)
+        measure_mod.measure_costs = real
+        measure_mod.logger.removeHandler(handler)
     return len(calls), again, [w for w in warned if path in w]
 
 
@@ -505,56 +398,10 @@ def test_ranks_whose_cached_calibrations_differ_measure_again_naming_the_file(tm
         assert len(warned) == 1 and "differ" in warned[0] and "measuring again" in warned[0], warned
 
 
-def test_contention_is_nothing_without_peers():
-    from microbatch.planning.probes import contention, notice
-    assert contention(None, 4, 16, torch.float32, 3) == 0.0  # no group: no collective, no measurement
-    assert notice(None, 16, torch.float32) == (0.0, [])
-
-
 def test_request_length_is_the_token_weighted_mean():
-    from microbatch.planning.calibration import request_length
+    from microbatch.planning.prefill.measure import request_length
 
     assert request_length([[128] * 8, [128] * 8]) == 128  # equal lengths: that length
     assert request_length([[128, 128], [64]]) == round((2 * 128 ** 2 + 64 ** 2) / 320)  # 115, not the plain mean 107
     assert request_length([[512], [1] * 512]) == round((512 ** 2 + 512) / 1024)  # the long request's tokens weigh
     assert request_length([[], [0]]) == 64  # no tokens: the default
-
-
-def _probe_pattern(ctx):
-    import overlap
-    from microbatch.planning import probes
-
-    issued, waited, seen = [0], [0], []
-    real_a2a, real_event = overlap.all_to_all_single, overlap.event
-
-    def a2a(*args, **kwargs):
-        issued[0] += 1
-        seen.append(issued[0] - 1 - waited[0])  # issued before this one and not yet waited for
-        return real_a2a(*args, **kwargs)
-
-    class _Waited:
-        def __init__(self, name):
-            self.ev = real_event(name)
-
-        def record(self):
-            self.ev.record()
-
-        def synchronize(self):
-            self.ev.synchronize()
-            waited[0] += 1
-
-    overlap.all_to_all_single, overlap.event = a2a, _Waited
-    try:
-        contended, issue = probes._contention(ctx.group, 4, 16, torch.float32, repeats=2, in_flight=4)
-        notice_busy, _ = probes.notice(ctx.group, 16, torch.float32, samples=2)
-    finally:
-        overlap.all_to_all_single, overlap.event = real_a2a, real_event
-    return seen, contended, issue, notice_busy
-
-
-def test_the_contention_probe_issues_one_collective_at_a_time_as_a_schedule_does():
-    """Issued eight at once, the collectives' gloo threads woke once for all of them: each measured 0.02-0.05 ms
-    of a host's compute where one issued on its own, as the executor issues them, took 0.09-0.14 ms."""
-    for seen, contended, issue, busy in run_ranks(_probe_pattern, 2, timeout=120):
-        assert seen and max(seen) == 0, seen  # every collective waited for before the next is issued
-        assert contended >= 0 and issue > 0 and busy > 0  # a wait takes host time even for a completed exchange

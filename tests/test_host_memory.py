@@ -103,7 +103,7 @@ class _Stop(Exception):
 
 
 def test_the_prefill_calibration_keeps_freed_memory_before_it_measures(monkeypatch):
-    import microbatch.planning.calibration as cal_mod
+    import microbatch.planning.prefill.measure as measure_mod
     from launch.models import build_model, preset
     from microbatch.planning import calibrate
 
@@ -114,7 +114,7 @@ def test_the_prefill_calibration_keeps_freed_memory_before_it_measures(monkeypat
         order.append("measure")
         raise _Stop
 
-    monkeypatch.setattr(cal_mod, "measure_costs", measure)
+    monkeypatch.setattr(measure_mod, "measure_costs", measure)
     with pytest.raises(_Stop):
         calibrate(build_model(preset("tiny"), seed=1), max_tokens=8, points=1, repeats=1, seq_len=4, refresh=True)
     assert order == ["keep", "measure"]

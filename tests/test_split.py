@@ -23,27 +23,27 @@ def _best_boundary_imbalance(lens):
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_plan_matches_brute_force(seed):
+def test_a_split_matches_brute_force(seed):
     rng = random.Random(seed)
     lens = [rng.choice([1, 2, 5, 17, 64, 300]) for _ in range(rng.randint(1, 6))] + [rng.randint(2, 9)]
     rng.shuffle(lens)
     limit = rng.choice([0.0, 0.05, 0.1, 0.3])
-    plan = propose_split(lens, min_tokens=2, max_imbalance=limit)
+    split = propose_split(lens, min_tokens=2, max_imbalance=limit)
     total = sum(lens)
-    n0, n1 = plan.token_counts
-    assert not plan.serial and n0 + n1 == total and n0 >= 1 and n1 >= 1
+    n0, n1 = split.token_counts
+    assert not split.serial and n0 + n1 == total and n0 >= 1 and n1 >= 1
     best = _best_boundary_imbalance(lens)
     if best is not None and best <= limit:
-        assert plan.cut is None and plan.imbalance == pytest.approx(best)
+        assert split.cut is None and split.imbalance == pytest.approx(best)
     else:  # cut (or land on a boundary) at the middle token
         assert abs(n0 - n1) <= 1
         if best is not None:
-            assert plan.imbalance < best
-    s0, s1 = micro_batches(plan)
+            assert split.imbalance < best
+    s0, s1 = micro_batches(split)
     assert s0.num_tokens == n0 and s1.num_tokens == n1
     assert list(s0.seq_lens[:-1]) == lens[:len(s0.seq_lens) - 1]
-    if plan.cut is not None:
-        r, offset = plan.cut
+    if split.cut is not None:
+        r, offset = split.cut
         assert s0.seq_lens[-1] == offset and s1.seq_lens[0] == lens[r] - offset
         assert s1.prefix_lens == (offset,) + (0,) * (s1.num_requests - 1)
     else:
@@ -61,23 +61,23 @@ def test_threshold_decides_between_boundary_and_cut():
 
 
 def test_one_long_request_is_cut_inside():
-    plan = propose_split([101], min_tokens=2)
-    assert plan.cut == (0, 51) and plan.token_counts == (51, 50)
-    s0, s1 = micro_batches(plan)
+    split = propose_split([101], min_tokens=2)
+    assert split.cut == (0, 51) and split.token_counts == (51, 50)
+    s0, s1 = micro_batches(split)
     assert s0 == SeqInfo((51,)) and s1 == SeqInfo((50,), (51,))
     assert torch.equal(s1.positions(), torch.arange(51, 101))
     k = torch.randn(51, 2, 4)
-    pk, pv = prefix_kv(plan, k, k + 1)
+    pk, pv = prefix_kv(split, k, k + 1)
     assert torch.equal(pk, k) and torch.equal(pv, k + 1)
 
 
 @pytest.mark.parametrize("lens,words", [([1], "1 token"), ([0, 1, 0], "1 token"), ([], "0 tokens"),
                                         ([5, 5], "min_tokens=32")])
 def test_small_batches_run_serially(lens, words):
-    plan = propose_split(lens)
-    assert plan.serial and words in plan.reason and plan.token_counts == (sum(lens), 0)
+    split = propose_split(lens)
+    assert split.serial and words in split.reason and split.token_counts == (sum(lens), 0)
     with pytest.raises(ValueError, match="serial"):
-        micro_batches(plan)
+        micro_batches(split)
 
 
 def test_bad_input_is_named():
@@ -93,15 +93,15 @@ def test_bad_input_is_named():
 
 def test_slicing_and_merging_round_trip():
     lens = [3, 0, 9, 4]
-    plan = propose_split(lens, min_tokens=2)
+    split = propose_split(lens, min_tokens=2)
     x = torch.randn(sum(lens), 5)
-    x0, x1 = split_tokens(plan, x)
-    assert (x0.shape[0], x1.shape[0]) == plan.token_counts
-    assert torch.equal(merge_outputs(plan, x0, x1), x)
+    x0, x1 = split_tokens(split, x)
+    assert (x0.shape[0], x1.shape[0]) == split.token_counts
+    assert torch.equal(merge_outputs(split, x0, x1), x)
     with pytest.raises(ValueError, match="rows"):
-        split_tokens(plan, x[1:])
+        split_tokens(split, x[1:])
     with pytest.raises(ValueError, match="do not match"):
-        merge_outputs(plan, x1, x0[:-1])
+        merge_outputs(split, x1, x0[:-1])
 
 
 def test_seq_info():
@@ -113,10 +113,10 @@ def test_seq_info():
         SeqInfo((2, 3), (1,))
 
 
-def test_agree_without_process_group_keeps_the_plan(caplog):
-    plan = propose_split([1])
+def test_agree_without_process_group_keeps_the_split(caplog):
+    split = propose_split([1])
     with caplog.at_level("INFO", logger="microbatch.planning.split"):
-        assert agree_split(plan) == plan
+        assert agree_split(split) == split
     assert "1 token" in caplog.text
 
 
@@ -135,10 +135,10 @@ def _agree_body(ctx, cases):
         counter = _CommCounter()
         overlap.add_observer(counter)
         try:
-            plan = decide_split(per_rank[ctx.rank], ctx.group, min_tokens=8)
+            split = decide_split(per_rank[ctx.rank], ctx.group, min_tokens=8)
         finally:
             overlap.remove_observer(counter)
-        out.append((plan.serial, plan.split_at, plan.reason, counter.n))
+        out.append((split.serial, split.split_at, split.reason, counter.n))
     return out
 
 
@@ -187,8 +187,8 @@ def test_without_cuts_a_batch_splits_at_a_boundary_or_runs_serially():
 
 def _no_cut_body(ctx):
     lens = [[12, 8], [10, 10]][ctx.rank]  # rank 0 would have to cut a request
-    plan = decide_split(lens, ctx.group, min_tokens=2, max_imbalance=0.1, allow_cut=False)
-    return plan.serial, plan.reason
+    split = decide_split(lens, ctx.group, min_tokens=2, max_imbalance=0.1, allow_cut=False)
+    return split.serial, split.reason
 
 
 def test_ranks_agree_when_one_rank_cannot_split_without_a_cut():
@@ -230,21 +230,21 @@ def _best_boundaries_spread(lens, n):
     return min(spreads, default=None)
 
 
-def _check_parts(plan):
+def _check_parts(split):
     """The micro-batches tile the batch: a cut request's later piece has its earlier pieces as prefix."""
-    parts = micro_batches(plan)
-    assert len(parts) == plan.n_parts and tuple(p.num_tokens for p in parts) == plan.token_counts
+    parts = micro_batches(split)
+    assert len(parts) == split.n_parts and tuple(p.num_tokens for p in parts) == split.token_counts
     whole = []  # the requests put back together from their pieces
     for i, part in enumerate(parts):
         assert part.prefix_lens[1:] == (0,) * (part.num_requests - 1)
-        assert bool(part.prefix_lens[0]) == bool(prefix_sources(plan, i))
+        assert bool(part.prefix_lens[0]) == bool(prefix_sources(split, i))
         for j, n in enumerate(part.seq_lens):
             if j == 0 and part.prefix_lens[0]:
                 assert whole[-1] == part.prefix_lens[0]
                 whole[-1] += n
             else:
                 whole.append(n)
-    assert [n for n in whole if n] == [n for n in plan.seq_lens if n]
+    assert [n for n in whole if n] == [n for n in split.seq_lens if n]
 
 
 @pytest.mark.parametrize("seed", range(30))
@@ -254,18 +254,18 @@ def test_n_parts_match_brute_force(seed):
     lens = [rng.choice([1, 2, 5, 17, 64, 300]) for _ in range(rng.randint(1, 8))] + [rng.randint(4, 9)]
     rng.shuffle(lens)
     limit = rng.choice([0.0, 0.1, 0.3, 0.6])
-    plan = propose_split(lens, n, min_tokens=2, max_imbalance=limit)
+    split = propose_split(lens, n, min_tokens=2, max_imbalance=limit)
     total = sum(lens)
-    counts = plan.token_counts
-    assert plan.n_parts == n and len(plan.points) == n - 1 and sum(counts) == total and min(counts) >= 1
+    counts = split.token_counts
+    assert split.n_parts == n and len(split.points) == n - 1 and sum(counts) == total and min(counts) >= 1
     best = _best_boundaries_spread(lens, n)
     if best is not None and best / total <= limit:
-        assert plan.cut is None and max(counts) - min(counts) == best and "request boundaries" in plan.reason
+        assert split.cut is None and max(counts) - min(counts) == best and "request boundaries" in split.reason
     else:  # even shares, cutting requests
         assert max(counts) - min(counts) <= 1
-    _check_parts(plan)
+    _check_parts(split)
     x = torch.arange(total)
-    assert torch.equal(merge_outputs(plan, *split_tokens(plan, x)), x)
+    assert torch.equal(merge_outputs(split, *split_tokens(split, x)), x)
 
 
 def test_n_parts_at_boundaries_and_cut():
@@ -284,18 +284,18 @@ def test_n_parts_at_boundaries_and_cut():
 
 
 def test_a_request_cut_twice_gets_its_rows_of_every_earlier_part_as_prefix():
-    plan = propose_split([5, 40, 3], 4, min_tokens=2)  # shares 12/12/12/12: request 1 spans all four parts
-    assert plan.cuts == ((1, 7), (1, 19), (1, 31))
+    split = propose_split([5, 40, 3], 4, min_tokens=2)  # shares 12/12/12/12: request 1 spans all four parts
+    assert split.cuts == ((1, 7), (1, 19), (1, 31))
     k = torch.randn(48, 2, 3)
-    parts = split_tokens(plan, k)
+    parts = split_tokens(split, k)
     for mb, want in ((1, k[5:12]), (2, k[5:24]), (3, k[5:36])):
-        kv = [t for j in prefix_sources(plan, mb) for t in (parts[j], parts[j] + 1)]
-        pk, pv = prefix_kv(plan, *kv, mb=mb)
+        kv = [t for j in prefix_sources(split, mb) for t in (parts[j], parts[j] + 1)]
+        pk, pv = prefix_kv(split, *kv, mb=mb)
         assert torch.equal(pk, want) and torch.equal(pv, want + 1)
     with pytest.raises(ValueError, match=r"micro-batches \[0, 1\]: pass their keys and values \(4 tensors\)"):
-        prefix_kv(plan, parts[0], parts[0], mb=2)
+        prefix_kv(split, parts[0], parts[0], mb=2)
     with pytest.raises(ValueError, match="micro-batch 1 keys/values have 11/12 rows, expected 12"):
-        prefix_kv(plan, parts[0], parts[0], parts[1][1:], parts[1], mb=2)
+        prefix_kv(split, parts[0], parts[0], parts[1][1:], parts[1], mb=2)
     assert prefix_kv(propose_split([10, 10, 10], 3, min_tokens=2), k[:10], k[:10], mb=1) is None
 
 
@@ -323,10 +323,10 @@ def test_without_cuts_n_parts_fall_back_to_fewer_balanced_boundaries():
     assert "only 1 request boundary for 3" in propose_split([20, 20], 3, min_tokens=2, allow_cut=False).reason
 
 
-def test_two_part_plans_keep_their_api():
-    plan = Split((12, 8), 12, "given")
-    assert plan.points == (12,) and plan.n_parts == 2 and plan.token_counts == (12, 8) and plan.edges == (0, 12, 20)
-    serial = plan.as_serial("no")
+def test_two_part_splits_keep_their_api():
+    split = Split((12, 8), 12, "given")
+    assert split.points == (12,) and split.n_parts == 2 and split.token_counts == (12, 8) and split.edges == (0, 12, 20)
+    serial = split.as_serial("no")
     assert serial.serial and serial.points == () and serial.n_parts == 1 and serial.token_counts == (20, 0)
     n_way = Split((30,), 10, "given", (10, 20))
     assert n_way.token_counts == (10, 10, 10) and n_way.imbalance == 0.0 and n_way.cuts == ((0, 10), (0, 20))
@@ -348,10 +348,10 @@ def _agree_n_body(ctx, cases):
         counter = _CommCounter()
         overlap.add_observer(counter)
         try:
-            plan = decide_split(per_rank[ctx.rank], ctx.group, n=n, min_tokens=8, allow_cut=allow_cut)
+            split = decide_split(per_rank[ctx.rank], ctx.group, n=n, min_tokens=8, allow_cut=allow_cut)
         finally:
             overlap.remove_observer(counter)
-        out.append((plan.points, plan.reason, counter.n))
+        out.append((split.points, split.reason, counter.n))
     return out
 
 
@@ -359,7 +359,7 @@ def _check_n_agreement(cases, results, expected):
     for c, (n, allow_cut, per_rank) in enumerate(cases):
         got = [r[c] for r in results]
         local = [propose_split(lens, n, min_tokens=8, allow_cut=allow_cut) for lens in per_rank]
-        offers = [{p.n_parts: p for p in (plan,) + plan.fewer if not plan.serial and not p.serial} for plan in local]
+        offers = [{p.n_parts: p for p in (s,) + s.fewer if not s.serial and not p.serial} for s in local]
         common = set.intersection(*[set(o) for o in offers])
         assert [g[2] for g in got] == [1] * len(got), "exactly one collective per decision"
         assert len({len(g[0]) for g in got}) == 1, f"ranks disagree on the number of micro-batches: {got}"

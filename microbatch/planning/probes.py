@@ -1,6 +1,6 @@
 """What the link and a busy host cost, measured with small collectives on every rank at once.
 
-`microbatch.planning.calibration` runs these probes beside the model's serial runs and fits their results:
+`microbatch.planning.prefill.measure` runs these probes beside the model's serial runs and fits their results:
 
 - `sweep`: synchronous all-to-alls of a few sizes on the main stream, each one's span and call;
 - `contention` / `contention_fit`: what asynchronous all-to-alls take from compute that runs while

@@ -12,7 +12,7 @@ A packed batch is the tokens of several requests laid end to end; `microbatch.ba
    (`prefix_sources`);
 3. a batch of one token, or of fewer than ``min_tokens`` (two parts) or ``n * min_tokens / 2``
    (n parts) tokens, is not split into n parts: it falls back to the most parts it has tokens
-   for, else runs serially (``plan.serial``), and the plan says why. With ``allow_cut=False`` (a
+   for, else runs serially (``split.serial``), and the split says why. With ``allow_cut=False`` (a
    model whose layers cannot continue a request from a prefix) there is no step 2: a batch
    without balanced enough boundaries for n parts tries fewer, else runs serially.
 
@@ -107,17 +107,17 @@ def _too_few_tokens(total: int, n: int, min_tokens: int) -> Optional[str]:
     return None
 
 
-def _where(plan: Split) -> str:
+def _where(split: Split) -> str:
     """The split points in words: the requests cut, or that every point is a request boundary."""
-    cuts = plan.cuts
+    cuts = split.cuts
     if not cuts:
-        return "request boundary" if plan.n_parts == 2 else "request boundaries"
+        return "request boundary" if split.n_parts == 2 else "request boundaries"
     return "cut " + ", ".join(f"request {r} at token {o}" for r, o in cuts)
 
 
-def _plan_parts(lens: Tuple[int, ...], n: int, min_tokens: int, max_imbalance: float,
+def _split_into(lens: Tuple[int, ...], n: int, min_tokens: int, max_imbalance: float,
                 allow_cut: bool) -> Split:
-    """The plan of exactly ``n`` micro-batches, or a serial plan saying why there is none."""
+    """The split into exactly ``n`` micro-batches, or a serial split saying why there is none."""
     total = sum(lens)
     few = _too_few_tokens(total, n, min_tokens)
     if few:
@@ -140,20 +140,20 @@ def _plan_parts(lens: Tuple[int, ...], n: int, min_tokens: int, max_imbalance: f
     return _described(Split(lens, points[0], "", points), found)
 
 
-def _described(plan: Split, why: str) -> Split:
-    """``plan`` with its reason: where it splits, the tokens of each part, and ``why``."""
-    shares = "/".join(map(str, plan.token_counts))
-    return dataclasses.replace(plan, reason=f"{_where(plan)}: {shares} tokens ({why})")
+def _described(split: Split, why: str) -> Split:
+    """``split`` with its reason: where it splits, the tokens of each part, and ``why``."""
+    shares = "/".join(map(str, split.token_counts))
+    return dataclasses.replace(split, reason=f"{_where(split)}: {shares} tokens ({why})")
 
 
 def propose_split(seq_lens: Sequence[int], n: int = 2, *, min_tokens: int = DEFAULT_MIN_TOKENS,
                max_imbalance: float = DEFAULT_MAX_IMBALANCE, allow_cut: bool = True) -> Split:
-    """Plan ``n`` micro-batches for requests of ``seq_lens`` tokens; pure, no collectives.
+    """A split into ``n`` micro-batches for requests of ``seq_lens`` tokens; pure, no collectives.
 
     Balanced at the best request boundaries; cut inside requests (``allow_cut``) when they leave
     an imbalance above ``max_imbalance``. A batch that cannot take ``n`` parts (too few tokens,
     or no balanced boundaries without cuts) gets the most parts it can, with the reason for not
-    ``n``; one that cannot take two is serial. ``plan.fewer`` holds its plans with fewer parts.
+    ``n``; one that cannot take two is serial. ``split.fewer`` holds its splits into fewer parts.
     """
     lens = check_lens("seq_lens", seq_lens)
     if not 0.0 <= max_imbalance < 1.0:
@@ -162,14 +162,14 @@ def propose_split(seq_lens: Sequence[int], n: int = 2, *, min_tokens: int = DEFA
         raise ValueError(f"min_tokens must be >= 0, got {min_tokens}")
     if not 2 <= n <= MAX_MICRO_BATCHES:
         raise ValueError(f"n must be a number of micro-batches in [2, {MAX_MICRO_BATCHES}], got {n}")
-    plans = [_plan_parts(lens, k, min_tokens, max_imbalance, allow_cut) for k in range(2, n + 1)]
-    split = [p for p in plans if not p.serial]
-    if not split:
-        return plans[0]
-    plan = split[-1]
-    if plan.n_parts < n:
-        plan = dataclasses.replace(plan, reason=f"{plan.reason}; not {n} micro-batches: {plans[-1].reason}")
-    return dataclasses.replace(plan, fewer=tuple(reversed(split[:-1])))
+    splits = [_split_into(lens, k, min_tokens, max_imbalance, allow_cut) for k in range(2, n + 1)]
+    parted = [s for s in splits if not s.serial]
+    if not parted:
+        return splits[0]
+    split = parted[-1]
+    if split.n_parts < n:
+        split = dataclasses.replace(split, reason=f"{split.reason}; not {n} micro-batches: {splits[-1].reason}")
+    return dataclasses.replace(split, fewer=tuple(reversed(parted[:-1])))
 
 
 _VOTE = "micro-batch counts"  # a rank's vote: the bit mask of the micro-batch counts it can split into
@@ -182,7 +182,8 @@ def _grouped(group: Optional[dist.ProcessGroup]) -> bool:
 def _vote(mine: int, group: Optional[dist.ProcessGroup], device: Optional[torch.device],
           problem: Optional[ValueError] = None) -> List[int]:
     """Every rank's vote (`_VOTE`) in one all-reduce (`overlap.agree`); `ValueError` on every rank when one
-    could not plan its batch (``problem``: this rank's own error, raised here once the others know of it)."""
+    could not propose a split of its batch (``problem``: this rank's own error, raised here once the others
+    know of it)."""
     import overlap
 
     words = [f"could not plan a split of its batch: {problem}"] if problem is not None else []
@@ -192,79 +193,79 @@ def _vote(mine: int, group: Optional[dist.ProcessGroup], device: Optional[torch.
     return [p[_VOTE] for p in posts]
 
 
-def _options(plan: Split) -> Dict[int, Split]:
-    """This rank's plans by number of micro-batches (none when it cannot split)."""
-    return {p.n_parts: p for p in (plan,) + plan.fewer if not p.serial}
+def _options(split: Split) -> Dict[int, Split]:
+    """This rank's splits by number of micro-batches (none when it cannot split)."""
+    return {s.n_parts: s for s in (split,) + split.fewer if not s.serial}
 
 
 def _ranks(ranks: Sequence[int], world: int) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} of {world}"
 
 
-def _common_plan(plan: Split, votes: Sequence[int], rank: int) -> Split:
-    """This rank's plan for the largest micro-batch count every rank can split into, or serial."""
+def _common_split(split: Split, votes: Sequence[int], rank: int) -> Split:
+    """This rank's split into the largest micro-batch count every rank can split into, or serial."""
     world, common = len(votes), -1
     for v in votes:
         common &= v
     if common:
         n = common.bit_length() - 1
-        if n == plan.n_parts:
-            return plan
-        short = [r for r, v in enumerate(votes) if not v >> plan.n_parts & 1]
-        chosen = _options(plan)[n]
+        if n == split.n_parts:
+            return split
+        short = [r for r, v in enumerate(votes) if not v >> split.n_parts & 1]
+        chosen = _options(split)[n]
         return dataclasses.replace(chosen, reason=f"{chosen.reason}; {n} micro-batches, as {_ranks(short, world)} "
-                                                  f"cannot split into {plan.n_parts}")
+                                                  f"cannot split into {split.n_parts}")
     serial_ranks = [r for r, v in enumerate(votes) if not v]
-    if serial_ranks and not plan.serial:
-        return plan.as_serial(f"{_ranks(serial_ranks, world)} cannot split its batch")
+    if serial_ranks and not split.serial:
+        return split.as_serial(f"{_ranks(serial_ranks, world)} cannot split its batch")
     if serial_ranks:
         others = [r for r in serial_ranks if r != rank]
-        return plan.as_serial(f"{plan.reason} (also ranks {others})" if others else plan.reason)
+        return split.as_serial(f"{split.reason} (also ranks {others})" if others else split.reason)
     counts = "; ".join(f"rank {r}: {', '.join(str(k) for k in range(2, MAX_MICRO_BATCHES + 1) if v >> k & 1)}"
                        for r, v in enumerate(votes))
-    return plan.as_serial(f"the ranks have no number of micro-batches in common ({counts})")
+    return split.as_serial(f"the ranks have no number of micro-batches in common ({counts})")
 
 
-def agree_split(plan: Split, group: Optional[dist.ProcessGroup] = None,
+def agree_split(split: Split, group: Optional[dist.ProcessGroup] = None,
                 device: Optional[torch.device] = None) -> Split:
     """Every rank of ``group`` splits, into the same number of micro-batches, only if all can: one all-reduce.
 
-    Each rank votes the micro-batch counts its plan offers (the plan and ``plan.fewer``); `overlap.agree`
+    Each rank votes the micro-batch counts its split offers (the split and ``split.fewer``); `overlap.agree`
     gathers the votes, and all take the largest count every rank offers (a decision every rank computes
-    alike from the same votes, not an equality), falling back to this rank's plan with that many parts,
+    alike from the same votes, not an equality), falling back to this rank's split into that many parts,
     or run serially naming the ranks that could not split. Ranks keep their own split points
     (batches differ per rank); only the decision must be the same. Without an initialized
-    process group the plan is returned as it is.
+    process group the split is returned as it is.
     """
-    if not isinstance(plan, Split):
-        raise TypeError(f"agree_split needs a Split, got {type(plan).__name__}")
+    if not isinstance(split, Split):
+        raise TypeError(f"agree_split needs a Split, got {type(split).__name__}")
     if _grouped(group):
-        votes = _vote(sum(1 << k for k in _options(plan)), group, device)
-        plan = _common_plan(plan, votes, dist.get_rank(group))
-    if plan.serial:
-        logger.info("running serially: %s", plan.reason)
+        votes = _vote(sum(1 << k for k in _options(split)), group, device)
+        split = _common_split(split, votes, dist.get_rank(group))
+    if split.serial:
+        logger.info("running serially: %s", split.reason)
     else:
-        logger.debug("%d micro-batches: %s", plan.n_parts, plan.reason)
-    return plan
+        logger.debug("%d micro-batches: %s", split.n_parts, split.reason)
+    return split
 
 
 def decide_split(seq_lens: Sequence[int], group: Optional[dist.ProcessGroup] = None, *, n: int = 2,
-                 device: Optional[torch.device] = None, allow_cut: bool = True, **plan_kwargs: Any) -> Split:
-    """`propose_split` of ``n`` micro-batches on this rank's batch (``allow_cut`` and ``plan_kwargs`` go to it),
+                 device: Optional[torch.device] = None, allow_cut: bool = True, **propose_kwargs: Any) -> Split:
+    """`propose_split` of ``n`` micro-batches on this rank's batch (``allow_cut`` and ``propose_kwargs`` go to it),
     then `agree_split` across ``group``.
 
     ``allow_cut=False`` splits at request boundaries only (for a model that cannot continue a
     request from the keys and values of its earlier parts); pass the same ``n`` and ``allow_cut``
-    on every rank. A batch that cannot be planned (bad lengths or arguments) still takes part in
-    the one all-reduce, so every rank raises instead of the others waiting for it forever.
+    on every rank. A batch whose split cannot be proposed (bad lengths or arguments) still takes part
+    in the one all-reduce, so every rank raises instead of the others waiting for it forever.
     """
     try:
-        plan = propose_split(seq_lens, n, allow_cut=allow_cut, **plan_kwargs)
+        split = propose_split(seq_lens, n, allow_cut=allow_cut, **propose_kwargs)
     except ValueError as err:
         if _grouped(group):
             _vote(0, group, device, err)  # raises err here, and a ValueError naming this rank on the others
         raise
-    return agree_split(plan, group, device=device)
+    return agree_split(split, group, device=device)
 
 
 __all__ = ["DEFAULT_MAX_IMBALANCE", "DEFAULT_MIN_TOKENS", "MAX_MICRO_BATCHES", "agree_split", "decide_split",

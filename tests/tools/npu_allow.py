@@ -8,7 +8,7 @@ ALLOW: Dict[Tuple[str, str, str], Tuple[Tuple[str, ...], str]] = {
     ("overlap/backends/device.py", "DeviceBackend.mod", "getattr(torch, self.device_type)"):
         (("torch.npu",), "torch.cuda or torch.npu by the backend's device type (same stream / event API); "
                          "the CUDA side is torch's own"),
-    ("microbatch/planning/calibration.py", "_device_name", "getattr(torch, backend.device_type, None)"):
+    ("microbatch/planning/cache.py", "_device_name", "getattr(torch, backend.device_type, None)"):
         (("torch.npu",), "the device module of the current backend, for get_device_name"),
     ("overlap/host_sync.py", "HostSyncs._patch", "getattr(owner, name, None)"):
         (("torch.npu.synchronize",), "the synchronize being counted, called as it was: torch.npu's among torch's "

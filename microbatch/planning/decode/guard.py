@@ -35,7 +35,8 @@ import math
 import statistics
 from typing import Deque, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from .decode import DEFAULT_MARGIN, SERIAL, DecodeCalibration, DecodeChoice, choose_decode
+from .calibration import SERIAL, DecodeCalibration
+from .choice import DEFAULT_MARGIN, DecodeChoice, choose_decode
 
 
 _KEEP, _PROBE, _SLOWER = "keep", "probe", "slower"  # the guard's verdicts on the calibration's choice

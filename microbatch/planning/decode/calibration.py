@@ -1,21 +1,19 @@
-"""Choosing a decode step's mode: a measured table of step times, and the fastest predicted mode per step.
+"""A decode calibration: a measured table of step times per mode, and its predictions for a step.
 
 A decode step's shapes come from a few numbers: the tokens per rank (one per active request), which the
 exchange pads to a bucket, the micro-batches of the mode, and how long the requests' histories are (what
 attention reads). So its calibration is a table, not a fit of operations: every candidate mode's step time
 measured (`launch.decode_plan.calibrate_decode`) at each bucket of tokens per rank from 1 to the batch and
 at two history lengths, the modes interleaved, each entry the median of its repeats and the largest over the
-ranks (every rank holds the same table, so every rank predicts and chooses alike).
+ranks (every rank holds the same table, so every rank predicts and chooses alike), with that median's noise
+(`relative_error`).
 
 `DecodeCalibration.predict` reads the table: linear in the tokens between the two buckets around them and
 linear in the history between (or beyond) the two measured lengths. A table of captured steps (``padded``:
 each step padded to its bucket, `launch.graph_decode`) costs a step what the first measured point at or above
 its tokens costs: its time is a step function of the bucket, and the points are where the buckets end.
-`choose_decode` predicts every candidate for a step (the widest rank's tokens, the longest history) and keeps
-serial unless another mode is predicted faster by at least ``margin`` and by at least ``confidence`` standard
-errors of the two medians (each entry's ``noise``, measured with it): a wrong choice between modes that close
-costs little, one against serial is what users see, and a gain the calibration's own noise could make up is no
-gain. Pure Python: no collective, no tensor.
+`DecodeCalibration.from_dict` checks what a cache file holds (`DecodeCalibrationError`). Pure Python: no
+collective, no tensor.
 """
 from __future__ import annotations
 
@@ -25,14 +23,7 @@ import math
 import statistics
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
-SERIAL = "serial"
-# another mode is taken over serial where predicted at least 5% faster. A smaller margin would miss a faster mode
-# less often, but its misses are losses against serial; a larger margin's are gains left. Measured on 2 CPU ranks
-# (docs/decode.md), margins of 2% and 5% missed as often; 2%'s misses included a step mix 2% slower than serial
-DEFAULT_MARGIN = 0.05
-# ... and by this many standard errors of the two entries' medians: a predicted gain that the calibration's noise
-# alone would show one time in 15 is not taken (on a shared 2-core host an entry of 16 steps carries 3-8% of noise)
-DEFAULT_CONFIDENCE = 1.5
+SERIAL = "serial"  # the reference mode, which every decode calibration measures
 
 
 class DecodeCalibrationError(ValueError):
@@ -172,41 +163,4 @@ def _segment(points: Sequence[int], x: float) -> int:
     return i
 
 
-@dataclasses.dataclass(frozen=True)
-class DecodeChoice:
-    """A step's mode and every candidate's predicted seconds; ``probe``: serial run to measure it, where the
-    calibration chose another mode (`microbatch.planning.guard.DecodeGuard`)."""
-
-    mode: str
-    predicted: Mapping[str, float]
-    probe: bool = False
-
-    @property
-    def seconds(self) -> float:
-        return self.predicted[self.mode]
-
-
-def choose_decode(cal: DecodeCalibration, tokens: int, history: float, modes: Optional[Sequence[str]] = None,
-                  margin: float = DEFAULT_MARGIN, confidence: float = DEFAULT_CONFIDENCE) -> DecodeChoice:
-    """The fastest predicted of ``modes`` (default: the calibrated ones) for a step of ``tokens`` per rank (the
-    widest rank's) and ``history`` rows (the longest); serial unless another is faster by at least ``margin`` and
-    by at least ``confidence`` standard errors of its and serial's predictions (`DecodeCalibration.noise_at`)."""
-    names = list(modes or cal.modes)
-    unknown = [m for m in names if m not in cal.seconds]
-    if unknown:
-        raise ValueError(f"mode {unknown[0]} was not calibrated (calibrated: {', '.join(cal.modes)})")
-    predicted = {m: cal.predict(m, tokens, history) for m in names}
-    if SERIAL in predicted:
-        serial_noise = cal.noise_at(SERIAL, tokens)
-
-        def clear(m: str) -> bool:
-            needed = max(margin, confidence * math.hypot(cal.noise_at(m, tokens), serial_noise))
-            return m == SERIAL or predicted[m] <= predicted[SERIAL] * (1.0 - needed)
-
-        names = [m for m in names if clear(m)]
-    best = min(names, key=lambda m: (predicted[m], names.index(m)))
-    return DecodeChoice(best, predicted)
-
-
-__all__ = ["DEFAULT_CONFIDENCE", "DEFAULT_MARGIN", "SERIAL", "DecodeCalibration", "DecodeCalibrationError",
-           "DecodeChoice", "choose_decode", "relative_error"]
+__all__ = ["SERIAL", "DecodeCalibration", "DecodeCalibrationError", "relative_error"]

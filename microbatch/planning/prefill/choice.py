@@ -1,8 +1,8 @@
-"""Choose how to run a batch before running it: the mode, the number of micro-batches, the split, the tails.
+"""Choose how to run a prefill before running it: the mode, the number of micro-batches, the split, the tails.
 
-From a calibration (`microbatch.planning.calibration`: each operation's cost as a function of its tokens, the
-interconnect as latency + bandwidth) the simulation of the streams (`microbatch.planning.simulation`)
-predicts every candidate's prefill time on every rank's batch:
+From a calibration (`microbatch.planning.prefill.calibration`: each operation's cost as a function of its
+tokens, the interconnect as latency + bandwidth) the simulation of the streams (`microbatch.planning.simulation`)
+predicts a mode's prefill (`predict_mode`) and every candidate's prefill time on every rank's batch:
 
 - the modes of `microbatch.MODES` (serial, shared, two-, three- and four-batch);
 - for the N-batch modes, the split: at request boundaries only, or cut inside a request where
@@ -22,24 +22,45 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 import overlap
 
-from .. import schedules
-from ..forward import MakeSchedule
-from ..operations import Operation
-from .calibration import Calibration, ModelOrLayers, layers_of, predict_mode
-from .simulation import Prediction, predict
-from .split import DEFAULT_MIN_TOKENS, Split, decide_split, propose_split
+from ... import schedules
+from ...forward import MakeSchedule
+from ...model import MoEModel
+from ...operations import Operation
+from ..simulation import Prediction, predict
+from ..split import DEFAULT_MIN_TOKENS, Split, decide_split, propose_split
+from .calibration import Calibration
 
+# What a prediction reads of a model: its layers' operations (`MoEModel.layer_operations`), or those lists
+ModelOrLayers = Union[MoEModel, Sequence[Sequence[Operation]]]
 SPLIT_MARGIN = 0.10  # a split's predicted gain over the best single batch must exceed this to be chosen
 # propose_split's max_imbalance per candidate split: boundaries only (no cut), cut above 10%, cut whenever uneven
 _SPLITS = ((None, "at request boundaries"), (0.1, "cut inside a request above 10% imbalance"),
            (0.0, "cut inside a request whenever boundaries are uneven"))
+
+
+def layers_of(model: ModelOrLayers) -> Sequence[Sequence[Operation]]:
+    """The layers' operations a prediction runs on: ``model.layer_operations()``, or ``model`` when it is the lists."""
+    return model if isinstance(model, Sequence) else model.layer_operations()
+
+
+def predict_mode(cal: Calibration, model: ModelOrLayers, mode: str, tokens: Sequence[int],
+                 device: Optional[bool] = None) -> Prediction:
+    """Predicted prefill of ``mode`` for micro-batches of ``tokens`` tokens each (one count for a serial mode).
+
+    ``model`` is the model (its ``layer_operations()``) or the layers' operation lists; ``device``
+    selects device semantics (default: where the current path runs compute off the host).
+    """
+    layers = layers_of(model)
+    if device is None:
+        device = overlap.backends.current().device_type != "cpu"
+    return predict(mode, layers, list(tokens), cal.cost_model(), device=device)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,12 +102,12 @@ class Choice:
     device: bool = False  # device semantics in the simulation (compute off the host)
     split_margin: float = SPLIT_MARGIN  # what a split had to gain over one batch to be chosen
 
-    def predict(self, model: ModelOrLayers, plan: Split) -> Prediction:
-        """The chosen schedule's predicted timeline (`simulation.Prediction`) for this rank's ``plan``."""
+    def predict(self, model: ModelOrLayers, split: Split) -> Prediction:
+        """The chosen schedule's predicted timeline (`simulation.Prediction`) for this rank's ``split``."""
         if self.calibration is None:
             raise ValueError("this choice holds no calibration to predict from")
         layers = layers_of(model)
-        tokens = [plan.num_tokens] if plan.serial else list(plan.token_counts)
+        tokens = [split.num_tokens] if split.serial else list(split.token_counts)
         schedule = self.best.make()(layers, len(tokens))
         return predict(schedule, layers, tokens, self.calibration.cost_model(), device=self.device)
 
@@ -101,9 +122,9 @@ class Choice:
         if b.micro_batches == 1:
             return Split(tuple(seq_lens), None, f"one batch ({b.mode})")
         imbalance = 0.999 if b.max_imbalance is None else b.max_imbalance
-        plan = decide_split(seq_lens, group, n=b.micro_batches, max_imbalance=imbalance,
-                            allow_cut=allow_cut and b.max_imbalance is not None)
-        return dataclasses.replace(plan, reason=f"{b.describe()}; {plan.reason}")
+        split = decide_split(seq_lens, group, n=b.micro_batches, max_imbalance=imbalance,
+                             allow_cut=allow_cut and b.max_imbalance is not None)
+        return dataclasses.replace(split, reason=f"{b.describe()}; {split.reason}")
 
     def format(self, top: int = 6) -> str:
         """The choice and the best candidates with their predicted times, as text."""
@@ -135,13 +156,14 @@ def gather_lens(seq_lens: Sequence[int], group: Optional[dist.ProcessGroup] = No
     return [tuple(int(x) for x in t[:int(c)].tolist()) for t, c in zip(every, counts)]
 
 
-def _plans(all_lens: Sequence[Tuple[int, ...]], n: int, max_imbalance: Optional[float], allow_cut: bool,
-           min_tokens: int) -> Optional[List[Split]]:
-    """Every rank's plan of ``n`` micro-batches, or None when some rank cannot take exactly ``n``."""
+def _splits(all_lens: Sequence[Tuple[int, ...]], n: int, max_imbalance: Optional[float], allow_cut: bool,
+            min_tokens: int) -> Optional[List[Split]]:
+    """Every rank's split into ``n`` micro-batches, or None when some rank cannot take exactly ``n``."""
     cut = allow_cut and max_imbalance is not None
     imbalance = 0.999 if max_imbalance is None else max_imbalance
-    plans = [propose_split(lens, n, min_tokens=min_tokens, max_imbalance=imbalance, allow_cut=cut) for lens in all_lens]
-    return plans if all(p.n_parts == n for p in plans) else None
+    splits = [propose_split(lens, n, min_tokens=min_tokens, max_imbalance=imbalance, allow_cut=cut)
+              for lens in all_lens]
+    return splits if all(s.n_parts == n for s in splits) else None
 
 
 def choose(cal: Calibration, model: ModelOrLayers, all_lens: Sequence[Tuple[int, ...]], *, allow_cut: bool = True,
@@ -168,18 +190,18 @@ def choose(cal: Calibration, model: ModelOrLayers, all_lens: Sequence[Tuple[int,
             found.append(Candidate(name, None, True, t, 1))
             continue
         for imbalance, _ in _SPLITS:
-            plans = _plans(all_lens, spec.micro_batches, imbalance, allow_cut, min_tokens)
-            if plans is None:
+            splits = _splits(all_lens, spec.micro_batches, imbalance, allow_cut, min_tokens)
+            if splits is None:
                 continue
-            splits = tuple(p.points for p in plans)
+            points = tuple(s.points for s in splits)
             for defer in (True, False):
-                if (name, defer, splits) in seen:
+                if (name, defer, points) in seen:
                     continue
-                seen.add((name, defer, splits))
+                seen.add((name, defer, points))
                 cand = Candidate(name, imbalance, defer, 0.0, spec.micro_batches)
                 schedule = cand.make()(layers, spec.micro_batches)
-                t = max(predict(schedule, layers, list(p.token_counts), costs, device=device).total_s
-                        for p in plans)
+                t = max(predict(schedule, layers, list(s.token_counts), costs, device=device).total_s
+                        for s in splits)
                 found.append(dataclasses.replace(cand, predicted_s=t))
     found.sort(key=lambda c: (c.predicted_s, c.micro_batches, c.mode != "serial"))
     serial = next(c for c in found if c.mode == "serial")
@@ -190,4 +212,5 @@ def choose(cal: Calibration, model: ModelOrLayers, all_lens: Sequence[Tuple[int,
     return Choice(best, tuple(found), serial.predicted_s, cal, device, split_margin)
 
 
-__all__ = ["SPLIT_MARGIN", "Candidate", "Choice", "choose", "gather_lens"]
+__all__ = ["SPLIT_MARGIN", "Candidate", "Choice", "ModelOrLayers", "choose", "gather_lens", "layers_of",
+           "predict_mode"]
