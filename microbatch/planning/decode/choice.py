@@ -16,7 +16,8 @@ from .calibration import SERIAL, DecodeCalibration
 
 # another mode is taken over serial where predicted at least 5% faster. A smaller margin would miss a faster mode
 # less often, but its misses are losses against serial; a larger margin's are gains left. Measured on 2 CPU ranks
-# (docs/measurements.md, "Auto's noise"), margins of 2% and 5% missed as often; 2%'s misses included a step mix 2% slower than serial
+# (docs/measurements.md, "Auto's noise"), margins of 2% and 5% missed as often; 2%'s misses included a step mix 2%
+# slower than serial
 DEFAULT_MARGIN = 0.05
 # ... and by this many standard errors of the two entries' medians: a predicted gain that the calibration's noise
 # alone would show one time in 15 is not taken (on a shared 2-core host an entry of 16 steps carries 3-8% of noise)
