@@ -26,10 +26,11 @@ import torch
 import torch.distributed as dist
 
 import overlap
-from microbatch import DecodeModel, KVCache, OffloadedKVCache, PrefetchReport
+from microbatch import DecodeModel, KVCache, OffloadedKVCache
 from microbatch.planning import DecodeCalibration, DecodeGuard
 from overlap import Span, Timeline
 from overlap.observability import gather, metrics
+from overlap.offload import PrefetchReport
 
 from .decode import AUTO, Decoders, Generated, first_difference, generate
 from .measure import rounds, spread

@@ -9,7 +9,7 @@ micro-batches that every rank agrees on, or into the mode and split the planner 
 from .batch import K, KV_STEP, PREFIX_KV, SEQ, V, Batch, SeqInfo
 from .executor import Lowered, Lowering, Step, event_tag, execute, lower, lower_ahead, run, run_made
 from .kv_cache import KVCache, KVCacheError, KVRows, KVStep
-from .kv_offload import OffloadedKVCache, PrefetchReport
+from .kv_offload import OffloadedKVCache
 from .forward import cut_refusal, forward_layer_by_layer, micro_batch_inputs, run_schedule, serial_split
 from .model import DecodeModel, ForwardModel, Layer, MoELayer, MoEModel, ModelShape
 from .operations import FromMicroBatch, Operation, State, as_operation
@@ -28,7 +28,7 @@ __all__ = [
     # a packed batch, a split of it, and the model contract
     "Batch", "K", "KV_STEP", "PREFIX_KV", "SEQ", "SeqInfo", "V",
     # decode: the keys and values of every active request, on the device or in host memory
-    "KVCache", "KVCacheError", "KVRows", "KVStep", "OffloadedKVCache", "PrefetchReport",
+    "KVCache", "KVCacheError", "KVRows", "KVStep", "OffloadedKVCache",
     "Split", "merge_outputs", "micro_batches", "prefix_kv", "prefix_sources", "split_batch", "split_tokens",
     "DecodeModel", "ForwardModel", "Layer", "MoELayer", "MoEModel", "ModelShape",
     # a model's forward through a schedule

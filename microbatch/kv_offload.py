@@ -1,134 +1,45 @@
 """Decode's KV cache in host memory: each layer's history prefetched on the ``kv_offload`` stream.
 
 `OffloadedKVCache` is a `KVCache` (``admit``, ``release``, ``rows``, ``write``, ``history``, ``attend``,
-``advance``), so `KVStep` and a model's decode attention use it unchanged. What lives where:
+``advance``), so `KVStep` and a model's decode attention use it unchanged. It stages keys and values through
+`overlap.offload`'s one mechanism, a `Ring` of device slots filled and drained on the copy stream (the ring
+owns the slots' buffers, their events, the `record_stream` calls and the meters); this module says what is
+copied where and when. What lives where:
 
 - The store, every layer's keys and values ``[n_layers, max_requests, max_len, *shape]``, is in host
   memory: pinned where the device is not the CPU; on the CPU a host tensor of its own.
-- Each micro-batch of a step (the requests of one `KVRows`: a *lane*) has a ring of ``ring`` device
-  buffers ``[its requests, max_len, *shape]``; layer L is staged in buffer ``L % ring``. A lane's
-  buffers are its own, so one micro-batch never waits for another's prefetch, nor shares a buffer.
-- Prefetch: placing a step's rows (`rows`) starts copying layer 0's history of them; reading layer L's
-  history (`history`, before or after `write`) starts copying layer L+1's. The main stream records
-  ``free`` (its reads and writes of what the buffer held are issued), the copy stream waits for it,
-  copies the rows each request holds (one copy per request, contiguous on both sides: a strided copy
-  between host and device would go through a temporary) and records ``ready``; layer L+1's `write` or
-  `history` makes the main stream wait for ``ready`` first.
-- Write-back: `write` puts the new rows in the buffer (this step's attention reads them there); once
-  the step's rows of the layer are all there (a prefill split writes a request's rows from two
-  micro-batches), the main stream records ``written``, the copy stream waits for it, copies them from
-  the buffer to the host store (ahead of any later prefetch of that layer: same stream) and records
-  ``stored``, which the main stream waits for before it writes the buffer again.
+- Each micro-batch of a step (the requests of one `KVRows`: a *lane*) has a ring of ``ring`` slots
+  ``[its requests, max_len, *shape]``; layer L is staged in slot ``L % ring``. A lane's ring is its own,
+  so one micro-batch never waits for another's prefetch, nor shares a buffer.
+- Prefetch: placing a step's rows (`rows`) starts filling layer 0's slot with their history; reading layer
+  L's history (`history`, before or after `write`) starts filling layer L+1's. The fill (`Ring.fill`:
+  ``free``, the copy, ``ready``) copies the rows each request holds (one copy per request, contiguous on
+  both sides: a strided copy between host and device would go through a temporary), as one launch; layer
+  L+1's `write` or `history` makes the main stream wait for it first (`Ring.wait_filled`).
+- Write-back: `write` puts the new rows in the slot (this step's attention reads them there); once the
+  step's rows of the layer are all there (a prefill split writes a request's rows from two micro-batches),
+  the slot is drained (`Ring.drain`: ``written``, the copy to the host store, ``stored``), ahead of any
+  later prefetch of that layer (same stream); the main stream waits for the drain before it writes the
+  slot again (`Ring.wait_drained`).
 
 `prefetch_report` counts the prefetches and their bytes and says how much of their copy time was
-hidden: the part during which the main stream was not waiting for it.
+hidden: the part during which the main stream was not waiting for it (`overlap.offload.PrefetchMeter`).
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import time
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-import overlap
-from overlap import KV_OFFLOAD, backends
-from overlap.events import Event, release_events
+from overlap import backends
+from overlap.offload import CopyTiming, DeviceBytes, PrefetchMeter, PrefetchReport, Ring, issue_copies
 
 from .kv_cache import KVCache, KVCacheError, KVRows
 
 _names = itertools.count()
-Pair = Tuple[torch.Tensor, torch.Tensor]  # (destination, source) of one copy
 _LaneKey = Tuple[Tuple[int, ...], Tuple[int, ...]]
-
-
-@dataclasses.dataclass(frozen=True)
-class PrefetchReport:
-    """The prefetches so far (one per layer, step and micro-batch with history to copy) and the write-backs.
-
-    ``exposed_s`` is the part of the prefetches' copy time the main stream spent waiting for them
-    (all of it for a copy made on the main stream, with overlap off).
-    """
-
-    count: int
-    bytes: int
-    seconds: float
-    exposed_s: float
-    stores: int
-    store_bytes: int
-
-    @property
-    def hidden_share(self) -> Optional[float]:
-        """The share of the prefetches' copy time the main stream did not wait for; None without any."""
-        return 1.0 - self.exposed_s / self.seconds if self.seconds > 0 else None
-
-    def __str__(self) -> str:
-        hidden = "no copy time" if self.hidden_share is None else \
-            f"{self.hidden_share:.0%} hidden ({self.exposed_s * 1e3:.2f} ms waited for)"
-        return (f"KV prefetch: {self.count} copies, {self.bytes / 2**20:.2f} MiB in {self.seconds * 1e3:.2f} ms, "
-                f"{hidden}; written back: {self.stores} copies, {self.store_bytes / 2**20:.2f} MiB")
-
-
-class _Stamps:
-    """Points in time on the current stream, in seconds of one clock: the host's on the CPU path (a copy runs
-    on the copy stream's thread there, compute inline on the host), device timing events elsewhere."""
-
-    def __init__(self) -> None:
-        self._clock = backends.current().clock()  # None: host clocks are the launches' times
-
-    def now(self) -> Any:
-        if self._clock is None:
-            return time.perf_counter()
-        ev = self._clock.mod.Event(enable_timing=True)
-        ev.record()
-        return ev
-
-    def done(self, stamp: Any) -> bool:
-        """Whether the stream has passed ``stamp`` (without waiting for it)."""
-        return stamp is not None and (self._clock is None or stamp.query())
-
-    def seconds(self, stamp: Any) -> float:
-        return stamp if self._clock is None else self._clock.ref.elapsed_time(stamp) / 1e3
-
-
-@dataclasses.dataclass(eq=False)
-class _Copy:
-    """One prefetch: its bytes, whether it ran beside the main stream, and its stamps (set as they happen)."""
-
-    nbytes: int
-    asynchronous: bool
-    start: Any = None
-    end: Any = None
-    waited: Any = None  # when the main stream first waited for it
-
-
-class _Meter:
-    """The prefetches' times folded into totals once they have finished (no host wait for it)."""
-
-    def __init__(self) -> None:
-        self.stamps = _Stamps()
-        self.open: List[_Copy] = []
-        self.count = self.bytes = self.stores = self.store_bytes = 0
-        self.seconds = self.exposed = 0.0
-
-    def fold(self) -> None:
-        left = []
-        for c in self.open:
-            if not self.stamps.done(c.end):
-                left.append(c)
-                continue
-            start, end = self.stamps.seconds(c.start), self.stamps.seconds(c.end)
-            took = max(end - start, 0.0)
-            if not c.asynchronous:
-                exposed = took
-            elif self.stamps.done(c.waited):  # else the main stream reaches its wait after the copy ended
-                exposed = min(max(end - max(self.stamps.seconds(c.waited), start), 0.0), took)
-            else:
-                exposed = 0.0
-            self.seconds += took
-            self.exposed += exposed
-        self.open = left
 
 
 @dataclasses.dataclass(eq=False)
@@ -138,30 +49,26 @@ class _Lane:
 
     slots: List[int]
     seq_lens: List[int]  # the step's rows per request
-    index: int  # the number of its ring of buffers (and of their events)
+    index: int  # the number of its ring
     held: List[int]  # rows per request before this step's: what a prefetch copies
     table: torch.Tensor  # slot -> its request's row in the buffers (device)
     stored: Set[int] = dataclasses.field(default_factory=set)  # layers whose new rows went to the host
 
 
 @dataclasses.dataclass(eq=False)
-class _Buffer:
-    """One device buffer of a lane's ring: what it holds, the prefetch into it the main stream has not waited
-    for, the rows written to it since, and the write-back still reading it."""
+class _Slots:
+    """A lane number's ring (kept for the next step's lane of that number), a slot holding ``(lane, layer)``, and
+    what the main stream wrote into each slot."""
 
-    k: Optional[torch.Tensor] = None
-    v: Optional[torch.Tensor] = None
-    holds: Optional[Tuple[_Lane, int]] = None  # (lane, layer) staged here, or being copied here
-    pending: Optional[_Copy] = None
-    ready: Optional[Event] = None  # recorded on the copy stream after the pending prefetch
-    written: int = 0  # rows written since it took ``holds``
-    unstored: bool = False  # rows written since its last write-back
-    storing: Optional[Event] = None  # recorded on the copy stream after its last write-back
+    ring: Ring
+    written: List[int]  # rows written since the slot took what it holds
+    unstored: List[bool]  # rows written since its last write-back
 
 
 class OffloadedKVCache(KVCache):
-    """A `KVCache` whose store is in host memory, each layer's history prefetched into a ring of ``ring`` device
-    buffers per micro-batch on the ``kv_offload`` stream while the layer before computes (module docstring).
+    """A `KVCache` whose store is in host memory, each layer's history prefetched into a `overlap.offload.Ring` of
+    ``ring`` device slots per micro-batch on the ``kv_offload`` stream while the layer before computes (module
+    docstring).
 
     ``device`` is where attention runs (default: the current path's device). `prefetch_report` says what the
     prefetches cost and hid; `finish` waits for the copies, `close` (or ``with``) frees the buffers and events.
@@ -180,10 +87,9 @@ class OffloadedKVCache(KVCache):
         self.n_layers, self.ring = n_layers, ring
         self.name = f"kvdecode{next(_names)}"
         self._lanes: Dict[_LaneKey, _Lane] = {}  # a step's (slots, lengths) -> its lane, until they are counted
-        self._buffers: Dict[int, List[_Buffer]] = {}  # lane number -> its ring, kept for the next step's lane
-        self._meter = _Meter()
-        self._device_bytes = self._peak = 0
-        self._done = overlap.event(f"{self.name}.done")  # recorded on the copy stream after each launch
+        self._slots: Dict[int, _Slots] = {}  # lane number -> its ring, kept for the next step's lane
+        self._meter = PrefetchMeter()
+        self._device_bytes = DeviceBytes()
         self._closed = False
 
     @classmethod
@@ -209,28 +115,32 @@ class OffloadedKVCache(KVCache):
 
     @property
     def device_bytes(self) -> int:
-        """Device bytes of the buffers now."""
-        return self._device_bytes
+        """Device bytes of the slots now."""
+        return self._device_bytes.now
 
     @property
     def peak_device_bytes(self) -> int:
-        """The most device bytes the buffers have held."""
-        return self._peak
+        """The most device bytes the slots have held."""
+        return self._device_bytes.peak
+
+    @property
+    def rings(self) -> Tuple[Ring, ...]:
+        """The rings of device slots the cache stages keys and values through, one per micro-batch lane so far."""
+        return tuple(s.ring for s in self._slots.values())
 
     def prefetch_report(self) -> PrefetchReport:
         """The prefetches and write-backs so far (waits for the copies in flight first)."""
         self.finish()
-        m = self._meter
-        m.fold()
-        return PrefetchReport(m.count, m.bytes, m.seconds, m.exposed, m.stores, m.store_bytes)
+        return self._meter.report()
 
     def finish(self) -> None:
         """The host waits until every copy this cache issued has landed."""
         if not self._closed:
-            self._done.synchronize()
+            for s in self._slots.values():
+                s.ring.synchronize()
 
     def close(self) -> None:
-        """Wait for the copies, free the buffers and the events (twice is fine)."""
+        """Wait for the copies, free the slots and their events (twice is fine)."""
         if self._closed:
             return
         try:
@@ -239,9 +149,9 @@ class OffloadedKVCache(KVCache):
         finally:
             self._closed = True
             self._lanes.clear()
-            self._buffers.clear()
-            self._device_bytes = 0
-            release_events(f"{self.name}.")
+            for s in self._slots.values():
+                s.ring.close()
+            self._slots.clear()
 
     def __enter__(self) -> "OffloadedKVCache":
         self._check_open()
@@ -265,12 +175,12 @@ class OffloadedKVCache(KVCache):
         rows = super().rows(slots, seq_lens)
         if rows.slots:
             lane = self._lane(rows)
-            if self._ring(lane)[0].holds != (lane, 0):
+            if self._slots_of(lane).ring.held(0) != (lane, 0):
                 self._prefetch(lane, 0)
         return rows
 
     def write(self, layer: int, rows: KVRows, k: torch.Tensor, v: torch.Tensor) -> None:
-        """`KVCache.write`: into the layer's buffer (once its prefetch has landed); once the step's rows of the
+        """`KVCache.write`: into the layer's slot (once its prefetch has landed); once the step's rows of the
         layer are all there, on the copy stream to the host store too. ``rows`` may be part of the rows that
         `rows` placed (a prefill micro-batch's tokens: ``where`` cut, the rest the same)."""
         self._check_usable()
@@ -278,20 +188,19 @@ class OffloadedKVCache(KVCache):
         if n == 0:
             return
         lane = self._lane(rows)
-        buf = self._staged(lane, layer)
-        if buf.storing is not None:  # a write-back still reads what the buffer held
-            self._wait_stored(buf)
-            buf.storing = None
+        bk, bv = self._staged(lane, layer)
+        s, slot = self._slots_of(lane), layer % self.ring
+        s.ring.wait_drained(slot)  # a write-back still reads what the slot held
         at = (lane.table[rows.where[:, 0]], rows.where[:, 1])
-        buf.k.index_put_(at, k.to(self.k.dtype))
-        buf.v.index_put_(at, v.to(self.v.dtype))
-        buf.written += n
-        buf.unstored = True
-        if buf.written >= sum(lane.seq_lens):
-            self._store(buf)
+        bk.index_put_(at, k.to(self.k.dtype))
+        bv.index_put_(at, v.to(self.v.dtype))
+        s.written[slot] += n
+        s.unstored[slot] = True
+        if s.written[slot] >= sum(lane.seq_lens):
+            self._store(s, slot)
 
     def history(self, layer: int, rows: KVRows) -> Tuple[torch.Tensor, torch.Tensor]:
-        """`KVCache.history`, as views of the layer's buffer (read them before the layer ``ring`` further on
+        """`KVCache.history`, as views of the layer's slot (read them before the layer ``ring`` further on
         starts); the copy of layer ``layer + 1``'s history of ``rows`` starts."""
         self._check_usable()
         n = len(rows.slots)
@@ -299,10 +208,11 @@ class OffloadedKVCache(KVCache):
             return (torch.zeros((0, rows.longest) + tuple(self.k.shape[3:]), dtype=self.k.dtype, device=self.device),
                     torch.zeros((0, rows.longest) + tuple(self.v.shape[3:]), dtype=self.v.dtype, device=self.device))
         lane = self._lane(rows)
-        buf = self._staged(lane, layer)
-        out = buf.k[:n, :rows.longest], buf.v[:n, :rows.longest]
-        if layer + 1 < self.n_layers and self._ring(lane)[(layer + 1) % self.ring].holds != (lane, layer + 1):
-            self._prefetch(lane, layer + 1)
+        bk, bv = self._staged(lane, layer)
+        out = bk[:n, :rows.longest], bv[:n, :rows.longest]
+        nxt = layer + 1
+        if nxt < self.n_layers and self._slots_of(lane).ring.held(nxt % self.ring) != (lane, nxt):
+            self._prefetch(lane, nxt)
         return out
 
     def advance(self, rows: KVRows) -> None:
@@ -322,7 +232,7 @@ class OffloadedKVCache(KVCache):
                 del self._lanes[key]
                 self._flush(lane)
 
-    # ---- lanes and buffers ------------------------------------------------------------------------------
+    # ---- lanes and slots --------------------------------------------------------------------------------
     def _lane(self, rows: KVRows) -> _Lane:
         key = _lane_key(rows)
         lane = self._lanes.get(key)
@@ -336,138 +246,81 @@ class OffloadedKVCache(KVCache):
         self._lanes[key] = lane
         return lane
 
-    def _ring(self, lane: _Lane) -> List[_Buffer]:
-        ring = self._buffers.get(lane.index)
-        if ring is None:
-            ring = self._buffers[lane.index] = [_Buffer() for _ in range(self.ring)]
-        return ring
+    def _slots_of(self, lane: _Lane) -> _Slots:
+        s = self._slots.get(lane.index)
+        if s is None:
+            ring = Ring(f"{self.name}.lane{lane.index}", self.ring, self.k.shape[2:], self.v.shape[2:], self.k.dtype,
+                        self.device, self._device_bytes, prefetches=self._meter)
+            s = self._slots[lane.index] = _Slots(ring, [0] * self.ring, [False] * self.ring)
+        return s
 
-    def _take(self, lane: _Lane, layer: int) -> _Buffer:
-        """Layer ``layer``'s buffer of ``lane``, now holding it: what it held and nobody sent to the host yet
-        goes first; a buffer too small for the lane's requests is replaced."""
-        buf = self._ring(lane)[layer % self.ring]
-        if buf.unstored:
-            self._store(buf)
-        n = len(lane.slots)
-        if buf.k is None or buf.k.shape[0] < n:
-            if buf.k is not None:
-                self._device_bytes -= sum(t.numel() * t.element_size() for t in (buf.k, buf.v))
-            buf.k = torch.zeros((n,) + tuple(self.k.shape[2:]), dtype=self.k.dtype, device=self.device)
-            buf.v = torch.zeros((n,) + tuple(self.v.shape[2:]), dtype=self.v.dtype, device=self.device)
-            buf.pending = buf.storing = None  # what is in flight lands in, or reads, the buffer dropped
-            self._device_bytes += sum(t.numel() * t.element_size() for t in (buf.k, buf.v))
-            self._peak = max(self._peak, self._device_bytes)
-        buf.holds, buf.written = (lane, layer), 0
-        return buf
+    def _take(self, lane: _Lane, layer: int) -> int:
+        """Layer ``layer``'s slot of ``lane``, now holding it: what it held and nobody sent to the host yet goes
+        first; buffers too small for the lane's requests are replaced."""
+        s, slot = self._slots_of(lane), layer % self.ring
+        if s.unstored[slot]:
+            self._store(s, slot)
+        s.ring.buffers(slot, len(lane.slots))
+        s.ring.hold(slot, (lane, layer))
+        s.written[slot] = 0
+        return slot
 
     def _flush(self, lane: _Lane) -> None:
         """Send the lane's rows written and not yet sent to the host."""
-        for buf in self._ring(lane):
-            if buf.unstored and buf.holds is not None and buf.holds[0] is lane:
-                self._store(buf)
-
-    def _tag(self, lane: _Lane, layer: int, what: str) -> str:
-        return f"{self.name}.lane{lane.index}.{what}{layer % self.ring}"
+        s = self._slots_of(lane)
+        for slot in range(self.ring):
+            held = s.ring.held(slot)
+            if s.unstored[slot] and held is not None and held[0] is lane:
+                self._store(s, slot)
 
     # ---- the copies -------------------------------------------------------------------------------------
     def _prefetch(self, lane: _Lane, layer: int) -> None:
-        """Start copying ``layer``'s history of the lane's requests into its buffer, on the copy stream."""
-        buf = self._take(lane, layer)
+        """Start filling ``layer``'s slot with the history of the lane's requests, on the copy stream."""
+        slot = self._take(lane, layer)
         # the rows each request held before this step; once this layer's were sent to the host, these too
         ends = [h + n for h, n in zip(lane.held, lane.seq_lens)] if layer in lane.stored else lane.held
-        pairs: List[Pair] = []
-        for i, (slot, end) in enumerate(zip(lane.slots, ends)):
-            if end:
-                pairs += [(buf.k[i, :end], self.k[layer, slot, :end]), (buf.v[i, :end], self.v[layer, slot, :end])]
-        if not pairs:
-            return  # nothing to copy (a prefill); a prefetch still in flight into the buffer is waited for
-        nbytes = sum(src.numel() * src.element_size() for _, src in pairs)
-        free, ready = overlap.event(self._tag(lane, layer, "free")), overlap.event(self._tag(lane, layer, "ready"))
-        free.record(buf.k, buf.v)  # after the main stream's reads and writes of what the buffer held
-        caller = overlap.current_stream_tag()
-        with overlap.stream(KV_OFFLOAD) as tag:
-            self._wait_free(free, buf)
-            copy = _Copy(nbytes, asynchronous=tag != caller)
-            self._issue("kv_prefetch", pairs, copy, layer=layer, lane=lane.index)
-            ready.record(buf.k, buf.v)
-            self._done.record()
-        overlap.record_stream(buf.k, KV_OFFLOAD)
-        overlap.record_stream(buf.v, KV_OFFLOAD)
-        buf.pending, buf.ready = copy, ready
-        m = self._meter
-        m.count, m.bytes = m.count + 1, m.bytes + nbytes
-        m.open.append(copy)
+        held = [(i, s, end) for i, (s, end) in enumerate(zip(lane.slots, ends)) if end]
+        if not held:
+            return  # nothing to copy (a prefill); a prefetch still in flight into the slot is waited for
+        sources = [(i, end, self.k[layer, s, :end], self.v[layer, s, :end]) for i, s, end in held]
 
-    def _staged(self, lane: _Lane, layer: int) -> _Buffer:
-        """The buffer holding ``layer``'s history of the lane's requests, its prefetch landed."""
-        buf = self._ring(lane)[layer % self.ring]
-        if buf.holds != (lane, layer):
+        def copy(bk: torch.Tensor, bv: torch.Tensor, timing: Optional[CopyTiming]) -> None:
+            pairs = [pair for i, end, hk, hv in sources for pair in ((bk[i, :end], hk), (bv[i, :end], hv))]
+            issue_copies("kv_prefetch", pairs, timing, cache=self.name, layer=layer, lane=lane.index)
+
+        self._slots_of(lane).ring.fill(slot, copy, sum(_nbytes(hk) + _nbytes(hv) for _, _, hk, hv in sources))
+
+    def _staged(self, lane: _Lane, layer: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The buffers of the slot holding ``layer``'s history of the lane's requests, its prefetch landed."""
+        s, slot = self._slots_of(lane), layer % self.ring
+        if s.ring.held(slot) != (lane, layer):
             self._prefetch(lane, layer)  # not started ahead: the main stream waits for all of it
-        if buf.pending is not None:
-            buf.pending.waited = self._meter.stamps.now()
-            self._wait_ready(buf)
-            buf.pending = None
-        return buf
+        return s.ring.wait_filled(slot)
 
-    def _store(self, buf: _Buffer) -> None:
-        """Copy the new rows in ``buf`` to the host store on the copy stream."""
-        lane, layer = buf.holds
-        pairs: List[Pair] = []
-        for i, (slot, start, n) in enumerate(zip(lane.slots, lane.held, lane.seq_lens)):
-            if n:
-                end = start + n
-                pairs += [(self.k[layer, slot, start:end], buf.k[i, start:end]),
-                          (self.v[layer, slot, start:end], buf.v[i, start:end])]
-        written, stored = (overlap.event(self._tag(lane, layer, w)) for w in ("written", "stored"))
-        written.record(buf.k, buf.v)  # after the main stream's writes of the rows
-        with overlap.stream(KV_OFFLOAD):
-            self._wait_written(written, buf)
-            self._issue("kv_store", pairs, None, layer=layer, lane=lane.index)
-            stored.record(buf.k, buf.v)
-            self._done.record()
-        overlap.record_stream(buf.k, KV_OFFLOAD)
-        overlap.record_stream(buf.v, KV_OFFLOAD)
-        buf.storing, buf.unstored = stored, False
+    def _store(self, s: _Slots, slot: int) -> None:
+        """Drain the new rows in ``slot`` to the host store on the copy stream."""
+        lane, layer = s.ring.held(slot)
+        rows = [(i, slot_, start, start + n) for i, (slot_, start, n) in
+                enumerate(zip(lane.slots, lane.held, lane.seq_lens)) if n]
+
+        def copy(bk: torch.Tensor, bv: torch.Tensor) -> None:
+            pairs = [pair for i, r, a, b in rows
+                     for pair in ((self.k[layer, r, a:b], bk[i, a:b]), (self.v[layer, r, a:b], bv[i, a:b]))]
+            issue_copies("kv_store", pairs, cache=self.name, layer=layer, lane=lane.index)
+
+        s.ring.drain(slot, copy, sum(_nbytes(self.k[layer, r, a:b]) + _nbytes(self.v[layer, r, a:b])
+                                     for _, r, a, b in rows))
+        s.unstored[slot] = False
         lane.stored.add(layer)
-        m = self._meter
-        m.stores, m.store_bytes = m.stores + 1, m.store_bytes + sum(s.numel() * s.element_size() for _, s in pairs)
-
-    def _issue(self, name: str, pairs: List[Pair], copy: Optional[_Copy], **meta: Any) -> None:
-        """The copies of ``pairs`` as one launch on the current stream, its start and end stamped in ``copy``."""
-        stamps = self._meter.stamps
-
-        def run() -> None:
-            if copy is not None:
-                copy.start = stamps.now()
-            for dst, src in pairs:
-                dst.copy_(src, non_blocking=True)
-            if copy is not None:
-                copy.end = stamps.now()
-
-        overlap.issue_host(name, run, reads=[s for _, s in pairs], writes=[d for d, _ in pairs],
-                           cache=self.name, **meta)
-
-    # The four waits, one method each (a test takes each one out and expects the sanitizer to object).
-    def _wait_free(self, free: Event, buf: _Buffer) -> None:
-        """Copy stream: the main stream's reads and writes of what the buffer held are done."""
-        free.wait(buf.k, buf.v)
-
-    def _wait_ready(self, buf: _Buffer) -> None:
-        """Main stream: the prefetch into the buffer has landed."""
-        buf.ready.wait(buf.k, buf.v)
-
-    def _wait_written(self, written: Event, buf: _Buffer) -> None:
-        """Copy stream: the main stream's writes of the new rows are done."""
-        written.wait(buf.k, buf.v)
-
-    def _wait_stored(self, buf: _Buffer) -> None:
-        """Main stream: the write-back has finished reading the buffer."""
-        buf.storing.wait(buf.k, buf.v)
 
     def __repr__(self) -> str:
         return (f"OffloadedKVCache({self.name}: {self.n_layers} layers x {len(self.lengths)} requests x "
                 f"{self.max_len} rows, k{tuple(self.k.shape[3:])} v{tuple(self.v.shape[3:])} {self.k.dtype}, "
                 f"device={self.device}, ring={self.ring})")
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _lane_key(rows: KVRows) -> _LaneKey:
@@ -482,4 +335,4 @@ def _refuse_graph_paths() -> None:
                            f"graph; decode eagerly (npu/cuda), or keep the cache on the device (KVCache)")
 
 
-__all__ = ["OffloadedKVCache", "PrefetchReport"]
+__all__ = ["OffloadedKVCache"]

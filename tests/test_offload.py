@@ -589,21 +589,18 @@ def test_sanitizer_finds_no_race():
 
 
 @pytest.mark.parametrize("direction,wait,kind", [
-    ("_out", "_wait_written", "read after write"),  # the copy stream reads the slot before attention's write is done
-    ("_out", "_wait_copied", "write after read"),  # attention overwrites a slot still being copied out
-    ("_in", "_wait_free", "write after read"),  # a prefetch overwrites a slot the main stream still reads
-    ("_in", "_wait_ready", "read after write"),  # the main stream reads a prefetch slot before it has landed
+    ("offload", "_wait_written", "read after write"),  # the copy stream reads the slot before attention's write is done
+    ("offload", "_wait_stored", "write after read"),  # attention overwrites a slot still being copied out
+    ("prefetch", "_wait_free", "write after read"),  # a prefetch overwrites a slot the main stream still reads
+    ("prefetch", "_wait_ready", "read after write"),  # the main stream reads a prefetch slot before it has landed
 ])
 def test_sanitizer_catches_a_removed_wait(direction, wait, kind, monkeypatch):
     from overlap.observability.sanitizer import Sanitizer, StreamRaceError
 
     weights, x = _weights(), torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(7))
     with _cache(ring=2) as cache:
-        unit = getattr(cache, direction)  # the offload or prefetch direction, which owns the wait
-        if wait == "_wait_copied":
-            monkeypatch.setattr(unit, wait, lambda slot: None)
-        else:
-            monkeypatch.setattr(unit, wait, lambda slot, k, v: (k, v))
+        ring = cache.rings[("offload", "prefetch").index(direction)]  # the direction's ring, which owns the wait
+        monkeypatch.setattr(ring, wait, lambda slot, k, v: (k, v))
         with Sanitizer() as san, pytest.raises(StreamRaceError):
             _offload_and_prefetch(cache, weights, x)
     assert [r.kind for r in san.races] == [kind]
@@ -683,7 +680,7 @@ def test_event_tags_per_slot_and_reset():
         k, _ = cache.get(0)
         assert torch.equal(k, torch.ones(8, 2, 4))
         tags = {t for t in STATE.events if t.startswith("kvtags.")}
-        assert tags == {f"kvtags.{d}.{e}{i}" for d, pair in (("offload", ("written", "copied")),
+        assert tags == {f"kvtags.{d}.{e}{i}" for d, pair in (("offload", ("written", "stored")),
                                                             ("prefetch", ("free", "ready")))
                         for e in pair for i in range(2)}
         cache.reset()

@@ -8,15 +8,17 @@ slots instead of every layer's keys and values, and the copy runs under the next
 
 The reverse direction, `OffloadCache.prefetch` / `OffloadCache.get`, copies a layer's keys and
 values back into a ring of prefetch slots while the current layer computes, with the same two
-events per slot (slot free -> copy -> slot ready).
+events per slot (slot free -> copy -> slot ready). Both rings are `overlap.offload.Ring`s, the one
+mechanism decode's host KV cache stages through as well: the cache says what is copied where.
 
 On ``npu`` / ``cuda`` the host store is pinned memory and the copies are ``non_blocking``; on
 ``cpu`` they run on the copy stream's worker thread, into memory or a memory-mapped file. The
 ``ge`` and ``aclgraph`` paths are refused: a copy into host memory on a separate stream cannot
 be expressed inside a compiled graph (run the offload eagerly, or pass ``enabled=False``).
 
-The parts: `_geometry` (checks), `_ring` (device slots and their events), `_offload` and
-`_prefetch` (one direction each), `_keep` (``store="device"``), `_stores` (the host stores).
+The parts: `_geometry` (checks), `ring` (the device slots, their events and copies), `meter` (the
+device bytes), `_offload` and `_prefetch` (one direction each), `_keep` (``store="device"``),
+`_stores` (the host stores).
 """
 from __future__ import annotations
 
@@ -28,15 +30,15 @@ import torch
 
 from .. import backends
 from ..context import is_enabled
-from ..events import release_events
 from ..streams import synchronize
 from ._geometry import (Geometry, OffloadError, Shape, as_int, check_args, check_held, check_path, geometry,
                         resolve_device)
 from ._keep import Keep
 from ._offload import Offloader
 from ._prefetch import Prefetcher
-from ._ring import DeviceBytes, Ring
 from ._stores import KVStore, StoreError, open_store
+from .meter import DeviceBytes
+from .ring import Ring
 
 __all__ = ["OffloadCache", "OffloadError"]
 
@@ -104,11 +106,13 @@ class OffloadCache:
             if store == "device":
                 self._out = self._in = Keep(self._store)
             else:
-                out = Ring(f"{self.name}.offload", ring, chunk_tokens, g, self._bytes, "written", "copied")
-                back = Ring(f"{self.name}.prefetch", ring, self.max_tokens, g, self._bytes, "free", "ready")
+                # every row read was written first: the slots need no zero fill
+                slots = (ring, g.k_shape, g.v_shape, g.dtype, g.device, self._bytes)
+                out = Ring(f"{self.name}.offload", *slots, fills=False, asynchronous=self.asynchronous, zeroed=False)
+                back = Ring(f"{self.name}.prefetch", *slots, drains=False, asynchronous=self.asynchronous, zeroed=False)
                 self._rings = [out, back]
-                self._out = Offloader(out, self._store, self.asynchronous)
-                self._in = Prefetcher(back, self._store, self.asynchronous)
+                self._out = Offloader(out, self._store, chunk_tokens)
+                self._in = Prefetcher(back, self._store, self.max_tokens)
         except BaseException:
             self._store.close()
             raise
@@ -134,6 +138,12 @@ class OffloadCache:
     def _check_open(self) -> None:
         if self._closed:
             raise OffloadError(f"OffloadCache {self.name!r} is closed")
+
+    @property
+    def rings(self) -> Tuple[Ring, ...]:
+        """The rings of device slots the cache stages keys and values through: the offload's and the
+        prefetch's (none for ``store="device"``)."""
+        return tuple(self._rings)
 
     @property
     def host_bytes(self) -> int:
@@ -249,10 +259,9 @@ class OffloadCache:
         finally:  # an interrupted wait still releases everything
             self._closed = True
             for ring in self._rings:
-                ring.free()
-            self._bytes.clear()  # the slots, or the device store closed below
+                ring.close()  # its buffers and events
+            self._bytes.clear()  # the device store closed below
             self._store.close()
-            release_events(f"{self.name}.")
             if _open_caches.get(self.name) is self:
                 del _open_caches[self.name]
 
