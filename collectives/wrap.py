@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._recognise import (PROBE_RTOL, ROUTED, ROUTER_NAMES, SHARED_GATE_NAMES, SHARED_NAMES, CapturedRouter, Observed,
-                         RoutedExperts, _fail, call_experts, child_router, find_moe_blocks, forced_block, shared_part)
+                         RoutedExperts, call_experts, child_router, find_moe_blocks, forced_block, misfit, shared_part)
 from .dispatch import group_size
 from .experts import LocalExperts
 from .layer import ExpertParallelMoE, SharedExperts
@@ -158,14 +158,14 @@ def _check_experts(block: nn.Module, routed: RoutedExperts, roles, idx_dtype: to
         forms = ", nor ".join("down(act(gate) * up)" if glu is None else f"down({glu!r}(gate, up))"
                               for glu in routed.glus)
         bias = " (and biases)" if routed.biases else ""
-        raise _fail(block, f"its experts ({type(routed.module).__name__}) do not compute {forms} of their weights"
-                           f"{bias} with act = {_name(routed.act)} ({diffs[-1]} on large tokens): a clamped or "
-                           f"custom activation, or a norm, is not modelled")
+        raise misfit(block, f"its experts ({type(routed.module).__name__}) do not compute {forms} of their weights"
+                            f"{bias} with act = {_name(routed.act)} ({diffs[-1]} on large tokens): a clamped or "
+                            f"custom activation, or a norm, is not modelled")
     for e in identity_ids:
         y = _their_experts(routed, roles, x[:1], [e], idx_dtype, w_dtype, dense, k)
         if _differs(x[:1], y, ref.dtype) is not None:
-            raise _fail(block, f"its router picks expert {e}, past its {routed.count} weighted experts, and its "
-                               f"experts do not return the token there (an identity expert)")
+            raise misfit(block, f"its router picks expert {e}, past its {routed.count} weighted experts, and its "
+                                f"experts do not return the token there (an identity expert)")
     return glu
 
 
@@ -194,8 +194,8 @@ def _runs(block: nn.Module, fn):
     except Exception as err:
         if isinstance(err, TypeError) and str(err).startswith("wrap_expert_parallel:"):
             raise
-        raise _fail(block, f"its forward does not run on the tokens alone ({type(err).__name__}: {err}); it may "
-                           f"need other inputs (e.g. position embeddings, or token ids for hash routing)") from err
+        raise misfit(block, f"its forward does not run on the tokens alone ({type(err).__name__}: {err}); it may "
+                            f"need other inputs (e.g. position embeddings, or token ids for hash routing)") from err
 
 
 def _probe(block: nn.Module, routed: RoutedExperts, router: nn.Module, shared: Optional[SharedExperts],
@@ -214,16 +214,16 @@ def _probe(block: nn.Module, routed: RoutedExperts, router: nn.Module, shared: O
         else:
             (idx, w), hs, roles = _runs(block, lambda: router(flat)), flat, None
         if hs.shape[-1] != h or hs.numel() != flat.numel() or not torch.equal(hs.reshape(-1, h), flat):
-            raise _fail(block, "its router transforms the tokens before the experts (they get other hidden "
-                               "states than the block's input, e.g. scaled by the router scores)")
+            raise misfit(block, "its router transforms the tokens before the experts (they get other hidden "
+                                "states than the block's input, e.g. scaled by the router scores)")
         want = _output(_runs(block, lambda: target(x)))
         if not isinstance(want, torch.Tensor):
-            raise _fail(block, f"its forward returns {type(want).__name__}, not the output tensor")
+            raise misfit(block, f"its forward returns {type(want).__name__}, not the output tensor")
         idx, w = idx.reshape(-1, idx.shape[-1]), w.reshape(-1, w.shape[-1])
         top = int(idx.max()) if idx.numel() else 0
         if idx.numel() and (int(idx.min()) < 0 or (top >= routed.total and not (routed.has_identity or folded))):
-            raise _fail(block, f"its router picks expert ids outside 0..{routed.total - 1} (e.g. zero or identity "
-                               f"experts), which have no weights to shard")
+            raise misfit(block, f"its router picks expert ids outside 0..{routed.total - 1} (e.g. zero or identity "
+                                f"experts), which have no weights to shard")
         identity = [] if folded else sorted({e for e in idx.unique().tolist() if e >= routed.count})
         glu = _check_experts(block, routed, roles, idx.dtype, w.dtype, identity,
                              seen is not None and seen.scale is not None, idx.shape[-1])
@@ -232,8 +232,8 @@ def _probe(block: nn.Module, routed: RoutedExperts, router: nn.Module, shared: O
         want = want.reshape(-1, h).float()
         diff = _differs(want, got if extra is None else got + extra, dtype)
         if diff is not None:
-            raise _fail(block, f"its output is not routed experts + shared part on a probe batch ({diff}): "
-                               + _why_not(block, want, got, extra, dtype, routed.count if folded else None))
+            raise misfit(block, f"its output is not routed experts + shared part on a probe batch ({diff}): "
+                                + _why_not(block, want, got, extra, dtype, routed.count if folded else None))
     return glu
 
 
@@ -286,9 +286,9 @@ def _wrap_beside(module: nn.Module, name: str, inner: nn.Module, group, overlap_
     shared, names = shared_part(module)
     others = [n for n in module._modules if n not in {name, *names}]
     if ep.shared is not None or others:
-        raise _fail(module, f"beside its routed block {name} it has "
-                            + ("shared experts of its own inside that block" if ep.shared is not None
-                               else f"other parts ({', '.join(others)})"))
+        raise misfit(module, f"beside its routed block {name} it has "
+                             + ("shared experts of its own inside that block" if ep.shared is not None
+                                else f"other parts ({', '.join(others)})"))
     if check:
         gen = torch.Generator().manual_seed(0)
         ref = ep.experts.gate_up
@@ -299,7 +299,7 @@ def _wrap_beside(module: nn.Module, name: str, inner: nn.Module, group, overlap_
                                                if shared is not None else 0)
         diff = _differs(want, got, ref.dtype) if isinstance(want, torch.Tensor) else "not a tensor"
         if diff is not None:
-            raise _fail(module, f"its output is not its routed block {name} plus its shared experts ({diff})")
+            raise misfit(module, f"its output is not its routed block {name} plus its shared experts ({diff})")
     return ExpertParallelMoE(ep.router, ep.experts, ep.num_experts, group, shared, overlap_shared)
 
 
