@@ -28,16 +28,21 @@ from torch import nn
 
 from ._recognise import (PROBE_RTOL, ROUTED, ROUTER_NAMES, SHARED_GATE_NAMES, SHARED_NAMES, CapturedRouter, Observed,
                          RoutedExperts, call_experts, child_router, find_moe_blocks, forced_block, misfit, shared_part)
-from .dispatch import group_size
+from .capacity import CapacityExchange
+from .dispatch import AllToAllExchange
+from .exchange import Exchange
 from .experts import LocalExperts
+from .group import group_size
 from .layer import ExpertParallelMoE, SharedExperts
 from .layout import LayoutError
+from .mc2 import MC2_EXCHANGES, MC2_MAX_TOKENS, MC2Exchange, decode_exchange_named
 
 PROBE_TOKENS = 16
 _EXAMPLES = ("collectives.reference.MoE or a transformers sparse MoE block (MixtralSparseMoeBlock, "
              "Qwen2MoeSparseMoeBlock, Qwen3MoeSparseMoeBlock, DeepseekV3MoE, ...; see docs/expert-parallel.md)")
 
-__all__ = ["IdentitySlots", "TransformersRouter", "find_moe_blocks", "wrap_expert_parallel"]
+__all__ = ["IdentitySlots", "TransformersRouter", "capacity_expert_parallel", "find_moe_blocks", "mc2_expert_parallel",
+           "wrap_expert_parallel"]
 
 
 class TransformersRouter(nn.Module):
@@ -279,7 +284,7 @@ def _routed_child(module: nn.Module) -> Optional[Tuple[str, nn.Module]]:
 
 
 def _wrap_beside(module: nn.Module, name: str, inner: nn.Module, group, overlap_shared: bool, impl: str,
-                 check: bool) -> ExpertParallelMoE:
+                 check: bool, exchange: Optional[Exchange], decode_exchange: Optional[Exchange]) -> ExpertParallelMoE:
     """A block made of a routed block (its child ``name``) and shared experts beside it, summed (e.g. Granite's
     ``block_sparse_moe`` with its layer's ``shared_mlp``)."""
     ep = wrap_expert_parallel(inner, group, overlap_shared=overlap_shared, impl=impl, check=check)
@@ -300,16 +305,20 @@ def _wrap_beside(module: nn.Module, name: str, inner: nn.Module, group, overlap_
         diff = _differs(want, got, ref.dtype) if isinstance(want, torch.Tensor) else "not a tensor"
         if diff is not None:
             raise misfit(module, f"its output is not its routed block {name} plus its shared experts ({diff})")
-    return ExpertParallelMoE(ep.router, ep.experts, ep.num_experts, group, shared, overlap_shared)
+    return ExpertParallelMoE(ep.router, ep.experts, ep.num_experts, group, shared, overlap_shared,
+                             exchange=exchange, decode_exchange=decode_exchange)
 
 
 def wrap_expert_parallel(module: nn.Module, group: Optional[dist.ProcessGroup] = None, *,
-                         overlap_shared: bool = True, impl: str = "auto", check: bool = True) -> ExpertParallelMoE:
+                         overlap_shared: bool = True, impl: str = "auto", check: bool = True,
+                         exchange: Optional[Exchange] = None, decode_exchange: Optional[Exchange] = None
+                         ) -> ExpertParallelMoE:
     """An `ExpertParallelMoE` computing what ``module`` computes, with this rank's experts only.
 
     ``check``: verify once, on a probe batch of 16 tokens, that the block's output is the routed experts
     (from the routing it computes) plus its shared part (skipped for a loader's shard, ``ep_shard``).
-    Raises TypeError naming the part of the block that is missing or not supported.
+    Raises TypeError naming the part of the block that is missing or not supported. ``exchange`` /
+    ``decode_exchange``: the layer's (None: the all-to-all, and the capacity exchange for decode steps).
     """
     world = group_size(group)
     rank = dist.get_rank(group) if dist.is_initialized() else 0
@@ -317,7 +326,7 @@ def wrap_expert_parallel(module: nn.Module, group: Optional[dist.ProcessGroup] =
     if not isinstance(experts, nn.Module):
         inner = _routed_child(module) if isinstance(module, nn.Module) else None
         if inner is not None:
-            return _wrap_beside(module, *inner, group, overlap_shared, impl, check)
+            return _wrap_beside(module, *inner, group, overlap_shared, impl, check, exchange, decode_exchange)
         raise TypeError(f"wrap_expert_parallel: unsupported module {type(module).__name__}: no routed experts found "
                         f"(no child named {ROUTED!r}); expected an MoE block such as {_EXAMPLES}")
     routed = RoutedExperts(module, experts)
@@ -353,4 +362,43 @@ def wrap_expert_parallel(module: nn.Module, group: Optional[dist.ProcessGroup] =
         router, total, first = IdentitySlots(router, routed.total, world, rank), routed.total + world, rank * (n + 1)
     local = LocalExperts(gate_up, down, first, routed.act, impl, gate_up_bias=gate_up_bias, down_bias=down_bias,
                          glu=glu, identity=int(identity), input_scale=scale)
-    return ExpertParallelMoE(router, local, total, group, shared, overlap_shared)
+    return ExpertParallelMoE(router, local, total, group, shared, overlap_shared, exchange=exchange,
+                             decode_exchange=decode_exchange)
+
+
+def capacity_expert_parallel(module: nn.Module, group: Optional[dist.ProcessGroup] = None, *,
+                             capacity: Optional[int] = None, overlap_shared: bool = True, validate: bool = True,
+                             expert_path: str = "auto") -> ExpertParallelMoE:
+    """The static-shape layer of ``module``: `wrap_expert_parallel` with the capacity exchange for its stages too
+    (`CapacityExchange` of ``capacity``, ``validate`` and ``expert_path``), so that it traces under
+    ``torch.compile(fullgraph=True)`` (graph prefill). Its experts must compute the plain form
+    ``down(act(gate) * up)``, which its expert paths compute (TypeError otherwise, when it is built)."""
+    exchange = CapacityExchange(capacity, validate=validate, expert_path=expert_path)
+    ep = wrap_expert_parallel(module, group, overlap_shared=overlap_shared, impl="loop", exchange=exchange)
+    if not ep.experts.plain:
+        raise TypeError(f"the static-shape layer computes plain experts down(act(gate) * up) only; these have "
+                        f"{', '.join(ep.experts.extras())}: use wrap_expert_parallel (the eager paths)")
+    return ep
+
+
+def mc2_expert_parallel(module: nn.Module, group: Optional[dist.ProcessGroup] = None, *, exchange: str = "auto",
+                        max_tokens_per_rank: Optional[int] = None, mc2_threshold: int = MC2_MAX_TOKENS,
+                        validate: bool = True, decode_exchange: Optional[str] = None,
+                        overlap_shared: bool = True) -> ExpertParallelMoE:
+    """`wrap_expert_parallel` whose exchanges take MC2 (`MC2Exchange`), each named by one of `MC2_EXCHANGES`.
+
+    ``exchange``: its stages' (a prefill's), with ``max_tokens_per_rank`` as MC2's bound (``"auto"`` without one
+    keeps the all-to-all and its count stage); ``decode_exchange`` (None: ``exchange``): its decode steps', with
+    the step's capacity as the bound, the capacity exchange where that is ``"all_to_all"`` or auto does not take
+    MC2. ``validate``: MC2's agreement all-reduce on every prefill call (else on the layer's first only); a decode
+    step never runs one after the layer's first call.
+    """
+    decode = decode_exchange or exchange
+    for name, value in (("exchange", exchange), ("decode_exchange", decode)):
+        if value not in MC2_EXCHANGES:
+            raise ValueError(f"{name} must be one of {MC2_EXCHANGES}, got {value!r}")
+    prefill = AllToAllExchange() if exchange == "all_to_all" else MC2Exchange(
+        AllToAllExchange(), auto=exchange == "auto", max_tokens_per_rank=max_tokens_per_rank,
+        mc2_threshold=mc2_threshold, validate=validate)
+    steps = decode_exchange_named("capacity" if decode == "all_to_all" else decode, mc2_threshold)
+    return wrap_expert_parallel(module, group, overlap_shared=overlap_shared, exchange=prefill, decode_exchange=steps)
