@@ -1,40 +1,48 @@
-"""Expert-parallel token dispatch and combine, the expert-parallel MoE layer, and wrapping of existing MoE modules.
+"""Expert-parallel token exchanges, the expert-parallel MoE layer, and wrapping of existing MoE modules.
 
-Dispatch / combine (`dispatch`, `combine`) run over uneven ``all_to_all_single`` on the EP
-communication stream and return handles to wait on, in the style of DeepEP; `ExpertParallelMoE`
-exposes its stages as micro-batch operations (and runs them through the micro-batch executor);
-`wrap_expert_parallel` shards an existing MoE block, recognised by its parts (`find_moe_blocks` lists a
-model's candidates).
-`CapacityExpertParallelMoE` is its static-shape form (a fixed per-rank capacity), which traces
-under ``torch.compile(fullgraph=True)``. `collectives.mc2` is a second dispatch / combine backend:
-torch_npu's fused MC2 operators behind the same handles (`ep_dispatch` / `ep_combine` choose). Every
-family's handles and batches offer one interface (`collectives.handles`: `EPDispatchHandle`, `EPBatch`,
-`EPCombineHandle`), so code written against it runs unchanged on each.
+An exchange moves tokens to their experts' ranks and back: one class per family behind one `typing.Protocol`
+(`Exchange`: ``prepare`` / ``dispatch`` / ``run_experts`` / ``combine``): the uneven all-to-all
+(`AllToAllExchange`, over `dispatch` / `combine`, which return handles to wait on in the style of DeepEP), the
+static-shape capacity exchange (`CapacityExchange`, over `capacity_dispatch` / `capacity_combine`: it traces under
+``torch.compile(fullgraph=True)``) and torch_npu's fused MC2 operators (`MC2Exchange`, over `mc2_dispatch` /
+`mc2_combine`; ``ep_dispatch`` / ``ep_combine`` choose between MC2 and the all-to-all). Every family's handles and
+batches also offer one interface (`collectives.handles`: `EPDispatchHandle`, `EPBatch`, `EPCombineHandle`).
+
+`ExpertParallelMoE` is the one layer: an exchange for its stages (prefill), one for its decode steps, and one
+experts object (`LocalExperts`); it exposes its stages as micro-batch operations (and runs them through the
+micro-batch executor). `wrap_expert_parallel` shards an existing MoE block, recognised by its parts
+(`find_moe_blocks` lists a model's candidates); `capacity_expert_parallel` is its static-shape form (graph
+prefill), `mc2_expert_parallel` its MC2 form.
 """
 from ._buffers import release as release_buffers
-from .capacity import CapacityBatch, CapacityCombineHandle, CapacityDispatchHandle, capacity_combine, capacity_dispatch
-from .capacity_layer import CapacityExpertParallelMoE
-from .dispatch import (CombineHandle, DispatchHandle, PendingDispatch, combine, dispatch, dispatch_counts,
-                       exchange_counts, group_size)
+from .capacity import (CapacityBatch, CapacityCombineHandle, CapacityDispatchHandle, CapacityExchange,
+                       capacity_combine, capacity_dispatch)
+from .dispatch import (AllToAllExchange, CombineHandle, DispatchHandle, PendingDispatch, combine, dispatch,
+                       dispatch_counts, exchange_counts)
+from .exchange import Exchange, ExpertLayer, LayerShapes, RoutedTokens
 from .experts import LocalExperts, grouped_mlp, resolve_impl
+from .group import group_size
 from .handles import EPBatch, EPCombineHandle, EPDispatchHandle
 from .layer import ExpertParallelMoE, SharedExperts
-from .values import MOE_ACTIVE, MOE_CAPACITY, MOE_IN, MOE_OUT
 from .layout import (DispatchLayout, ExpertBatch, LayoutError, check_routing, compute_layout, expand, reduce_local,
                      reduce_ranks)
-from .mc2 import (MC2Batch, MC2CombineHandle, MC2DispatchHandle, MC2Error, MC2ExpertParallelMoE, check_mc2_buffer,
-                  choose_backend, ep_combine, ep_dispatch, mc2_buffer_mb, mc2_combine, mc2_dispatch)
+from .mc2 import (DECODE_EXCHANGES, MC2_EXCHANGES, MC2Batch, MC2CombineHandle, MC2DispatchHandle, MC2Error,
+                  MC2Exchange, check_mc2_buffer, choose_exchange, decode_exchange_named, ep_combine, ep_dispatch,
+                  mc2_buffer_mb, mc2_combine, mc2_dispatch)
 from .reference import MoE, MoEConfig, combine_dense
-from .wrap import TransformersRouter, find_moe_blocks, wrap_expert_parallel
+from .values import MOE_ACTIVE, MOE_CAPACITY, MOE_IN, MOE_OUT
+from .wrap import TransformersRouter, capacity_expert_parallel, find_moe_blocks, mc2_expert_parallel, \
+    wrap_expert_parallel
 
 __all__ = [
-    "CapacityBatch", "CapacityCombineHandle", "CapacityDispatchHandle", "CapacityExpertParallelMoE",
-    "capacity_combine", "capacity_dispatch", "CombineHandle", "PendingDispatch", "DispatchHandle", "DispatchLayout", "EPBatch",
-    "EPCombineHandle", "EPDispatchHandle", "ExpertBatch", "ExpertParallelMoE", "LayoutError", "LocalExperts",
-    "MC2Batch", "MC2CombineHandle", "MC2DispatchHandle", "MC2Error", "MC2ExpertParallelMoE", "MOE_ACTIVE",
-    "MOE_CAPACITY", "MOE_IN", "MOE_OUT",
-    "MoE", "MoEConfig", "SharedExperts", "TransformersRouter", "check_mc2_buffer", "check_routing",
-    "choose_backend", "combine", "combine_dense", "compute_layout", "dispatch", "ep_combine", "ep_dispatch",
-    "dispatch_counts", "exchange_counts", "expand", "find_moe_blocks", "group_size", "grouped_mlp", "mc2_buffer_mb", "mc2_combine",
-    "mc2_dispatch", "reduce_local", "reduce_ranks", "release_buffers", "resolve_impl", "wrap_expert_parallel",
+    "AllToAllExchange", "CapacityBatch", "CapacityCombineHandle", "CapacityDispatchHandle", "CapacityExchange",
+    "CombineHandle", "DECODE_EXCHANGES", "DispatchHandle", "DispatchLayout", "EPBatch", "EPCombineHandle",
+    "EPDispatchHandle", "Exchange", "ExpertBatch", "ExpertLayer", "ExpertParallelMoE", "LayerShapes", "LayoutError",
+    "LocalExperts", "MC2Batch", "MC2CombineHandle", "MC2DispatchHandle", "MC2Error", "MC2Exchange", "MC2_EXCHANGES",
+    "MOE_ACTIVE", "MOE_CAPACITY", "MOE_IN", "MOE_OUT", "MoE", "MoEConfig", "PendingDispatch", "RoutedTokens",
+    "SharedExperts", "TransformersRouter", "capacity_combine", "capacity_dispatch", "capacity_expert_parallel",
+    "check_mc2_buffer", "check_routing", "choose_exchange", "combine", "combine_dense", "compute_layout",
+    "decode_exchange_named", "dispatch", "dispatch_counts", "ep_combine", "ep_dispatch", "exchange_counts", "expand",
+    "find_moe_blocks", "group_size", "grouped_mlp", "mc2_buffer_mb", "mc2_combine", "mc2_dispatch",
+    "mc2_expert_parallel", "reduce_local", "reduce_ranks", "release_buffers", "resolve_impl", "wrap_expert_parallel",
 ]

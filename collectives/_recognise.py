@@ -45,7 +45,8 @@ PROBE_RTOL = {torch.float32: 1e-4, torch.float64: 1e-9, torch.float16: 1e-2, tor
 Act = Callable[[torch.Tensor], torch.Tensor]
 
 
-def _fail(block: nn.Module, what: str) -> TypeError:
+def misfit(block: nn.Module, what: str) -> TypeError:
+    """The error for a block that does not fit, naming it and what does not fit."""
     return TypeError(f"wrap_expert_parallel: {type(block).__name__} does not fit: {what}")
 
 
@@ -61,8 +62,8 @@ def _check_act(block: nn.Module, act: Act, where: nn.Module) -> None:
     try:
         act(torch.zeros(2))
     except TypeError as err:  # e.g. an activation of (gate, up)
-        raise _fail(block, f"the activation {type(act).__name__} of {type(where).__name__} is not an elementwise "
-                           f"act(gate): we model a GLU act(gate) * up ({err})") from None
+        raise misfit(block, f"the activation {type(act).__name__} of {type(where).__name__} is not an elementwise "
+                            f"act(gate): we model a GLU act(gate) * up ({err})") from None
 
 
 # --- routed experts ----------------------------------------------------------------------------------------------
@@ -96,7 +97,7 @@ class RoutedExperts:
 
     def _init_list(self, block: nn.Module, module: nn.ModuleList) -> None:
         if not len(module):
-            raise _fail(block, "no routed experts found: its experts are an empty nn.ModuleList")
+            raise misfit(block, "no routed experts found: its experts are an empty nn.ModuleList")
         for mlp in module:
             _mlp_glu(block, mlp, "routed expert")
         self.layout = "list"
@@ -111,14 +112,14 @@ class RoutedExperts:
         known = {f"{n}_bias": n for n in t3}
         unknown = sorted(set(biases) - set(known))
         if unknown:
-            raise _fail(block, f"its experts ({kind}) have biases ({', '.join(unknown)}) that belong to none of "
-                               f"their projections")
+            raise misfit(block, f"its experts ({kind}) have biases ({', '.join(unknown)}) that belong to none of "
+                                f"their projections")
         for name, tensor in biases.items():
             w = t3[known[name]]
             if tensor.dim() != 2 or tensor.shape[0] != w.shape[0]:
-                raise _fail(block, f"its experts' {name} {tuple(tensor.shape)} is not one bias row per expert")
+                raise misfit(block, f"its experts' {name} {tuple(tensor.shape)} is not one bias row per expert")
         if getattr(module, "has_bias", False) and not biases:
-            raise _fail(block, f"its experts ({kind}) say they have biases, and none is named <projection>_bias")
+            raise misfit(block, f"its experts ({kind}) say they have biases, and none is named <projection>_bias")
         self._bias_of = {known[n]: t for n, t in biases.items()}
 
     def _init_fused(self, block: nn.Module, module: nn.Module) -> None:
@@ -126,15 +127,15 @@ class RoutedExperts:
         t3 = {n: v for n, v in t3.items() if isinstance(v, torch.Tensor) and v.dim() == 3}
         kind = type(module).__name__
         if "down_proj" not in t3 or not ("gate_up_proj" in t3 or "gate_proj" in t3 or "up_proj" in t3):
-            raise _fail(block, f"no routed experts found: its experts ({kind}) are neither fused 3-D tensors "
-                               f"(gate_up_proj [E, 2F, H] and down_proj [E, H, F], or gate_proj / up_proj / "
-                               f"down_proj) nor an nn.ModuleList of gated MLPs")
+            raise misfit(block, f"no routed experts found: its experts ({kind}) are neither fused 3-D tensors "
+                                f"(gate_up_proj [E, 2F, H] and down_proj [E, H, F], or gate_proj / up_proj / "
+                                f"down_proj) nor an nn.ModuleList of gated MLPs")
         self._fused_biases(block, module, t3)
         if getattr(module, "has_post_expert_norm", False):
-            raise _fail(block, f"its experts ({kind}) normalise each expert's output")
+            raise misfit(block, f"its experts ({kind}) normalise each expert's output")
         if getattr(module, "has_gate", True) is False or ("gate_up_proj" not in t3 and "gate_proj" not in t3):
-            raise _fail(block, f"its experts ({kind}) are not gated (up_proj / down_proj only): the activation is not "
-                               f"a GLU of gate and up")
+            raise misfit(block, f"its experts ({kind}) are not gated (up_proj / down_proj only): the activation is not "
+                                f"a GLU of gate and up")
         down = t3["down_proj"]
         if "gate_up_proj" in t3:
             gu = t3["gate_up_proj"]
@@ -144,7 +145,7 @@ class RoutedExperts:
             self._names = ("gate_up_proj", "down_proj")
         else:
             if "up_proj" not in t3 or t3["gate_proj"].shape != t3["up_proj"].shape:
-                raise _fail(block, f"its experts ({kind}) have gate_proj without a matching 3-D up_proj")
+                raise misfit(block, f"its experts ({kind}) have gate_proj without a matching 3-D up_proj")
             gu = t3["gate_proj"]
             self.layout = "split"
             self._tensors = (t3["gate_proj"], t3["up_proj"], down)
@@ -158,8 +159,8 @@ class RoutedExperts:
         self._t = bool(declared) if isinstance(declared, bool) else (flipped and not plain)
         if not (flipped if self._t else plain):
             gname = "gate_up_proj" if self.layout == "fused" else "gate_proj"
-            raise _fail(block, f"its experts' {gname} {tuple(gu.shape)} and down_proj {tuple(down.shape)} are not "
-                               f"[E, {two}F, H] and [E, H, F] (nor their transposes)")
+            raise misfit(block, f"its experts' {gname} {tuple(gu.shape)} and down_proj {tuple(down.shape)} are not "
+                                f"[E, {two}F, H] and [E, H, F] (nor their transposes)")
         act = _act_of(module)
         self.act = act or F.silu
         _check_act(block, self.act, module)
@@ -257,7 +258,7 @@ def _linear_weight(block: Optional[nn.Module], mod: Any, what: str) -> Optional[
     if not isinstance(w, torch.Tensor) or w.dim() != 2:
         return None
     if getattr(mod, "bias", None) is not None and block is not None:
-        raise _fail(block, f"its {what}s have biases, which the stacked expert layout does not hold")
+        raise misfit(block, f"its {what}s have biases, which the stacked expert layout does not hold")
     return w
 
 
@@ -274,10 +275,10 @@ def _mlp_glu(block: Optional[nn.Module], mlp: nn.Module, what: str) -> Tuple[tor
     if block is None:
         raise TypeError(f"{type(mlp).__name__} is not a gated MLP")
     if any(all(isinstance(getattr(mlp, n, None), nn.Module) for n in names) for names in PLAIN_NAMES):
-        raise _fail(block, f"its {what} {type(mlp).__name__} is not gated: the activation is not a GLU of gate and up")
+        raise misfit(block, f"its {what} {type(mlp).__name__} is not gated: the activation is not a GLU of gate and up")
     names = ", ".join("/".join(n) for n in GLU_NAMES)
-    raise _fail(block, f"its {what} {type(mlp).__name__} has none of the gated projections {names} "
-                       f"(or a fused gate_up_proj with down_proj)")
+    raise misfit(block, f"its {what} {type(mlp).__name__} has none of the gated projections {names} "
+                        f"(or a fused gate_up_proj with down_proj)")
 
 
 # --- shared experts ----------------------------------------------------------------------------------------------
@@ -316,9 +317,9 @@ def _shared_mlp(block: nn.Module, name: str, mlp: nn.Module) -> nn.Module:
                 and gu.weight.dim() == 2 and getattr(d, "weight", None) is not None and gu.weight.shape[0] % 2 == 0:
             f = gu.weight.shape[0] // 2
             return _GatedMLP(_Rows(gu, 0, f), _Rows(gu, f, 2 * f), d, act)
-    raise _fail(block, f"its shared experts {name} ({type(mlp).__name__}) are not a gated MLP of linear layers "
-                       f"({', '.join('/'.join(n) for n in GLU_NAMES)}, or "
-                       f"{' or '.join(' with '.join(n) for n in FUSED_NAMES)})")
+    raise misfit(block, f"its shared experts {name} ({type(mlp).__name__}) are not a gated MLP of linear layers "
+                        f"({', '.join('/'.join(n) for n in GLU_NAMES)}, or "
+                        f"{' or '.join(' with '.join(n) for n in FUSED_NAMES)})")
 
 
 def shared_part(block: nn.Module) -> Tuple[Optional[SharedExperts], Tuple[str, ...]]:
@@ -326,10 +327,10 @@ def shared_part(block: nn.Module) -> Tuple[Optional[SharedExperts], Tuple[str, .
     names = [n for n in SHARED_NAMES if isinstance(getattr(block, n, None), nn.Module)]
     gates = [n for n in SHARED_GATE_NAMES if isinstance(getattr(block, n, None), nn.Module)]
     if len(names) > 1 or len(gates) > 1:
-        raise _fail(block, f"it has several shared-expert children ({', '.join(names + gates)})")
+        raise misfit(block, f"it has several shared-expert children ({', '.join(names + gates)})")
     if not names:
         if gates:
-            raise _fail(block, f"it has a shared-expert gate {gates[0]} but no shared experts")
+            raise misfit(block, f"it has a shared-expert gate {gates[0]} but no shared experts")
         return None, ()
     mlp = _shared_mlp(block, names[0], getattr(block, names[0]))
     gate = getattr(block, gates[0]) if gates else None
@@ -734,16 +735,16 @@ def child_router(block: nn.Module, probe: torch.Tensor) -> nn.Module:
     ``(top_k_index, top_k_weights)``, else `RoutingOf` where its output holds them."""
     names = [n for n in ROUTER_NAMES if isinstance(getattr(block, n, None), nn.Module)]
     if not names:
-        raise _fail(block, f"its experts are an nn.ModuleList it calls itself, so the routing must come from a router "
-                           f"child ({' or '.join(ROUTER_NAMES)}), and it has none")
+        raise misfit(block, f"its experts are an nn.ModuleList it calls itself, so the routing must come from a router "
+                            f"child ({' or '.join(ROUTER_NAMES)}), and it has none")
     router = getattr(block, names[0])
     with torch.no_grad():
         out = router(probe)
     picks = _picks(out)
     if picks is not None:
         return router if picks == (0, 1) and len(out) == 2 else RoutingOf(router, *picks)
-    raise _fail(block, f"its router {names[0]} ({type(router).__name__}) does not return the top-k expert ids "
-                       f"and weights (it computes only part of the routing, and the block the rest)")
+    raise misfit(block, f"its router {names[0]} ({type(router).__name__}) does not return the top-k expert ids "
+                        f"and weights (it computes only part of the routing, and the block the rest)")
 
 
 # --- finding blocks ----------------------------------------------------------------------------------------------

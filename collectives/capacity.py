@@ -44,11 +44,14 @@ multiplied by a zero weight, so a non-finite expert output spoils only the rows 
 
 `CapacityDispatchHandle` has the interface of every family (`collectives.handles`): ``wait()``
 (nothing to wait for), ``expand()`` (the grouped pairs as a `CapacityBatch`) and ``combine()``.
+`CapacityExchange` is this exchange as a `collectives.exchange.Exchange`: the static-shape layer's
+(`collectives.capacity_expert_parallel`, graph prefill) and every decode step's (`CapacityExchange.for_decode`:
+the step's capacity, the rows' metadata in the same all-to-all).
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -57,8 +60,9 @@ import overlap
 from overlap import GroupTransport, agree
 
 from ._grouping import ROUTING_OPS, GroupedRows, group_rows, reduce_rows
-from .dispatch import _peers, group_size
+from .exchange import ExpertLayer, RoutedTokens
 from .experts import LocalExperts, device_group_impl, grouped_mlp, torch_npu_with
+from .group import group_size, has_peers
 from .layout import AGREED_HINTS, LayoutError, ReceivedMetadata, check_active, check_routing, fields_by_name, \
     layer_fields, local_metadata, token_in_rank
 
@@ -197,7 +201,7 @@ def _check_capacity(capacity: Optional[int], need: int, tokens: int, group: Opti
 
 def _exchange(x: torch.Tensor, capacity: int, group: Optional[dist.ProcessGroup], name: str) -> torch.Tensor:
     """Block ``r`` of ``x`` to rank ``r``, and rank ``r``'s block for us into block ``r`` of the result."""
-    if not _peers(group):
+    if not has_peers(group):
         return x
     out = torch.empty_like(x)
     splits = [capacity] * group_size(group)
@@ -340,7 +344,7 @@ EXPERT_PATHS = ("auto", "grouped", "all")
 
 
 def expert_path(setting: str, x: torch.Tensor, experts: LocalExperts) -> str:
-    """How the capacity layer computes its experts on rows ``x``: ``"all"`` (every local expert over every
+    """How the capacity exchange computes plain experts on rows ``x``: ``"all"`` (every local expert over every
     row), or the grouped matmul of `collectives.experts.device_group_impl` (``"npu_grouped"`` /
     ``"torch_grouped"``). ``setting``: one of `EXPERT_PATHS` (see the module docstring)."""
     if setting not in EXPERT_PATHS:
@@ -393,7 +397,85 @@ def capacity_combine(expert_out: torch.Tensor, handle: CapacityDispatchHandle,
     return CapacityCombineHandle(returned, handle.slot_token, handle.num_tokens, handle.dtype, group_size(handle.group))
 
 
+# What the capacity exchange's experts ran over: the grouped pairs, or (every expert over every row) the received
+# rows' local expert ids and weights
+ExpertRows = Union[GroupedRows, Tuple[torch.Tensor, torch.Tensor]]
+
+
+class CapacityExchange:
+    """The capacity exchange as a `collectives.exchange.Exchange`: static shapes, nothing read on the host (see the
+    module docstring); what graph prefill and every decode step take.
+
+    ``capacity``: rows per destination rank where the call gives none (`RoutedTokens.capacity`; None: the call's
+    token count). ``validate``: the ranks' agreement all-reduce on every call, the layer's shapes folded in on its
+    first (else the layer's own on its first call only). ``expert_path``: one of `EXPERT_PATHS`, for plain experts;
+    other forms take the grouped matmul of the path where there is one, else the loop over host counts (one
+    host read). ``one_exchange``: the rows' metadata travels with them in the same all-to-all (one exchange per
+    dispatch instead of two: a latency-bound step's), `for_decode`.
+    """
+
+    name = "capacity"
+
+    def __init__(self, capacity: Optional[int] = None, *, validate: bool = True, expert_path: str = "auto",
+                 one_exchange: bool = False):
+        if capacity is not None and int(capacity) < 0:
+            raise LayoutError(f"capacity must be >= 0, got {capacity}")
+        if expert_path not in EXPERT_PATHS:
+            raise ValueError(f"expert_path must be one of {EXPERT_PATHS}, got {expert_path!r}")
+        self.capacity, self.validate = capacity, validate
+        self.expert_path, self.one_exchange = expert_path, one_exchange
+
+    @classmethod
+    def for_decode(cls) -> "CapacityExchange":
+        """A decode step's: the step's capacity (its bucket), the metadata with the rows, agreement on the layer's
+        first call only (a step reads nothing on the host)."""
+        return cls(validate=False, one_exchange=True)
+
+    def two_step(self, layer: ExpertLayer) -> bool:
+        """Never: there is no count exchange to issue apart."""
+        return False
+
+    def prepare(self, tokens: RoutedTokens, layer: ExpertLayer, *,
+                ahead: bool = False) -> Tuple[RoutedTokens, ExpertLayer]:
+        """Nothing to issue before the tokens: they are checked and sent in `dispatch`."""
+        return tokens, layer
+
+    def dispatch(self, prepared: Tuple[RoutedTokens, ExpertLayer]) -> CapacityDispatchHandle:
+        """`capacity_dispatch` of the tokens, on the calling stream, the ranks' agreement as ``validate`` says."""
+        tokens, layer = prepared
+        capacity = self.capacity if tokens.capacity is None else tokens.capacity
+        sent = (tokens.x, tokens.topk_idx, tokens.topk_weights, layer.num_experts, layer.group, capacity)
+        if not self.validate:
+            layer.shapes.check(tokens, layer)  # one all-reduce on the layer's first call: the prefill's, as a rule
+            return _capacity_dispatch(*sent, False, one_exchange=self.one_exchange, active=tokens.active)
+        precheck = layer.shapes.first_check(tokens, layer)  # the shapes ride in the capacity's own all-reduce
+        handle = _capacity_dispatch(*sent, True, precheck, one_exchange=self.one_exchange, active=tokens.active)
+        if precheck is not None:
+            layer.shapes.checked = True
+        return handle
+
+    def run_experts(self, handle: CapacityDispatchHandle, experts: LocalExperts) -> Tuple[torch.Tensor, ExpertRows]:
+        """The experts over the received rows: ``(every expert over every row, (ids, weights))`` on the ``"all"``
+        path, else the grouped pairs' outputs and their `GroupedRows`."""
+        plain = getattr(experts, "plain", True)
+        x = handle.recv_x
+        which = expert_path(self.expert_path, x, experts) if plain else device_group_impl(x, experts.gate_up,
+                                                                                           experts.down)
+        if which == "all":
+            return all_local_experts(x, experts), (handle.recv_ids, handle.recv_weights)
+        if plain:
+            return grouped_experts(x, handle.recv_ids, handle.recv_weights, experts, which)
+        npu = torch_npu_with(*ROUTING_OPS) if which == "npu_grouped" else None
+        grouped = group_rows(x, handle.recv_ids, handle.recv_weights, experts.num_local, npu)
+        return experts(grouped.x, grouped.group_list, impl=which or "loop"), grouped
+
+    def combine(self, expert_out: torch.Tensor, batch: ExpertRows,
+                handle: CapacityDispatchHandle) -> CapacityCombineHandle:
+        """`capacity_combine` of ``expert_out``, grouped or every expert's as `run_experts` returned it."""
+        return capacity_combine(expert_out, handle, grouped=batch if isinstance(batch, GroupedRows) else None)
+
+
 __all__ = [
-    "CapacityBatch", "CapacityCombineHandle", "CapacityDispatchHandle", "EXPERT_PATHS",
+    "CapacityBatch", "CapacityCombineHandle", "CapacityDispatchHandle", "CapacityExchange", "EXPERT_PATHS",
     "all_local_experts", "capacity_combine", "capacity_dispatch", "expert_path", "grouped_experts", "reduce_slots",
 ]

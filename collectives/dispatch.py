@@ -30,78 +30,29 @@ beyond that (over 1024 experts) the receiver counts them in `DispatchHandle.expa
 read after the exchange). With given split sizes agreement is the caller's job. ``combine`` sends
 rows of the dispatched hidden size (agreed in the count exchange, checked locally); its ``dtype``
 must be the same on every rank (not checked: that would take a collective per combine).
+
+`AllToAllExchange` is this exchange as a `collectives.exchange.Exchange`: the layer's prefill exchange by default,
+its count exchange a stage of its own.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import itertools
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 import overlap
-from overlap import EP_COMM, backends, collective_device, compare_posts
+from overlap import EP_COMM, collective_device, compare_posts
 
 from . import _buffers
+from .exchange import ExpertLayer, RoutedTokens
+from .experts import LocalExperts
+from .group import group_size, has_peers, rank_in_group
 from .layout import (AGREED_FIELDS, AGREED_HINTS, DispatchLayout, ExpertBatch, LayoutError, LocalBags,
                      ReceivedMetadata, check_routing, check_splits, compute_layout, expand, fields_by_name,
-                     layer_fields, local_plan, pack_metadata, reduce_bags, reduce_local, reduce_ranks, sum_first)
-
-
-def group_size(group: Optional[dist.ProcessGroup]) -> int:
-    """Size of the expert-parallel group (1 without an initialised process group); `LayoutError` where this
-    rank is not in ``group``."""
-    if not dist.is_available() or not dist.is_initialized():
-        if group is not None:
-            raise LayoutError("an expert-parallel group was given but torch.distributed is not initialised")
-        return 1
-    world = dist.get_world_size(group)
-    if world < 1:  # torch's answer for a group this rank is not in
-        raise LayoutError(f"this rank (global rank {dist.get_rank()} of {dist.get_world_size()}) is not in the "
-                          f"expert-parallel group it was given, GroupMember.NON_GROUP_MEMBER (what "
-                          f"torch.distributed.new_group returns on the ranks it leaves out); run the expert-parallel "
-                          f"calls only on the group's own ranks")
-    return world
-
-
-@contextlib.contextmanager
-def _side(stream_tag: Optional[str], previous_event: Optional[overlap.Event], event_tag: str) -> Iterator[str]:
-    """Enter ``stream_tag`` after the calling stream's work so far and after ``previous_event``.
-
-    The calling stream's work includes what dispatch / combine just prepared there (the packed
-    send buffers), so the side stream always waits for it; ``previous_event`` adds an edge to
-    work on a third stream.
-    """
-    caller = overlap.current_stream_tag()
-    if stream_tag is None or stream_tag == caller:
-        if previous_event is not None:
-            previous_event.wait()
-        yield caller
-        return
-    ready = _handle_event(f"{event_tag}.ready")
-    ready.record()
-    with overlap.stream(stream_tag):
-        if previous_event is not None:
-            previous_event.wait()
-        ready.wait()
-        yield caller
-
-
-_handle_ids = itertools.count()
-
-
-def _handle_event(tag: str) -> overlap.Event:
-    """An event for one call: its own object on eager paths, so that two dispatches in flight are
-    waited for separately; the one tagged event per tag on graph paths, where tags are global."""
-    if backends.current().events_are_global:
-        return overlap.event(tag)
-    return overlap.Event(f"{tag}#{next(_handle_ids)}")
-
-
-def _rank(group: Optional[dist.ProcessGroup]) -> int:
-    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+                     layer_fields, local_bags, pack_metadata, reduce_bags, reduce_local, reduce_ranks, sum_first)
+from .side import call_event, exchange_event, on_side
 
 
 def _others(splits: Sequence[int], me: int) -> List[int]:
@@ -109,45 +60,23 @@ def _others(splits: Sequence[int], me: int) -> List[int]:
     return [0 if r == me else n for r, n in enumerate(splits)]
 
 
-def _peers(group: Optional[dist.ProcessGroup]) -> bool:
-    """Whether there is another rank to exchange with (False without a process group, or in a group of one)."""
-    return dist.is_initialized() and group_size(group) > 1
-
-
-def _host_read(t: torch.Tensor, ev: overlap.Event) -> list:
-    """``t.tolist()`` once the work issued so far on the current stream (the collective that fills ``t``) is done."""
-    ev.record(t)
-    ev.synchronize()
-    return t.tolist()
-
-
 def _exchange_into(out: torch.Tensor, x: torch.Tensor, recv_splits: List[int], send_splits: List[int],
                    group: Optional[dist.ProcessGroup], name: str, caller: str, **meta) -> None:
     """Rows for other ranks only (this rank's splits are zero); a no-op when nothing travels."""
     overlap.record_stream(out, caller)  # allocated on this stream, read on the caller's
-    if not _peers(group):
+    if not has_peers(group):
         return
     overlap.all_to_all_single(out, x, recv_splits, send_splits, group=group, name=name, **meta)
     overlap.record_stream(x, overlap.current_stream_tag())
 
 
-def _exchange_event(stream_tag: Optional[str], caller: str, event_tag: str,
-                    *guarded: torch.Tensor) -> Optional[overlap.Event]:
-    """An event recorded after the exchange where it runs on a side stream (`_side`); None on the caller's."""
-    if stream_tag is None or stream_tag == caller:
-        return None
-    ev = _handle_event(event_tag)
-    ev.record(*guarded)
-    return ev
-
-
-def _own_event(exchange_event: Optional[overlap.Event], event_tag: str,
+def _own_event(exchanged: Optional[overlap.Event], event_tag: str,
                *guarded: torch.Tensor) -> Optional[overlap.Event]:
     """An event after the own rows (on the calling stream), for a waiter on a third stream; only where
     the exchange has its own event."""
-    if exchange_event is None:
+    if exchanged is None:
         return None
-    ev = _handle_event(f"{event_tag}.own")
+    ev = call_event(f"{event_tag}.own")
     ev.record(*guarded)
     return ev
 
@@ -237,7 +166,7 @@ def _issue_count_rows(send: torch.Tensor, epr: int, group: Optional[dist.Process
         return PendingCounts(send, None, used, None)
     recv = torch.empty_like(send)
     overlap.all_to_all_single(recv, send, group=group, name="dispatch.counts")
-    event = _handle_event(event_tag)  # one per exchange: two in flight are read apart
+    event = call_event(event_tag)  # one per exchange: two in flight are read apart
     event.record(recv)
     return PendingCounts(send, recv, used, event)
 
@@ -348,7 +277,7 @@ class _SendLayout:
         return self.own[1] - self.own[0]
 
 
-def _plan_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
+def _send_layout(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
                    group: Optional[dist.ProcessGroup], world: int, send_splits: Optional[Sequence[int]],
                    recv_splits: Optional[Sequence[int]], check_ids: bool) -> _SendLayout:
     """Validate, lay out and pack what travels; raises `LayoutError` before any collective."""
@@ -358,7 +287,7 @@ def _plan_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.
     if recv_splits is not None:
         recv_splits = check_splits("receive split sizes", recv_splits, world)
     layout = compute_layout(topk_idx, num_experts, world, send_splits)
-    me = _rank(group)
+    me = rank_in_group(group)
     if recv_splits is not None and recv_splits[me] != layout.send_splits[me]:
         raise LayoutError(f"receive split sizes {recv_splits} and send split sizes {layout.send_splits} disagree on "
                           f"the rows rank {me} keeps for itself")
@@ -376,37 +305,37 @@ def _plan_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.
                          layer_fields(x, topk_idx, num_experts))
 
 
-def _issue_dispatch(plan: _SendLayout, x: torch.Tensor, group: Optional[dist.ProcessGroup],
+def _issue_dispatch(sending: _SendLayout, x: torch.Tensor, group: Optional[dist.ProcessGroup],
                     previous_event: Optional[overlap.Event], stream_tag: Optional[str],
                     event_tag: str, counts: Optional[PendingCounts] = None) -> DispatchHandle:
     """On ``stream_tag``: the count exchange's read (``counts``, issued before, else issued now; none where
     the splits are known), the receive buffers and the two exchanges (tokens, metadata) into all but
     their first ``n_own`` rows."""
-    layout, me, n_own = plan.layout, plan.rank, plan.n_own
-    with _side(stream_tag, previous_event, event_tag) as caller:
-        recv_splits, per_expert = plan.recv_splits, None
+    layout, me, n_own = sending.layout, sending.rank, sending.n_own
+    with on_side(stream_tag, previous_event, event_tag) as caller:
+        recv_splits, per_expert = sending.recv_splits, None
         if recv_splits is None:
             recv_splits, per_expert = (counts.read() if counts is not None
-                                       else exchange_counts(layout, group, fields=plan.fields))
+                                       else exchange_counts(layout, group, fields=sending.fields))
         rows = sum(recv_splits)
         recv_x = x.new_empty(rows, x.shape[1])
-        recv_meta = plan.meta.new_empty(rows, plan.meta.shape[1])
+        recv_meta = sending.meta.new_empty(rows, sending.meta.shape[1])
         travel_in, travel_out = _others(recv_splits, me), _others(layout.send_splits, me)
-        _exchange_into(recv_x[n_own:], plan.send_x, travel_in, travel_out, group, "dispatch", caller)
-        _exchange_into(recv_meta[n_own:], plan.send_meta, travel_in, travel_out, group, "dispatch.meta", caller)
+        _exchange_into(recv_x[n_own:], sending.send_x, travel_in, travel_out, group, "dispatch", caller)
+        _exchange_into(recv_meta[n_own:], sending.send_meta, travel_in, travel_out, group, "dispatch.meta", caller)
         handle = DispatchHandle(layout, recv_x, recv_meta, recv_splits, per_expert, group, x.dtype, rank=me,
-                                spare=plan.send_x if plan.pooled else None)
-        handle.event = _exchange_event(stream_tag, caller, event_tag, recv_x, recv_meta)
+                                spare=sending.send_x if sending.pooled else None)
+        handle.event = exchange_event(stream_tag, caller, event_tag, recv_x, recv_meta)
     return handle
 
 
-def _keep_own_rows(plan: _SendLayout, x: torch.Tensor, handle: DispatchHandle, event_tag: str) -> None:
+def _keep_own_rows(sending: _SendLayout, x: torch.Tensor, handle: DispatchHandle, event_tag: str) -> None:
     """The rows this rank keeps, into the first rows of the receive buffers on the calling stream, beside
     the exchange (disjoint rows of the same buffers); detached, as the rows that travel are (the
     exchange is not differentiable)."""
-    a, b = plan.own
-    _gather_rows(handle.recv_x[:plan.n_own], x.detach(), plan.layout.send_token[a:b])
-    handle.recv_meta[:plan.n_own].copy_(plan.meta[a:b].detach())
+    a, b = sending.own
+    _gather_rows(handle.recv_x[:sending.n_own], x.detach(), sending.layout.send_token[a:b])
+    handle.recv_meta[:sending.n_own].copy_(sending.meta[a:b].detach())
     handle.own_event = _own_event(handle.event, event_tag, handle.recv_x, handle.recv_meta)
 
 
@@ -419,7 +348,7 @@ def _join_as_rejected(err: LayoutError, x: torch.Tensor, topk_idx: torch.Tensor,
     if world < 2 or torch.compiler.is_compiling():
         return
     fields = layer_fields(x, topk_idx, num_experts)
-    with _side(stream_tag, previous_event, event_tag):
+    with on_side(stream_tag, previous_event, event_tag):
         send = _count_rows(world, None, fields, True, collective_device(group))
         _exchange_count_rows(send, 0, group, "ep_dispatch.counts", err)  # exchange_counts's event
 
@@ -442,15 +371,15 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
                                stream_tag=stream_tag, event_tag=event_tag,
                                check_ids=check_ids).dispatch(async_finish=async_finish)
     world = group_size(group)  # a group this rank is not in: nothing to join
-    plan = _plan_dispatch(x, topk_idx, topk_weights, num_experts, group, world, send_splits, recv_splits, check_ids)
-    return _finish_dispatch(plan, x, group, previous_event, stream_tag, event_tag, None, async_finish)
+    sending = _send_layout(x, topk_idx, topk_weights, num_experts, group, world, send_splits, recv_splits, check_ids)
+    return _finish_dispatch(sending, x, group, previous_event, stream_tag, event_tag, None, async_finish)
 
 
-def _finish_dispatch(plan: _SendLayout, x: torch.Tensor, group: Optional[dist.ProcessGroup],
+def _finish_dispatch(sending: _SendLayout, x: torch.Tensor, group: Optional[dist.ProcessGroup],
                      previous_event: Optional[overlap.Event], stream_tag: Optional[str], event_tag: str,
                      counts: Optional[PendingCounts], async_finish: bool) -> DispatchHandle:
-    handle = _issue_dispatch(plan, x, group, previous_event, stream_tag, event_tag, counts)
-    _keep_own_rows(plan, x, handle, event_tag)
+    handle = _issue_dispatch(sending, x, group, previous_event, stream_tag, event_tag, counts)
+    _keep_own_rows(sending, x, handle, event_tag)
     if not async_finish:
         handle.wait()
     return handle
@@ -470,7 +399,7 @@ class PendingDispatch:
     counts arrive, as a device's comm stream would; `dispatch` then takes that handle.
     """
 
-    plan: _SendLayout
+    sending: _SendLayout
     x: torch.Tensor
     group: Optional[dist.ProcessGroup]
     counts: PendingCounts
@@ -503,7 +432,7 @@ class PendingDispatch:
         return handle if async_finish else handle.wait()
 
     def _finish(self, async_finish: bool) -> DispatchHandle:
-        return _finish_dispatch(self.plan, self.x, self.group, self.previous_event, self.stream_tag, self.event_tag,
+        return _finish_dispatch(self.sending, self.x, self.group, self.previous_event, self.stream_tag, self.event_tag,
                                 self.counts, async_finish)
 
 
@@ -519,15 +448,15 @@ def dispatch_counts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch
     """
     world = group_size(group)  # a group this rank is not in: nothing to join
     try:
-        plan = _plan_dispatch(x, topk_idx, topk_weights, num_experts, group, world, None, None, check_ids)
+        sending = _send_layout(x, topk_idx, topk_weights, num_experts, group, world, None, None, check_ids)
     except LayoutError as err:
         _join_as_rejected(err, x, topk_idx, num_experts, group, world, previous_event, stream_tag, event_tag)
         raise
-    layout = plan.layout
-    with _side(stream_tag, previous_event, event_tag):
-        send = _count_rows(layout.world_size, layout, plan.fields, False, layout.num_tokens_per_rank.device)
+    layout = sending.layout
+    with on_side(stream_tag, previous_event, event_tag):
+        send = _count_rows(layout.world_size, layout, sending.fields, False, layout.num_tokens_per_rank.device)
         counts = _issue_count_rows(send, layout.experts_per_rank, group, f"{event_tag}.counts")
-    return PendingDispatch(plan, x, group, counts, previous_event, stream_tag, event_tag)
+    return PendingDispatch(sending, x, group, counts, previous_event, stream_tag, event_tag)
 
 
 @dataclasses.dataclass
@@ -588,7 +517,7 @@ class _ReturnLayout:
         return self.own[1] - self.own[0]
 
 
-def _plan_combine(expert_out: torch.Tensor, batch: ExpertBatch, handle: DispatchHandle,
+def _return_layout(expert_out: torch.Tensor, batch: ExpertBatch, handle: DispatchHandle,
                   dtype: Optional[torch.dtype]) -> _ReturnLayout:
     """Validate, and reduce the rows that travel back (the own rows wait for `_reduce_own_rows`)."""
     if handle.event is not None:
@@ -604,7 +533,7 @@ def _plan_combine(expert_out: torch.Tensor, batch: ExpertBatch, handle: Dispatch
     layout, me, hidden = handle.layout, handle.rank, expert_out.shape[-1]
     own, others = _blocks(layout.send_splits, me)
     n_own = own[1] - own[0]
-    local = local_plan(expert_out, batch, handle.recv_weights)
+    local = local_bags(expert_out, batch, handle.recv_weights)
     travel = dtype or handle.dtype
     full = None
     if local is None:
@@ -617,51 +546,51 @@ def _plan_combine(expert_out: torch.Tensor, batch: ExpertBatch, handle: Dispatch
     return _ReturnLayout(layout, me, own, others, hidden, travel, local, partial, full, spare)
 
 
-def _combine_receive_buffer(plan: _ReturnLayout) -> torch.Tensor:
+def _combine_receive_buffer(returning: _ReturnLayout) -> torch.Tensor:
     """Where the other ranks' rows come back: the dispatch's send buffer when it fits, else a pooled or fresh one."""
-    rows, hidden = plan.layout.num_send - plan.n_own, plan.hidden
-    spare = plan.spare
-    if spare is not None and spare.dtype == plan.travel and tuple(spare.shape) == (rows, hidden):
+    rows, hidden = returning.layout.num_send - returning.n_own, returning.hidden
+    spare = returning.spare
+    if spare is not None and spare.dtype == returning.travel and tuple(spare.shape) == (rows, hidden):
         return spare
-    if plan.local is not None:
-        return _buffers.take(rows, hidden, plan.travel)
-    return plan.partial.new_empty(rows, hidden)
+    if returning.local is not None:
+        return _buffers.take(rows, hidden, returning.travel)
+    return returning.partial.new_empty(rows, hidden)
 
 
-def _issue_combine(plan: _ReturnLayout, handle: DispatchHandle, previous_event: Optional[overlap.Event],
+def _issue_combine(returning: _ReturnLayout, handle: DispatchHandle, previous_event: Optional[overlap.Event],
                    stream_tag: Optional[str], event_tag: str) -> CombineHandle:
     """On ``stream_tag``: send the reduced rows back (the reverse of the dispatch's splits)."""
-    me = plan.rank
-    with _side(stream_tag, previous_event, event_tag) as caller:
-        returned = _combine_receive_buffer(plan)
-        _exchange_into(returned, plan.partial, _others(plan.layout.send_splits, me), _others(handle.recv_splits, me),
-                       handle.group, "combine", caller)
-        result = CombineHandle(plan.layout, returned, handle.dtype,
-                               spent=[returned, plan.partial] if plan.local is not None else [])
-        result.event = _exchange_event(stream_tag, caller, event_tag, returned)
+    me = returning.rank
+    with on_side(stream_tag, previous_event, event_tag) as caller:
+        returned = _combine_receive_buffer(returning)
+        _exchange_into(returned, returning.partial, _others(returning.layout.send_splits, me),
+                       _others(handle.recv_splits, me), handle.group, "combine", caller)
+        result = CombineHandle(returning.layout, returned, handle.dtype,
+                               spent=[returned, returning.partial] if returning.local is not None else [])
+        result.event = exchange_event(stream_tag, caller, event_tag, returned)
     return result
 
 
-def _reduce_own_rows(plan: _ReturnLayout, expert_out: torch.Tensor, result: CombineHandle, event_tag: str) -> None:
+def _reduce_own_rows(returning: _ReturnLayout, expert_out: torch.Tensor, result: CombineHandle, event_tag: str) -> None:
     """The own rows' contribution, straight into token order on the calling stream, beside the exchange:
     the first term of every token's sum (``result.out``)."""
-    layout, (a, b) = plan.layout, plan.own
+    layout, (a, b) = returning.layout, returning.own
     own_tokens = layout.send_token[a:b]
-    if plan.local is None:
-        result.out = sum_first(own_tokens, plan.full[:plan.n_own], layout.num_tokens)
+    if returning.local is None:
+        result.out = sum_first(own_tokens, returning.full[:returning.n_own], layout.num_tokens)
     else:
-        result.out = reduce_bags(expert_out, plan.local, 0, plan.n_own, tokens=own_tokens,
+        result.out = reduce_bags(expert_out, returning.local, 0, returning.n_own, tokens=own_tokens,
                                  num_tokens=layout.num_tokens)
-        if plan.travel != torch.float32:  # round as the other ranks' rows are
-            result.out = result.out.to(plan.travel).float()
+        if returning.travel != torch.float32:  # round as the other ranks' rows are
+            result.out = result.out.to(returning.travel).float()
     result.own_event = _own_event(result.event, event_tag, result.out)
 
 
-def _returned_blocks(plan: _ReturnLayout) -> List[tuple]:
+def _returned_blocks(returning: _ReturnLayout) -> List[tuple]:
     """Per other rank, in rank order: its tokens and its rows of ``returned`` (``CombineHandle.blocks``)."""
     blocks, at = [], 0
-    for a, b in plan.others:
-        blocks.append((plan.layout.send_token[a:b], at, at + b - a))
+    for a, b in returning.others:
+        blocks.append((returning.layout.send_token[a:b], at, at + b - a))
         at += b - a
     return blocks
 
@@ -680,10 +609,10 @@ def combine(expert_out: torch.Tensor, batch: ExpertBatch, handle: DispatchHandle
     ranks' follow in rank order. ``expert_out`` of another hidden size than the dispatched tokens is a
     `LayoutError` before the exchange.
     """
-    plan = _plan_combine(expert_out, batch, handle, dtype)
-    result = _issue_combine(plan, handle, previous_event, stream_tag, event_tag)
-    _reduce_own_rows(plan, expert_out, result, event_tag)
-    result.blocks = _returned_blocks(plan)
+    returning = _return_layout(expert_out, batch, handle, dtype)
+    result = _issue_combine(returning, handle, previous_event, stream_tag, event_tag)
+    _reduce_own_rows(returning, expert_out, result, event_tag)
+    result.blocks = _returned_blocks(returning)
     if not async_finish and result.event is not None:
         result.event.wait()
         result.event = None
@@ -691,5 +620,38 @@ def combine(expert_out: torch.Tensor, batch: ExpertBatch, handle: DispatchHandle
     return result
 
 
-__all__ = ["CombineHandle", "DispatchHandle", "PendingDispatch", "combine", "dispatch", "dispatch_counts",
-           "exchange_counts", "group_size"]
+class AllToAllExchange:
+    """The uneven all-to-all as an `collectives.exchange.Exchange`: `prepare` lays the tokens out and issues the
+    count exchange (`dispatch_counts`), `dispatch` reads the counts and sends the tokens (`PendingDispatch.dispatch`),
+    `run_experts` runs the experts over the received rows per local expert (host counts), `combine` sends them back;
+    each on the stream the caller is on (the layer's stages: ``ep_comm``), the ordering the caller's."""
+
+    name = "all_to_all"
+
+    def two_step(self, layer: ExpertLayer) -> bool:
+        """Always: the count exchange is a step of its own."""
+        return True
+
+    def prepare(self, tokens: RoutedTokens, layer: ExpertLayer, *, ahead: bool = False) -> PendingDispatch:
+        """The ranks' agreement on the layer's shapes once, then `dispatch_counts`; ``ahead``: its
+        `PendingDispatch.issue_ahead` (on the CPU path the stream's thread sends the tokens once the counts arrive)."""
+        layer.shapes.check(tokens, layer)
+        pending = dispatch_counts(tokens.x, tokens.topk_idx, tokens.topk_weights, layer.num_experts, layer.group,
+                                  stream_tag=None)
+        if ahead:
+            pending.issue_ahead()
+        return pending
+
+    def dispatch(self, prepared: PendingDispatch) -> DispatchHandle:
+        return prepared.dispatch(async_finish=True)
+
+    def run_experts(self, handle: DispatchHandle, experts: LocalExperts) -> Tuple[torch.Tensor, ExpertBatch]:
+        batch = handle.expand()
+        return experts(batch.x, batch.counts), batch
+
+    def combine(self, expert_out: torch.Tensor, batch: ExpertBatch, handle: DispatchHandle) -> CombineHandle:
+        return combine(expert_out, batch, handle, stream_tag=None, async_finish=True)
+
+
+__all__ = ["AllToAllExchange", "CombineHandle", "DispatchHandle", "PendingDispatch", "combine", "dispatch",
+           "dispatch_counts", "exchange_counts"]

@@ -15,6 +15,9 @@ one of them::
 Rows of ``batch.x`` past the sum of the counts are padding (MC2 and capacity batches have a
 fixed number of rows): their outputs are never read, and a group-list kernel leaves them zero.
 
+The layer does not read these handles itself: each exchange (`collectives.exchange.Exchange`, one class per
+family) takes its own back in its ``run_experts`` and ``combine``.
+
 ``isinstance`` with these ``runtime_checkable`` protocols checks names only; the tests of each
 family (``tests/test_dispatch.py``, ``test_capacity.py``, ``test_mc2.py``) check every member of
 each protocol on its handles and batches, with a signature that takes the protocol's calls.

@@ -293,10 +293,10 @@ def reduce_local(expert_out: torch.Tensor, batch: ExpertBatch, recv_weights: tor
     Slots whose expert lives elsewhere add an exact zero, as in `collectives.reference.combine_dense`:
     a non-finite expert output spoils only the rows that chose that expert.
     """
-    plan = local_plan(expert_out, batch, recv_weights)
-    if plan is None:
+    bags = local_bags(expert_out, batch, recv_weights)
+    if bags is None:
         return _reduce_local_dense(expert_out, batch, recv_weights)
-    return reduce_bags(expert_out, plan, 0, batch.num_rows)
+    return reduce_bags(expert_out, bags, 0, batch.num_rows)
 
 
 def _slot_rows(expert_out: torch.Tensor, batch: ExpertBatch) -> torch.Tensor:
@@ -344,8 +344,8 @@ def _eager_cpu(t: torch.Tensor) -> bool:
             and not (t.requires_grad and torch.is_grad_enabled()))
 
 
-def local_plan(expert_out: torch.Tensor, batch: ExpertBatch, recv_weights: torch.Tensor) -> Optional[LocalBags]:
-    """The plan of `reduce_bags`, or None where the static-shape form must be used instead (not
+def local_bags(expert_out: torch.Tensor, batch: ExpertBatch, recv_weights: torch.Tensor) -> Optional[LocalBags]:
+    """The bags `reduce_bags` reduces, or None where the static-shape form must be used instead (not
     eager CPU, or no expanded rows)."""
     if not _eager_cpu(expert_out) or expert_out.shape[0] == 0:
         return None
@@ -360,7 +360,7 @@ def local_plan(expert_out: torch.Tensor, batch: ExpertBatch, recv_weights: torch
 _CHUNK_BYTES = 1 << 20
 
 
-def reduce_bags(expert_out: torch.Tensor, plan: LocalBags, lo: int, hi: int,
+def reduce_bags(expert_out: torch.Tensor, bags: LocalBags, lo: int, hi: int,
                 tokens: Optional[torch.Tensor] = None, num_tokens: int = 0,
                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Rows ``lo:hi`` of `reduce_local`, one pass over the expert outputs (``embedding_bag``).
@@ -369,15 +369,15 @@ def reduce_bags(expert_out: torch.Tensor, plan: LocalBags, lo: int, hi: int,
     at ``tokens[r - lo]``, every other token is zero. Weights and sums are float32 at any dtype of
     ``expert_out``; the result is float32, or written into ``out`` (rounded to its dtype).
     """
-    a, b = int(plan.start[lo]), int(plan.start[hi])
-    counts = plan.start[lo + 1:hi + 1] - plan.start[lo:hi]
+    a, b = int(bags.start[lo]), int(bags.start[hi])
+    counts = bags.start[lo + 1:hi + 1] - bags.start[lo:hi]
     if tokens is not None:
         per_token = torch.zeros(num_tokens, dtype=torch.int64)
         per_token[tokens] = counts
         counts = per_token
     offsets = torch.zeros_like(counts)
     torch.cumsum(counts[:-1], 0, out=offsets[1:])
-    src, weight = plan.src[a:b], plan.weight[a:b]
+    src, weight = bags.src[a:b], bags.weight[a:b]
     if expert_out.dtype == torch.float32 and out is None:
         return F.embedding_bag(src, expert_out, offsets, mode="sum", per_sample_weights=weight)
     # A cache-sized chunk of bags at a time: widened to float32 where needed, summed, then stored.

@@ -1,4 +1,4 @@
-"""MC2: torch_npu's fused dispatch / combine, a second expert-parallel backend behind the handle API of `dispatch`.
+"""MC2: torch_npu's fused dispatch / combine, an expert-parallel exchange behind the handle API of `dispatch`.
 
 ``npu_moe_distribute_dispatch_v2`` sends every (token, expert) pair straight into the receivers'
 HCCL window and returns the rows grouped by local expert with a device count per expert (the
@@ -9,13 +9,18 @@ handles with the interface of every family (`collectives.handles`: ``wait()``, `
 ``combine()``, and the combine handle's ``wait()``), asynchronous on a tagged stream (``stream_tag``,
 default ``ep_comm``), so code written for `collectives.dispatch` runs on MC2 unchanged.
 
-Choosing the backend (`choose_backend`, `ep_dispatch` / `ep_combine`): ``"all_to_all"``
+Choosing the exchange (`choose_exchange`, `ep_dispatch` / `ep_combine`; `MC2_EXCHANGES`): ``"all_to_all"``
 (`collectives.dispatch`), ``"mc2"`` (an `MC2Error` on CPU / CUDA, before any collective: MC2
 needs torch_npu on the NPU paths), or ``"auto"`` (default): MC2 where torch_npu provides it, the
 group has at least two ranks and ``max_tokens_per_rank`` is at most ``mc2_threshold`` (default
 `MC2_MAX_TOKENS` = 256, the largest batch MC2 takes on every Atlas product: Bs <= 256 on A2,
 <= 512 on A3); all_to_all otherwise. ``max_tokens_per_rank`` is a bound every rank passes alike
-(MC2 needs it as ``global_bs``), so every rank picks the same backend.
+(MC2 needs it as ``global_bs``), so every rank picks the same exchange.
+
+`MC2Exchange` is MC2 as a `collectives.exchange.Exchange`, for the layer: ``auto`` falls back to another
+exchange where MC2 does not run (the all-to-all for prefill, the capacity exchange for decode steps, whose bound
+is the step's capacity). `decode_exchange_named` gives a decode step's exchange by the launcher's word
+(`DECODE_EXCHANGES`: ``capacity``, ``mc2``, ``auto``).
 
 Before the first call the HCCL window MC2 needs is computed from Ascend's formula
 (`mc2_buffer_mb`) and compared with ``HCCL_BUFFSIZE`` (MB, default 200): too small is an
@@ -32,22 +37,25 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from typing import Any, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 import overlap
 from overlap import EP_COMM, GroupTransport, agree, hooks
 
-from .dispatch import DispatchHandle, _exchange_event, _peers, _rank, _side, dispatch, group_size
+from .capacity import CapacityExchange
+from .dispatch import DispatchHandle, dispatch
+from .exchange import Exchange, ExpertLayer, RoutedTokens
 from .experts import LocalExperts, torch_npu_with
+from .group import group_size, has_peers, rank_in_group
 from .handles import EPBatch, EPCombineHandle, EPDispatchHandle
-from .layer import ExpertParallelMoE, SharedExperts
 from .layout import AGREED_HINTS, LayoutError, check_active, check_routing, fields_by_name, layer_fields
+from .side import exchange_event, on_side
 
-BACKENDS = ("auto", "all_to_all", "mc2")
+MC2_EXCHANGES = ("auto", "all_to_all", "mc2")  # what `choose_exchange` and `ep_dispatch` take
+DECODE_EXCHANGES = ("capacity", "mc2", "auto")  # a decode step's exchange by name (`decode_exchange_named`)
 MC2_MAX_TOKENS = 256  # default threshold of "auto": tokens per rank at or below it take MC2
 ENV_BUFFSIZE = "HCCL_BUFFSIZE"
 DEFAULT_BUFFSIZE_MB = 200  # HCCL's default when HCCL_BUFFSIZE is unset
@@ -137,7 +145,7 @@ def check_mc2_buffer(max_tokens_per_rank: int, hidden: int, top_k: int, num_expe
         raise MC2Error(f"MC2 needs an HCCL buffer of at least {need} MB for {max_tokens_per_rank} tokens per rank, "
                        f"hidden size {hidden}, top-{top_k}, {num_experts} experts on {world_size} ranks "
                        f"({chip or 'A2/A3'} formula), but {how}: set {ENV_BUFFSIZE}={need} (MB) on every rank "
-                       f"before the process group is created, or use backend='all_to_all' or fewer tokens per rank")
+                       f"before the process group is created, or use exchange='all_to_all' or fewer tokens per rank")
     return need
 
 
@@ -150,22 +158,22 @@ def _require() -> Any:
     npu = torch_npu_with(*OPS)
     if npu is None:
         raise MC2Error(f"MC2 needs torch_npu on the npu path (npu_moe_distribute_dispatch_v2 / combine_v2); this "
-                       f"is the {overlap.current_path()} path: use backend='all_to_all' or 'auto'")
+                       f"is the {overlap.current_path()} path: use exchange='all_to_all' or 'auto'")
     return npu
 
 
-def choose_backend(backend: str = "auto", max_tokens_per_rank: Optional[int] = None,
-                   mc2_threshold: int = MC2_MAX_TOKENS, world_size: int = 2) -> str:
-    """``"all_to_all"`` or ``"mc2"`` for ``backend`` (one of `BACKENDS`; see the module docstring).
+def choose_exchange(exchange: str = "auto", max_tokens_per_rank: Optional[int] = None,
+                    mc2_threshold: int = MC2_MAX_TOKENS, world_size: int = 2) -> str:
+    """``"all_to_all"`` or ``"mc2"`` for ``exchange`` (one of `MC2_EXCHANGES`; see the module docstring).
 
     ``"mc2"`` raises `MC2Error` where MC2 cannot run (CPU, CUDA), before any collective.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "mc2":
+    if exchange not in MC2_EXCHANGES:
+        raise ValueError(f"exchange must be one of {MC2_EXCHANGES}, got {exchange!r}")
+    if exchange == "mc2":
         _require()
         return "mc2"
-    if backend == "auto" and world_size > 1 and max_tokens_per_rank is not None \
+    if exchange == "auto" and world_size > 1 and max_tokens_per_rank is not None \
             and 0 < int(max_tokens_per_rank) <= int(mc2_threshold) and mc2_available():
         return "mc2"
     return "all_to_all"
@@ -340,7 +348,7 @@ def _validated(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tens
             precheck()
     except (LayoutError, MC2Error) as err:
         rejected = err
-    if validate and _peers(group) and not torch.compiler.is_compiling():
+    if validate and has_peers(group) and not torch.compiler.is_compiling():
         _check_ranks(max_tokens, layer_fields(x, topk_idx, num_experts), group, rejected)
     elif rejected is not None:
         raise rejected
@@ -366,11 +374,11 @@ def mc2_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     chip = chip or chip_of(overlap.backends.current().soc_version())
     _validated(x, topk_idx, topk_weights, num_experts, group, max_tokens, validate, check_ids, chip, precheck, active)
     world = group_size(group)
-    call = _Call(group_name or _group_name(group), world, _rank(group), num_experts, max_tokens * world)
+    call = _Call(group_name or _group_name(group), world, rank_in_group(group), num_experts, max_tokens * world)
     xs, ids, weights, mask = _pad(x.detach(), topk_idx, topk_weights, max_tokens, active)
     if not _takes_active_mask(chip):
         mask = None
-    with _side(stream_tag, previous_event, event_tag) as caller:
+    with on_side(stream_tag, previous_event, event_tag) as caller:
         with _comm_span("mc2.dispatch", (xs, ids)):
             out = npu.npu_moe_distribute_dispatch_v2(
                 x=xs, expert_ids=ids, group_ep=call.group_ep, ep_world_size=call.world, ep_rank_id=call.rank,
@@ -381,7 +389,7 @@ def mc2_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
             overlap.record_stream(t, caller)  # allocated on this stream, read on the caller's
         handle = MC2DispatchHandle(expand_x, group_list, ids, weights, assist_info, ep_recv_counts, mask, call,
                                    x.shape[0])
-        handle.event = _exchange_event(stream_tag, caller, event_tag, expand_x, group_list)
+        handle.event = exchange_event(stream_tag, caller, event_tag, expand_x, group_list)
     if not async_finish:
         handle.wait()
     return handle
@@ -398,7 +406,7 @@ def mc2_combine(expert_out: torch.Tensor, batch: Optional[MC2Batch], handle: MC2
     if tuple(expert_out.shape) != tuple(handle.expand_x.shape):
         raise LayoutError(f"expert output must be {tuple(handle.expand_x.shape)} (one row per received row), got "
                           f"{tuple(expert_out.shape)}")
-    with _side(stream_tag, previous_event, event_tag) as caller:
+    with on_side(stream_tag, previous_event, event_tag) as caller:
         call = handle.call
         with _comm_span("mc2.combine", (expert_out,)):
             out = npu.npu_moe_distribute_combine_v2(
@@ -408,7 +416,7 @@ def mc2_combine(expert_out: torch.Tensor, batch: Optional[MC2Batch], handle: MC2
                 x_active_mask=handle.x_active_mask, global_bs=call.global_bs)
         overlap.record_stream(out, caller)
         result = MC2CombineHandle(out, handle.num_tokens)
-        result.event = _exchange_event(stream_tag, caller, event_tag, out)
+        result.event = exchange_event(stream_tag, caller, event_tag, out)
     if not async_finish:
         result.wait()
     return result
@@ -418,14 +426,14 @@ AnyDispatch = Union[DispatchHandle, MC2DispatchHandle]
 
 
 def ep_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
-                group: Optional[dist.ProcessGroup] = None, *, backend: str = "auto",
+                group: Optional[dist.ProcessGroup] = None, *, exchange: str = "auto",
                 max_tokens_per_rank: Optional[int] = None, mc2_threshold: int = MC2_MAX_TOKENS,
                 **kwargs: Any) -> AnyDispatch:
-    """`collectives.dispatch.dispatch` or `mc2_dispatch`, as `choose_backend` says; ``kwargs`` go to it."""
-    which = choose_backend(backend, max_tokens_per_rank, mc2_threshold, group_size(group))
+    """`collectives.dispatch.dispatch` or `mc2_dispatch`, as `choose_exchange` says; ``kwargs`` go to it."""
+    which = choose_exchange(exchange, max_tokens_per_rank, mc2_threshold, group_size(group))
     if which == "mc2":
         if max_tokens_per_rank is None:
-            raise LayoutError("backend='mc2' needs max_tokens_per_rank (the same bound on every rank)")
+            raise LayoutError("exchange='mc2' needs max_tokens_per_rank (the same bound on every rank)")
         return mc2_dispatch(x, topk_idx, topk_weights, num_experts, group, max_tokens_per_rank=max_tokens_per_rank,
                             **kwargs)
     return dispatch(x, topk_idx, topk_weights, num_experts, group, **kwargs)
@@ -436,90 +444,103 @@ def ep_combine(expert_out: torch.Tensor, batch: EPBatch, handle: EPDispatchHandl
     return handle.combine(expert_out, batch, **kwargs)
 
 
-class MC2ExpertParallelMoE(ExpertParallelMoE):
-    """`ExpertParallelMoE` whose dispatch / combine backend is chosen by `choose_backend` (``backend``,
-    ``max_tokens_per_rank``, ``mc2_threshold``): same stages; on either backend the experts take the batch's
-    device group list (`collectives.handles`). ``validate``: MC2's agreement all-reduce on every call (else
-    on the first only). Its decode steps (`decode_stages`) choose by ``decode_backend`` (None: ``backend``) with
-    the step's capacity as the bound: MC2, or the capacity exchange where that is ``"all_to_all"``. With
-    ``backend="auto"`` and no ``max_tokens_per_rank`` prefill keeps the all-to-all and its count stage."""
+@dataclasses.dataclass
+class _Through:
+    """What `MC2Exchange` prepared or dispatched, and through which exchange: MC2 (``fallback`` None) or its
+    fallback, whose own value ``value`` is."""
 
-    def __init__(self, router: nn.Module, experts: LocalExperts, num_experts: int,
-                 group: Optional[dist.ProcessGroup] = None, shared: Optional[SharedExperts] = None,
-                 overlap_shared: bool = True, *, backend: str = "auto", max_tokens_per_rank: Optional[int] = None,
-                 mc2_threshold: int = MC2_MAX_TOKENS, validate: bool = True, decode_backend: Optional[str] = None):
-        super().__init__(router, experts, num_experts, group, shared, overlap_shared)
-        for name, value in (("backend", backend), ("decode_backend", decode_backend or backend)):
-            if value not in BACKENDS:
-                raise ValueError(f"{name} must be one of {BACKENDS}, got {value!r}")
-        self.backend, self.max_tokens_per_rank, self.mc2_threshold = backend, max_tokens_per_rank, mc2_threshold
-        self.validate, self.decode_backend = validate, decode_backend
-        self.group_name: Optional[str] = None  # the HCCL communicator's name, asked once (eagerly)
+    fallback: Optional[Exchange]
+    value: Any
 
-    @classmethod
-    def wrap(cls, module: nn.Module, group: Optional[dist.ProcessGroup] = None, *, overlap_shared: bool = True,
-             **kwargs: Any) -> "MC2ExpertParallelMoE":
-        """The layer of ``module`` (anything `wrap_expert_parallel` accepts), this rank's experts only."""
-        from .wrap import wrap_expert_parallel
 
-        ep = wrap_expert_parallel(module, group, overlap_shared=overlap_shared)
-        return cls(ep.router, ep.experts, ep.num_experts, group, ep.shared, overlap_shared, **kwargs)
+class MC2Exchange:
+    """MC2 as a `collectives.exchange.Exchange`: `mc2_dispatch` / `mc2_combine` on the calling stream, the experts
+    on the batch's device group list; with ``auto``, only where `choose_exchange` takes MC2 for the call's bound,
+    ``fallback`` otherwise (as it is: its stages, its count exchange).
 
-    def backend_for(self) -> str:
-        """The backend this layer's dispatches take."""
-        return choose_backend(self.backend, self.max_tokens_per_rank, self.mc2_threshold, group_size(self.group))
+    The bound (MC2's ``max_tokens_per_rank``, the same on every rank): the call's capacity
+    (`RoutedTokens.capacity`: a decode step's bucket), else ``max_tokens_per_rank`` (a prefill's; ``auto``
+    without one keeps the fallback). ``validate``: MC2's agreement all-reduce on every call (else on the layer's
+    first only, the layer's shapes folded in); a decode step's passes False (it reads nothing on the host).
+    """
 
-    def _dispatch(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> AnyDispatch:
-        if self.backend_for() == "all_to_all":
-            return super()._dispatch(x, idx, weights)
-        if self.max_tokens_per_rank is None:
-            raise LayoutError("backend='mc2' needs max_tokens_per_rank (the same bound on every rank)")
-        return self._mc2(x, idx, weights, self.max_tokens_per_rank, self.validate)
-
-    def _has_count_stage(self) -> bool:
-        return self.two_step_dispatch and self.backend_for() == "all_to_all"
+    def __init__(self, fallback: Exchange, *, auto: bool = True, max_tokens_per_rank: Optional[int] = None,
+                 mc2_threshold: int = MC2_MAX_TOKENS, validate: bool = True):
+        self.fallback, self.auto = fallback, auto
+        self.max_tokens_per_rank, self.mc2_threshold, self.validate = max_tokens_per_rank, mc2_threshold, validate
+        self._group_names: Dict[Optional[dist.ProcessGroup], str] = {}  # HCCL communicator names, asked once
 
     @property
-    def decode_exchange(self) -> str:
-        backend = self.decode_backend or self.backend
-        return "capacity" if backend == "all_to_all" else backend
+    def name(self) -> str:
+        """``"auto"`` (MC2 where it runs) or ``"mc2"``."""
+        return "auto" if self.auto else "mc2"
 
-    def _decode_dispatch(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, capacity: int,
-                         active: Optional[torch.Tensor] = None) -> Any:
-        """A decode step's dispatch: MC2 with the step's capacity (its bucket, the same on every rank) as the
-        batch bound where `choose_backend` takes MC2 for it, else the capacity exchange; checked on the first
-        call only, whatever ``validate`` says (a decode step reads nothing on the host). Padding rows (``active``
-        False, after the real ones) are left out of MC2's exchange (``x_active_mask``)."""
-        backend = choose_backend(self.decode_backend or self.backend, capacity, self.mc2_threshold,
-                                 group_size(self.group))
-        if backend == "all_to_all":
-            return super()._decode_dispatch(x, idx, weights, capacity, active)
-        return self._mc2(x, idx, weights, capacity, False, active)
+    def exchange_for(self, layer: ExpertLayer, capacity: Optional[int] = None) -> str:
+        """What a dispatch of ``layer`` with ``capacity`` rows per rank (None: a prefill's) takes: ``"mc2"``, or
+        the fallback's name; ``"mc2"`` raises `MC2Error` where MC2 cannot run."""
+        bound = self.max_tokens_per_rank if capacity is None else capacity
+        taken = choose_exchange(self.name, bound, self.mc2_threshold, group_size(layer.group))
+        return "mc2" if taken == "mc2" else self.fallback.name
 
-    def _mc2(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, max_tokens: int,
-             validate: bool, active: Optional[torch.Tensor] = None) -> MC2DispatchHandle:
-        """`mc2_dispatch` of the layer's tokens, with the ranks' agreement checked where ``validate`` or on the
-        layer's first dispatch."""
-        first = self._shapes_unchecked()
-        if self.group_name is None and mc2_available():
-            self.group_name = _group_name(self.group)
-        handle = mc2_dispatch(x, idx, weights, self.num_experts, self.group, max_tokens_per_rank=max_tokens,
-                              stream_tag=None, async_finish=True, validate=validate or first,
-                              group_name=self.group_name, precheck=(lambda: self._check_experts(x)) if first else None,
-                              active=active)
-        if first:
-            self._shapes_checked = True
-        return handle
+    def two_step(self, layer: ExpertLayer) -> bool:
+        """The fallback's, where a prefill takes it; MC2 has no count exchange."""
+        return self.exchange_for(layer) != "mc2" and self.fallback.two_step(layer)
 
-    def _experts(self, handle: AnyDispatch) -> Tuple[torch.Tensor, EPBatch]:
-        batch = handle.expand()  # either backend: the rows grouped by local expert, the counts on the device
-        return self.experts(batch.x, batch.group_list), batch
+    def prepare(self, tokens: RoutedTokens, layer: ExpertLayer, *, ahead: bool = False) -> _Through:
+        """The fallback's `prepare` where it takes the call; MC2 has nothing to issue before the tokens."""
+        if self.exchange_for(layer, tokens.capacity) != "mc2":
+            return _Through(self.fallback, self.fallback.prepare(tokens, layer, ahead=ahead))
+        if tokens.capacity is None and self.max_tokens_per_rank is None:
+            raise LayoutError("exchange='mc2' needs max_tokens_per_rank (the same bound on every rank)")
+        return _Through(None, (tokens, layer))
 
-    def _combine(self, y: torch.Tensor, batch: EPBatch, handle: AnyDispatch) -> EPCombineHandle:
-        return handle.combine(y, batch, stream_tag=None, async_finish=True)
+    def dispatch(self, prepared: _Through) -> _Through:
+        """`mc2_dispatch` with the call's bound, the ranks' agreement checked where ``validate`` or on the layer's
+        first dispatch; padding rows (``active`` False, after the real ones) left out (``x_active_mask``)."""
+        if prepared.fallback is not None:
+            return _Through(prepared.fallback, prepared.fallback.dispatch(prepared.value))
+        tokens, layer = prepared.value
+        bound = self.max_tokens_per_rank if tokens.capacity is None else tokens.capacity
+        group_name = self._group_names.get(layer.group)
+        if group_name is None and mc2_available():
+            group_name = self._group_names[layer.group] = _group_name(layer.group)
+        precheck = layer.shapes.first_check(tokens, layer)
+        handle = mc2_dispatch(tokens.x, tokens.topk_idx, tokens.topk_weights, layer.num_experts, layer.group,
+                              max_tokens_per_rank=bound, stream_tag=None, async_finish=True,
+                              validate=self.validate or precheck is not None, group_name=group_name,
+                              precheck=precheck, active=tokens.active)
+        if precheck is not None:
+            layer.shapes.checked = True
+        return _Through(None, handle)
+
+    def run_experts(self, handle: _Through, experts: LocalExperts) -> Tuple[torch.Tensor, object]:
+        """MC2's rows come grouped by local expert with a device group list, which the experts take (or the
+        fallback's `run_experts`)."""
+        if handle.fallback is not None:
+            return handle.fallback.run_experts(handle.value, experts)
+        batch = handle.value.expand()
+        return experts(batch.x, batch.group_list), batch
+
+    def combine(self, expert_out: torch.Tensor, batch: object, handle: _Through) -> EPCombineHandle:
+        """`mc2_combine` on the calling stream (or the fallback's `combine`)."""
+        if handle.fallback is not None:
+            return handle.fallback.combine(expert_out, batch, handle.value)
+        return handle.value.combine(expert_out, batch, stream_tag=None, async_finish=True)
 
 
-__all__ = ["BACKENDS", "CHIPS", "DEFAULT_BUFFSIZE_MB", "ENV_BUFFSIZE", "MC2Batch", "MC2CombineHandle",
-           "MC2DispatchHandle", "MC2Error", "MC2ExpertParallelMoE", "MC2_MAX_TOKENS", "OPS", "check_mc2_buffer",
-           "chip_of", "choose_backend", "ep_combine", "ep_dispatch", "hccl_buffsize_mb", "mc2_available",
-           "mc2_buffer_bytes", "mc2_buffer_mb", "mc2_combine", "mc2_dispatch"]
+def decode_exchange_named(name: str, mc2_threshold: int = MC2_MAX_TOKENS) -> Exchange:
+    """A decode step's exchange by name (one of `DECODE_EXCHANGES`, the launcher's ``--decode-exchange``): the
+    capacity exchange, MC2 with the step's capacity as the bound, or ``"auto"``: MC2 where it runs, for buckets up
+    to ``mc2_threshold``, else the capacity exchange."""
+    if name not in DECODE_EXCHANGES:
+        raise ValueError(f"decode_exchange must be one of {DECODE_EXCHANGES}, got {name!r}")
+    capacity = CapacityExchange.for_decode()
+    if name == "capacity":
+        return capacity
+    return MC2Exchange(capacity, auto=name == "auto", mc2_threshold=mc2_threshold, validate=False)
+
+
+__all__ = ["CHIPS", "DECODE_EXCHANGES", "DEFAULT_BUFFSIZE_MB", "ENV_BUFFSIZE", "MC2Batch", "MC2CombineHandle",
+           "MC2DispatchHandle", "MC2Error", "MC2Exchange", "MC2_EXCHANGES", "MC2_MAX_TOKENS", "OPS",
+           "check_mc2_buffer", "chip_of", "choose_exchange", "decode_exchange_named", "ep_combine", "ep_dispatch",
+           "hccl_buffsize_mb", "mc2_available", "mc2_buffer_bytes", "mc2_buffer_mb", "mc2_combine", "mc2_dispatch"]

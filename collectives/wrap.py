@@ -27,17 +27,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._recognise import (PROBE_RTOL, ROUTED, ROUTER_NAMES, SHARED_GATE_NAMES, SHARED_NAMES, CapturedRouter, Observed,
-                         RoutedExperts, _fail, call_experts, child_router, find_moe_blocks, forced_block, shared_part)
-from .dispatch import group_size
+                         RoutedExperts, call_experts, child_router, find_moe_blocks, forced_block, misfit, shared_part)
+from .capacity import CapacityExchange
+from .dispatch import AllToAllExchange
+from .exchange import Exchange
 from .experts import LocalExperts
+from .group import group_size
 from .layer import ExpertParallelMoE, SharedExperts
 from .layout import LayoutError
+from .mc2 import MC2_EXCHANGES, MC2_MAX_TOKENS, MC2Exchange, decode_exchange_named
 
 PROBE_TOKENS = 16
 _EXAMPLES = ("collectives.reference.MoE or a transformers sparse MoE block (MixtralSparseMoeBlock, "
              "Qwen2MoeSparseMoeBlock, Qwen3MoeSparseMoeBlock, DeepseekV3MoE, ...; see docs/expert-parallel.md)")
 
-__all__ = ["IdentitySlots", "TransformersRouter", "find_moe_blocks", "wrap_expert_parallel"]
+__all__ = ["IdentitySlots", "TransformersRouter", "capacity_expert_parallel", "find_moe_blocks", "mc2_expert_parallel",
+           "wrap_expert_parallel"]
 
 
 class TransformersRouter(nn.Module):
@@ -158,14 +163,14 @@ def _check_experts(block: nn.Module, routed: RoutedExperts, roles, idx_dtype: to
         forms = ", nor ".join("down(act(gate) * up)" if glu is None else f"down({glu!r}(gate, up))"
                               for glu in routed.glus)
         bias = " (and biases)" if routed.biases else ""
-        raise _fail(block, f"its experts ({type(routed.module).__name__}) do not compute {forms} of their weights"
-                           f"{bias} with act = {_name(routed.act)} ({diffs[-1]} on large tokens): a clamped or "
-                           f"custom activation, or a norm, is not modelled")
+        raise misfit(block, f"its experts ({type(routed.module).__name__}) do not compute {forms} of their weights"
+                            f"{bias} with act = {_name(routed.act)} ({diffs[-1]} on large tokens): a clamped or "
+                            f"custom activation, or a norm, is not modelled")
     for e in identity_ids:
         y = _their_experts(routed, roles, x[:1], [e], idx_dtype, w_dtype, dense, k)
         if _differs(x[:1], y, ref.dtype) is not None:
-            raise _fail(block, f"its router picks expert {e}, past its {routed.count} weighted experts, and its "
-                               f"experts do not return the token there (an identity expert)")
+            raise misfit(block, f"its router picks expert {e}, past its {routed.count} weighted experts, and its "
+                                f"experts do not return the token there (an identity expert)")
     return glu
 
 
@@ -194,8 +199,8 @@ def _runs(block: nn.Module, fn):
     except Exception as err:
         if isinstance(err, TypeError) and str(err).startswith("wrap_expert_parallel:"):
             raise
-        raise _fail(block, f"its forward does not run on the tokens alone ({type(err).__name__}: {err}); it may "
-                           f"need other inputs (e.g. position embeddings, or token ids for hash routing)") from err
+        raise misfit(block, f"its forward does not run on the tokens alone ({type(err).__name__}: {err}); it may "
+                            f"need other inputs (e.g. position embeddings, or token ids for hash routing)") from err
 
 
 def _probe(block: nn.Module, routed: RoutedExperts, router: nn.Module, shared: Optional[SharedExperts],
@@ -214,16 +219,16 @@ def _probe(block: nn.Module, routed: RoutedExperts, router: nn.Module, shared: O
         else:
             (idx, w), hs, roles = _runs(block, lambda: router(flat)), flat, None
         if hs.shape[-1] != h or hs.numel() != flat.numel() or not torch.equal(hs.reshape(-1, h), flat):
-            raise _fail(block, "its router transforms the tokens before the experts (they get other hidden "
-                               "states than the block's input, e.g. scaled by the router scores)")
+            raise misfit(block, "its router transforms the tokens before the experts (they get other hidden "
+                                "states than the block's input, e.g. scaled by the router scores)")
         want = _output(_runs(block, lambda: target(x)))
         if not isinstance(want, torch.Tensor):
-            raise _fail(block, f"its forward returns {type(want).__name__}, not the output tensor")
+            raise misfit(block, f"its forward returns {type(want).__name__}, not the output tensor")
         idx, w = idx.reshape(-1, idx.shape[-1]), w.reshape(-1, w.shape[-1])
         top = int(idx.max()) if idx.numel() else 0
         if idx.numel() and (int(idx.min()) < 0 or (top >= routed.total and not (routed.has_identity or folded))):
-            raise _fail(block, f"its router picks expert ids outside 0..{routed.total - 1} (e.g. zero or identity "
-                               f"experts), which have no weights to shard")
+            raise misfit(block, f"its router picks expert ids outside 0..{routed.total - 1} (e.g. zero or identity "
+                                f"experts), which have no weights to shard")
         identity = [] if folded else sorted({e for e in idx.unique().tolist() if e >= routed.count})
         glu = _check_experts(block, routed, roles, idx.dtype, w.dtype, identity,
                              seen is not None and seen.scale is not None, idx.shape[-1])
@@ -232,8 +237,8 @@ def _probe(block: nn.Module, routed: RoutedExperts, router: nn.Module, shared: O
         want = want.reshape(-1, h).float()
         diff = _differs(want, got if extra is None else got + extra, dtype)
         if diff is not None:
-            raise _fail(block, f"its output is not routed experts + shared part on a probe batch ({diff}): "
-                               + _why_not(block, want, got, extra, dtype, routed.count if folded else None))
+            raise misfit(block, f"its output is not routed experts + shared part on a probe batch ({diff}): "
+                                + _why_not(block, want, got, extra, dtype, routed.count if folded else None))
     return glu
 
 
@@ -279,16 +284,16 @@ def _routed_child(module: nn.Module) -> Optional[Tuple[str, nn.Module]]:
 
 
 def _wrap_beside(module: nn.Module, name: str, inner: nn.Module, group, overlap_shared: bool, impl: str,
-                 check: bool) -> ExpertParallelMoE:
+                 check: bool, exchange: Optional[Exchange], decode_exchange: Optional[Exchange]) -> ExpertParallelMoE:
     """A block made of a routed block (its child ``name``) and shared experts beside it, summed (e.g. Granite's
     ``block_sparse_moe`` with its layer's ``shared_mlp``)."""
     ep = wrap_expert_parallel(inner, group, overlap_shared=overlap_shared, impl=impl, check=check)
     shared, names = shared_part(module)
     others = [n for n in module._modules if n not in {name, *names}]
     if ep.shared is not None or others:
-        raise _fail(module, f"beside its routed block {name} it has "
-                            + ("shared experts of its own inside that block" if ep.shared is not None
-                               else f"other parts ({', '.join(others)})"))
+        raise misfit(module, f"beside its routed block {name} it has "
+                             + ("shared experts of its own inside that block" if ep.shared is not None
+                                else f"other parts ({', '.join(others)})"))
     if check:
         gen = torch.Generator().manual_seed(0)
         ref = ep.experts.gate_up
@@ -299,17 +304,21 @@ def _wrap_beside(module: nn.Module, name: str, inner: nn.Module, group, overlap_
                                                if shared is not None else 0)
         diff = _differs(want, got, ref.dtype) if isinstance(want, torch.Tensor) else "not a tensor"
         if diff is not None:
-            raise _fail(module, f"its output is not its routed block {name} plus its shared experts ({diff})")
-    return ExpertParallelMoE(ep.router, ep.experts, ep.num_experts, group, shared, overlap_shared)
+            raise misfit(module, f"its output is not its routed block {name} plus its shared experts ({diff})")
+    return ExpertParallelMoE(ep.router, ep.experts, ep.num_experts, group, shared, overlap_shared,
+                             exchange=exchange, decode_exchange=decode_exchange)
 
 
 def wrap_expert_parallel(module: nn.Module, group: Optional[dist.ProcessGroup] = None, *,
-                         overlap_shared: bool = True, impl: str = "auto", check: bool = True) -> ExpertParallelMoE:
+                         overlap_shared: bool = True, impl: str = "auto", check: bool = True,
+                         exchange: Optional[Exchange] = None, decode_exchange: Optional[Exchange] = None
+                         ) -> ExpertParallelMoE:
     """An `ExpertParallelMoE` computing what ``module`` computes, with this rank's experts only.
 
     ``check``: verify once, on a probe batch of 16 tokens, that the block's output is the routed experts
     (from the routing it computes) plus its shared part (skipped for a loader's shard, ``ep_shard``).
-    Raises TypeError naming the part of the block that is missing or not supported.
+    Raises TypeError naming the part of the block that is missing or not supported. ``exchange`` /
+    ``decode_exchange``: the layer's (None: the all-to-all, and the capacity exchange for decode steps).
     """
     world = group_size(group)
     rank = dist.get_rank(group) if dist.is_initialized() else 0
@@ -317,7 +326,7 @@ def wrap_expert_parallel(module: nn.Module, group: Optional[dist.ProcessGroup] =
     if not isinstance(experts, nn.Module):
         inner = _routed_child(module) if isinstance(module, nn.Module) else None
         if inner is not None:
-            return _wrap_beside(module, *inner, group, overlap_shared, impl, check)
+            return _wrap_beside(module, *inner, group, overlap_shared, impl, check, exchange, decode_exchange)
         raise TypeError(f"wrap_expert_parallel: unsupported module {type(module).__name__}: no routed experts found "
                         f"(no child named {ROUTED!r}); expected an MoE block such as {_EXAMPLES}")
     routed = RoutedExperts(module, experts)
@@ -353,4 +362,43 @@ def wrap_expert_parallel(module: nn.Module, group: Optional[dist.ProcessGroup] =
         router, total, first = IdentitySlots(router, routed.total, world, rank), routed.total + world, rank * (n + 1)
     local = LocalExperts(gate_up, down, first, routed.act, impl, gate_up_bias=gate_up_bias, down_bias=down_bias,
                          glu=glu, identity=int(identity), input_scale=scale)
-    return ExpertParallelMoE(router, local, total, group, shared, overlap_shared)
+    return ExpertParallelMoE(router, local, total, group, shared, overlap_shared, exchange=exchange,
+                             decode_exchange=decode_exchange)
+
+
+def capacity_expert_parallel(module: nn.Module, group: Optional[dist.ProcessGroup] = None, *,
+                             capacity: Optional[int] = None, overlap_shared: bool = True, validate: bool = True,
+                             expert_path: str = "auto") -> ExpertParallelMoE:
+    """The static-shape layer of ``module``: `wrap_expert_parallel` with the capacity exchange for its stages too
+    (`CapacityExchange` of ``capacity``, ``validate`` and ``expert_path``), so that it traces under
+    ``torch.compile(fullgraph=True)`` (graph prefill). Its experts must compute the plain form
+    ``down(act(gate) * up)``, which its expert paths compute (TypeError otherwise, when it is built)."""
+    exchange = CapacityExchange(capacity, validate=validate, expert_path=expert_path)
+    ep = wrap_expert_parallel(module, group, overlap_shared=overlap_shared, impl="loop", exchange=exchange)
+    if not ep.experts.plain:
+        raise TypeError(f"the static-shape layer computes plain experts down(act(gate) * up) only; these have "
+                        f"{', '.join(ep.experts.extras())}: use wrap_expert_parallel (the eager paths)")
+    return ep
+
+
+def mc2_expert_parallel(module: nn.Module, group: Optional[dist.ProcessGroup] = None, *, exchange: str = "auto",
+                        max_tokens_per_rank: Optional[int] = None, mc2_threshold: int = MC2_MAX_TOKENS,
+                        validate: bool = True, decode_exchange: Optional[str] = None,
+                        overlap_shared: bool = True) -> ExpertParallelMoE:
+    """`wrap_expert_parallel` whose exchanges take MC2 (`MC2Exchange`), each named by one of `MC2_EXCHANGES`.
+
+    ``exchange``: its stages' (a prefill's), with ``max_tokens_per_rank`` as MC2's bound (``"auto"`` without one
+    keeps the all-to-all and its count stage); ``decode_exchange`` (None: ``exchange``): its decode steps', with
+    the step's capacity as the bound, the capacity exchange where that is ``"all_to_all"`` or auto does not take
+    MC2. ``validate``: MC2's agreement all-reduce on every prefill call (else on the layer's first only); a decode
+    step never runs one after the layer's first call.
+    """
+    decode = decode_exchange or exchange
+    for name, value in (("exchange", exchange), ("decode_exchange", decode)):
+        if value not in MC2_EXCHANGES:
+            raise ValueError(f"{name} must be one of {MC2_EXCHANGES}, got {value!r}")
+    prefill = AllToAllExchange() if exchange == "all_to_all" else MC2Exchange(
+        AllToAllExchange(), auto=exchange == "auto", max_tokens_per_rank=max_tokens_per_rank,
+        mc2_threshold=mc2_threshold, validate=validate)
+    steps = decode_exchange_named("capacity" if decode == "all_to_all" else decode, mc2_threshold)
+    return wrap_expert_parallel(module, group, overlap_shared=overlap_shared, exchange=prefill, decode_exchange=steps)

@@ -16,6 +16,7 @@ import torch
 
 import microbatch
 import overlap
+from collectives import DECODE_EXCHANGES  # --decode-exchange: the decode exchanges' names (make_expert_parallel)
 from overlap.state import MAX_WAIT_TIMEOUT
 
 if TYPE_CHECKING:  # imported where they are used: transformers only for --model NAME|PATH
@@ -45,8 +46,6 @@ DECODE_MODE_NAMES = tuple(microbatch.DECODE_MODES) + ("all", AUTO)  # what --dec
 # the candidates of --decode-mode auto (--decode-auto-modes): one batch (whole, its shared experts beside, its MoE
 # in chunks) and two micro-batches; three and four micro-batches halve a decode batch's matmuls again and rarely pay
 DECODE_AUTO_MODES = ("serial", "shared", "two-batch", "chunked-2", "chunked-4")
-# --decode-exchange: what decode steps exchange through (launch.runner.make_expert_parallel)
-DECODE_EXCHANGES = ("capacity", "mc2", "auto")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -160,7 +160,8 @@ def decode_calibration_key(model: DecodeModel, group: Optional[Any], points: Seq
         key["graph"] = {"path": graph[0], "buckets": list(graph[1] or ())}
         if graph[2]:  # keys without length buckets stay as they were
             key["graph"]["length_buckets"] = True
-    exchanges = sorted({getattr(layer.moe, "decode_exchange", "capacity") for layer in model.moe_layers()})
+    exchanges = sorted({getattr(getattr(layer.moe, "decode_exchange", None), "name", "capacity")
+                        for layer in model.moe_layers()})
     if exchanges != ["capacity"]:  # MC2's steps take their own time (the capacity exchange's keys stay as they were)
         key["exchange"] = exchanges
     return key

@@ -5,7 +5,7 @@ history grows. `GraphDecoder` makes them static. A step of ``n`` active requests
 micro-batches cuts them into ``N`` contiguous parts of at most ``ceil(n / N)`` (`GraphDecoder.widest`), takes
 the **bucket** of the widest part over the ranks (`launch.decode.bucket_of`: the powers of two, or the
 ``buckets`` given, the same on every rank) and pads every part to it: ``N x bucket`` rows whatever ``n``,
-the MoE's exchange capacity the bucket (`collectives.static_step`), its padding rows sent to no expert
+the MoE's exchange capacity the bucket (its layer's `decode_stages`), its padding rows sent to no expert
 (``MOE_ACTIVE``: every padding row carries the same token, so routed they would all load the same experts).
 Attention reads every slot's whole ``max_len`` with a mask built on the device from each row's length
 (`microbatch.kv_cache.StaticRows`); a padding row writes back what row 0 of a slot holds, so it never changes a

@@ -27,8 +27,7 @@ import torch.distributed as dist
 
 import microbatch
 import overlap
-from collectives import CapacityExpertParallelMoE, ExpertParallelMoE, MC2ExpertParallelMoE, wrap_expert_parallel
-from launch.config import DECODE_EXCHANGES
+from collectives import ExpertParallelMoE, capacity_expert_parallel, decode_exchange_named, wrap_expert_parallel
 from microbatch import Operation, Split
 from microbatch.batch import K, V, Batch
 from microbatch.forward import MakeSchedule, cut_refusal, micro_batch_inputs, run_schedule, serial_split
@@ -41,17 +40,13 @@ def make_expert_parallel(model: MoEModel, group: Optional[dist.ProcessGroup], im
                          two_step_dispatch: bool = True, decode_exchange: str = "capacity") -> MoEModel:
     """Replace every MoE block of ``model`` by its expert-parallel form over ``group`` (in place);
     ``two_step_dispatch``: the count exchange and the tokens as two operations (`ExpertParallelMoE`);
-    ``decode_exchange`` (one of `DECODE_EXCHANGES`): what decode steps exchange through, the capacity exchange,
-    MC2 (`collectives.MC2ExpertParallelMoE`; prefill keeps the all-to-all), or ``"auto"``: MC2 where torch_npu has
-    it, for buckets up to 256 tokens."""
-    if decode_exchange not in DECODE_EXCHANGES:
-        raise ValueError(f"decode_exchange must be one of {DECODE_EXCHANGES}, got {decode_exchange!r}")
+    ``decode_exchange`` (one of `collectives.DECODE_EXCHANGES`): what decode steps exchange through, the capacity
+    exchange, MC2 (prefill keeps the all-to-all), or ``"auto"``: MC2 where torch_npu has it, for buckets up to 256
+    tokens (`collectives.decode_exchange_named`)."""
+    steps = decode_exchange_named(decode_exchange)
 
     def wrap(layer: MoELayer) -> ExpertParallelMoE:
-        ep = wrap_expert_parallel(layer.moe, group, impl=impl)
-        if decode_exchange != "capacity":
-            ep = MC2ExpertParallelMoE(ep.router, ep.experts, ep.num_experts, group, ep.shared, ep.overlap_shared,
-                                      backend="auto", decode_backend=decode_exchange)
+        ep = wrap_expert_parallel(layer.moe, group, impl=impl, decode_exchange=steps)
         ep.two_step_dispatch = two_step_dispatch
         return ep
 
@@ -61,7 +56,7 @@ def make_expert_parallel(model: MoEModel, group: Optional[dist.ProcessGroup], im
 
 def make_capacity_expert_parallel(model: MoEModel, group: Optional[dist.ProcessGroup], capacity: int) -> MoEModel:
     """Replace every MoE block by its static-shape expert-parallel form (graph paths; in place)."""
-    model.replace_moe(lambda layer: CapacityExpertParallelMoE.wrap(layer.moe, group, capacity=capacity))
+    model.replace_moe(lambda layer: capacity_expert_parallel(layer.moe, group, capacity=capacity))
     return model
 
 

@@ -1,4 +1,5 @@
-"""CapacityExpertParallelMoE (static shapes) on 1, 2 and 4 gloo ranks equals the dense reference MoE, eager."""
+"""The static-shape layer (`capacity_expert_parallel`: the capacity exchange) on 1, 2 and 4 gloo ranks equals the
+dense reference MoE, eager."""
 from __future__ import annotations
 
 from unittest import mock
@@ -7,8 +8,8 @@ import pytest
 import torch
 
 import overlap
-from collectives import (CapacityBatch, CapacityExpertParallelMoE, EPBatch, EPCombineHandle, EPDispatchHandle,
-                         ExpertParallelMoE, LayoutError, MoE, MoEConfig, capacity_dispatch)
+from collectives import (CapacityBatch, EPBatch, EPCombineHandle, EPDispatchHandle, ExpertParallelMoE, LayoutError,
+                         MoE, MoEConfig, capacity_dispatch, capacity_expert_parallel)
 from overlap.multirank import run_ranks
 from support.protocols import protocol_problems
 
@@ -38,7 +39,7 @@ def _equal_body(ctx):
     out = []
     for name, cfg, tokens, capacity in _cases(ctx.world_size):
         moe = _moe(cfg)
-        layer = CapacityExpertParallelMoE.wrap(moe, ctx.group, capacity=capacity)
+        layer = capacity_expert_parallel(moe, ctx.group, capacity=capacity)
         torch.manual_seed(100 + ctx.rank)
         x = torch.randn(tokens[ctx.rank], cfg.hidden)
         got = layer(x)
@@ -65,9 +66,9 @@ def _bad_capacity_body(ctx, case):
     cfg = MoEConfig(hidden=8, ffn=4, n_experts=2 * ctx.world_size, top_k=1, n_shared=0)
     torch.manual_seed(ctx.rank)
     if case == "mismatch":  # default capacity = own token count, which differs between the ranks
-        layer, x = CapacityExpertParallelMoE.wrap(_moe(cfg), ctx.group), torch.randn(4 + ctx.rank, 8)
+        layer, x = capacity_expert_parallel(_moe(cfg), ctx.group), torch.randn(4 + ctx.rank, 8)
     else:  # every token of every rank picks an expert on rank 0: 5 rows for a capacity of 3
-        layer, x = CapacityExpertParallelMoE.wrap(_moe(cfg), ctx.group, capacity=3), torch.randn(5, 8)
+        layer, x = capacity_expert_parallel(_moe(cfg), ctx.group, capacity=3), torch.randn(5, 8)
         layer.router.weight[:] = 0
         layer.router.weight[0, 0] = 1e4
         x[:, 0] = 1.0
@@ -94,7 +95,7 @@ def test_handle_and_batch_offer_the_interface_of_every_family():
     """`collectives.handles`: the portable code (wait, expand, experts on the group list, combine) equals dense."""
     cfg = MoEConfig(hidden=16, ffn=8, n_experts=4, top_k=2, n_shared=0)
     moe = _moe(cfg)
-    experts = CapacityExpertParallelMoE.wrap(moe).experts
+    experts = capacity_expert_parallel(moe).experts
     torch.manual_seed(5)
     x = torch.randn(6, cfg.hidden)
     idx, weights = moe.router(x)
@@ -132,7 +133,7 @@ def test_stages_contract_is_that_of_expert_parallel_moe():
     cfg = MoEConfig(hidden=16, ffn=8, n_experts=4, top_k=2)
     moe = _moe(cfg)
     for overlap_shared in (True, False):
-        cap = CapacityExpertParallelMoE.wrap(moe, overlap_shared=overlap_shared)
+        cap = capacity_expert_parallel(moe, overlap_shared=overlap_shared)
         ref = ExpertParallelMoE.from_config(cfg, overlap_shared=overlap_shared)
         ref.two_step_dispatch = False  # no count exchange to issue apart: one dispatch stage
         assert [(s.name, s.stream, s.reads, s.writes) for s in cap.stages()] == \
@@ -262,8 +263,8 @@ def _grouping_body(ctx, npu: bool):
         moe = _routed_moe(cfg, routing, dtype)
         torch.manual_seed(200 + ctx.rank)
         x = torch.randn(5 + ctx.rank, cfg.hidden).to(dtype)
-        grouped = CapacityExpertParallelMoE.wrap(moe, ctx.group, capacity=6)
-        every = CapacityExpertParallelMoE.wrap(moe, ctx.group, capacity=6, expert_path="all")
+        grouped = capacity_expert_parallel(moe, ctx.group, capacity=6)
+        every = capacity_expert_parallel(moe, ctx.group, capacity=6, expert_path="all")
         offs = []
         real = torch._grouped_mm
 
@@ -321,7 +322,7 @@ def test_a_nan_expert_spoils_only_the_rows_that_chose_it_on_the_grouped_path(npu
     from support.fake_npu import fake_npu, installed
 
     cfg = MoEConfig(hidden=16, ffn=8, n_experts=4, top_k=2, n_shared=0)
-    layer = CapacityExpertParallelMoE.wrap(_moe(cfg), capacity=12)
+    layer = capacity_expert_parallel(_moe(cfg), capacity=12)
     x = torch.randn(12, 16)
     with installed(fake_npu() if npu else None):
         clean = layer(x)
@@ -337,7 +338,7 @@ def test_expert_path_setting():
     from collectives.capacity import expert_path
 
     cfg = MoEConfig(hidden=16, ffn=8, n_experts=4, top_k=2)
-    layer = CapacityExpertParallelMoE.wrap(_moe(cfg))
+    layer = capacity_expert_parallel(_moe(cfg))
     x = torch.randn(3, 16)
     assert expert_path("all", x, layer.experts) == "all"
     with mock.patch("torch.compiler.is_compiling", return_value=True):  # float32 has no grouped kernel there
@@ -345,7 +346,7 @@ def test_expert_path_setting():
         with pytest.raises(LayoutError, match="expert_path='grouped'"):
             expert_path("grouped", x, layer.experts)
     with pytest.raises(ValueError, match="expert_path"):
-        CapacityExpertParallelMoE.wrap(_moe(cfg), expert_path="fast")
+        capacity_expert_parallel(_moe(cfg), expert_path="fast")
 
 
 def _experts_disagree(ctx):
@@ -384,7 +385,7 @@ def _placed_body(ctx):
     cfg = MoEConfig(hidden=16, ffn=8, n_experts=8, top_k=1, n_shared=0)
     moe = _moe(cfg)
     moe.router = _Fixed(cfg, lambda t: t)  # token t to expert t % 8: four tokens to each rank
-    layer = CapacityExpertParallelMoE.wrap(moe, ctx.group, capacity=4)
+    layer = capacity_expert_parallel(moe, ctx.group, capacity=4)
     torch.manual_seed(300 + ctx.rank)
     x = torch.randn(8, cfg.hidden)
     from collectives.capacity import capacity_dispatch as dispatch_of

@@ -265,7 +265,7 @@ def test_eager_reduction_equals_the_static_form(dtype, monkeypatch):
     expert_out = batch.x * 2
     weights = meta[:, k:]
     dense = L._reduce_local_dense(expert_out, batch, weights)
-    plan = L.local_plan(expert_out, batch, weights)
+    plan = L.local_bags(expert_out, batch, weights)
     torch.testing.assert_close(L.reduce_bags(expert_out, plan, 0, rows), dense, rtol=1e-6, atol=1e-6)
     assert not dense[:7].any()
     tokens = torch.sort(torch.randperm(300, generator=g)[: rows - 40]).values

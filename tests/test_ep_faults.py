@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from collectives import (CapacityExpertParallelMoE, ExpertParallelMoE, LayoutError, MoE, MoEConfig, combine,
-                         dispatch, expand, wrap_expert_parallel)
+from collectives import (ExpertParallelMoE, LayoutError, MoE, MoEConfig, capacity_expert_parallel, combine, dispatch,
+                         expand, wrap_expert_parallel)
 from collectives.capacity import reduce_slots
 from collectives.experts import LocalExperts
 from overlap.multirank import run_ranks
@@ -41,7 +41,7 @@ def _layer(ctx, path: str):
     moe = MoE(cfg).requires_grad_(False)
     moe.router = _RoundRobin(cfg.n_experts, cfg.top_k)
     if path == "capacity":
-        return CapacityExpertParallelMoE.wrap(moe, ctx.group)
+        return capacity_expert_parallel(moe, ctx.group)
     return wrap_expert_parallel(moe, ctx.group)
 
 
@@ -139,7 +139,7 @@ def _build(kind: str, cfg: MoEConfig, group, dtype=torch.float32):
         return wrap_expert_parallel(moe, group)
     if kind == "from_config":
         return ExpertParallelMoE.from_config(cfg, group).to(dtype)
-    return CapacityExpertParallelMoE.wrap(moe, group, capacity=8, validate=kind == "capacity")
+    return capacity_expert_parallel(moe, group, capacity=8, validate=kind == "capacity")
 
 
 def _mismatch_body(ctx, kind: str):
@@ -185,7 +185,8 @@ def _once_body(ctx, kind: str):
     for _ in range(3):
         layer(x)
     with mock.patch("torch.compiler.is_compiling", return_value=True):
-        skipped_while_compiling = not _build(kind, MoEConfig(hidden=32), ctx.group)._shapes_unchecked()
+        fresh = _build(kind, MoEConfig(hidden=32), ctx.group)
+        skipped_while_compiling = not fresh.shapes.pending(fresh)
     return list(comm), skipped_while_compiling
 
 

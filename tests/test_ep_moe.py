@@ -223,12 +223,12 @@ def test_grouped_matmul_equals_loop(dtype):
 
 def _float64_tokens_body(ctx, kind: str):
     """float64 tokens into a float32 layer on every rank: refused in the gate, before any collective."""
-    from collectives import CapacityExpertParallelMoE
+    from collectives import capacity_expert_parallel
     from support.spans import comm_span_names
 
     cfg = MoEConfig(hidden=16, ffn=8, n_experts=4, top_k=2, n_shared=1)
     layer = wrap_expert_parallel(MoE(cfg), ctx.group) if kind == "eager" else \
-        CapacityExpertParallelMoE.wrap(MoE(cfg), ctx.group)
+        capacity_expert_parallel(MoE(cfg), ctx.group)
     comm = comm_span_names()
     try:
         layer(torch.randn(5, 16, dtype=torch.float64))

@@ -140,14 +140,14 @@ PLANS = [((6, 3, 4), [3, 2, 5]), ((2, 7), [1, 4])]  # per rank: prompt lengths, 
 
 def _count_expert_pairs(mp, pairs):
     """Record, on the device, how many (row, expert) pairs reach this rank's experts in each decode step's MoE."""
-    from collectives import static_step
+    from collectives import CapacityExchange
 
-    experts = static_step._StaticStep.experts
+    run_experts = CapacityExchange.run_experts
 
-    def counted(self, handle):
+    def counted(self, handle, experts):
         pairs.append((handle.recv_ids >= 0).sum())
-        return experts(self, handle)
-    mp.setattr(static_step._StaticStep, "experts", counted)
+        return run_experts(self, handle, experts)
+    mp.setattr(CapacityExchange, "run_experts", counted)
 
 
 def _ranks_body(ctx, mode):

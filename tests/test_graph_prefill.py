@@ -1,7 +1,7 @@
 """The reference model's whole two-micro-batch prefill, captured under torch.compile(fullgraph=True) on ge / aclgraph.
 
 Two gloo ranks each build the tiny model (both layers MoE), replace its MoE by the static-shape
-`CapacityExpertParallelMoE` over the two ranks (one capacity: the ranks' batches differ by a token), split a
+`capacity_expert_parallel` over the two ranks (one capacity: the ranks' batches differ by a token), split a
 batch into two micro-batches and capture ``embed -> microbatch.run(two_batch) -> final norm`` through the
 launcher's `launch.runner.graph_prefill` with torchair's own scope / ops code (see
 tests/tools/torchair_contract.py). The captured FX graphs are checked for the lowering's contract, and the graph

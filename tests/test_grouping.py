@@ -252,14 +252,14 @@ def test_cuda_grouping_reduces_like_the_reference_and_compiles(cuda_path):
 
 @cuda
 def test_cuda_capacity_layer_groups_on_the_device(cuda_path):
-    from collectives import CapacityExpertParallelMoE, MoE, MoEConfig
+    from collectives import MoE, MoEConfig, capacity_expert_parallel
     from collectives.capacity import expert_path
 
     torch.manual_seed(0)
     moe = MoE(MoEConfig(hidden=64, ffn=32, n_experts=8, top_k=2)).requires_grad_(False).cuda().to(torch.bfloat16)
     x = torch.randn(50, 64, device="cuda").to(torch.bfloat16)
-    grouped = CapacityExpertParallelMoE.wrap(moe)
-    every = CapacityExpertParallelMoE.wrap(moe, expert_path="all")
+    grouped = capacity_expert_parallel(moe)
+    every = capacity_expert_parallel(moe, expert_path="all")
     assert expert_path("auto", x, grouped.experts) == "torch_grouped"
     got = grouped(x)
     torch.testing.assert_close(got, moe(x), rtol=3e-2, atol=3e-2)

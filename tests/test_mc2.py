@@ -1,5 +1,5 @@
-"""The MC2 backend (torch_npu's fused dispatch / combine) on 2 gloo ranks, with a fake of the two operators over
-gloo all_to_all (the wheel's argument names and return tuple); the HCCL buffer check; the backend choice."""
+"""The MC2 exchange (torch_npu's fused dispatch / combine) on 2 gloo ranks, with a fake of the two operators over
+gloo all_to_all (the wheel's argument names and return tuple); the HCCL buffer check; the exchange's choice."""
 from __future__ import annotations
 
 import os
@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 
 from collectives import EPBatch, EPCombineHandle, EPDispatchHandle, LayoutError, MoE, MoEConfig, combine_dense, mc2
-from collectives.mc2 import (MC2_MAX_TOKENS, MC2Error, MC2ExpertParallelMoE, check_mc2_buffer, choose_backend,
-                             ep_combine, ep_dispatch, mc2_buffer_bytes, mc2_buffer_mb, mc2_dispatch)
+from collectives import mc2_expert_parallel
+from collectives.mc2 import (MC2_MAX_TOKENS, MC2Error, check_mc2_buffer, choose_exchange, ep_combine, ep_dispatch,
+                             mc2_buffer_bytes, mc2_buffer_mb, mc2_dispatch)
 from overlap.multirank import run_ranks
 from support.fake_npu import CALLS, UNDEFINED, calls, check_against_schema, fake_npu, installed
 from support.protocols import protocol_problems
@@ -148,9 +149,9 @@ def _mc2_run(ctx, tokens: List[int], max_tokens: int):
     torch.manual_seed(10 + ctx.rank)
     x = torch.randn(tokens[ctx.rank], cfg.hidden).to(torch.bfloat16)
     idx, weights = moe.router(x)
-    layer = MC2ExpertParallelMoE.wrap(moe, ctx.group, backend="mc2", max_tokens_per_rank=max_tokens)
+    layer = mc2_expert_parallel(moe, ctx.group, exchange="mc2", max_tokens_per_rank=max_tokens)
     with installed(fake_npu(*MC2_OPS)), mock.patch.object(mc2, "_group_name", lambda group: "ep"):
-        h = ep_dispatch(x, idx, weights, cfg.n_experts, ctx.group, backend="mc2", max_tokens_per_rank=max_tokens,
+        h = ep_dispatch(x, idx, weights, cfg.n_experts, ctx.group, exchange="mc2", max_tokens_per_rank=max_tokens,
                         async_finish=True)
         h.wait()
         batch = h.expand()
@@ -197,12 +198,12 @@ def calls_of(seen, name):
     return [kw for op, kw in seen if op == name]
 
 
-# --- one interface: the same code on every backend (the MC2 example of docs/expert-parallel.md) ----------
+# --- one interface: the same code on every exchange (the MC2 example of docs/expert-parallel.md) ----------
 
-def _portable_moe(x, topk_idx, topk_weights, num_experts, group, local_experts, backend, max_tokens):
+def _portable_moe(x, topk_idx, topk_weights, num_experts, group, local_experts, exchange, max_tokens):
     """The MC2 example's code, written once against `collectives.handles`; what each object lacks of its protocol
     (`tests/support/protocols.py`: every member, with a signature that takes the protocol's calls)."""
-    h = ep_dispatch(x, topk_idx, topk_weights, num_experts, group, backend=backend, max_tokens_per_rank=max_tokens,
+    h = ep_dispatch(x, topk_idx, topk_weights, num_experts, group, exchange=exchange, max_tokens_per_rank=max_tokens,
                     async_finish=True)
     h.wait()
     batch = h.expand()
@@ -217,7 +218,7 @@ def _portable_body(ctx):
     GROUPS["ep"] = ctx.group
     cfg = MoEConfig(hidden=64, ffn=16, n_experts=4 * ctx.world_size, top_k=2, n_shared=0)
     moe = _moe(cfg)
-    experts = MC2ExpertParallelMoE.wrap(moe, ctx.group).experts
+    experts = mc2_expert_parallel(moe, ctx.group).experts
     torch.manual_seed(20 + ctx.rank)
     x = torch.randn(5 + ctx.rank, cfg.hidden).to(torch.bfloat16)
     idx, weights = moe.router(x)
@@ -228,12 +229,12 @@ def _portable_body(ctx):
 
 
 @pytest.mark.cpu_only
-def test_the_same_code_runs_on_every_backend():
+def test_the_same_code_runs_on_every_exchange():
     for rank, (out, dense) in enumerate(run_ranks(_portable_body, 2, timeout=120)):
         assert {b: o[2] for b, o in out.items()} == {"all_to_all": "DispatchHandle", "mc2": "MC2DispatchHandle"}
-        for backend, (got, met, _) in out.items():
-            assert met == [[], [], []], (backend, met)
-            torch.testing.assert_close(got, dense, **BF16, msg=lambda m: f"rank {rank} {backend}: {m}")
+        for exchange, (got, met, _) in out.items():
+            assert met == [[], [], []], (exchange, met)
+            torch.testing.assert_close(got, dense, **BF16, msg=lambda m: f"rank {rank} {exchange}: {m}")
 
 
 # --- errors before any collective ------------------------------------------------------------------------
@@ -265,8 +266,8 @@ def test_mc2_on_cpu_is_refused_before_any_collective():
         assert message.startswith("MC2Error") and "MC2 needs torch_npu on the npu path" in message, message
         assert comm == [] and seen == []
     with pytest.raises(MC2Error, match="MC2 needs torch_npu on the npu path"):
-        choose_backend("mc2")
-    assert choose_backend("auto", 4) == "all_to_all"  # auto never picks MC2 where it cannot run
+        choose_exchange("mc2")
+    assert choose_exchange("auto", 4) == "all_to_all"  # auto never picks MC2 where it cannot run
 
 
 @pytest.mark.cpu_only
@@ -325,16 +326,16 @@ def test_buffer_check_names_the_value_and_the_variable(monkeypatch):
 def test_selection_rule():
     with installed(fake_npu(*MC2_OPS)):
         assert MC2_MAX_TOKENS == 256
-        assert choose_backend("auto", 256) == "mc2"  # at the threshold: MC2
-        assert choose_backend("auto", 257) == "all_to_all"
-        assert choose_backend("auto", 64, mc2_threshold=32) == "all_to_all"
-        assert choose_backend("auto", None) == "all_to_all"  # no bound shared by the ranks: no MC2
-        assert choose_backend("auto", 4, world_size=1) == "all_to_all"
-        assert choose_backend("all_to_all", 4) == "all_to_all" and choose_backend("mc2", 4096) == "mc2"
+        assert choose_exchange("auto", 256) == "mc2"  # at the threshold: MC2
+        assert choose_exchange("auto", 257) == "all_to_all"
+        assert choose_exchange("auto", 64, mc2_threshold=32) == "all_to_all"
+        assert choose_exchange("auto", None) == "all_to_all"  # no bound shared by the ranks: no MC2
+        assert choose_exchange("auto", 4, world_size=1) == "all_to_all"
+        assert choose_exchange("all_to_all", 4) == "all_to_all" and choose_exchange("mc2", 4096) == "mc2"
     with installed(fake_npu()):  # a torch_npu without the fused operators
-        assert choose_backend("auto", 4) == "all_to_all"
-    with pytest.raises(ValueError, match="backend must be one of"):
-        choose_backend("deepep")
+        assert choose_exchange("auto", 4) == "all_to_all"
+    with pytest.raises(ValueError, match="exchange must be one of"):
+        choose_exchange("deepep")
 
 
 def _auto_body(ctx, max_tokens: int):
@@ -343,17 +344,17 @@ def _auto_body(ctx, max_tokens: int):
     moe = _moe(cfg)
     x = torch.randn(4, 64).to(torch.bfloat16)
     with installed(fake_npu(*MC2_OPS)), mock.patch.object(mc2, "_group_name", lambda g: "ep"):
-        layer = MC2ExpertParallelMoE.wrap(moe, ctx.group, max_tokens_per_rank=max_tokens, mc2_threshold=8)
+        layer = mc2_expert_parallel(moe, ctx.group, max_tokens_per_rank=max_tokens, mc2_threshold=8)
         got = layer(x)
-        return layer.backend_for(), got, moe(x), [op for op, _ in CALLS]
+        return layer.exchange.exchange_for(layer), got, moe(x), [op for op, _ in CALLS]
 
 
 @pytest.mark.cpu_only
-@pytest.mark.parametrize("max_tokens,backend", [(8, "mc2"), (9, "all_to_all")])
-def test_auto_takes_mc2_for_small_batches_only(max_tokens, backend):
+@pytest.mark.parametrize("max_tokens,exchange", [(8, "mc2"), (9, "all_to_all")])
+def test_auto_takes_mc2_for_small_batches_only(max_tokens, exchange):
     for chosen, got, dense, ops in run_ranks(_auto_body, 2, max_tokens, timeout=60):
-        assert chosen == backend
-        assert ("npu_moe_distribute_dispatch_v2" in ops) == (backend == "mc2"), ops
+        assert chosen == exchange
+        assert ("npu_moe_distribute_dispatch_v2" in ops) == (exchange == "mc2"), ops
         torch.testing.assert_close(got, dense, **BF16)
 
 
@@ -373,7 +374,7 @@ def test_mc2_refuses_what_the_operators_refuse():
 
 # --- decode: MC2 as a decode step's static exchange ------------------------------------------------------
 
-def _decode_body(ctx, backend: str, threshold: int):
+def _decode_body(ctx, exchange: str, threshold: int):
     import microbatch
     from collectives import MOE_ACTIVE, MOE_CAPACITY, MOE_IN, MOE_OUT
     from overlap import HostSyncs, no_host_sync
@@ -383,7 +384,7 @@ def _decode_body(ctx, backend: str, threshold: int):
     moe = _moe(cfg)
     torch.manual_seed(30 + ctx.rank)
     x = torch.randn(5 + ctx.rank, cfg.hidden).to(torch.bfloat16)  # 5 and 6 tokens: one capacity (8) for both
-    layer = MC2ExpertParallelMoE.wrap(moe, ctx.group, backend=backend, mc2_threshold=threshold)
+    layer = mc2_expert_parallel(moe, ctx.group, exchange=exchange, mc2_threshold=threshold)
     out = {}
     with installed(fake_npu(*MC2_OPS)), mock.patch.object(mc2, "_group_name", lambda group: "ep"):
         for chunks in (1, 2):
@@ -407,14 +408,14 @@ def _decode_body(ctx, backend: str, threshold: int):
 
 
 @pytest.mark.cpu_only
-@pytest.mark.parametrize("backend,threshold,uses_mc2", [("mc2", 256, True), ("auto", 256, True), ("auto", 2, False)],
+@pytest.mark.parametrize("exchange,threshold,uses_mc2", [("mc2", 256, True), ("auto", 256, True), ("auto", 2, False)],
                          ids=["mc2", "auto", "auto_over_threshold"])
-def test_decode_stages_take_mc2_with_the_steps_capacity_and_no_host_sync(backend, threshold, uses_mc2):
+def test_decode_stages_take_mc2_with_the_steps_capacity_and_no_host_sync(exchange, threshold, uses_mc2):
     """On 2 ranks: an MC2 layer's decode step, whole or in 2 chunks, sends through MC2 with the step's capacity as
     the batch bound (every rank the same ``global_bs``; a chunk half of it), equals the dense layer, and reads
     nothing on the host; where the capacity is over ``mc2_threshold``, ``auto`` takes the capacity exchange. Either
     exchange leaves padding rows out (``x_active_mask``, or expert id -1)."""
-    for rank, (out, dense, shared) in enumerate(run_ranks(_decode_body, 2, backend, threshold, timeout=120)):
+    for rank, (out, dense, shared) in enumerate(run_ranks(_decode_body, 2, exchange, threshold, timeout=120)):
         for chunks in (1, 2):  # padding rows (``MOE_ACTIVE`` False) reach no expert: the shared experts' output alone
             y = out.pop(("padded", chunks))
             torch.testing.assert_close(y[:3], dense[:3], **BF16, msg=lambda m: f"rank {rank}, padded {chunks}: {m}")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import overlap
-from collectives import CapacityExpertParallelMoE, MoE, MoEConfig
+from collectives import MoE, MoEConfig, capacity_expert_parallel, mc2_expert_parallel
 from overlap.multirank import run_ranks
 
 BF16 = dict(rtol=3e-2, atol=3e-2)
@@ -52,8 +52,8 @@ def test_static_shape_layer_groups_on_the_device_and_equals_dense():
     dev = _on_npu()
     moe = _moe(MoEConfig(hidden=64, ffn=32, n_experts=8, top_k=2), dev)
     x = torch.randn(50, 64, device=dev).to(torch.bfloat16)
-    grouped = CapacityExpertParallelMoE.wrap(moe)
-    every = CapacityExpertParallelMoE.wrap(moe, expert_path="all")
+    grouped = capacity_expert_parallel(moe)
+    every = capacity_expert_parallel(moe, expert_path="all")
     assert expert_path("auto", x, grouped.experts) == "npu_grouped"
     got = grouped(x)
     torch.testing.assert_close(got, moe(x), **BF16)
@@ -61,13 +61,11 @@ def test_static_shape_layer_groups_on_the_device_and_equals_dense():
 
 
 def _mc2_body(ctx, tokens: List[int], max_tokens: int):
-    from collectives.mc2 import MC2ExpertParallelMoE
-
     cfg = MoEConfig(hidden=1024, ffn=256, n_experts=8 * ctx.world_size, top_k=8, n_shared=1)
     moe = _moe(cfg, ctx.device)
     torch.manual_seed(10 + ctx.rank)
     x = torch.randn(tokens[ctx.rank], cfg.hidden, device=ctx.device).to(torch.bfloat16)
-    layer = MC2ExpertParallelMoE.wrap(moe, ctx.group, backend="mc2", max_tokens_per_rank=max_tokens)
+    layer = mc2_expert_parallel(moe, ctx.group, exchange="mc2", max_tokens_per_rank=max_tokens)
     return layer(x).cpu(), moe(x).cpu()
 
 

@@ -514,10 +514,10 @@ def test_experts_whose_clamp_is_not_modelled_are_refused():
 
 
 def test_static_shape_layer_refuses_experts_it_does_not_compute():
-    from collectives import CapacityExpertParallelMoE
+    from collectives import capacity_expert_parallel
 
     with pytest.raises(TypeError, match="static-shape layer computes plain experts .* these have biases, the GLU"):
-        CapacityExpertParallelMoE.wrap(_gpt_oss_block())
+        capacity_expert_parallel(_gpt_oss_block())
 
 
 class _Llama4Like(nn.Module):
