@@ -16,6 +16,8 @@ import torch
 
 import microbatch
 import overlap
+from launch.models.common import one_line
+from launch.models.transformers.fields import EXPERT_COUNTS, TOP_K, expert_count, held_field
 from overlap.state import MAX_WAIT_TIMEOUT
 
 if TYPE_CHECKING:  # imported where they are used: transformers only for --model NAME|PATH
@@ -283,8 +285,7 @@ def transformers_config(model_name: str, overrides: Overrides) -> PretrainedConf
                               f"(drop {', '.join('--' + _OPTION_OF.get(k, k) for k in given)})")
         if not os.path.isfile(os.path.join(model_name, "config.json")):
             raise ConfigError(f"--model {model_name}: a checkpoint folder needs a config.json")
-        from launch.models.checkpoint import CheckpointError, check_checkpoint
-        from launch.models.families import check_family
+        from launch.models import CheckpointError, check_checkpoint, check_family
 
         try:  # its config and the headers of its files: what every rank finds alike, before any group
             config = check_checkpoint(model_name)
@@ -293,20 +294,19 @@ def transformers_config(model_name: str, overrides: Overrides) -> PretrainedConf
         try:  # a family the adapter does not run is refused here, not halfway through the load
             check_family(config.model_type)
         except Exception as exc:  # noqa: BLE001 (transformers' own config errors are not all ValueErrors)
-            why = " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
-            raise ConfigError(f"--model {model_name}: a {config.model_type} checkpoint: {why}") from None
+            raise ConfigError(f"--model {model_name}: a {config.model_type} checkpoint: "
+                              f"{one_line(exc, limit=None)}") from None
         return config
     if model_name not in transformers.CONFIG_MAPPING:
         raise ConfigError(f"--model {model_name}: neither 'reference', a folder, nor a transformers model type "
                           f"(e.g. qwen3_moe, deepseek_v3, mixtral, qwen2_moe, glm4_moe)")
-    from launch.models.families import check_family, small_config
+    from launch.models import check_family, small_config
 
     try:  # the family must run through the adapter (a small model of it, on this rank alone): else one line
         config = small_config(model_name, given)
         check_family(model_name, given)
     except Exception as exc:  # noqa: BLE001 (transformers' own config errors are not all ValueErrors)
-        why = " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
-        raise ConfigError(f"--model {model_name}: {why}") from None
+        raise ConfigError(f"--model {model_name}: {one_line(exc, limit=None)}") from None
     return config
 
 
@@ -318,13 +318,9 @@ def n_experts(job_model: ModelSettings) -> int:
     """Routed experts per MoE layer of a model config (the reference's or a transformers one); 0 if none."""
     if hasattr(job_model, "n_experts"):
         return int(job_model.n_experts)
-    for field in ("n_routed_experts", "num_local_experts", "num_experts", "moe_num_experts"):
-        if getattr(job_model, field, None):
-            return int(getattr(job_model, field))
-    return 0
+    return expert_count(job_model)
 
 
-_TOP_K_FIELDS = ("num_experts_per_tok", "moe_topk", "top_k_experts", "moe_top_k")
 _GROUPED_MM_BYTES = 16  # torch's grouped matmul (transformers' experts) takes rows of a multiple of 16 bytes
 
 
@@ -342,7 +338,7 @@ def check_transformers_model(model_name: str, cfg: PretrainedConfig, dtype: torc
     if isinstance(layers, int) and layers < 1:
         raise ConfigError(f"{name('layers', 'num_hidden_layers')} must be >= 1, got {layers}")
     _check_dense_layers(cfg, layers, name)
-    top_field = next((f for f in _TOP_K_FIELDS if isinstance(getattr(cfg, f, None), int)), None)
+    top_field = held_field(cfg, TOP_K)
     top_k = getattr(cfg, top_field) if top_field else None
     most = _check_groups(model_name, cfg, experts, name)
     if top_k is not None and not 1 <= top_k <= most:
@@ -366,7 +362,7 @@ def _check_transformers_overrides(model_name: str, overrides: Overrides, dtype: 
     try:
         import transformers
 
-        from launch.models.families import small_config
+        from launch.models import small_config
 
         if model_name not in transformers.CONFIG_MAPPING:
             return
@@ -402,7 +398,7 @@ def _check_groups(model_name: str, cfg: PretrainedConfig, experts: int, name: Ca
     # a group's score: its best expert (DeepSeek-V2's group_limited_greedy), else the sum of its best two
     least = 1 if method == "group_limited_greedy" else 2
     if experts % groups or experts // groups < least:
-        field = next(f for f in ("n_routed_experts", "num_local_experts", "num_experts") if getattr(cfg, f, None))
+        field = held_field(cfg, EXPERT_COUNTS)
         raise ConfigError(f"{name('experts', field)} {experts}: {model_name} routes within "
                           f"n_group={groups} groups of experts, scoring each by its best {least}: the experts must "
                           f"be a multiple of {groups}, at least {least * groups}")
