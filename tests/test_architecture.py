@@ -291,8 +291,10 @@ def test_the_harness_check_can_fail():
 
 
 # --- no Any in a public signature where a type exists ----------------------------------------------------------
-ANY_CHECKED = ("launch/prefill.py", "launch/runner.py", "launch/measure.py", "launch/config.py", "launch/outputs.py",
-               "launch/memory.py", "launch/health.py", "microbatch/planning/calibration.py",
+ANY_CHECKED = ("launch/prefill.py", "launch/runner.py", "launch/measure.py", "launch/config/job.py",
+               "launch/config/decode.py", "launch/config/modes.py", "launch/config/environment.py",
+               "launch/config/model.py", "launch/outputs.py", "launch/memory.py", "launch/health.py",
+               "microbatch/planning/calibration.py",
                "microbatch/planning/choice.py", "microbatch/planning/split.py", "microbatch/planning/probes.py",
                "microbatch/forward.py", "microbatch/model.py", "microbatch/split.py")
 # What is left, each where a value really is anything: JSON (a calibration's key and cache file, the job's model
