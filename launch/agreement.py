@@ -19,13 +19,11 @@ import torch.distributed as dist
 
 from overlap import agreement
 
-from .config import ConfigError, JobConfig
+from .config import OVERRIDE_OPTIONS, ConfigError, JobConfig
 
 _PREFIX = "overlap/job"
 _TOKENS = "(this rank's token count)"  # posted beside the fingerprint, not compared
 _DEFAULT_FROM = {"--cpu-link": "$OVERLAP_CPU_LINK", "--cpu-comm-priority": "$OVERLAP_CPU_COMM_PRIORITY"}
-_MODEL_OPTIONS = {"n_layers": "--layers", "n_dense_layers": "--dense-layers", "hidden": "--hidden",
-                  "n_experts": "--experts", "top_k": "--top-k", "n_shared": "--shared-experts"}
 
 
 class JobMismatch(ConfigError):
@@ -46,7 +44,7 @@ def fingerprint(job: JobConfig) -> Dict[str, Any]:
     if job.transformers:
         out = {f"--model (its {k})": v for k, v in job.model_fields().items()}
     else:
-        out = {_MODEL_OPTIONS.get(k, f"--preset (model {k})"): v for k, v in job.model_fields().items()}
+        out = {OVERRIDE_OPTIONS.get(k, f"--preset (model {k})"): v for k, v in job.model_fields().items()}
     out.update({"--model": job.model_name, "--mode": list(job.modes), "--device": job.device, "--path": job.path,
                 "--kv-offload": job.kv_offload, "--kv-store": job.kv_store,
                 "--dtype": str(job.dtype).replace("torch.", ""), "--warmup": job.warmup, "--iters": job.iters,

@@ -19,7 +19,7 @@ def build_model(job: JobConfig, rank: int, world: int, dev: torch.device) -> MoE
         from launch.models.reference import build_model as build_reference
 
         return build_reference(job.model, seed=job.seed, dtype=job.dtype, device=dev)
-    from launch.models.transformers_adapter import adapt, from_config
+    from launch.models import adapt, from_config
 
     if job.checkpoint is None:
         return from_config(job.model, seed=job.seed, dtype=job.dtype, device=dev)

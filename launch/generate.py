@@ -287,7 +287,7 @@ def _new_cache(job: JobConfig, model: DecodeModel, prompts: Sequence[Sequence[in
 def _own_tokens(job: JobConfig, model: DecodeModel, prompts: Sequence[Sequence[int]], limits: Sequence[int],
                 stop_token: Optional[int], world: int) -> OwnTokens:
     """For ``--check`` on a transformers model: the tokens of the model's own ``generate``, or why there are none."""
-    from launch.models.transformers_adapter import TransformersModel
+    from launch.models import TransformersModel
 
     if not (job.check and isinstance(model, TransformersModel)):
         return None

@@ -14,6 +14,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from launch.models.transformers.fields import TOP_K
+
 from .config import JobConfig, ModelSettings
 
 
@@ -35,6 +37,7 @@ def gib(n: float) -> str:
 
 
 def _first(cfg: ModelSettings, *names: str, default: int = 0) -> int:
+    """The first of ``names`` (the reference's field, then the transformers config's) set to a positive integer."""
     for name in names:
         value = getattr(cfg, name, None)
         if isinstance(value, int) and value > 0:
@@ -68,8 +71,8 @@ def estimate(job: JobConfig, world: int) -> Estimate:
     heads = _first(cfg, "n_heads", "num_attention_heads", default=1)
     inner = heads * _first(cfg, "head_dim", "v_head_dim", default=max(1, hidden // heads))
     ffn = max(_first(cfg, "dense_ffn", "intermediate_size"),
-              2 * _first(cfg, "moe_ffn", "moe_intermediate_size") * _first(cfg, "top_k", "num_experts_per_tok"))
-    top_k = _first(cfg, "top_k", "num_experts_per_tok", default=1)
+              2 * _first(cfg, "moe_ffn", "moe_intermediate_size") * _first(cfg, "top_k", *TOP_K))
+    top_k = _first(cfg, "top_k", *TOP_K, default=1)
     tokens, longest = sum(job.seq_lens), max(job.seq_lens)
     per_token = (hidden * 8 + inner * 6 + ffn * 3 + top_k * hidden * 4) * size
     scores = heads * longest * longest * 4  # the attention of the longest request, in float32

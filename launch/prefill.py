@@ -189,7 +189,7 @@ def _prefill_job(job: JobConfig, dev: torch.device, fault: Optional[Fault], peer
 
 def _own_forward(job: JobConfig, model: MoEModel, batch: Batch, world: int) -> OwnForward:
     """For ``--check`` on a transformers model: the model's own forward of this rank's batch, or why not."""
-    from launch.models.transformers_adapter import TransformersModel
+    from launch.models import TransformersModel
 
     if not (job.check and isinstance(model, TransformersModel)):
         return None

@@ -1,7 +1,7 @@
 """What the toolkit needs of a model, as `typing.Protocol`s: the contract between a model and its runners.
 
 Two models implement it: the reference decoder (`launch.models.reference.Model`) and the
-transformers adapter (`launch.models.transformers_adapter.TransformersModel`);
+transformers adapter (`launch.models.transformers.TransformersModel`);
 ``tests/test_model.py`` and ``tests/test_transformers_models.py`` check every member below on
 both, name and signature. Its consumers are the forward through a schedule (`microbatch.forward`),
 the runner and the launcher (`launch.runner`, `launch.measure`, `launch.prefill`, `launch.health`)

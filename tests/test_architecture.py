@@ -291,8 +291,10 @@ def test_the_harness_check_can_fail():
 
 
 # --- no Any in a public signature where a type exists ----------------------------------------------------------
-ANY_CHECKED = ("launch/prefill.py", "launch/runner.py", "launch/measure.py", "launch/config.py", "launch/outputs.py",
-               "launch/memory.py", "launch/health.py", "microbatch/planning/cache.py",
+ANY_CHECKED = ("launch/prefill.py", "launch/runner.py", "launch/measure.py", "launch/config/job.py",
+               "launch/config/decode.py", "launch/config/modes.py", "launch/config/environment.py",
+               "launch/config/model.py", "launch/outputs.py", "launch/memory.py", "launch/health.py",
+               "microbatch/planning/cache.py",
                "microbatch/planning/prefill/calibration.py", "microbatch/planning/prefill/fit.py",
                "microbatch/planning/prefill/measure.py", "microbatch/planning/prefill/choice.py",
                "microbatch/planning/split.py", "microbatch/planning/probes.py",

@@ -906,7 +906,7 @@ def test_a_ranks_peak_memory_stays_below_the_checkpoint(tmp_path):
 def test_a_checkpoint_of_a_family_the_adapter_does_not_run_is_refused_before_the_load(tmp_path):
     """--model PATH passes the family check that --model NAME does: one line, not a failure halfway through."""
     from launch.config import ConfigError, job_config
-    from launch.models.families import small_config
+    from launch.models import small_config
 
     torch.manual_seed(0)
     config = small_config("deepseek_v32", {"n_layers": 2, "hidden": 64, "n_experts": 4, "top_k": 2})

@@ -79,12 +79,13 @@ def test_a_transformers_models_rotary_embedding_and_mask_are_made_once_a_decode_
     """The adapter's decode (every layer a call of the family's attention) asks the model's rotary embedding and
     builds the mask once a step, not once a layer; the tokens stay the model's own `generate`'s."""
     pytest.importorskip("transformers")
-    from launch.models import build_transformers_model, transformers_adapter
+    from launch.models import build_transformers_model
+    from launch.models.transformers import attention
 
     model = build_transformers_model("qwen3_moe", seed=7)
     rotary = model.hf.model.rotary_emb
     calls = collections.Counter()
-    inner_rotary, inner_mask = rotary.forward, transformers_adapter.decode_mask
+    inner_rotary, inner_mask = rotary.forward, attention.decode_mask
 
     def rotary_forward(*args, **kwargs):
         calls["rotary"] += 1
@@ -99,7 +100,7 @@ def test_a_transformers_models_rotary_embedding_and_mask_are_made_once_a_decode_
     want = model.own_generate(prompts, 4)
     calls.clear()
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(transformers_adapter, "decode_mask", mask)
+        patch.setattr(attention, "decode_mask", mask)
         got = greedy_generate(model, prompts, 4)
     steps = 3  # 4 new tokens: the prefill's and three decode steps
     assert got == want

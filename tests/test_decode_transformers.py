@@ -93,7 +93,7 @@ def test_parallel_sandwich_and_scaled_layers_decode_the_models_own_tokens(family
 def test_the_decode_mask_lets_each_request_see_its_own_rows_and_new_row():
     """Requests holding 3 and 1 rows, a history padded to 3 rows, then the new row: the padding is masked, and a
     window of 2 / a chunk of 2 positions leave request 0 (its new token at position 3) position 2 and itself."""
-    from launch.models.transformers_adapter import decode_mask
+    from launch.models.transformers import decode_mask
 
     def seen(**span):
         return (decode_mask(torch.tensor([3, 1]), 3, span.get("window"), torch.float32, span.get("chunk"))

@@ -141,13 +141,13 @@ def test_decode_exchange_auto_runs_the_capacity_exchange_where_mc2_does_not_run(
 def test_mc2_decode_wants_half_precision_tokens():
     import types
 
-    from launch.config import ConfigError, _check_exchange
+    from launch.config import ConfigError, check_exchange
 
     npu = types.SimpleNamespace(device="npu", dtype=torch.float32)
     with pytest.raises(ConfigError, match="--decode-exchange mc2 takes bfloat16 or float16 tokens, not float32"):
-        _check_exchange(npu, "mc2")
-    _check_exchange(types.SimpleNamespace(device="npu", dtype=torch.bfloat16), "mc2")
-    _check_exchange(npu, "auto")  # auto runs the capacity exchange wherever MC2 does not
+        check_exchange(npu, "mc2")
+    check_exchange(types.SimpleNamespace(device="npu", dtype=torch.bfloat16), "mc2")
+    check_exchange(npu, "auto")  # auto runs the capacity exchange wherever MC2 does not
 
 
 def test_auto_chooses_among_captured_steps_from_a_calibration_of_them():

@@ -45,7 +45,7 @@ def test_two_ranks_expert_parallel_with_kv_offload_and_overrides(tmp_path):
 def _checkpoint(folder, model_type="qwen2_moe"):
     """Written in this process (as tests/test_checkpoint.py writes its own): a process of its own cost an
     interpreter with torch and transformers, ~4 s, for a model of a few hundred KB."""
-    from launch.models.families import build_transformers_model
+    from launch.models import build_transformers_model
 
     build_transformers_model(model_type, seed=5).hf.save_pretrained(str(folder), max_shard_size="200KB")
     return folder

@@ -2,10 +2,11 @@
 
 - `reference`: the toolkit's small DeepSeek-style decoder (`Model`, `build_model`), serial prefill
   of which is the reference for every mode; `presets`: its shapes (`ModelConfig`, `preset`);
-- `common`: what both models share (`param_seed`, the seed of each weight; `check_token_ids`);
-- `transformers_adapter`: a transformers MoE causal LM seen as the same model (`adapt`,
-  `from_config`, `TransformersModel`); `families`: the families it runs, their configs made small
-  (`small_config`, `build_transformers_model`) and the check that refuses the others (`check_family`);
+- `common`: what the models share (`param_seed`, the seed of each weight; `check_token_ids`; `one_line`);
+- `transformers`: a transformers MoE causal LM seen as the same model (`adapt`, `from_config`,
+  `TransformersModel`), the families it runs, their configs made small (`small_config`,
+  `build_transformers_model`) and the check that refuses the others (`check_family`); its modules, one
+  job each, are listed in its docstring (the config fields read, `transformers.fields`, among them);
 - `checkpoint`: a local safetensors checkpoint loaded with each rank reading only its experts.
 
 Both models implement the model contract `microbatch.model.MoEModel` (embedding, layers as
@@ -16,10 +17,9 @@ functions that need them.
 from .presets import PRESETS, ModelConfig, preset
 from .common import check_token_ids, param_seed
 from .reference import DecoderLayer, Model, RMSNorm, build_model, init_weights
-from .transformers_adapter import (ShortcutLayer, TransformersConfig, TransformersLayer, TransformersModel, adapt,
-                                   causal_mask, from_config, seed_weights)
-from .families import (FAMILIES, build_transformers_model, check_family, is_moe_config, moe_families,
-                       refused_families, small_config)
+from .transformers import (FAMILIES, ShortcutLayer, TransformersConfig, TransformersLayer, TransformersModel, adapt,
+                           build_transformers_model, causal_mask, check_family, from_config, is_moe_config,
+                           moe_families, refused_families, seed_weights, small_config)
 from .checkpoint import CheckpointError, LoadReport, check_checkpoint, check_moe_config, load_checkpoint
 
 __all__ = [

@@ -40,13 +40,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .common import one_line
+from .transformers.fields import EXPERT_COUNTS, EXPERT_PROJECTIONS, MTP_LAYERS, TOP_K, stored_field
+
 __all__ = ["CheckpointError", "LoadReport", "check_checkpoint", "check_moe_config", "load_checkpoint"]
 
 CONFIG, SINGLE, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
 # A part of an in-memory name -> the same part in older checkpoints (Mixtral's MoE block).
 RENAMES = ((".mlp.", ".block_sparse_moe."),)
-# The per-expert linear names of a gated MLP: (gate, up, down).
-PROJ_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 # Reopen a file after reading this much from it: its pages touched so far leave the process.
 REOPEN_BYTES = 1 << 30
 # The dtypes a model can be loaded in (a float8 or integer dtype would need a quantized format's scales).
@@ -55,10 +56,6 @@ HELD_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 FINITE_CHUNK = 1 << 26
 # Files of a folder that hold weights; those the loader does not read are named (`LoadReport.skipped`).
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
-# A config's routed-expert count, under the names the families give it.
-EXPERT_FIELDS = ("n_routed_experts", "num_local_experts", "num_experts")
-# A config's count of multi-token-prediction layers, stored after the model's own layers.
-MTP_FIELDS = ("num_nextn_predict_layers", "num_mtp_layers")
 _LAYER_KEY = re.compile(r"^(.*\blayers)\.(\d+)\.")
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -149,7 +146,7 @@ def _weight_map(index: str) -> Dict[str, str]:
         with open(index, encoding="utf-8") as f:
             weight_map = json.load(f)["weight_map"]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{index}: not a safetensors index with a weight_map ({_one_line(e)})") from None
+        raise CheckpointError(f"{index}: not a safetensors index with a weight_map ({one_line(e)})") from None
     if not isinstance(weight_map, dict):
         raise CheckpointError(f"{index}: its weight_map is a {type(weight_map).__name__}, not a map of tensor "
                               f"names to file names")
@@ -188,12 +185,6 @@ def _file_problem(file: str) -> Optional[str]:
     return None
 
 
-def _one_line(exc: BaseException) -> str:
-    """An exception's message on one line (a library's may span several), at most 300 characters."""
-    text = " ".join(part.strip() for part in str(exc).splitlines() if part.strip()) or type(exc).__name__
-    return text if len(text) <= 300 else text[:297] + "..."
-
-
 def _header(file: str) -> Catalog:
     """The tensors ``file`` holds, from its header (nothing of the data is read)."""
     from safetensors import safe_open
@@ -211,7 +202,7 @@ def _header(file: str) -> Catalog:
     except CheckpointError:
         raise
     except Exception as e:  # safetensors raises its own error types for a damaged header
-        raise CheckpointError(f"{file}: not a readable safetensors file ({_one_line(e)})") from None
+        raise CheckpointError(f"{file}: not a readable safetensors file ({one_line(e)})") from None
     return out
 
 
@@ -269,7 +260,7 @@ def _config(path: str) -> Any:
     try:
         config = AutoConfig.from_pretrained(path)
     except Exception as e:  # transformers and its dataclass checks raise many kinds for a bad config
-        raise CheckpointError(f"{os.path.join(path, CONFIG)}: not a transformers config ({_one_line(e)})") from None
+        raise CheckpointError(f"{os.path.join(path, CONFIG)}: not a transformers config ({one_line(e)})") from None
     quantized = getattr(config, "quantization_config", None)
     if quantized:
         get = quantized.get if isinstance(quantized, dict) else functools.partial(getattr, quantized)
@@ -304,15 +295,14 @@ def check_moe_config(config: Any, world: int = 1, where: str = "the config") -> 
     if heads and kv and kv != heads and getattr(config, "kv_lora_rank", None):
         raise CheckpointError(f"{where}: num_key_value_heads is {kv}, must equal num_attention_heads {heads} with "
                               f"multi-head latent attention (kv_lora_rank): the keys are expanded to every head")
-    stored = vars(config)
-    name = next((n for n in EXPERT_FIELDS if n in stored), None) or next(
-        (n for n in EXPERT_FIELDS if hasattr(config, n)), None)
+    name = stored_field(config, EXPERT_COUNTS)
     experts = field(name, 1, rule=" (the routed experts per MoE layer)") if name else None
     if experts and experts % world:
         raise CheckpointError(f"{where}: {name} is {experts}, and {experts} experts cannot be shared equally by "
                               f"{world} ranks (the expert count must be a multiple of the ranks)")
-    top_k = field("num_experts_per_tok", 1, experts, f" (the experts each token is routed to, of {name} {experts})"
-                  if experts else "")
+    top_name = stored_field(config, TOP_K)
+    top_k = field(top_name, 1, experts, f" (the experts each token is routed to, of {name} {experts})"
+                  if experts else "") if top_name else None
     method = getattr(config, "topk_method", None)
     groups = field("n_group", 1, experts) if method != "greedy" else None  # greedy routing has no groups
     if groups and experts:
@@ -323,7 +313,7 @@ def check_moe_config(config: Any, world: int = 1, where: str = "the config") -> 
                                   f"into n_group equal groups of at least {least}")
         chosen = field("topk_group", 1, groups, f" (of n_group {groups})")
         if chosen and top_k and top_k > chosen * per_group:
-            raise CheckpointError(f"{where}: num_experts_per_tok is {top_k}, more than the {chosen * per_group} "
+            raise CheckpointError(f"{where}: {top_name} is {top_k}, more than the {chosen * per_group} "
                                   f"experts of the topk_group {chosen} groups the router picks ({per_group} each)")
     if layers:
         field("first_k_dense_replace", 0, layers - 1, f" (the leading dense layers, of num_hidden_layers {layers})")
@@ -333,7 +323,7 @@ def check_moe_config(config: Any, world: int = 1, where: str = "the config") -> 
                 isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < layers for i in dense)):
             raise CheckpointError(f"{where}: mlp_only_layers is {dense!r}, must list layer indices in "
                                   f"0..{layers - 1} (num_hidden_layers {layers})")
-    for name in MTP_FIELDS:
+    for name in MTP_LAYERS:
         field(name, 0)
 
 
@@ -350,7 +340,7 @@ def _skeleton(config: Any) -> nn.Module:
             from None
     except Exception as e:  # a config value the family's modules cannot be built with
         raise CheckpointError(f"transformers cannot build a {config.model_type} model from this config "
-                              f"({type(e).__name__}: {_one_line(e)})") from None
+                              f"({type(e).__name__}: {one_line(e)})") from None
 
 
 # ---------------------------------------------------------------- ranks and dtypes
@@ -424,10 +414,10 @@ def _owner(root: nn.Module, name: str) -> Tuple[nn.Module, str]:
 def _role(param: str) -> Tuple[int, str]:
     """Which of gate / up / down (0, 1, 2) an expert MLP's parameter (``w1.weight``) is, and the rest of its name."""
     head, _, tail = param.partition(".")
-    for names in PROJ_NAMES:
+    for names in EXPERT_PROJECTIONS:
         if head in names:
             return names.index(head), tail
-    raise CheckpointError(f"expert parameter {param} is none of the gated MLP's linears {PROJ_NAMES}")
+    raise CheckpointError(f"expert parameter {param} is none of the gated MLP's linears {EXPERT_PROJECTIONS}")
 
 
 # ---------------------------------------------------------------- routed experts
@@ -474,7 +464,7 @@ def _fused_experts(path: str, experts: nn.Module, lo: int, hi: int, ckpt: _Check
         got = list(down.shape) if isinstance(down, torch.Tensor) else "none"
         raise CheckpointError(f"{path}: fused experts must be gate_up_proj [E, 2F, H] and down_proj [E, H, F], got "
                               f"{list(gate_up.shape)} and {got}")
-    probes = ["gate_up_proj"] + [f"{lo}.{g}.weight" for g, _, _ in PROJ_NAMES]
+    probes = ["gate_up_proj"] + [f"{lo}.{g}.weight" for g, _, _ in EXPERT_PROJECTIONS]
     prefix, probe = _prefix(path, ckpt, probes)
     stored = ckpt[f"{prefix}.{probe}"].dtype
     local_gu = alloc(f"{path}.gate_up_proj", (hi - lo, two_f, hidden), stored)
@@ -488,7 +478,7 @@ def _fused_experts(path: str, experts: nn.Module, lo: int, hi: int, ckpt: _Check
         if not getattr(experts, "is_concatenated", True) or getattr(experts, "is_transposed", False):
             raise CheckpointError(f"{path}: per-expert weights cannot fill this layout of gate_up_proj "
                                   f"(interleaved or transposed)")
-        g, u, d = next(n for n in PROJ_NAMES if probe == f"{lo}.{n[0]}.weight")
+        g, u, d = next(n for n in EXPERT_PROJECTIONS if probe == f"{lo}.{n[0]}.weight")
         reads = []
         for i in range(lo, hi):
             for name, shape, dest in ((g, (f, hidden), local_gu[i - lo, :f]), (u, (f, hidden), local_gu[i - lo, f:]),
@@ -505,7 +495,7 @@ def _list_experts(path: str, experts: nn.ModuleList, lo: int, hi: int, ckpt: _Ch
                   alloc: _Alloc) -> Tuple[nn.ModuleList, List[_Read]]:
     """``experts[lo:hi]``, materialised; the reads that fill them."""
     role, tail = _role(next(n for n, _ in experts[lo].named_parameters()))
-    probes = [f"{lo}.{names[role]}.{tail}" for names in PROJ_NAMES] + ["gate_up_proj"]
+    probes = [f"{lo}.{names[role]}.{tail}" for names in EXPERT_PROJECTIONS] + ["gate_up_proj"]
     prefix, probe = _prefix(path, ckpt, probes)
     reads = []
     for i in range(lo, hi):
@@ -521,7 +511,7 @@ def _list_experts(path: str, experts: nn.ModuleList, lo: int, hi: int, ckpt: _Ch
 def _list_key(prefix: str, name: str, p: torch.Tensor, i: int, ckpt: _Checkpoint) -> Tuple[str, Tuple[slice, ...]]:
     """Expert ``i``'s ``name`` in a per-expert checkpoint, under either naming of the linears."""
     role, tail = _role(name)
-    key = next((k for k in (f"{prefix}.{i}.{n[role]}.{tail}" for n in PROJ_NAMES) if k in ckpt),
+    key = next((k for k in (f"{prefix}.{i}.{n[role]}.{tail}" for n in EXPERT_PROJECTIONS) if k in ckpt),
                f"{prefix}.{i}.{name}")
     ckpt.expect(key, p.shape)
     return key, ()
@@ -541,7 +531,7 @@ def _fused_rows(prefix: str, name: str, p: torch.Tensor, i: int, ckpt: _Checkpoi
     return f"{prefix}.gate_up_proj", (slice(i, i + 1), slice(role * rows, (role + 1) * rows))
 
 
-def _plan_experts(model: nn.Module, ckpt: _Checkpoint, rank: int, world: int,
+def _expert_reads(model: nn.Module, ckpt: _Checkpoint, rank: int, world: int,
                   alloc: _Alloc) -> Tuple[List[_Read], Dict[str, Tuple[int, int]]]:
     """Shard every routed-experts module to this rank's experts; the reads that fill them."""
     found = _experts_modules(model)
@@ -582,8 +572,8 @@ def _replicated(model: nn.Module, skip: Sequence[str]) -> List[List[Tuple[str, t
     return list(groups.values())
 
 
-def _plan_replicated(model: nn.Module, ckpt: _Checkpoint, skip: Sequence[str],
-                     alloc: _Alloc) -> Tuple[List[_Read], List[str]]:
+def _replicated_reads(model: nn.Module, ckpt: _Checkpoint, skip: Sequence[str],
+                      alloc: _Alloc) -> Tuple[List[_Read], List[str]]:
     """Allocate every kept tensor outside the experts: the reads that fill them, and the buffers left to init."""
     reads, pending = [], []
     for names in _replicated(model, skip):
@@ -679,13 +669,13 @@ def _execute(reads: Sequence[_Read], ckpt: _Checkpoint) -> int:
             try:
                 opened = safe_open(file, framework="pt", device="cpu")
             except Exception as e:  # changed or gone since its header was read
-                raise CheckpointError(f"{file}: cannot be read now ({_one_line(e)})") from None
+                raise CheckpointError(f"{file}: cannot be read now ({one_line(e)})") from None
             with opened as f:
                 for r in run:
                     try:
                         src = f.get_slice(r.key)[r.index] if r.index else f.get_tensor(r.key)
                     except Exception as e:
-                        raise CheckpointError(f"{file}: cannot read tensor {r.key} ({_one_line(e)})") from None
+                        raise CheckpointError(f"{file}: cannot read tensor {r.key} ({one_line(e)})") from None
                     r.dest.copy_(src.reshape(r.dest.shape))
                     total += src.numel() * src.element_size()
                     del src  # it maps the file: let the mapping go with the file
@@ -736,16 +726,16 @@ class _Unread:
 
 
 def _whole(model: nn.Module, ckpt: _Checkpoint, config: Any, world: int, where: str) -> _Unread:
-    """Check the whole checkpoint against ``model`` (left unchanged: a copy is planned), as every rank
+    """Check the whole checkpoint against ``model`` (left unchanged: the reads are listed on a copy), as every rank
     alike would: routed experts that ``world`` ranks share equally, every tensor of every rank there
     with its shape, and nothing left over but what the model does not use by design."""
     experts = _experts_modules(model)
     for path, _, module in experts:
         _shard(path, module, 0, world)
-    plan = copy.deepcopy(model)
+    trial = copy.deepcopy(model)
     alloc = _Alloc(torch.device("meta"), None, ())
-    reads, sharded = _plan_experts(plan, ckpt, 0, 1, alloc)
-    more, _ = _plan_replicated(plan, ckpt, list(sharded), alloc)
+    reads, sharded = _expert_reads(trial, ckpt, 0, 1, alloc)
+    more, _ = _replicated_reads(trial, ckpt, list(sharded), alloc)
     used = {r.key for r in reads + more}
     return _left_over(model, ckpt, config, used, [p for p, _, _ in experts], where)
 
@@ -757,7 +747,7 @@ def _left_over(model: nn.Module, ckpt: _Checkpoint, config: Any, used: Set[str],
     what its class declares unused)."""
     layers = getattr(config, "num_hidden_layers", None)
     layers = layers if isinstance(layers, int) else math.inf  # a family that counts its layers otherwise
-    n_mtp = next((int(getattr(config, f)) for f in MTP_FIELDS if getattr(config, f, None) is not None), 0)
+    n_mtp = next((int(getattr(config, f)) for f in MTP_LAYERS if getattr(config, f, None) is not None), 0)
     declared = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
     tied: Dict[str, str] = {}
     computed: Set[str] = set()
@@ -864,8 +854,8 @@ def load_checkpoint(path: Union[str, "os.PathLike[str]"], *, rank: Optional[int]
     dtype = dtype or _as_dtype(getattr(config, "dtype", None))
     device = torch.device(device)
     alloc = _Alloc(device, dtype, _fp32_patterns(model, dtype))
-    reads, sharded = _plan_experts(model, ckpt, rank, world, alloc)
-    more, pending = _plan_replicated(model, ckpt, list(sharded), alloc)
+    reads, sharded = _expert_reads(model, ckpt, rank, world, alloc)
+    more, pending = _replicated_reads(model, ckpt, list(sharded), alloc)
     reads += more
     bytes_read = _execute(reads, ckpt)
     _init_buffers(model, pending, device)

@@ -1,4 +1,4 @@
-"""What the reference decoder and the transformers adapter share: seeded weights, the token-id check.
+"""What the models share: seeded weights, the token-id check, an FFN's stages, an exception in one line.
 
 Neither model imports the other; both import this. (Their forward micro-batch by micro-batch,
 without the executor, is `microbatch.forward.forward_layer_by_layer`; the contract both
@@ -30,6 +30,18 @@ def check_token_ids(tokens: torch.Tensor, vocab: int) -> None:
         raise ValueError(f"token ids must be in [0, {vocab}), got [{int(tokens.min())}, {int(tokens.max())}]")
 
 
+def one_line(exc: BaseException, typed: bool = False, limit: Optional[int] = 300) -> str:
+    """An exception's message on one line (a library's may span several: transformers puts the reason on the
+    second), cut to ``limit`` characters (None: whole), after its type's name with ``typed``; its type's name
+    where it says nothing."""
+    text = " ".join(part.strip() for part in str(exc).splitlines() if part.strip())
+    if limit is not None and len(text) > limit:
+        text = text[:limit - 3] + "..."
+    if not text:
+        return type(exc).__name__
+    return f"{type(exc).__name__}: {text}" if typed else text
+
+
 def module_stages(ffn: Any, decode_chunks: Optional[int] = None) -> Optional[List[Operation]]:
     """An FFN module's operations where it has stages (an expert-parallel layer): its decode stages where
     ``decode_chunks`` is given and it has them (`collectives.ExpertParallelMoE.decode_stages`), else its
@@ -41,4 +53,4 @@ def module_stages(ffn: Any, decode_chunks: Optional[int] = None) -> Optional[Lis
     return [as_operation(s) for s in stages()] if callable(stages) else None
 
 
-__all__ = ["check_token_ids", "module_stages", "param_seed"]
+__all__ = ["check_token_ids", "module_stages", "one_line", "param_seed"]

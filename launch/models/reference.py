@@ -241,14 +241,14 @@ class Model(nn.Module):
         return self.norm(hidden)
 
     @torch.no_grad()
-    def forward_microbatches(self, batch: Batch, plan: Split) -> torch.Tensor:
-        """Prefill as the plan's micro-batches, layer by layer (mb0, mb1, ...), without overlap.
+    def forward_microbatches(self, batch: Batch, split: Split) -> torch.Tensor:
+        """Prefill as the split's micro-batches, layer by layer (mb0, mb1, ...), without overlap.
 
         A cut request's later part attends to its earlier parts' keys and values of the same
-        layer. The result equals `forward` up to rounding; a serial plan runs `forward`
+        layer. The result equals `forward` up to rounding; a serial split runs `forward`
         (`microbatch.forward.forward_layer_by_layer`).
         """
-        return forward_layer_by_layer(self, batch, plan)
+        return forward_layer_by_layer(self, batch, split)
 
     def layer_operations(self) -> List[List[Operation]]:
         """Every layer's operations, for the pipeline executor (``microbatch.run``)."""

@@ -3,8 +3,8 @@
 `small_config` makes a family's config small for the CPU (``FAMILIES`` holds the sizes of the
 families users bring most; every other MoE family of the installed transformers gets the common
 small sizes), with the toolkit's overrides (``n_layers``, ``hidden``, ``n_experts``, ...) in the
-family's own field names; `build_transformers_model` builds and adapts a model of it
-(`launch.models.transformers_adapter`). `is_moe_config` and `moe_families` say which model types
+family's own field names (`fields`); `build_transformers_model` builds and adapts a model of it
+(`model`). `is_moe_config` and `moe_families` say which model types
 are MoEs; `check_family` says, before any process group exists, whether the adapter runs a family
 with given overrides, in one line (`refused_families` walks every MoE family).
 
@@ -19,8 +19,10 @@ import torch
 
 from microbatch.batch import Batch
 
-from .transformers_adapter import (EXPERT_COUNTS, SHARED_COUNTS, TransformersModel, attention_for, first_field,
-                                   from_config, one_line)
+from ..common import one_line
+from .fields import (EXPERT_COUNTS, IDENTITY_EXPERTS, LAYER_COUNTS, SHARED_COUNTS, SHARED_SIZES, TOP_K, first_field,
+                     held_field)
+from .model import TransformersModel, attention_for, from_config
 
 __all__ = ["FAMILIES", "build_transformers_model", "check_family", "is_moe_config", "moe_families", "refused_families",
            "small_config"]
@@ -54,7 +56,6 @@ _SMALL_IF_PRESENT = dict(
     expert_ffn_hidden_size=32, vocab_size_per_layer_input=128, hidden_size_per_layer_input=16,
     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
     n_group=1, topk_group=1, num_expert_group=1)
-_IDENTITY_EXPERTS = ("zero_expert_num",)  # zero-compute experts beside the routed ones: half as many (LongCat-Flash)
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id")
 _OVERRIDES = ("n_layers", "n_dense_layers", "hidden", "n_experts", "top_k", "n_shared")
 _PROBE_LAYERS = 4  # `check_family` builds at most this many layers
@@ -73,9 +74,7 @@ def _has(config: Any, name: str) -> bool:
 def _layers_field(base: Any) -> str:
     """The family's field for its decoder layers (LongCat-Flash derives ``num_hidden_layers`` from ``num_layers``)."""
     saved = base.to_dict()
-    if "num_hidden_layers" not in saved:
-        return next((n for n in ("num_layers", "n_layers", "n_layer") if n in saved), "num_hidden_layers")
-    return "num_hidden_layers"
+    return next((n for n in LAYER_COUNTS if n in saved), LAYER_COUNTS[0])
 
 
 def _override_fields(base: Any, overrides: Mapping[str, Any], expert_ffn: int) -> Dict[str, Any]:
@@ -84,7 +83,7 @@ def _override_fields(base: Any, overrides: Mapping[str, Any], expert_ffn: int) -
     if unknown:
         raise ValueError(f"unknown overrides {unknown}; known: {list(_OVERRIDES)}")
     out: Dict[str, Any] = {}
-    simple = {"n_layers": _layers_field(base), "hidden": "hidden_size", "top_k": "num_experts_per_tok",
+    simple = {"n_layers": _layers_field(base), "hidden": "hidden_size", "top_k": first_field(base, TOP_K) or TOP_K[0],
               "n_experts": first_field(base, EXPERT_COUNTS)}
     for name, field in simple.items():
         if name in overrides and field is None:
@@ -112,9 +111,9 @@ def _shared_fields(base: Any, n: int, expert_ffn: int) -> Dict[str, Any]:
     field = first_field(base, SHARED_COUNTS)
     if field is not None:
         return {field: n}
-    for field in ("shared_expert_intermediate_size", "shared_intermediate_size"):
+    for field in SHARED_SIZES:
         if hasattr(base, field):
-            if n < 1 and field == "shared_expert_intermediate_size":  # the family always builds its shared expert
+            if n < 1 and field == SHARED_SIZES[0]:  # Qwen2-MoE's: the family always builds its shared expert
                 raise ValueError(f"{base.model_type} has one gated shared expert; n_shared sets its size and must "
                                  f"be >= 1")
             return {field: n * expert_ffn}
@@ -130,9 +129,10 @@ def _small_fields(base: Any, model_type: str) -> Dict[str, Any]:
     small = {k: v for k, v in _COMMON.items() if k != "num_hidden_layers" and (k in saved or _has(base, k))}
     small[_layers_field(base)] = _COMMON["num_hidden_layers"]
     small.update({k: v for k, v in _SMALL_IF_PRESENT.items() if saved.get(k) is not None})
-    top_k = saved.get("num_experts_per_tok", getattr(base, "num_experts_per_tok", None))
-    if isinstance(top_k, int) and 0 < top_k < small.get("num_experts_per_tok", 0):
-        small["num_experts_per_tok"] = top_k  # a family built for fewer (ZAYA takes top-1 only)
+    top_field = first_field(base, TOP_K)
+    top_k = saved.get(top_field, getattr(base, top_field, None)) if top_field else None
+    if isinstance(top_k, int) and 0 < top_k < small.get(top_field, 0):
+        small[top_field] = top_k  # a family built for fewer (ZAYA takes top-1 only)
     small.update(FAMILIES.get(model_type, {}))
     experts = first_field(base, EXPERT_COUNTS)
     if experts is not None:
@@ -150,8 +150,9 @@ def _fill_unset(base: Any, fields: Dict[str, Any], overrides: Mapping[str, Any])
     saved = base.to_dict()
     out = dict(fields)
     get = lambda name: out.get(name, saved.get(name))  # noqa: E731
-    if "n_shared_experts" in saved and get("n_shared_experts") is None:
-        out["n_shared_experts"] = int(overrides.get("n_shared", 1))
+    shared = first_field(base, SHARED_COUNTS)
+    if shared in saved and get(shared) is None:
+        out[shared] = int(overrides.get("n_shared", 1))
     if "head_dim" in saved and get("head_dim") is None and get("num_attention_heads"):
         out["head_dim"] = int(get("hidden_size")) // int(get("num_attention_heads"))
     if saved.get("kv_lora_rank") is not None and "num_key_value_heads" in saved:
@@ -171,7 +172,7 @@ def _fill_unset(base: Any, fields: Dict[str, Any], overrides: Mapping[str, Any])
         only = get("mlp_only_layers")
         if isinstance(only, (list, tuple)) and any(isinstance(i, int) and i >= layers - 1 for i in only):
             out["mlp_only_layers"] = [i for i in only if isinstance(i, int) and i < layers - 1]
-    for field in _IDENTITY_EXPERTS:
+    for field in IDENTITY_EXPERTS:  # zero-compute experts beside the routed ones: half as many
         if saved.get(field) and experts is not None:
             out[field] = max(1, int(get(experts)) // 2)
     vocab = get("vocab_size")
@@ -201,8 +202,8 @@ def small_config(model_type: str, overrides: Optional[Mapping[str, Any]] = None,
 
 def is_moe_config(config: Any) -> bool:
     """Whether a transformers config describes a mixture of experts: it has a routed-expert count field
-    (``num_experts``, ``n_routed_experts``, ``num_local_experts``, ``moe_num_experts``, ... : a name ending in
-    ``experts`` that is not about shared experts, nor per token) holding a number, or left unset."""
+    (`fields.EXPERT_COUNTS`, or any other name ending in ``experts`` that is not about shared experts, nor per
+    token) holding a number, or left unset."""
     for name, value in config.to_dict().items():
         if re.search(r"(^|_)experts$", name) and "shared" not in name and "per_tok" not in name \
                 and (value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0)):
@@ -262,9 +263,9 @@ def _probe_overrides(overrides: Mapping[str, Any]) -> Dict[str, Any]:
 
 def _check_routing(config: Any) -> None:
     """Top-k must pick between 1 and the routed experts (else the family's router fails with an unclear error)."""
-    field = first_field(config, EXPERT_COUNTS)
-    n, k = (getattr(config, field, None) if field else None), getattr(config, "num_experts_per_tok", None)
-    if isinstance(n, int) and isinstance(k, int) and not 1 <= k <= n:
+    experts, chosen = held_field(config, EXPERT_COUNTS), held_field(config, TOP_K)
+    n, k = (getattr(config, experts) if experts else None), (getattr(config, chosen) if chosen else None)
+    if n is not None and k is not None and not 1 <= k <= n:
         raise ValueError(f"top-k {k} must pick between 1 and the {n} routed experts per token")
 
 
@@ -306,7 +307,7 @@ def check_family(model_type: str, overrides: Optional[Mapping[str, Any]] = None)
     try:
         config = small_config(model_type, overrides)
     except Exception as exc:  # noqa: BLE001 (transformers' own config errors are not all ValueErrors)
-        raise ValueError(f"the family's config does not take these sizes ({one_line(exc)})") from None
+        raise ValueError(f"the family's config does not take these sizes ({one_line(exc, typed=True)})") from None
     if not is_moe_config(config):
         return  # not a MoE: the launcher says so in its own words
     _check_routing(config)
@@ -314,11 +315,11 @@ def check_family(model_type: str, overrides: Optional[Mapping[str, Any]] = None)
         with torch.device("meta"):
             AutoModelForCausalLM.from_config(config, attn_implementation=attention_for(config, "sdpa"))
     except Exception as exc:  # noqa: BLE001 (any failure of the family's own code is a one-line refusal)
-        raise ValueError(f"the family's model cannot be built from this config ({one_line(exc)})") from None
+        raise ValueError(f"the family's model cannot be built from this config ({one_line(exc, typed=True)})") from None
     try:
         _runs_small(small_config(model_type, _probe_overrides(overrides)))
     except Exception as exc:  # noqa: BLE001
-        raise ValueError(f"the adapter cannot run {model_type}: {one_line(exc)}") from None
+        raise ValueError(f"the adapter cannot run {model_type}: {one_line(exc, typed=True)}") from None
 
 
 def refused_families(families: Optional[Sequence[str]] = None) -> Dict[str, Optional[str]]:

@@ -1,0 +1,34 @@
+"""The launcher's configuration: the command-line options and the environment parsed and checked before any
+process group exists, so that an invalid one is reported once per node and every rank exits with status 2.
+
+- `job`: one run's `JobConfig` (`job_config`: the options checked, `DTYPES`, the device, the link);
+- `decode`: what generation adds, `DecodeConfig` (`decode_config`);
+- `modes`: the names ``--mode`` / ``--decode-mode`` take, a list of them parsed (`ModeList`, `split_modes`)
+  and resolved (`resolve_modes`), decode's candidates and exchanges;
+- `environment`: the toolkit's environment variables checked, and those every rank must agree on;
+- `model`: the job's model settings, the reference's preset or a transformers config, checked against
+  what its model can run (`transformers_config`, `check_transformers_model`);
+- `errors`: `ConfigError`.
+
+Importing it imports no transformers: that is done for ``--model NAME|PATH`` only.
+"""
+from .errors import ConfigError
+from .modes import (ALL_MODES, AUTO, DECODE_AUTO_MODES, DECODE_CALIBRATION_ROUNDS, DECODE_EXCHANGES, DECODE_MODE_NAMES,
+                    MODE_NAMES, ModeList, resolve_modes, split_modes)
+from .environment import EnvValue, environment
+from .model import (OVERRIDE_OPTIONS, REFERENCE, ModelSettings, Overrides, build_model_config, check_transformers_model,
+                    check_transformers_overrides, n_experts, transformers_config)
+from .job import (DTYPES, MAX_SEED, JobConfig, job_config, parse_cpu_link, parse_seq_lens, resolve_device,
+                  vocab_size)
+from .decode import DecodeConfig, captured_path, check_exchange, decode_config, parse_buckets
+
+__all__ = [
+    "ConfigError",
+    "ALL_MODES", "AUTO", "DECODE_AUTO_MODES", "DECODE_CALIBRATION_ROUNDS", "DECODE_EXCHANGES", "DECODE_MODE_NAMES",
+    "MODE_NAMES", "ModeList", "resolve_modes", "split_modes",
+    "EnvValue", "environment",
+    "OVERRIDE_OPTIONS", "REFERENCE", "ModelSettings", "Overrides", "build_model_config", "check_transformers_model",
+    "check_transformers_overrides", "n_experts", "transformers_config",
+    "DTYPES", "MAX_SEED", "JobConfig", "job_config", "parse_cpu_link", "parse_seq_lens", "resolve_device", "vocab_size",
+    "DecodeConfig", "captured_path", "check_exchange", "decode_config", "parse_buckets",
+]

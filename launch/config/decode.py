@@ -1,0 +1,129 @@
+"""What the generation launcher adds to a job: the new tokens, the stop token, the decode modes paired with the
+prefill modes, and how decode steps run (captured or eager, their buckets, the exchange), checked into a
+`DecodeConfig`."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from .errors import ConfigError
+from .job import JobConfig, vocab_size
+from .modes import AUTO, DECODE_AUTO_MODES, DECODE_CALIBRATION_ROUNDS, DECODE_EXCHANGES, resolve_modes
+
+__all__ = ["DecodeConfig", "captured_path", "check_exchange", "decode_config", "parse_buckets"]
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """What the generation launcher adds to a job: the new tokens, the stop token and the decode modes."""
+
+    new_tokens: int
+    spread: float  # each request's new tokens are drawn from [ceil(new_tokens * (1 - spread)), new_tokens]
+    stop_token: Optional[int]
+    runs: Tuple[Tuple[str, str], ...]  # (prefill mode, decode mode) of each run, serial's first with --check
+    graph: Optional[str] = None  # --decode-graph: the path decode steps are captured on per bucket (None: eager)
+    buckets: Optional[Tuple[int, ...]] = None  # --decode-buckets (None: the powers of two)
+    guard: bool = True  # --decode-guard: auto sets aside a mode its steps measured slower than serial
+    calibration_rounds: int = DECODE_CALIBRATION_ROUNDS  # --decode-calibration-rounds
+    auto_modes: Tuple[str, ...] = DECODE_AUTO_MODES  # --decode-auto-modes: auto's candidates, serial first
+    exchange: str = "capacity"  # --decode-exchange: one of DECODE_EXCHANGES
+    length_buckets: bool = False  # --decode-length-buckets: captured steps attend over the room the histories use
+
+    def fingerprint(self) -> Dict[str, Union[bool, int, float, str, None, List[int], List[str], List[List[str]]]]:
+        """What must be equal on every rank, by option (`launch.agreement.agree`)."""
+        return {"--new-tokens": self.new_tokens, "--new-tokens-spread": self.spread, "--stop-token": self.stop_token,
+                "--decode-mode": [list(r) for r in self.runs], "--decode-graph": self.graph or "off",
+                "--decode-buckets": list(self.buckets or ()), "--decode-guard": self.guard,
+                "--decode-calibration-rounds": self.calibration_rounds, "--decode-auto-modes": list(self.auto_modes),
+                "--decode-exchange": self.exchange, "--decode-length-buckets": self.length_buckets}
+
+    def min_new_tokens(self) -> int:
+        return max(1, math.ceil(self.new_tokens * (1.0 - self.spread) - 1e-9))  # 10 * (1 - 0.7) is 3.0000000000000004
+
+
+def decode_config(job: JobConfig, *, new_tokens: int, spread: float, stop_token: Optional[int],
+                  decode_modes: Sequence[str], graph: str = "off", buckets: Optional[str] = None,
+                  guard: bool = True, calibration_rounds: int = DECODE_CALIBRATION_ROUNDS,
+                  auto_modes: Sequence[str] = DECODE_AUTO_MODES, exchange: str = "capacity",
+                  length_buckets: bool = False) -> DecodeConfig:
+    """The generation options, checked against the job (`ConfigError` names the first problem).
+
+    ``decode_modes``: the ``--decode-mode`` names (empty: the same as ``--mode``). Each prefill mode is paired
+    with the decode mode at its place; one list of a single mode goes with every mode of the other."""
+    if new_tokens < 1:
+        raise ConfigError(f"--new-tokens must be at least 1, got {new_tokens}")
+    if calibration_rounds < 1:
+        raise ConfigError(f"--decode-calibration-rounds must be at least 1, got {calibration_rounds}")
+    if not auto_modes or any(m in ("all", AUTO) for m in auto_modes):
+        raise ConfigError(f"--decode-auto-modes names decode modes for auto to choose from (not all or auto), got "
+                          f"{','.join(auto_modes) or 'none'}")
+    candidates = tuple(dict.fromkeys(("serial",) + tuple(auto_modes)))  # serial: the reference, always a candidate
+    if not (math.isfinite(spread) and 0.0 <= spread < 1.0):
+        raise ConfigError(f"--new-tokens-spread must be in [0, 1), got {spread:g}")
+    vocab = vocab_size(job)
+    if stop_token is not None and not 0 <= stop_token < vocab:
+        raise ConfigError(f"--stop-token must be a token id in [0, {vocab}), got {stop_token}")
+    prefill = [m for m in (job.asked_modes or job.modes)]
+    decode = resolve_modes(decode_modes, check=False)[1] if decode_modes else tuple(prefill)
+    if AUTO in prefill:
+        raise ConfigError("--mode auto is not available in generation (its prefill's planner chooses for prefill "
+                          "jobs): name the prefill modes; --decode-mode auto chooses each decode step's mode")
+    if len(decode) == 1:
+        runs = [(p, decode[0]) for p in prefill]
+    elif len(prefill) == 1:
+        runs = [(prefill[0], d) for d in decode]
+    elif len(decode) == len(prefill):
+        runs = list(zip(prefill, decode))
+    else:
+        raise ConfigError(f"--decode-mode lists {len(decode)} modes and --mode {len(prefill)}: give as many, or one "
+                          f"of either (it goes with every mode of the other)")
+    runs = list(dict.fromkeys(runs))  # repeats dropped, order kept
+    if (job.check or any(d == AUTO for _, d in runs)) and ("serial", "serial") not in runs:
+        runs.insert(0, ("serial", "serial"))  # the reference of --check, and what auto is measured beside
+    captured = captured_path(job, graph)
+    if length_buckets and graph == "off":
+        raise ConfigError("--decode-length-buckets sizes the captured steps' attention; with --decode-graph off the "
+                          "eager steps attend over their histories already")
+    check_exchange(job, exchange)
+    return DecodeConfig(new_tokens, float(spread), stop_token, tuple(runs), captured, parse_buckets(buckets),
+                        bool(guard), int(calibration_rounds), candidates, exchange, bool(length_buckets))
+
+
+def captured_path(job: JobConfig, graph: str) -> Optional[str]:
+    """``--decode-graph``: the path decode steps are captured on per bucket (None: eager steps). ``auto`` captures
+    on CUDA where the run can (the device cache, the reference model: an eager step there is bound by its
+    launches, 6-10 times a captured one on an H200) and runs eager steps elsewhere."""
+    if graph == "auto":
+        return "cuda" if job.device == "cuda" and not job.kv_offload and not job.transformers else None
+    captured = None if graph == "off" else graph
+    if captured is not None and job.kv_offload:
+        raise ConfigError("--decode-graph captures steps over the device cache: drop --kv-offload")
+    return captured
+
+
+def check_exchange(job: JobConfig, exchange: str) -> None:
+    """``--decode-exchange``: MC2 runs torch_npu's fused operators, on Ascend, over bf16 / fp16 tokens."""
+    if exchange not in DECODE_EXCHANGES:
+        raise ConfigError(f"--decode-exchange must be one of {', '.join(DECODE_EXCHANGES)}, got {exchange!r}")
+    if exchange == "mc2" and job.device != "npu":
+        raise ConfigError(f"--decode-exchange mc2 runs torch_npu's fused MC2 operators on Ascend (--device npu), "
+                          f"not on {job.device}: use capacity, or auto (MC2 where it runs)")
+    if exchange == "mc2" and job.dtype not in (torch.bfloat16, torch.float16):
+        raise ConfigError(f"--decode-exchange mc2 takes bfloat16 or float16 tokens, not "
+                          f"{str(job.dtype).replace('torch.', '')}: pass --dtype bfloat16")
+
+
+def parse_buckets(text: Optional[str]) -> Optional[Tuple[int, ...]]:
+    """``--decode-buckets``: increasing positive sizes, comma-separated (None: the powers of two)."""
+    if text is None:
+        return None
+    try:
+        sizes = tuple(sorted({int(x) for x in text.replace(" ", "").split(",") if x}))
+    except ValueError:
+        raise ConfigError(f"--decode-buckets must be comma-separated integers, got {text!r}") from None
+    if not sizes or sizes[0] < 1:
+        raise ConfigError(f"--decode-buckets must be positive sizes, got {text!r}")
+    return sizes
