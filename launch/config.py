@@ -16,6 +16,8 @@ import torch
 
 import microbatch
 import overlap
+from launch.engine import DECODE_AUTO_MODES, DECODE_CALIBRATION_ROUNDS, DECODE_EXCHANGES
+from microbatch import AUTO
 from overlap.state import MAX_WAIT_TIMEOUT
 
 if TYPE_CHECKING:  # imported where they are used: transformers only for --model NAME|PATH
@@ -37,16 +39,9 @@ class ConfigError(click.ClickException):
 
 
 REFERENCE = "reference"
-DECODE_CALIBRATION_ROUNDS = 4  # rounds of every mode behind each decode calibration entry (--decode-calibration-rounds)
-AUTO = "auto"  # --mode auto: the planner's choice (microbatch/planning/choice.py), measured beside serial
 ALL_MODES = tuple(name for name, m in microbatch.MODES.items() if m.in_all)
 MODE_NAMES = tuple(microbatch.MODES) + ("all", AUTO)  # what --mode takes, in a comma-separated list
 DECODE_MODE_NAMES = tuple(microbatch.DECODE_MODES) + ("all", AUTO)  # what --decode-mode takes
-# the candidates of --decode-mode auto (--decode-auto-modes): one batch (whole, its shared experts beside, its MoE
-# in chunks) and two micro-batches; three and four micro-batches halve a decode batch's matmuls again and rarely pay
-DECODE_AUTO_MODES = ("serial", "shared", "two-batch", "chunked-2", "chunked-4")
-# --decode-exchange: what decode steps exchange through (launch.runner.make_expert_parallel)
-DECODE_EXCHANGES = ("capacity", "mc2", "auto")
 
 
 @dataclasses.dataclass(frozen=True)

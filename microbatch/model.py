@@ -4,7 +4,7 @@ Two models implement it: the reference decoder (`launch.models.reference.Model`)
 transformers adapter (`launch.models.transformers_adapter.TransformersModel`);
 ``tests/test_model.py`` and ``tests/test_transformers_models.py`` check every member below on
 both, name and signature. Its consumers are the forward through a schedule (`microbatch.forward`),
-the runner and the launcher (`launch.runner`, `launch.measure`, `launch.prefill`, `launch.health`)
+the runner and the launcher (`launch.engine`, `launch.measure`, `launch.prefill`, `launch.health`)
 and planning (`microbatch.planning.calibration`, `microbatch.planning.choice`).
 
 - `MoEModel`: the whole contract. Embedding (`embed_tokens`), the layers (``layers``, each a

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import overlap
 from launch.models import build_model, preset
-from launch.runner import make_expert_parallel, split_for, prefill
+from launch.engine import make_expert_parallel, split_for, prefill
 from microbatch import Interconnect, Linear
 from microbatch.batch import Batch
 from microbatch.planning import calibration as cal_mod

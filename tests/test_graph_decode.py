@@ -1,6 +1,7 @@
-"""The decode step captured per batch bucket (`launch.graph_decode`): padded to its bucket, static attention over
-the cache, one graph per bucket on ge / aclgraph (traced with torchair's own code, tests/tools/torchair_contract.py)
-and on CUDA (``torch.cuda.CUDAGraph``), the tokens of the eager `launch.decode.generate`."""
+"""The decode step captured per batch bucket (`launch.engine.graph_decoder`): padded to its bucket, static attention
+over the cache, one graph per bucket on ge / aclgraph (traced with torchair's own code,
+tests/tools/torchair_contract.py) and on CUDA (``torch.cuda.CUDAGraph``), the tokens of the eager
+`launch.engine.generate`."""
 from __future__ import annotations
 
 import collections
@@ -11,8 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import overlap
-from launch.decode import DECODE_STEP, generate, new_cache
-from launch.graph_decode import GraphDecoder
+from launch.engine import DECODE_STEP, GraphDecoder, generate, new_cache
 from launch.models import build_model, preset
 from microbatch import KVCache, KVCacheError, OffloadedKVCache
 from microbatch.kv_cache import StaticKVStep
@@ -151,7 +151,7 @@ def _count_expert_pairs(mp, pairs):
 
 
 def _ranks_body(ctx, mode):
-    from launch.runner import make_expert_parallel
+    from launch.engine import make_expert_parallel
     from overlap import HostSyncs
 
     lens, limits = PLANS[ctx.rank]
@@ -228,7 +228,7 @@ def test_a_static_step_with_a_length_reads_that_many_rows_and_attends_alike():
 def test_length_buckets_build_a_step_per_length_and_generate_the_tokens_of_generate(mode):
     """With length buckets the padded step attends over the room the histories use: one step per (bucket, length),
     lengths the powers of two (at least 16) up to the cache's room, and the eager generate's tokens."""
-    from launch.graph_decode import MIN_LENGTH
+    from launch.engine import MIN_LENGTH
 
     model = build_model(CFG, seed=4)
     prompts, limits = _prompts((6, 3, 9, 2, 5), seed=20), [12, 3, 30, 5, 20]
@@ -244,7 +244,7 @@ def test_length_buckets_build_a_step_per_length_and_generate_the_tokens_of_gener
 
 
 def _length_ranks_body(ctx):
-    from launch.runner import make_expert_parallel
+    from launch.engine import make_expert_parallel
 
     lens, limits = [(3, 4), (12,)][ctx.rank], [(20, 6), (9,)][ctx.rank]  # rank 1's history is the longer at first
     prompts = _prompts(lens, seed=40 + ctx.rank)
@@ -279,7 +279,7 @@ def test_two_ranks_with_length_buckets_attend_over_the_length_they_agree_on():
 def test_a_calibration_of_steps_with_length_buckets_times_both_histories(tmp_path, length_buckets, timed):
     """A captured step over the whole room takes as long at any history: timed at the short one alone. With length
     buckets it attends over the room the history uses: timed at both, and cached under a key of its own."""
-    from launch.decode_plan import calibrate_decode, decode_calibration_key
+    from launch.engine import calibrate_decode, decode_calibration_key
 
     model = build_model(CFG, seed=4)
     prompts, limits = [[1] * 4] * 3, [24] * 3
@@ -332,12 +332,12 @@ def test_what_it_refuses_it_says_in_one_line(path, what, why):
 GRAPH_PLANS = [((5, 2, 3, 2), [2, 2, 4, 4]), ((2, 3, 1), [2, 3, 4])]  # two-batch widest 2, 1, 1: buckets 2, 1, 1
 GRAPH_MODE = "two-batch"
 GRAPH_PATHS = ("ge", "aclgraph")
-AUTO_PLAN = DecodeCalibration((1, 2, 4), (1, 20), {"serial": ((1.0, 1.0), (2.0, 2.0), (4.0, 4.0)),
-                                                  GRAPH_MODE: ((3.0, 3.0), (3.0, 3.0), (3.0, 3.0))}, padded=True)
+AUTO_CALIBRATION = DecodeCalibration((1, 2, 4), (1, 20), {"serial": ((1.0, 1.0), (2.0, 2.0), (4.0, 4.0)),
+                                                         GRAPH_MODE: ((3.0, 3.0), (3.0, 3.0), (3.0, 3.0))}, padded=True)
 
 
 def _graphs_body(ctx):
-    from launch.runner import make_expert_parallel
+    from launch.engine import make_expert_parallel
     from tools import torchair_contract as tc
 
     cfg = preset("tiny", n_dense_layers=0, n_layers=1)  # one MoE layer: each trace costs seconds
@@ -373,9 +373,10 @@ def _graphs_body(ctx):
         graphs.append(gm)
         return tc.strip_air(gm)
     cache = new_cache(model, prompts, limits)
-    decoders = {m: GraphDecoder(model, cache, m, "ge", backend=count) for m in AUTO_PLAN.modes}
+    decoders = {m: GraphDecoder(model, cache, m, "ge", backend=count) for m in AUTO_CALIBRATION.modes}
     with tc.installed(), tc._sanitizer_set_aside():
-        got = generate(model, prompts, limits, mode="auto", plan=AUTO_PLAN, decoder=decoders, guard=False)
+        got = generate(model, prompts, limits, mode="auto", calibration=AUTO_CALIBRATION, decoder=decoders,
+                       guard=False)
     out["auto"] = dict(tokens=got.tokens, modes=got.modes, graphs=len(graphs),
                        buckets={m: d.compiled_buckets for m, d in decoders.items()})
     torch._dynamo.reset()
@@ -474,7 +475,7 @@ def test_ge_orders_with_wait_tensor_and_has_no_events(captured):
 def _cuda_body(ctx):
     import torch.distributed as dist
 
-    from launch.runner import make_expert_parallel
+    from launch.engine import make_expert_parallel
 
     group = ctx.group if dist.get_backend(ctx.group) == "nccl" else dist.new_group(backend="nccl")
     device = torch.device("cuda", torch.cuda.current_device())

@@ -20,9 +20,10 @@ from .simulation import (CostModel, Interconnect, Linear, OpCost, Prediction, Tr
 from .probes import barrier, contention, contention_fit, cpu_async, grouped, max_over_ranks, notice, sweep
 from .calibration import (ENV_CACHE, Calibration, OpFit, Run, TransferFit, cache_dir, cache_file, calibrate,
                           calibration_key, check_cached, fit_collective, fit_linear, fit_runs,
-                          predict_mode, request_length, token_points)
+                          predict_mode, read_cache, request_length, token_points, write_cache)
 from .choice import SPLIT_MARGIN, Candidate, Choice, choose, gather_lens
-from .decode import DecodeCalibration, DecodeCalibrationError, DecodeChoice, choose_decode
+from .decode import (DEFAULT_CONFIDENCE, DEFAULT_MARGIN, SERIAL, DecodeCalibration, DecodeCalibrationError,
+                     DecodeChoice, choose_decode, relative_error)
 from .guard import DecodeGuard
 
 __all__ = [
@@ -35,12 +36,13 @@ __all__ = [
     "barrier", "contention", "contention_fit", "cpu_async", "grouped", "max_over_ranks", "notice", "sweep",
     # calibration
     "ENV_CACHE", "Calibration", "OpFit", "Run", "TransferFit", "cache_dir", "cache_file", "calibrate",
-    "calibration_key", "check_cached", "fit_collective", "fit_linear", "fit_runs", "predict_mode",
-    "request_length", "token_points",
+    "calibration_key", "check_cached", "fit_collective", "fit_linear", "fit_runs", "predict_mode", "read_cache",
+    "request_length", "token_points", "write_cache",
     # choice
     "SPLIT_MARGIN", "Candidate", "Choice", "choose", "gather_lens",
     # decode
-    "DecodeCalibration", "DecodeCalibrationError", "DecodeChoice", "choose_decode",
+    "DEFAULT_CONFIDENCE", "DEFAULT_MARGIN", "SERIAL", "DecodeCalibration", "DecodeCalibrationError", "DecodeChoice",
+    "choose_decode", "relative_error",
     # guard
     "DecodeGuard",
 ]
