@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import overlap
 from launch.engine import DECODE_STEP, GraphDecoder, generate, new_cache
-from launch.models import build_model, preset
+from launch.models import TransformersModel, build_model, preset
 from microbatch import KVCache, KVCacheError, OffloadedKVCache
 from microbatch.kv_cache import StaticKVStep
 from microbatch.planning import DecodeCalibration
@@ -294,8 +294,10 @@ def test_a_calibration_of_steps_with_length_buckets_times_both_histories(tmp_pat
     assert key["graph"].get("length_buckets", False) == length_buckets  # keys without them stay as they were
 
 
-class _NotReference(torch.nn.Module):
-    """Stands for a model whose attention reads the cache itself (the transformers adapter)."""
+class _NotCaptured(torch.nn.Module):
+    """Stands for a model whose attention reads the cache itself: it says so, as the transformers adapter does."""
+
+    no_capture_reason = TransformersModel.no_capture_reason
 
 
 @pytest.mark.parametrize("path, what, why", [
@@ -313,7 +315,7 @@ def test_what_it_refuses_it_says_in_one_line(path, what, why):
     if what == "host cache":
         args["cache"] = OffloadedKVCache(CFG.n_layers, 1, 4, CFG.k_shape, CFG.v_shape)
     elif what == "other model":
-        args["model"] = _NotReference()
+        args["model"] = _NotCaptured()
     elif what == "buckets":
         args["buckets"] = [0, 4]
     elif what == "mode":
@@ -325,6 +327,42 @@ def test_what_it_refuses_it_says_in_one_line(path, what, why):
         if what == "host cache":
             args["cache"].close()
     assert "\n" not in str(err.value)
+
+
+class _Delegate:
+    """A model of another class than the reference decoder, every member read through from one."""
+
+    def __init__(self, model, no_capture_reason):
+        self._model, self.no_capture_reason = model, no_capture_reason
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+def test_the_models_capture_capability_decides_not_its_class():
+    """A model that says its steps can be captured (``no_capture_reason`` None) is captured whatever its class, and
+    generates the reference decoder's tokens; one that says why not, of whatever class, is refused with that
+    reason in one line (before, the graph decoder asked for the reference decoder's class)."""
+    model = build_model(CFG, seed=1)
+    prompts = _prompts((3, 5), seed=8)
+    want = generate(model, prompts, 4).tokens
+    other = _Delegate(model, None)
+    assert not isinstance(other, torch.nn.Module)
+    decoder = GraphDecoder(other, new_cache(model, prompts, 4), "two-batch", "cpu")
+    assert generate(other, prompts, 4, decoder=decoder).tokens == want and decoder.compiled_buckets
+    assert generate(other, prompts, 4, graph="cpu").tokens == want
+    why = "its attention is computed elsewhere (a test says so)"
+    for refused in (_Delegate(model, why), _with_reason(build_model(CFG, seed=1), why)):
+        with pytest.raises(ValueError) as err:
+            GraphDecoder(refused, new_cache(model, prompts, 4), "serial", "cpu")
+        assert str(err.value) == why
+        with pytest.raises(ValueError, match="a test says so"):
+            generate(refused, prompts, 4, graph="cpu")
+
+
+def _with_reason(model, why):
+    model.no_capture_reason = why  # the reference decoder's own object, saying it cannot be captured
+    return model
 
 
 # ---- captured on ge / aclgraph with torchair's own code, two gloo ranks ------------------------------------------

@@ -25,7 +25,8 @@ step reads and gathers the room its histories use, not the whole ``max_len``, at
 
 A `GraphDecoder` is a `launch.engine.decoder.Decoder`: `launch.engine.generation.generate(graph=path)` (or
 ``decoder=``) runs its decode steps through one; the generation launcher's ``--decode-graph PATH``,
-``--decode-buckets`` and ``--decode-length-buckets``.
+``--decode-buckets`` and ``--decode-length-buckets``. Which model it can capture is the model's to say
+(``no_capture_reason``, `microbatch.DecodeModel`), not its class's.
 """
 from __future__ import annotations
 
@@ -55,9 +56,9 @@ class GraphDecoder:
     (default: the path's own); ``length_buckets``: attention over the room the histories use, a graph per
     (bucket, length), instead of every slot's whole ``max_len`` (see the module docstring). Refused with a
     ValueError: a path that captures nothing here (``npu``: use ``aclgraph``), a cache that is not a device
-    `KVCache` (the host cache), a model whose attention does not go through the step's ``attend`` (the
-    transformers adapter), and on the graph paths a MoE block that is not an `ExpertParallelMoE` (its decode
-    stages are the static ones)."""
+    `KVCache` (the host cache), a model that says why its steps cannot be captured (``no_capture_reason``: the
+    transformers adapter, whose attention does not go through the step's ``attend``), and on the graph paths a
+    MoE block that is not an `ExpertParallelMoE` (its decode stages are the static ones)."""
 
     def __init__(self, model: DecodeModel, cache: KVCache, mode: str = "serial", path: str = "cpu",
                  buckets: Optional[Sequence[int]] = None, backend: Optional[CompileBackend] = None,
@@ -200,15 +201,12 @@ def decoders_of(decoders: Mapping[str, GraphDecoder], modes: Sequence[str]) -> D
 
 def _refuse(model: DecodeModel, cache: KVCache, path: str, target: overlap.backends.Backend, captures: bool) -> None:
     """A one-line ValueError for what a `GraphDecoder` cannot run (before any collective)."""
-    from ..models.reference import Model
-
     if not captures and target.device_type != "cpu":
         raise ValueError(f"GraphDecoder captures on ge, aclgraph or cuda (cpu runs it eagerly), not on {path!r}")
     if type(cache) is not KVCache:
         raise ValueError(f"GraphDecoder needs a device KVCache, got {type(cache).__name__}")
-    if not isinstance(model, Model):
-        raise ValueError(f"GraphDecoder runs the reference decoder (its attention goes through the step's attend), "
-                         f"not a {type(model).__name__}")
+    if model.no_capture_reason is not None:
+        raise ValueError(model.no_capture_reason)
     loose = [type(layer.moe).__name__ for layer in model.moe_layers() if not isinstance(layer.moe, ExpertParallelMoE)]
     if captures and loose:
         raise ValueError(f"GraphDecoder on {path} needs every MoE block expert-parallel (its decode stages are "
