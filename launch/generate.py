@@ -20,7 +20,7 @@ results.json and per mode a Chrome trace and PNG timeline of one decode step. In
 command is ``overlap-generate``.
 
 The job's life is `launch.job` (shared with `launch.prefill`), the configuration checks `launch.config`,
-the generation `launch.decode`, its measurement `launch.generation`.
+the generation `launch.engine`, its measurement `launch.measure.generate`.
 """
 from __future__ import annotations
 
@@ -40,15 +40,15 @@ import torch.distributed as dist
 
 import microbatch
 from launch.build import build_model, holds_whole_model
-from launch.config import (AUTO, DECODE_AUTO_MODES, DECODE_CALIBRATION_ROUNDS, DECODE_EXCHANGES, DECODE_MODE_NAMES,
+from launch.config import (DECODE_AUTO_MODES, DECODE_CALIBRATION_ROUNDS, DECODE_EXCHANGES, DECODE_MODE_NAMES,
                            DecodeConfig, JobConfig, ModeList, decode_config, job_config)
 from launch.job import main as job_main, progress, say, script as job_script
 from launch.options import batch_options, model_options, run_options, timing_options
 
 if TYPE_CHECKING:  # the launcher's parts are imported where the job needs them (a bad option fails first)
-    from launch.decode import Decoders
-    from launch.generation import Run, RunResult
+    from launch.engine import Decoders
     from launch.health import Fault, Peers
+    from launch.measure import Run, RunResult
     from microbatch import DecodeModel, KVCache
     from microbatch.planning import DecodeCalibration
 
@@ -149,11 +149,11 @@ def run_job(job: JobConfig, decode: DecodeConfig) -> int:
 def _generate_job(job: JobConfig, decode: DecodeConfig, dev: torch.device, fault: Optional[Fault],
                   peers: Peers) -> int:
     from launch.agreement import agree, agree_ready
-    from launch.generation import Run, check, measure_generation, table
+    from launch.engine import make_expert_parallel
     from launch.job import finish
+    from launch.measure.generate import Run, check, measure_generation, table
     from launch.memory import check as check_memory
     from launch.outputs import check_out_dir, write_generation_outputs
-    from launch.runner import make_expert_parallel
     from microbatch.batch import Batch
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -176,13 +176,13 @@ def _generate_job(job: JobConfig, decode: DecodeConfig, dev: torch.device, fault
     say(_headline(job, decode, model, world, limits))
     make_cache = functools.partial(_new_cache, job, model, prompts, limits)
     decoders = _decoders(job, decode, model, runs, make_cache)
-    auto = next((r.label for r in runs if r.decode == AUTO), None)
-    plan = _calibrate(job, decode, model, peers, decoders.get(auto)) if auto is not None else None
+    auto = next((r.label for r in runs if r.decode == microbatch.AUTO), None)
+    calibration = _calibrate(job, decode, model, peers, decoders.get(auto)) if auto is not None else None
     results = measure_generation(model, prompts, limits, runs, dist.group.WORLD, make_cache,
                                  stop_token=decode.stop_token, warmup=job.warmup, iters=job.iters,
                                  margins=job.check and job.dtype != torch.float32,
-                                 progress=functools.partial(_progress, peers), plan=plan, decoders=decoders,
-                                 buckets=decode.buckets, guard=decode.guard)
+                                 progress=functools.partial(_progress, peers), calibration=calibration,
+                                 decoders=decoders, buckets=decode.buckets, guard=decode.guard)
     progress("")
     failed: List[str] = []
     notes: List[str] = []
@@ -209,7 +209,7 @@ def _decoders(job: JobConfig, decode: DecodeConfig, model: DecodeModel, runs: Se
     if decode.graph is None:
         return {}
     from launch.agreement import agree_ready
-    from launch.graph_decode import GraphDecoder
+    from launch.engine import GraphDecoder, graph_decoders
 
     decoders: Dict[str, "Decoders"] = {}
     problem = None
@@ -217,8 +217,8 @@ def _decoders(job: JobConfig, decode: DecodeConfig, model: DecodeModel, runs: Se
         for r in runs:
             cache = make_cache()
             graphs = dict(path=decode.graph, buckets=decode.buckets, length_buckets=decode.length_buckets)
-            decoders[r.label] = GraphDecoder(model, cache, r.decode, **graphs) if r.decode != AUTO else {
-                m: GraphDecoder(model, cache, m, **graphs) for m in decode.auto_modes}
+            decoders[r.label] = GraphDecoder(model, cache, r.decode, **graphs) if r.decode != microbatch.AUTO else \
+                graph_decoders(model, cache, decode.auto_modes, **graphs)
     except ValueError as err:
         problem = f"--decode-graph {decode.graph}: {err}"
     agree_ready("building the decode graphs", problem, job.timeout)
@@ -230,8 +230,8 @@ def _calibrate(job: JobConfig, decode: DecodeConfig, model: DecodeModel, peers: 
     """The decode calibration ``--decode-mode auto`` chooses from: every candidate mode's step time at 1 to the
     batch's requests per rank and the job's shortest and longest histories (the same job on every rank); with
     ``--decode-graph``, of the captured steps of auto's ``decoders``."""
-    from launch.decode_plan import calibrate_decode, calibration_histories
-    from microbatch.planning.decode import DEFAULT_CONFIDENCE, DEFAULT_MARGIN
+    from launch.engine import calibrate_decode, calibration_histories
+    from microbatch.planning import DEFAULT_CONFIDENCE, DEFAULT_MARGIN
 
     def heard(line: str) -> None:
         peers.beat(line)
@@ -279,7 +279,7 @@ def _new_tokens(job: JobConfig, decode: DecodeConfig, rank: int) -> List[int]:
 def _new_cache(job: JobConfig, model: DecodeModel, prompts: Sequence[Sequence[int]], limits: Sequence[int]
                ) -> KVCache:
     """A fresh cache for one generation: on the device, or on the host with ``--kv-offload``."""
-    from launch.decode import new_cache
+    from launch.engine import new_cache
 
     return new_cache(model, prompts, list(limits), offload=job.kv_offload)
 
@@ -300,8 +300,7 @@ def _own_tokens(job: JobConfig, model: DecodeModel, prompts: Sequence[Sequence[i
 
 def _check_own_tokens(job: JobConfig, results: Sequence[RunResult], own: OwnTokens) -> Tuple[List[str], List[str]]:
     """Serial's tokens against the model's own generate(): ``(failures, notes)`` (one rank: no collective)."""
-    from launch.decode import first_difference
-    from launch.generation import judge
+    from launch.measure.generate import first_difference, judge
 
     if own is None:
         return [], []

@@ -17,8 +17,8 @@ if TYPE_CHECKING:
     from overlap import Span
 
     from .config import DecodeConfig, JobConfig
-    from .generation import RunResult
-    from .measure import ModeResult
+    from .measure.generate import RunResult
+    from .measure.prefill import ModeResult
 
 
 class OutputError(OSError):

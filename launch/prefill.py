@@ -14,7 +14,7 @@ at the median hidden share (the table's figure). Installed, the same command is
 
 This file is the command line and the job, top to bottom; the configuration checks are in
 `launch.config`, rank health in `launch.health`, the models in `launch.models`, the measurement
-in `launch.measure`, the prefill itself in `launch.runner`, the planner of ``--mode auto`` in
+in `launch.measure.prefill`, the prefill itself in `launch.engine.prefiller`, the planner of ``--mode auto`` in
 `microbatch.planning` and the files written in `launch.outputs`.
 """
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 import microbatch
 from launch.build import build_model, holds_whole_model
-from launch.config import AUTO, JobConfig, ModeList, job_config
+from launch.config import JobConfig, ModeList, job_config
 from launch.job import main as job_main, progress as _progress, say, script as job_script
 from launch.options import batch_options, model_options, run_options, timing_options
 
@@ -112,12 +112,13 @@ def _prefill_job(job: JobConfig, dev: torch.device, fault: Optional[Fault], peer
     """The job once the group is joined (`run_job`): its exit status; what fails is said by `launch.job.guarded`."""
     from launch.agreement import agree, agree_ready
     from launch.job import finish
-    from launch.measure import RECORDED, check_against_serial, measure_modes, near_tie_notes, not_finite, table
+    from launch.engine import graph_prefill, make_capacity_expert_parallel, make_expert_parallel
+    from launch.measure.prefill import (RECORDED, check_against_serial, measure_modes, near_tie_notes, not_finite,
+                                        table)
     from launch.memory import check as check_memory
     from microbatch.batch import Batch
     from microbatch.planning import max_over_ranks
     from launch.outputs import check_kv_dir, check_out_dir, write_outputs
-    from launch.runner import graph_prefill, make_capacity_expert_parallel, make_expert_parallel
 
     rank, world = dist.get_rank(), dist.get_world_size()
     cache = None
@@ -154,7 +155,7 @@ def _prefill_job(job: JobConfig, dev: torch.device, fault: Optional[Fault], peer
                 fault.maybe_fail(rank, next(counter))
             peers.beat(f"{mode} iteration {i + 1}")
 
-        choice = _plan_auto(job, model, batch) if AUTO in job.modes else None
+        choice = _choose_auto(job, model, batch) if microbatch.AUTO in job.modes else None
         results = measure_modes(model, batch, job.modes, dist.group.WORLD, warmup=job.warmup, iters=job.iters,
                           cache=cache, before_iter=before_iter, compile_mode=compile_mode, choice=choice)
         _progress("")
@@ -167,8 +168,8 @@ def _prefill_job(job: JobConfig, dev: torch.device, fault: Optional[Fault], peer
         for line in ties:
             say(line)
         for r in results:
-            if r.mode == AUTO or microbatch.mode(r.mode).micro_batches > 1:
-                say(f"{r.mode} split: {r.split}")
+            if r.mode == microbatch.AUTO or microbatch.mode(r.mode).micro_batches > 1:
+                say(f"{r.mode} split: {r.split_reason}")
         if choice is not None:
             say(_auto_summary(choice, results))
         if job.check or failed:
@@ -219,7 +220,7 @@ def _check_own_forward(job: JobConfig, results: Sequence[ModeResult], own: OwnFo
     return [f"serial differs from {job.model_name}'s own forward by {diff:.3e} (tolerance {tol:.1e})"]
 
 
-def _plan_auto(job: JobConfig, model: MoEModel, batch: Batch) -> Choice:
+def _choose_auto(job: JobConfig, model: MoEModel, batch: Batch) -> Choice:
     """``--mode auto``: calibrate (cached per machine, model and dtype) and choose; the same on every rank."""
     from microbatch.forward import cut_refusal
     from microbatch.planning import calibrate, choose, gather_lens, request_length
@@ -235,7 +236,7 @@ def _plan_auto(job: JobConfig, model: MoEModel, batch: Batch) -> Choice:
 
 def _auto_summary(choice: Choice, results: Sequence[ModeResult]) -> str:
     by = {r.mode: r for r in results}
-    auto, serial = by[AUTO], by.get("serial")
+    auto, serial = by[microbatch.AUTO], by.get("serial")
     measured = f"measured {auto.median_s * 1e3:.1f} ms"
     if serial is not None:
         measured += f", {serial.median_s / auto.median_s:.2f}x serial's measured {serial.median_s * 1e3:.1f} ms"
@@ -246,8 +247,8 @@ def _auto_summary(choice: Choice, results: Sequence[ModeResult]) -> str:
 def _write_prediction(out_dir: str, choice: Choice, model: MoEModel, results: Sequence[ModeResult]) -> None:
     """The chosen schedule's predicted timeline of rank 0's batch, beside its measured trace
     (compare them with ``overlap-report trace_auto.json --plan trace_auto.predicted.json``)."""
-    plan = next(r.plan for r in results if r.mode == AUTO and r.plan is not None)
-    choice.predict(model, plan).save_chrome_trace(os.path.join(out_dir, "trace_auto.predicted.json"))
+    split = next(r.split for r in results if r.mode == microbatch.AUTO and r.split is not None)
+    choice.predict(model, split).save_chrome_trace(os.path.join(out_dir, "trace_auto.predicted.json"))
     say(f"wrote {out_dir}/trace_auto.predicted.json (overlap-report {out_dir}/trace_auto.json --plan "
         f"{out_dir}/trace_auto.predicted.json compares them)", err=True)
 

@@ -15,14 +15,14 @@ from .model import DecodeModel, ForwardModel, Layer, MoELayer, MoEModel, ModelSh
 from .operations import FromMicroBatch, Operation, State, as_operation
 from .replay import replay_stats
 from .planning import CostModel, Interconnect, Linear, OpCost, Prediction, Transfer, predict, simulate
-from .schedules import (CHUNKS, DECODE_MODES, HIDDEN, MODES, OUT, Mode, Schedule, ScheduledOp, ScheduleError,
+from .schedules import (AUTO, CHUNKS, DECODE_MODES, HIDDEN, MODES, OUT, Mode, Schedule, ScheduledOp, ScheduleError,
                         as_listed, chunked, decode_mode, mode, n_batch, n_batch_name, normalize_layers, schedule_for, serial, shared, two_batch,
                         validate)
 from .split import Split, merge_outputs, micro_batches, prefix_kv, prefix_sources, split_batch, split_tokens
 
 __all__ = [
     # the executor and the schedules
-    "CHUNKS", "DECODE_MODES", "HIDDEN", "MODES", "OUT", "FromMicroBatch", "Mode", "Operation", "Lowering", "Schedule",
+    "AUTO", "CHUNKS", "DECODE_MODES", "HIDDEN", "MODES", "OUT", "FromMicroBatch", "Mode", "Operation", "Lowering", "Schedule",
     "ScheduleError", "ScheduledOp", "State", "Step", "as_listed", "as_operation", "chunked", "decode_mode", "event_tag", "execute", "lower", "lower_ahead", "Lowered", "mode", "n_batch", "n_batch_name",
     "normalize_layers", "replay_stats", "run", "run_made", "schedule_for", "serial", "shared", "two_batch", "validate",
     # a packed batch, a split of it, and the model contract

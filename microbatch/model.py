@@ -4,7 +4,7 @@ Two models implement it: the reference decoder (`launch.models.reference.Model`)
 transformers adapter (`launch.models.transformers.TransformersModel`);
 ``tests/test_model.py`` and ``tests/test_transformers_models.py`` check every member below on
 both, name and signature. Its consumers are the forward through a schedule (`microbatch.forward`),
-the runner and the launcher (`launch.runner`, `launch.measure`, `launch.prefill`, `launch.health`)
+the runner and the launcher (`launch.engine`, `launch.measure`, `launch.prefill`, `launch.health`)
 and planning (`microbatch.planning.prefill`: its calibration and its choice).
 
 - `MoEModel`: the whole contract. Embedding (`embed_tokens`), the layers (``layers``, each a
@@ -142,7 +142,14 @@ class MoEModel(ForwardModel, Protocol):
 class DecodeModel(MoEModel, Protocol):
     """A `MoEModel` that also decodes: its layers' operations for a decode step read ``HIDDEN`` (one new token
     per active request) and ``KV_STEP`` (`microbatch.KVStep`: where the step's keys and values go in the
-    cache, and every request's history there) instead of ``SEQ`` and ``PREFIX_KV``."""
+    cache, and every request's history there) instead of ``SEQ`` and ``PREFIX_KV``.
+
+    ``no_capture_reason`` is None when its decode step can be captured as a static graph (its attention goes
+    through the step's ``attend``, `microbatch.kv_cache.StaticKVStep`), else why not, in one line: what a
+    captured decoder (`launch.engine.GraphDecoder`) refuses it with.
+    """
+
+    no_capture_reason: Optional[str]
 
     def decode_layer_operations(self, chunks: int = 1) -> List[List[Operation]]:
         """Every layer's operations for a decode step, for the executor; an expert-parallel MoE's in its decode

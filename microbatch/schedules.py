@@ -10,7 +10,8 @@ one is its producer), operations on `SHARED_EXPERT` are shared experts, everythi
 `MODES` names the generators once, with the names the launcher, the JSON results and the traces
 use: ``serial``, ``shared``, ``two-batch``, and the opt-in ``three-batch`` and ``four-batch``
 (`Mode.in_all` is False: the launcher's ``--mode all`` leaves them out). `DECODE_MODES` adds the decode
-steps' ``chunked-2`` .. ``chunked-4``: one batch, its MoE in K chunks (`chunked`).
+steps' ``chunked-2`` .. ``chunked-4``: one batch, its MoE in K chunks (`chunked`). `AUTO` names no schedule:
+it takes each prefill's or decode step's mode from a calibration (`microbatch.planning`).
 
 Values flow by name: a layer starts with its micro-batch's inputs (``"hidden"`` at layer 0, any
 context values at every layer) and layer ``L``'s ``"hidden"`` is layer ``L-1``'s ``"out"``.
@@ -445,6 +446,8 @@ CHUNKS = (2, 3, 4)  # the chunked decode modes' chunk counts
 # Decode steps run every prefill mode and, for small batches, one batch with its MoE in K chunks.
 DECODE_MODES: Dict[str, Mode] = {**MODES, **{f"chunked-{k}": Mode(f"chunked-{k}", chunked, 1, in_all=False,
                                                                    moe_chunks=k) for k in CHUNKS}}
+# not a schedule: the mode that takes each batch's (prefill) or each step's (decode) mode from a calibration
+AUTO = "auto"
 
 
 def mode(name: str) -> Mode:
@@ -469,6 +472,6 @@ def schedule_for(name: str, layers: Layers, n_micro: int) -> Schedule:
     return mode(name).make(layers, n_micro)
 
 
-__all__ = ["CHUNKS", "DECODE_MODES", "HIDDEN", "MODES", "OUT", "Flow", "Mode", "Read", "Schedule", "ScheduleError",
+__all__ = ["AUTO", "CHUNKS", "DECODE_MODES", "HIDDEN", "MODES", "OUT", "Flow", "Mode", "Read", "Schedule", "ScheduleError",
            "ScheduledOp", "as_listed", "chunked", "decode_mode", "mode", "n_batch", "n_batch_name", "normalize_layers", "schedule_for", "serial", "shared", "two_batch",
            "validate"]

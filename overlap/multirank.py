@@ -87,7 +87,7 @@ def preload_modules() -> List[str]:
     bad = [n for n in names if not all(part.isidentifier() for part in n.split("."))]
     if bad:
         raise ValueError(f"{ENV_PRELOAD}={os.environ[ENV_PRELOAD]!r}: {bad[0]!r} is not a module name; expected "
-                         f"comma-separated module names such as 'transformers,launch.runner'")
+                         f"comma-separated module names such as 'transformers,launch.engine'")
     return names
 
 

@@ -35,8 +35,8 @@ _USER_PATH = os.environ.get("OVERLAP_PATH")  # read before any test changes it (
 # What the rank bodies of the multi-rank tests import, imported once by each worker's forkserver instead of in
 # every rank it forks (transformers' modeling code alone is about 2 s of CPU a process); empty turns it off
 os.environ.setdefault("OVERLAP_FORKSERVER_PRELOAD", ",".join([
-    "pytest", "microbatch", "collectives", "launch.runner", "launch.generation", "launch.decode_plan",
-    "launch.graph_decode", "launch.models", "transformers", "transformers.modeling_utils",
+    "pytest", "microbatch", "collectives", "launch.engine", "launch.measure", "launch.models", "transformers",
+    "transformers.modeling_utils",
     "transformers.models.deepseek_v3.modeling_deepseek_v3", "transformers.models.qwen3_moe.modeling_qwen3_moe",
     "transformers.models.mixtral.modeling_mixtral", "transformers.models.qwen2_moe.modeling_qwen2_moe"]))
 

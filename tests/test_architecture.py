@@ -64,12 +64,12 @@ def _imported_modules(file):
             yield from (f"{base}.{a.name}" for a in node.names)
 
 
-def _launch_imports_outside(folder, inside):
-    """Imports of launch modules by ``folder``'s modules that are not ``inside`` (a dotted package)."""
+def _launch_imports_outside(folder, *inside):
+    """Imports of launch modules by ``folder``'s modules that are in none of ``inside`` (dotted packages)."""
     bad = []
     for file in _modules(folder):
         for name in set(_imported_modules(file)):
-            if name.startswith("launch.") and not (name == inside or name.startswith(inside + ".")):
+            if name.startswith("launch.") and not any(name == p or name.startswith(p + ".") for p in inside):
                 bad.append(f"{os.path.relpath(file, ROOT)} imports {name}")
     return sorted(bad)
 
@@ -88,10 +88,38 @@ def test_models_and_benchmarks_keep_their_place():
     assert _bench_importers() == []
 
 
+def test_the_engine_is_a_library_below_the_launchers():
+    """launch/engine (the runtime that prefills and decodes a model) imports nothing of launch but itself and the
+    models: not the launchers' top floor (their options, configuration, job), their measurements (launch.measure)
+    nor the benchmarks."""
+    assert _launch_imports_outside(os.path.join("launch", "engine"), "launch.engine", "launch.models") == []
+
+
 def test_the_place_checks_can_fail():
-    # the benchmarks use the launcher's modules, and the tests run the benchmarks
+    # the benchmarks use the launcher's modules, the measurements run the engine, and the tests run the benchmarks
     assert _launch_imports_outside(os.path.join("launch", "bench"), "launch.bench")
+    assert _launch_imports_outside(os.path.join("launch", "measure"), "launch.measure", "launch.models")
     assert _bench_importers(("tests",))
+
+
+TOP_FLOOR = 10  # launch/'s own modules: the entry points and the job's life
+
+
+def _top_floor(folder=os.path.join(ROOT, "launch")):
+    """The modules at the top of ``folder`` (``__init__.py`` aside)."""
+    return sorted(n for n in os.listdir(folder) if n.endswith(".py") and n != "__init__.py")
+
+
+def test_launchs_top_floor_holds_the_entry_points_and_the_jobs_life():
+    """The runtime is launch/engine, the measurements launch/measure, the models and benchmarks their folders: the
+    top holds the entry points and the job's life, at most `TOP_FLOOR` modules."""
+    assert "prefill.py" in _top_floor() and len(_top_floor()) <= TOP_FLOOR, _top_floor()
+
+
+def test_the_top_floor_check_can_fail(tmp_path):
+    for name in ["__init__.py"] + [f"m{i}.py" for i in range(TOP_FLOOR + 1)]:
+        (tmp_path / name).write_text("")
+    assert not len(_top_floor(str(tmp_path))) <= TOP_FLOOR
 
 
 def _relative_targets(file):
@@ -136,7 +164,7 @@ def test_every_path_has_a_backend_with_the_interface():
 
 
 def test_import_has_no_side_effect():
-    code = ("import overlap, collectives, microbatch, launch.runner\n"
+    code = ("import overlap, collectives, microbatch, launch.engine, launch.measure\n"
             "from overlap.state import STATE\n"
             "assert not STATE.observers and STATE.sanitizer is None, STATE.observers\n")
     env = dict(os.environ, OVERLAP_SANITIZE="raise", PYTHONPATH=ROOT)
@@ -291,7 +319,7 @@ def test_the_harness_check_can_fail():
 
 
 # --- no Any in a public signature where a type exists ----------------------------------------------------------
-ANY_CHECKED = ("launch/prefill.py", "launch/runner.py", "launch/measure.py", "launch/config/job.py",
+ANY_CHECKED = ("launch/prefill.py", "launch/engine/prefiller.py", "launch/measure/prefill.py", "launch/config/job.py",
                "launch/config/decode.py", "launch/config/modes.py", "launch/config/environment.py",
                "launch/config/model.py", "launch/outputs.py", "launch/memory.py", "launch/health.py",
                "microbatch/planning/cache.py",

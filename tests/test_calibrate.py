@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import overlap
 from launch.models import build_model, preset
-from launch.runner import make_expert_parallel, split_for, prefill
+from launch.engine import make_expert_parallel, split_for, prefill
 from microbatch import Linear
 from microbatch.batch import Batch
 from microbatch.planning.cache import ENV_CACHE, cache_file, calibration_key

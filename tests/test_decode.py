@@ -4,7 +4,8 @@ import dataclasses
 import pytest
 import torch
 
-from launch.decode import DECODE_STEP, bucket_of, first_difference, generate, greedy_generate, split_by_cost
+from launch.engine import DECODE_STEP, bucket_of, generate, greedy_generate, split_by_cost
+from launch.measure.generate import first_difference
 from launch.models import build_model, preset
 from microbatch import DECODE_MODES, MODES, Batch, SeqInfo
 
@@ -46,7 +47,7 @@ CFG = dataclasses.replace(preset("tiny"), n_experts=12)  # over 2, 3 or 4 ranks
 
 
 def _ranks_body(ctx):
-    from launch.runner import make_expert_parallel
+    from launch.engine import make_expert_parallel
     from overlap import HostSyncs, Sanitizer
 
     lens, new_tokens = PLANS[ctx.world_size][ctx.rank]
@@ -101,8 +102,8 @@ def test_every_mode_generates_serials_tokens():
 
 
 def _poisoned_body(ctx):
-    from launch.decode import NonFiniteLogits
-    from launch.runner import make_expert_parallel
+    from launch.engine import NonFiniteLogits
+    from launch.engine import make_expert_parallel
 
     model = build_model(CFG, seed=5)
     if ctx.world_size > 1:
@@ -169,6 +170,26 @@ def test_the_reference_decoder_implements_the_decode_contract():
     model.decode_layer_operations = None  # the check fails on a decoder without it
     assert protocol_problems(model, DecodeModel) == ["Model.decode_layer_operations: not callable (DecodeModel has "
                                                      "this method)"]
+
+
+@pytest.mark.parametrize("kind", ["eager", "captured"])
+def test_both_decoders_implement_the_decoder_interface(kind):
+    """The generation's loop runs every decode step through a `Decoder`: the eager one and the captured one
+    implement it member by member (name and signature), and the check fails on one without a member."""
+    from launch.engine import Decoder, EagerDecoder, GraphDecoder, new_cache
+    from support.protocols import Without, protocol_problems
+
+    model = build_model(preset("tiny"), seed=3)
+    cache = new_cache(model, [[1, 2, 3]], 2)
+    decoder = EagerDecoder(model, cache, "two-batch") if kind == "eager" else GraphDecoder(model, cache, "two-batch")
+    assert protocol_problems(decoder, Decoder) == []
+    name = type(decoder).__name__
+    assert protocol_problems(Without(decoder, "parts"), Decoder, name) == [
+        f"{name}.parts: missing (Decoder has this method)"]
+    assert protocol_problems(Without(decoder, "built"), Decoder, name) == [
+        f"{name}.built: missing (Decoder has this property)"]
+    assert protocol_problems(Without(decoder, "cache"), Decoder, name) == [
+        f"{name}.cache: missing (Decoder has this data)"]
 
 
 def test_a_steps_exchange_is_padded_to_the_bucket_of_its_widest_micro_batch():

@@ -6,7 +6,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from collectives._grouping import group_rows, reduce_rows
-from launch.decode import greedy_generate
+from launch.engine import greedy_generate
 from launch.models import build_model, preset
 from launch.models.reference import rope, rope_tables
 
@@ -156,11 +156,11 @@ _VIEWS = {"aten.view", "aten._unsafe_view", "aten.slice", "aten.select", "aten.e
 
 
 def _step_ops_body(ctx, mode):
-    import launch.decode as decode
-    from launch.runner import make_expert_parallel
+    import launch.engine.decoder as decoder
+    from launch.engine import generate, make_expert_parallel
 
     model = make_expert_parallel(build_model(preset("tiny"), seed=3), ctx.group)
-    counts, inner = [], decode.decode_step
+    counts, inner = [], decoder.decode_step
 
     def counted(*args, **kwargs):
         with _Ops() as ops:
@@ -168,11 +168,11 @@ def _step_ops_body(ctx, mode):
         counts.append(sum(n for op, n in ops.count.items() if op not in _VIEWS))
         return out
 
-    decode.decode_step = counted
+    decoder.decode_step = counted  # what the eager decoder runs a step with
     try:
-        decode.generate(model, [[1, 2, 3, 4]] * 8, 4, mode=mode, prefill_mode="serial")
+        generate(model, [[1, 2, 3, 4]] * 8, 4, mode=mode, prefill_mode="serial")
     finally:
-        decode.decode_step = inner
+        decoder.decode_step = inner
     return counts
 
 

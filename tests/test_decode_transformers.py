@@ -1,4 +1,4 @@
-"""transformers MoE families decode through `launch.decode.greedy_generate` with their own attention modules and
+"""transformers MoE families decode through `launch.engine.greedy_generate` with their own attention modules and
 cache layouts, and generate the tokens of their own ``generate(do_sample=False)``.
 
 Each family's small float32 model (`launch.models.build_transformers_model`): prompts of different lengths, a
@@ -10,8 +10,8 @@ decode refuses, and experts over two ranks (one of them with no prompt).
 import pytest
 import torch
 
-from launch.decode import greedy_generate, new_cache
-from launch.runner import make_expert_parallel
+from launch.engine import greedy_generate, new_cache
+from launch.engine import make_expert_parallel
 from microbatch import MODES, Batch, DecodeModel, SeqInfo
 from overlap import Sanitizer
 from support.protocols import protocol_problems
@@ -136,7 +136,8 @@ def test_layers_a_decode_cannot_run_are_refused_in_one_line(family, fields, says
         model.decode_layer_operations()
     assert "\n" not in str(err.value)
     assert _decode_refusal(model) == f"TransformersModel cannot decode: {err.value}"  # the launcher's line
-    with pytest.raises(ValueError):  # MiMo's: its prefill's keys do not fit the cache, `launch.decode` prefills first
+    # MiMo's: its prefill's keys do not fit the cache, `launch.engine.generate` prefills first
+    with pytest.raises(ValueError):
         greedy_generate(model, [[1, 2, 3]], 2)
 
 

@@ -4,8 +4,9 @@
 stream that has waited on an event recorded in the capture (it joins the capture); work on any other stream, the
 device's default stream above all, invalidates it ("operation not permitted when stream is capturing"), and so
 does the host waiting on the device. `_FakeDevice` stands in for ``torch.cuda`` with those rules (streams, events,
-``stream()``, ``graph()``), so every decode mode's captured step (`launch.graph_decode`) runs here on the ``cuda``
-path over CPU tensors, and each launch is checked against them. On a GPU, `.ci/device-smoke` runs the real capture.
+``stream()``, ``graph()``), so every decode mode's captured step (`launch.engine.graph_decoder`) runs here on the
+``cuda`` path over CPU tensors, and each launch is checked against them. On a GPU, `.ci/device-smoke` runs the real
+capture.
 """
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ class _Graph:
 
 
 class _FakeDevice:
-    """``torch.cuda`` as far as the toolkit's device path and `launch.graph_decode` use it, with capture rules:
+    """``torch.cuda`` as far as the toolkit's device path and `launch.engine.graph_decoder` use it, with capture rules:
     ``problems`` lists each launch on a stream outside a running capture and each host wait inside one."""
 
     CUDAGraph = _Graph
@@ -139,10 +140,10 @@ class _Captured:
 def _capture_body(ctx, modes):
     import dataclasses as dc
 
-    from launch.decode import generate, new_cache
-    from launch.graph_decode import GraphDecoder
+    from launch.engine import generate, new_cache
+    from launch.engine import GraphDecoder
     from launch.models import build_model, preset
-    from launch.runner import make_expert_parallel
+    from launch.engine import make_expert_parallel
 
     cfg = dc.replace(preset("tiny"), n_experts=12)
     prompts, limits = [[1, 2, 3, 4], [5, 6], [7, 8, 9], [3, 1, 4, 1, 5]], [3, 2, 4, 3]

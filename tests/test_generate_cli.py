@@ -169,7 +169,7 @@ def test_a_mode_whose_tokens_differ_from_serial_fails_the_check_naming_where():
     """One process; the two-batch run's tokens are changed at step 2 of request 1: --check says where, exit 1."""
     prog = (
         "import sys\n"
-        "import launch.generation as g\n"
+        "import launch.measure.generate as g\n"
         "real = g.generate\n"
         "def wrong(*a, **k):\n"
         "    out = real(*a, **k)\n"
@@ -196,8 +196,8 @@ def test_nan_in_the_logits_fails_the_run_without_check_in_one_line():
 
 
 def _result(label_prefill, label_decode, tokens, margins=None):
-    from launch.decode import Generated
-    from launch.generation import Run, RunResult
+    from launch.engine import Generated
+    from launch.measure.generate import Run, RunResult
 
     return RunResult(Run(label_prefill, label_decode), [0.1], [0.2], [0.01], 3, Generated(tokens, margins, 2))
 
@@ -205,7 +205,7 @@ def _result(label_prefill, label_decode, tokens, margins=None):
 @pytest.mark.parametrize("dtype, margin, failed", [(torch.float32, 0.01, True), (torch.bfloat16, 0.01, False),
                                                    (torch.bfloat16, 0.5, True)])
 def test_a_near_tie_that_flips_in_half_precision_is_reported_not_failed(dtype, margin, failed):
-    from launch.generation import check
+    from launch.measure.generate import check
 
     serial = _result("serial", "serial", [[1, 2, 3], [4, 5, 6]], [[1.0, 1.0, 1.0], [1.0, margin, 1.0]])
     other = _result("two-batch", "two-batch", [[1, 2, 3], [4, 9, 6]])

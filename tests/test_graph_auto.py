@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 import torch
 
-from launch.decode import DECODE_STEP, generate, new_cache
-from launch.decode_plan import calibrate_decode, graph_token_points
-from launch.graph_decode import GraphDecoder
+from launch.engine import DECODE_STEP, generate, new_cache
+from launch.engine import calibrate_decode, graph_token_points
+from launch.engine import GraphDecoder
 from launch.models import build_model, preset
 from microbatch.planning import DecodeCalibration, DecodeCalibrationError, choose_decode
 from overlap.multirank import run_ranks
@@ -50,7 +50,7 @@ def _prompts(n, seed, length=4):
 
 
 def _graph_auto_body(ctx):
-    from launch.runner import make_expert_parallel
+    from launch.engine import make_expert_parallel
     from overlap import HostSyncs
 
     model = make_expert_parallel(build_model(CFG, seed=3), ctx.group)
@@ -69,9 +69,9 @@ def _graph_auto_body(ctx):
     calibrated = sorted(collections.Counter(stepped).items())
     stepped.clear()
     with HostSyncs() as syncs:
-        auto = generate(model, prompts, counts, mode="auto", plan=PADDED, decoder=decoders, guard=False)
+        auto = generate(model, prompts, counts, mode="auto", calibration=PADDED, decoder=decoders, guard=False)
     in_steps = [str(s) for s in syncs.inside() if (s.scope or "").startswith(DECODE_STEP)]
-    built = generate(model, prompts, counts, mode="auto", plan=cal, graph="cpu")  # its own decoders
+    built = generate(model, prompts, counts, mode="auto", calibration=cal, graph="cpu")  # its own decoders
     return cal, left, calibrated, auto, sorted(set(stepped)), in_steps, built.tokens, want
 
 
@@ -103,13 +103,15 @@ def test_auto_with_steps_of_another_kind_than_its_calibration_is_refused_in_one_
     cache = new_cache(model, prompts, 2)
     decoders = {m: GraphDecoder(model, cache, m, "cpu") for m in MODES}
     cases = [
-        (dict(plan=eager, graph="cpu"), "with captured steps chooses from a calibration of them"),
-        (dict(plan=PADDED), "this decode calibration timed captured steps: pass their decoders"),
-        (dict(plan=PADDED, decoder=decoders["serial"]), "takes one decoder per calibrated mode"),
-        (dict(plan=PADDED, decoder={"serial": decoders["serial"]}), "no decoder for the calibrated mode 'two-batch'"),
-        (dict(plan=PADDED, decoder=dict(decoders, serial=GraphDecoder(model, new_cache(model, prompts, 2)))),
+        (dict(calibration=eager, graph="cpu"), "with captured steps chooses from a calibration of them"),
+        (dict(calibration=PADDED), "this decode calibration timed captured steps: pass their decoders"),
+        (dict(calibration=PADDED, decoder=decoders["serial"]), "takes one decoder per calibrated mode"),
+        (dict(calibration=PADDED, decoder={"serial": decoders["serial"]}),
+         "no decoder for the calibrated mode 'two-batch'"),
+        (dict(calibration=PADDED, decoder=dict(decoders, serial=GraphDecoder(model, new_cache(model, prompts, 2)))),
          "must share one cache, path, buckets and length buckets"),
-        (dict(plan=PADDED, decoder=dict(decoders, serial=decoders["two-batch"])), "the decoder for 'serial' runs mode"),
+        (dict(calibration=PADDED, decoder=dict(decoders, serial=decoders["two-batch"])),
+         "the decoder for 'serial' runs mode"),
     ]
     for kwargs, message in cases:
         with pytest.raises(ValueError) as err:

@@ -1,6 +1,7 @@
-"""The decode step captured per batch bucket (`launch.graph_decode`): padded to its bucket, static attention over
-the cache, one graph per bucket on ge / aclgraph (traced with torchair's own code, tests/tools/torchair_contract.py)
-and on CUDA (``torch.cuda.CUDAGraph``), the tokens of the eager `launch.decode.generate`."""
+"""The decode step captured per batch bucket (`launch.engine.graph_decoder`): padded to its bucket, static attention
+over the cache, one graph per bucket on ge / aclgraph (traced with torchair's own code,
+tests/tools/torchair_contract.py) and on CUDA (``torch.cuda.CUDAGraph``), the tokens of the eager
+`launch.engine.generate`."""
 from __future__ import annotations
 
 import collections
@@ -11,9 +12,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import overlap
-from launch.decode import DECODE_STEP, generate, new_cache
-from launch.graph_decode import GraphDecoder
-from launch.models import build_model, preset
+from launch.engine import DECODE_STEP, GraphDecoder, generate, new_cache
+from launch.models import TransformersModel, build_model, preset
 from microbatch import KVCache, KVCacheError, OffloadedKVCache
 from microbatch.kv_cache import StaticKVStep
 from microbatch.planning import DecodeCalibration
@@ -151,7 +151,7 @@ def _count_expert_pairs(mp, pairs):
 
 
 def _ranks_body(ctx, mode):
-    from launch.runner import make_expert_parallel
+    from launch.engine import make_expert_parallel
     from overlap import HostSyncs
 
     lens, limits = PLANS[ctx.rank]
@@ -228,7 +228,7 @@ def test_a_static_step_with_a_length_reads_that_many_rows_and_attends_alike():
 def test_length_buckets_build_a_step_per_length_and_generate_the_tokens_of_generate(mode):
     """With length buckets the padded step attends over the room the histories use: one step per (bucket, length),
     lengths the powers of two (at least 16) up to the cache's room, and the eager generate's tokens."""
-    from launch.graph_decode import MIN_LENGTH
+    from launch.engine import MIN_LENGTH
 
     model = build_model(CFG, seed=4)
     prompts, limits = _prompts((6, 3, 9, 2, 5), seed=20), [12, 3, 30, 5, 20]
@@ -244,7 +244,7 @@ def test_length_buckets_build_a_step_per_length_and_generate_the_tokens_of_gener
 
 
 def _length_ranks_body(ctx):
-    from launch.runner import make_expert_parallel
+    from launch.engine import make_expert_parallel
 
     lens, limits = [(3, 4), (12,)][ctx.rank], [(20, 6), (9,)][ctx.rank]  # rank 1's history is the longer at first
     prompts = _prompts(lens, seed=40 + ctx.rank)
@@ -279,7 +279,7 @@ def test_two_ranks_with_length_buckets_attend_over_the_length_they_agree_on():
 def test_a_calibration_of_steps_with_length_buckets_times_both_histories(tmp_path, length_buckets, timed):
     """A captured step over the whole room takes as long at any history: timed at the short one alone. With length
     buckets it attends over the room the history uses: timed at both, and cached under a key of its own."""
-    from launch.decode_plan import calibrate_decode, decode_calibration_key
+    from launch.engine import calibrate_decode, decode_calibration_key
 
     model = build_model(CFG, seed=4)
     prompts, limits = [[1] * 4] * 3, [24] * 3
@@ -294,8 +294,10 @@ def test_a_calibration_of_steps_with_length_buckets_times_both_histories(tmp_pat
     assert key["graph"].get("length_buckets", False) == length_buckets  # keys without them stay as they were
 
 
-class _NotReference(torch.nn.Module):
-    """Stands for a model whose attention reads the cache itself (the transformers adapter)."""
+class _NotCaptured(torch.nn.Module):
+    """Stands for a model whose attention reads the cache itself: it says so, as the transformers adapter does."""
+
+    no_capture_reason = TransformersModel.no_capture_reason
 
 
 @pytest.mark.parametrize("path, what, why", [
@@ -313,7 +315,7 @@ def test_what_it_refuses_it_says_in_one_line(path, what, why):
     if what == "host cache":
         args["cache"] = OffloadedKVCache(CFG.n_layers, 1, 4, CFG.k_shape, CFG.v_shape)
     elif what == "other model":
-        args["model"] = _NotReference()
+        args["model"] = _NotCaptured()
     elif what == "buckets":
         args["buckets"] = [0, 4]
     elif what == "mode":
@@ -327,17 +329,53 @@ def test_what_it_refuses_it_says_in_one_line(path, what, why):
     assert "\n" not in str(err.value)
 
 
+class _Delegate:
+    """A model of another class than the reference decoder, every member read through from one."""
+
+    def __init__(self, model, no_capture_reason):
+        self._model, self.no_capture_reason = model, no_capture_reason
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+
+def test_the_models_capture_capability_decides_not_its_class():
+    """A model that says its steps can be captured (``no_capture_reason`` None) is captured whatever its class, and
+    generates the reference decoder's tokens; one that says why not, of whatever class, is refused with that
+    reason in one line (before, the graph decoder asked for the reference decoder's class)."""
+    model = build_model(CFG, seed=1)
+    prompts = _prompts((3, 5), seed=8)
+    want = generate(model, prompts, 4).tokens
+    other = _Delegate(model, None)
+    assert not isinstance(other, torch.nn.Module)
+    decoder = GraphDecoder(other, new_cache(model, prompts, 4), "two-batch", "cpu")
+    assert generate(other, prompts, 4, decoder=decoder).tokens == want and decoder.compiled_buckets
+    assert generate(other, prompts, 4, graph="cpu").tokens == want
+    why = "its attention is computed elsewhere (a test says so)"
+    for refused in (_Delegate(model, why), _with_reason(build_model(CFG, seed=1), why)):
+        with pytest.raises(ValueError) as err:
+            GraphDecoder(refused, new_cache(model, prompts, 4), "serial", "cpu")
+        assert str(err.value) == why
+        with pytest.raises(ValueError, match="a test says so"):
+            generate(refused, prompts, 4, graph="cpu")
+
+
+def _with_reason(model, why):
+    model.no_capture_reason = why  # the reference decoder's own object, saying it cannot be captured
+    return model
+
+
 # ---- captured on ge / aclgraph with torchair's own code, two gloo ranks ------------------------------------------
 
 GRAPH_PLANS = [((5, 2, 3, 2), [2, 2, 4, 4]), ((2, 3, 1), [2, 3, 4])]  # two-batch widest 2, 1, 1: buckets 2, 1, 1
 GRAPH_MODE = "two-batch"
 GRAPH_PATHS = ("ge", "aclgraph")
-AUTO_PLAN = DecodeCalibration((1, 2, 4), (1, 20), {"serial": ((1.0, 1.0), (2.0, 2.0), (4.0, 4.0)),
-                                                  GRAPH_MODE: ((3.0, 3.0), (3.0, 3.0), (3.0, 3.0))}, padded=True)
+AUTO_CALIBRATION = DecodeCalibration((1, 2, 4), (1, 20), {"serial": ((1.0, 1.0), (2.0, 2.0), (4.0, 4.0)),
+                                                         GRAPH_MODE: ((3.0, 3.0), (3.0, 3.0), (3.0, 3.0))}, padded=True)
 
 
 def _graphs_body(ctx):
-    from launch.runner import make_expert_parallel
+    from launch.engine import make_expert_parallel
     from tools import torchair_contract as tc
 
     cfg = preset("tiny", n_dense_layers=0, n_layers=1)  # one MoE layer: each trace costs seconds
@@ -373,9 +411,10 @@ def _graphs_body(ctx):
         graphs.append(gm)
         return tc.strip_air(gm)
     cache = new_cache(model, prompts, limits)
-    decoders = {m: GraphDecoder(model, cache, m, "ge", backend=count) for m in AUTO_PLAN.modes}
+    decoders = {m: GraphDecoder(model, cache, m, "ge", backend=count) for m in AUTO_CALIBRATION.modes}
     with tc.installed(), tc._sanitizer_set_aside():
-        got = generate(model, prompts, limits, mode="auto", plan=AUTO_PLAN, decoder=decoders, guard=False)
+        got = generate(model, prompts, limits, mode="auto", calibration=AUTO_CALIBRATION, decoder=decoders,
+                       guard=False)
     out["auto"] = dict(tokens=got.tokens, modes=got.modes, graphs=len(graphs),
                        buckets={m: d.compiled_buckets for m, d in decoders.items()})
     torch._dynamo.reset()
@@ -474,7 +513,7 @@ def test_ge_orders_with_wait_tensor_and_has_no_events(captured):
 def _cuda_body(ctx):
     import torch.distributed as dist
 
-    from launch.runner import make_expert_parallel
+    from launch.engine import make_expert_parallel
 
     group = ctx.group if dist.get_backend(ctx.group) == "nccl" else dist.new_group(backend="nccl")
     device = torch.device("cuda", torch.cuda.current_device())

@@ -3,7 +3,7 @@
 Two gloo ranks each build the tiny model (both layers MoE), replace its MoE by the static-shape
 `capacity_expert_parallel` over the two ranks (one capacity: the ranks' batches differ by a token), split a
 batch into two micro-batches and capture ``embed -> microbatch.run(two_batch) -> final norm`` through the
-launcher's `launch.runner.graph_prefill` with torchair's own scope / ops code (see
+launcher's `launch.engine.graph_prefill` with torchair's own scope / ops code (see
 tests/tools/torchair_contract.py). The captured FX graphs are checked for the lowering's contract, and the graph
 without its ``air`` nodes is run (collectives included) and compared with eager serial and with the launcher's
 eager two-batch prefill. (tests/test_launcher_graph.py compiles the launcher's other modes.)
@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import overlap
 from launch.models import build_model, preset
-from launch.runner import graph_prefill, make_capacity_expert_parallel, prefill, split_for
+from launch.engine import graph_prefill, make_capacity_expert_parallel, prefill, split_for
 from microbatch import lower, serial, two_batch
 from microbatch.batch import Batch
 from microbatch.forward import micro_batch_inputs, run_schedule
@@ -160,7 +160,7 @@ def test_stripped_graph_computes_eager_serial(captured):
 
 
 def test_the_launchers_graph_prefill_is_one_graph_equal_to_its_eager_two_batch(captured):
-    """`launch.runner.graph_prefill` of two-batch (the mode tests/test_launcher_graph.py leaves to this file): one
+    """`launch.engine.graph_prefill` of two-batch (the mode tests/test_launcher_graph.py leaves to this file): one
     graph on each path, overlap on or off, computing the launcher's eager two-batch prefill."""
     for rank, out in enumerate(captured):
         for name in ("ge", "aclgraph", "off"):

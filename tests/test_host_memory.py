@@ -86,7 +86,7 @@ def test_a_step_of_large_tensors_faults_in_no_page_once_memory_is_kept():
 def test_the_calibrations_on_the_cpu_path_keep_freed_memory(monkeypatch):
     """Both calibrations run every size in turn: on the CPU path they keep freed memory first (without it the decode
     calibration's serial step of 256 tokens measured 76-78 ms where generation's took 46-51 ms)."""
-    from launch.decode_plan import calibrate_decode
+    from launch.engine import calibrate_decode
     from launch.models import build_model, preset
 
     asked = []

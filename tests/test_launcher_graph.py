@@ -1,4 +1,4 @@
-"""The launcher's graph path (`launch.runner.graph_prefill`): every mode of the reference model compiles as one
+"""The launcher's graph path (`launch.engine.graph_prefill`): every mode of the reference model compiles as one
 graph on ge (on aclgraph: every mode with a second stream) and, without its torchair nodes, computes what eager
 does. two-batch is compiled (on both paths, and with overlap off) by tests/test_graph_prefill.py, whose graphs
 are the launcher's too: compiling it here again cost ~40% of this file's CPU."""
@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from launch.models import build_model, preset
-from launch.runner import graph_prefill, make_capacity_expert_parallel, split_for, prefill
+from launch.engine import graph_prefill, make_capacity_expert_parallel, split_for, prefill
 from microbatch import MODES
 from microbatch.batch import Batch
 from overlap.multirank import run_ranks

@@ -435,9 +435,9 @@ def test_decode_stages_take_mc2_with_the_steps_capacity_and_no_host_sync(exchang
 def _generate_body(ctx):
     import dataclasses
 
-    from launch.decode import generate
+    from launch.engine import generate
     from launch.models import build_model, preset
-    from launch.runner import make_expert_parallel
+    from launch.engine import make_expert_parallel
 
     GROUPS["ep"] = ctx.group
     cfg = dataclasses.replace(preset("tiny"), n_experts=4)

@@ -12,9 +12,10 @@ import pytest
 import torch
 
 import overlap
-from launch import measure as measure_mod
-from launch.measure import (ModeResult, _compare, comm_share, explained_speedup, ideal_speedup, measure_modes, notes, rounds,
-                            spread, table)
+import launch.measure.prefill as measure_mod
+from launch.measure.prefill import (ModeResult, _compare, comm_share, explained_speedup, ideal_speedup, measure_modes,
+                                    notes, table)
+from launch.measure.rounds import rounds, spread
 from overlap import DEFAULT, EP_COMM, SHARED_EXPERT, Span
 from overlap.multirank import run_ranks
 from overlap.observability import metrics
@@ -80,7 +81,7 @@ def test_comm_without_compute_is_not_hidden():
     assert metrics([_s("compute", 0, 4)]).hidden_share is None  # no communication: no share
 
 
-# --- communication share, ideal speedup, speedup (launch/measure.py) ---
+# --- communication share, ideal speedup, speedup (launch/measure/prefill.py) ---
 
 def test_comm_share_of_one_rank():
     spans = [_s("comm", 0, 4), _s("compute", 4, 10)]
@@ -178,7 +179,7 @@ def test_table_prints_the_figures(one_rank):
     assert row["spread"] == pytest.approx(35 / 160)
 
 
-# --- spread, and the words for figures not to be read as results (launch/measure.py notes) ---
+# --- spread, and the words for figures not to be read as results (launch/measure/rounds.py, prefill.py notes) ---
 
 def test_spread_is_the_interquartile_range_over_the_median():
     assert spread([0.2]) is None and spread([]) is None
@@ -265,13 +266,13 @@ SLOW_MODE_S = 0.03  # rank 1 sleeps this long in mode "x": the slowest rank's ti
 
 
 def _measure_rank(ctx):
-    """`measure_modes` with a stand-in plan and prefill: what ran when, and the results."""
+    """`measure_modes` with a stand-in split and prefill: what ran when, and the results."""
     calls, count = [], {}
 
     def split_for(mode, batch, group, model=None):
-        return types.SimpleNamespace(reason=f"plan of {mode}")
+        return types.SimpleNamespace(reason=f"split of {mode}")
 
-    def prefill(model, batch, mode, plan, cache=None, make=None):
+    def prefill(model, batch, mode, split, cache=None, make=None):
         i = count[mode] = count.get(mode, -1) + 1
         calls.append(("run", mode, i, overlap.hooks.active()))
         with overlap.span("work", it=i):
@@ -289,7 +290,7 @@ def _measure_rank(ctx):
                           before_iter=lambda mode, i: calls.append(("before", mode, i)))
     finally:  # under torchrun the rank's process goes on to other tests
         measure_mod.split_for, measure_mod.prefill = real
-    return calls, [dict(mode=r.mode, times=r.times_s, split=r.split, spans=r.spans, hidden=r.hidden_comm_share,
+    return calls, [dict(mode=r.mode, times=r.times_s, split=r.split_reason, spans=r.spans, hidden=r.hidden_comm_share,
                         comm_share=r.comm_share, comm_shares=r.comm_shares, ideal=r.ideal_speedup,
                         speedup=r.speedup, median=r.median_s)
                    for r in results]
@@ -307,7 +308,7 @@ def test_measure_interleaves_rounds_times_them_unobserved_and_records_one_round_
         by = {r["mode"]: r for r in results}
         assert [r["mode"] for r in results] == ["serial", "x", "y"]
         for r in results:
-            assert r["split"] == f"plan of {r['mode']}" and len(r["times"]) == 3
+            assert r["split"] == f"split of {r['mode']}" and len(r["times"]) == 3
             work = [s for s in r["spans"] if s.name == "work"]
             assert sorted(s.rank for s in work) == [0, 1]  # every rank's spans, of one round
             assert {s.meta["it"] for s in work} == {4}  # the recorded round, after the warmup and the timed ones

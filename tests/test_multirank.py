@@ -173,5 +173,5 @@ def _imported(ctx, names):
 def test_the_ranks_start_with_the_preloaded_modules():
     """The suite's conftest preloads transformers' modeling code into each worker's forkserver: a rank has it
     before its body imports anything (else every rank that builds a transformers model imports it again)."""
-    wanted = ["transformers.modeling_utils", "launch.runner"]
+    wanted = ["transformers.modeling_utils", "launch.engine"]
     assert run_ranks(_imported, 2, wanted) == [wanted, wanted]

@@ -92,9 +92,9 @@ def test_a_choices_split_reason_says_its_split_once():
 def _decide_and_run(ctx, lens):
     import overlap
     from microbatch.planning import calibrate
-    from launch.measure import measure_modes
+    from launch.measure.prefill import measure_modes
     from launch.models import build_model, preset
-    from launch.runner import make_expert_parallel
+    from launch.engine import make_expert_parallel
     from microbatch.batch import Batch
     from microbatch.planning import gather_lens
 

@@ -200,7 +200,7 @@ def test_in_bf16_a_few_rows_over_the_tolerance_are_a_near_tie_and_many_a_failure
     more rows, a non-finite difference, or any such row in float32 fail."""
     import torch
 
-    from launch.measure import ModeResult, _rows_over, check_against_serial, near_tie_notes, tolerance
+    from launch.measure.prefill import ModeResult, _rows_over, check_against_serial, near_tie_notes, tolerance
 
     g = torch.Generator().manual_seed(0)
     ref = torch.randn(8192, 16, generator=g)
@@ -211,7 +211,7 @@ def test_in_bf16_a_few_rows_over_the_tolerance_are_a_near_tie_and_many_a_failure
         serial, mode = ModeResult("serial", [0.1], "", [], ref.to(dtype)), ModeResult("two-batch", [0.1], "", [],
                                                                                     out.to(dtype))
         serial.ref_scale, serial.max_diff, serial.rows_over = float(ref.abs().max()), 0.0, 0.0
-        # what `launch.measure._compare` finds (over the ranks: one here)
+        # what `launch.measure.prefill._compare` finds (over the ranks: one here)
         mode.max_diff = float((mode.output - serial.output).abs().max())
         mode.rows_over = _rows_over(mode.output, serial.output, tolerance(dtype, serial.ref_scale))
         return [serial, mode]
@@ -235,8 +235,8 @@ def test_in_bf16_a_few_rows_over_the_tolerance_are_a_near_tie_and_many_a_failure
 def test_check_verdict_fails_a_mode_that_differs_from_serial():
     import torch
 
-    from launch.measure import ModeResult
-    from launch.measure import check_against_serial as _check
+    from launch.measure.prefill import ModeResult
+    from launch.measure.prefill import check_against_serial as _check
 
     def result(mode, diff):
         return ModeResult(mode, [0.1], "", [], torch.ones(3) * 10, max_diff=diff, ref_scale=10.0)
@@ -489,5 +489,5 @@ def test_the_auto_split_margin_reaches_the_planner_and_the_ranks_agree_on_it(mon
 
     monkeypatch.setattr(planning, "choose", lambda cal, model, all_lens, **kw: seen.update(kw) or _Said())
     batch = type("B", (), {"seq": type("S", (), {"seq_lens": (16, 16)})()})()
-    prefill._plan_auto(job, model=None, batch=batch)
+    prefill._choose_auto(job, model=None, batch=batch)
     assert seen["split_margin"] == 0.2

@@ -8,7 +8,7 @@ import torch
 import microbatch
 import overlap
 from launch.models import build_model, preset
-from launch.runner import layer_operations, make_expert_parallel, split_for, prefill
+from launch.engine import layer_operations, make_expert_parallel, split_for, prefill
 from microbatch import MODES
 from microbatch.batch import Batch
 from microbatch.forward import run_schedule
@@ -225,7 +225,7 @@ def test_offloaded_cache_equals_the_keys_and_values_of_a_plain_run(world):
 
 
 def _continue_from_offloaded_prefix(ctx):
-    from launch.runner import continue_prefill
+    from launch.engine import continue_prefill
     from microbatch.batch import Batch as B, SeqInfo
     from microbatch.forward import serial_split
     from overlap import OffloadCache
@@ -255,7 +255,7 @@ def test_continuing_a_prefill_from_an_offloaded_prefix_equals_one_prefill(world)
 
 
 def test_continuing_needs_the_prefix_the_cache_holds():
-    from launch.runner import continue_prefill
+    from launch.engine import continue_prefill
     from microbatch.batch import SeqInfo
     from overlap import OffloadCache
 

@@ -1,7 +1,7 @@
 """Every side stream of a decode step ends joined to the caller's stream, in every decode mode.
 
-A device graph (``torch.cuda.CUDAGraph``, `launch.graph_decode`) is captured on the caller's stream: work forked to
-another stream that the caller has not waited for by the end of the capture fails it ("unjoined"). The executor
+A device graph (``torch.cuda.CUDAGraph``, `launch.engine.graph_decoder`) is captured on the caller's stream: work
+forked to another stream that the caller has not waited for by the end of the capture fails it ("unjoined"). The executor
 places its waits from the data flow; this checks, on the lowerings the CPU path keeps, that they also join every
 stream, directly or through another stream's wait, before the step returns (the same lowering on every eager path).
 """
@@ -39,9 +39,9 @@ def unjoined(lowering) -> Dict[str, int]:
 
 
 def _lowerings_body(ctx):
-    from launch.decode import generate
+    from launch.engine import generate
     from launch.models import build_model, preset
-    from launch.runner import make_expert_parallel
+    from launch.engine import make_expert_parallel
     from microbatch import DECODE_MODES
     from overlap.state import STATE
 

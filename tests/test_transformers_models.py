@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import overlap
-from launch.runner import continue_prefill, layer_operations, make_expert_parallel, split_for, prefill
+from launch.engine import continue_prefill, layer_operations, make_expert_parallel, split_for, prefill
 from microbatch import MODES, Layer, MoELayer, MoEModel, ModelShape
 from microbatch.batch import Batch, SeqInfo
 from microbatch.forward import serial_split
@@ -370,7 +370,7 @@ def test_adapt_refuses_a_model_whose_layers_do_more_than_the_adapter_runs():
 
 
 def test_the_package_imports_without_transformers():
-    code = ("import sys, launch.models, launch.runner, collectives, microbatch\n"
+    code = ("import sys, launch.models, launch.engine, collectives, microbatch\n"
             "assert 'transformers' not in sys.modules\n")
     env = dict(os.environ, PYTHONPATH=ROOT)
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)

@@ -144,7 +144,7 @@ def _rank_body(ctx: Any, preset_name: str, tokens: int, seq_len: int, link: floa
 
     import overlap
     from launch.models import build_model, preset
-    from launch.runner import make_expert_parallel, split_for, prefill
+    from launch.engine import make_expert_parallel, prefill, split_for
     from microbatch.batch import Batch
 
     overlap.keep_freed_memory()  # as the launchers on the CPU path (overlap.host_memory)
@@ -152,7 +152,7 @@ def _rank_body(ctx: Any, preset_name: str, tokens: int, seq_len: int, link: floa
     model = make_expert_parallel(build_model(preset(preset_name), seed=seed), ctx.group)
     full, rest = divmod(tokens, seq_len)
     batch = Batch.random([seq_len] * full + ([rest] if rest else []), model.cfg.vocab, seed=seed + ctx.rank)
-    plans = {m: split_for(m, batch, ctx.group, model=model) for m in modes}
+    splits = {m: split_for(m, batch, ctx.group, model=model) for m in modes}
     probe: Dict[Tuple[str, str], List[Tuple[float, float]]] = {(n, s): [] for n in loads for s in settings}
     times: Dict[Tuple[str, str, str], List[float]] = {(n, s, m): [] for n in loads for s in settings for m in modes}
     said = {}
@@ -170,7 +170,7 @@ def _rank_body(ctx: Any, preset_name: str, tokens: int, seq_len: int, link: floa
                     for mode in modes:
                         dist.barrier(group=ctx.group)
                         t0 = time.perf_counter()
-                        prefill(model, batch, mode, plans[mode], None)
+                        prefill(model, batch, mode, splits[mode], None)
                         overlap.synchronize()
                         if r:
                             times[(load, setting, mode)].append(time.perf_counter() - t0)

@@ -3,8 +3,8 @@
 On 2 CPU ranks (gloo, started here) with the expert-parallel reference decoder and the simulated
 link (`overlap.set_link`), each point is a number of active requests per rank (one new token each
 per decode step, every request with a short prompt) at one link speed. At each point the decode
-modes of `decode_modes` run interleaved round by round (`launch.measure.rounds`): every round
-generates the same prompts once in each mode (`launch.decode.generate`, the prefill serial and not
+modes of `decode_modes` run interleaved round by round (`launch.measure.rounds.rounds`): every round
+generates the same prompts once in each mode (`launch.engine.generate`, the prefill serial and not
 timed), and each decode step is timed. Per point it prints:
 
 - ``comm/serial``: communication's share of a serial decode step (the exchanges' time on the timeline of
@@ -18,7 +18,7 @@ The defaults, the ``small`` preset at 0.03, 0.1 and 1 GB/s, put communication at
 25% of a serial step at 256 tokens per rank on a 2-core host (gloo's own cost per exchange is the
 floor); smaller batches are latency-bound, 45-60% at any link. (``tiny`` is 50-75% at any link.)
 
-Before a link's points it calibrates decode (`launch.decode_plan.calibrate_decode`, as the launcher's
+Before a link's points it calibrates decode (`launch.engine.calibrate_decode`, as the launcher's
 ``--decode-mode auto`` does, with ``--calibration-rounds`` rounds: 16 by default, four times the launcher's), and
 ``auto`` runs as a mode, with its guard (`microbatch.planning.DecodeGuard`, one per point, kept over its rounds;
 ``--no-decode-guard``: none): the table shows what it chose and its speedup as measured by the fixed modes that ran
@@ -57,7 +57,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import click
 
-from launch.bench.decode_targets import AUTO, SERIAL, TARGET_TOKENS, report
+from launch.bench.decode_targets import SERIAL, TARGET_TOKENS, report
+from microbatch import AUTO
 
 MAX_ROUNDS = 200
 # rounds behind each entry of auto's calibration: four times the launcher's default, about half its noise (the
@@ -69,7 +70,7 @@ def decode_modes() -> Tuple[str, ...]:
     """The decode modes every point measures, serial first (the reference of every speedup).
 
     A new mode is one more name here; one that needs more than its name passed to
-    `launch.decode.generate` gets a maker in `MODE_ARGUMENTS`.
+    `launch.engine.generate` gets a maker in `MODE_ARGUMENTS`.
     """
     return (SERIAL, "shared", "two-batch", "chunked-2", "chunked-4", AUTO)
 
@@ -82,7 +83,7 @@ class Point:
     group: Any
     tokens: int  # active requests per rank
     gbps: float
-    plan: Any = None  # the link's decode calibration (`launch.decode_plan.calibrate_decode`), for auto
+    calibration: Any = None  # the link's decode calibration (`launch.engine.calibrate_decode`), for auto
     guard: bool = True  # auto checks its choices with a `microbatch.planning.DecodeGuard` kept over the point
 
 
@@ -94,14 +95,14 @@ def _auto_arguments(name: str, point: Point) -> Dict[str, Any]:
     """Auto's: the point's calibration, and a guard of its own, kept over the point's rounds."""
     from microbatch.planning import DecodeGuard
 
-    return {"mode": AUTO, "plan": point.plan, "guard": DecodeGuard() if point.guard else False}
+    return {"mode": AUTO, "calibration": point.calibration, "guard": DecodeGuard() if point.guard else False}
 
 
 MODE_ARGUMENTS: Dict[str, ModeArguments] = {AUTO: _auto_arguments}
 
 
 def generate_arguments(name: str, point: Point) -> Dict[str, Any]:
-    """`launch.decode.generate`'s keyword arguments that run decode mode ``name`` at ``point`` (the prefill serial)."""
+    """`launch.engine.generate`'s keyword arguments that run decode mode ``name`` at ``point`` (the prefill serial)."""
     maker = next((make for prefix, make in MODE_ARGUMENTS.items() if name.startswith(prefix)), None)
     extra = maker(name, point) if maker is not None else {"mode": name}
     return {"prefill_mode": SERIAL, **extra}
@@ -121,7 +122,7 @@ def _step_times(model: Any, prompts: List[List[int]], new_tokens: int, kwargs: D
     import torch.distributed as dist
 
     import overlap
-    from launch.decode import generate
+    from launch.engine import generate
     from overlap import Timeline
 
     stamps: List[float] = []
@@ -167,8 +168,7 @@ def _executor_host(model: Any, tokens: int, history: int, group: Any, steps: int
 
     import microbatch
     from collectives import MOE_ACTIVE, MOE_CAPACITY
-    from launch.decode import split_by_cost
-    from launch.decode_step import bucket_of
+    from launch.engine import bucket_of, split_by_cost
     from microbatch import HIDDEN, KV_STEP, KVCache, KVStep
     from microbatch.planning import max_over_ranks
 
@@ -214,10 +214,10 @@ def _choosing(point: Point, history: float, group: Any, calls: int = 200) -> flo
     for _ in range(calls):
         start = time.perf_counter()
         if guard is not None:
-            choice = guard.choose(point.plan, point.tokens, history)
+            choice = guard.choose(point.calibration, point.tokens, history)
             guard.record(choice.mode, choice.seconds, choice.seconds)
         else:
-            choose_decode(point.plan, point.tokens, history)
+            choose_decode(point.calibration, point.tokens, history)
         took.append(time.perf_counter() - start)
     return max_over_ranks([statistics.median(took)], group)[0]
 
@@ -246,8 +246,7 @@ def _point(ctx: Any, model: Any, point: Point, modes: Sequence[str], prompt_len:
     """Every mode's decode-step times at one point, interleaved round by round; serial's comm share; at
     ``ceiling_at`` tokens per rank, the overlapped modes' with no link too (`_unlinked`)."""
     from launch.measure import spread
-    from microbatch.planning import max_over_ranks
-    from microbatch.planning.decode import relative_error
+    from microbatch.planning import max_over_ranks, relative_error
 
     prompts = _prompts(point.tokens, prompt_len, model.cfg.vocab, seed + 1009 * ctx.rank + point.tokens)
     kwargs = {m: generate_arguments(m, point) for m in modes}
@@ -269,8 +268,8 @@ def _point(ctx: Any, model: Any, point: Point, modes: Sequence[str], prompt_len:
         rows[m] = (statistics.median(slowest) if slowest else math.nan, spread(slowest))
         noise[m] = relative_error(slowest)
     history = prompt_len + (new_tokens - 1) / 2  # the middle step's rows held: its prediction is the median's
-    predicted = {} if point.plan is None else {m: point.plan.predict(m, point.tokens, history)
-                                               for m in point.plan.modes}
+    predicted = {} if point.calibration is None else {m: point.calibration.predict(m, point.tokens, history)
+                                                      for m in point.calibration.modes}
     guard = kwargs.get(AUTO, {}).get("guard")
     choosing = {} if AUTO not in modes else {"choosing_s": _choosing(point, history, ctx.group)}
     return {"tokens": point.tokens, "link": point.gbps, "comm_share": share, "rounds": timed, **choosing,
@@ -306,8 +305,8 @@ def _unlinked(ctx: Any, point: Point, modes: Sequence[str], prompts: List[List[i
 
 def _interleaved(names: List[str], run: Callable[[str, bool], List[float]], warmup: int, iters: int,
                  min_seconds: float, group: Any) -> Tuple[Dict[str, List[float]], int]:
-    """Each of ``names`` once a round, in `launch.measure.rounds`' order, until `_enough` rounds are timed (serial
-    first among ``names``): ``run(name, timed)`` generates once and returns its step seconds. Per name the timed
+    """Each of ``names`` once a round, in `launch.measure.rounds.rounds`' order, until `_enough` rounds are timed
+    (serial first among ``names``): ``run(name, timed)`` generates once and returns its step seconds. Per name the timed
     rounds' steps, and how many rounds were timed."""
     from launch.measure import rounds
 
@@ -330,7 +329,7 @@ def _rank_body(ctx: Any, preset_name: str, modes: List[str], tokens: List[int], 
                ceiling_at: int = 0) -> Any:
     import overlap
     from launch.models import build_model, preset
-    from launch.runner import make_expert_parallel
+    from launch.engine import make_expert_parallel
 
     overlap.keep_freed_memory()  # as the launchers on the CPU path (overlap.host_memory)
     overlap.set_comm_priority(comm_priority)
@@ -342,10 +341,10 @@ def _rank_body(ctx: Any, preset_name: str, modes: List[str], tokens: List[int], 
         fixed = _calibrate(ctx, model, max(tokens), prompt_len, new_tokens, calibrate_at, calibration_rounds)
     for gbps in links:
         overlap.set_link(overlap.Link(gbps))
-        plan = fixed or (_calibrate(ctx, model, max(tokens), prompt_len, new_tokens, gbps, calibration_rounds)
-                         if AUTO in modes else None)
+        calibration = fixed or (_calibrate(ctx, model, max(tokens), prompt_len, new_tokens, gbps, calibration_rounds)
+                                if AUTO in modes else None)
         for n in tokens:
-            out.append(_point(ctx, model, Point(model, ctx.group, n, gbps, plan, guard), modes, prompt_len,
+            out.append(_point(ctx, model, Point(model, ctx.group, n, gbps, calibration, guard), modes, prompt_len,
                               new_tokens, warmup, iters, min_seconds, seed, ceiling_at))
     return out if ctx.rank == 0 else None
 
@@ -353,17 +352,18 @@ def _rank_body(ctx: Any, preset_name: str, modes: List[str], tokens: List[int], 
 def _calibrate(ctx: Any, model: Any, max_tokens: int, prompt_len: int, new_tokens: int, gbps: float,
                rounds: int) -> Any:
     """The link's decode calibration, as the launcher's ``--decode-mode auto`` makes it (progress on rank 0)."""
-    from launch.decode_plan import calibrate_decode, calibration_histories
+    from launch.engine import calibrate_decode, calibration_histories
 
     start = time.perf_counter()
-    plan = calibrate_decode(model, max_tokens=max_tokens, histories=calibration_histories([prompt_len], new_tokens),
-                            repeats=rounds, refresh=True)  # measured in this run, as the modes it is judged against
+    calibration = calibrate_decode(model, max_tokens=max_tokens,
+                                   histories=calibration_histories([prompt_len], new_tokens), repeats=rounds,
+                                   refresh=True)  # measured in this run, as the modes it is judged against
     if ctx.rank == 0:
-        noise = sorted(x for rows in (plan.noise or {}).values() for r in rows for x in r) or [0.0]
+        noise = sorted(x for rows in (calibration.noise or {}).values() for r in rows for x in r) or [0.0]
         print(f"calibrated decode at {gbps:g} GB/s in {time.perf_counter() - start:.1f} s "
               f"({rounds} round{'s' if rounds != 1 else ''}; entries' noise {noise[0]:.1%} to {noise[-1]:.1%}, "
               f"median {statistics.median(noise):.1%})", flush=True)
-    return plan
+    return calibration
 
 
 def _numbers(text: str, kind: Callable[[str], Any]) -> List[Any]:

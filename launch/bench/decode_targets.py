@@ -11,8 +11,9 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
+from microbatch import AUTO
+
 SERIAL = "serial"
-AUTO = "auto"
 TARGET_TOKENS, TARGET_SHARE, TARGET_SPEEDUP = 256, 0.30, 1.15  # issue 29: overlap pays where comm is large
 HOST_TOKENS, TARGET_HOST = 32, 0.10  # the executor's own host time per decode step, against TPOT
 

@@ -1,7 +1,7 @@
 """Benchmark the prefill schedules on 2 CPU ranks: serial, shared-expert overlap and two-batch.
 
 Spawns the ranks itself (gloo), runs the three modes interleaved in one run and prints, from the
-same run (`launch.measure.table`): each mode's median time per prefill and the rounds' spread,
+same run (`launch.measure.prefill.table`): each mode's median time per prefill and the rounds' spread,
 speedup over serial, the hidden share of communication, the share of communication in serial time
 and the ideal speedup (compute + comm) / max(compute, comm); then, in words, every difference
 within the rounds' spread and every speedup more than the ideal or than the hidden communication
@@ -47,8 +47,8 @@ def _rank_body(ctx: Any, preset_name: str, seq_lens: List[int], warmup: int, ite
                seed: int, model_name: str = "reference", two_step: bool = True) -> Optional[str]:
     import microbatch
     import overlap
-    from launch.measure import measure_modes, table
-    from launch.runner import make_expert_parallel
+    from launch.engine import make_expert_parallel
+    from launch.measure.prefill import measure_modes, table
     from microbatch.batch import Batch
 
     overlap.keep_freed_memory()  # as the launchers on the CPU path (overlap.host_memory)

@@ -113,7 +113,7 @@ def _point(ctx: Any, model: Any, tokens: int, seq_len: int, cal: Any, warmup: in
     costs = cal.cost_model()
     predicted, breakdown = [], {}
     for r in results:  # this rank's prediction of what ran; the slowest rank's counts
-        tokens_per_mb = [r.plan.num_tokens] if r.plan.serial else list(r.plan.token_counts)
+        tokens_per_mb = [r.split.num_tokens] if r.split.serial else list(r.split.token_counts)
         make = choice.best.make() if r.mode == "auto" else microbatch.mode(r.mode).make
         schedule = make(layers, len(tokens_per_mb))
         prediction = microbatch.predict(schedule, layers, tokens_per_mb, costs)
@@ -141,7 +141,7 @@ def _same_schedule(best: Any, results: List[Any], group: Any) -> Optional[str]:
     fixed = by_mode.get(best.mode)
     if fixed is None or "auto" not in by_mode:
         return None
-    same = best.micro_batches == 1 or (best.defer_tail and fixed.plan.points == by_mode["auto"].plan.points)
+    same = best.micro_batches == 1 or (best.defer_tail and fixed.split.points == by_mode["auto"].split.points)
     differs = max_over_ranks([0.0 if same else 1.0], group)[0]  # the same verdict on every rank
     return best.mode if differs == 0.0 else None
 
@@ -150,7 +150,7 @@ def _rank_body(ctx: Any, preset_name: str, tokens: List[int], links: List[float]
                iters: int, seed: int, refresh: bool, repeats: int, min_seconds: float, comm_priority: str) -> Any:
     import overlap
     from launch.models import build_model, preset
-    from launch.runner import make_expert_parallel
+    from launch.engine import make_expert_parallel
     from microbatch.planning import calibrate
 
     overlap.keep_freed_memory()  # as the launchers on the CPU path (overlap.host_memory)

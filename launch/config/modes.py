@@ -8,19 +8,16 @@ from typing import List, Optional, Sequence, Tuple, Union
 import click
 
 import microbatch
-from collectives import DECODE_EXCHANGES  # --decode-exchange: the decode exchanges' names (make_expert_parallel)
+from collectives import DECODE_EXCHANGES  # --decode-exchange: the decode exchanges' names
+from launch.engine import DECODE_AUTO_MODES, DECODE_CALIBRATION_ROUNDS  # --decode-auto-modes' and its rounds' defaults
+from microbatch import AUTO  # --mode auto, --decode-mode auto: the planner's choice
 
 __all__ = ["ALL_MODES", "AUTO", "DECODE_AUTO_MODES", "DECODE_CALIBRATION_ROUNDS", "DECODE_EXCHANGES",
            "DECODE_MODE_NAMES", "MODE_NAMES", "ModeList", "resolve_modes", "split_modes"]
 
-DECODE_CALIBRATION_ROUNDS = 4  # rounds of every mode behind each decode calibration entry (--decode-calibration-rounds)
-AUTO = "auto"  # --mode auto: the planner's choice (microbatch/planning/prefill/choice.py), measured beside serial
 ALL_MODES = tuple(name for name, m in microbatch.MODES.items() if m.in_all)
 MODE_NAMES = tuple(microbatch.MODES) + ("all", AUTO)  # what --mode takes, in a comma-separated list
 DECODE_MODE_NAMES = tuple(microbatch.DECODE_MODES) + ("all", AUTO)  # what --decode-mode takes
-# the candidates of --decode-mode auto (--decode-auto-modes): one batch (whole, its shared experts beside, its MoE
-# in chunks) and two micro-batches; three and four micro-batches halve a decode batch's matmuls again and rarely pay
-DECODE_AUTO_MODES = ("serial", "shared", "two-batch", "chunked-2", "chunked-4")
 
 
 class ModeList(click.ParamType):

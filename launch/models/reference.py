@@ -193,6 +193,7 @@ class Model(nn.Module):
     """
 
     no_cut_reason: Optional[str] = None
+    no_capture_reason: Optional[str] = None  # its attention goes through the decode step's attend
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

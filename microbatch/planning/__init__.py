@@ -26,11 +26,12 @@ from .split import DEFAULT_MAX_IMBALANCE, DEFAULT_MIN_TOKENS, MAX_MICRO_BATCHES,
 from .simulation import (CostModel, Interconnect, Linear, OpCost, Prediction, Transfer, cross_stream_edges,
                          placeholder_inputs, predict, simulate)
 from .probes import barrier, contention, contention_fit, cpu_async, grouped, max_over_ranks, notice, sweep
-from .cache import ENV_CACHE, cache_dir, cache_file, calibration_key
+from .cache import ENV_CACHE, cache_dir, cache_file, calibration_key, read_cache, write_cache
 from .prefill import (Calibration, OpFit, Run, TransferFit, calibrate, check_cached, fit_collective, fit_linear,
                       fit_runs, predict_mode, request_length, token_points)
 from .prefill import SPLIT_MARGIN, Candidate, Choice, choose, gather_lens
-from .decode import DecodeCalibration, DecodeCalibrationError, DecodeChoice, DecodeGuard, choose_decode
+from .decode import (DEFAULT_CONFIDENCE, DEFAULT_MARGIN, SERIAL, DecodeCalibration, DecodeCalibrationError,
+                     DecodeChoice, DecodeGuard, choose_decode, relative_error)
 
 __all__ = [
     # split
@@ -41,12 +42,13 @@ __all__ = [
     # probes
     "barrier", "contention", "contention_fit", "cpu_async", "grouped", "max_over_ranks", "notice", "sweep",
     # the calibration cache
-    "ENV_CACHE", "cache_dir", "cache_file", "calibration_key",
+    "ENV_CACHE", "cache_dir", "cache_file", "calibration_key", "read_cache", "write_cache",
     # prefill: the calibration
     "Calibration", "OpFit", "Run", "TransferFit", "calibrate", "check_cached", "fit_collective", "fit_linear",
     "fit_runs", "predict_mode", "request_length", "token_points",
     # prefill: the choice
     "SPLIT_MARGIN", "Candidate", "Choice", "choose", "gather_lens",
     # decode: the calibration, the choice, the guard
-    "DecodeCalibration", "DecodeCalibrationError", "DecodeChoice", "choose_decode", "DecodeGuard",
+    "DEFAULT_CONFIDENCE", "DEFAULT_MARGIN", "SERIAL", "DecodeCalibration", "DecodeCalibrationError", "DecodeChoice",
+    "choose_decode", "relative_error", "DecodeGuard",
 ]

@@ -1,7 +1,7 @@
 """Interval arithmetic and the one definition of busy time, overlap and hidden share.
 
 Shared by the timeline (`overlap.observability.metrics`), the launcher's table
-(``launch/measure.py``) and ``overlap-report``, so that the three print the same figures for the
+(``launch/measure/prefill.py``) and ``overlap-report``, so that the three print the same figures for the
 same trace. Everything works on ``(start, end)`` pairs in seconds grouped into lanes: a lane is
 one stream of one rank (or one device of a profiler trace).
 

@@ -153,7 +153,11 @@ class TransformersModel(nn.Module):
     the adapter's blocks only. ``no_cut_reason`` is None when a cut request's later parts can attend
     to its earlier parts' keys and values (every layer is attention, one at a time), else why not.
     The model's ``embedding_multiplier`` and ``logits_scaling`` (Granite) are applied as its forward does.
+    ``no_capture_reason``: its decode steps are not captured (its attention reads the cache in its own modules).
     """
+
+    no_capture_reason: Optional[str] = ("GraphDecoder runs the reference decoder (its attention goes through the "
+                                        "step's attend), not a TransformersModel")
 
     def __init__(self, hf_model: nn.Module):
         super().__init__()

@@ -1,10 +1,10 @@
 """One decode step on the device: its inputs' names, the step from tokens to picked ids, and its bucket.
 
-`decode_step` is what every decode path runs, eager (`launch.decode.generate`), calibrated
-(`launch.decode_plan`) or captured per bucket (`launch.graph_decode`): each micro-batch's ``TOKENS``
-embedded, the layers in a schedule, the final norm, the LM head and the greedy pick, nothing read on the
-host (`Picked`: the ids stay on the device until the caller reads them between steps). `bucket_of` is the
-size a step's exchange, or a captured step, is padded to.
+`decode_step` is what every decoder runs, eager (`launch.engine.decoder.EagerDecoder`) or captured per
+bucket (`launch.engine.graph_decoder.GraphDecoder`), in a generation or timed by the decode calibration: each
+micro-batch's ``TOKENS`` embedded, the layers in a schedule, the final norm, the LM head and the greedy pick,
+nothing read on the host (`Picked`: the ids stay on the device until the caller reads them between steps).
+`bucket_of` is the size a step's exchange, or a captured step, is padded to.
 """
 from __future__ import annotations
 

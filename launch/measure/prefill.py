@@ -1,12 +1,12 @@
 """Time prefill modes side by side in one run, then record a round of each on a timeline.
 
 Used by the launcher and the benchmarks. The modes run interleaved, one iteration of each per
-round (`rounds`), so that a change of load on the host biases no mode. The timed rounds run with
+round (`launch.measure.rounds.rounds`), so that a change of load on the host biases no mode. The timed rounds run with
 nobody observing; a round after them (`RECORDED`) is recorded on a timeline and not timed. Every
 figure is a ratio of times measured in the same run, each the same statistic over the timed rounds:
 
 - speedup over serial: the ratio of the medians of the slowest rank's times;
-- spread: the rounds' interquartile range over their median (`spread`);
+- spread: the rounds' interquartile range over their median (`launch.measure.rounds.spread`);
 - hidden comm: the hidden share of communication (`overlap.observability._intervals`) of the
   recorded round at its median; that round's spans are the mode's trace;
 - serial's communication share (`comm_share`, median over the recorded rounds) and from it the ideal
@@ -31,15 +31,15 @@ import overlap
 from overlap import Span, Timeline
 from overlap.observability import gather, metrics
 
-from microbatch import Split
+from launch.engine import prefill, split_for
+from microbatch import AUTO, Split
 from microbatch.batch import Batch
 from microbatch.forward import MakeSchedule, cut_refusal
 from microbatch.model import MoEModel
 from microbatch.planning import Choice, max_over_ranks  # one all-reduce helper for the launcher, calibration and probes
 from overlap import OffloadCache
 
-from .config import AUTO
-from .runner import split_for, prefill
+from .rounds import rounds, spread
 
 CompileMode = Callable[[str, Split], Callable[[], torch.Tensor]]  # (mode, split) -> a compiled prefill
 RECORDED = 1  # rounds per mode recorded on a timeline after the timed ones (`measure_modes`)
@@ -51,7 +51,7 @@ class ModeResult:
 
     mode: str
     times_s: List[float]
-    split: str
+    split_reason: str  # the split's, in words
     spans: List[Span]  # every rank's spans of the recorded round at the median hidden share
     output: torch.Tensor
     hidden_comm_share: Optional[float] = None  # of the round whose spans are kept: the median
@@ -63,7 +63,7 @@ class ModeResult:
     rows_over: Optional[float] = None  # the largest share over the ranks of output rows beyond the tolerance
     ref_scale: Optional[float] = None  # serial only: largest |output| over all ranks
     finite: bool = True  # no NaN or inf in the output on any rank
-    plan: Optional[Split] = None  # this rank's split
+    split: Optional[Split] = None  # this rank's
 
     @property
     def median_s(self) -> float:
@@ -75,20 +75,10 @@ class ModeResult:
 
     def row(self, tokens: int) -> Dict[str, object]:
         """A JSON-friendly summary."""
-        return {"mode": self.mode, "times_s": self.times_s, "spread": self.spread, "split": self.split,
+        return {"mode": self.mode, "times_s": self.times_s, "spread": self.spread, "split": self.split_reason,
                 "tokens_per_s": tokens / self.median_s, "hidden_comm_share": self.hidden_comm_share,
                 "comm_share": self.comm_share, "speedup": self.speedup, "ideal_speedup": self.ideal_speedup,
                 "max_diff": self.max_diff}
-
-
-def rounds(modes: Sequence[str], warmup: int, iters: int) -> List[List[str]]:
-    """The order ``measure`` runs the modes in: one list per round, every mode once per round.
-
-    The ``warmup`` rounds come first; each timed round starts one mode later than the one before,
-    so that a change of load on the host falls on every mode alike and on no position in the round.
-    """
-    n = len(modes)
-    return [list(modes) for _ in range(warmup)] + [[modes[(i + j) % n] for j in range(n)] for i in range(iters)]
 
 
 def measure_modes(model: MoEModel, batch: Batch, modes: Sequence[str], group: Optional[dist.ProcessGroup], *,
@@ -103,27 +93,27 @@ def measure_modes(model: MoEModel, batch: Batch, modes: Sequence[str], group: Op
     callbacks on other threads, `overlap.link.DelayedWork`), which a run nobody observes does not pay; so the times
     come from rounds nobody observes, and the spans, the hidden share and the communication share from rounds apart.
     ``before_iter(mode, i)`` is called before every run with the mode's own iteration index.
-    ``compile_mode(mode, plan)`` returns a compiled prefill to run instead of the eager executor
+    ``compile_mode(mode, split)`` returns a compiled prefill to run instead of the eager executor
     (the graph paths); a compiled graph's launches are not seen one by one, so it gets no timeline
     (profile it with the device profiler and ``overlap-report``). A mode named ``"auto"`` runs the
     planner's ``choice`` (`microbatch.planning.Choice`): its split and its schedule.
     """
-    plans: Dict[str, Split] = {}
+    splits: Dict[str, Split] = {}
     steps: Dict[str, Callable[[], torch.Tensor]] = {}
     for mode in modes:  # every rank agrees on the splits in the same order (one all-reduce each)
         make: Optional[MakeSchedule] = None
         if mode == AUTO:
             if choice is None:
                 raise ValueError("the mode 'auto' runs the planner's choice: pass choice=")
-            plans[mode] = plan = choice.split(batch.seq.seq_lens, group, allow_cut=cut_refusal(model) is None)
+            splits[mode] = split = choice.split(batch.seq.seq_lens, group, allow_cut=cut_refusal(model) is None)
             make = choice.best.make()
         else:
-            plans[mode] = plan = split_for(mode, batch, group, model=model)
+            splits[mode] = split = split_for(mode, batch, group, model=model)
         if compile_mode is not None:
-            steps[mode] = compile_mode(mode, plan)
+            steps[mode] = compile_mode(mode, split)
         else:
-            def step(mode: str = mode, plan: Split = plan, make: Optional[MakeSchedule] = make) -> torch.Tensor:
-                return prefill(model, batch, mode, plan, cache, make=make)
+            def step(mode: str = mode, split: Split = split, make: Optional[MakeSchedule] = make) -> torch.Tensor:
+                return prefill(model, batch, mode, split, cache, make=make)
             steps[mode] = step
     times: Dict[str, List[float]] = {m: [] for m in modes}
     timelines: Dict[str, List[Timeline]] = {m: [] for m in modes}
@@ -153,7 +143,7 @@ def measure_modes(model: MoEModel, batch: Batch, modes: Sequence[str], group: Op
         out = outputs[mode]
         # one all-reduce: the slowest rank's times, and whether any rank's output is not finite
         *slowest, bad = max_over_ranks(times[mode] + [0.0 if bool(torch.isfinite(out).all()) else 1.0], group)
-        result = ModeResult(mode, slowest, plans[mode].reason, [], out.float(), finite=bad == 0.0, plan=plans[mode])
+        result = ModeResult(mode, slowest, splits[mode].reason, [], out.float(), finite=bad == 0.0, split=splits[mode])
         _keep_median_round([gather(tl.spans, group) for tl in timelines[mode]], recorded_s[mode], result)
         results.append(result)
     _compare(results, group)
@@ -207,14 +197,6 @@ def explained_speedup(hidden: float, share: float) -> float:
     """
     saved = hidden * share
     return 1.0 / (1.0 - saved) if saved < 1.0 else math.inf
-
-
-def spread(times: Sequence[float]) -> Optional[float]:
-    """The rounds' interquartile range over their median; None for fewer than two rounds."""
-    if len(times) < 2:
-        return None
-    q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive")
-    return (q3 - q1) / statistics.median(times)
 
 
 def _compare(results: List[ModeResult], group: Optional[dist.ProcessGroup]) -> None:
@@ -381,3 +363,8 @@ def _beyond_overlap(r: ModeResult, serial: ModeResult, noise: Optional[float]) -
     if s / limit - 1.0 <= noise:
         return text + f", within the rounds' spread ({noise:.0%}): likely noise"
     return text + ": the rest is not overlap (this mode's compute or waits took less time than serial's)"
+
+
+__all__ = ["NEAR_TIE_ROWS", "RECORDED", "CompileMode", "ModeResult", "check_against_serial", "comm_share",
+           "explained_speedup", "ideal_speedup", "measure_modes", "near_tie_notes", "not_finite", "notes", "table",
+           "tolerance"]

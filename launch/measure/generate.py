@@ -1,7 +1,7 @@
 """Time generation runs side by side in one job: prefill and decode modes, interleaved round by round.
 
 A run is a prefill mode and a decode mode (`Run`); every round generates the same prompts once in
-each run, in the order `launch.measure.rounds` gives (each timed round starts one run later). Per run,
+each run, in the order `launch.measure.rounds.rounds` gives (each timed round starts one run later). Per run,
 over its timed rounds and every rank (the slowest rank's times):
 
 - time to first token: from the start of the generation to its first token (the prefill's argmax);
@@ -11,7 +11,7 @@ over its timed rounds and every rank (the slowest rank's times):
 - the hidden share of communication during decode (the decode steps' spans, not the prefill's), of
   the round at its median; one decode step of that round is the run's trace.
 
-`check` compares each run's tokens with serial's, `table` prints the runs.
+`check` compares each run's tokens with serial's (`first_difference`), `table` prints the runs.
 """
 from __future__ import annotations
 
@@ -26,14 +26,14 @@ import torch
 import torch.distributed as dist
 
 import overlap
-from microbatch import DecodeModel, KVCache, OffloadedKVCache
-from microbatch.planning import DecodeCalibration, DecodeGuard
+from launch.engine import Decoders, Generated, generate
+from microbatch import AUTO, DecodeModel, KVCache, OffloadedKVCache
+from microbatch.planning import DecodeCalibration, DecodeGuard, max_over_ranks
 from overlap import Span, Timeline
 from overlap.observability import gather, metrics
 from overlap.offload import PrefetchReport
 
-from .decode import AUTO, Decoders, Generated, first_difference, generate
-from .measure import rounds, spread
+from .rounds import rounds, spread
 
 MakeCache = Callable[[], KVCache]  # a fresh cache for one generation
 Progress = Callable[[str, bool, bool], None]  # (line, a round's first step, the first round)
@@ -153,15 +153,15 @@ class _Round:
 def measure_generation(model: DecodeModel, prompts: Sequence[Sequence[int]], limits: Sequence[int],
                        runs: Sequence[Run], group: Optional[dist.ProcessGroup], make_cache: MakeCache, *,
                        stop_token: Optional[int] = None, warmup: int = 1, iters: int = 3, margins: bool = False,
-                       progress: Optional[Progress] = None, plan: Optional[DecodeCalibration] = None,
+                       progress: Optional[Progress] = None, calibration: Optional[DecodeCalibration] = None,
                        decoders: Optional[Mapping[str, Decoders]] = None,
                        buckets: Optional[Sequence[int]] = None, guard: bool = True) -> List[RunResult]:
     """Generate ``prompts`` (this rank's; ``limits``: each one's most new tokens) ``warmup + iters`` times in each
-    run, interleaved (`launch.measure.rounds`); ``make_cache()`` gives each generation its cache;
-    ``progress(line, round_start, first_round)`` hears of every step; ``plan``: the decode calibration a run
-    whose decode mode is ``auto`` chooses from (`launch.decode_plan.calibrate_decode`); ``decoders``: by run
+    run, interleaved (`launch.measure.rounds.rounds`); ``make_cache()`` gives each generation its cache;
+    ``progress(line, round_start, first_round)`` hears of every step; ``calibration``: the decode calibration a
+    run whose decode mode is ``auto`` chooses from (`launch.engine.calibrate_decode`); ``decoders``: by run
     label, the `GraphDecoder` whose captured steps (and cache) the run's generations use (an auto run's: one per
-    mode of ``plan``, over one cache); ``buckets``: the sizes
+    mode of ``calibration``, over one cache); ``buckets``: the sizes
     eager steps pad their exchange to; ``guard``: an auto run checks its choices with a `DecodeGuard` kept across
     its rounds."""
     by_label = {r.label: r for r in runs}
@@ -175,7 +175,7 @@ def measure_generation(model: DecodeModel, prompts: Sequence[Sequence[int]], lim
             decoder = (decoders or {}).get(label)
             options = {"decoder": decoder} if decoder is not None else {"cache": make_cache(), "buckets": buckets}
             if by_label[label].decode == AUTO:
-                options["plan"] = plan
+                options["calibration"] = calibration
                 options["guard"] = guards.get(label, False)
             one = _generate_once(model, prompts, limits, by_label[label], stop_token, timed, margins, i, len(order),
                                  progress, options)
@@ -196,7 +196,8 @@ def measure_generation(model: DecodeModel, prompts: Sequence[Sequence[int]], lim
 def _generate_once(model: DecodeModel, prompts: Sequence[Sequence[int]], limits: Sequence[int], run: Run,
                    stop_token: Optional[int], timed: bool, margins: bool, round_no: int, n_rounds: int,
                    progress: Optional[Progress], options: Dict[str, Any]) -> _Round:
-    """One generation of ``run`` (``options``: `generate`'s cache or decoder, buckets and plan), timed per step."""
+    """One generation of ``run`` (``options``: `generate`'s cache or decoder, buckets and calibration), timed per
+    step."""
     stamps: List[float] = []
     timelines: List[Timeline] = []
     observed: List[int] = []
@@ -229,8 +230,6 @@ def _generate_once(model: DecodeModel, prompts: Sequence[Sequence[int]], limits:
 
 
 def _result(run: Run, kept: List[_Round], generated: Generated, group: Optional[dist.ProcessGroup]) -> RunResult:
-    from microbatch.planning import max_over_ranks
-
     ttft = [r.stamps[1] - r.stamps[0] for r in kept]
     total = [r.stamps[-1] - r.stamps[0] for r in kept]
     steps = [r.step_s for r in kept]
@@ -314,6 +313,22 @@ def check(results: Sequence[RunResult], dtype: torch.dtype, group: Optional[dist
     return failures, notes
 
 
+def first_difference(tokens: Sequence[Sequence[int]], reference: Sequence[Sequence[int]]
+                     ) -> Optional[Tuple[int, int]]:
+    """``(request, step)`` of the first token (by step, then request) where ``tokens`` differ from ``reference``
+    (a missing or extra token counts), or None."""
+    first: Optional[Tuple[int, int]] = None
+    for i, (a, b) in enumerate(zip(tokens, reference)):
+        at = next((s for s, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if at is None and len(a) != len(b):
+            at = min(len(a), len(b))
+        if at is not None and (first is None or at < first[1]):
+            first = (i, at)
+    if len(tokens) != len(reference):
+        first = first or (min(len(tokens), len(reference)), 0)
+    return first
+
+
 NEAR_TIE = 0.05  # a logit margin that bf16 / fp16 rounding may flip
 
 
@@ -372,4 +387,5 @@ def _auto_line(r: RunResult, serial: Optional[RunResult]) -> str:
             f"{_ms(r.tpot_s)} ms{beside}" + (f"; {r.guard}" if r.guard else ""))
 
 
-__all__ = ["NEAR_TIE", "Run", "RunResult", "check", "judge", "measure_generation", "table"]
+__all__ = ["NEAR_TIE", "OBSERVE_EVERY", "Run", "RunResult", "check", "first_difference", "judge",
+           "measure_generation", "observes", "table"]

@@ -1,10 +1,11 @@
 """Prefill of a model in one mode: eagerly through the micro-batch executor, or compiled as one
-torchair graph (`graph_prefill`), or continued from an offloaded prefix (`continue_prefill`).
+torchair graph (`graph_prefill`), or continued from an offloaded prefix (`continue_prefill`), or
+writing a generation's KV cache (`prefill_cache`).
 
 The model is any `microbatch.model.MoEModel`: the reference decoder (`launch.models.reference.Model`)
 or a transformers MoE model adapted by `launch.models.transformers_adapter`. A model whose
 layers cannot continue a request from a prefix says why in ``no_cut_reason``: `split_for` (given
-the model) then splits only at request boundaries, and a plan that cuts a request is refused
+the model) then splits only at request boundaries, and a split that cuts a request is refused
 before it runs. Running the layers through a schedule is `microbatch.forward.run_schedule`; this
 module adds what needs collectives or the launcher: the expert-parallel MoE, the agreed split,
 the KV offload, the compiled graph.
@@ -28,12 +29,15 @@ import torch.distributed as dist
 import microbatch
 import overlap
 from collectives import ExpertParallelMoE, capacity_expert_parallel, decode_exchange_named, wrap_expert_parallel
-from microbatch import Operation, Split
+from microbatch import DecodeModel, KVCache, KVRows, Operation, Split
 from microbatch.batch import K, V, Batch
 from microbatch.forward import MakeSchedule, cut_refusal, micro_batch_inputs, run_schedule, serial_split
 from microbatch.model import ForwardModel, MoELayer, MoEModel
-from microbatch.planning.split import DEFAULT_MAX_IMBALANCE, DEFAULT_MIN_TOKENS, decide_split, propose_split
+from microbatch.planning import DEFAULT_MAX_IMBALANCE, DEFAULT_MIN_TOKENS, decide_split, propose_split
+from microbatch.split import merge_outputs
 from overlap import OffloadCache
+
+_PREFILL_ROWS = "kv_prefill_rows"  # a prefill micro-batch's rows of the cache (its tokens' slice of the batch's)
 
 
 def make_expert_parallel(model: MoEModel, group: Optional[dist.ProcessGroup], impl: str = "auto", *,
@@ -94,7 +98,7 @@ def split_for(mode: str, batch: Batch, group: Optional[dist.ProcessGroup], *,
 
     A mode of N micro-batches gets N where every rank's batch can take them, else the most that
     every rank can take, else serial (`decide_split`). With ``model``, a model that cannot take a
-    cut request (`cut_refusal`) is split at request boundaries only, or runs serially; the plan's
+    cut request (`cut_refusal`) is split at request boundaries only, or runs serially; the split's
     reason says why.
     """
     n = microbatch.mode(mode).micro_batches
@@ -102,20 +106,43 @@ def split_for(mode: str, batch: Batch, group: Optional[dist.ProcessGroup], *,
         return serial_split(batch)
     refusal = cut_refusal(model)
     kwargs = dict(n=n, min_tokens=min_tokens, max_imbalance=max_imbalance, allow_cut=refusal is None)
-    plan = (propose_split(batch.seq.seq_lens, **kwargs) if alone
-            else decide_split(batch.seq.seq_lens, group, **kwargs))
-    return plan if refusal is None else dataclasses.replace(plan, reason=f"{plan.reason}; {refusal}")
+    split = (propose_split(batch.seq.seq_lens, **kwargs) if alone
+             else decide_split(batch.seq.seq_lens, group, **kwargs))
+    return split if refusal is None else dataclasses.replace(split, reason=f"{split.reason}; {refusal}")
 
 
 @torch.no_grad()
-def prefill(model: MoEModel, batch: Batch, mode: str, plan: Split, cache: Optional[OffloadCache] = None,
+def prefill(model: MoEModel, batch: Batch, mode: str, split: Split, cache: Optional[OffloadCache] = None,
             make: Optional[MakeSchedule] = None) -> torch.Tensor:
     """Final hidden states of ``batch`` computed with the schedule of ``mode`` (see the module docstring),
     or of ``make(layers, micro-batches)`` when given (the planner's choice)."""
-    out = run_schedule(model, batch, plan, layer_operations(model, cache), make or microbatch.mode(mode).make)
+    out = run_schedule(model, batch, split, layer_operations(model, cache), make or microbatch.mode(mode).make)
     if cache is not None:
         cache.finish()
     return out
+
+
+def prefill_cache(model: DecodeModel, batch: Batch, cache: KVCache, slots: List[int], mode: str,
+                  group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """A generation's prefill: final (normed) hidden states of the prompts in ``batch`` through ``mode``'s
+    schedule, every layer's keys and values written to ``slots`` of the cache right after its attention (the split
+    agreed by every rank of ``group`` where it cuts)."""
+    split = split_for(mode, batch, group, model=model, alone=group is None)
+    rows = cache.rows(slots, batch.seq.seq_lens)
+    layers = [after_attention(ops, Operation("kv_write", functools.partial(_write, cache, li),
+                                             (K, V, _PREFILL_ROWS), ()))
+              for li, ops in enumerate(model.layer_operations())]
+    inputs = micro_batch_inputs(model, batch, split)
+    bounds = (0,) + tuple(split.points) + (batch.seq.num_tokens,)
+    for mb, values in enumerate(inputs):  # each micro-batch's tokens are a contiguous slice of the batch
+        values[_PREFILL_ROWS] = dataclasses.replace(rows, where=rows.where[bounds[mb]:bounds[mb + 1]])
+    finals = [model.norm(h) for h in microbatch.run_made(microbatch.mode(mode).make, layers, inputs)]
+    cache.advance(rows)
+    return finals[0] if split.serial else merge_outputs(split, *finals)
+
+
+def _write(cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor, rows: KVRows) -> None:
+    cache.write(layer, rows, k, v)
 
 
 @torch.no_grad()
@@ -150,7 +177,7 @@ def continue_prefill(model: MoEModel, batch: Batch, cache: OffloadCache, offload
     return model.norm(hidden)
 
 
-def graph_prefill(model: MoEModel, batch: Batch, mode: str, plan: Split, path: str,
+def graph_prefill(model: MoEModel, batch: Batch, mode: str, split: Split, path: str,
                   backend: Optional[Union[str, Callable[..., object]]] = None) -> Callable[[], torch.Tensor]:
     """The prefill of ``mode`` compiled as one graph on a torchair path (``ge`` or ``aclgraph``).
 
@@ -164,10 +191,10 @@ def graph_prefill(model: MoEModel, batch: Batch, mode: str, plan: Split, path: s
     layers = layer_operations(model)
     make = microbatch.mode(mode).make
     # checked and lowered here, once: the trace then holds the launches, not the lowering
-    lowered = microbatch.lower_ahead(make, layers, micro_batch_inputs(model, batch, plan), path)
+    lowered = microbatch.lower_ahead(make, layers, micro_batch_inputs(model, batch, split), path)
 
     def run(tokens: torch.Tensor) -> torch.Tensor:
-        return run_schedule(model, Batch(tokens, batch.seq), plan, layers, make, lowered)
+        return run_schedule(model, Batch(tokens, batch.seq), split, layers, make, lowered)
 
     compiled = torch.compile(run, backend=backend or overlap.backends.get(path).compile_backend(), fullgraph=True,
                              dynamic=False)
@@ -177,3 +204,7 @@ def graph_prefill(model: MoEModel, batch: Batch, mode: str, plan: Split, path: s
         with overlap.use_path(path):
             return compiled(batch.tokens)
     return call
+
+
+__all__ = ["after_attention", "continue_prefill", "graph_prefill", "layer_operations",
+           "make_capacity_expert_parallel", "make_expert_parallel", "prefill", "prefill_cache", "split_for"]

@@ -8,9 +8,9 @@ from microbatch.planning import DecodeCalibration, DecodeGuard
 def _guard_body(ctx):
     import dataclasses
 
-    from launch.decode import generate
+    from launch.engine import generate
     from launch.models import build_model, preset
-    from launch.runner import make_expert_parallel
+    from launch.engine import make_expert_parallel
 
     class Scripted(DecodeGuard):
         """Each step measured at a scripted multiple of its prediction; the real (agreed) times kept."""
@@ -25,12 +25,12 @@ def _guard_body(ctx):
 
     model = make_expert_parallel(build_model(dataclasses.replace(preset("tiny"), n_experts=4), seed=2), ctx.group)
     # a calibration that says chunked-2 halves serial's step; its steps measure 1.5 times serial's
-    plan = DecodeCalibration((1, 2, 3), (4, 20), {"serial": ((1.0, 1.0), (2.0, 2.0), (3.0, 3.0)),
-                                                 "chunked-2": ((0.5, 0.5), (1.0, 1.0), (1.5, 1.5))})
+    calibration = DecodeCalibration((1, 2, 3), (4, 20), {"serial": ((1.0, 1.0), (2.0, 2.0), (3.0, 3.0)),
+                                                        "chunked-2": ((0.5, 0.5), (1.0, 1.0), (1.5, 1.5))})
     g = torch.Generator().manual_seed(ctx.rank)
     prompts = [torch.randint(0, model.cfg.vocab, (4,), generator=g).tolist() for _ in range(3)]
     guard = Scripted({"serial": 1.0, "chunked-2": 3.0})
-    auto = generate(model, prompts, 12, mode="auto", plan=plan, guard=guard)
+    auto = generate(model, prompts, 12, mode="auto", calibration=calibration, guard=guard)
     return auto.modes, auto.tokens, generate(model, prompts, 12).tokens, guard.measured, guard.summary()
 
 
@@ -52,34 +52,35 @@ def test_auto_sets_aside_a_mode_measured_slower_than_serial_alike_on_every_rank(
 def _auto_body(ctx):
     import dataclasses
 
-    from launch.decode import DecodeError, generate
-    from launch.decode_plan import calibrate_decode
+    from launch.engine import DecodeError, generate
+    from launch.engine import calibrate_decode
     from launch.models import build_model, preset
-    from launch.runner import make_expert_parallel
+    from launch.engine import make_expert_parallel
 
-    import launch.decode_plan as planning
-    from launch.decode_step import TOKENS
+    import launch.engine.decoder as decoder
+    from launch.engine import TOKENS
 
     model = make_expert_parallel(build_model(dataclasses.replace(preset("tiny"), n_experts=4), seed=2), ctx.group)
-    stepped, real = [], planning.decode_step
+    stepped, real = [], decoder.decode_step
 
     def spy(model, layers, make, inputs, *rest):
         stepped.append(torch.cat([values[TOKENS] for values in inputs]).tolist())
         return real(model, layers, make, inputs, *rest)
 
-    planning.decode_step = spy  # this rank's process only
+    decoder.decode_step = spy  # this rank's process only: what the calibration's eager decoders run a step with
     try:
         measured = calibrate_decode(model, max_tokens=3, histories=(4, 6), modes=("serial", "chunked-2"), repeats=1,
                                     steps=1)
     finally:
-        planning.decode_step = real
+        decoder.decode_step = real
     # two-batch only pays from 3 tokens on: as requests finish and the batch shrinks, auto turns to serial
-    plan = DecodeCalibration((1, 2, 3), (4, 20), {"serial": ((1.0, 1.0), (2.0, 2.0), (3.0, 3.0)),
-                                                 "two-batch": ((2.0, 2.0), (2.5, 2.5), (2.0, 2.0))})
+    calibration = DecodeCalibration((1, 2, 3), (4, 20), {"serial": ((1.0, 1.0), (2.0, 2.0), (3.0, 3.0)),
+                                                        "two-batch": ((2.0, 2.0), (2.5, 2.5), (2.0, 2.0))})
     g = torch.Generator().manual_seed(ctx.rank)
     prompts = [torch.randint(0, model.cfg.vocab, (4,), generator=g).tolist() for _ in range(3)]
     counts = [2, 4, 6] if ctx.rank == 0 else [6, 6, 3]
-    auto = generate(model, prompts, counts, mode="auto", plan=plan, guard=False)  # the calibration's choice alone
+    # the calibration's choice alone
+    auto = generate(model, prompts, counts, mode="auto", calibration=calibration, guard=False)
     serial = generate(model, prompts, counts)
     try:  # the ranks call with different batches: both say so, neither waits for the other
         calibrate_decode(model, max_tokens=2 + ctx.rank, histories=(4, 6), repeats=1, steps=1)
@@ -111,9 +112,9 @@ def _cache_body(ctx, root):
     import json
     import os
 
-    from launch.decode_plan import calibrate_decode
+    from launch.engine import calibrate_decode
     from launch.models import build_model, preset
-    from launch.runner import make_expert_parallel
+    from launch.engine import make_expert_parallel
 
     model = make_expert_parallel(build_model(preset("tiny"), seed=2), ctx.group)
     mine = os.path.join(root, f"rank{ctx.rank}")
@@ -177,18 +178,18 @@ def test_the_launchers_auto_run_keeps_one_guard_over_its_rounds_or_none():
     probes are counted once, not per round) and its summary is the run's; with ``guard=False`` there is none."""
     import functools
 
-    from launch.decode import new_cache
-    from launch.generation import Run, measure_generation
+    from launch.engine import new_cache
+    from launch.measure.generate import Run, measure_generation
     from launch.models import build_model, preset
 
     model = build_model(preset("tiny"), seed=1)
     prompts, limits = [[1, 2, 3], [4, 5, 6]], [6, 6]
-    plan = DecodeCalibration((1, 2), (3, 9), {"serial": ((1.0, 1.0), (2.0, 2.0)),
-                                             "two-batch": ((0.5, 0.5), (1.0, 1.0))})  # two-batch, every step
+    calibration = DecodeCalibration((1, 2), (3, 9), {"serial": ((1.0, 1.0), (2.0, 2.0)),
+                                                    "two-batch": ((0.5, 0.5), (1.0, 1.0))})  # two-batch, every step
     runs = [Run("serial", "serial"), Run("serial", "auto")]
     make_cache = functools.partial(new_cache, model, prompts, limits)
-    guarded, bare = (measure_generation(model, prompts, limits, runs, None, make_cache, warmup=1, iters=1, plan=plan,
-                                        guard=guard)[1] for guard in (True, False))
+    guarded, bare = (measure_generation(model, prompts, limits, runs, None, make_cache, warmup=1, iters=1,
+                                        calibration=calibration, guard=guard)[1] for guard in (True, False))
     assert guarded.guard is not None and " serial probe step(s) of 10;" in guarded.guard, \
         guarded.guard  # 2 rounds of 5 steps, one guard
     assert guarded.row()["decode_guard"] == guarded.guard
@@ -201,9 +202,9 @@ def test_an_observed_decode_step_is_no_sample_of_the_tpot_nor_of_the_guard(monke
     the guard counts it. A clock that ticks 1 per read and 100 more where a timeline starts stands in for that."""
     import functools
 
-    import launch.generation as generation
-    from launch.decode import generate, new_cache
-    from launch.generation import Run, measure_generation, observes
+    import launch.measure.generate as generation
+    from launch.engine import generate, new_cache
+    from launch.measure.generate import Run, measure_generation, observes
     from launch.models import build_model, preset
 
     clock = [0.0]
@@ -241,13 +242,13 @@ def test_an_observed_decode_step_is_no_sample_of_the_tpot_nor_of_the_guard(monke
     monkeypatch.setattr(generation, "DecodeGuard", Counting)
     model = build_model(preset("tiny"), seed=1)
     prompts, limits = [[1, 2, 3], [4, 5, 6]], [10, 10]  # 9 decode steps a generation
-    plan = DecodeCalibration((1, 2), (3, 9), {"serial": ((1.0, 1.0), (2.0, 2.0)),
-                                             "two-batch": ((0.5, 0.5), (1.0, 1.0))})
+    calibration = DecodeCalibration((1, 2), (3, 9), {"serial": ((1.0, 1.0), (2.0, 2.0)),
+                                                    "two-batch": ((0.5, 0.5), (1.0, 1.0))})
     runs = [Run("serial", "serial"), Run("serial", "auto")]
     for mode in ("serial", "two-batch"):  # every schedule lowered ahead: a step that lowers is no guard sample
         generate(model, prompts, limits, mode=mode)
     results = measure_generation(model, prompts, limits, runs, None, functools.partial(new_cache, model, prompts, limits),
-                                 warmup=0, iters=2, plan=plan)
+                                 warmup=0, iters=2, calibration=calibration)
     observed = len([s for s in range(9) if observes(s)])
     assert observed >= 1
     for r in results:
@@ -259,7 +260,7 @@ def test_a_decode_step_that_lowers_its_schedule_is_no_sample_of_the_guard():
     """The first step of a schedule lowers it (on a device, the first of a bucket captures or compiles it): it pays
     that once, so its time is no measurement and the guard does not count it; every other step it does."""
     import microbatch
-    from launch.decode import generate
+    from launch.engine import generate
     from launch.models import build_model, preset
 
     class Counting(DecodeGuard):
@@ -272,24 +273,26 @@ def test_a_decode_step_that_lowers_its_schedule_is_no_sample_of_the_guard():
             super().record(mode, predicted, measured)
 
     model = build_model(preset("tiny"), seed=1)
-    plan = DecodeCalibration((1, 2), (3, 9), {"serial": ((1.0, 1.0), (2.0, 2.0)),
-                                             "two-batch": ((0.5, 0.5), (1.0, 1.0))})  # two-batch, after serial's probes
+    # two-batch, after serial's probes
+    calibration = DecodeCalibration((1, 2), (3, 9), {"serial": ((1.0, 1.0), (2.0, 2.0)),
+                                                    "two-batch": ((0.5, 0.5), (1.0, 1.0))})
     lowered = [microbatch.replay_stats()["lowered"]]
 
     def on_step(step, active):
         lowered.append(microbatch.replay_stats()["lowered"])
 
     guard = Counting()
-    out = generate(model, [[1, 2, 3], [4, 5, 6]], 10, mode="auto", plan=plan, guard=guard, on_step=on_step)
+    out = generate(model, [[1, 2, 3], [4, 5, 6]], 10, mode="auto", calibration=calibration, guard=guard,
+                   on_step=on_step)
     lowering = sum(b > a for a, b in zip(lowered[1:], lowered[2:]))  # decode steps that lowered a schedule
     assert set(out.modes) == {"serial", "two-batch"} and lowering >= 2  # each mode's first step at least
     assert guard.records == out.steps - lowering
 
 
 def test_a_calibration_of_mc2_decode_steps_is_cached_apart_from_the_capacity_exchanges():
-    from launch.decode_plan import decode_calibration_key
+    from launch.engine import decode_calibration_key
     from launch.models import build_model, preset
-    from launch.runner import make_expert_parallel
+    from launch.engine import make_expert_parallel
 
     keys = {}
     for exchange in ("capacity", "mc2", "auto"):

@@ -1,6 +1,6 @@
 """Calibrate decode: every candidate mode's step time measured on this machine, for ``--decode-mode auto``.
 
-`calibrate_decode` runs real decode steps (`launch.decode.decode_step`, the exchanges included) of every
+`calibrate_decode` runs real decode steps (`launch.engine.step.decode_step`, the exchanges included) of every
 candidate mode at each bucket of tokens per rank from 1 to ``max_tokens`` (1, 2, 4, ... and ``max_tokens``) and
 at two history lengths, on a scratch KV cache whose slots claim that history (attention reads that many rows;
 their values do not matter for the time) and on token ids that differ from rank to rank (`calibration_ids`: as a
@@ -11,15 +11,16 @@ error (its noise: auto takes a mode over serial only where the gain is well outs
 steps (they exchange), and the table ends the same on every rank: the largest time and noise of any rank, in one
 all-reduce.
 
-With ``decoders`` (`launch.graph_decode.GraphDecoder`, one per candidate mode over one cache) it times the
-captured steps instead, the ones `launch.decode.generate(mode="auto", decoder=decoders)` replays: each mode's
+Each step runs through a mode's decoder (`launch.engine.decoder.Decoder`), as a generation runs it: eager ones of
+its own by default, or with ``decoders`` (`launch.engine.GraphDecoder`, one per candidate mode over one cache) the
+captured steps, the ones `launch.engine.generate(mode="auto", decoder=decoders)` replays: each mode's
 step padded to its bucket, on scratch slots of the decoders' cache (left as it was). Such a step's time depends on
 its bucket alone, so the token points are where a mode's buckets end (`graph_token_points`) and the table is read as
 a step function (``padded``); a captured step attends over the cache's whole room, so it is timed at the short
 history alone and that time stands for both (half the steps of an eager calibration), unless its decoders have
 length buckets (it then attends over the room the history uses: timed at both).
 
-The result is a `microbatch.planning.DecodeCalibration`, which `launch.decode.generate(mode="auto")` reads
+The result is a `microbatch.planning.DecodeCalibration`, which `launch.engine.generate(mode="auto")` reads
 every step (`microbatch.planning.choose_decode`). It is cached as the prefill's calibration is (in
 ``$OVERLAP_CALIBRATION_CACHE``, default ``~/.cache/npu-overlap/calibration/``), per machine, torch, path,
 ranks, model shape, dtype, link, comm-thread priority and the calibration's own settings (token points,
@@ -39,25 +40,26 @@ import torch.distributed as dist
 
 import microbatch
 import overlap
-from collectives import MOE_ACTIVE, MOE_CAPACITY
-from launch.config import DECODE_AUTO_MODES, DECODE_CALIBRATION_ROUNDS
-from microbatch import KV_STEP, DecodeModel, KVCache, KVStep
-from microbatch.planning.cache import cache_file, calibration_key, read_cache, write_cache
-from microbatch.planning.decode import SERIAL, DecodeCalibration, DecodeCalibrationError, relative_error
-from microbatch.planning.probes import max_over_ranks
+from microbatch import DecodeModel, KVCache
+from microbatch.planning import (SERIAL, DecodeCalibration, DecodeCalibrationError, cache_file, calibration_key,
+                                 max_over_ranks, read_cache, relative_error, write_cache)
 from overlap.host_memory import keep_on_host_path
 
-from .decode import DecodeError, expert_group, history_weight, split_by_cost
-from .decode_step import DECODE_STEP, TOKENS, bucket_of, decode_step
-from .graph_decode import GraphDecoder, decoders_of
+from .decoder import Decoder, eager_decoders, expert_group
+from .generation import DecodeError
+from .graph_decoder import GraphDecoder, decoders_of
 
-AUTO_MODES = DECODE_AUTO_MODES  # the candidates of ``--decode-mode auto`` by default (launch.config)
+# the candidates of --decode-mode auto by default (--decode-auto-modes): one batch (whole, its shared experts beside,
+# its MoE in chunks) and two micro-batches; three and four micro-batches halve a decode batch's matmuls again and
+# rarely pay
+DECODE_AUTO_MODES = ("serial", "shared", "two-batch", "chunked-2", "chunked-4")
 Progress = Callable[[str], None]
 DECODE_FORMAT = 4  # the decode calibration's cache files (2: the steps' token ids differ per rank; 3: with noise;
 # 4: a link's unobserved completions run no callback, overlap.link.DelayedWork: the overlapped steps take less)
-# rounds per entry, timed steps per round: 16 samples in each entry's median by default. Each entry's median carries
-# about 3-12% of noise on a shared 2-core host (step times spread 10-30%), 2-6% with 8 rounds (as 1 / sqrt(rounds))
-REPEATS, STEPS = DECODE_CALIBRATION_ROUNDS, 4
+# rounds per entry (--decode-calibration-rounds), timed steps per round: 16 samples in each entry's median by
+# default. Each entry's median carries about 3-12% of noise on a shared 2-core host (step times spread 10-30%), 2-6%
+# with 8 rounds (as 1 / sqrt(rounds))
+DECODE_CALIBRATION_ROUNDS, STEPS = 4, 4
 _LOG = logging.getLogger(__name__)
 
 
@@ -81,7 +83,8 @@ def graph_token_points(max_tokens: int, micro_batches: Sequence[int], buckets: O
 
 
 def calibrate_decode(model: DecodeModel, *, max_tokens: int, histories: Tuple[int, int],
-                     modes: Sequence[str] = AUTO_MODES, repeats: int = REPEATS, steps: int = STEPS, seed: int = 0,
+                     modes: Sequence[str] = DECODE_AUTO_MODES, repeats: int = DECODE_CALIBRATION_ROUNDS,
+                     steps: int = STEPS, seed: int = 0,
                      progress: Optional[Progress] = None, refresh: bool = False, cache: Optional[str] = None,
                      report: Optional[Progress] = None, decoders: Optional[Mapping[str, GraphDecoder]] = None
                      ) -> DecodeCalibration:
@@ -102,9 +105,9 @@ def calibrate_decode(model: DecodeModel, *, max_tokens: int, histories: Tuple[in
     h0, h1 = int(histories[0]), int(histories[1])
     if not 1 <= h0 < h1:
         raise ValueError(f"histories must be two lengths 1 <= short < long, got {histories}")
-    # eager steps run each mode's layers (built here: a model decode cannot run is refused before any collective);
-    # captured steps hold their own
-    layers = {m: model.decode_layer_operations(h.moe_chunks) for m, h in hows.items()} if decoders is None else {}
+    if decoders is None:  # a model decode cannot run is refused here, before any collective (captured steps were)
+        for how in hows.values():
+            model.decode_layer_operations(how.moe_chunks)
     group = expert_group(model)
     graph = next(iter(decoders.values())) if decoders else None
     room = [] if graph is None or len(graph.cache.active) + max_tokens <= len(graph.cache.lengths) else [
@@ -134,10 +137,10 @@ def calibrate_decode(model: DecodeModel, *, max_tokens: int, histories: Tuple[in
             "not cached on every rank"
         report(f"calibrating decode ({why}; cached after this run in {path})")
     keep_on_host_path()
-    if decoders is None:
-        timer: "_Timer" = _Step(model, points[-1], h1, layers, hows, group)
+    if decoders is None:  # eager steps on a scratch cache whose slots hold up to the long history
+        timer = _Timer(eager_decoders(model, _scratch_cache(model, points[-1], h1 + 1), names), points[-1], group)
     else:
-        timer = _GraphStep(decoders, points[-1], group)
+        timer = _Timer(decoders, points[-1], group, padded=True, whole_room=not graph.length_buckets)
     try:
         cal = _measure(model, group, points, (h0, h1), names, timer, repeats, steps, seed, progress)
     finally:
@@ -168,7 +171,7 @@ def decode_calibration_key(model: DecodeModel, group: Optional[Any], points: Seq
 
 
 def _check_decoders(decoders: Mapping[str, GraphDecoder]) -> List[str]:
-    """The modes of ``decoders``, serial among them, checked by `launch.graph_decode.decoders_of`."""
+    """The modes of ``decoders``, serial among them, checked by `launch.engine.graph_decoder.decoders_of`."""
     if SERIAL not in decoders:
         raise ValueError(f"a calibration of captured steps needs a decoder for serial, the reference; got "
                          f"{', '.join(decoders) or 'none'}")
@@ -214,7 +217,7 @@ def _alike(cal: DecodeCalibration, group: Optional[Any]) -> DecodeCalibration:
 
 
 def _measure(model: DecodeModel, group: Optional[Any], points: Tuple[int, ...], histories: Tuple[int, int],
-             names: Sequence[str], step: "_Timer", repeats: int, steps: int, seed: int,
+             names: Sequence[str], step: _Timer, repeats: int, steps: int, seed: int,
              progress: Optional[Progress]) -> DecodeCalibration:
     """The table measured (the module docstring), the same on every rank."""
     h0, h1 = histories
@@ -262,59 +265,17 @@ def _post_step(group: Optional[Any], active: int, history: int, mode: str) -> No
 
 
 class _Timer:
-    """What `_measure` times: ``run(mode, ids, history)`` is the seconds of one step of ``len(ids)`` requests
-    holding ``history`` rows each (the cache left as it was); ``close()`` gives back what it took."""
+    """What `_measure` times: ``run(mode, ids, history)`` is the seconds of one step of ``len(ids)`` requests holding
+    ``history`` rows each through the mode's decoder, as `launch.engine.generate` runs it: the ranks' agreement, the
+    step (cut into the decoder's parts; a captured one padded to its bucket, captured on its first use), its tokens
+    read back. On scratch slots of the decoders' cache, whose lengths are put back after each step (its rows are not
+    kept) and which `close` gives back. ``padded``: a captured step, whose time is its bucket's; ``whole_room``: it
+    attends over the cache's whole room, whatever the history."""
 
-    padded = False  # a captured step: its time is its bucket's
-    whole_room = False  # ... and attends over the cache's whole room, whatever the history
-
-    def run(self, mode: str, ids: Sequence[int], history: int) -> float:
-        raise NotImplementedError
-
-    def close(self) -> None:
-        pass
-
-
-class _Step(_Timer):
-    """One timed eager decode step, as `launch.decode.generate` runs it, on a scratch cache: the ranks' agreement,
-    the step's rows and inputs, the step, its tokens read back (the step's rows are not counted)."""
-
-    def __init__(self, model: DecodeModel, requests: int, history: int, layers: Mapping[str, Any],
-                 hows: Mapping[str, microbatch.Mode], group: Optional[Any]):
-        self.model, self.layers, self.hows, self.group = model, layers, hows, group
-        self.cache = _scratch_cache(model, requests, history + 1)
-        self.slots = self.cache.admit(requests)
-        self.per_row = history_weight(model)
-
-    def run(self, mode: str, ids: Sequence[int], history: int) -> float:
-        cache, how, slots = self.cache, self.hows[mode], self.slots[:len(ids)]
-        for s in slots:
-            cache.lengths[s] = history
-        start = time.perf_counter()
-        parts = split_by_cost([history] * len(slots), how.micro_batches, self.per_row)
-        _post_step(self.group, len(slots), history, how.name)
-        capacity = bucket_of(max(map(len, parts)))  # every rank measures the same point: the same widest part
-        inputs = [{TOKENS: torch.tensor([ids[j] for j in part], dtype=torch.long, device=cache.device),
-                   KV_STEP: KVStep(cache, cache.rows([slots[j] for j in part])), MOE_CAPACITY: capacity,
-                   MOE_ACTIVE: None}
-                  for part in parts]
-        with overlap.no_host_sync(DECODE_STEP):
-            picked = decode_step(self.model, self.layers[mode], how.make, inputs)
-        picked.ids.tolist()
-        return time.perf_counter() - start
-
-
-class _GraphStep(_Timer):
-    """One timed captured step, as `launch.decode.generate` replays it: the ranks' agreement, the mode's decoder's
-    step (padded to its bucket, captured on its first use), its tokens read back; on scratch slots of the decoders'
-    cache, whose lengths are put back after each step and which are released by `close`."""
-
-    padded = True
-
-    def __init__(self, decoders: Mapping[str, GraphDecoder], requests: int, group: Optional[Any]):
-        self.decoders, self.group = decoders, group
-        first = next(iter(decoders.values()))
-        self.cache, self.whole_room = first.cache, not first.length_buckets
+    def __init__(self, decoders: Mapping[str, Decoder], requests: int, group: Optional[Any], padded: bool = False,
+                 whole_room: bool = False):
+        self.decoders, self.group, self.padded, self.whole_room = decoders, group, padded, whole_room
+        self.cache = next(iter(decoders.values())).cache
         self.slots = self.cache.admit(requests)
 
     def run(self, mode: str, ids: Sequence[int], history: int) -> float:
@@ -323,9 +284,10 @@ class _GraphStep(_Timer):
         for s in slots:
             cache.lengths[s] = history
         start = time.perf_counter()
+        parts = decoder.parts([history] * len(slots))
         _post_step(self.group, len(slots), history, mode)
-        # the same point on every rank
-        decoder.step(slots, ids, widest=decoder.widest(len(slots)), history=history).tolist()
+        # the same point on every rank: the same widest part
+        decoder.run(slots, ids, parts, widest=max(map(len, parts)), history=history).ids.tolist()
         seconds = time.perf_counter() - start
         for s in slots:
             cache.lengths[s] = history  # the step counted its row: not kept
@@ -344,5 +306,6 @@ def calibration_histories(prompt_lens: Sequence[int], new_tokens: int) -> Tuple[
     return short, max(short + 1, max(prompt_lens, default=1) + new_tokens - 1)
 
 
-__all__ = ["AUTO_MODES", "DECODE_FORMAT", "REPEATS", "STEPS", "calibrate_decode", "calibration_histories",
+__all__ = ["DECODE_AUTO_MODES", "DECODE_CALIBRATION_ROUNDS", "DECODE_FORMAT", "STEPS", "calibrate_decode",
+           "calibration_histories",
            "calibration_ids", "decode_calibration_key", "graph_token_points", "token_points"]

@@ -3,7 +3,7 @@
 A decode step's shapes change every step: the active requests shrink as they finish, and each request's
 history grows. `GraphDecoder` makes them static. A step of ``n`` active requests in a mode of ``N``
 micro-batches cuts them into ``N`` contiguous parts of at most ``ceil(n / N)`` (`GraphDecoder.widest`), takes
-the **bucket** of the widest part over the ranks (`launch.decode.bucket_of`: the powers of two, or the
+the **bucket** of the widest part over the ranks (`launch.engine.step.bucket_of`: the powers of two, or the
 ``buckets`` given, the same on every rank) and pads every part to it: ``N x bucket`` rows whatever ``n``,
 the MoE's exchange capacity the bucket (its layer's `decode_stages`), its padding rows sent to no expert
 (``MOE_ACTIVE``: every padding row carries the same token, so routed they would all load the same experts).
@@ -17,14 +17,16 @@ row (`GraphDecoder.length`; the ranks agree on it with the bucket): one graph pe
 step reads and gathers the room its histories use, not the whole ``max_len``, at the price of more graphs.
 
 - ``ge`` / ``aclgraph``: ``torch.compile(fullgraph=True, dynamic=False)`` with the path's torchair backend
-  (`overlap.backends.Backend.compile_backend`), as `launch.runner.graph_prefill`; each bucket a function of
+  (`overlap.backends.Backend.compile_backend`), as `launch.engine.prefiller.graph_prefill`; each bucket a function of
   its own code, so Dynamo keeps one graph per bucket (and none is shared between decoders or paths);
 - ``cuda``: the eager step captured with ``torch.cuda.CUDAGraph`` (warmed up on a side stream first, static
   input buffers copied in before each replay, the picked ids copied out);
 - ``cpu``: the padded static step run eagerly (what the graphs compute, testable on any machine).
 
-`launch.decode.generate(graph=path)` (or ``decoder=``) runs its decode steps through a `GraphDecoder`; the
-generation launcher's ``--decode-graph PATH``, ``--decode-buckets`` and ``--decode-length-buckets``.
+A `GraphDecoder` is a `launch.engine.decoder.Decoder`: `launch.engine.generation.generate(graph=path)` (or
+``decoder=``) runs its decode steps through one; the generation launcher's ``--decode-graph PATH``,
+``--decode-buckets`` and ``--decode-length-buckets``. Which model it can capture is the model's to say
+(``no_capture_reason``, `microbatch.DecodeModel`), not its class's.
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ from collectives import MOE_ACTIVE, MOE_CAPACITY, ExpertParallelMoE
 from microbatch import KV_STEP, DecodeModel, KVCache
 from microbatch.kv_cache import StaticKVStep, StaticRows
 
-from .decode_step import DECODE_STEP, TOKENS, bucket_of, decode_step, lower_step
+from .step import DECODE_STEP, TOKENS, Picked, bucket_of, decode_step, lower_step
 
 StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 MIN_LENGTH = 16  # the shortest room a step with length buckets attends over (fewer graphs for short histories)
@@ -54,9 +56,9 @@ class GraphDecoder:
     (default: the path's own); ``length_buckets``: attention over the room the histories use, a graph per
     (bucket, length), instead of every slot's whole ``max_len`` (see the module docstring). Refused with a
     ValueError: a path that captures nothing here (``npu``: use ``aclgraph``), a cache that is not a device
-    `KVCache` (the host cache), a model whose attention does not go through the step's ``attend`` (the
-    transformers adapter), and on the graph paths a MoE block that is not an `ExpertParallelMoE` (its decode
-    stages are the static ones)."""
+    `KVCache` (the host cache), a model that says why its steps cannot be captured (``no_capture_reason``: the
+    transformers adapter, whose attention does not go through the step's ``attend``), and on the graph paths a
+    MoE block that is not an `ExpertParallelMoE` (its decode stages are the static ones)."""
 
     def __init__(self, model: DecodeModel, cache: KVCache, mode: str = "serial", path: str = "cpu",
                  buckets: Optional[Sequence[int]] = None, backend: Optional[CompileBackend] = None,
@@ -77,6 +79,11 @@ class GraphDecoder:
     def micro_batches(self) -> int:
         """The micro-batches of every step (the mode's)."""
         return self.how.micro_batches
+
+    @property
+    def built(self) -> int:
+        """The steps built so far (`compiled_steps`)."""
+        return len(self._steps)
 
     @property
     def compiled_buckets(self) -> List[int]:
@@ -104,6 +111,18 @@ class GraphDecoder:
     def bucket(self, widest: int) -> int:
         """The bucket of a step whose widest micro-batch over the ranks has ``widest`` rows."""
         return bucket_of(widest, self.buckets)
+
+    def parts(self, history: Sequence[int]) -> List[List[int]]:
+        """The requests cut into `micro_batches` contiguous parts of at most `widest` (its static step attends
+        over the whole room: there is no cost to balance)."""
+        size = self.widest(len(history))
+        return [list(range(i * size, min(len(history), (i + 1) * size))) for i in range(self.micro_batches)]
+
+    def run(self, slots: Sequence[int], tokens: Sequence[int], parts: Sequence[Sequence[int]], widest: int,
+            history: int, number: Optional[int] = None, margins: bool = False) -> Picked:
+        """`step` as a `launch.engine.decoder.Decoder` runs it: ``parts`` are `parts`' (the requests in order),
+        and a captured step picks without margins."""
+        return Picked(self.step(slots, tokens, widest=widest, history=history))
 
     @torch.no_grad()
     def step(self, slots: Sequence[int], tokens: Union[Sequence[int], torch.Tensor],
@@ -155,6 +174,12 @@ class GraphDecoder:
         return run
 
 
+def graph_decoders(model: DecodeModel, cache: KVCache, modes: Sequence[str], path: str = "cpu",
+                   buckets: Optional[Sequence[int]] = None, length_buckets: bool = False) -> Dict[str, GraphDecoder]:
+    """A `GraphDecoder` of each of ``modes`` over ``cache`` on ``path``, keyed by its mode (auto's decoders)."""
+    return {m: GraphDecoder(model, cache, m, path, buckets, length_buckets=length_buckets) for m in modes}
+
+
 def decoders_of(decoders: Mapping[str, GraphDecoder], modes: Sequence[str]) -> Dict[str, GraphDecoder]:
     """The decoders of ``modes`` (``decoders`` keyed by the mode each runs, as auto takes them), checked to run over
     one cache with one path, buckets and length buckets: a one-line ValueError naming a missing or mismatched one."""
@@ -176,19 +201,16 @@ def decoders_of(decoders: Mapping[str, GraphDecoder], modes: Sequence[str]) -> D
 
 def _refuse(model: DecodeModel, cache: KVCache, path: str, target: overlap.backends.Backend, captures: bool) -> None:
     """A one-line ValueError for what a `GraphDecoder` cannot run (before any collective)."""
-    from .models.reference import Model
-
     if not captures and target.device_type != "cpu":
         raise ValueError(f"GraphDecoder captures on ge, aclgraph or cuda (cpu runs it eagerly), not on {path!r}")
     if type(cache) is not KVCache:
         raise ValueError(f"GraphDecoder needs a device KVCache, got {type(cache).__name__}")
-    if not isinstance(model, Model):
-        raise ValueError(f"GraphDecoder runs the reference decoder (its attention goes through the step's attend), "
-                         f"not a {type(model).__name__}")
+    if model.no_capture_reason is not None:
+        raise ValueError(model.no_capture_reason)
     loose = [type(layer.moe).__name__ for layer in model.moe_layers() if not isinstance(layer.moe, ExpertParallelMoE)]
     if captures and loose:
         raise ValueError(f"GraphDecoder on {path} needs every MoE block expert-parallel (its decode stages are "
-                         f"static: launch.runner.make_expert_parallel), got {loose[0]}")
+                         f"static: launch.engine.make_expert_parallel), got {loose[0]}")
 
 
 def _checked_buckets(buckets: Optional[Sequence[int]]) -> Optional[Tuple[int, ...]]:
@@ -221,7 +243,7 @@ def _static_step(model: DecodeModel, layers: Sequence[Sequence[microbatch.Operat
                  cache: KVCache, parts: int, bucket: int, length: int, lowered: Optional[microbatch.Lowered] = None
                  ) -> StepFn:
     """The step of one bucket on tensors only: ``(tokens, index, held, real)`` of ``parts x bucket`` rows to the
-    picked ids (`launch.decode.decode_step` with `StaticKVStep` attention over each slot's first ``length`` rows,
+    picked ids (`launch.engine.step.decode_step` with `StaticKVStep` attention over each slot's first ``length`` rows,
     the exchange capacity ``bucket``; ``lowered``: its schedule lowered ahead, `lower_step`)."""
 
     def decode_static(tokens: torch.Tensor, index: torch.Tensor, held: torch.Tensor, real: torch.Tensor
@@ -279,4 +301,4 @@ class _DeviceGraph:
         return self.out.clone()
 
 
-__all__ = ["MIN_LENGTH", "GraphDecoder", "decoders_of"]
+__all__ = ["MIN_LENGTH", "GraphDecoder", "decoders_of", "graph_decoders"]

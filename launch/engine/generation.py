@@ -1,0 +1,325 @@
+"""Greedy generation with the device KV cache: prefill writes it, each decode step appends to it.
+
+`generate` is the loop: it admits the prompts into the cache, prefills them in a mode's schedule (each layer's keys
+and values written to the cache right after its attention, `launch.engine.prefiller.prefill_cache`), takes the argmax
+of the LM head, then runs one decode step per new token: a batch of one token per active request, in the step's
+decode mode (``serial``, ``shared``, ``two-batch``, ...; with ``auto`` chosen each step from a decode calibration),
+through that mode's decoder (`launch.engine.decoder.Decoder`: eager through the executor, or captured per bucket).
+A request that is done frees its slot; the others go on. Which decoders a generation runs, and over which cache, is
+settled once before the loop (`make_decoders`).
+
+With expert-parallel layers over several ranks, each rank brings its own prompts (none is fine) and its own
+lengths; a rank with no active request keeps taking part in every step with zero tokens until every rank is done.
+The ranks agree every step, in one small all-reduce (`overlap.agree`), on whether any request is still active, on
+the widest micro-batch, and on whether any rank's logits hold NaN or inf (`NonFiniteLogits` on every rank: no token
+is taken from them).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+import microbatch
+import overlap
+from microbatch import AUTO, Batch, DecodeModel, KVCache, OffloadedKVCache, SeqInfo
+from microbatch.planning import DEFAULT_MARGIN, DecodeCalibration, DecodeGuard, choose_decode
+
+from .decoder import Decoder, eager_decoders, expert_group
+from .graph_decoder import GraphDecoder, decoders_of, graph_decoders
+from .prefiller import prefill_cache
+from .step import read_picked
+
+# (step, active requests on every rank) -> whether the caller observes the next step (step 0: the prefill's token)
+OnStep = Callable[[int, int], Optional[bool]]
+Decoders = Union[GraphDecoder, Mapping[str, GraphDecoder]]  # one decoder, or auto's: one per candidate mode
+
+
+class DecodeError(RuntimeError):
+    """The ranks of a generation disagree on a step (its number of micro-batches), or one found it wrong."""
+
+    expected = True  # reported in one line on every rank, not a bug (`launch.job.guarded`)
+
+
+class NonFiniteLogits(DecodeError):
+    """NaN or inf in the logits of a request (on this rank or, named, another)."""
+
+
+@dataclasses.dataclass
+class Generated:
+    """What `generate` produced on this rank: each request's new tokens and, with ``margins=True``, the gap
+    between the top two logits where each was taken (how near a tie it was)."""
+
+    tokens: List[List[int]]
+    margins: Optional[List[List[float]]] = None
+    steps: int = 0  # decode steps after the prefill (the same on every rank)
+    modes: List[str] = dataclasses.field(default_factory=list)  # each decode step's mode (auto's choices)
+    predicted: List[float] = dataclasses.field(default_factory=list)  # with auto: each step's predicted seconds
+
+
+def new_cache(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: Union[int, Sequence[int]], *,
+              offload: bool = False) -> KVCache:
+    """A cache with one slot per prompt, room for the longest prompt plus its new tokens, of the model's own
+    per-token key and value shapes (``cfg.k_shape``, ``cfg.v_shape``); with ``offload``, on the host, each
+    layer's history prefetched on the ``kv_offload`` stream while the layer before computes
+    (`microbatch.OffloadedKVCache`: close it when done)."""
+    cfg = model.cfg
+    limits = _limits(prompts, new_tokens)
+    longest = max((len(p) + n for p, n in zip(prompts, limits)), default=1)
+    weight = next(model.parameters())
+    kind = OffloadedKVCache if offload else KVCache
+    return kind(cfg.n_layers, max(1, len(prompts)), longest, cfg.k_shape, cfg.v_shape,
+                dtype=weight.dtype, device=weight.device)
+
+
+def _limits(prompts: Sequence[Sequence[int]], new_tokens: Union[int, Sequence[int]]) -> List[int]:
+    limits = [int(new_tokens)] * len(prompts) if isinstance(new_tokens, int) else [int(n) for n in new_tokens]
+    if len(limits) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(limits)} new-token counts")
+    if any(n < 1 for n in limits):
+        raise ValueError(f"every request generates at least one token, got {min(limits)}")
+    return limits
+
+
+@torch.no_grad()
+def greedy_generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: Union[int, Sequence[int]],
+                    stop_token: Optional[int] = None, cache: Optional[KVCache] = None,
+                    mode: str = "serial") -> List[List[int]]:
+    """Each prompt's greedy continuation (argmax of the LM head), at most ``new_tokens`` long (one count, or one
+    per prompt), ending at ``stop_token`` (included) where it comes; the decode steps run in ``mode``
+    (`microbatch.DECODE_MODES`; every rank passes the same). `generate`'s tokens."""
+    return generate(model, prompts, new_tokens, stop_token=stop_token, cache=cache, mode=mode).tokens
+
+
+@torch.no_grad()
+def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: Union[int, Sequence[int]], *,
+             stop_token: Optional[int] = None, cache: Optional[KVCache] = None, mode: Optional[str] = None,
+             prefill_mode: str = "serial", on_step: Optional[OnStep] = None, margins: bool = False,
+             buckets: Optional[Sequence[int]] = None, calibration: Optional[DecodeCalibration] = None,
+             margin: float = DEFAULT_MARGIN, guard: Union[bool, DecodeGuard] = True, graph: Optional[str] = None,
+             decoder: Optional[Decoders] = None, length_buckets: bool = False) -> Generated:
+    """Greedy generation (see the module docstring): prefill in ``prefill_mode``, decode steps in ``mode``.
+
+    ``prompts``: this rank's requests' token ids (none is fine with several ranks); ``new_tokens``: the most
+    each generates (one count, or one per prompt); ``cache``: where the keys and values go (default
+    `new_cache`; its slots are taken and freed here); ``on_step(step, active)`` is called once each step's
+    tokens are taken, with the number of requests still active on every rank; where it returns True the caller
+    observes the next step (a timeline), whose time the guard then does not count; ``buckets``: the sizes a step's
+    exchange is padded to (`launch.engine.step.bucket_of`; default the powers of two). ``mode="auto"`` chooses each
+    step's mode from ``calibration`` (`launch.engine.calibrate_decode`; the same on every rank), serial unless
+    another is predicted at least ``margin`` faster (`microbatch.planning.choose_decode`), and checks its choices
+    with ``guard`` (`microbatch.planning.DecodeGuard`: each step timed, the slowest rank's time agreed with the
+    step; a mode measured slower than serial is set aside): True for a new one, one of your own to keep what it
+    measured across generations, False for none. ``graph``: decode steps padded to their bucket and captured once
+    per bucket on that path (`launch.engine.GraphDecoder`: ``ge``, ``aclgraph``, ``cuda``; ``cpu`` runs the padded
+    step eagerly; ``length_buckets``: attention over the room the histories use, a graph per bucket and length),
+    or through ``decoder`` (its cache, mode and graphs, kept across generations). With ``mode="auto"`` the steps
+    are captured too: ``decoder`` is then a mapping of each mode of ``calibration`` to its decoder over one cache
+    (``graph`` builds them), and ``calibration`` one of those captured steps (`launch.engine.calibrate_decode` with
+    ``decoders``).
+    """
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    limits = _limits(prompts, new_tokens)
+    mode, decoders = make_decoders(model, prompts, limits, mode=mode, calibration=calibration, cache=cache,
+                                   decoder=decoder, graph=graph, buckets=buckets, length_buckets=length_buckets)
+    group = expert_group(model)
+    cache = next(iter(decoders.values())).cache
+    slots = cache.admit(len(prompts))
+    device = next(model.parameters()).device
+    lens = [len(p) for p in prompts]
+    tokens = torch.tensor([t for p in prompts for t in p], dtype=torch.long, device=device)
+    hidden = prefill_cache(model, Batch(tokens, SeqInfo.from_lens(lens)), cache, slots, prefill_mode, group)
+    last = torch.tensor(lens, dtype=torch.long, device=device).cumsum(0) - 1
+    out = Generated([[] for _ in prompts], [[] for _ in prompts] if margins else None)
+    active = list(range(len(prompts)))
+    nxt, gaps, problem = _greedy(model.logits(hidden[last]), active, 0, margins)
+    checks = _guard_for(mode, guard)
+    ran: Optional[_Ran] = None  # auto's last step
+    while True:
+        still = []
+        for j, (i, t) in enumerate(zip(active, nxt)):
+            out.tokens[i].append(t)
+            if out.margins is not None and gaps:  # a captured step picks without margins
+                out.margins[i].append(gaps[j])
+            if len(out.tokens[i]) < limits[i] and t != stop_token:
+                still.append(i)
+        going = set(still)
+        cache.release([slots[i] for i in active if i not in going])
+        history = [lens[i] + len(out.tokens[i]) - 1 for i in still]  # rows held before this step's
+        parts_by_count = _parts(decoders, history)
+        took = time.perf_counter() - ran.start if ran is not None else 0.0
+        built = ran is not None and _builds(decoders) != ran.builds
+        widest = {n: max(map(len, p)) for n, p in parts_by_count.items()}
+        step = _step_status(_Post(len(still), widest, max(history, default=0), mode, took, built), problem, group)
+        if ran is not None and checks is not None and not ran.observed and not step.built:
+            checks.record(ran.mode, ran.predicted, step.seconds)  # a step that lowered or captured is no measurement
+        observed = bool(on_step(out.steps, step.active)) if on_step is not None else False
+        if not step.active:
+            return out
+        out.steps += 1
+        name = mode
+        if mode == AUTO:
+            if checks is not None:
+                choice = checks.choose(calibration, step.tokens, step.history, margin=margin)
+            else:
+                choice = choose_decode(calibration, step.tokens, step.history, margin=margin)
+            name = choice.mode
+            out.predicted.append(choice.seconds)
+            ran = _Ran(name, choice.seconds, time.perf_counter(), observed, _builds(decoders))
+        out.modes.append(name)
+        current = decoders[name]
+        parts = parts_by_count[current.micro_batches]
+        picked = current.run([slots[i] for i in still], [out.tokens[i][-1] for i in still], parts,
+                             widest=step.widest[current.micro_batches], history=step.history, number=out.steps,
+                             margins=margins)
+        active = [still[j] for part in parts for j in part]  # the order of the picked rows
+        nxt, gaps, problem = read_picked(picked, active, out.steps)
+
+
+def make_decoders(model: DecodeModel, prompts: Sequence[Sequence[int]], limits: Sequence[int], *,
+                  mode: Optional[str] = None, calibration: Optional[DecodeCalibration] = None,
+                  cache: Optional[KVCache] = None, decoder: Optional[Decoders] = None, graph: Optional[str] = None,
+                  buckets: Optional[Sequence[int]] = None, length_buckets: bool = False
+                  ) -> Tuple[str, Dict[str, Decoder]]:
+    """A generation's decode mode and the decoder of each mode it may run (auto: every mode of ``calibration``),
+    all over one cache: ``decoder``'s own (a `GraphDecoder`, or auto's mapping of them), else ones built here,
+    captured on ``graph`` or eager, over ``cache`` (default `new_cache` of ``prompts`` and ``limits``). ``mode``
+    defaults to ``decoder``'s (auto for a mapping), else serial. `generate`'s arguments; a one-line ValueError for
+    what does not fit together."""
+    if mode is None:
+        mode = AUTO if isinstance(decoder, Mapping) else decoder.mode if decoder is not None else "serial"
+    if mode == AUTO and calibration is None:
+        raise ValueError("decode mode 'auto' chooses each step's mode from a decode calibration: pass "
+                         "calibration=launch.engine.calibrate_decode(model, ...)")
+    captured = graph is not None or decoder is not None
+    if mode == AUTO and calibration.padded != captured:
+        raise ValueError("decode mode 'auto' with captured steps chooses from a calibration of them "
+                         "(calibrate_decode(model, decoders=...))" if captured else
+                         "this decode calibration timed captured steps: pass their decoders (decoder=...)")
+    modes = list(calibration.modes) if mode == AUTO else [mode]
+    if decoder is not None:
+        return mode, _given_decoders(decoder, mode, modes, cache)
+    cache = cache or new_cache(model, prompts, limits)
+    if graph is None:
+        return mode, eager_decoders(model, cache, modes, buckets)
+    return mode, graph_decoders(model, cache, modes, graph, buckets, length_buckets)
+
+
+def _given_decoders(decoder: Decoders, mode: str, modes: Sequence[str], cache: Optional[KVCache]
+                    ) -> Dict[str, Decoder]:
+    """The caller's decoder of each of ``modes``, checked against ``mode`` (auto: every calibrated mode's, over one
+    cache) and ``cache``; a one-line ValueError for what does not fit."""
+    if mode != AUTO:
+        if not isinstance(decoder, GraphDecoder) or decoder.mode != mode or cache not in (None, decoder.cache):
+            raise ValueError(f"the decoder runs its own mode over its own cache: pass neither another mode ({mode!r}) "
+                             f"nor another cache")
+        return {mode: decoder}
+    if not isinstance(decoder, Mapping):
+        raise ValueError("decode mode 'auto' takes one decoder per calibrated mode: decoder={mode: GraphDecoder}")
+    chosen = decoders_of(decoder, modes)
+    if cache not in (None, next(iter(chosen.values())).cache):
+        raise ValueError("auto's decoders run over their own cache: pass no other cache")
+    return dict(chosen)
+
+
+def _parts(decoders: Mapping[str, Decoder], history: Sequence[int]) -> Dict[int, List[List[int]]]:
+    """A step's requests (holding ``history`` rows each) cut into the micro-batches of each count a decoder runs
+    (decoders of one generation with the same count cut alike)."""
+    parts: Dict[int, List[List[int]]] = {}
+    for d in decoders.values():
+        if d.micro_batches not in parts:
+            parts[d.micro_batches] = d.parts(history)
+    return parts
+
+
+def _guard_for(mode: str, guard: Union[bool, DecodeGuard]) -> Optional[DecodeGuard]:
+    """Auto's guard: a new one for True, the caller's own kept across generations, none for False or a fixed mode."""
+    if mode != AUTO or guard is False:
+        return None
+    return DecodeGuard() if guard is True else guard
+
+
+def _greedy(logits: torch.Tensor, requests: List[int], step: int, margins: bool
+            ) -> Tuple[List[int], List[float], Optional[str]]:
+    """Each row's argmax, the gap to its runner-up (with ``margins``), and what is wrong where a row holds NaN or
+    inf (naming its request and the step)."""
+    bad = (~torch.isfinite(logits)).any(-1).nonzero().flatten().tolist()
+    problem = None
+    if bad:
+        problem = (f"NaN or inf in the logits of request {requests[bad[0]]} at decode step {step} (0: the prefill's)"
+                   + (f" and of {len(bad) - 1} more" if len(bad) > 1 else ""))
+    gaps: List[float] = []
+    if margins and logits.shape[0] and logits.shape[-1] > 1:
+        top = logits.float().topk(2, dim=-1).values
+        gaps = (top[:, 0] - top[:, 1]).tolist()
+    return logits.argmax(-1).tolist(), gaps, problem
+
+
+class _Ran(NamedTuple):
+    """Auto's last step, as its guard needs it once the step is done."""
+
+    mode: str
+    predicted: float  # seconds
+    start: float  # perf_counter
+    observed: bool  # the caller recorded its launches (`OnStep`)
+    builds: Tuple[int, int]  # `_builds` before it
+
+
+@dataclasses.dataclass(frozen=True)
+class _Post:
+    """What a rank posts before a step: its active requests, its widest micro-batch for each micro-batch count a
+    candidate mode uses, its longest history, and the decode mode (which every rank must share)."""
+
+    active: int
+    widest: Dict[int, int]
+    history: int
+    mode: str
+    seconds: float = 0.0  # the last step's time on this rank (auto's guard; 0 before the first)
+    built: bool = False  # the last step lowered a schedule or captured a bucket on this rank
+
+
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """A step as every rank agreed it: requests active on all ranks, the most on one rank (``tokens``), the widest
+    micro-batch of any rank per micro-batch count, and the longest history."""
+
+    active: int
+    tokens: int
+    widest: Dict[int, int]
+    history: int
+    seconds: float = 0.0  # the last step's time on the slowest rank
+    built: bool = False  # the last step lowered a schedule or captured a bucket on some rank
+
+
+def _step_status(post: _Post, problem: Optional[str], group: Optional[dist.ProcessGroup]) -> _Step:
+    """The step every rank of ``group`` agreed (`_Step`), once they agree on the decode mode; `NonFiniteLogits` on
+    every rank, naming the rank, where one found NaN or inf (`overlap.agree`: one small all-reduce; none without a
+    group)."""
+    if group is None:
+        if problem:
+            raise NonFiniteLogits(problem)
+        return _Step(post.active, post.active, dict(post.widest), post.history, post.seconds, post.built)
+    mine = {"active": post.active, "widest": [post.widest[n] for n in sorted(post.widest)],
+            "history": post.history, "decode mode": post.mode, "seconds": post.seconds, "built": post.built}
+    posts = overlap.agree(mine, overlap.GroupTransport(group, "decode.step"), problems=[problem] if problem else [],
+                          per_rank=["active", "widest", "history", "seconds", "built"], error=DecodeError,
+                          problem_error=NonFiniteLogits)
+    widest = {n: max(p["widest"][i] for p in posts) for i, n in enumerate(sorted(post.widest))}
+    return _Step(sum(p["active"] for p in posts), max(p["active"] for p in posts), widest,
+                 max(p["history"] for p in posts), max(float(p["seconds"]) for p in posts),
+                 any(p["built"] for p in posts))
+
+
+def _builds(decoders: Mapping[str, Decoder]) -> Tuple[int, int]:
+    """What this process has built so far: schedules lowered (`microbatch.replay_stats`), the decoders' own steps
+    (captured buckets). A step that builds pays for it once (a lowering; on a device a capture or a compile): its
+    time is no measurement."""
+    return microbatch.replay_stats()["lowered"], sum(d.built for d in decoders.values())
+
+
+__all__ = ["DecodeError", "Decoders", "Generated", "NonFiniteLogits", "OnStep", "generate", "greedy_generate",
+           "make_decoders", "new_cache"]
