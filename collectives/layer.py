@@ -55,11 +55,11 @@ the capacity exchange, `collectives.capacity.CapacityExchange.for_decode`), and 
 Decode stages (`ExpertParallelMoE.decode_stages`): a decode step reads nothing on the host and keeps every shape
 static, so that it can be captured. Its dispatch also reads ``MOE_CAPACITY``, rows per destination rank: a value of
 the micro-batch that the caller sets the same on every rank and at least the micro-batch's token count on each
-(`launch.decode` takes the step's bucket of the widest micro-batch over the ranks): a token goes at most once to
+(`launch.engine` takes the step's bucket of the widest micro-batch over the ranks): a token goes at most once to
 each rank, so no rank can send more than its tokens to one rank and nothing can overflow. A capacity below this
 rank's tokens is refused before the exchange (a host comparison of shapes, not of values). It also reads
 ``MOE_ACTIVE``, None where every row is real, else a bool ``[T]`` on the device, False for a padding row (a
-captured step pads its micro-batches to the bucket, `launch.graph_decode`): the decode exchange sends such a row
+captured step pads its micro-batches to the bucket, `launch.engine.graph_decoder`): the decode exchange sends such a row
 to no expert (the capacity exchange with expert id -1 on every rank, the same bytes; MC2 leaves it out with
 ``x_active_mask``, the real rows first, as the bucket's layout puts them). Routed as a real token it would cost
 expert rows, and since every padding row carries the same token and history they would all choose the same

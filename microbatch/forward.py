@@ -1,7 +1,7 @@
 """A model's forward through a schedule: split the batch, give each micro-batch its inputs, run, merge.
 
 `run_schedule` is one prefill of a batch with the layers' operations the caller passes (the
-launcher's, with the expert-parallel MoE and the KV offload in place: `launch.runner`), in any
+launcher's, with the expert-parallel MoE and the KV offload in place: `launch.engine.prefiller`), in any
 schedule, on any number of micro-batches. It needs nothing of collectives: the split is decided
 (and agreed between ranks) before, and of the model it needs only `microbatch.model.ForwardModel`.
 

@@ -11,7 +11,7 @@ written them (`advance`).
 The lengths live on the host, so placing the rows, masking and checking the room never read the
 device: no host sync in a decode step.
 
-A graph captured once for a number of rows (`launch.graph_decode`) needs a step whose shapes do not change
+A graph captured once for a number of rows (`launch.engine.graph_decoder`) needs a step whose shapes do not change
 from step to step: `static_rows` pads a decode step's rows to a fixed count and describes them with tensors
 only (`StaticRows`), and `StaticKVStep` attends over every slot's whole ``max_len`` (or its first ``length``
 rows: a graph per length) with a mask built on the device from each row's length. A padding row writes

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import overlap
-from launch.decode import greedy_generate
+from launch.engine import greedy_generate
 from launch.models import build_model, preset
 from microbatch import OffloadedKVCache
 from overlap import OffloadCache, Sanitizer, StreamRaceError

@@ -3,7 +3,7 @@ torchair graph (`graph_prefill`), or continued from an offloaded prefix (`contin
 writing a generation's KV cache (`prefill_cache`).
 
 The model is any `microbatch.model.MoEModel`: the reference decoder (`launch.models.reference.Model`)
-or a transformers MoE model adapted by `launch.models.transformers_adapter`. A model whose
+or a transformers MoE model adapted by `launch.models.transformers`. A model whose
 layers cannot continue a request from a prefix says why in ``no_cut_reason``: `split_for` (given
 the model) then splits only at request boundaries, and a split that cuts a request is refused
 before it runs. Running the layers through a schedule is `microbatch.forward.run_schedule`; this

@@ -4,7 +4,7 @@ the launcher's ``--check`` and the tests compare the adapter with.
 `check_against_own_forward` runs a few tokens through the adapter and through the model's own forward
 (`own_forward`: each request on its own); `own_kv` reads each attention layer's keys and values from the
 cache of the model's own forward; `own_generate` is the family's own greedy ``generate``, in the shape of
-`launch.decode.greedy_generate`'s tokens. They run the model's own blocks, so call them where they hold
+`launch.engine.greedy_generate`'s tokens. They run the model's own blocks, so call them where they hold
 every expert (before `TransformersModel.replace_moe` or a loader's expert-parallel shard; one rank).
 
 transformers is imported only inside the functions here.
@@ -51,7 +51,7 @@ def own_generate(model: TransformersModel, prompts: Sequence[Sequence[int]], new
                  stop_token: Optional[int] = None) -> List[List[int]]:
     """Each prompt's greedy continuation by the model's own ``generate`` (each prompt alone: its own cache,
     masks and positions), at most ``new_tokens`` long, cut after ``stop_token``: the reference for
-    `launch.decode.greedy_generate`, in its shape. Only greedy argmax steers it: the model's generation config
+    `launch.engine.greedy_generate`, in its shape. Only greedy argmax steers it: the model's generation config
     (its eos and pad tokens, minimum length, penalties, ...) is left out. It runs the model's own blocks, so
     call it where they hold every expert (before a loader's expert-parallel shard; one rank)."""
     from transformers import GenerationConfig

@@ -196,7 +196,7 @@ class TransformersModel(nn.Module):
             moe_layers=tuple(layer.index for layer in self.layers if layer.is_moe),
             attention_layers=tuple(layer.index for layer in attention), k_shape=k_shape, v_shape=v_shape)
 
-    # --- what launch.runner uses -------------------------------------------------------------------
+    # --- what launch.engine uses -------------------------------------------------------------------
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """Embedding of token ids; their range is checked on the host, except while compiling."""
         check_token_ids(tokens, self.cfg.vocab)

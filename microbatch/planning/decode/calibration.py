@@ -3,14 +3,14 @@
 A decode step's shapes come from a few numbers: the tokens per rank (one per active request), which the
 exchange pads to a bucket, the micro-batches of the mode, and how long the requests' histories are (what
 attention reads). So its calibration is a table, not a fit of operations: every candidate mode's step time
-measured (`launch.decode_plan.calibrate_decode`) at each bucket of tokens per rank from 1 to the batch and
+measured (`launch.engine.calibrate_decode`) at each bucket of tokens per rank from 1 to the batch and
 at two history lengths, the modes interleaved, each entry the median of its repeats and the largest over the
 ranks (every rank holds the same table, so every rank predicts and chooses alike), with that median's noise
 (`relative_error`).
 
 `DecodeCalibration.predict` reads the table: linear in the tokens between the two buckets around them and
 linear in the history between (or beyond) the two measured lengths. A table of captured steps (``padded``:
-each step padded to its bucket, `launch.graph_decode`) costs a step what the first measured point at or above
+each step padded to its bucket, `launch.engine.graph_decoder`) costs a step what the first measured point at or above
 its tokens costs: its time is a step function of the bucket, and the points are where the buckets end.
 `DecodeCalibration.from_dict` checks what a cache file holds (`DecodeCalibrationError`). Pure Python: no
 collective, no tensor.
@@ -35,7 +35,7 @@ class DecodeCalibration:
     """Step seconds per mode at each ``tokens`` (per rank) and each of two ``histories`` (rows per request):
     ``seconds[mode][i][j]`` at ``tokens[i]``, ``histories[j]``; ``noise``, where measured, the relative standard
     error of each of those medians (`relative_error`), in the same layout; ``padded``: steps padded to their bucket
-    and captured (`launch.graph_decode.GraphDecoder`), read as a step function of the tokens (`predict`)."""
+    and captured (`launch.engine.GraphDecoder`), read as a step function of the tokens (`predict`)."""
 
     tokens: Tuple[int, ...]
     histories: Tuple[int, int]
