@@ -6,7 +6,7 @@ books its transfers in order: all of that lives in `STATE`, with the bound on ev
 CPU path (`set_wait_timeout`; a wait that runs past it raises `WaitTimeout`). `reset` forgets it
 all, as a test does between cases. Packages built on the toolkit keep their process-wide state
 here too (``pools``: the dispatch's reused buffers), or keep their own and are told of every reset
-(`on_reset`).
+(`on_reset`: `microbatch`'s kept programs, which hold events that a reset forgets).
 
 Not reset: observers (a `Timeline` or `Sanitizer` is scoped by its own ``with`` block, the one
 enabled from ``$OVERLAP_SANITIZE`` lives as long as the process), the callbacks of `on_reset`, and
@@ -14,7 +14,6 @@ npugraph_ex's tagged events, which npugraph_ex itself cannot forget.
 """
 from __future__ import annotations
 
-import collections
 import math
 import threading
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -51,7 +50,6 @@ class ProcessState:
         self.link_busy_until = 0.0  # perf_counter time the simulated link is booked until
         self.pools: Dict[str, List[Any]] = {}  # reusable buffers other packages keep, by name
         self.wait_timeout = DEFAULT_WAIT_TIMEOUT  # seconds any one wait may block (set_wait_timeout)
-        self.programs: "collections.OrderedDict[Any, Any]" = collections.OrderedDict()  # microbatch.replay's
 
     def reset(self) -> None:
         with self.lock:
