@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from microbatch.model import MoEModel
-from overlap.ranks import default_backend, default_device
+from overlap.ranks import default_device, default_pg_backend
 
 ENV_FAULT = "OVERLAP_FAULT"
 BEFORE_JOINING = -1  # Fault.at: before the rank joins the process group
@@ -48,14 +48,14 @@ def join_group(timeout: float) -> torch.device:
     device = default_device()  # LOCAL_RANK picks the card on NPU / CUDA
     td = datetime.timedelta(seconds=timeout)
     if "WORLD_SIZE" not in os.environ:
-        dist.init_process_group(default_backend(), store=dist.HashStore(), rank=0, world_size=1, timeout=td)
+        dist.init_process_group(default_pg_backend(), store=dist.HashStore(), rank=0, world_size=1, timeout=td)
         return device
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = _agent_store(timeout)
     if store is not None:
         store.set(f"overlap/started/{rank}", "1")
     try:
-        dist.init_process_group(default_backend(), timeout=td)
+        dist.init_process_group(default_pg_backend(), timeout=td)
     except Exception as exc:
         missing = [r for r in range(world) if not store.check([f"overlap/started/{r}"])] if store else []
         who = (f": rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} never started" if missing

@@ -7,7 +7,8 @@ forward through one, on a `Batch` split as `microbatch.planning` decides: cut in
 micro-batches that every rank agrees on, or into the mode and split the planner predicts fastest.
 """
 from .batch import K, KV_STEP, PREFIX_KV, SEQ, V, Batch, SeqInfo
-from .executor import Lowered, Lowering, Step, event_tag, execute, lower, lower_ahead, run, run_made
+from .executor import Lowered, execute, lower_ahead, run, run_made
+from .lowering import Lowering, Step, event_tag, lower
 from .kv_cache import KVCache, KVCacheError, KVRows, KVStep
 from .kv_offload import OffloadedKVCache
 from .forward import cut_refusal, forward_layer_by_layer, micro_batch_inputs, run_schedule, serial_split

@@ -6,7 +6,8 @@ is an ordering edge, ``record_stream`` keeps memory alive across streams and ``l
 splits the cores. Beside the primitives: `overlap.observability` (``Timeline``, ``Sanitizer``,
 the overlap report), `overlap.offload` (the KV-cache offload stream), `overlap.agreement` (ranks
 that must agree check that they do: `agree`) and `overlap.multirank` (the multi-rank harness).
-Importing the package has no side effect; `reset` forgets the process-wide state (`overlap.state`).
+Importing the package has no side effect; `reset` forgets the process-wide state (`overlap.state`) and
+tells the packages built on it (`on_reset`).
 """
 from ._tree import tensors_in
 from .agreement import Disagreement, GroupTransport, StoreTransport, agree, compare_posts
@@ -25,7 +26,7 @@ from .link import Link, current_link, parse_link, set_link
 from .observability import Sanitizer, StreamRaceError, Timeline
 from .observability import enable_from_env as sanitize_from_env
 from .offload import OffloadCache, OffloadError
-from .state import WaitTimeout, reset, set_wait_timeout, wait_timeout
+from .state import WaitTimeout, on_reset, reset, set_wait_timeout, wait_timeout
 from .streams import (EP_COMM, KV_OFFLOAD, SHARED_EXPERT, get_stream, issue_ahead, issue_collective, issue_host,
                       record_stream, stream, synchronize)
 
@@ -39,7 +40,7 @@ __all__ = [
     "current_link", "current_path", "current_stream_tag", "describe_comm_priority", "detect_path", "enabled",
     "event", "get_stream", "host_reads_allowed", "is_enabled",
     "issue_ahead", "issue_collective", "issue_host", "keep_freed_memory",
-    "limit_cores", "no_host_sync", "parse_budget", "parse_link", "read_soc_config",
+    "limit_cores", "no_host_sync", "on_reset", "parse_budget", "parse_link", "read_soc_config",
     "record_stream", "remove_observer", "reset", "reset_core_limits", "sanitize_from_env", "set_core_budget",
     "set_comm_priority", "set_enabled", "set_link", "set_path", "set_wait_timeout", "span", "stream",
     "stream_limits", "synchronize", "tensors_in", "use_path", "wait_tensor", "wait_timeout",

@@ -33,7 +33,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .ranks import ENV_TIMEOUT, RankContext, RankFailure, RankTimeout, default_backend, default_device, default_timeout
+from .ranks import (ENV_TIMEOUT, RankContext, RankFailure, RankTimeout, default_device, default_pg_backend,
+                    default_timeout)
 
 _calls = itertools.count()  # per process, never reset: every rank counts the same calls
 _kept_groups: Dict[int, Any] = {}  # size -> group, on device backends
@@ -146,19 +147,19 @@ def hide_group_outside_bodies() -> None:
 
 
 def ensure_initialized(timeout: float) -> None:
-    """Join torchrun's job (its env:// rendezvous) once per process, on the current path's backend."""
+    """Join torchrun's job (its env:// rendezvous) once per process, on the current path's process-group backend."""
     if _joined():
         return
-    backend = default_backend()
-    if backend in ("nccl", "hccl"):  # one card per rank: two ranks on one card fail inside the library
-        kind = "cuda" if backend == "nccl" else "npu"
+    pg_backend = default_pg_backend()
+    if pg_backend in ("nccl", "hccl"):  # one card per rank: two ranks on one card fail inside the library
+        kind = "cuda" if pg_backend == "nccl" else "npu"
         cards, local = getattr(torch, kind).device_count(), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         if local > cards:
-            raise RuntimeError(f"{local} ranks on this node but {cards} {kind} card(s): {backend} needs one card "
+            raise RuntimeError(f"{local} ranks on this node but {cards} {kind} card(s): {pg_backend} needs one card "
                                f"per rank (torchrun --nproc-per-node {cards} or fewer)")
     _silence_limit()  # a bad $OVERLAP_RANK_TIMEOUT is refused before joining, naming the variable
     default_device()  # selects this rank's card (LOCAL_RANK)
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+    dist.init_process_group(pg_backend, timeout=datetime.timedelta(seconds=timeout))
     atexit.register(_leave_together)
     _start_heartbeat()
 
@@ -226,22 +227,22 @@ def forget(key: str) -> None:
         pass
 
 
-def _group(n: int, timeout: float, backend: str) -> Any:
-    if backend != "gloo" and n in _kept_groups:
+def _group(n: int, timeout: float, pg_backend: str) -> Any:
+    if pg_backend != "gloo" and n in _kept_groups:
         return _kept_groups[n]
     # every rank of the job creates every group, in the same order (the calls are agreed); never the
     # world group itself, so that a group a failed call leaves behind can be dropped
     group = dist.new_group(list(range(n)), timeout=datetime.timedelta(seconds=timeout))
-    if backend != "gloo":
+    if pg_backend != "gloo":
         _kept_groups[n] = group
     return group
 
 
-def _release(group: Any, n: int, failed: bool, backend: str) -> None:
+def _release(group: Any, n: int, failed: bool, pg_backend: str) -> None:
     if failed:
         _kept_groups.pop(n, None)
         _abandoned.append(group)  # a peer may still be inside a collective on it
-    elif backend == "gloo" and group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
+    elif pg_backend == "gloo" and group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
         dist.destroy_process_group(group)
 
 
@@ -300,7 +301,7 @@ def _primary_first(errors: Dict[int, str]) -> List[Tuple[int, str]]:
 def run(fn: Callable[..., Any], n: int, timeout: float, env: Dict[str, str], args: tuple, kwargs: dict) -> List[Any]:
     """`run_ranks` on the first ``n`` ranks of the torchrun job; see the module docstring."""
     ensure_initialized(timeout)
-    backend = default_backend()
+    pg_backend = default_pg_backend()
     world, me = dist.get_world_size(), dist.get_rank()
     seq = next(_calls)
     what = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)} on {n} ranks"
@@ -314,7 +315,7 @@ def run(fn: Callable[..., Any], n: int, timeout: float, env: Dict[str, str], arg
                           f"was issued")
     if n > world:
         raise unittest.SkipTest(f"needs {n} ranks, torchrun started {world}")
-    group = _group(n, timeout, backend)
+    group = _group(n, timeout, pg_backend)
     outcome: Optional[Tuple[str, Any]] = None
     if me < n:
         outcome = _body(fn, RankContext(me, n, group, default_device()), env, args, kwargs)
@@ -322,12 +323,12 @@ def run(fn: Callable[..., Any], n: int, timeout: float, env: Dict[str, str], arg
     try:
         outcomes = exchange(f"result/{seq}", outcome, range(n), timeout * 1.5 + 30, post=me < n)
     except RankTimeout as e:
-        _release(group, n, failed=True, backend=backend)
+        _release(group, n, failed=True, pg_backend=pg_backend)
         if outcome is not None and outcome[0] == "error":  # what this rank saw of it, often the cause's effect
             raise RankTimeout(f"{e}; rank {me} of {n} failed meanwhile:\n{outcome[1]}", missing=e.missing) from None
         raise
     errors = {r: o[1] for r, o in outcomes.items() if o[0] == "error"}
-    _release(group, n, failed=bool(errors), backend=backend)
+    _release(group, n, failed=bool(errors), pg_backend=pg_backend)
     if errors:
         text = "\n".join(f"rank {r} of {n} failed:\n{tb}" for r, tb in _primary_first(errors))
         raise RankFailure(text)

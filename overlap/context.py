@@ -166,6 +166,27 @@ def enabled(flag: bool = True) -> Iterator[bool]:
         _enable_override.reset(token)
 
 
+class Pinned(tuple):
+    """This context's path and switch as `pin` set them (their tokens: a tuple, made without a Python
+    ``__init__`` on every run that pins); `restore` puts back what was there before."""
+
+    __slots__ = ()
+
+    def restore(self) -> None:
+        """Put back the path and switch this context had before `pin` (once, in the context that pinned)."""
+        _enable_override.reset(self[1])
+        _path_override.reset(self[0])
+
+
+def pin(path: str, flag: bool) -> Pinned:
+    """Set this context's path and switch at once until the returned `Pinned`'s ``restore()``: for a run that
+    reads both at every primitive (a `microbatch` program), so that none reads the environment, with no
+    ``with`` block (`use_path`, `enabled`) to enter. Not while Dynamo traces: it cannot set context variables."""
+    if path not in PATHS:
+        check_path(path, "pin()")
+    return Pinned((_path_override.set(path), _enable_override.set(flag)))
+
+
 @eager_in_trace
 def current_stream_tag() -> str:
     """The tag of the stream work is placed on now (``"default"`` outside any `stream` block)."""

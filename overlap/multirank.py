@@ -26,8 +26,8 @@ import torch.distributed as dist
 
 from . import _torchrun
 from .observability import enable_from_env
-from .ranks import (DEFAULT_RANK_TIMEOUT_S, ENV_TIMEOUT, RankContext, RankFailure, RankTimeout, default_backend,
-                    default_device, default_timeout, seconds_from_env, under_torchrun)
+from .ranks import (DEFAULT_RANK_TIMEOUT_S, ENV_TIMEOUT, RankContext, RankFailure, RankTimeout, default_device,
+                    default_pg_backend, default_timeout, seconds_from_env, under_torchrun)
 from .streams import synchronize
 
 # the rank basics live in `overlap.ranks` (the launcher imports them from there); the harness's
@@ -165,5 +165,5 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: Opti
 
 
 __all__ = ["DEFAULT_RANK_TIMEOUT_S", "ENV_PRELOAD", "ENV_START_METHOD", "ENV_TIMEOUT", "RankContext", "RankFailure",
-           "RankTimeout", "default_backend", "default_device", "default_timeout", "preload_modules", "run_ranks",
+           "RankTimeout", "default_device", "default_pg_backend", "default_timeout", "preload_modules", "run_ranks",
            "seconds_from_env", "under_torchrun"]

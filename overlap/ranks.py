@@ -2,7 +2,7 @@
 and the errors that name the ranks at fault.
 
 Shared by the launcher (`launch.health` joins torchrun's group on `default_device` with
-`default_backend`) and the multi-rank harness of the tests and benchmarks (`overlap.multirank`,
+`default_pg_backend`) and the multi-rank harness of the tests and benchmarks (`overlap.multirank`,
 `overlap._torchrun`), so that neither the launcher nor the harness's torchrun half imports the
 harness: both import this module, which imports neither.
 """
@@ -72,8 +72,8 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("WORLD_SIZE" in os.environ and "RANK" in os.environ)
 
 
-def default_backend() -> str:
-    """The torch.distributed backend for the current path's device: gloo, nccl or hccl."""
+def default_pg_backend() -> str:
+    """The process-group backend (torch.distributed's) for the current path's device: gloo, nccl or hccl."""
     return backends.current().process_group_backend
 
 
@@ -84,5 +84,5 @@ def default_device() -> torch.device:
     return backend.device()
 
 
-__all__ = ["DEFAULT_RANK_TIMEOUT_S", "ENV_TIMEOUT", "RankContext", "RankFailure", "RankTimeout", "default_backend",
-           "default_device", "default_timeout", "seconds_from_env", "under_torchrun"]
+__all__ = ["DEFAULT_RANK_TIMEOUT_S", "ENV_TIMEOUT", "RankContext", "RankFailure", "RankTimeout", "default_device",
+           "default_pg_backend", "default_timeout", "seconds_from_env", "under_torchrun"]

@@ -5,18 +5,18 @@ process, and so are a device's streams), core limits persist per stream, and the
 books its transfers in order: all of that lives in `STATE`, with the bound on every wait of the
 CPU path (`set_wait_timeout`; a wait that runs past it raises `WaitTimeout`). `reset` forgets it
 all, as a test does between cases. Packages built on the toolkit keep their process-wide state
-here too (``pools``: the dispatch's reused buffers).
+here too (``pools``: the dispatch's reused buffers), or keep their own and are told of every reset
+(`on_reset`: `microbatch`'s kept programs, which hold events that a reset forgets).
 
 Not reset: observers (a `Timeline` or `Sanitizer` is scoped by its own ``with`` block, the one
-enabled from ``$OVERLAP_SANITIZE`` lives as long as the process), and npugraph_ex's tagged events,
-which npugraph_ex itself cannot forget.
+enabled from ``$OVERLAP_SANITIZE`` lives as long as the process), the callbacks of `on_reset`, and
+npugraph_ex's tagged events, which npugraph_ex itself cannot forget.
 """
 from __future__ import annotations
 
-import collections
 import math
 import threading
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .context import DEFAULT, set_enabled, set_path, swap_stream_tag
 
@@ -36,6 +36,7 @@ class ProcessState:
         self.observers: List[Any] = []  # see overlap.hooks
         self.tagged_events: Dict[str, Any] = {}  # npugraph_ex's tagged event per tag (aclgraph)
         self.sanitizer: Any = None  # the one enabled from $OVERLAP_SANITIZE
+        self.reset_callbacks: List[Callable[[], None]] = []  # see on_reset
         self._clear()
 
     def _clear(self) -> None:
@@ -49,7 +50,6 @@ class ProcessState:
         self.link_busy_until = 0.0  # perf_counter time the simulated link is booked until
         self.pools: Dict[str, List[Any]] = {}  # reusable buffers other packages keep, by name
         self.wait_timeout = DEFAULT_WAIT_TIMEOUT  # seconds any one wait may block (set_wait_timeout)
-        self.programs: "collections.OrderedDict[Any, Any]" = collections.OrderedDict()  # microbatch.replay's
 
     def reset(self) -> None:
         with self.lock:
@@ -85,9 +85,19 @@ def raise_hint() -> str:
     return "raise the bound with overlap.set_wait_timeout(seconds) (the launcher's --timeout)"
 
 
+def on_reset(callback: Callable[[], None]) -> None:
+    """Call ``callback()`` at every later `reset`, after the toolkit's own state is forgotten: how a package built
+    on the toolkit drops what it keeps of its own that holds the toolkit's objects (events, streams). A callback
+    registered again is still called once."""
+    with STATE.lock:
+        if callback not in STATE.reset_callbacks:
+            STATE.reset_callbacks = STATE.reset_callbacks + [callback]  # copy on write: reset iterates without the lock
+
+
 def reset() -> None:
     """Forget streams, events, core limits and budget, the link, the comm threads' priority setting,
-    the wait bound, and this context's path, switch and stream.
+    the wait bound, and this context's path, switch and stream; then tell the packages built on the
+    toolkit (`on_reset`).
 
     Work still in flight on a CPU stream completes on its own; nothing here waits for it.
     """
@@ -95,4 +105,6 @@ def reset() -> None:
     set_path(None)
     set_enabled(None)
     swap_stream_tag(DEFAULT)
+    for callback in STATE.reset_callbacks:
+        callback()
 

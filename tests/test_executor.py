@@ -168,19 +168,19 @@ def test_every_cross_stream_read_has_a_wait_in_the_plan():
     layers = _slow_layers(3)
     inputs = _inputs(0)
     for make in (shared, two_batch):
-        plan, flow = lower(make(layers, 2), layers, inputs)
+        lowering, flow = lower(make(layers, 2), layers, inputs)
         waited = {}  # (consumer stream, producer stream) -> latest producer index covered
-        recorded = {s.record: s.index for s in plan.steps if s.record}
-        for step in plan.steps:
+        recorded = {s.record: s.index for s in lowering.steps if s.record}
+        for step in lowering.steps:
             for tag in step.waits:
-                producer = plan.steps[recorded[tag]].scheduled.stream
+                producer = lowering.steps[recorded[tag]].scheduled.stream
                 waited[step.scheduled.stream, producer] = max(waited.get((step.scheduled.stream, producer), -1),
                                                            recorded[tag])
             for r in flow.reads[step.index]:
                 for key in r.keys:
                     w = flow.writer.get(key)
-                    if w is not None and plan.steps[w].scheduled.stream != step.scheduled.stream:
-                        assert waited.get((step.scheduled.stream, plan.steps[w].scheduled.stream), -1) >= w, \
+                    if w is not None and lowering.steps[w].scheduled.stream != step.scheduled.stream:
+                        assert waited.get((step.scheduled.stream, lowering.steps[w].scheduled.stream), -1) >= w, \
                             f"{step.scheduled} reads {key} from #{w} without a wait"
 
 
@@ -193,8 +193,8 @@ def test_cross_microbatch_read_waits_for_the_other_microbatch():
     inputs[1]["prefix"] = FromMicroBatch(0, "k", fn=lambda k: k[:2])
     results = _run_all(layers, inputs)
     _assert_bitwise(results)
-    plan, _ = lower(two_batch(layers, 2), layers, inputs)
-    attn1 = [s for s in plan.steps if s.scheduled.mb == 1 and s.scheduled.op == "attn"]
+    lowering, _ = lower(two_batch(layers, 2), layers, inputs)
+    attn1 = [s for s in lowering.steps if s.scheduled.mb == 1 and s.scheduled.op == "attn"]
     # a wait on the offload stream recorded after mb1's own kv, which also covers mb0's earlier kv
     assert all(any(t.endswith("@kv_offload") for t in s.waits) for s in attn1)
 
@@ -308,11 +308,11 @@ def test_ge_adds_no_events_and_orders_comm_with_wait_tensor(monkeypatch):
     overlap.add_observer(log)
     try:
         with overlap.use_path("ge"):
-            plan, _ = lower(schedule, layers, inputs)
+            lowering, _ = lower(schedule, layers, inputs)
             out = run(schedule, layers, inputs)
     finally:
         overlap.remove_observer(log)
-    assert not log.records and not log.waits and not plan.events()
+    assert not log.records and not log.waits and not lowering.events()
     assert sum(c[0] == "wait_tensor" for c in calls) == len(schedule.orders) > 0
     assert all(torch.equal(a, b) for a, b in zip(out, ref))
 
@@ -348,23 +348,23 @@ def _model_body(ctx, per_rank_lens):
     batch = Batch.random(lens, cfg.vocab, seed=10 + ctx.rank)
     model = build_model(cfg, seed=3)
     model.replace_moe(lambda layer: wrap_expert_parallel(layer.moe, ctx.group))
-    plan = decide_split(lens, ctx.group, min_tokens=4)
-    assert not plan.serial
+    split = decide_split(lens, ctx.group, min_tokens=4)
+    assert not split.serial
     layers = [layer.operations() for layer in model.layers]
     assert any(op.stream == overlap.EP_COMM for ops in layers for op in ops), "no EP communication in the model"
     results = {}
     with torch.no_grad():
-        ref = model.forward_microbatches(batch, plan)
-        b0, b1 = split_batch(batch, plan)
+        ref = model.forward_microbatches(batch, split)
+        b0, b1 = split_batch(batch, split)
         inputs = [{"hidden": model.embed_tokens(b0.tokens), "seq": b0.seq, "prefix_kv": None},
                   {"hidden": model.embed_tokens(b1.tokens), "seq": b1.seq,
-                   "prefix_kv": FromMicroBatch(0, "k", "v", fn=lambda k, v: prefix_kv(plan, k, v))}]
+                   "prefix_kv": FromMicroBatch(0, "k", "v", fn=lambda k, v: prefix_kv(split, k, v))}]
         for name, make in SCHEDULES.items():
             with Sanitizer(raise_on_race=False) as san:
                 h0, h1 = run(make(layers, 2), layers, inputs)
                 overlap.synchronize()
-            results[name] = (merge_outputs(plan, model.norm(h0), model.norm(h1)), [str(r) for r in san.races])
-    return ref, results, plan.cut is not None
+            results[name] = (merge_outputs(split, model.norm(h0), model.norm(h1)), [str(r) for r in san.races])
+    return ref, results, split.cut is not None
 
 
 def test_reference_model_two_batch_equals_serial():
@@ -431,8 +431,8 @@ def test_aclgraph_graph_records_before_every_wait():
         earlier = [r for r in records if r.args[0] == tag and at[r] < at[wait]]
         assert earlier, f"wait for {tag} before any record"
         assert streams[earlier[-1].name] == tag.split("@")[1] != streams[wait.name]
-    plan, _ = lower(schedule, layers, [{"hidden": a} for a in args], path="aclgraph")
-    assert {r.args[0] for r in records} == set(plan.events())
+    lowering, _ = lower(schedule, layers, [{"hidden": a} for a in args], path="aclgraph")
+    assert {r.args[0] for r in records} == set(lowering.events())
     assert tc.nodes(gm, "record_tagged_stream_")
     assert tc.unordered_reads(gm, "aclgraph") == [], "every cross-stream read waits for a record after its writer"
     out = tc.strip_air(gm)(*args)
@@ -465,3 +465,83 @@ def test_a_schedule_lowered_ahead_runs_as_run_does_and_refuses_what_it_was_not_l
     with overlap.use_path("ge"), pytest.raises(ScheduleError, match="lowered for path 'cpu' .* runs on path 'ge'"):
         lowered.run(first)
     assert launched == []
+
+
+# ---- one interpreter -----------------------------------------------------------------------------
+
+def test_every_run_of_a_schedule_is_interpreted_by_one_function(monkeypatch):
+    """Kept or not, observed or not, switched off, lowered ahead, run once (`execute`) or on a graph path: the
+    operations are called by `microbatch.program.interpret` and nothing else (a second interpreter would show
+    here), and the graph paths keep no program."""
+    from microbatch import execute, replay
+    from microbatch.program import interpret
+    from overlap import Timeline
+
+    callers = []
+
+    def layer(i):
+        ops = moe_layer(i, lambda x: x.flip(0) * 2)
+        return [Operation(o.name, _calling(o.fn, callers), o.reads, o.writes, o.stream) for o in ops]
+
+    layers, inputs = [layer(i) for i in range(2)], _inputs(0)
+    schedule = two_batch(layers, 2)
+    ways = {
+        "first": lambda: run(schedule, layers, inputs),
+        "replayed": lambda: run(schedule, layers, inputs),
+        "off": lambda: _off(lambda: run(schedule, layers, inputs)),
+        "execute": lambda: execute(*lower(schedule, layers, inputs), inputs),
+        "lowered ahead": lambda: lower_ahead(two_batch, layers, inputs, "cpu").run(inputs),
+    }
+    ref = run(serial(layers, 2), layers, inputs)
+    seen = {}
+    for name, way in ways.items():
+        callers.clear()
+        out = way()
+        assert all(torch.equal(a, b) for a, b in zip(out, ref)), name
+        seen[name] = set(callers)
+        if name == "replayed":
+            callers.clear()
+            with Timeline() as tl:
+                way()
+                overlap.synchronize()
+            assert tl.spans
+            seen["observed"] = set(callers)
+    kept = replay.replay_stats()["kept"]
+    for path in ("ge", "aclgraph"):
+        _fake_torchair(monkeypatch, [])
+        callers.clear()
+        with overlap.use_path(path):
+            run(schedule, layers, inputs)
+        seen[path] = set(callers)
+    assert replay.replay_stats()["kept"] == kept
+    assert seen == {name: {interpret.__code__} for name in seen}, seen
+
+
+def _calling(fn, callers):
+    """``fn``, noting the code of the function that calls it."""
+    def op(*args):
+        callers.append(sys._getframe(1).f_code)
+        return fn(*args)
+    return op
+
+
+def _off(fn):
+    with overlap.enabled(False):
+        return fn()
+
+
+def test_an_operation_that_returns_the_wrong_number_of_values_says_so_on_every_run():
+    """An operation writing two values must return a tuple of two: a TypeError naming it and its values, whether
+    its program was just lowered, is replayed or runs once (`execute`)."""
+    from microbatch import execute
+
+    layers = [[Operation("split", lambda h: h, ("hidden",), ("a", "b")),
+               Operation("out", lambda a, b: a + b, ("a", "b"), ("out",))]]
+    inputs = [{"hidden": torch.ones(2)}]
+    schedule = serial(layers, 1)
+    message = r"operation 'split' must return 2 values for \('a', 'b'\)"
+    for _ in range(2):  # lowered, then replayed
+        with pytest.raises(TypeError, match=message):
+            run(schedule, layers, inputs)
+    with pytest.raises(TypeError, match=message):
+        execute(*lower(schedule, layers, inputs), inputs)

@@ -47,6 +47,24 @@ def test_enable_switch_env_and_context(monkeypatch):
         assert not overlap.is_enabled()
 
 
+def test_pin_sets_the_path_and_the_switch_until_restored(monkeypatch):
+    """`overlap.context.pin` (a program's run) sets both at once, over the environment and an enclosing block, and
+    `restore` puts back exactly what was there; an unknown path is refused as `use_path` refuses it."""
+    from overlap.context import pin
+
+    monkeypatch.setenv(overlap.ENV_PATH, "cuda")
+    monkeypatch.setenv(overlap.ENV_ENABLE, "0")
+    with overlap.use_path("npu"):
+        pinned = pin("cpu", True)
+        assert overlap.current_path() == "cpu" and overlap.is_enabled()
+        pinned.restore()
+        assert overlap.current_path() == "npu" and not overlap.is_enabled()
+    assert overlap.current_path() == "cuda"
+    with pytest.raises(ValueError, match="unknown execution path 'gpu' from pin()"):
+        pin("gpu", True)
+    assert overlap.current_path() == "cuda" and not overlap.is_enabled()
+
+
 def test_disabled_stream_is_the_current_stream():
     with overlap.enabled(False):
         with overlap.stream(overlap.EP_COMM) as tag:

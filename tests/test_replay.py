@@ -1,5 +1,6 @@
-"""Lower once, replay (`microbatch.replay`): a kept lowering is replayed with new values and this call's
-functions, anything that changes the lowering lowers anew, and nothing is observed unless someone observes."""
+"""Lower once, replay (`microbatch.replay`): a kept program is replayed with new values and this call's
+functions, anything that changes the lowering lowers anew, the programs are microbatch's and go with
+`overlap.reset`, and nothing is observed unless someone observes."""
 import pytest
 import torch
 
@@ -109,7 +110,31 @@ def test_reset_forgets_the_kept_lowerings_and_the_cache_is_bounded(monkeypatch):
     assert replay_mod.replay_stats()["kept"] == 3
 
 
-def test_a_replay_pins_the_path_and_restores_the_caller_even_when_an_operation_raises():
+def test_the_kept_programs_are_microbatchs_and_a_reset_drops_them(monkeypatch):
+    """The cache is `microbatch.replay`'s own: overlap's process state holds no program, and `overlap.reset` drops
+    the programs (which hold events it forgets) through `overlap.on_reset`, after forgetting its own state."""
+    from overlap.state import STATE
+
+    monkeypatch.setattr(STATE, "reset_callbacks", list(STATE.reset_callbacks))  # this test's callback goes with it
+    layers = _layers(1)
+    run(two_batch(layers, 2), layers, _inputs(2))
+    kept = replay_mod.kept()
+    assert kept and replay_mod.replay_stats()["kept"] == len(kept)
+    assert not hasattr(STATE, "programs")
+    assert replay_mod.forget in STATE.reset_callbacks
+    events_then = []
+    overlap.on_reset(lambda: events_then.append(dict(STATE.events)))
+    overlap.on_reset(replay_mod.forget)  # registered again: still called once
+    assert STATE.reset_callbacks.count(replay_mod.forget) == 1
+    overlap.reset()
+    assert replay_mod.kept() == [] and replay_mod.replay_stats()["kept"] == 0
+    assert events_then == [{}]  # told after overlap's own state was forgotten
+    run(two_batch(layers, 2), layers, _inputs(2))  # lowered again, with the events overlap has now
+    waits = [ev for p in replay_mod.kept() for launch in p.launches for ev in launch.waits]
+    assert waits and all(ev is overlap.event(ev.tag) for ev in waits)
+
+
+def test_a_replay_pins_the_path_and_restores_the_caller_even_when_an_operation_raises(monkeypatch):
     seen = []
 
     def look(h):
@@ -125,8 +150,10 @@ def test_a_replay_pins_the_path_and_restores_the_caller_even_when_an_operation_r
         with pytest.raises(RuntimeError, match="boom"):
             run(schedule, layers, _inputs(1))
         assert overlap.current_stream_tag() == overlap.DEFAULT
-        assert overlap.context._path_override.get() is None
-        assert overlap.context._enable_override.get() is None
+        with monkeypatch.context() as env:  # nothing pinned is left: the path and the switch follow the environment
+            env.setenv(overlap.ENV_PATH, "cuda")
+            env.setenv(overlap.ENV_ENABLE, "0")
+            assert overlap.current_path() == "cuda" and not overlap.is_enabled()
     assert seen == [("cpu", EP_COMM)] * 2
 
 

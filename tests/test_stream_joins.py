@@ -42,16 +42,15 @@ def _lowerings_body(ctx):
     from launch.engine import generate
     from launch.models import build_model, preset
     from launch.engine import make_expert_parallel
-    from microbatch import DECODE_MODES
-    from overlap.state import STATE
+    from microbatch import DECODE_MODES, replay
 
     model = make_expert_parallel(build_model(preset("tiny"), seed=0), ctx.group)
     out = {}
     for mode in DECODE_MODES:
         for graph in (None, "cpu"):  # eager steps, and the padded static step a device graph captures
-            STATE.programs.clear()
+            replay.forget()
             generate(model, [[1, 2, 3], [4, 5], [6, 7, 8, 9]][:2 + ctx.rank], 3, mode=mode, graph=graph)
-            out[mode, graph] = [p.lowering for p in STATE.programs.values()]
+            out[mode, graph] = [p.lowering for p in replay.kept()]
     return out
 
 

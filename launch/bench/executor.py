@@ -58,12 +58,12 @@ def _loop(schedule: microbatch.Schedule, layers: Sequence[Sequence[Operation]],
           inputs: Sequence[Mapping[str, Any]]) -> Callable[[], None]:
     """The same operations in the schedule's order, values in plain dicts: the floor of any executor."""
     by_name = [{o.name: o for o in layer} for layer in layers]
-    plan = [(l.mb, l.layer, by_name[l.layer][l.op]) for l in schedule.launches]
+    launches = [(l.mb, l.layer, by_name[l.layer][l.op]) for l in schedule.launches]
     n_layers = len(layers)
 
     def run() -> None:
         states: List[List[Dict[str, Any]]] = [[dict(inp) for _ in range(n_layers)] for inp in inputs]
-        for mb, li, op in plan:
+        for mb, li, op in launches:
             state = states[mb][li]
             if li and "hidden" not in state:
                 state["hidden"] = states[mb][li - 1]["out"]

@@ -48,7 +48,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Uni
 
 from overlap import DEFAULT, Span
 
-from ..executor import Lowering
+from ..lowering import Lowering
 from ..schedules import HIDDEN, OUT, Flow, Layers, Schedule, ScheduledOp, normalize_layers, schedule_for, validate
 
 

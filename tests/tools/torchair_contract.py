@@ -340,19 +340,19 @@ def schedule_checks() -> Iterator[List[bool]]:
     """Inside the block, each check of a schedule by the executor (`microbatch.validate`, the first thing a
     lowering does) appends whether Dynamo was tracing it: a compiled step's schedule is lowered before its trace
     (`microbatch.lower_ahead`), so every entry should be False."""
-    import microbatch.executor as executor
+    import microbatch.lowering as lowering
 
     seen: List[bool] = []
-    real = executor.validate
+    real = lowering.validate
 
     def validate(*args: Any, **kwargs: Any) -> Any:
         seen.append(torch.compiler.is_compiling())
         return real(*args, **kwargs)
-    executor.validate = validate
+    lowering.validate = validate
     try:
         yield seen
     finally:
-        executor.validate = real
+        lowering.validate = real
 
 
 @contextlib.contextmanager
