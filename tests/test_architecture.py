@@ -1,6 +1,8 @@
 """The structure docs/architecture.md promises: one import chain, backends own the paths, no import side effects."""
 import ast
+import functools
 import glob
+import inspect
 import os
 import re
 import subprocess
@@ -296,6 +298,175 @@ def test_the_cycle_check_can_fail(tmp_path):
     assert _cycles(_import_graph(("pkg",), str(tmp_path))) == [
         ["pkg._torchrun", "pkg.harness"],
         ["pkg.forward", "pkg.planning", "pkg.planning.calibration"]]
+
+
+# --- no module reaches into another module's private names ------------------------------------------------------
+def _private(name):
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _torch_module_privates():
+    """What torch's own ``nn.Module`` keeps under private names (``_modules``, ``_parameters``, ...): torch's, which a
+    module walking a model's tree may read; not the toolkit's."""
+    m = torch.nn.Linear(1, 1)
+    return {n for n in list(dir(m)) + list(vars(m)) if _private(n)}
+
+
+def _private_reaches(packages=CHAIN, root=ROOT):
+    """Every place where a module of ``packages`` imports another module's private name (``from .x import _y``; a
+    package's private module, ``from . import _buffers``, is its own) or reads a private member of an object that
+    another module defines (``layer._compose`` where ``_compose`` is defined in another module and not in this one;
+    ``self`` / ``cls`` / ``super()`` are the object's own)."""
+    trees, defined = {}, {}
+    for pkg in packages:
+        for file in sorted(glob.glob(os.path.join(root, pkg, "**", "*.py"), recursive=True)):
+            name = _module_name(file, root)
+            tree = ast.parse(open(file, encoding="utf-8").read())
+            trees[name] = (file, tree)
+            own = set()
+            for node in ast.walk(tree):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and _private(node.name):
+                    own.add(node.name)
+                elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                    for target in (node.targets if isinstance(node, ast.Assign) else [node.target]):
+                        own.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name) and _private(n.id))
+                        own.update(n.attr for n in ast.walk(target)
+                                   if isinstance(n, ast.Attribute) and _private(n.attr))
+            defined[name] = own
+    owners = {}
+    for name, own in defined.items():
+        for n in own:
+            owners.setdefault(n, set()).add(name)
+    torch_own = _torch_module_privates()
+    found = []
+    for name, (file, tree) in trees.items():
+        where = os.path.relpath(file, root)
+        package = name if file.endswith("__init__.py") else name.rpartition(".")[0]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                base = (".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + [node.module or ""])
+                        .strip(".") if node.level else node.module or "")
+                if base.split(".")[0] not in packages:
+                    continue
+                for alias in node.names:
+                    module = f"{base}.{alias.name}"
+                    if _private(alias.name) and not (module in trees and base == package):
+                        found.append(f"{where}:{node.lineno}: from {base} import {alias.name}")
+            elif isinstance(node, ast.Attribute) and _private(node.attr) and node.attr not in defined[name]:
+                value = node.value
+                if isinstance(value, ast.Name) and value.id in ("self", "cls"):
+                    continue
+                if isinstance(value, ast.Call) and getattr(value.func, "id", None) == "super":
+                    continue
+                if node.attr in owners and node.attr not in torch_own:
+                    found.append(f"{where}:{node.lineno}: .{node.attr} of {', '.join(sorted(owners[node.attr]))}")
+    return sorted(found)
+
+
+def test_no_module_reaches_into_another_modules_private_names():
+    """docs/architecture.md: a module uses another module's public names only, in production code: no private name
+    imported, no private member of another module's object read or called (as the static decode step once called
+    nine of the EP layer's)."""
+    assert _private_reaches() == []
+
+
+def test_the_private_name_check_can_fail(tmp_path):
+    files = {
+        "pkg/__init__.py": "from . import _helpers, layer\n",
+        "pkg/_helpers.py": "def shared():\n    pass\n\n\ndef _inner():\n    pass\n",
+        "pkg/layer.py": ("class Layer:\n    def _compose(self):\n        return self._gate()\n\n"
+                         "    def _gate(self):\n        self._checked = True\n"),
+        "pkg/step.py": ("import torch\nfrom ._helpers import _inner, shared\nfrom .layer import Layer\n\n\n"
+                        "def stages(layer: Layer, module: torch.nn.Module):\n"
+                        "    children = module._modules  # torch's own\n"
+                        "    torch._grouped_mm  # not the toolkit's\n"
+                        "    return layer._compose(), layer._checked, children\n"),
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert _private_reaches(("pkg",), str(tmp_path)) == [
+        "pkg/step.py:2: from pkg._helpers import _inner", "pkg/step.py:9: ._checked of pkg.layer",
+        "pkg/step.py:9: ._compose of pkg.layer"]
+
+
+# --- one exchange interface, one EP layer -----------------------------------------------------------------------
+def _classes(package, root=ROOT):
+    """``(module, class name, base names)`` of every top-level class of ``package``'s modules under ``root``."""
+    found = []
+    for file in sorted(glob.glob(os.path.join(root, package, "**", "*.py"), recursive=True)):
+        for node in ast.parse(open(file, encoding="utf-8").read()).body:
+            if isinstance(node, ast.ClassDef):
+                bases = [b.attr if isinstance(b, ast.Attribute) else getattr(b, "id", "") for b in node.bases]
+                found.append((_module_name(file, root), node.name, bases))
+    return found
+
+
+def _exchange_families(root=ROOT):
+    """Every class of collectives whose name says it is an exchange (``*Exchange``), the Protocol aside."""
+    return [(m, name) for m, name, _ in _classes("collectives", root) if name.endswith("Exchange") and name != "Exchange"]
+
+
+def _layer_subclasses(root=ROOT):
+    """Classes of the toolkit that subclass the EP layer: an exchange is a class of its own, never a layer's."""
+    return [f"{m}.{name}" for pkg in CHAIN for m, name, bases in _classes(pkg, root) if "ExpertParallelMoE" in bases]
+
+
+def _class_protocol_problems(cls, proto):
+    """Why instances of ``cls`` cannot be ``proto`` (each member there, each method taking the Protocol's calls)."""
+    from support.protocols import protocol_members, signature_problems
+
+    problems = []
+    for member, kind in protocol_members(proto).items():
+        what = f"{cls.__name__}.{member}"
+        value = inspect.getattr_static(cls, member, None)
+        if value is None and member not in getattr(cls, "__annotations__", {}):
+            problems.append(f"{what}: missing")
+        elif kind == "method":
+            problems += signature_problems(functools.partial(value, None), getattr(proto, member), what) \
+                if callable(value) else [f"{what}: not a method"]
+        elif callable(value) and not isinstance(value, property):
+            problems.append(f"{what}: a method, but {proto.__name__} has this data")
+    return problems
+
+
+def test_every_exchange_family_is_one_class_of_the_exchange_protocol():
+    """docs/architecture.md: the EP layer holds a prefill and a decode exchange; each family (all-to-all, capacity,
+    MC2, and any new one named ``*Exchange``) is one class implementing `collectives.Exchange` member by member, and
+    no class subclasses the layer."""
+    import importlib
+
+    from collectives import Exchange
+
+    families = _exchange_families()
+    assert {name for _, name in families} >= {"AllToAllExchange", "CapacityExchange", "MC2Exchange"}
+    problems = [p for m, name in families for p in _class_protocol_problems(getattr(importlib.import_module(m), name),
+                                                                            Exchange)]
+    assert problems == []
+    assert _layer_subclasses() == []
+
+
+def test_the_exchange_checks_can_fail(tmp_path):
+    from collectives import AllToAllExchange, Exchange
+
+    class HalfExchange:  # a family that forgot its combine and reads its layer's name by a method
+        def name(self):
+            return "half"
+
+        two_step, prepare, dispatch = AllToAllExchange.two_step, AllToAllExchange.prepare, AllToAllExchange.dispatch
+
+        def run_experts(self, handle):
+            return handle
+
+    assert _class_protocol_problems(HalfExchange, Exchange) == [
+        "HalfExchange.name: a method, but Exchange has this data",
+        "HalfExchange.run_experts: takes no positional parameter 2 (experts)", "HalfExchange.combine: missing"]
+    (tmp_path / "collectives").mkdir()
+    (tmp_path / "collectives" / "quantized.py").write_text(
+        "from .layer import ExpertParallelMoE\n\n\nclass Int8Exchange:\n    pass\n\n\n"
+        "class Int8ExpertParallelMoE(ExpertParallelMoE):\n    pass\n")
+    assert _exchange_families(str(tmp_path)) == [("collectives.quantized", "Int8Exchange")]
+    assert _layer_subclasses(str(tmp_path)) == ["collectives.quantized.Int8ExpertParallelMoE"]
 
 
 def _harness_importers(packages=CHAIN):
