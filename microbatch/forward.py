@@ -42,8 +42,8 @@ def cut_refusal(model: Optional[ForwardModel]) -> Optional[str]:
 def _check_cut(model: ForwardModel, split: Split) -> None:
     refusal = cut_refusal(model)
     if split.cut is not None and refusal:
-        raise ValueError(f"the plan cuts request {split.cut[0]} across micro-batches, but {refusal}; "
-                         f"plan with split_for(..., model=model)")
+        raise ValueError(f"the split cuts request {split.cut[0]} across micro-batches, but {refusal}; "
+                         f"split with split_for(..., model=model)")
 
 
 def micro_batch_inputs(model: ForwardModel, batch: Batch, split: Split) -> List[Dict[str, object]]:

@@ -117,7 +117,7 @@ def _position(cu: Sequence[int], token: int) -> Tuple[int, int]:
 
 
 def _serial_error(split: Split, what: str) -> ValueError:
-    return ValueError(f"the plan is serial ({split.reason}); {what}")
+    return ValueError(f"the split is serial ({split.reason}); {what}")
 
 
 def micro_batches(split: Split) -> Tuple[SeqInfo, ...]:
@@ -138,7 +138,7 @@ def micro_batches(split: Split) -> Tuple[SeqInfo, ...]:
 
 def _check_rows(split: Split, x: torch.Tensor, what: str) -> None:
     if x.shape[0] != split.num_tokens:
-        raise ValueError(f"{what} has {x.shape[0]} rows but the plan is for {split.num_tokens} tokens "
+        raise ValueError(f"{what} has {x.shape[0]} rows but the split is for {split.num_tokens} tokens "
                          f"(seq_lens {list(split.seq_lens)})")
 
 
@@ -154,7 +154,7 @@ def split_tokens(split: Split, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
 def split_batch(batch: Batch, split: Split) -> Tuple[Batch, ...]:
     """The micro-batches of ``batch`` that ``split`` says (two, or N): token ids and `SeqInfo` of each."""
     if split.seq_lens != batch.seq.seq_lens:
-        raise ValueError(f"the plan is for seq_lens {list(split.seq_lens)}, the batch has {list(batch.seq.seq_lens)}")
+        raise ValueError(f"the split is for seq_lens {list(split.seq_lens)}, the batch has {list(batch.seq.seq_lens)}")
     return tuple(Batch(t, s) for t, s in zip(split_tokens(split, batch.tokens), micro_batches(split)))
 
 
@@ -167,7 +167,7 @@ def merge_outputs(split: Split, *outputs: torch.Tensor) -> torch.Tensor:
     """Concatenate the micro-batches' per-token outputs back into packed order."""
     counts = split.token_counts
     if split.serial or tuple(y.shape[0] for y in outputs) != counts:
-        raise ValueError(f"outputs of {_and([y.shape[0] for y in outputs])} rows do not match the plan's "
+        raise ValueError(f"outputs of {_and([y.shape[0] for y in outputs])} rows do not match the split's "
                          f"micro-batches of {_and(counts)} tokens")
     return torch.cat(list(outputs), dim=0)
 

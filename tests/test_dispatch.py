@@ -265,11 +265,11 @@ def test_eager_reduction_equals_the_static_form(dtype, monkeypatch):
     expert_out = batch.x * 2
     weights = meta[:, k:]
     dense = L._reduce_local_dense(expert_out, batch, weights)
-    plan = L.local_bags(expert_out, batch, weights)
-    torch.testing.assert_close(L.reduce_bags(expert_out, plan, 0, rows), dense, rtol=1e-6, atol=1e-6)
+    bags = L.local_bags(expert_out, batch, weights)
+    torch.testing.assert_close(L.reduce_bags(expert_out, bags, 0, rows), dense, rtol=1e-6, atol=1e-6)
     assert not dense[:7].any()
     tokens = torch.sort(torch.randperm(300, generator=g)[: rows - 40]).values
-    placed = L.reduce_bags(expert_out, plan, 40, rows, tokens=tokens, num_tokens=300)
+    placed = L.reduce_bags(expert_out, bags, 40, rows, tokens=tokens, num_tokens=300)
     expected = torch.zeros(300, H)
     expected[tokens] = dense[40:]
     torch.testing.assert_close(placed, expected, rtol=1e-6, atol=1e-6)

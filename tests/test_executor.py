@@ -164,7 +164,7 @@ def test_sanitizer_sees_no_race_in_two_batch():
     assert not san.races
 
 
-def test_every_cross_stream_read_has_a_wait_in_the_plan():
+def test_every_cross_stream_read_has_a_wait_in_the_lowering():
     layers = _slow_layers(3)
     inputs = _inputs(0)
     for make in (shared, two_batch):

@@ -389,7 +389,7 @@ def _graphs_body(ctx):
         def keep(gm, example_inputs, graphs=graphs):  # keeps the graph, runs it without its air ops
             graphs.append(gm)
             return tc.strip_air(gm)
-        decoder = GraphDecoder(model, new_cache(model, prompts, limits), GRAPH_MODE, path, backend=keep)
+        decoder = GraphDecoder(model, new_cache(model, prompts, limits), GRAPH_MODE, path, compile_backend=keep)
         with tc.installed(), tc._sanitizer_set_aside(), tc.schedule_checks() as checks:
             got = generate(model, prompts, limits, decoder=decoder)
         out[path] = dict(tokens=got.tokens, steps=got.steps, buckets=decoder.compiled_buckets,
@@ -399,7 +399,7 @@ def _graphs_body(ctx):
     def trace(gm, example_inputs):
         traced.append(gm)
         return tc.strip_air(gm)
-    decoder = GraphDecoder(model, new_cache(model, prompts, limits), GRAPH_MODE, "ge", backend=trace,
+    decoder = GraphDecoder(model, new_cache(model, prompts, limits), GRAPH_MODE, "ge", compile_backend=trace,
                            length_buckets=True)
     with tc.installed(), tc._sanitizer_set_aside():
         got = generate(model, prompts, limits, decoder=decoder)
@@ -411,7 +411,7 @@ def _graphs_body(ctx):
         graphs.append(gm)
         return tc.strip_air(gm)
     cache = new_cache(model, prompts, limits)
-    decoders = {m: GraphDecoder(model, cache, m, "ge", backend=count) for m in AUTO_CALIBRATION.modes}
+    decoders = {m: GraphDecoder(model, cache, m, "ge", compile_backend=count) for m in AUTO_CALIBRATION.modes}
     with tc.installed(), tc._sanitizer_set_aside():
         got = generate(model, prompts, limits, mode="auto", calibration=AUTO_CALIBRATION, decoder=decoders,
                        guard=False)

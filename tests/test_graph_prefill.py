@@ -42,15 +42,15 @@ def _prefill_body(ctx):
     dist.all_reduce(capacity, op=dist.ReduceOp.MAX, group=ctx.group)  # the ranks' token counts differ: one capacity
     model = make_capacity_expert_parallel(build_model(cfg, seed=SEED), ctx.group, int(capacity))
     dense = build_model(cfg, seed=SEED)  # the reference MoE, every expert on this rank
-    plan = split_for("two-batch", batch, ctx.group, min_tokens=2)
-    assert not plan.serial and plan.cut, plan
+    split = split_for("two-batch", batch, ctx.group, min_tokens=2)
+    assert not split.serial and split.cut, split
     layers = model.layer_operations()
     schedule = two_batch(layers, 2)
 
     with overlap.use_path("cpu"), overlap.enabled(False):
-        eager_serial = run_schedule(model, batch, plan, layers, lambda _layers, _n: serial(layers, 2))
-    eager_two_batch = prefill(model, batch, "two-batch", plan)  # what the launcher's eager path computes
-    dense_out = dense.forward_microbatches(batch, plan)
+        eager_serial = run_schedule(model, batch, split, layers, lambda _layers, _n: serial(layers, 2))
+    eager_two_batch = prefill(model, batch, "two-batch", split)  # what the launcher's eager path computes
+    dense_out = dense.forward_microbatches(batch, split)
 
     out = dict(eager_dense_diff=(eager_serial - dense_out).abs().max().item(), graphs={}, n_graphs={},
                stripped_diff={}, launcher_diff={})
@@ -63,15 +63,15 @@ def _prefill_body(ctx):
         torch._dynamo.reset()  # the path is read at trace time without a guard
         with overlap.enabled(on), tc.installed(), tc._sanitizer_set_aside():
             # issues the stripped graph's all_to_alls: every rank runs the same graphs
-            got = graph_prefill(model, batch, "two-batch", plan, path, backend=keep)()
+            got = graph_prefill(model, batch, "two-batch", split, path, compile_backend=keep)()
         torch._dynamo.reset()
         out["n_graphs"][name] = len(graphs)
         out["graphs"][name] = tc.contract_summary(graphs[0], path)
         out["stripped_diff"][name] = (got - eager_serial).abs().max().item()
         out["launcher_diff"][name] = (got - eager_two_batch).abs().max().item()
     with overlap.use_path("aclgraph"):
-        plan_acl, _ = lower(schedule, layers, micro_batch_inputs(model, batch, plan), path="aclgraph")
-    out["plan_events"] = plan_acl.events()
+        lowering_acl, _ = lower(schedule, layers, micro_batch_inputs(model, batch, split), path="aclgraph")
+    out["lowering_events"] = lowering_acl.events()
     out["orders"] = len(schedule.orders)
     return out
 
@@ -109,7 +109,7 @@ def test_aclgraph_one_event_per_microbatch_and_stage_reused_across_layers(captur
     for out in captured:
         g = out["graphs"]["aclgraph"]
         tags = collections.Counter(g["record_tags"])
-        assert set(tags) == set(out["plan_events"])
+        assert set(tags) == set(out["lowering_events"])
         layer_tags = [t for t in tags if re.fullmatch(r"mb[01]\.\w+@\w+", t)]
         assert layer_tags and all(tags[t] == N_LAYERS for t in layer_tags), tags
         assert {t.split(".")[0] for t in layer_tags} == {"mb0", "mb1"}

@@ -25,8 +25,8 @@ def _compiled_equals_eager(ctx, path, modes):
     model = make_capacity_expert_parallel(build_model(cfg, seed=3), ctx.group, int(capacity))
     out = {}
     for mode in modes:
-        plan = split_for(mode, batch, ctx.group, min_tokens=2)
-        eager = prefill(model, batch, mode, plan)
+        split = split_for(mode, batch, ctx.group, min_tokens=2)
+        eager = prefill(model, batch, mode, split)
         graphs = []
 
         def backend(gm, example_inputs):
@@ -35,10 +35,10 @@ def _compiled_equals_eager(ctx, path, modes):
 
         torch._dynamo.reset()
         with tc.installed(), tc.schedule_checks() as checks:
-            compiled = graph_prefill(model, batch, mode, plan, path, backend=backend)()
+            compiled = graph_prefill(model, batch, mode, split, path, compile_backend=backend)()
         torch._dynamo.reset()
         air = tc.ops_in_order(graphs[0], air_only=True) if graphs else []
-        out[mode] = ((compiled - eager).abs().max().item(), len(graphs), plan.serial, air, checks)
+        out[mode] = ((compiled - eager).abs().max().item(), len(graphs), split.serial, air, checks)
     return out
 
 

@@ -127,12 +127,12 @@ def test_the_forward_needs_only_its_part_of_the_contract(model):
 
     assert protocol_problems(Ends(), ForwardModel) == [] and not isinstance(Ends(), MoEModel)
     batch = Batch.random([40, 24], TINY.vocab, seed=2)
-    plan = propose_split(batch.seq.seq_lens, min_tokens=4)
+    split = propose_split(batch.seq.seq_lens, min_tokens=4)
     with torch.no_grad():
-        want = run_schedule(model, batch, plan, model.layer_operations(), two_batch)
-        got = run_schedule(Ends(), batch, plan, model.layer_operations(), two_batch)
+        want = run_schedule(model, batch, split, model.layer_operations(), two_batch)
+        got = run_schedule(Ends(), batch, split, model.layer_operations(), two_batch)
         assert torch.equal(got, want)
-        torch.testing.assert_close(run_schedule(Ends(), batch, plan.as_serial("one"), model.layer_operations(),
+        torch.testing.assert_close(run_schedule(Ends(), batch, split.as_serial("one"), model.layer_operations(),
                                                 serial), model(batch), **TOL)
 
 
@@ -219,15 +219,15 @@ def test_attention_is_causal(model):
     ([3, 30, 2], True),                  # boundaries too unbalanced: cut inside the middle request
 ])
 def test_micro_batches_match_the_whole_batch(model, lens, cut):
-    plan = propose_split(lens, min_tokens=4)
-    assert not plan.serial and (plan.cut is not None) == cut
+    split = propose_split(lens, min_tokens=4)
+    assert not split.serial and (split.cut is not None) == cut
     batch = Batch.random(lens, TINY.vocab, seed=5)
-    torch.testing.assert_close(model.forward_microbatches(batch, plan), model(batch), **TOL)
+    torch.testing.assert_close(model.forward_microbatches(batch, split), model(batch), **TOL)
 
 
 def test_cut_request_needs_its_prefix(model):
-    plan = propose_split([41], min_tokens=4)
-    b0, b1 = split_batch(Batch.random([41], TINY.vocab), plan)
+    split = propose_split([41], min_tokens=4)
+    b0, b1 = split_batch(Batch.random([41], TINY.vocab), split)
     hidden = model.embed_tokens(b1.tokens)
     with pytest.raises(ValueError, match="prefix"):
         model.layers[0].run(hidden, b1.seq, None)
@@ -236,12 +236,12 @@ def test_cut_request_needs_its_prefix(model):
 def test_one_token_batch_runs_serially(model, caplog):
     from microbatch.planning.split import agree_split
 
-    plan = propose_split([1])
+    split = propose_split([1])
     with caplog.at_level("INFO", logger="microbatch.planning.split"):
-        plan = agree_split(plan)
-    assert plan.serial and "1 token" in caplog.text
+        split = agree_split(split)
+    assert split.serial and "1 token" in caplog.text
     batch = Batch.random([1], TINY.vocab, seed=5)
-    assert torch.equal(model.forward_microbatches(batch, plan), model(batch))
+    assert torch.equal(model.forward_microbatches(batch, split), model(batch))
 
 
 def test_operations_chain_from_inputs_to_outputs(model):
@@ -318,18 +318,18 @@ def _ep_body(ctx, per_rank_lens):
     ep.replace_moe(lambda layer: wrap_expert_parallel(layer.moe, ctx.group))
     assert "dispatch" in [op.name for op in next(ep.moe_layers()).operations()]
     serial = ep(batch)
-    plan = decide_split(lens, ctx.group, min_tokens=4)
-    split = ep.forward_microbatches(batch, plan)
-    return expected, serial, split, plan.serial
+    split = decide_split(lens, ctx.group, min_tokens=4)
+    per_micro_batch = ep.forward_microbatches(batch, split)
+    return expected, serial, per_micro_batch, split.serial
 
 
 def test_expert_parallel_moe_plugs_in():
     """The EP layer's stages, run serially and per micro-batch on 2 ranks, give the dense result."""
     results = run_ranks(_ep_body, 2, [[9, 4, 11], [30]], timeout=90)
-    for expected, serial, split, was_serial in results:
+    for expected, serial, per_micro_batch, was_serial in results:
         assert not was_serial
         torch.testing.assert_close(serial, expected, **TOL)
-        torch.testing.assert_close(split, expected, **TOL)
+        torch.testing.assert_close(per_micro_batch, expected, **TOL)
 
 
 @pytest.mark.parametrize("lens", [[41], [6, 3, 8, 5, 7, 4, 6, 5], [1]])
@@ -338,8 +338,8 @@ def test_pipeline_executor_runs_the_layers(model, lens):
     from microbatch.forward import run_schedule
     from microbatch import serial, two_batch
 
-    plan = propose_split(lens, min_tokens=4)
+    split = propose_split(lens, min_tokens=4)
     batch = Batch.random(lens, TINY.vocab, seed=5)
     with torch.no_grad():
-        got = run_schedule(model, batch, plan, model.layer_operations(), serial if plan.serial else two_batch)
+        got = run_schedule(model, batch, split, model.layer_operations(), serial if split.serial else two_batch)
     torch.testing.assert_close(got, model(batch), **TOL)

@@ -30,27 +30,27 @@ def _modes_equal_serial(ctx, case):
     lens = BATCHES[case](ctx.rank)
     batch = Batch.random(lens, CFG.vocab, seed=100 + ctx.rank, device=ctx.device)
     model = make_expert_parallel(build_model(CFG, seed=5, device=ctx.device), ctx.group)
-    out, plans, races = {}, {}, {}
+    out, splits, races = {}, {}, {}
     for mode in ALL:
-        plan = split_for(mode, batch, ctx.group, min_tokens=8)
+        split = split_for(mode, batch, ctx.group, min_tokens=8)
         with overlap.Sanitizer(raise_on_race=False) as san:
-            out[mode] = prefill(model, batch, mode, plan)
+            out[mode] = prefill(model, batch, mode, split)
             overlap.synchronize()
-        plans[mode], races[mode] = plan, [str(r) for r in san.races]
-    return {m: (out[m] - out["serial"]).abs().max().item() for m in ALL}, plans["two-batch"], races
+        splits[mode], races[mode] = split, [str(r) for r in san.races]
+    return {m: (out[m] - out["serial"]).abs().max().item() for m in ALL}, splits["two-batch"], races
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("case", list(BATCHES))
 def test_every_mode_equals_serial(world, case):
     per_rank = run_ranks(_modes_equal_serial, world, case, timeout=240)
-    decisions = {plan.serial for _, plan, _ in per_rank}
+    decisions = {split.serial for _, split, _ in per_rank}
     assert len(decisions) == 1, "ranks took different split decisions"
     if case == "one-token batch":
         assert decisions == {True}  # rank 0 cannot split, so nobody does
         assert "rank 0" in per_rank[-1][1].reason or world == 1
     elif case == "one long request":
-        assert decisions == {False} and all(plan.cut is not None for _, plan, _ in per_rank)
+        assert decisions == {False} and all(split.cut is not None for _, split, _ in per_rank)
     for diffs, _, races in per_rank:
         # the same arithmetic per token; a 1-row matmul may use another CPU kernel than a many-row one
         assert diffs["shared"] == 0.0
@@ -62,10 +62,10 @@ def _hidden_exchanges(ctx, mode):
     """Per (micro-batch, layer) of ``mode``'s prefill: whether an exchange of it ran under another's compute."""
     batch = Batch.random([20, 12, 17, 15], CFG.vocab, seed=ctx.rank)
     model = make_expert_parallel(build_model(CFG, seed=5), ctx.group)
-    plan = split_for(mode, batch, ctx.group, min_tokens=8)
-    assert plan.n_parts == MODES[mode].micro_batches, plan.reason
+    split = split_for(mode, batch, ctx.group, min_tokens=8)
+    assert split.n_parts == MODES[mode].micro_batches, split.reason
     with overlap.Timeline() as tl:
-        prefill(model, batch, mode, plan)
+        prefill(model, batch, mode, split)
     comm = [s for s in tl.find(kind="comm") if s.meta.get("mb") is not None and s.meta.get("layer") is not None]
     compute = tl.find(kind="compute")
     hidden = {}
@@ -120,7 +120,7 @@ SANITIZED = {("many short requests", "three-batch"), ("long request cut twice", 
 
 
 def _n_batch_modes(ctx):
-    """Per (case, mode): the plan, the difference from serial, equality with the serial schedule of the
+    """Per (case, mode): the split, the difference from serial, equality with the serial schedule of the
     same micro-batches and with the layer-by-layer forward, and the races found."""
     model = make_expert_parallel(build_model(CFG, seed=5, device=ctx.device), ctx.group)
     out = {}
@@ -128,15 +128,15 @@ def _n_batch_modes(ctx):
         batch = Batch.random(lens(ctx.rank), CFG.vocab, seed=100 + ctx.rank, device=ctx.device)
         ref = prefill(model, batch, "serial", split_for("serial", batch, ctx.group))
         for mode in N_BATCH:
-            plan = split_for(mode, batch, ctx.group, min_tokens=8)
+            split = split_for(mode, batch, ctx.group, min_tokens=8)
             san = overlap.Sanitizer(raise_on_race=False) if (case, mode) in SANITIZED else None
             with san or contextlib.nullcontext():
-                got = prefill(model, batch, mode, plan)
+                got = prefill(model, batch, mode, split)
                 overlap.synchronize()
             with torch.no_grad():
-                same_parts = run_schedule(model, batch, plan, layer_operations(model), microbatch.serial)
-            by_layer = model.forward_microbatches(batch, plan)
-            out[case, mode] = dict(parts=plan.n_parts, cuts=plan.cuts, reason=plan.reason,
+                same_parts = run_schedule(model, batch, split, layer_operations(model), microbatch.serial)
+            by_layer = model.forward_microbatches(batch, split)
+            out[case, mode] = dict(parts=split.n_parts, cuts=split.cuts, reason=split.reason,
                                    diff=(got - ref).abs().max().item(), bitwise=torch.equal(got, same_parts),
                                    by_layer=(by_layer - ref).abs().max().item(),
                                    races=[str(r) for r in san.races] if san else [])
@@ -201,14 +201,14 @@ def _offloaded_equals_plain(ctx):
     model = make_expert_parallel(build_model(CFG, seed=5), ctx.group)
     ok = {}
     for mode in MODES:
-        plan = split_for(mode, batch, ctx.group, min_tokens=8)
+        split = split_for(mode, batch, ctx.group, min_tokens=8)
         plain = _Recorder()
-        ref = prefill(model, batch, mode, plan, plain)
+        ref = prefill(model, batch, mode, split, plain)
         cache = OffloadCache(CFG.n_layers, batch.seq.num_tokens, (CFG.n_heads, CFG.head_dim))
-        out = prefill(model, batch, mode, plan, cache)
+        out = prefill(model, batch, mode, split, cache)
         same = all(torch.equal(a, b) for layer in range(CFG.n_layers)
                    for a, b in zip(cache.host_kv(layer), plain.host_kv(layer)))
-        ok[mode] = (torch.equal(out, ref), same, plan.cut is not None)
+        ok[mode] = (torch.equal(out, ref), same, split.cut is not None)
         cache.close()
     return ok
 

@@ -245,13 +245,13 @@ def test_device_semantics_run_compute_off_the_host():
     assert (cpu.total_s, dev.total_s) == pytest.approx((9, 5))
 
 
-def test_a_plan_and_its_schedule_predict_the_same():
+def test_a_lowering_and_its_schedule_predict_the_same():
     sched = _two_batch_by_hand()
-    plan, flow = lower(sched, EXCHANGE, INPUTS2, caller=DEFAULT)
+    lowering, flow = lower(sched, EXCHANGE, INPUTS2, caller=DEFAULT)
     costs = _costs({"attn": OpCost(Linear(4)), "fin": OpCost(Linear(1)),
                     "send": OpCost(Linear(), (Transfer("send", Linear()),))}, latency=3.0)
-    assert cross_stream_edges(plan, flow) == cross_stream_edges(sched, flow) == [(), (0,), (), (2,), (1,), (3,)]
-    assert simulate(plan, flow, [8, 8], costs).total_s == simulate(sched, flow, [8, 8], costs).total_s
+    assert cross_stream_edges(lowering, flow) == cross_stream_edges(sched, flow) == [(), (0,), (), (2,), (1,), (3,)]
+    assert simulate(lowering, flow, [8, 8], costs).total_s == simulate(sched, flow, [8, 8], costs).total_s
 
 
 def test_predict_by_mode_name_and_per_layer_costs():

@@ -212,7 +212,7 @@ def test_a_rank_with_bad_input_stops_every_rank_instead_of_hanging():
 
     r0, r1 = run_ranks(_one_rank_has_bad_input, 2, timeout=60)
     # every rank names the rank and its reason; the rank with bad input raises its own error
-    assert r0.startswith("rank 1: could not plan a split of its batch: ") and "non-negative" in r0, r0
+    assert r0.startswith("rank 1: could not split its batch: ") and "non-negative" in r0, r0
     assert "non-negative" in r1 and not r1.startswith("rank"), r1
 
 
@@ -336,7 +336,7 @@ def test_two_part_splits_keep_their_api():
         Split((30,), 5, "bad", (10, 20))
     with pytest.raises(ValueError, match="number of micro-batches"):
         propose_split([30], 1)
-    with pytest.raises(ValueError, match="outputs of 10, 10 and 9 rows do not match the plan's micro-batches of "
+    with pytest.raises(ValueError, match="outputs of 10, 10 and 9 rows do not match the split's micro-batches of "
                                          "10, 10 and 10 tokens"):
         merge_outputs(n_way, torch.ones(10), torch.ones(10), torch.ones(9))
 

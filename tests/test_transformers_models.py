@@ -61,10 +61,10 @@ class _Recorder:
 def _mode(model, batch, mode, group, ref, ref_kv, plain):
     """One prefill in ``mode`` with the KV offload, under the sanitizer: what the parent checks."""
     cfg = model.cfg
-    plan = split_for(mode, batch, group, model=model, **SPLIT)
+    split = split_for(mode, batch, group, model=model, **SPLIT)
     cache = overlap.OffloadCache(cfg.n_layers, batch.seq.num_tokens, cfg.k_shape, v_shape=cfg.v_shape)
     with overlap.Sanitizer(raise_on_race=False) as san:
-        out = prefill(model, batch, mode, plan, cache)
+        out = prefill(model, batch, mode, split, cache)
         overlap.synchronize()
     held = {i: cache.host_kv(i) for i in ref_kv}
     cache.close()
@@ -73,8 +73,8 @@ def _mode(model, batch, mode, group, ref, ref_kv, plain):
         scale=ref.abs().max().item(),
         kv=max(_max_diff(h, r) for i in ref_kv for h, r in zip(held[i], ref_kv[i])),
         kv_equals_plain=all(torch.equal(h, p) for i in ref_kv for h, p in zip(held[i], plain[i])),
-        races=[str(r) for r in san.races], serial=plan.serial, cut=plan.cut, reason=plan.reason,
-        points=plan.points, cuts=plan.cuts)
+        races=[str(r) for r in san.races], serial=split.serial, cut=split.cut, reason=split.reason,
+        points=split.points, cuts=split.cuts)
 
 
 def _family(ctx, family):
@@ -184,11 +184,11 @@ def test_hybrid_model_splits_only_at_request_boundaries(qwen3_next):
         batch = Batch.random(lens, model.cfg.vocab, seed=3)
         ref = model.reference(batch)
         for mode in MODES:
-            plan = split_for(mode, batch, None, model=model, **SPLIT)
-            assert plan.cut is None
+            split = split_for(mode, batch, None, model=model, **SPLIT)
+            assert split.cut is None
             if mode == "two-batch":
-                assert plan.serial == serial and model.no_cut_reason in plan.reason
-            torch.testing.assert_close(prefill(model, batch, mode, plan), ref, **TOL)
+                assert split.serial == serial and model.no_cut_reason in split.reason
+            torch.testing.assert_close(prefill(model, batch, mode, split), ref, **TOL)
     cut = propose_split([3, 17, 2], **SPLIT)
     with pytest.raises(ValueError, match="cuts request 1.*linear_attention"):
         prefill(model, Batch.random([3, 17, 2], model.cfg.vocab), "two-batch", cut)
@@ -213,9 +213,9 @@ def test_sliding_window_layers_take_a_prefix():
     model = make_expert_parallel(build_transformers_model("mixtral", seed=SEED, sliding_window=5), None)
     assert model.no_cut_reason is None and all(layer.window == 5 for layer in model.layers)
     batch = Batch.random([3, 17, 2], model.cfg.vocab, seed=5)
-    plan = split_for("two-batch", batch, None, model=model, **SPLIT)
-    assert plan.cut is not None
-    torch.testing.assert_close(prefill(model, batch, "two-batch", plan), model.reference(batch), **TOL)
+    split = split_for("two-batch", batch, None, model=model, **SPLIT)
+    assert split.cut is not None
+    torch.testing.assert_close(prefill(model, batch, "two-batch", split), model.reference(batch), **TOL)
 
 
 def test_chunked_attention_layers_take_a_prefix():
@@ -224,9 +224,9 @@ def test_chunked_attention_layers_take_a_prefix():
     assert all(layer.attns[0].chunk == 5 for layer in model.layers)
     batch = Batch.random([3, 17, 2], model.cfg.vocab, seed=5)
     for n in (2, 3):
-        plan = propose_split(batch.seq.seq_lens, n, **SPLIT)
-        assert plan.cut is not None
-        torch.testing.assert_close(prefill(model, batch, "two-batch" if n == 2 else "three-batch", plan),
+        split = propose_split(batch.seq.seq_lens, n, **SPLIT)
+        assert split.cut is not None
+        torch.testing.assert_close(prefill(model, batch, "two-batch" if n == 2 else "three-batch", split),
                                    model.reference(batch), **TOL)
 
 
@@ -276,9 +276,9 @@ def test_the_contract_check_fails_on_a_member_removed_from_the_adapter(qwen3, me
 def test_micro_batches_layer_by_layer_equal_the_models_own_forward():
     model = build_transformers_model("qwen2_moe", seed=SEED)
     batch = Batch.random([3, 17, 2], model.cfg.vocab, seed=8)
-    plan = propose_split(batch.seq.seq_lens, **SPLIT)
-    assert plan.cut is not None
-    torch.testing.assert_close(model.forward_microbatches(batch, plan), model.reference(batch), **TOL)
+    split = propose_split(batch.seq.seq_lens, **SPLIT)
+    assert split.cut is not None
+    torch.testing.assert_close(model.forward_microbatches(batch, split), model.reference(batch), **TOL)
     three = propose_split(batch.seq.seq_lens, 3, **SPLIT)  # request 1 cut twice: its last part's prefix spans two
     assert three.n_parts == 3 and [c[0] for c in three.cuts] == [1, 1]
     torch.testing.assert_close(model.forward_microbatches(batch, three), model.reference(batch), **TOL)
@@ -290,8 +290,8 @@ def test_eager_attention_equals_sdpa():
     eager = build_transformers_model("glm4_moe", seed=SEED, attn_implementation="eager")
     sdpa = build_transformers_model("glm4_moe", seed=SEED)
     batch = Batch.random([3, 17, 2], eager.cfg.vocab, seed=9)
-    plan = propose_split(batch.seq.seq_lens, **SPLIT)
-    torch.testing.assert_close(eager.forward_microbatches(batch, plan), sdpa.reference(batch), **TOL)
+    split = propose_split(batch.seq.seq_lens, **SPLIT)
+    torch.testing.assert_close(eager.forward_microbatches(batch, split), sdpa.reference(batch), **TOL)
 
 
 def test_weights_come_from_the_seed():

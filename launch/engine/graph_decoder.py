@@ -52,7 +52,7 @@ CompileBackend = Union[str, Callable[..., object]]
 class GraphDecoder:
     """Decode steps of ``model`` over ``cache`` in ``mode`` (`microbatch.DECODE_MODES`), one graph per bucket on
     ``path`` (see the module docstring). ``buckets``: the sizes a micro-batch is padded to, the same on every
-    rank (default: the powers of two); ``backend``: what ``torch.compile`` uses on ``ge`` / ``aclgraph``
+    rank (default: the powers of two); ``compile_backend``: what ``torch.compile`` uses on ``ge`` / ``aclgraph``
     (default: the path's own); ``length_buckets``: attention over the room the histories use, a graph per
     (bucket, length), instead of every slot's whole ``max_len`` (see the module docstring). Refused with a
     ValueError: a path that captures nothing here (``npu``: use ``aclgraph``), a cache that is not a device
@@ -61,7 +61,7 @@ class GraphDecoder:
     MoE block that is not an `ExpertParallelMoE` (its decode stages are the static ones)."""
 
     def __init__(self, model: DecodeModel, cache: KVCache, mode: str = "serial", path: str = "cpu",
-                 buckets: Optional[Sequence[int]] = None, backend: Optional[CompileBackend] = None,
+                 buckets: Optional[Sequence[int]] = None, compile_backend: Optional[CompileBackend] = None,
                  length_buckets: bool = False):
         self.target = overlap.backends.get(path)  # a ValueError for an unknown path
         self.device_graph = self.target.device_type == "cuda"  # torch.cuda.CUDAGraph (the NPU's graphs: aclgraph)
@@ -70,7 +70,7 @@ class GraphDecoder:
         self.model, self.cache, self.path, self.mode = model, cache, path, mode
         self.how = microbatch.decode_mode(mode)
         self.buckets = _checked_buckets(buckets)
-        self.compile_backend = backend
+        self.compile_backend = compile_backend
         self.layers = model.decode_layer_operations(self.how.moe_chunks)
         self.length_buckets = bool(length_buckets)
         self._steps: Dict[Tuple[int, int], StepFn] = {}

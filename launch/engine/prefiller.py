@@ -178,13 +178,13 @@ def continue_prefill(model: MoEModel, batch: Batch, cache: OffloadCache, offload
 
 
 def graph_prefill(model: MoEModel, batch: Batch, mode: str, split: Split, path: str,
-                  backend: Optional[Union[str, Callable[..., object]]] = None) -> Callable[[], torch.Tensor]:
+                  compile_backend: Optional[Union[str, Callable[..., object]]] = None) -> Callable[[], torch.Tensor]:
     """The prefill of ``mode`` compiled as one graph on a torchair path (``ge`` or ``aclgraph``).
 
-    The model's MoE blocks must have static shapes (`make_capacity_expert_parallel`). ``backend``
-    defaults to the path's own compiler (`overlap.backends.Backend.compile_backend`: torchair's NPU
-    backend in max-autotune for ``ge``, the ``npugraph_ex`` backend for ``aclgraph``). Returns a
-    callable; its first call traces and compiles under ``path``.
+    The model's MoE blocks must have static shapes (`make_capacity_expert_parallel`). ``compile_backend``,
+    what ``torch.compile`` uses, defaults to the path's own (`overlap.backends.Backend.compile_backend`:
+    torchair's NPU backend in max-autotune for ``ge``, the ``npugraph_ex`` backend for ``aclgraph``).
+    Returns a callable; its first call traces and compiles under ``path``.
     """
     if overlap.backends.get(path).torchair_mode is None:
         raise ValueError(f"graph_prefill compiles for a torchair graph path (ge or aclgraph), not {path!r}")
@@ -196,8 +196,8 @@ def graph_prefill(model: MoEModel, batch: Batch, mode: str, split: Split, path: 
     def run(tokens: torch.Tensor) -> torch.Tensor:
         return run_schedule(model, Batch(tokens, batch.seq), split, layers, make, lowered)
 
-    compiled = torch.compile(run, backend=backend or overlap.backends.get(path).compile_backend(), fullgraph=True,
-                             dynamic=False)
+    compiled = torch.compile(run, backend=compile_backend or overlap.backends.get(path).compile_backend(),
+                             fullgraph=True, dynamic=False)
 
     @torch.no_grad()
     def call() -> torch.Tensor:

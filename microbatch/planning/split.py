@@ -186,7 +186,7 @@ def _vote(mine: int, group: Optional[dist.ProcessGroup], device: Optional[torch.
     know of it)."""
     import overlap
 
-    words = [f"could not plan a split of its batch: {problem}"] if problem is not None else []
+    words = [f"could not split its batch: {problem}"] if problem is not None else []
     with overlap.stream(overlap.DEFAULT):  # synchronous: the decision is needed right away
         posts = overlap.agree({_VOTE: mine}, overlap.GroupTransport(group, "agree_split", device), problems=words,
                               own_error=problem, per_rank=(_VOTE,))
