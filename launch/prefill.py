@@ -35,7 +35,7 @@ import torch.distributed as dist
 import microbatch
 from launch.build import build_model, holds_whole_model
 from launch.config import JobConfig, ModeList, job_config
-from launch.job import main as job_main, progress as _progress, say, script as job_script
+from launch.job import main as job_main, progress, say, script as job_script
 from launch.options import batch_options, model_options, run_options, timing_options
 
 if TYPE_CHECKING:  # the launcher's parts are imported where the job needs them (a bad option fails first)
@@ -150,7 +150,7 @@ def _prefill_job(job: JobConfig, dev: torch.device, fault: Optional[Fault], peer
         counter = iter(range(1 << 30))
 
         def before_iter(mode: str, i: int) -> None:
-            _progress(f"{mode}: iteration {i + 1}/{job.warmup + job.iters + RECORDED}", first=i == 0)
+            progress(f"{mode}: iteration {i + 1}/{job.warmup + job.iters + RECORDED}", first=i == 0)
             if fault is not None:
                 fault.maybe_fail(rank, next(counter))
             peers.beat(f"{mode} iteration {i + 1}")
@@ -158,7 +158,7 @@ def _prefill_job(job: JobConfig, dev: torch.device, fault: Optional[Fault], peer
         choice = _choose_auto(job, model, batch) if microbatch.AUTO in job.modes else None
         results = measure_modes(model, batch, job.modes, dist.group.WORLD, warmup=job.warmup, iters=job.iters,
                           cache=cache, before_iter=before_iter, compile_mode=compile_mode, choice=choice)
-        _progress("")
+        progress("")
         failed = not_finite(results)  # a wrong answer whatever --check says
         ties: List[str] = []
         if job.check and not failed:
