@@ -45,6 +45,26 @@ def test_a_bad_generation_option_is_one_line_before_any_rank_joins(args, words, 
     assert code == 2 and len(errors) == 1 and words in errors[0] and "Traceback" not in err, err
 
 
+@pytest.mark.parametrize("graph, words", [
+    ("cuda", "--decode-graph cuda: needs a CUDA device, and this machine has none"),
+    ("ge", "--decode-graph ge: needs an Ascend NPU, and this machine has none"),
+    ("aclgraph", "--decode-graph aclgraph: needs an Ascend NPU, and this machine has none"),
+])
+def test_a_decode_graph_this_machine_cannot_capture_on_is_one_line_before_any_rank_joins(graph, words, capsys,
+                                                                                        monkeypatch):
+    """As --path ge and --decode-exchange mc2 are (before: accepted, the headline printed, then every rank failed
+    with torch.cuda.Stream's RuntimeError, No module named 'torch_npu' or Invalid backend 'npugraph_ex')."""
+    from launch.engine import capture_problem
+    from launch.generate import main
+
+    if capture_problem(graph) is None:
+        pytest.skip(f"this machine captures on {graph}")
+    code, out, err = run_here(main, TINY + ["--decode-graph", graph], capsys, monkeypatch)
+    errors = [line for line in err.splitlines() if line.startswith("Error")]
+    assert code == 2 and len(errors) == 1 and words in errors[0] and "Traceback" not in err, err
+    assert "captured per bucket" not in out + err  # no headline: nothing started
+
+
 def test_two_ranks_that_finish_apart_generate_every_modes_tokens_on_the_device_and_the_host_cache(tmp_path):
     """Spread lengths (the ranks' requests end at different steps), a stop token, --check and --out: every mode
     generates serial's tokens, the table shows each mode's figures and the files are written. With

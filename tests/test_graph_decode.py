@@ -508,6 +508,36 @@ def test_ge_orders_with_wait_tensor_and_has_no_events(captured):
             assert any(op.startswith("scope_enter(_user_stream_label=ep_comm") for op in g["air"])
 
 
+def _missing_paths_body(ctx):
+    from launch.engine import capture_problem, make_expert_parallel
+
+    model = make_expert_parallel(build_model(CFG, seed=6), ctx.group)
+    out = {}
+    for path in ("cuda", "ge", "aclgraph"):
+        if capture_problem(path, "cpu") is None:
+            continue  # this machine can capture on it
+        try:
+            GraphDecoder(model, new_cache(model, [[1, 2]], 2), "serial", path)
+            out[path] = None
+        except ValueError as exc:
+            out[path] = str(exc)
+    return out
+
+
+def test_a_path_this_machine_cannot_capture_on_is_one_line_when_the_decoder_is_built():
+    """On a machine without the path's device (this CPU one: all three), ``GraphDecoder(path=...)`` says so in one
+    line when it is built, before any step or collective (before: built, then a RuntimeError, a
+    ModuleNotFoundError or an InvalidBackend at the first step's capture)."""
+    out = run_ranks(_missing_paths_body, 1, timeout=120)[0]
+    if not out:
+        pytest.skip("this machine captures on cuda, ge and aclgraph")
+    why = {"cuda": "needs a CUDA device, and this machine has none",
+           "ge": "needs an Ascend NPU, and this machine has none", "aclgraph": "needs an Ascend NPU"}
+    for path, err in out.items():
+        assert err is not None and err.startswith(f"GraphDecoder(path={path!r}): {why[path]}"), (path, err)
+        assert "\n" not in err
+
+
 # ---- CUDA graphs -------------------------------------------------------------------------------------------------
 
 def _cuda_body(ctx):

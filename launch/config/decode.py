@@ -95,12 +95,20 @@ def decode_config(job: JobConfig, *, new_tokens: int, spread: float, stop_token:
 def captured_path(job: JobConfig, graph: str) -> Optional[str]:
     """``--decode-graph``: the path decode steps are captured on per bucket (None: eager steps). ``auto`` captures
     on CUDA where the run can (the device cache, the reference model: an eager step there is bound by its
-    launches, 6-10 times a captured one on an H200) and runs eager steps elsewhere."""
+    launches, 6-10 times a captured one on an H200) and runs eager steps elsewhere. A path named that cannot
+    capture here (no such device, the run on another one, its compiler missing: `launch.engine.capture_problem`) is
+    a `ConfigError`, before any rank joins."""
     if graph == "auto":
         return "cuda" if job.device == "cuda" and not job.kv_offload and not job.transformers else None
     captured = None if graph == "off" else graph
     if captured is not None and job.kv_offload:
         raise ConfigError("--decode-graph captures steps over the device cache: drop --kv-offload")
+    if captured is not None:
+        from launch.engine import capture_problem
+
+        problem = capture_problem(captured, job.device)
+        if problem is not None:
+            raise ConfigError(f"--decode-graph {captured}: {problem}")
     return captured
 
 

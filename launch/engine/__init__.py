@@ -7,7 +7,7 @@
   decoders it runs settled once before it (`make_decoders`), and its errors;
 - `decoder`: what runs the decode steps of one mode (`Decoder`), eagerly through the executor (`EagerDecoder`,
   `eager_decoders`);
-- `graph_decoder`: the same padded to a bucket and captured once per bucket (`GraphDecoder`, `graph_decoders`);
+- `graph_decoder`: the same padded to a bucket and captured once per bucket (`GraphDecoder`, `graph_decoders`, `capture_problem`);
 - `step`: one decode step on the device (`decode_step`, `Picked`) and its bucket (`bucket_of`);
 - `decode_calibration`: every candidate mode's decode step timed, for ``--decode-mode auto`` (`calibrate_decode`).
 
@@ -20,7 +20,7 @@ from .decode_calibration import (DECODE_AUTO_MODES, DECODE_CALIBRATION_ROUNDS, D
 from .decoder import Decoder, EagerDecoder, eager_decoders, expert_group, history_weight, split_by_cost
 from .generation import (DecodeError, Decoders, Generated, NonFiniteLogits, OnStep, generate, greedy_generate,
                        make_decoders, new_cache)
-from .graph_decoder import MIN_LENGTH, GraphDecoder, decoders_of, graph_decoders
+from .graph_decoder import MIN_LENGTH, GraphDecoder, capture_problem, decoders_of, graph_decoders
 from .prefiller import (after_attention, continue_prefill, graph_prefill, layer_operations,
                       make_capacity_expert_parallel, make_expert_parallel, prefill, prefill_cache, split_for)
 from .step import DECODE_STEP, TOKENS, Picked, bucket_of, decode_step, lower_step, read_picked
@@ -33,7 +33,7 @@ __all__ = [
     "DecodeError", "Decoders", "Generated", "NonFiniteLogits", "OnStep", "generate", "greedy_generate",
     "make_decoders", "new_cache",
     "Decoder", "EagerDecoder", "eager_decoders", "expert_group", "history_weight", "split_by_cost",
-    "MIN_LENGTH", "GraphDecoder", "decoders_of", "graph_decoders",
+    "MIN_LENGTH", "GraphDecoder", "capture_problem", "decoders_of", "graph_decoders",
     # one decode step
     "DECODE_STEP", "TOKENS", "Picked", "bucket_of", "decode_step", "lower_step", "read_picked",
     # the decode calibration

@@ -30,6 +30,7 @@ A `GraphDecoder` is a `launch.engine.decoder.Decoder`: `launch.engine.generation
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 import types
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -57,8 +58,9 @@ class GraphDecoder:
     (bucket, length), instead of every slot's whole ``max_len`` (see the module docstring). Refused with a
     ValueError: a path that captures nothing here (``npu``: use ``aclgraph``), a cache that is not a device
     `KVCache` (the host cache), a model that says why its steps cannot be captured (``no_capture_reason``: the
-    transformers adapter, whose attention does not go through the step's ``attend``), and on the graph paths a
-    MoE block that is not an `ExpertParallelMoE` (its decode stages are the static ones)."""
+    transformers adapter, whose attention does not go through the step's ``attend``), on the graph paths a
+    MoE block that is not an `ExpertParallelMoE` (its decode stages are the static ones), and a path this machine
+    or the cache's device cannot capture on (`capture_problem`)."""
 
     def __init__(self, model: DecodeModel, cache: KVCache, mode: str = "serial", path: str = "cpu",
                  buckets: Optional[Sequence[int]] = None, compile_backend: Optional[CompileBackend] = None,
@@ -67,6 +69,9 @@ class GraphDecoder:
         self.device_graph = self.target.device_type == "cuda"  # torch.cuda.CUDAGraph (the NPU's graphs: aclgraph)
         self.captures = self.target.is_graph or self.device_graph
         _refuse(model, cache, path, self.target, self.captures)
+        problem = capture_problem(path, cache.device.type, own_compiler=compile_backend is None)
+        if problem is not None:
+            raise ValueError(f"GraphDecoder(path={path!r}): {problem}")
         self.model, self.cache, self.path, self.mode = model, cache, path, mode
         self.how = microbatch.decode_mode(mode)
         self.buckets = _checked_buckets(buckets)
@@ -197,6 +202,35 @@ def decoders_of(decoders: Mapping[str, GraphDecoder], modes: Sequence[str]) -> D
             raise ValueError(f"the decoders must share one cache, path, buckets and length buckets ({mode!r}'s "
                              f"differ from {first.mode!r}'s)")
     return chosen
+
+
+def capture_problem(path: str, device: Optional[str] = None, own_compiler: bool = True) -> Optional[str]:
+    """Why decode steps cannot be captured on ``path`` here (None where they can), found before anything runs:
+    the path's device on this machine (a CUDA device for ``cuda``; torch_npu with an NPU for ``ge`` and
+    ``aclgraph``), the run's ``device`` where one is given (the model's and cache's), and with ``own_compiler``
+    the path's compiler importable (torchair for ``ge``, torch_npu's ``npugraph_ex`` for ``aclgraph``).
+    ``cpu`` (the padded step run eagerly) can always run; an unknown path is a ValueError."""
+    target = overlap.backends.get(path)
+    if target.device_type == "cpu":
+        return None
+    here = overlap.backends.get(overlap.detect_path()).device_type
+    if target.device_type != here:
+        return (f"needs a CUDA device, and this machine has none (torch.cuda.is_available() is False)"
+                if target.device_type == "cuda" else
+                f"needs an Ascend NPU, and this machine has none (torch_npu with an available NPU: "
+                f"{'not installed' if importlib.util.find_spec('torch_npu') is None else 'no NPU found'})")
+    if device is not None and device != target.device_type:
+        return f"captures on {target.device_type}, and this run's model and cache are on {device}"
+    if own_compiler and target.is_graph:
+        try:
+            compiler = target.compile_backend()
+        except ImportError as exc:
+            return f"its compiler needs {exc.name or 'a module'} ({exc}): install the torchair matching torch_npu"
+        import torch._dynamo  # what torch.compile would load anyway
+
+        if isinstance(compiler, str) and compiler not in torch._dynamo.list_backends(exclude_tags=()):
+            return f"torch.compile has no backend {compiler!r} here (torch_npu registers it: a newer torch_npu)"
+    return None
 
 
 def _refuse(model: DecodeModel, cache: KVCache, path: str, target: overlap.backends.Backend, captures: bool) -> None:
