@@ -8,7 +8,6 @@ without the interpreter's teardown.
 """
 from __future__ import annotations
 
-import atexit
 import os
 import signal
 import sys
@@ -69,10 +68,12 @@ def main(cli: click.Command, args: Optional[List[str]], prog_name: str) -> None:
 
 
 def script(run: Callable[[], None]) -> None:
-    """``run()`` (a `main`) as a process's whole life: once the job is done, its outputs written and the atexit
-    handlers run, the process leaves with the job's status without the interpreter's teardown. Gloo's threads
-    sometimes abort that teardown on CPU ("terminate called without an active exception", SIGABRT) after a
-    run that succeeded, which torchrun then reports as a failed job."""
+    """``run()`` (a `main`) as a process's whole life: once the job is done and its outputs written, the process
+    leaves with the job's status through `overlap.exit_rank` (the atexit handlers run, then no interpreter's
+    teardown, where gloo's threads can abort a run that succeeded: "terminate called without an active exception",
+    SIGABRT, which torchrun then reports as a failed job)."""
+    import overlap
+
     try:
         run()
         code: Union[int, str, None] = 0
@@ -84,10 +85,7 @@ def script(run: Callable[[], None]) -> None:
     elif not isinstance(code, int):
         print(code, file=sys.stderr)
         code = 1
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    overlap.exit_rank(code & 0xFF)
 
 
 def _terminated(signum: int, frame: Optional[FrameType]) -> None:
@@ -226,10 +224,8 @@ def guarded(peers: Peers, body: Callable[[], int]) -> int:
 
 
 def finish() -> None:
-    """Leave the group once every rank is done: nothing in flight on a side stream (nor a gloo callback) at
-    teardown."""
+    """Leave the group once every rank is done (`overlap.leave_group`): nothing in flight on a side stream (nor a
+    gloo callback) when it goes, the wait for the other ranks bounded by the job's."""
     import overlap
 
-    overlap.synchronize()
-    dist.barrier()
-    dist.destroy_process_group()
+    overlap.leave_group()

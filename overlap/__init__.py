@@ -5,7 +5,8 @@ places work on a tagged stream, ``event(tag).record() / .wait()`` orders streams
 is an ordering edge, ``record_stream`` keeps memory alive across streams and ``limit_cores``
 splits the cores. Beside the primitives: `overlap.observability` (``Timeline``, ``Sanitizer``,
 the overlap report), `overlap.offload` (the KV-cache offload stream), `overlap.agreement` (ranks
-that must agree check that they do: `agree`) and `overlap.multirank` (the multi-rank harness).
+that must agree check that they do: `agree`), `overlap.leaving` (how a rank leaves: `exit_rank`, the end of a
+multi-rank program) and `overlap.multirank` (the multi-rank harness).
 Importing the package has no side effect; `reset` forgets the process-wide state (`overlap.state`) and
 tells the packages built on it (`on_reset`).
 """
@@ -22,6 +23,7 @@ from .events import Event, event, wait_tensor
 from .hooks import Span, add_observer, remove_observer, span
 from .host_memory import ENV_KEEP_MEMORY, keep_freed_memory
 from .host_sync import HostSync, HostSyncs, host_reads_allowed, no_host_sync
+from .leaving import exit_rank, leave_group
 from .link import Link, current_link, parse_link, set_link
 from .observability import Sanitizer, StreamRaceError, Timeline
 from .observability import enable_from_env as sanitize_from_env
@@ -38,8 +40,8 @@ __all__ = [
     "add_observer", "agree", "all_reduce", "all_to_all_single", "collective_device", "comm_priority",
     "compare_posts", "copy_", "core_budget",
     "current_link", "current_path", "current_stream_tag", "describe_comm_priority", "detect_path", "enabled",
-    "event", "get_stream", "host_reads_allowed", "is_enabled",
-    "issue_ahead", "issue_collective", "issue_host", "keep_freed_memory",
+    "event", "exit_rank", "get_stream", "host_reads_allowed", "is_enabled",
+    "issue_ahead", "issue_collective", "issue_host", "keep_freed_memory", "leave_group",
     "limit_cores", "no_host_sync", "on_reset", "parse_budget", "parse_link", "read_soc_config",
     "record_stream", "remove_observer", "reset", "reset_core_limits", "sanitize_from_env", "set_core_budget",
     "set_comm_priority", "set_enabled", "set_link", "set_path", "set_wait_timeout", "span", "stream",

@@ -3,9 +3,10 @@
 ``python tests/support/example_runner.py EXAMPLE.py [ARGS...]``, or the same under torchrun: starts the
 sanitizer `overlap.sanitize_from_env` asks for (``OVERLAP_SANITIZE=raise``: the first race raises),
 then runs EXAMPLE.py as ``__main__`` with the ``sys.argv`` and ``sys.path[0]`` that
-``python EXAMPLE.py`` gives it, and writes `DONE` to stderr once it has returned (so an abort in
-the interpreter's teardown afterwards is told apart from the example failing). The example itself
-holds no test plumbing (tests/test_examples.py).
+``python EXAMPLE.py`` gives it. A multi-rank example (under torchrun) ends with `overlap.exit_rank`, which ends
+the process: one that returns here instead fails, since the interpreter's teardown after it can abort a rank
+that succeeded (docs/reliability.md, "Leaving"). The example itself holds no test plumbing
+(tests/test_examples.py).
 """
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import os
 import runpy
 import sys
 
-DONE = "example_runner: the example returned"
+NOT_LEFT = ("example_runner: a multi-rank example must end with overlap.exit_rank() (it returned instead, and the "
+            "interpreter's teardown can abort a rank that succeeded)")
 
 
 def main() -> None:
@@ -26,7 +28,8 @@ def main() -> None:
 
     overlap.sanitize_from_env()
     runpy.run_path(example, run_name="__main__")
-    print(DONE, file=sys.stderr, flush=True)
+    if "LOCAL_RANK" in os.environ:  # torchrun's rank
+        raise SystemExit(NOT_LEFT)
 
 
 if __name__ == "__main__":
