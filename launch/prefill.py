@@ -235,11 +235,13 @@ def _choose_auto(job: JobConfig, model: MoEModel, batch: Batch) -> Choice:
 
 
 def _auto_summary(choice: Choice, results: Sequence[ModeResult]) -> str:
+    from launch.measure import mark
+
     by = {r.mode: r for r in results}
     auto, serial = by[microbatch.AUTO], by.get("serial")
     measured = f"measured {auto.median_s * 1e3:.1f} ms"
-    if serial is not None:
-        measured += f", {serial.median_s / auto.median_s:.2f}x serial's measured {serial.median_s * 1e3:.1f} ms"
+    if serial is not None:  # the speedup as the table's column writes it (=serial, ~ noise, ? one round)
+        measured += f" against serial's {serial.median_s * 1e3:.1f} ms ({mark(auto.speedup, auto.judged)})"
     return (f"auto: {choice.best.describe()}: predicted {choice.best.predicted_s * 1e3:.1f} ms, "
             f"{choice.speedup:.2f}x | {measured}")
 

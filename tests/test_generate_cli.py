@@ -89,6 +89,10 @@ def test_two_ranks_that_finish_apart_generate_every_modes_tokens_on_the_device_a
                      r"measured [0-9.]+ ms, serial measured [0-9.]+ ms; guard: \d+ serial probe step\(s\) of \d+; "
                      r"(no mode set aside|set aside .+ \(measured slower than serial\))$", device.stdout, re.M), \
         device.stdout
+    head = next(line for line in device.stdout.splitlines() if line.startswith("mode "))
+    assert head.split()[7:10] == ["p90", "spread", "tokens/s"], head  # TPOT's spread over the rounds
+    assert "tokens/s: every rank's generated tokens (each request's first, the prefill's, included) over the " \
+           "generation's time" in device.stdout
     results = json.loads((tmp_path / "device" / "results.json").read_text())
     assert results["check"] == "passed" and results["new_tokens_spread"] == 0.75 and results["stop_token"] == 5
     assert results["decode_exchange"] == "capacity"
@@ -98,8 +102,13 @@ def test_two_ranks_that_finish_apart_generate_every_modes_tokens_on_the_device_a
     assert sum(auto["steps_by_mode"].values()) >= auto["decode_steps"] > 0
     assert auto["predicted_tpot_median_s"] > 0 and rows["serial"]["steps_by_mode"] is None
     assert auto["decode_guard"].startswith("guard: ") and rows["serial"]["decode_guard"] is None
+    assert rows["serial"]["speedup_label"] == "reference"
     for r in rows.values():
         assert r["tpot_median_s"] > 0 and r["tpot_p90_s"] >= r["tpot_median_s"] and r["ttft_median_s"] > 0
+        assert len(r["tpot_rounds_s"]) == 1 and r["tpot_spread"] is None and r["step_spread"] >= 0  # one round
+        assert r["speedup_label"] in ("reference", "same schedule", "one round"), r
+    if set(auto["steps_by_mode"]) == {"serial"}:  # auto that ran serial's schedule every step says so
+        assert auto["speedup_label"] == "same schedule" and auto["serial_schedule"] == "every decode step ran serial"
         assert 0 < r["output_tokens"] <= 2 * 3 * 8 and r["decode_steps"] >= 1 and r["kv_prefetch"] is None
     assert rows["two-batch"]["hidden_comm_share"] is not None
     trace = json.loads((tmp_path / "device" / "trace_two-batch.json").read_text())

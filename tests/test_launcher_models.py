@@ -172,3 +172,13 @@ def test_the_pipeline_benchmark_runs_a_family():
     assert "mixtral at the shapes of preset tiny" in proc.stdout
     for mode in ("serial", "shared", "two-batch"):
         assert f"\n{mode} " in proc.stdout
+    # mixtral has no shared experts: shared runs serial's schedule, whatever it measured
+    assert re.search(r"^shared .* =serial ", proc.stdout, re.M), proc.stdout
+    assert ("=serial: shared runs serial's schedule (the model has no shared experts: nothing runs beside its "
+            "exchanges)") in proc.stdout
+    # the ceiling: each mode with no link at all beside serial at the link, and the gap to the ideal split by it
+    assert re.search(r"^ceiling: each mode with no link at all, .*: shared [0-9.]+x \(spread -\), two-batch [0-9.]+x",
+                     proc.stdout, re.M), proc.stdout
+    assert re.search(r"^two-batch: [0-9.]+x against the ideal [0-9.]+x and its ceiling [0-9.]+x; of the gap, its own "
+                     r"cost with no link at all", proc.stdout, re.M), proc.stdout
+    assert "target: two-batch not slower than serial: inconclusive (noise) (" in proc.stdout  # one round

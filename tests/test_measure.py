@@ -16,6 +16,7 @@ import launch.measure.prefill as measure_mod
 from launch.measure.prefill import (ModeResult, _compare, comm_share, explained_speedup, ideal_speedup, measure_modes,
                                     notes, table)
 from launch.measure.rounds import rounds, spread
+from microbatch import Operation
 from overlap import DEFAULT, EP_COMM, SHARED_EXPERT, Span
 from overlap.multirank import run_ranks
 from overlap.observability import metrics
@@ -207,22 +208,26 @@ def test_a_difference_within_the_spread_is_called_noise(one_rank):
                         comm_shares=(0.5,))
     lines = notes(results)
     noise = [line for line in lines if "within the rounds' spread" in line]
-    assert len(noise) == 1 and noise[0].startswith("shared: ") and "two-batch" not in noise[0]
-    assert "20%" in noise[0] and "--iters 10" in noise[0]
+    assert len(noise) == 1 and noise[0].startswith("~: shared: ") and "two-batch" not in noise[0]
+    assert "20%" in noise[0] and "noise, not a speedup" in noise[0] and "--iters 10" in noise[0]
+    assert [r.judged for r in results] == ["reference", "noise", "speedup"]
+    rows = table(results, 100).splitlines()
+    assert "1.05x~" in rows[3].split() and "1.67x" in rows[4].split()  # the column says it too
+    assert results[1].row(100)["speedup_label"] == "noise" and results[1].row(100)["speedup"] == pytest.approx(1 / .95)
     # every difference is real when the rounds agree
-    assert not any("spread (" in line for line in notes(_compared([1.0] * 5, {"shared": ([0.95] * 5, 0.1)})))
+    steady = _compared([1.0] * 5, {"shared": ([0.95] * 5, 0.1)})
+    assert not any("spread (" in line for line in notes(steady)) and steady[1].judged == "speedup"
 
 
 def test_one_round_says_there_is_no_spread(one_rank):
-    lines = notes(_compared([1.0], {"two-batch": ([0.9], 0.5)}))
+    results = _compared([1.0], {"two-batch": ([0.9], 0.5)})
+    lines = notes(results)
     assert lines[0].startswith("medians of 1 timed round(s)")
-    assert any("no spread" in line and "--iters" in line for line in lines)
-    assert any("no spread" in line for line in table(_compared([1.0], {}), 100).splitlines())
-    # a speedup above what its hidden communication explains is not called "not overlap" on one round
-    beyond = [line for line in notes(_compared([1.01], {"auto": ([1.0], 0.0)}, comm_shares=(0.34,)))
-              if line.startswith("auto:")]
-    assert beyond == ["auto: 1.01x is more than hiding 0% of serial's 34% communication can give (1.00x at most): "
-                      "one round, not a result"]
+    assert any(line.startswith("?: one timed round: no spread") and "--iters" in line for line in lines)
+    assert results[1].judged == "one round" and "1.11x?" in table(results, 100).splitlines()[3].split()
+    # a speedup above what its hidden communication explains names no cause on one round
+    said = notes(_compared([1.5], {"auto": ([1.0], 0.0)}, comm_shares=(0.34,)))
+    assert not any(line.startswith("auto:") for line in said), said
 
 
 def test_a_speedup_above_the_ideal_is_said_in_words(one_rank):
@@ -244,10 +249,15 @@ def test_a_speedup_its_hidden_communication_cannot_explain_is_said_in_words(one_
     assert len(said) == 1
     assert said[0].startswith("two-batch: 1.26x is more than hiding 16% of serial's 25% communication can give "
                               "(1.04x at most): the rest is not overlap")
-    # within the rounds' spread, the words say so instead
+    # a difference from serial within the rounds' spread is noise: no cause named
     results = _compared([1.0, 1.08, 1.2], {"two-batch": ([0.9, 1.0, 1.1], 0.16)})
-    said = [line for line in notes(results) if line.startswith("two-batch: 1.08x")]
-    assert len(said) == 1 and "within the rounds' spread" in said[0] and "likely noise" in said[0]
+    assert results[1].judged == "noise"
+    assert not any(line.startswith("two-batch") for line in notes(results))
+    # a speedup beyond the spread whose excess over what its hidden communication explains is within it
+    results = _compared([1.28, 1.32, 1.36], {"two-batch": ([0.98, 1.0, 1.02], 0.9)})
+    said = [line for line in notes(results) if line.startswith("two-batch: 1.32x")]
+    assert results[1].judged == "speedup" and len(said) == 1
+    assert "(1.29x at most), within the rounds' spread (3%): likely noise" in said[0]
     # a speedup its hidden communication explains gets no words
     results = _compared([1.03] * 3, {"two-batch": ([1.0] * 3, 0.16)})
     assert not any(line.startswith("two-batch") for line in notes(results))
@@ -323,16 +333,41 @@ def test_measure_interleaves_rounds_times_them_unobserved_and_records_one_round_
         assert by["serial"]["ideal"] == pytest.approx(ideal_speedup(by["serial"]["comm_share"]))
 
 
-def test_the_pipeline_benchmarks_verdict_says_when_it_is_noise(one_rank):
+def test_the_pipeline_benchmarks_verdict_is_met_missed_or_inconclusive(one_rank):
     from launch.bench.pipeline import verdict
 
     serial, two = _compared([0.8, 0.9, 1.0, 1.1, 1.2], {"two-batch": ([0.95] * 5, 0.5)})
     assert verdict({"serial": serial, "two-batch": two}) == \
-        "two-batch not slower than serial: yes (within the rounds' spread: not a result)"
+        "target: two-batch not slower than serial: inconclusive (noise) (1.05x serial, spread 20%)"
     serial, two = _compared([1.0] * 5, {"two-batch": ([1.1] * 5, 0.5)})
-    assert verdict({"serial": serial, "two-batch": two}) == "two-batch not slower than serial: NO"
+    assert verdict({"serial": serial, "two-batch": two}) == \
+        "target: two-batch not slower than serial: missed (0.91x serial, spread 0%)"
+    serial, two = _compared([0.98, 1.0, 1.02], {"two-batch": ([0.8] * 3, 0.5)})
+    assert verdict({"serial": serial, "two-batch": two}).endswith(": met (1.25x serial, spread 2%)")
     serial, two = _compared([1.0], {"two-batch": ([0.8], 0.5)})
-    assert verdict({"serial": serial, "two-batch": two}).endswith("yes (one round: not a result)")
+    assert verdict({"serial": serial, "two-batch": two}).endswith(": inconclusive (noise) (1.25x serial, one round)")
+
+
+def test_the_pipeline_benchmark_splits_the_gap_to_the_ideal_at_the_ceiling(one_rank):
+    from launch.bench.pipeline import ceiling_lines, gap
+
+    # ideal 1.76x, ceiling 1.45x, measured 1.20x: 0.31x the mode's own cost, 0.25x link time not hidden
+    said = gap("two-batch", 1.20, 0.02, 1.45, 0.02, 1.76)
+    assert said.startswith("two-batch: 1.20x against the ideal 1.76x and its ceiling 1.45x")
+    assert "leaves out) 0.31x (55%)" in said and "not hide) 0.25x (45%)" in said
+    # a part within the noise is not a figure; a measured speedup above its ceiling beyond it is none measured
+    said = gap("two-batch", 1.40, 0.05, 1.45, 0.05, 1.76)
+    assert "leaves out) 0.31x," in said and "not hide) below the noise" in said
+    assert "not hide) none measured" in gap("shared", 1.60, 0.01, 1.45, 0.01, 1.50)
+    assert "leaves out) below the noise" in gap("shared", 1.0, 0.01, 1.48, 0.05, 1.50)
+    assert gap("shared", 1.2, None, 1.4, None, 1.5).endswith("leaves out) 0.10x (33%), overlap that did not happen "
+                                                             "(the link's time it did not hide) 0.20x (67%)")
+    # the ceiling: serial at the link over each mode with no link, measured side by side
+    results = _compared([1.0] * 3, {"two-batch": ([0.8] * 3, 0.5)}, comm_shares=(0.5,))
+    unlinked = _compared([1.0] * 3, {"two-batch": ([0.625] * 3, None)})
+    lines = ceiling_lines(results, unlinked)
+    assert lines[0].endswith("hid): two-batch 1.60x (spread 0%)")
+    assert lines[1] == gap("two-batch", 1.25, 0.0, 1.60, 0.0, 2.0)
 
 
 def test_the_pipeline_benchmark_names_the_host_time_in_exchanges_and_what_it_held_back():
@@ -354,3 +389,61 @@ def test_the_pipeline_benchmark_names_the_host_time_in_exchanges_and_what_it_hel
     assert blocked[1] == pytest.approx((0.001, 0.0))
     result = types.SimpleNamespace(mode="two-batch", spans=spans)
     assert "two-batch        7.00 ms in exchanges,     5.00 ms of it holding back" in host_blocking_table([result])
+
+
+# --- the generation table (launch/measure/generate.py) ---
+
+def _generation(label, ttft, step_rounds, chosen=()):
+    """A run's result from its rounds' step times (seconds), as `measure_generation` makes it on one process."""
+    from launch.engine import Generated
+    from launch.measure.generate import Run, _Round, _result
+
+    prefill, _, decode = label.partition(" / ")
+    kept = []
+    for steps in step_rounds:
+        stamps = [0.0, ttft]
+        for dt in steps:
+            stamps.append(stamps[-1] + dt)
+        kept.append(_Round(stamps, [], Generated([[1] * (len(steps) + 1)] * 2, None, len(steps), list(chosen))))
+    return _result(Run(prefill, decode or prefill), kept, kept[-1].generated, None)
+
+
+def test_the_generation_table_prints_tpots_spread_defines_tokens_per_second_and_says_what_each_speedup_is():
+    from launch.measure.generate import _compare, table
+
+    serial = _generation("serial", 0.05, [[0.010, 0.010, 0.012]] * 2 + [[0.011, 0.011, 0.013]])
+    assert serial.round_tpot_s == pytest.approx([0.010, 0.010, 0.011])  # each round's median step
+    assert serial.spread == pytest.approx(0.0005 / 0.010)  # inclusive quartiles 0.010 and 0.0105
+    two = _generation("two-batch", 0.05, [[0.007, 0.007, 0.007]] * 3)
+    shared = _generation("shared", 0.05, [[0.0108, 0.0108, 0.0108]] * 3)
+    auto = _generation("serial / auto", 0.05, [[0.005, 0.005, 0.005]] * 3, chosen=["serial"] * 3)
+    results = [serial, two, shared, auto]
+    moe = [Operation("dispatch", lambda x: x, ("hidden",), ("recv",), EP_COMM),
+           Operation("shared", lambda x: x, ("hidden",), ("s",), SHARED_EXPERT),
+           Operation("experts", lambda x, s: x, ("recv", "s"), ("out",))]  # shared experts beside the dispatch
+    model = types.SimpleNamespace(decode_layer_operations=lambda chunks=1: [moe])
+    _compare(results, model, alone=False)
+    assert [r.judged for r in results] == ["reference", "speedup", "noise", "same schedule"]
+    assert serial.tpot_s == pytest.approx(0.011)  # the median of every step of every round
+    assert auto.serial_schedule == "every decode step ran serial" and auto.speedup == pytest.approx(2.2)
+    text = table(results)
+    lines = text.splitlines()
+    assert lines[0].split()[:10] == ["mode", "TTFT", "ms", "TPOT", "ms", "median", "TPOT", "p90", "spread", "tokens/s"]
+    assert lines[2].split()[4:7] == ["5%", "98", "1.00x"]  # 8 tokens over 82 ms, the median round's generation
+    assert "1.57x" in lines[3].split() and "1.02x~" in lines[4].split() and "=serial" in lines[5].split()
+    assert ("tokens/s: every rank's generated tokens (each request's first, the prefill's, included) over the "
+            "generation's time (the prefill and every decode step), the median round's") in text
+    assert ("=serial: serial / auto runs serial's schedule (every decode step ran serial): its 2.20x is noise"
+            in lines)
+    assert any(line.startswith("~: shared: the difference from serial is within the rounds' spread (5%)")
+               for line in lines)
+    row = auto.row()
+    assert row["speedup"] == pytest.approx(2.2) and row["speedup_label"] == "same schedule"
+    assert row["serial_schedule"] == "every decode step ran serial"
+    assert serial.row()["tpot_spread"] == pytest.approx(0.05) and serial.row()["step_spread"] > 0.05
+    # one rank: nothing to overlap, every difference is noise; one round: no spread
+    one = [_generation("serial", 0.05, [[0.010] * 3]), _generation("shared", 0.05, [[0.005] * 3])]
+    _compare(one, model, alone=True)
+    assert one[1].judged == "noise" and "2.00x~" in table(one).splitlines()[3].split()
+    assert "~: one rank: no communication to overlap, so no difference from serial is a speedup" in table(one)
+    assert "?: one timed round: no spread" in table(one)

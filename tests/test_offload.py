@@ -639,10 +639,15 @@ def test_benchmark_runs_and_prints_both_modes():
     from launch.bench.offload import main
 
     res = CliRunner().invoke(main, ["--layers", "2", "--tokens", "32", "--hidden", "32", "--heads", "2",
-                                    "--head-dim", "8", "--repeats", "1"])
+                                    "--head-dim", "8", "--repeats", "3"])
     assert res.exit_code == 0, res.output
-    for line in ("keep", "offload sync", "offload overhead", "device KV memory"):
+    for line in ("keep", "offload sync", "offload overhead", "device KV memory", "copy time hidden by the stream: "):
         assert line in res.output
+    assert res.output.splitlines()[2].split() == ["mode", "prefill", "ms", "spread", "vs", "keep", "device", "KV",
+                                                  "MiB", "host", "KV", "MiB"]
+    assert "medians of 3 round(s), the modes interleaved" in res.output
+    assert re.search(r"^offload overhead (\+[0-9.]+%|below the noise|none measured) \(spread [0-9.]+%\); target <= 5%: "
+                     r"(met|missed|inconclusive \(noise\))$", res.output, re.M), res.output
 
 
 def test_reference_model_kv_sink_is_offload():

@@ -33,6 +33,10 @@ def test_single_process_all_modes_check_and_outputs(tmp_path):
     assert res["world_size"] == 1 and res["check"] == "passed" and res["serial_added"] is False
     assert [r["mode"] for r in res["rows"]] == ["serial", "shared", "two-batch"]
     assert all(r["max_diff"] <= 1e-4 and len(r["times_s"]) == 1 for r in res["rows"])
+    # one rank: no communication, so no difference from serial is a speedup; the figures stay in results.json
+    assert [r["speedup_label"] for r in res["rows"]] == ["reference", "noise", "noise"]
+    assert all(r["speedup"] > 0 and r["serial_schedule"] is None for r in res["rows"])
+    assert "~: one rank: no communication to overlap, so no difference from serial is a speedup" in proc.stdout
     ranks, lanes = _trace_lanes(tmp_path / "trace_two-batch.json")
     assert len(ranks) == 1 and {"default", "ep_comm"} <= lanes
     assert (tmp_path / "timeline_two-batch.png").stat().st_size > 1000

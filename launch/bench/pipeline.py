@@ -5,9 +5,15 @@ same run (`launch.measure.prefill.table`): each mode's median time per prefill a
 speedup over serial, the hidden share of communication, the share of communication in serial time
 and the ideal speedup (compute + comm) / max(compute, comm); then, in words, every difference
 within the rounds' spread and every speedup more than the ideal or than the hidden communication
-explains; then, per mode, how long the host spent in the exchanges' launches (on CPU the count
-exchange's host read is one) and how much of that held back another micro-batch's work
-(`host_blocking`). Medians of 5 rounds by default: fewer leave the spread unknown or the medians unsteady.
+explains; then each overlapped mode's ceiling: the same modes run again with no link at all, interleaved round by
+round with serial at the link (``--ceiling``, on by default with a link): serial's time over such a mode's is the
+most it could reach here however much of the link it hid, and it splits the gap between the mode and the ideal
+(which assumes a split batch computes as fast as a whole one) into the mode's own cost with no link (the split, its
+launches and exchanges) and the link's time it did not hide (`gap`); then whether two-batch is not slower than
+serial (`verdict`: met, missed, or inconclusive where the rounds' spread covers the difference); then, per mode, how
+long the host spent in the exchanges' launches (on CPU the count exchange's host read is one) and how much of that
+held back another micro-batch's work (`host_blocking`). Medians of 5 rounds by default: fewer leave the spread
+unknown or the medians unsteady.
 The default preset with the default simulated link puts communication at roughly 25-50% of
 serial time, the share reported for prefill on NPU clusters. ``--model NAME`` runs a transformers
 MoE family instead of the reference decoder, built from its config at the shapes of the preset
@@ -17,6 +23,7 @@ MoE family instead of the reference decoder, built from its config at the shapes
     python -m launch.bench.pipeline --cpu-link off      # plain loopback gloo
     python -m launch.bench.pipeline --model qwen3_moe   # a transformers family (needs transformers)
     python -m launch.bench.pipeline --dispatch one-step # the count exchange read where it is issued
+    python -m launch.bench.pipeline --no-ceiling        # half the time: no run without the link
 """
 from __future__ import annotations
 
@@ -44,7 +51,7 @@ def _build(preset_name: str, model_name: str, seed: int) -> Any:
 
 
 def _rank_body(ctx: Any, preset_name: str, seq_lens: List[int], warmup: int, iters: int, link: Optional[str],
-               seed: int, model_name: str = "reference", two_step: bool = True) -> Optional[str]:
+               seed: int, model_name: str = "reference", two_step: bool = True, ceiling: bool = True) -> Optional[str]:
     import microbatch
     import overlap
     from launch.engine import make_expert_parallel
@@ -57,10 +64,84 @@ def _rank_body(ctx: Any, preset_name: str, seq_lens: List[int], warmup: int, ite
     batch = Batch.random(seq_lens, model.cfg.vocab, seed=seed + ctx.rank + 1)
     modes = [name for name, m in microbatch.MODES.items() if m.in_all]
     results = measure_modes(model, batch, modes, ctx.group, warmup=warmup, iters=iters)
+    unlinked = _unlinked(model, batch, modes, ctx.group, warmup, iters) if ceiling and link else None
     if ctx.rank != 0:
         return None
-    return (table(results, batch.seq.num_tokens * ctx.world_size) + "\n" + verdict({r.mode: r for r in results})
-            + "\n" + host_blocking_table(results))
+    lines = [table(results, batch.seq.num_tokens * ctx.world_size)]
+    if unlinked is not None:
+        lines += ceiling_lines(results, unlinked)
+    return "\n".join(lines + [verdict({r.mode: r for r in results}), host_blocking_table(results)])
+
+
+def _unlinked(model: Any, batch: Any, modes: List[str], group: Any, warmup: int, iters: int) -> List[Any]:
+    """The modes again, serial at the link and the others with no link at all, interleaved round by round (not
+    recorded): each overlapped mode's speedup there is its ceiling (`ceiling_lines`)."""
+    import overlap
+    from launch.measure.prefill import measure_modes
+    from overlap.link import OFF
+
+    linked = overlap.current_link()
+
+    def link_for(mode: str, i: int) -> None:
+        overlap.set_link(linked if mode == "serial" else OFF)
+
+    try:
+        return measure_modes(model, batch, modes, group, warmup=warmup, iters=iters, before_iter=link_for,
+                             recorded=0)
+    finally:
+        overlap.set_link(linked)
+
+
+def ceiling_lines(results: List[Any], unlinked: List[Any]) -> List[str]:
+    """Each overlapped mode's ceiling (serial's time at the link over the mode's with no link at all, measured side
+    by side: ``unlinked``, `_unlinked`), and the gap between its speedup and the ideal, split (`gap`)."""
+    from launch.measure.prefill import noise
+
+    by = {r.mode: r for r in unlinked}
+    serial = by["serial"]
+    rows = [r for r in unlinked if r is not serial and r.speedup is not None]
+    if not rows:
+        return []
+    lines = ["ceiling: each mode with no link at all, interleaved round by round with serial at the link (the most it "
+             "could reach here however much of the link it hid): "
+             + ", ".join(f"{r.mode} {r.speedup:.2f}x (spread {_pct(noise(r, serial))})" for r in rows)]
+    measured = {r.mode: r for r in results}
+    main_serial = measured.get("serial")
+    for r in rows:
+        m = measured.get(r.mode)
+        if m is None or m.speedup is None or m.ideal_speedup is None or main_serial is None:
+            continue
+        lines.append(gap(r.mode, m.speedup, noise(m, main_serial), r.speedup, noise(r, serial), m.ideal_speedup))
+    return lines
+
+
+def gap(mode: str, measured: float, measured_noise: Optional[float], ceiling: float, ceiling_noise: Optional[float],
+        ideal: float) -> str:
+    """The gap between a mode's speedup (``measured``) and the ideal, in words: the part below its ``ceiling`` (the
+    link's time it did not hide: overlap that did not happen) and the part above it (the mode's own cost with no link
+    at all: the split, its launches and exchanges, which the ideal leaves out). Each part is a figure only beyond the
+    noise (the spreads, relative, of the speedup and the ceiling; None: one round)."""
+    from launch.measure import cost
+
+    def points(*parts: Tuple[float, Optional[float]]) -> Optional[float]:  # the noise in speedup points
+        return None if any(n is None for _, n in parts) else max(x * (n or 0.0) for x, n in parts)
+
+    def x(v: float) -> str:
+        return f"{v:.2f}x"
+
+    own = cost(ideal - ceiling, points((ceiling, ceiling_noise)), x)
+    not_hidden = cost(ceiling - measured, points((ceiling, ceiling_noise), (measured, measured_noise)), x)
+    whole = ideal - measured
+    if own.endswith("x") and not_hidden.endswith("x") and whole > 0:
+        own += f" ({(ideal - ceiling) / whole:.0%})"
+        not_hidden += f" ({(ceiling - measured) / whole:.0%})"
+    return (f"{mode}: {measured:.2f}x against the ideal {ideal:.2f}x and its ceiling {ceiling:.2f}x; of the gap, its "
+            f"own cost with no link at all (the split, launches and exchanges the ideal leaves out) {own}, overlap "
+            f"that did not happen (the link's time it did not hide) {not_hidden}")
+
+
+def _pct(v: Optional[float]) -> str:
+    return "-" if v is None else f"{v:.0%}"
 
 
 def host_blocking(spans: List[Any]) -> Dict[int, Tuple[float, float]]:
@@ -101,15 +182,16 @@ def host_blocking_table(results: List[Any]) -> str:
 
 
 def verdict(by: Dict[str, Any]) -> str:
-    """Whether two-batch is not slower than serial: yes, NO, or too close to tell within the rounds' spread."""
+    """Whether two-batch is not slower than serial: met, missed, or inconclusive where the rounds' spread covers the
+    difference (`launch.measure.verdict`), with the figures."""
+    from launch.measure import verdict as judged
+    from launch.measure.prefill import noise
+
     two, serial = by["two-batch"], by["serial"]
-    answer = "yes" if two.median_s <= serial.median_s else "NO"
-    noise = max(two.spread or 0.0, serial.spread or 0.0)
-    if len(two.times_s) < 2:
-        answer += " (one round: not a result)"
-    elif abs(two.median_s / serial.median_s - 1.0) <= noise:
-        answer += " (within the rounds' spread: not a result)"
-    return f"two-batch not slower than serial: {answer}"
+    spread = noise(two, serial)
+    said = judged(two.median_s / serial.median_s - 1.0, 0.0, spread)
+    why = "one round" if spread is None else f"spread {spread:.0%}"
+    return f"target: two-batch not slower than serial: {said} ({serial.median_s / two.median_s:.2f}x serial, {why})"
 
 
 @click.command(context_settings={"show_default": True})
@@ -127,8 +209,11 @@ def verdict(by: Dict[str, Any]) -> str:
 @click.option("--dispatch", "dispatch_steps", type=click.Choice(["two-step", "one-step"]), default="two-step",
               help="The MoE layers' dispatch: the count exchange and the tokens as two operations, so the schedules "
                    "issue other work between them, or one operation (the count exchange read at once).")
+@click.option("--ceiling/--no-ceiling", default=True,
+              help="Also run the overlapped modes with no link at all, interleaved with serial at the link: the most "
+                   "each could reach however much of the link it hid (twice the run's time; none with --cpu-link off).")
 def main(ranks: int, preset_name: str, batch: int, seq_len: int, warmup: int, iters: int, cpu_link: str,
-         seed: int, model_name: str, dispatch_steps: str) -> None:
+         seed: int, model_name: str, dispatch_steps: str, ceiling: bool) -> None:
     """Serial vs shared-expert overlap vs two-batch prefill, side by side in one run."""
     from launch.bench import CPU_RANKS
     from overlap.multirank import run_ranks
@@ -138,7 +223,7 @@ def main(ranks: int, preset_name: str, batch: int, seq_len: int, warmup: int, it
     click.echo(f"{ranks} CPU ranks, {what}, {batch} x {seq_len} tokens per rank, simulated link {link or 'off'}, "
                f"{dispatch_steps} dispatch")
     out = run_ranks(_rank_body, ranks, preset_name, [seq_len] * batch, warmup, iters, link, seed, model_name,
-                    dispatch_steps == "two-step", timeout=1800, env=CPU_RANKS)
+                    dispatch_steps == "two-step", ceiling, timeout=1800, env=CPU_RANKS)
     click.echo(out[0])
 
 

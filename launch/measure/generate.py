@@ -7,11 +7,16 @@ over its timed rounds and every rank (the slowest rank's times):
 - time to first token: from the start of the generation to its first token (the prefill's argmax);
 - time per output token: each decode step's time (every active request gets one token per step),
   median and 90th percentile over all steps of all timed rounds;
-- output tokens per second: the tokens of every rank over the generation's time, median of the rounds;
+- the spread of TPOT: the rounds' interquartile range of each round's median step time over its median (how far
+  the TPOT moves from round to round: the noise a difference between runs is read against);
+- output tokens per second: the tokens of every rank (each request's first, the prefill's, included) over the
+  generation's time (from its start, the prefill included, to its last step's tokens), median of the rounds;
 - the hidden share of communication during decode (the decode steps' spans, not the prefill's), of
   the round at its median; one decode step of that round is the run's trace.
 
-`check` compares each run's tokens with serial's (`first_difference`), `table` prints the runs.
+`check` compares each run's tokens with serial's (`first_difference`), `table` prints the runs and says what each
+speedup is (`launch.measure.verdicts`: a run whose decode steps run serial's schedule is ``=serial``, a difference
+within the spread or on one rank ``~``, one round ``?``).
 """
 from __future__ import annotations
 
@@ -25,15 +30,18 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+import microbatch
 import overlap
 from launch.engine import Decoders, Generated, generate
 from microbatch import AUTO, DecodeModel, KVCache, OffloadedKVCache
 from microbatch.planning import DecodeCalibration, DecodeGuard, max_over_ranks
-from overlap import Span, Timeline
+from overlap import SHARED_EXPERT, Span, Timeline
 from overlap.observability import gather, metrics
 from overlap.offload import PrefetchReport
 
 from .rounds import rounds, spread
+from . import verdicts
+from .verdicts import REFERENCE, Compared, mark, overlaps_nothing, speedup_notes
 
 MakeCache = Callable[[], KVCache]  # a fresh cache for one generation
 Progress = Callable[[str, bool, bool], None]  # (line, a round's first step, the first round)
@@ -83,6 +91,10 @@ class RunResult:
     chosen: List[str] = dataclasses.field(default_factory=list)  # auto: each timed step's mode, every round
     predicted_s: List[float] = dataclasses.field(default_factory=list)  # auto: each timed step's predicted time
     guard: Optional[str] = None  # auto: what its guard did over every round (`DecodeGuard.summary`)
+    round_tpot_s: List[float] = dataclasses.field(default_factory=list)  # each timed round's median step
+    serial_schedule: Optional[str] = None  # why its decode steps run serial's schedule, in words; None: they do not
+    alone: bool = False  # one rank: no communication, nothing to overlap
+    judged: Optional[str] = None  # what its speedup is (`launch.measure.verdicts.judge`)
 
     @property
     def steps_by_mode(self) -> Dict[str, int]:
@@ -105,6 +117,11 @@ class RunResult:
         return _p90(self.step_s) if self.step_s else None
 
     @property
+    def spread(self) -> Optional[float]:
+        """TPOT's spread: the rounds' interquartile range of their median step over its median."""
+        return spread(self.round_tpot_s)
+
+    @property
     def tokens_per_s(self) -> float:
         return self.output_tokens / statistics.median(self.total_s)
 
@@ -112,10 +129,12 @@ class RunResult:
         """A JSON-friendly summary."""
         return {"mode": self.run.label, "prefill_mode": self.run.prefill, "decode_mode": self.run.decode,
                 "ttft_s": self.ttft_s, "ttft_median_s": statistics.median(self.ttft_s),
-                "tpot_median_s": self.tpot_s, "tpot_p90_s": self.tpot_p90_s, "tpot_spread": spread(self.step_s),
+                "tpot_median_s": self.tpot_s, "tpot_p90_s": self.tpot_p90_s, "tpot_rounds_s": self.round_tpot_s,
+                "tpot_spread": self.spread, "step_spread": spread(self.step_s),
                 "decode_steps": self.generated.steps, "output_tokens": self.output_tokens,
                 "tokens_per_s": self.tokens_per_s, "hidden_comm_share": self.hidden_comm_share,
-                "speedup": self.speedup, "tokens_sha1": _digest(self.generated.tokens),
+                "speedup": self.speedup, "speedup_label": self.judged, "serial_schedule": self.serial_schedule,
+                "tokens_sha1": _digest(self.generated.tokens),
                 "steps_by_mode": self.steps_by_mode or None, "predicted_tpot_median_s": self.predicted_tpot_s,
                 "decode_guard": self.guard,
                 "kv_prefetch": None if self.prefetch is None else {
@@ -186,11 +205,54 @@ def measure_generation(model: DecodeModel, prompts: Sequence[Sequence[int]], lim
     for r in results:
         if r.run.label in guards:
             r.guard = guards[r.run.label].summary()
+    _compare(results, model, not dist.is_initialized() or dist.get_world_size(group) == 1)
+    return results
+
+
+def _compare(results: Sequence[RunResult], model: DecodeModel, alone: bool) -> None:
+    """Each run's speedup (serial's TPOT over its) and what it is (`launch.measure.verdicts.judge`); ``alone``: one
+    rank."""
     serial = next((r for r in results if r.run == Run("serial", "serial")), None)
     for r in results:
+        r.alone = alone
         if serial is not None and serial.tpot_s and r.tpot_s:
             r.speedup = serial.tpot_s / r.tpot_s
-    return results
+            r.serial_schedule = None if r is serial else decode_serial_schedule(model, r)
+            r.judged = REFERENCE if r is serial else verdicts.judge(r.speedup, noise(r, serial),
+                                                                    same=r.serial_schedule is not None, alone=alone)
+
+
+def noise(r: RunResult, serial: RunResult) -> Optional[float]:
+    """The spread ``r``'s TPOT is compared with serial's against: the larger of the two runs' (None with fewer than
+    two timed rounds)."""
+    if len(r.round_tpot_s) < 2 or len(serial.round_tpot_s) < 2:
+        return None
+    return max(r.spread or 0.0, serial.spread or 0.0)
+
+
+def decode_serial_schedule(model: DecodeModel, r: RunResult) -> Optional[str]:
+    """Why ``r``'s decode steps ran serial's schedule, in words (one batch with nothing beside its exchanges,
+    `launch.measure.verdicts.overlaps_nothing`: an auto run whose every step ran such a mode); None where they did
+    not."""
+    modes = list(r.steps_by_mode) if r.run.decode == AUTO else [r.run.decode]
+    if not modes or not all(m == "serial" or _overlaps_nothing(model, m) for m in modes):
+        return None
+    if r.run.decode == AUTO:
+        return ("every decode step ran serial" if modes == ["serial"] else
+                f"every decode step ran {' or '.join(modes)}: one batch, nothing beside its exchanges")
+    layers = model.decode_layer_operations()
+    if not any(op.stream == SHARED_EXPERT for layer in layers for op in layer):
+        return "the model has no shared experts: nothing runs beside its exchanges"
+    return "one batch, nothing runs beside its exchanges"
+
+
+def _overlaps_nothing(model: DecodeModel, name: str) -> bool:
+    """Whether decode mode ``name`` runs serial's schedule on ``model`` (one batch, nothing beside its exchanges)."""
+    how = microbatch.decode_mode(name)
+    if how.micro_batches > 1:
+        return False
+    layers = model.decode_layer_operations(how.moe_chunks)
+    return overlaps_nothing(how.make(layers, 1), layers)
 
 
 def _generate_once(model: DecodeModel, prompts: Sequence[Sequence[int]], limits: Sequence[int], run: Run,
@@ -241,9 +303,14 @@ def _result(run: Run, kept: List[_Round], generated: Generated, group: Optional[
         dist.all_reduce(counts, group=group)
         mine = int(counts[0])
     n = len(kept)
+    per_round, at = [], 2 * n
+    for round_steps in steps:  # the slowest rank's steps, round by round (every rank runs the same steps)
+        per_round.append(flat[at:at + len(round_steps)])
+        at += len(round_steps)
     result = RunResult(run, flat[:n], flat[n:2 * n], flat[2 * n:], mine, generated, _sum([r.prefetch for r in kept]),
                        chosen=[m for r in kept for m in r.generated.modes] if run.decode == AUTO else [],
-                       predicted_s=[p for r in kept for p in r.generated.predicted])
+                       predicted_s=[p for r in kept for p in r.generated.predicted],
+                       round_tpot_s=[statistics.median(x) for x in per_round if x])
     _keep_median_round(result, kept, group)
     return result
 
@@ -353,10 +420,10 @@ def _ms(v: Optional[float]) -> str:
 
 
 def table(results: Sequence[RunResult]) -> str:
-    """The runs as an aligned text table, then what the figures rest on."""
-    head = ("mode", "TTFT ms", "TPOT ms median", "TPOT p90", "tokens/s", "speedup", "hidden comm (decode)")
-    body = [(r.run.label, _ms(statistics.median(r.ttft_s)), _ms(r.tpot_s), _ms(r.tpot_p90_s), f"{r.tokens_per_s:.0f}",
-             "-" if r.speedup is None else f"{r.speedup:.2f}x", _pct(r.hidden_comm_share)) for r in results]
+    """The runs as an aligned text table, then what the figures rest on and what each speedup is."""
+    head = ("mode", "TTFT ms", "TPOT ms median", "TPOT p90", "spread", "tokens/s", "speedup", "hidden comm (decode)")
+    body = [(r.run.label, _ms(statistics.median(r.ttft_s)), _ms(r.tpot_s), _ms(r.tpot_p90_s), _pct(r.spread),
+             f"{r.tokens_per_s:.0f}", mark(r.speedup, r.judged), _pct(r.hidden_comm_share)) for r in results]
     offloaded = any(r.prefetch is not None for r in results)
     if offloaded:  # --kv-offload: how much of the prefetches' copy time compute hid (rank 0's)
         head += ("KV prefetch hidden",)
@@ -366,10 +433,19 @@ def table(results: Sequence[RunResult]) -> str:
     lines = [fmt.format(*row).rstrip() for row in [head, tuple("-" * w for w in widths)] + body]
     if results:
         r = results[0]
-        lines.append(f"medians of {len(r.ttft_s)} timed round(s) per mode, the modes interleaved; TPOT: each decode "
-                     f"step's time (one token per active request), over {_steps_counted(r)}; "
-                     f"speedup: serial's median TPOT over the mode's")
+        n = len(r.ttft_s)
+        lines.append(f"medians of {n} timed round(s) per mode, the modes interleaved; TPOT: each decode "
+                     f"step's time (one token per active request), over {_steps_counted(r)}; spread: the rounds' "
+                     f"interquartile range of TPOT (each round's median step) over its median; tokens/s: every "
+                     f"rank's generated tokens (each request's first, the prefill's, included) over the generation's "
+                     f"time (the prefill and every decode step), the median round's; speedup: serial's median TPOT "
+                     f"over the mode's")
         serial = next((x for x in results if x.run == Run("serial", "serial")), None)
+        if serial is not None:
+            lines += speedup_notes([Compared(x.run.label, x.speedup, noise(x, serial), x.judged or "",
+                                             x.serial_schedule, x.alone)
+                                    for x in results if x is not serial and x.speedup is not None], n,
+                                   f"--iters {max(10, 2 * n)}")
         for x in results:
             if x.chosen:
                 lines.append(_auto_line(x, serial))
@@ -387,5 +463,5 @@ def _auto_line(r: RunResult, serial: Optional[RunResult]) -> str:
             f"{_ms(r.tpot_s)} ms{beside}" + (f"; {r.guard}" if r.guard else ""))
 
 
-__all__ = ["NEAR_TIE", "OBSERVE_EVERY", "Run", "RunResult", "check", "first_difference", "judge",
-           "measure_generation", "observes", "table"]
+__all__ = ["NEAR_TIE", "OBSERVE_EVERY", "Run", "RunResult", "check", "decode_serial_schedule", "first_difference",
+           "judge", "measure_generation", "noise", "observes", "table"]

@@ -13,8 +13,12 @@ figure is a ratio of times measured in the same run, each the same statistic ove
   speedup (compute + comm) / max(compute, comm) (`ideal_speedup`) and, per mode, the speedup its
   hidden communication can explain (`explained_speedup`).
 
-`table` prints them, and says in words where a difference is within the rounds' spread, or where
-a speedup is more than the ideal or than its hidden communication explains (`notes`).
+`table` prints them. What each speedup is (`launch.measure.verdicts.judge`) is said in its column and in words
+under the table (`notes`): a mode that runs serial's schedule (``=serial``: one batch with nothing beside its
+exchanges, such as ``shared`` on a model with no shared experts, or ``auto`` that chose serial), a difference within
+the rounds' spread or on one rank with no communication (``~``: noise), one round (``?``: no spread); only a
+difference beyond the spread is a speedup, and only then do the notes name what it rests on (more than the ideal, or
+than its hidden communication explains).
 """
 from __future__ import annotations
 
@@ -27,8 +31,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+import microbatch
 import overlap
-from overlap import Span, Timeline
+from overlap import SHARED_EXPERT, Span, Timeline
 from overlap.observability import gather, metrics
 
 from launch.engine import prefill, split_for
@@ -40,6 +45,7 @@ from microbatch.planning import Choice, max_over_ranks  # one all-reduce helper 
 from overlap import OffloadCache
 
 from .rounds import rounds, spread
+from .verdicts import REFERENCE, SPEEDUP, Compared, judge, mark, overlaps_nothing, speedup_notes
 
 CompileMode = Callable[[str, Split], Callable[[], torch.Tensor]]  # (mode, split) -> a compiled prefill
 RECORDED = 1  # rounds per mode recorded on a timeline after the timed ones (`measure_modes`)
@@ -64,6 +70,9 @@ class ModeResult:
     ref_scale: Optional[float] = None  # serial only: largest |output| over all ranks
     finite: bool = True  # no NaN or inf in the output on any rank
     split: Optional[Split] = None  # this rank's
+    serial_schedule: Optional[str] = None  # why the mode runs serial's schedule, in words; None: it does not
+    alone: bool = False  # one rank: no communication, nothing to overlap
+    judged: Optional[str] = None  # what its speedup is (`launch.measure.verdicts.judge`)
 
     @property
     def median_s(self) -> float:
@@ -77,7 +86,8 @@ class ModeResult:
         """A JSON-friendly summary."""
         return {"mode": self.mode, "times_s": self.times_s, "spread": self.spread, "split": self.split_reason,
                 "tokens_per_s": tokens / self.median_s, "hidden_comm_share": self.hidden_comm_share,
-                "comm_share": self.comm_share, "speedup": self.speedup, "ideal_speedup": self.ideal_speedup,
+                "comm_share": self.comm_share, "speedup": self.speedup, "speedup_label": self.judged,
+                "serial_schedule": self.serial_schedule, "ideal_speedup": self.ideal_speedup,
                 "max_diff": self.max_diff}
 
 
@@ -100,6 +110,7 @@ def measure_modes(model: MoEModel, batch: Batch, modes: Sequence[str], group: Op
     """
     splits: Dict[str, Split] = {}
     steps: Dict[str, Callable[[], torch.Tensor]] = {}
+    same: Dict[str, Optional[str]] = {}
     for mode in modes:  # every rank agrees on the splits in the same order (one all-reduce each)
         make: Optional[MakeSchedule] = None
         if mode == AUTO:
@@ -109,6 +120,8 @@ def measure_modes(model: MoEModel, batch: Batch, modes: Sequence[str], group: Op
             make = choice.best.make()
         else:
             splits[mode] = split = split_for(mode, batch, group, model=model)
+        if model is not None:
+            same[mode] = serial_schedule(model, mode, split, make, choice)
         if compile_mode is not None:
             steps[mode] = compile_mode(mode, split)
         else:
@@ -143,11 +156,35 @@ def measure_modes(model: MoEModel, batch: Batch, modes: Sequence[str], group: Op
         out = outputs[mode]
         # one all-reduce: the slowest rank's times, and whether any rank's output is not finite
         *slowest, bad = max_over_ranks(times[mode] + [0.0 if bool(torch.isfinite(out).all()) else 1.0], group)
-        result = ModeResult(mode, slowest, splits[mode].reason, [], out.float(), finite=bad == 0.0, split=splits[mode])
+        result = ModeResult(mode, slowest, splits[mode].reason, [], out.float(), finite=bad == 0.0, split=splits[mode],
+                            serial_schedule=same.get(mode), alone=dist.get_world_size(group) == 1)
         _keep_median_round([gather(tl.spans, group) for tl in timelines[mode]], recorded_s[mode], result)
         results.append(result)
     _compare(results, group)
     return results
+
+
+def serial_schedule(model: MoEModel, mode: str, split: Split, make: Optional[MakeSchedule] = None,
+                    choice: Optional[Choice] = None) -> Optional[str]:
+    """Why ``mode`` (``make``'s schedule where given: auto's) over ``split`` runs serial's schedule, in words: one
+    batch with nothing beside its exchanges (`launch.measure.verdicts.overlaps_nothing`); None where it does not."""
+    if mode == "serial":
+        return None
+    layers = model.layer_operations()
+    make = make or microbatch.mode(mode).make
+    if not split.serial or not overlaps_nothing(make(layers, 1), layers):
+        return None
+    chosen = choice.best.mode if mode == AUTO and choice is not None else mode
+    if chosen == "serial":
+        return "auto chose serial"
+    why = []
+    if mode == AUTO:
+        why.append(f"auto chose {chosen}")
+    if microbatch.mode(chosen).micro_batches > 1:
+        why.append(f"its split runs one batch ({split.reason})")
+    if not any(op.stream == SHARED_EXPERT for layer in layers for op in layer):
+        why.append("the model has no shared experts")
+    return ", ".join(why or ["one batch"]) + ": nothing runs beside its exchanges"
 
 
 def _keep_median_round(per_round: List[List[Span]], seconds: List[float], result: ModeResult) -> None:
@@ -218,6 +255,16 @@ def _compare(results: List[ModeResult], group: Optional[dist.ProcessGroup]) -> N
         r.max_diff, r.rows_over = max_over_ranks([_finite_or_inf(diff), _rows_over(r.output, serial.output, tol)],
                                                  group)
         r.ideal_speedup = serial.ideal_speedup
+        r.judged = REFERENCE if r is serial else judge(r.speedup, noise(r, serial), same=r.serial_schedule is not None,
+                                                       alone=r.alone)
+
+
+def noise(r: ModeResult, serial: ModeResult) -> Optional[float]:
+    """The spread ``r``'s difference from serial is read against: the larger of the two modes' (None with fewer
+    than two timed rounds)."""
+    if len(r.times_s) < 2 or len(serial.times_s) < 2:
+        return None
+    return max(r.spread or 0.0, serial.spread or 0.0)
 
 
 def _finite_or_inf(v: float) -> float:
@@ -301,8 +348,8 @@ def table(results: Sequence[ModeResult], tokens: int) -> str:
     for r in results:
         ms = [t * 1e3 for t in r.times_s]
         body.append((r.mode, f"{statistics.median(ms):.1f} [{min(ms):.1f}-{max(ms):.1f}]", _fmt(r.spread, ".0%"),
-                     f"{tokens / r.median_s:.0f}", _fmt(r.speedup, ".2f") + ("x" if r.speedup else ""),
-                     _fmt(r.hidden_comm_share, ".0%"), _fmt(r.max_diff, ".2e")))
+                     f"{tokens / r.median_s:.0f}", mark(r.speedup, r.judged), _fmt(r.hidden_comm_share, ".0%"),
+                     _fmt(r.max_diff, ".2e")))
     widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     lines = [fmt.format(*row).rstrip() for row in [head, tuple("-" * w for w in widths)] + body]
@@ -314,8 +361,9 @@ def table(results: Sequence[ModeResult], tokens: int) -> str:
 
 
 def notes(results: Sequence[ModeResult]) -> List[str]:
-    """What the table's figures rest on, and in words every speedup that is not to be read as a result:
-    within the rounds' spread, above the ideal, or more than the mode's hidden communication explains."""
+    """What the table's figures rest on, and in words every speedup that is not to be read as a result: a mode that
+    runs serial's schedule, one rank, one round, a difference within the rounds' spread; for a speedup beyond the
+    spread, one above the ideal or more than the mode's hidden communication explains."""
     if not results:
         return []
     n = len(results[0].times_s)
@@ -324,28 +372,24 @@ def notes(results: Sequence[ModeResult]) -> List[str]:
     serial = next((r for r in results if r.mode == "serial"), None)
     if serial is None:
         return lines
-    if n < 2:
-        lines.append("one timed round: no spread to tell a difference from noise; run --iters 5 or more")
-    noisy = []
-    for r in results:
-        if r is serial or r.speedup is None:
-            continue
-        noise = max(r.spread or 0.0, serial.spread or 0.0)
-        if n >= 2 and abs(r.median_s / serial.median_s - 1.0) <= noise:
-            noisy.append((r.mode, noise))
-        beyond = _beyond_overlap(r, serial, noise if n >= 2 else None)
-        if beyond:
-            lines.append(beyond)
-    if noisy:
-        lines.append(f"{', '.join(m for m, _ in noisy)}: the difference from serial is within the rounds' spread "
-                     f"({max(x for _, x in noisy):.0%}), so it may be noise: rerun with more rounds "
-                     f"(--iters {max(10, 2 * n)}) or on a quieter host")
+    lines += speedup_notes([_compared(r, serial) for r in results if r is not serial and r.speedup is not None], n,
+                           f"--iters {max(10, 2 * n)}")
+    for r in results:  # what a speedup beyond the spread rests on
+        if r is not serial and r.judged == SPEEDUP:
+            said = _beyond_overlap(r, serial, noise(r, serial) or 0.0)
+            if said:
+                lines.append(said)
     return lines
 
 
-def _beyond_overlap(r: ModeResult, serial: ModeResult, noise: Optional[float]) -> Optional[str]:
-    """Words for a speedup above the ideal, or above what hiding the mode's communication can give; else None.
-    ``noise``: the rounds' spread, None with one round (no spread to judge by)."""
+def _compared(r: ModeResult, serial: ModeResult) -> Compared:
+    """``r``'s speedup over serial as `launch.measure.verdicts.speedup_notes` reads it."""
+    return Compared(r.mode, r.speedup or 0.0, noise(r, serial), r.judged or "", r.serial_schedule, r.alone)
+
+
+def _beyond_overlap(r: ModeResult, serial: ModeResult, noise: float) -> Optional[str]:
+    """Words for a speedup (beyond the rounds' spread, ``noise``) above the ideal, or above what hiding the mode's
+    communication can give; else None."""
     c, ideal, s = serial.comm_share, serial.ideal_speedup, r.speedup
     if c is None or ideal is None or s is None:
         return None
@@ -358,13 +402,11 @@ def _beyond_overlap(r: ModeResult, serial: ModeResult, noise: Optional[float]) -
                 f"({limit:.2f}x at most)")
     else:
         return None
-    if noise is None:
-        return text + ": one round, not a result"
     if s / limit - 1.0 <= noise:
         return text + f", within the rounds' spread ({noise:.0%}): likely noise"
     return text + ": the rest is not overlap (this mode's compute or waits took less time than serial's)"
 
 
 __all__ = ["NEAR_TIE_ROWS", "RECORDED", "CompileMode", "ModeResult", "check_against_serial", "comm_share",
-           "explained_speedup", "ideal_speedup", "measure_modes", "near_tie_notes", "not_finite", "notes", "table",
-           "tolerance"]
+           "explained_speedup", "ideal_speedup", "measure_modes", "near_tie_notes", "noise", "not_finite", "notes",
+           "serial_schedule", "table", "tolerance"]
