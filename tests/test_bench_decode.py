@@ -135,6 +135,11 @@ def test_a_blocking_row_is_measured_beside_its_mode_and_judged_by_no_target():
                                                                       "agreement": "blocking"}
     p = _point(64, 0.1, 0.4, {"serial": 100.0, "serial@blocking": 70.0, "two-batch": 80.0, "auto": 82.0})
     assert best_mode(p) == "two-batch" and target_auto([p])[1] is True  # not 70 ms
+    from click.testing import CliRunner
+
+    for modes, said in (("auto@blocking", "a fixed mode only takes @blocking"), ("three@blocking", "unknown decode mode")):
+        result = CliRunner().invoke(decode.main, ["--modes", modes])
+        assert result.exit_code == 2 and said in result.output, result.output
 
 
 def test_a_mode_with_its_own_argument_is_one_maker(monkeypatch):
