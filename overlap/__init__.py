@@ -5,13 +5,14 @@ places work on a tagged stream, ``event(tag).record() / .wait()`` orders streams
 is an ordering edge, ``record_stream`` keeps memory alive across streams and ``limit_cores``
 splits the cores. Beside the primitives: `overlap.observability` (``Timeline``, ``Sanitizer``,
 the overlap report), `overlap.offload` (the KV-cache offload stream), `overlap.agreement` (ranks
-that must agree check that they do: `agree`), `overlap.leaving` (how a rank leaves: `exit_rank`, the end of a
-multi-rank program) and `overlap.multirank` (the multi-rank harness).
+that must agree check that they do: `agree`, `agree_later`), `overlap.leaving` (how a rank leaves: `exit_rank`,
+the end of a multi-rank program) and `overlap.multirank` (the multi-rank harness).
 Importing the package has no side effect; `reset` forgets the process-wide state (`overlap.state`) and
 tells the packages built on it (`on_reset`).
 """
 from ._tree import tensors_in
-from .agreement import Disagreement, GroupTransport, StoreTransport, agree, compare_posts
+from .agreement import (Disagreement, GroupTransport, PendingAgreement, StoreTransport, agree, agree_later,
+                        compare_posts)
 from .comm import all_reduce, all_to_all_single, collective_device
 from .comm_threads import ENV_COMM_PRIORITY, comm_priority, describe_comm_priority, set_comm_priority
 from .context import (DEFAULT, ENV_ENABLE, ENV_PATH, PATHS, current_path, current_stream_tag, detect_path, enabled,
@@ -36,8 +37,9 @@ __all__ = [
     "DEFAULT", "EP_COMM", "KV_OFFLOAD", "SHARED_EXPERT", "PATHS", "ENV_COMM_PRIORITY", "ENV_ENABLE",
     "ENV_KEEP_MEMORY", "ENV_PATH",
     "CoreBudget", "CoreBudgetError", "Disagreement", "Event", "GroupTransport", "HostSync", "HostSyncs", "Link", "OffloadCache",
+    "PendingAgreement",
     "OffloadError", "Sanitizer", "Span", "StoreTransport", "StreamRaceError", "Timeline", "WaitTimeout",
-    "add_observer", "agree", "all_reduce", "all_to_all_single", "collective_device", "comm_priority",
+    "add_observer", "agree", "agree_later", "all_reduce", "all_to_all_single", "collective_device", "comm_priority",
     "compare_posts", "copy_", "core_budget",
     "current_link", "current_path", "current_stream_tag", "describe_comm_priority", "detect_path", "enabled",
     "event", "exit_rank", "get_stream", "host_reads_allowed", "is_enabled",

@@ -11,7 +11,9 @@ problem did not post it)::
 
     ranks disagree on num_experts: rank 0: 8; rank 1: 4
 
-`agree` does the three steps and returns every rank's values. Every rank raises alike: ``error``
+`agree` does the three steps and returns every rank's values; `agree_later` starts the exchange and
+reads it when asked (`PendingAgreement.result`), so that a caller goes on while its post travels.
+Every rank raises alike: ``error``
 (`Disagreement` by default, or the class a place's users catch: `LayoutError`, `JobMismatch`)
 with that message, built from the same posts on every rank; only a rank that passes its own
 exception (``own_error``: the input it rejected) raises that one, the precise message for its
@@ -28,7 +30,9 @@ Transports, each waiting a bounded time:
   as JSON, in its own row of ``[world, _WORDS]`` int64 (zeros elsewhere, MAX-reduced: an
   all-gather). Its size never depends on what a rank posts, so ranks that disagree cannot make
   gloo abort or hang on a size mismatch; a post too long for its row is shortened (long values to
-  a digest that still compares, problems clipped). Without peers it is local.
+  a digest that still compares, problems clipped). Without peers it is local. With a ``stream``
+  its `issue` sends the all-reduce on that side stream and reads it later: on the CPU path gloo
+  completes it on its own threads, on a device the side stream runs it beside the caller's work.
 - `StoreTransport`: the rendezvous store (torchrun's), before any collective exists; it waits at
   most ``timeout`` seconds and names the ranks that did not post.
 
@@ -37,12 +41,13 @@ exchange builds the posts from what it received and calls `compare_posts`: no ex
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import math
 import time
 import zlib
-from typing import Any, Collection, Dict, List, Mapping, Optional, Protocol, Sequence, Type
+from typing import Any, Callable, Collection, Dict, List, Mapping, Optional, Protocol, Sequence, Type
 
 import torch
 import torch.distributed as dist
@@ -50,6 +55,7 @@ import torch.distributed as dist
 from . import backends
 from .comm import all_reduce, collective_device
 from .events import Event
+from .streams import stream
 
 Post = Dict[str, Any]  # one rank's post: {"values": {name: value}, "problems": [words]}
 
@@ -92,6 +98,41 @@ def agree(values: Mapping[str, Any], transport: Transport, *, problems: Sequence
         raise own_error
     compare_posts(posts, per_rank=per_rank, hints=hints, error=error, problem_error=problem_error)
     return [dict(p["values"]) for p in posts]
+
+
+class PendingAgreement:
+    """An agreement whose exchange is in flight (`agree_later`)."""
+
+    def __init__(self, read: Callable[[], List[Post]], check: Callable[[List[Post]], None]):
+        self._read, self._check = read, check
+        self._posts: Optional[List[Post]] = None
+
+    def result(self) -> List[Dict[str, Any]]:
+        """What `agree` returns (every rank's values), or its error, the same on every rank; waits for the
+        exchange at most the wait bound (`overlap.set_wait_timeout`) the first time, and gives the same answer
+        every time after."""
+        if self._posts is None:
+            self._posts = self._read()
+        self._check(self._posts)
+        return [dict(p["values"]) for p in self._posts]
+
+
+def agree_later(values: Mapping[str, Any], transport: Transport, *, problems: Sequence[str] = (),
+                per_rank: Collection[str] = (), hints: Optional[Mapping[str, str]] = None,
+                error: Type[Exception] = Disagreement, problem_error: Optional[Type[Exception]] = None
+                ) -> PendingAgreement:
+    """`agree`, its exchange started now and read by `PendingAgreement.result`: through ``transport``'s `issue`
+    where it has one (`GroupTransport`, on its ``stream``: the caller goes on while the post travels), else its
+    `exchange`, at once. Every rank must start the same agreements in the same order, and read each one."""
+    post = {"values": dict(values), "problems": [str(p) for p in problems]}
+    issue = getattr(transport, "issue", None)
+    if issue is not None:
+        read = issue(post, error)
+    else:
+        posts = transport.exchange(post, error)
+        read = lambda: posts  # noqa: E731 - already exchanged
+    return PendingAgreement(read, lambda posts: compare_posts(posts, per_rank=per_rank, hints=hints, error=error,
+                                                              problem_error=problem_error))
 
 
 def compare_posts(posts: Sequence[Post], *, per_rank: Collection[str] = (),
@@ -187,24 +228,34 @@ def _dumps(obj: Any) -> bytes:
 # ---- the transports ----------------------------------------------------------------------------------------
 
 class GroupTransport:
-    """One all-reduce of a fixed-size tensor over ``group`` (default: the default group), named ``name``
-    on the timeline, on the current stream, read on the host; local without peers. ``device``: where the
-    tensor lives (default: the group's collective device)."""
+    """One all-reduce of a fixed-size tensor over ``group`` (default: the default group), named and labelled
+    ``name`` on the timeline, read on the host; local without peers. ``device``: where the tensor lives (default:
+    the group's collective device). ``stream``: the side stream `issue` sends it on (default: the current
+    stream, where `issue` waits as `exchange` does)."""
 
     def __init__(self, group: Optional[dist.ProcessGroup] = None, name: str = "agree",
-                 device: Optional[torch.device] = None):
-        self.group, self.name, self.device = group, name, device
+                 device: Optional[torch.device] = None, stream: Optional[str] = None):
+        self.group, self.name, self.device, self.stream = group, name, device, stream
 
     def exchange(self, post: Post, error: Type[Exception]) -> List[Post]:
+        return self.issue(post, error)()
+
+    def issue(self, post: Post, error: Type[Exception]) -> Callable[[], List[Post]]:
+        """Send ``post`` now (on ``stream``, where the path has side streams outside a graph) and return what
+        reads every rank's post, waiting for the all-reduce at most the wait bound."""
         data = _fitted(post, _BYTES)
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(self.group) < 2:
-            return [json.loads(data)]
+            alone = [json.loads(data)]
+            return lambda: alone
         world, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         device = self.device or collective_device(self.group)
-        rows = torch.zeros(world, _WORDS, dtype=torch.int64, device=device)
-        rows[rank] = torch.tensor(_packed(data), dtype=torch.int64, device=device)
-        all_reduce(rows, op=dist.ReduceOp.MAX, group=self.group, name=self.name)
-        return [json.loads(_unpacked(row)) for row in _host_read(rows, f"{self.name}.read")]
+        aside = self.stream is not None and not backends.current().is_graph
+        with stream(self.stream) if aside else contextlib.nullcontext():
+            rows = torch.zeros(world, _WORDS, dtype=torch.int64, device=device)
+            rows[rank] = torch.tensor(_packed(data), dtype=torch.int64, device=device)
+            all_reduce(rows, op=dist.ReduceOp.MAX, group=self.group, name=self.name, label=self.name)
+            done = _recorded(rows, f"{self.name}.read")
+        return lambda: [json.loads(_unpacked(row)) for row in _host_read(rows, done)]
 
 
 class StoreTransport:
@@ -272,15 +323,23 @@ def _unpacked(words: Sequence[int]) -> bytes:
     return b"".join(int(w).to_bytes(7, "little") for w in words[1:])[:int(words[0])]
 
 
-def _host_read(t: torch.Tensor, tag: str) -> List[List[int]]:
-    """``t.tolist()`` once the work issued so far on the current stream (the all-reduce that fills it) is done:
-    an event of its own (a CPU side stream completes it asynchronously); on a graph path, outside any graph
-    (nothing is read on the host inside one), the device's stream order."""
-    if not backends.current().is_graph:
-        ev = Event(tag)
-        ev.record(t)
-        ev.synchronize()
+def _recorded(t: torch.Tensor, tag: str) -> Optional[Event]:
+    """An event of its own recorded after the work issued so far on the current stream (the all-reduce that fills
+    ``t``: a CPU side stream completes it asynchronously); None on a graph path, outside any graph (nothing is
+    read on the host inside one), where the device's stream order is enough."""
+    if backends.current().is_graph:
+        return None
+    ev = Event(tag)
+    ev.record(t)
+    return ev
+
+
+def _host_read(t: torch.Tensor, done: Optional[Event]) -> List[List[int]]:
+    """``t.tolist()`` once ``done`` (`_recorded`) has completed."""
+    if done is not None:
+        done.synchronize()
     return t.tolist()
 
 
-__all__ = ["Disagreement", "GroupTransport", "Post", "StoreTransport", "Transport", "agree", "compare_posts"]
+__all__ = ["Disagreement", "GroupTransport", "PendingAgreement", "Post", "StoreTransport", "Transport", "agree",
+           "agree_later", "compare_posts"]

@@ -195,3 +195,149 @@ def test_both_decoders_implement_the_decoder_interface(kind):
 def test_a_steps_exchange_is_padded_to_the_bucket_of_its_widest_micro_batch():
     assert [bucket_of(n) for n in (0, 1, 2, 3, 5, 8, 9, 200)] == [1, 1, 2, 4, 8, 8, 16, 256]
     assert [bucket_of(n, (4, 16)) for n in (1, 4, 5, 16, 17)] == [4, 4, 16, 16, 17]  # past the largest: itself
+
+
+def _placement_body(ctx, agreement):
+    """Each agreement sent and read, and each step run, in order on this rank; the agreements' spans."""
+    import overlap
+    from launch.engine import EagerDecoder, make_expert_parallel
+    from overlap import Timeline
+    from overlap.observability import _png
+
+    model = make_expert_parallel(build_model(CFG, seed=3), ctx.group)
+    g = torch.Generator().manual_seed(50 + ctx.rank)
+    prompts = [torch.randint(0, CFG.vocab, (n,), generator=g).tolist() for n in ((4, 6, 3) if ctx.rank == 0 else (5,))]
+    events = []
+    real_send, real_run = overlap.agree_later, EagerDecoder.run
+
+    def send(*args, **kwargs):
+        pending, n = real_send(*args, **kwargs), len([e for e in events if e[0] == "sent"])
+        events.append(("sent", n))
+        read = pending.result
+
+        def result():
+            if ("read", n) not in events:
+                events.append(("read", n))
+            return read()
+        pending.result = result
+        return pending
+
+    def run(self, *args, number=None, **kwargs):
+        events.append(("run", number))
+        return real_run(self, *args, number=number, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(overlap, "agree_later", send)
+        mp.setattr(EagerDecoder, "run", run)
+        with Timeline() as tl:
+            out = generate(model, prompts, [5, 3, 6] if ctx.rank == 0 else [2], mode="two-batch",
+                           agreement=agreement)
+        overlap.synchronize()
+    labelled = [(s.stream, text) for s, text in _png.layer_labels(tl.spans, 0.0) if s.name == "decode.step"]
+    return events, out.steps, labelled, out.tokens
+
+
+def _blocking_waits(events):
+    """Each step after the first that waited, before it ran, for an agreement sent after the step before it ran:
+    a blocking collective between two steps."""
+    bad, last_run_at = [], None
+    for i, (what, n) in enumerate(events):
+        if what == "run":
+            sent_after = [m for w, m in events[last_run_at:i] if w == "sent"] if last_run_at is not None else []
+            read_now = [m for w, m in events[last_run_at:i] if w == "read"] if last_run_at is not None else []
+            bad += [n] if set(sent_after) & set(read_now) else []
+            last_run_at = i
+    return bad
+
+
+def test_a_steps_agreement_travels_under_the_next_step():
+    """On two ranks (one with three requests finishing apart, one with one): no step waits for an agreement sent
+    after the step before it ran: the agreement on step N is read once step N+1 has run, on its own side stream
+    (`launch.engine.step.AGREEMENT`, its span labelled ``decode.step`` in the PNG timeline), and every agreement
+    sent is read before the generation returns. With ``agreement="blocking"`` every step waits for its own, on the
+    current stream (the check fails there), and the tokens are the same."""
+    import overlap
+    from launch.engine.step import AGREEMENT
+    from overlap.multirank import run_ranks
+
+    lagged = run_ranks(_placement_body, 2, "lagged", timeout=120)
+    blocking = run_ranks(_placement_body, 2, "blocking", timeout=120)
+    for (events, steps, spans, tokens), (b_events, b_steps, b_spans, b_tokens) in zip(lagged, blocking):
+        assert tokens == b_tokens and steps == b_steps == 5, (steps, b_steps)  # no stop token: no extra step
+        runs = [n for what, n in events if what == "run"]
+        assert runs == list(range(1, steps + 1)), events
+        assert _blocking_waits(events) == [], events
+        assert _blocking_waits(b_events) == list(range(2, steps + 1)), b_events  # the check can fail
+        sent = [n for what, n in events if what == "sent"]
+        assert sorted(n for what, n in events if what == "read") == sent == list(range(steps + 1)), events
+        assert set(spans) == {(AGREEMENT, "decode.step")} and len(spans) == steps + 1, spans
+        assert {stream for stream, _ in b_spans} == {overlap.DEFAULT}, b_spans
+
+
+def _late_nan_body(ctx, at):
+    """This rank's error where the last rank's logits turn NaN at decode step ``at`` (its first request's row)."""
+    from launch.engine import NonFiniteLogits, make_expert_parallel
+
+    model = build_model(CFG, seed=5)
+    if ctx.world_size > 1:
+        model = make_expert_parallel(model, ctx.group)
+    if ctx.rank == ctx.world_size - 1:
+        real, calls = model.logits, []
+
+        def logits(hidden):  # call 0 is the prefill's
+            out = real(hidden)
+            calls.append(1)
+            if len(calls) == at + 1:
+                out = out.clone()
+                out[0, 3] = float("nan")
+            return out
+        model.logits = logits
+    try:
+        generate(model, [[1, 2, 3], [4, 5]], 6, mode="two-batch")
+    except NonFiniteLogits as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_nan_at_a_later_step_stops_every_rank_naming_its_step(world):
+    """NaN in one rank's logits at decode step 2: that rank takes no token from them, every rank stops with
+    `NonFiniteLogits` naming the rank, the request and the step (on two ranks once the agreement that carries it
+    arrives, a step later, with no rank left in a collective: the test's timeout bounds a hang)."""
+    from overlap.multirank import run_ranks
+
+    messages = run_ranks(_late_nan_body, world, 2, timeout=120)
+    named = "NaN or inf in the logits of request 0 at decode step 2"
+    assert all(named in m and (world == 1 or f"rank {world - 1}: " in m) for m in messages), messages
+
+
+STOP_PLANS = [((6, 3, 4), 6), ((2, 5), 6)]  # per rank: prompt lengths, new tokens
+
+
+def _stop_body(ctx):
+    from launch.engine import make_expert_parallel
+
+    def prompts_of(rank):
+        g = torch.Generator().manual_seed(60 + rank)
+        return [torch.randint(0, CFG.vocab, (n,), generator=g).tolist() for n in STOP_PLANS[rank][0]]
+
+    dense = build_model(CFG, seed=3)
+    stop = _recomputed(dense, prompts_of(0), 6)[0][1]  # rank 0's first request stops at its second token
+    prompts, new_tokens = prompts_of(ctx.rank), STOP_PLANS[ctx.rank][1]
+    want = _recomputed(dense, prompts, new_tokens, stop_token=stop)
+    model = make_expert_parallel(build_model(CFG, seed=3), ctx.group)
+    got = {a: generate(model, prompts, new_tokens, stop_token=stop, mode="two-batch", agreement=a)
+           for a in ("lagged", "blocking")}
+    return want, {a: (g.tokens, g.steps) for a, g in got.items()}
+
+
+def test_a_stop_token_costs_at_most_one_step_more_and_the_tokens_stay():
+    """On two ranks, requests that end at a stop token nobody could foresee: each rank's tokens equal recomputing
+    its requests on one process, and the generation takes at most one step more than with each step's own
+    agreement (the last one, every rank empty)."""
+    from overlap.multirank import run_ranks
+
+    for want, got in run_ranks(_stop_body, 2, timeout=120):
+        (lagged, steps), (blocking, waited) = got["lagged"], got["blocking"]
+        assert lagged == blocking == want, (lagged, blocking, want)
+        assert waited <= steps <= waited + 1, (steps, waited)

@@ -80,8 +80,9 @@ def test_auto_over_captured_steps_times_them_and_generates_serials_tokens():
     """On two ranks: the calibration times each mode's captured step (padded to its bucket) at the points where the
     buckets end, at one history (a captured step attends over the whole cache: one untimed and one timed step per
     mode and point), on scratch slots of the decoders' cache that it gives back, the same table on both ranks; auto then
-    replays the decoder of the mode it chooses each step, alike on both ranks as the batch shrinks, with no host sync
-    inside a step, and generates eager serial's tokens."""
+    replays the decoder of the mode it chooses each step, alike on both ranks as the batch shrinks (each step chosen on
+    the batch of the step before: the ranks' agreement travels under the step after it), with no host sync inside a
+    step, and generates eager serial's tokens."""
     out = run_ranks(_graph_auto_body, 2, timeout=240)
     (cal0, *_), (cal1, *_) = out
     assert cal0 == cal1 and cal0.padded and cal0.modes == MODES and cal0.tokens == (1, 2, 3), cal0
@@ -92,7 +93,8 @@ def test_auto_over_captured_steps_times_them_and_generates_serials_tokens():
         assert auto.tokens == want and built == want
         assert {m for m, _ in stepped} == {"serial", "two-batch", "chunked-2"}, auto.modes
         assert in_steps == [], in_steps
-    assert out[0][3].modes == out[1][3].modes == ["two-batch", "two-batch", "chunked-2", "serial", "serial"], \
+    # steps of 3, 3, 2, 1, 1 tokens chosen on 3, 3, 3, 2, 1
+    assert out[0][3].modes == out[1][3].modes == ["two-batch", "two-batch", "two-batch", "chunked-2", "serial"], \
         out[0][3].modes
 
 

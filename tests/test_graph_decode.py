@@ -169,7 +169,11 @@ def _ranks_body(ctx, mode):
         got = generate(model, prompts, limits, decoder=decoder, prefill_mode="serial")
     in_steps = [str(s) for s in syncs.inside() if (s.scope or "").startswith(DECODE_STEP)]
     pairs = [int(sum(p)) for p in (eager, padded)]
-    return got.tokens, want, calls, in_steps, pairs
+    blocking = GraphDecoder(model, new_cache(model, prompts, limits), mode, "cpu")
+    waited = []
+    _buckets_seen(blocking, waited)
+    assert generate(model, prompts, limits, decoder=blocking, agreement="blocking").tokens == want
+    return got.tokens, want, (calls, waited), in_steps, pairs
 
 
 @pytest.mark.cpu_only
@@ -178,14 +182,19 @@ def test_two_ranks_pad_to_the_bucket_they_agree_on(mode):
     """Experts over two ranks with different requests (rank 1 done two steps early, taking part with padding rows
     only): each step padded to the bucket of the widest micro-batch over the ranks, the same on both, generates
     the eager step's tokens on each rank, with no host sync inside a step; the padding rows reach no expert (the
-    experts compute the (row, expert) pairs of the eager steps, which have no padding)."""
+    experts compute the (row, expert) pairs of the eager steps, which have no padding). The ranks' agreement on a
+    step travels under the next one, so a step pads to the widest of one step before (``agreement="blocking"``:
+    of its own)."""
     out = run_ranks(_ranks_body, 2, mode, timeout=120)
-    for rank, (got, want, calls, in_steps, (eager, padded)) in enumerate(out):
+    for rank, (got, want, (calls, waited), in_steps, (eager, padded)) in enumerate(out):
         assert got == want, (rank, mode, got, want)
         assert in_steps == [], (rank, in_steps)
         assert padded == eager > 0, (rank, mode, padded, eager)
-    if mode in ("serial", "shared"):
-        assert out[0][2] == out[1][2] == [4, 2, 1, 1], [o[2] for o in out]
+        assert len(calls) == len(waited) and all(a >= b for a, b in zip(calls, waited)), (calls, waited)
+        assert calls[1:] == waited[:-1] and calls[0] == waited[0], (calls, waited)  # one step behind
+    assert out[0][2] == out[1][2], [o[2] for o in out]
+    if mode in ("serial", "shared"):  # 3, 2, 1, 1 active requests on rank 0, the most of the two
+        assert out[0][2] == ([4, 4, 2, 1], [4, 2, 1, 1]), out[0][2]
 
 
 class _Gathered(TorchDispatchMode):
@@ -367,7 +376,7 @@ def _with_reason(model, why):
 
 # ---- captured on ge / aclgraph with torchair's own code, two gloo ranks ------------------------------------------
 
-GRAPH_PLANS = [((5, 2, 3, 2), [2, 2, 4, 4]), ((2, 3, 1), [2, 3, 4])]  # two-batch widest 2, 1, 1: buckets 2, 1, 1
+GRAPH_PLANS = [((5, 2, 3, 2), [2, 2, 4, 4]), ((2, 3, 1), [2, 3, 4])]  # two-batch widest 2, 1, 1: buckets 2, 2, 1
 GRAPH_MODE = "two-batch"
 GRAPH_PATHS = ("ge", "aclgraph")
 AUTO_CALIBRATION = DecodeCalibration((1, 2, 4), (1, 20), {"serial": ((1.0, 1.0), (2.0, 2.0), (4.0, 4.0)),
@@ -432,8 +441,9 @@ def captured():
 @pytest.mark.spawns_ranks
 @pytest.mark.parametrize("path", GRAPH_PATHS)
 def test_one_graph_per_bucket_replayed_for_the_steps_of_that_bucket(captured, path):
-    """Three decode steps in buckets 2, 1, 1 (the widest micro-batch over the ranks): two graphs, the third step
-    replays the second's; the stripped graphs generate eager serial's tokens on each rank."""
+    """Three decode steps in buckets 2, 2, 1 (the widest micro-batch over the ranks one step before, 2, 1, 1: the
+    ranks' agreement travels under the step after it): two graphs, the second step replays the first's; the
+    stripped graphs generate eager serial's tokens on each rank."""
     for rank, out in enumerate(captured):
         got = out[path]
         assert got["steps"] == 3 and got["buckets"] == [1, 2], (rank, got["steps"], got["buckets"])
@@ -456,11 +466,12 @@ def test_length_buckets_trace_on_ge_and_generate_serials_tokens(captured):
 @pytest.mark.spawns_ranks
 def test_auto_on_ge_replays_the_graph_of_the_mode_it_chooses_for_the_steps_bucket(captured):
     """Auto over captured steps on ge: 4 tokens per rank at the first step (two-batch predicted faster), 2 at the
-    next two (serial): one graph per mode for its bucket (2), the last step replays serial's, and the stripped graphs
-    generate eager serial's tokens on each rank."""
+    next two (serial); each step chosen on the figures of the step before (the ranks' agreement travels under the
+    step after it): one graph per mode for its bucket (2), the second step replays two-batch's, and the stripped
+    graphs generate eager serial's tokens on each rank."""
     for rank, out in enumerate(captured):
         got = out["auto"]
-        assert got["modes"] == [GRAPH_MODE, "serial", "serial"], (rank, got["modes"])
+        assert got["modes"] == [GRAPH_MODE, GRAPH_MODE, "serial"], (rank, got["modes"])
         assert got["buckets"] == {"serial": [2], GRAPH_MODE: [2]} and got["graphs"] == 2, (rank, got)
         assert got["tokens"] == out["want"], (rank, got["tokens"], out["want"])
 

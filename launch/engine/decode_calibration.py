@@ -48,6 +48,7 @@ from overlap.host_memory import keep_on_host_path
 from .decoder import Decoder, eager_decoders, expert_group
 from .generation import DecodeError
 from .graph_decoder import GraphDecoder, decoders_of
+from .step import AGREEMENT
 
 # the candidates of --decode-mode auto by default (--decode-auto-modes): one batch (whole, its shared experts beside,
 # its MoE in chunks) and two micro-batches; three and four micro-batches halve a decode batch's matmuls again and
@@ -256,19 +257,23 @@ def _scratch_cache(model: DecodeModel, requests: int, rows: int) -> KVCache:
     return KVCache(cfg.n_layers, requests, rows, cfg.k_shape, cfg.v_shape, dtype=weight.dtype, device=weight.device)
 
 
-def _post_step(group: Optional[Any], active: int, history: int, mode: str) -> None:
-    """What generate agrees each step, of the same size."""
-    if group is not None:
-        overlap.agree({"active": active, "widest": [active], "history": history, "decode mode": mode},
-                      overlap.GroupTransport(group, "decode.step"), per_rank=["active", "widest", "history"],
-                      error=DecodeError)
+def _post_step(group: Optional[Any], active: int, history: int, mode: str) -> Optional[overlap.PendingAgreement]:
+    """What generate posts each step, of the same size, sent on the same side stream (read once the step is done,
+    as generate reads it a step later); None without a group."""
+    if group is None:
+        return None
+    return overlap.agree_later({"active": active, "widest": [active], "history": history, "left": 1,
+                                "decode mode": mode, "seconds": 0.0, "built": False},
+                               overlap.GroupTransport(group, "decode.step", stream=AGREEMENT),
+                               per_rank=["active", "widest", "history", "left", "seconds", "built"], error=DecodeError)
 
 
 class _Timer:
     """What `_measure` times: ``run(mode, ids, history)`` is the seconds of one step of ``len(ids)`` requests holding
-    ``history`` rows each through the mode's decoder, as `launch.engine.generate` runs it: the ranks' agreement, the
-    step (cut into the decoder's parts; a captured one padded to its bucket, captured on its first use), its tokens
-    read back. On scratch slots of the decoders' cache, whose lengths are put back after each step (its rows are not
+    ``history`` rows each through the mode's decoder, as `launch.engine.generate` runs it: the ranks' agreement sent
+    beside the step, the step (cut into the decoder's parts; a captured one padded to its bucket, captured on its
+    first use), its tokens read back, the agreement read. On scratch slots of the decoders' cache, whose lengths
+    are put back after each step (its rows are not
     kept) and which `close` gives back. ``padded``: a captured step, whose time is its bucket's; ``whole_room``: it
     attends over the cache's whole room, whatever the history."""
 
@@ -285,9 +290,11 @@ class _Timer:
             cache.lengths[s] = history
         start = time.perf_counter()
         parts = decoder.parts([history] * len(slots))
-        _post_step(self.group, len(slots), history, mode)
+        sent = _post_step(self.group, len(slots), history, mode)
         # the same point on every rank: the same widest part
         decoder.run(slots, ids, parts, widest=max(map(len, parts)), history=history).ids.tolist()
+        if sent is not None:
+            sent.result()
         seconds = time.perf_counter() - start
         for s in slots:
             cache.lengths[s] = history  # the step counted its row: not kept

@@ -10,9 +10,17 @@ settled once before the loop (`make_decoders`).
 
 With expert-parallel layers over several ranks, each rank brings its own prompts (none is fine) and its own
 lengths; a rank with no active request keeps taking part in every step with zero tokens until every rank is done.
-The ranks agree every step, in one small all-reduce (`overlap.agree`), on whether any request is still active, on
-the widest micro-batch, and on whether any rank's logits hold NaN or inf (`NonFiniteLogits` on every rank: no token
-is taken from them).
+After each step every rank posts, in one small all-reduce (`overlap.agree_later`, ``decode.step``), its active
+requests, its widest micro-batch, its longest history, the most steps its requests may still take, and whether its
+logits held NaN or inf. The all-reduce travels on its own side stream (`AGREEMENT`) under the next step, and the
+step after that runs on it (``agreement="lagged"``, the default): what a rank posts only changes in known
+directions, so a step's figures one step old still bound it. Its exchange's bucket comes from the widest
+micro-batch of one step before (an upper bound: a rank's requests only finish, and its micro-batches are cut no
+wider than that), its mode from the figures one step before (the same on every rank), its history from the
+longest one step before plus one. A request that ends at a token the ranks could not foresee (a stop token) costs
+at most one step more, all ranks empty; a rank whose logits hold NaN or inf takes no token from them and takes
+part with none until the agreement that carries its problem raises `NonFiniteLogits` on every rank, one step
+later. ``agreement="blocking"`` waits for each step's own agreement before it runs, as before (to compare).
 """
 from __future__ import annotations
 
@@ -31,11 +39,13 @@ from microbatch.planning import DEFAULT_MARGIN, DecodeCalibration, DecodeGuard, 
 from .decoder import Decoder, eager_decoders, expert_group
 from .graph_decoder import GraphDecoder, decoders_of, graph_decoders
 from .prefiller import prefill_cache
-from .step import read_picked
+from .step import AGREEMENT, read_picked
 
 # (step, active requests on every rank) -> whether the caller observes the next step (step 0: the prefill's token)
 OnStep = Callable[[int, int], Optional[bool]]
 Decoders = Union[GraphDecoder, Mapping[str, GraphDecoder]]  # one decoder, or auto's: one per candidate mode
+LAGGED, BLOCKING = "lagged", "blocking"  # a step runs on the ranks' agreement one step old, or waits for its own
+AGREEMENTS = (LAGGED, BLOCKING)
 
 
 class DecodeError(RuntimeError):
@@ -100,14 +110,16 @@ def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: U
              prefill_mode: str = "serial", on_step: Optional[OnStep] = None, margins: bool = False,
              buckets: Optional[Sequence[int]] = None, calibration: Optional[DecodeCalibration] = None,
              margin: float = DEFAULT_MARGIN, guard: Union[bool, DecodeGuard] = True, graph: Optional[str] = None,
-             decoder: Optional[Decoders] = None, length_buckets: bool = False) -> Generated:
+             decoder: Optional[Decoders] = None, length_buckets: bool = False, agreement: str = LAGGED
+             ) -> Generated:
     """Greedy generation (see the module docstring): prefill in ``prefill_mode``, decode steps in ``mode``.
 
     ``prompts``: this rank's requests' token ids (none is fine with several ranks); ``new_tokens``: the most
     each generates (one count, or one per prompt); ``cache``: where the keys and values go (default
     `new_cache`; its slots are taken and freed here); ``on_step(step, active)`` is called once each step's
-    tokens are taken, with the number of requests still active on every rank; where it returns True the caller
-    observes the next step (a timeline), whose time the guard then does not count; ``buckets``: the sizes a step's
+    tokens are taken and the ranks' agreement read, with the requests active on every rank as that agreement says
+    (one step old on several ranks), 0 where no step follows; where it returns True the caller observes the next
+    step (a timeline), whose time the guard then does not count; ``buckets``: the sizes a step's
     exchange is padded to (`launch.engine.step.bucket_of`; default the powers of two). ``mode="auto"`` chooses each
     step's mode from ``calibration`` (`launch.engine.calibrate_decode`; the same on every rank), serial unless
     another is predicted at least ``margin`` faster (`microbatch.planning.choose_decode`), and checks its choices
@@ -119,10 +131,14 @@ def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: U
     or through ``decoder`` (its cache, mode and graphs, kept across generations). With ``mode="auto"`` the steps
     are captured too: ``decoder`` is then a mapping of each mode of ``calibration`` to its decoder over one cache
     (``graph`` builds them), and ``calibration`` one of those captured steps (`launch.engine.calibrate_decode` with
-    ``decoders``).
+    ``decoders``). ``agreement``: ``"lagged"`` (a step runs on the ranks' agreement issued after the step before
+    the last, which travelled under the last step) or ``"blocking"`` (each step waits for its own; see the module
+    docstring).
     """
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
+    if agreement not in AGREEMENTS:
+        raise ValueError(f"agreement must be one of {', '.join(AGREEMENTS)}, got {agreement!r}")
     limits = _limits(prompts, new_tokens)
     mode, decoders = make_decoders(model, prompts, limits, mode=mode, calibration=calibration, cache=cache,
                                    decoder=decoder, graph=graph, buckets=buckets, length_buckets=length_buckets)
@@ -138,10 +154,18 @@ def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: U
     active = list(range(len(prompts)))
     nxt, gaps, problem = _greedy(model.logits(hidden[last]), active, 0, margins)
     checks = _guard_for(mode, guard)
-    ran: Optional[_Ran] = None  # auto's last step
+    lagged = agreement == LAGGED and group is not None
+    sent: Optional[_Sent] = None  # the newest agreement, in flight under the last step where lagged
+    runs: Dict[int, _Ran] = {}  # auto's steps, by number, until the agreement that times them is read
     while True:
+        number = out.steps  # the step whose tokens are taken now (0: the prefill's)
+        known = sent.result() if sent is not None else None  # on the step before: it travelled under this one
+        if known is not None:
+            _record(checks, runs, known)
         still = []
         for j, (i, t) in enumerate(zip(active, nxt)):
+            if problem:
+                break  # no token from logits that went wrong: this rank takes part with none until it raises
             out.tokens[i].append(t)
             if out.margins is not None and gaps:  # a captured step picks without margins
                 out.margins[i].append(gaps[j])
@@ -149,33 +173,41 @@ def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: U
                 still.append(i)
         going = set(still)
         cache.release([slots[i] for i in active if i not in going])
-        history = [lens[i] + len(out.tokens[i]) - 1 for i in still]  # rows held before this step's
+        history = [lens[i] + len(out.tokens[i]) - 1 for i in still]  # rows held before the next step's
         parts_by_count = _parts(decoders, history)
+        if known is not None:  # cut no wider than the bound the next step runs on
+            parts_by_count = {n: _within(p, known.widest[n], history) for n, p in parts_by_count.items()}
+        ran = runs.get(number)
         took = time.perf_counter() - ran.start if ran is not None else 0.0
         built = ran is not None and _builds(decoders) != ran.builds
+        left = max((limits[i] - len(out.tokens[i]) for i in still), default=0)
         widest = {n: max(map(len, p)) for n, p in parts_by_count.items()}
-        step = _step_status(_Post(len(still), widest, max(history, default=0), mode, took, built), problem, group)
-        if ran is not None and checks is not None and not ran.observed and not step.built:
-            checks.record(ran.mode, ran.predicted, step.seconds)  # a step that lowered or captured is no measurement
-        observed = bool(on_step(out.steps, step.active)) if on_step is not None else False
-        if not step.active:
+        post = _Post(len(still), widest, max(history, default=0), left, mode, took, built)
+        sent = _send(post, problem, group, number, lagged)
+        if known is None or not lagged or not known.follows(number):  # the first, blocking, or the last: its own
+            known = sent.result()
+            _record(checks, runs, known)
+        lag = number - known.number  # steps the agreement is behind: 0 or 1
+        follows = known.follows(number)
+        observed = bool(on_step(number, known.active if follows else 0)) if on_step is not None else False
+        if not follows:
             return out
         out.steps += 1
         name = mode
         if mode == AUTO:
             if checks is not None:
-                choice = checks.choose(calibration, step.tokens, step.history, margin=margin)
+                choice = checks.choose(calibration, known.tokens, known.history + lag, margin=margin)
             else:
-                choice = choose_decode(calibration, step.tokens, step.history, margin=margin)
+                choice = choose_decode(calibration, known.tokens, known.history + lag, margin=margin)
             name = choice.mode
             out.predicted.append(choice.seconds)
-            ran = _Ran(name, choice.seconds, time.perf_counter(), observed, _builds(decoders))
+            runs[out.steps] = _Ran(name, choice.seconds, time.perf_counter(), observed, _builds(decoders))
         out.modes.append(name)
         current = decoders[name]
         parts = parts_by_count[current.micro_batches]
         picked = current.run([slots[i] for i in still], [out.tokens[i][-1] for i in still], parts,
-                             widest=step.widest[current.micro_batches], history=step.history, number=out.steps,
-                             margins=margins)
+                             widest=known.widest[current.micro_batches], history=known.history + lag,
+                             number=out.steps, margins=margins)
         active = [still[j] for part in parts for j in part]  # the order of the picked rows
         nxt, gaps, problem = read_picked(picked, active, out.steps)
 
@@ -260,7 +292,7 @@ def _greedy(logits: torch.Tensor, requests: List[int], step: int, margins: bool
 
 
 class _Ran(NamedTuple):
-    """Auto's last step, as its guard needs it once the step is done."""
+    """Auto's step, as its guard needs it once the agreement that times it is read."""
 
     mode: str
     predicted: float  # seconds
@@ -271,47 +303,97 @@ class _Ran(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class _Post:
-    """What a rank posts before a step: its active requests, its widest micro-batch for each micro-batch count a
-    candidate mode uses, its longest history, and the decode mode (which every rank must share)."""
+    """What a rank posts once a step's tokens are taken: its active requests, its widest micro-batch for each
+    micro-batch count a candidate mode uses, its longest history, the most steps its requests may still take, and
+    the decode mode (which every rank must share)."""
 
     active: int
     widest: Dict[int, int]
     history: int
+    left: int
     mode: str
-    seconds: float = 0.0  # the last step's time on this rank (auto's guard; 0 before the first)
-    built: bool = False  # the last step lowered a schedule or captured a bucket on this rank
+    seconds: float = 0.0  # the step's time on this rank (auto's guard; 0 for the prefill's)
+    built: bool = False  # the step lowered a schedule or captured a bucket on this rank
 
 
 @dataclasses.dataclass(frozen=True)
 class _Step:
-    """A step as every rank agreed it: requests active on all ranks, the most on one rank (``tokens``), the widest
-    micro-batch of any rank per micro-batch count, and the longest history."""
+    """What every rank agreed once step ``number``'s tokens were taken: requests active on all ranks, the most on
+    one rank (``tokens``), the widest micro-batch of any rank per micro-batch count, the longest history, the most
+    steps a request may still take (``left``)."""
 
+    number: int
     active: int
     tokens: int
     widest: Dict[int, int]
     history: int
-    seconds: float = 0.0  # the last step's time on the slowest rank
-    built: bool = False  # the last step lowered a schedule or captured a bucket on some rank
+    left: int
+    seconds: float = 0.0  # the step's time on the slowest rank
+    built: bool = False  # the step lowered a schedule or captured a bucket on some rank
+
+    def follows(self, number: int) -> bool:
+        """Whether step ``number + 1`` runs, on what this agreement (on step ``self.number``) knows: a request is
+        active and may still take that step."""
+        return self.active > 0 and self.left > number - self.number
 
 
-def _step_status(post: _Post, problem: Optional[str], group: Optional[dist.ProcessGroup]) -> _Step:
-    """The step every rank of ``group`` agreed (`_Step`), once they agree on the decode mode; `NonFiniteLogits` on
-    every rank, naming the rank, where one found NaN or inf (`overlap.agree`: one small all-reduce; none without a
-    group)."""
+class _Sent:
+    """A rank's post on step ``number``, sent to every rank (`_send`); `result` waits for their agreement."""
+
+    def __init__(self, number: int, widths: Sequence[int], pending: Optional[overlap.PendingAgreement] = None,
+                 alone: Optional[_Step] = None):
+        self.number, self.widths, self.pending, self.agreed = number, list(widths), pending, alone
+
+    def result(self) -> _Step:
+        """The step as every rank agreed it (`_Step`); `NonFiniteLogits` on every rank, naming the rank, where one
+        found NaN or inf; waits at most the wait bound (`overlap.set_wait_timeout`)."""
+        if self.agreed is None:
+            posts = self.pending.result()
+            widest = {n: max(p["widest"][i] for p in posts) for i, n in enumerate(self.widths)}
+            self.agreed = _Step(self.number, sum(p["active"] for p in posts), max(p["active"] for p in posts), widest,
+                                max(p["history"] for p in posts), max(p["left"] for p in posts),
+                                max(float(p["seconds"]) for p in posts), any(p["built"] for p in posts))
+        return self.agreed
+
+
+def _send(post: _Post, problem: Optional[str], group: Optional[dist.ProcessGroup], number: int, aside: bool
+          ) -> _Sent:
+    """This rank's post on step ``number`` sent to every rank of ``group`` (`overlap.agree_later`: one small
+    all-reduce, on the `AGREEMENT` side stream where ``aside``); alone, the step as it is, or `NonFiniteLogits` at
+    once."""
+    widths = sorted(post.widest)
     if group is None:
         if problem:
             raise NonFiniteLogits(problem)
-        return _Step(post.active, post.active, dict(post.widest), post.history, post.seconds, post.built)
-    mine = {"active": post.active, "widest": [post.widest[n] for n in sorted(post.widest)],
-            "history": post.history, "decode mode": post.mode, "seconds": post.seconds, "built": post.built}
-    posts = overlap.agree(mine, overlap.GroupTransport(group, "decode.step"), problems=[problem] if problem else [],
-                          per_rank=["active", "widest", "history", "seconds", "built"], error=DecodeError,
-                          problem_error=NonFiniteLogits)
-    widest = {n: max(p["widest"][i] for p in posts) for i, n in enumerate(sorted(post.widest))}
-    return _Step(sum(p["active"] for p in posts), max(p["active"] for p in posts), widest,
-                 max(p["history"] for p in posts), max(float(p["seconds"]) for p in posts),
-                 any(p["built"] for p in posts))
+        return _Sent(number, widths, alone=_Step(number, post.active, post.active, dict(post.widest), post.history,
+                                                 post.left, post.seconds, post.built))
+    mine = {"active": post.active, "widest": [post.widest[n] for n in widths], "history": post.history,
+            "left": post.left, "decode mode": post.mode, "seconds": post.seconds, "built": post.built}
+    transport = overlap.GroupTransport(group, "decode.step", stream=AGREEMENT if aside else None)
+    pending = overlap.agree_later(mine, transport, problems=[problem] if problem else [],
+                                  per_rank=["active", "widest", "history", "left", "seconds", "built"],
+                                  error=DecodeError, problem_error=NonFiniteLogits)
+    return _Sent(number, widths, pending)
+
+
+def _record(checks: Optional[DecodeGuard], runs: Dict[int, _Ran], known: _Step) -> None:
+    """Auto's step ``known.number``, timed on the slowest rank, to its guard: once, unless the caller observed it or
+    it built something (a lowering, a capture: its time is no measurement)."""
+    ran = runs.pop(known.number, None)
+    if ran is not None and checks is not None and not ran.observed and not known.built:
+        checks.record(ran.mode, ran.predicted, known.seconds)
+
+
+def _within(parts: List[List[int]], most: int, history: Sequence[int]) -> List[List[int]]:
+    """``parts`` (indices into ``history``) with none wider than ``most``: from a wider part, its shortest-history
+    requests move to the narrowest part. Always possible where ``most`` bounds a cut of more requests before."""
+    if max(map(len, parts), default=0) <= most:
+        return parts
+    parts = [sorted(p, key=lambda j: (history[j], j)) for p in parts]
+    for part in parts:
+        while len(part) > most:
+            min(parts, key=len).append(part.pop(0))
+    return [sorted(p) for p in parts]
 
 
 def _builds(decoders: Mapping[str, Decoder]) -> Tuple[int, int]:
@@ -321,5 +403,6 @@ def _builds(decoders: Mapping[str, Decoder]) -> Tuple[int, int]:
     return microbatch.replay_stats()["lowered"], sum(d.built for d in decoders.values())
 
 
-__all__ = ["DecodeError", "Decoders", "Generated", "NonFiniteLogits", "OnStep", "generate", "greedy_generate",
+__all__ = ["AGREEMENTS", "BLOCKING", "DecodeError", "Decoders", "Generated", "LAGGED", "NonFiniteLogits", "OnStep",
+           "generate", "greedy_generate",
            "make_decoders", "new_cache"]

@@ -17,6 +17,7 @@ import microbatch
 from microbatch import HIDDEN, DecodeModel, Operation
 
 DECODE_STEP = "decode step"  # the label of a decode step's `overlap.no_host_sync` scope, with its number
+AGREEMENT = "agreement"  # the side stream the ranks' agreement on a decode step (``decode.step``) travels on
 TOKENS = "tokens"  # a decode micro-batch's input: its requests' last tokens, embedded in the step
 
 
@@ -77,4 +78,4 @@ def bucket_of(tokens: int, buckets: Optional[Sequence[int]] = None) -> int:
     return min((b for b in buckets if b >= tokens), default=tokens)
 
 
-__all__ = ["DECODE_STEP", "TOKENS", "Picked", "bucket_of", "decode_step", "lower_step", "read_picked"]
+__all__ = ["AGREEMENT", "DECODE_STEP", "TOKENS", "Picked", "bucket_of", "decode_step", "lower_step", "read_picked"]

@@ -63,18 +63,25 @@ def legend_entries(spans: Sequence[Span]) -> List[Tuple[str, Style]]:
 
 
 def layer_labels(spans: Sequence[Span], min_width: float) -> List[Tuple[Span, str]]:
-    """Per lane (rank, stream), micro-batch and layer: its longest span, labelled ``L<layer>``, where at least
-    ``min_width`` seconds wide (host spans are never labelled)."""
+    """Per lane (rank, stream), micro-batch and layer: its longest span, labelled ``L<layer>``; and each span that
+    names itself (``meta["label"]``: an agreement between ranks, such as a decode step's ``decode.step``) with
+    that name; where at least ``min_width`` seconds wide (host spans are never labelled)."""
     longest: Dict[Tuple[Any, ...], Tuple[float, Span]] = {}
+    named: List[Tuple[Span, str]] = []
     for s in spans:
+        if s.end is None or s.kind in HOST_KINDS:
+            continue
+        width = s.end - s.start
+        if s.meta.get("label"):
+            named += [(s, str(s.meta["label"]))] if width >= min_width else []
+            continue
         layer = s.meta.get("layer")
-        if layer is None or s.end is None or s.kind in HOST_KINDS:
+        if layer is None:
             continue
         key = (s.rank, s.stream, s.meta.get("mb"), layer)
-        width = s.end - s.start
         if key not in longest or width > longest[key][0]:
             longest[key] = (width, s)
-    return [(s, f"L{s.meta['layer']}") for width, s in longest.values() if width >= min_width]
+    return [(s, f"L{s.meta['layer']}") for width, s in longest.values() if width >= min_width] + named
 
 
 def _lighter(colour: str, by: float = 0.45) -> Tuple[float, float, float]:
