@@ -13,13 +13,16 @@
 goes through it (`microbatch.run` with a kept program or a fresh one, `execute`, `Lowered.run`).
 A launch is its waits, its ``record_stream`` calls, its operation, its record and the values it
 frees. While someone observes (a `Timeline`, the sanitizer) each launch is a span too (the events
-report their records and waits themselves); while nobody does, nothing else is built. Outside a
+report their records and waits themselves); while a profiler records (`overlap.hooks.profiling`) each
+launch is a ``record_function`` range named ``overlap:mb1.L3.experts@default`` (`overlap.hooks.launch_name`;
+not while Dynamo traces, which drops such ranges); while neither, nothing else is built. Outside a
 trace the path (the one lowered for) and the switch are pinned for the run, so that the primitives
 inside, the operations' own included, read neither the environment nor the detection.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+import contextlib
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -125,8 +128,11 @@ def interpret(program: Program, fns: Sequence[Callable[..., Any]], inputs: Seque
     backend, caller = program.backend, program.caller
     enabled = overlap.is_enabled()
     observed = hooks.active()
+    compiling = torch.compiler.is_dynamo_compiling()
+    profiled = not compiling and hooks.profiling()
+    seen = observed or profiled
     record_streams = enabled and program.record_streams
-    pinned = None if torch.compiler.is_dynamo_compiling() else pin(program.path, enabled)
+    pinned = None if compiling else pin(program.path, enabled)
     scope: Any = None  # the stream scope entered
     try:
         if enabled and program.input_event is not None:
@@ -153,11 +159,14 @@ def interpret(program: Program, fns: Sequence[Callable[..., Any]], inputs: Seque
                 if launch.after:
                     args = _wait_tensors(args, [t for s in launch.after for t in tensors_in(slots[s])])
             fn = fns[launch.fn]
-            if observed:
+            if not seen:
+                out = fn(*args)
+            elif not profiled:
                 with overlap.span(launch.op, kind=launch.kind, mb=launch.mb, layer=launch.layer):
                     out = fn(*args)
             else:
-                out = fn(*args)
+                with _profiled(launch, observed):
+                    out = fn(*args)
             writes = launch.writes
             if len(writes) == 1:
                 slots[writes[0]] = out
@@ -185,6 +194,17 @@ def interpret(program: Program, fns: Sequence[Callable[..., Any]], inputs: Seque
         if pinned is not None:
             pinned.restore()
     return [slots[s] for s in program.outputs]
+
+
+@contextlib.contextmanager
+def _profiled(launch: _Launch, observed: bool) -> Iterator[None]:
+    """The launch's profiler range, holding its span when ``observed``."""
+    with hooks.profiler_range(hooks.launch_name(launch.op, launch.mb, launch.layer, launch.stream, launch.kind)):
+        if not observed:
+            yield
+            return
+        with overlap.span(launch.op, kind=launch.kind, mb=launch.mb, layer=launch.layer):
+            yield
 
 
 def _read(read: Tuple[Any, ...], slots: List[Any], inputs: Sequence[Mapping[str, Any]]) -> Any:

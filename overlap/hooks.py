@@ -6,14 +6,19 @@ asynchronous CPU work (a collective on gloo's threads, a copy on a copy thread) 
 thread that completes it, so `on_span_end` may be called from another thread.
 Event records and waits and host synchronisation are reported too, so that a happens-before
 checker can follow the ordering edges. With no observer installed every call is a cheap no-op.
+
+A profiler (``torch.profiler``, torch_npu's) sees the executor's launches by name: while one records
+(`profiling`), each launch runs inside a ``record_function`` range named by `launch_name`
+(``overlap:mb1.L3.dispatch@ep_comm``), which `parse_launch_name` reads back from a trace.
 """
 from __future__ import annotations
 
 import contextvars
 import dataclasses
 import itertools
+import re
 import time
-from typing import Any, ContextManager, Dict, Optional, Sequence
+from typing import Any, ContextManager, Dict, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -146,3 +151,46 @@ def event_synchronized(event_name: str) -> None:
             fn(event_name)
         elif getattr(obs, "on_synchronize", None) is not None:
             obs.on_synchronize()
+
+
+# --- the launches as a profiler sees them -------------------------------------------------------------------
+PROFILER_PREFIX = "overlap:"
+_LAUNCH_NAME = re.compile(r"overlap:mb(?P<mb>\d+)\.L(?P<layer>\d+)\.(?P<op>[^@]+)@(?P<stream>[^@ ]+)"
+                          r"(?: \((?P<kind>\w+)\))?")
+
+
+class LaunchName(NamedTuple):
+    """What a launch's profiler name says: micro-batch, layer, operation, stream, and the kind of its span."""
+
+    mb: int
+    layer: int
+    op: str
+    stream: str
+    kind: str  # "compute", or "issue": the host's time issuing a communication stream's operation
+
+
+def profiling() -> bool:
+    """Whether a profiler records this thread's operators: ``torch.profiler``, or torch_npu's, which registers
+    its state as torch's (``torch.autograd._profiler_enabled()``, a C++ flag, read once per run)."""
+    return torch.autograd._profiler_enabled()
+
+
+def launch_name(op: str, mb: int, layer: int, stream: str, kind: str = "compute") -> str:
+    """A launch's name in a profiler: ``overlap:mb1.L3.experts@default``; a span kind other than compute follows
+    in brackets: ``overlap:mb1.L3.dispatch@ep_comm (issue)``."""
+    name = f"{PROFILER_PREFIX}mb{mb}.L{layer}.{op}@{stream}"
+    return name if kind == "compute" else f"{name} ({kind})"
+
+
+def parse_launch_name(name: str) -> Optional[LaunchName]:
+    """The fields of a `launch_name`; None for any other name."""
+    m = _LAUNCH_NAME.fullmatch(name)
+    if m is None:
+        return None
+    return LaunchName(int(m["mb"]), int(m["layer"]), m["op"], m["stream"], m["kind"] or "compute")
+
+
+def profiler_range(name: str) -> ContextManager[Any]:
+    """A ``record_function`` range named ``name``: what a profiler shows (costs microseconds: only while
+    `profiling`)."""
+    return torch.autograd.profiler.record_function(name)

@@ -259,7 +259,8 @@ def _trace(events, **top):
 @pytest.mark.parametrize("content, words", [
     (bytes(range(256)) * 4, ["not a trace", "binary"]),
     (_trace(GOOD) + b"\x00\x00", ["binary", "NUL"]),
-    (gzip.compress(_trace(GOOD)), ["not a trace", "gzip"]),
+    (gzip.compress(_trace(GOOD))[:-12], ["not a trace", "damaged gzip"]),
+    (gzip.compress(b""), ["empty file"]),
     (b"", ["empty file"]),
     (b" \n\t\n", ["empty file"]),
     (b"[1, 2, 3]", ["not a trace", "event 0", "not an object"]),
@@ -277,7 +278,7 @@ def _trace(events, **top):
     (_trace([dict(GOOD[0], tid={"id": 7}), GOOD[1]]), ["'tid' of event 0"]),
     (b"[" * 100000 + b"]" * 100000, ["not a trace", "nested too deeply"]),
     (b'{"traceEvents": [{"ph": "X", "ts": ' + b"1" * 5000 + b', "dur": 1}]}', ["not valid JSON", "digits"]),
-], ids=["binary", "nul-bytes", "gzip", "empty", "blank", "list-of-numbers", "string", "number", "null",
+], ids=["binary", "nul-bytes", "gzip-cut", "gzip-empty", "empty", "blank", "list-of-numbers", "string", "number", "null",
         "no-traceEvents", "traceEvents-object", "event-string", "event-null", "args-string", "args-null", "args-list",
         "pid-list", "tid-object", "deeply-nested", "huge-integer"])
 def test_not_a_trace(tmp_path, content, words):

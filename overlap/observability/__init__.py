@@ -2,7 +2,8 @@
 
 `Timeline` records every launch through the primitives as a span; `Sanitizer` checks that
 streams are ordered (vector clocks on the logical streams, so it runs on CPU); `report` reads a
-trace of this toolkit, torch.profiler or torch_npu's profiler and measures the overlap
+trace of this toolkit, torch.profiler or torch_npu's profiler (a file, or a folder of one per rank)
+and measures the overlap, per operation of this toolkit where a profiler trace names them
 (``overlap-report``).
 """
 from .sanitizer import Sanitizer, StreamRaceError, enable_from_env

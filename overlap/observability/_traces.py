@@ -2,7 +2,14 @@
 
 - a Chrome trace written by `overlap.Timeline` (one process per rank, one thread per stream);
 - a Chrome trace from ``torch.profiler`` (device kernels per stream when there are any, else host
-  ops per thread);
+  ops per thread, where only a process group's own work, such as ``gloo:all_to_all``, is
+  communication), plain or gzip-compressed; the toolkit's launches in it are found by their
+  ``record_function`` names (`overlap.hooks.launch_name`): on the host, the ops inside a launch of
+  kind ``issue`` are the host's time issuing a communication stream's operation, no busy time, as
+  in the toolkit's own timeline;
+- a folder of such Chrome traces, the toolkit's or torch.profiler's (one per rank, as
+  ``torch.profiler.tensorboard_trace_handler`` writes them: ``*.json``, ``*.json.gz``), read file by
+  file: a process named alike in two files is told apart by its file's name;
 - a torch_npu profiler output folder: ``trace_view.json`` ("Ascend Hardware" lanes per physical
   stream: ``args["Physic Stream Id"]``, which is also the ``tid``), else ``kernel_details.csv``
   (needs ``Stream ID``, the logical stream, i.e. profiler Level1 or above), plus
@@ -17,27 +24,38 @@ Every reader raises `TraceError` naming the file and what is missing or malforme
 """
 from __future__ import annotations
 
+import bisect
+import collections
 import csv
 import dataclasses
+import gzip
 import io
+import itertools
 import json
 import math
 import os
 import re
 import stat
-from typing import Any, Dict, List, Optional, Tuple
+import zlib
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
+from ..hooks import LaunchName, parse_launch_name
 from .timeline import GENERATOR
 Item = Tuple[str, str, str, float, float]  # process, stream, kind, start s, end s
 
 COMM_PATTERN = re.compile(r"nccl|hccl|hcom|gloo|c10d|all_?reduce|all_?to_?all|all_?gather|reduce_?scatter|"
                           r"broadcast|dispatch|combine|send|recv", re.IGNORECASE)
+# On a host thread only a process group's own work is communication ("gloo:all_to_all" on gloo's threads): an
+# operator named like one ("aten::broadcast_tensors", the sanitizer's "PythonDispatchMode") is compute.
+HOST_COMM_PATTERN = re.compile(r"(gloo|nccl|hccl|mpi|ucc)[:_]", re.IGNORECASE)
 # Tasks that hold a stream while it waits for another stream are not work on it.
 WAIT_PATTERN = re.compile(r"wait", re.IGNORECASE)
 HCCL_PATTERN = re.compile(r"hcom|hccl|communication", re.IGNORECASE)  # an NPU task of a collective
 NOTIFY_PATTERN = re.compile(r"notify", re.IGNORECASE)  # HCCL's own synchronisation with the peers
 _DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 _HOST_CATS = ("cpu_op", "user_annotation", "gpu_user_annotation")
+_HOST_RANGE, _DEVICE_RANGE = "user_annotation", "gpu_user_annotation"  # a record_function range on each side
+TRACE_SUFFIXES = (".json", ".json.gz")  # the files of a folder of Chrome traces
 KERNEL_DETAILS, STEP_TRACE, TRACE_VIEW = "kernel_details.csv", "step_trace_time.csv", "trace_view.json"
 NPU_OUTPUT = "ASCEND_PROFILER_OUTPUT"
 # Longest duration or distance from a trace's first event, in microseconds: past 2**53 us (~285 years)
@@ -49,6 +67,17 @@ class TraceError(ValueError):
     """A trace file or folder that cannot be read; the message names the file and the problem."""
 
 
+class ProfiledLaunch(NamedTuple):
+    """One of the toolkit's launches found by its name in a profiler trace: where its range ran (the process and
+    the lane of the trace's items: a host thread, or a device stream), what it was, and when (seconds)."""
+
+    process: str
+    lane: str
+    name: LaunchName
+    start: float
+    end: float
+
+
 @dataclasses.dataclass
 class Trace:
     """What a report is computed from."""
@@ -58,6 +87,14 @@ class Trace:
     items: List[Item] = dataclasses.field(default_factory=list)
     # torch_npu's own figures per process: communication and its overlapped part, seconds
     profiler_overlap: Dict[str, Tuple[float, float]] = dataclasses.field(default_factory=dict)
+    launches: List[ProfiledLaunch] = dataclasses.field(default_factory=list)  # the toolkit's, in a profiler trace
+    files: List[str] = dataclasses.field(default_factory=list)  # a folder's trace files, as read
+    left_out: List[str] = dataclasses.field(default_factory=list)  # a folder's JSON files read as no trace, and why
+
+    def processes(self) -> List[str]:
+        """Every process (rank, device) the trace names."""
+        names = {i[0] for i in self.items} | {launch.process for launch in self.launches} | set(self.profiler_overlap)
+        return sorted(names)
 
 
 def classify(name: str) -> str:
@@ -129,10 +166,13 @@ def _read_bytes(source: str) -> bytes:
 
 def _read_text(source: str) -> str:
     raw = _read_bytes(source)
+    if raw[:2] == b"\x1f\x8b":  # gzip, as tensorboard_trace_handler(use_gzip=True) writes
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError, zlib.error) as e:
+            raise TraceError(f"{source}: not a trace: a damaged gzip file ({e})") from None
     if not raw or raw.isspace():
         raise TraceError(f"{source}: empty file")
-    if raw[:2] == b"\x1f\x8b":
-        raise TraceError(f"{source}: not a trace: gzip-compressed (decompress it first)")
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
@@ -234,28 +274,70 @@ def _toolkit(events: List[Dict[str, Any]], source: str) -> List[Item]:
             for e, s, t in complete_slices(events, source)]
 
 
-def _torch_profiler(data: Any, events: List[Dict[str, Any]], source: str) -> List[Item]:
+def _launches(slices: List[Tuple[Dict[str, Any], float, float]], category: str, place: Any) -> List[ProfiledLaunch]:
+    """The toolkit's launches among the ``category`` ranges, each placed by ``place(event)`` -> (process, lane)."""
+    out = []
+    for e, s, t in slices:
+        if e.get("cat") == category:
+            name = parse_launch_name(str(e.get("name", "")))
+            if name is not None:
+                out.append(ProfiledLaunch(*place(e), name, s, t))
+    return out
+
+
+def _kind_inside(launches: List[ProfiledLaunch]) -> Any:
+    """``kind(process, lane, start)``: the kind of the innermost launch whose range holds ``start`` on that lane,
+    None outside every launch."""
+    by_lane: Dict[Tuple[str, str], List[ProfiledLaunch]] = {}
+    for launch in sorted(launches, key=lambda x: x.start):
+        by_lane.setdefault((launch.process, launch.lane), []).append(launch)
+    starts = {k: [x.start for x in v] for k, v in by_lane.items()}
+    reach = {k: list(itertools.accumulate((x.end for x in v), max)) for k, v in by_lane.items()}  # latest end so far
+
+    def kind(process: str, lane: str, start: float) -> Optional[str]:
+        ranges, ends = by_lane.get((process, lane), []), reach.get((process, lane), [])
+        i = bisect.bisect_right(starts.get((process, lane), []), start) - 1
+        while i >= 0 and start < ends[i]:  # the latest started range that holds ``start``: nested ones come later
+            if start < ranges[i].end:
+                return ranges[i].name.kind
+            i -= 1
+        return None
+    return kind
+
+
+def _torch_profiler(data: Any, events: List[Dict[str, Any]], source: str) -> Tuple[List[Item], List[ProfiledLaunch]]:
     rank = trace_metadata(data, "distributedInfo").get("rank")
     prefix = "" if rank is None else f"rank {rank} "
     slices = complete_slices(events, source)
     device = [x for x in slices if x[0].get("cat") in _DEVICE_CATS]
+
+    def on_device(e: Dict[str, Any]) -> Tuple[str, str]:
+        return f"{prefix}device {e.get('pid')}", f"stream {e.get('args', {}).get('stream', e.get('tid'))}"
+
+    def on_host(e: Dict[str, Any]) -> Tuple[str, str]:
+        return f"{prefix}process {e.get('pid')}", f"thread {e.get('tid')}"
+
     items: List[Item] = []
     if device:
         for e, s, t in device:
-            stream = e.get("args", {}).get("stream", e.get("tid"))
             kind = "copy" if e.get("cat") != "kernel" else classify(str(e.get("name", "")))
-            items.append((f"{prefix}device {e.get('pid')}", f"stream {stream}", kind, s, t))
-        return items
+            items.append((*on_device(e), kind, s, t))
+        return items, _launches(slices, _DEVICE_RANGE, on_device)
+    launches = _launches(slices, _HOST_RANGE, on_host)
+    inside = _kind_inside(launches)
     for e, s, t in slices:
         name = str(e.get("name", ""))
         # the launching thread's c10d op only enqueues (or waits for) work run on the backend's threads
         if e.get("cat") in _HOST_CATS and not name.startswith("c10d::"):
-            items.append((f"{prefix}process {e.get('pid')}", f"thread {e.get('tid')}", classify(name), s, t))
+            process, lane = on_host(e)
+            # inside a launch an op is what the launch is: compute, or the host issuing an exchange
+            kind = inside(process, lane, s) or ("comm" if HOST_COMM_PATTERN.match(name) else "compute")
+            items.append((process, lane, kind, s, t))
     if slices and not items:
         raise TraceError(f"{source}: {len(slices)} complete slices, none the report can place: not an overlap "
                          f"timeline, a torch.profiler trace (categories {', '.join(_DEVICE_CATS + _HOST_CATS)}) "
                          f"or a torch_npu trace_view.json")
-    return items
+    return items, launches
 
 
 def _npu_kinds(tasks: List[Tuple[str, str, str, Any]]) -> List[Tuple[str, str, Any]]:
@@ -388,11 +470,7 @@ def _process_name(out_dir: str, root: str) -> str:
     return os.path.basename(os.path.abspath(out_dir)) if rel == "." else rel
 
 
-def _load_npu_folder(root: str) -> Trace:
-    dirs = _npu_output_dirs(root)
-    if not dirs:
-        raise TraceError(f"{root}: no torch_npu profiler output here: expected {TRACE_VIEW}, {KERNEL_DETAILS} or "
-                         f"{STEP_TRACE} in it or in an {NPU_OUTPUT} folder below it")
+def _load_npu_folder(root: str, dirs: List[str]) -> Trace:
     trace = Trace(root, "torch_npu profiler folder")
     for d in dirs:
         process = _process_name(d, root)
@@ -412,10 +490,85 @@ def _load_npu_folder(root: str) -> Trace:
     return trace
 
 
+def _trace_files(root: str) -> List[str]:
+    """The Chrome trace files (`TRACE_SUFFIXES`) directly in the folder ``root``, by name."""
+    try:
+        names = sorted(os.listdir(root))
+    except OSError as e:
+        raise TraceError(f"{root}: cannot read it ({e.strerror})") from None
+    paths = (os.path.join(root, n) for n in names if n.endswith(TRACE_SUFFIXES))
+    return [p for p in paths if os.path.isfile(p)]
+
+
+def _load_trace_folder(root: str, files: List[str]) -> Trace:
+    """Every trace file of a folder, read as alone; a JSON file holding no trace (such as the launcher's
+    results.json) or a plan (a prediction) is left out and named."""
+    traces, left_out = [], []
+    for f in files:
+        base = os.path.basename(f)
+        data = read_json(f)
+        if isinstance(data, dict) and "traceEvents" not in data:
+            left_out.append(f"{base} (no traceEvents: not a trace)")
+            continue
+        if isinstance(trace_metadata(data, "otherData").get("prediction"), dict):
+            left_out.append(f"{base} (a plan: predicted, not measured)")
+            continue
+        trace = _from_json(f, data)
+        if not trace.items and not trace.profiler_overlap:
+            raise TraceError(f"{f}: no timed events (complete 'X' slices) found in it")
+        traces.append(trace)
+    if not traces:
+        raise TraceError(f"{root}: no trace among its {len(files)} JSON file(s): {', '.join(left_out)}")
+    owners: Dict[str, set] = collections.defaultdict(set)
+    for t in traces:
+        for p in t.processes():
+            owners[p].add(t.source)
+    folder = Trace(root, _folder_format(traces), files=[t.source for t in traces], left_out=left_out)
+    for t in traces:
+        named = {p: p if len(owners[p]) == 1 else f"{p} ({os.path.basename(t.source)})" for p in t.processes()}
+        folder.items += [(named[i[0]], *i[1:]) for i in t.items]
+        folder.launches += [launch._replace(process=named[launch.process]) for launch in t.launches]
+        folder.profiler_overlap.update({named[p]: v for p, v in t.profiler_overlap.items()})
+    return folder
+
+
+def _folder_format(traces: List[Trace]) -> str:
+    formats = collections.Counter(t.format for t in traces)
+    if len(formats) == 1:
+        return f"folder of {len(traces)} {next(iter(formats))} file(s)"
+    return f"folder of {len(traces)} trace files: " + ", ".join(f"{n} {fmt}" for fmt, n in sorted(formats.items()))
+
+
+def _load_folder(root: str) -> Trace:
+    dirs = _npu_output_dirs(root)
+    if dirs:
+        return _load_npu_folder(root, dirs)
+    files = _trace_files(root)
+    if files:
+        return _load_trace_folder(root, files)
+    raise TraceError(f"{root}: nothing to read here: no Chrome trace file ({', '.join('*' + x for x in TRACE_SUFFIXES)}"
+                     f": torch.profiler's or this toolkit's) in it, and no torch_npu profiler output ({TRACE_VIEW}, "
+                     f"{KERNEL_DETAILS} or {STEP_TRACE} in it or in an {NPU_OUTPUT} folder below it)")
+
+
+def _from_json(source: str, data: Any) -> Trace:
+    """The trace in the JSON ``data`` read from ``source``: the toolkit's, torch_npu's or torch.profiler's."""
+    events = trace_events(data, source)
+    if is_toolkit_trace(data, events):
+        layout = "" if isinstance(data, dict) else ", JSON array format"
+        return Trace(source, f"overlap timeline{layout}", _toolkit(events, source))
+    base = os.path.basename(source)
+    if "Ascend Hardware" in named_ids(events, "process_name").values():
+        items, summary = _ascend_hardware(events, source, base)
+        return Trace(source, "torch_npu trace_view.json", items, {base: summary} if summary else {})
+    items, launches = _torch_profiler(data, events, source)
+    return Trace(source, "torch.profiler Chrome trace", items, launches=launches)
+
+
 def load(source: str) -> Trace:
     """Read any supported trace file or folder; `TraceError` when it cannot."""
     if os.path.isdir(source):
-        return _load_npu_folder(source)
+        return _load_folder(source)
     if not os.path.exists(source):
         raise TraceError(f"{source}: no such file or folder")
     base = os.path.basename(source)
@@ -423,12 +576,4 @@ def load(source: str) -> Trace:
         if base == STEP_TRACE or "step_trace" in base:
             return Trace(source, "torch_npu step_trace_time.csv", profiler_overlap={base: _step_trace(source)})
         return Trace(source, "torch_npu kernel_details.csv", _kernel_details(source, base))
-    data = read_json(source)
-    events = trace_events(data, source)
-    if is_toolkit_trace(data, events):
-        layout = "" if isinstance(data, dict) else ", JSON array format"
-        return Trace(source, f"overlap timeline{layout}", _toolkit(events, source))
-    if "Ascend Hardware" in named_ids(events, "process_name").values():
-        items, summary = _ascend_hardware(events, source, base)
-        return Trace(source, "torch_npu trace_view.json", items, {base: summary} if summary else {})
-    return Trace(source, "torch.profiler Chrome trace", _torch_profiler(data, events, source))
+    return _from_json(source, read_json(source))

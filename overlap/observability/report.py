@@ -1,10 +1,13 @@
 """``overlap-report SOURCE``: per-stream busy time and overlap from a trace, with a CI gate.
 
-SOURCE is a Chrome trace from `overlap.Timeline` or ``torch.profiler``, or a torch_npu profiler
-output folder (or one of its ``trace_view.json`` / ``kernel_details.csv`` / ``step_trace_time.csv``).
-Prints, per rank or device: busy time per stream, overlap per pair of streams, overlap / min(busy)
-with a verdict (>= 0.5 real overlap, <= 0.05 serialized) and the hidden share of communication
-(the launcher's "hidden comm"), all as `overlap.observability._intervals` defines them.
+SOURCE is a Chrome trace from `overlap.Timeline` or ``torch.profiler`` (``.json`` or ``.json.gz``), a
+folder of them (one per rank, as ``torch.profiler.tensorboard_trace_handler`` writes them), or a
+torch_npu profiler output folder (or one of its ``trace_view.json`` / ``kernel_details.csv`` /
+``step_trace_time.csv``). Prints, per rank or device: busy time per stream, overlap per pair of
+streams, overlap / min(busy) with a verdict (>= 0.5 real overlap, <= 0.05 serialized) and the hidden
+share of communication (the launcher's "hidden comm"), all as `overlap.observability._intervals`
+defines them; in a profiler trace of this toolkit's executor, per operation its launches, busy time
+and the communication hidden under it (`overlap.observability._operations`).
 
 With ``--plan PREDICTED`` (a trace written from `microbatch.planning.simulation`'s prediction) it compares
 instead: per operation the measured and the planned duration and start, and the operations that
@@ -25,7 +28,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import click
 
 from . import _compare
-from ._intervals import Metrics, compute_metrics, verdict
+from ._intervals import ISSUE, Metrics, compute_metrics, verdict
+from ._operations import RankOperations, operation_figures
 from ._traces import Trace, TraceError, load
 
 EXIT_BELOW, EXIT_BAD_INPUT = 1, 2
@@ -49,9 +53,28 @@ def _pct(x: Optional[float]) -> str:
     return "n/a (no communication)" if x is None else f"{x:.1%}"
 
 
+def _operation_lines(ro: RankOperations) -> List[str]:
+    lines = []
+    for op in ro.operations:
+        head = f"  op    {op.label:<24} {op.launches:4d} launches {op.span * 1e3:10.3f} ms"
+        where = ", ".join(f"{lane} {t * 1e3:.3f} ms" for lane, t in sorted(op.busy.items(), key=lambda kv: -kv[1])
+                          if t > 0)
+        if op.kind == ISSUE:  # on a host trace its ops are the host issuing an exchange; on a device, its kernels
+            lines.append(f"{head}  issue: " + (f"busy {where}" if where else "the host's time, no busy time"))
+        else:
+            lines.append(f"{head}  busy {where or 'nowhere'}, hides {_pct(ro.hidden_share(op))} of communication")
+    outside = ", ".join(f"{lane} {t * 1e3:.3f} ms" for lane, t in sorted(ro.outside.items(), key=lambda kv: -kv[1])
+                        if t > 0)
+    lines.append(f"  op    (outside the operations): busy {outside or 'nowhere'}")
+    return lines
+
+
 def render(trace: Trace, m: Metrics) -> str:
     """The report as text."""
     lines = [f"{trace.source} ({trace.format})"]
+    if trace.left_out:
+        lines.append(f"left out: {', '.join(trace.left_out)}")
+    operations = operation_figures(trace.items, trace.launches)
     for proc, rm in sorted(m.per_rank.items(), key=lambda kv: str(kv[0])):
         lines.append(f"{proc}:")
         for stream, busy in sorted(rm.busy.items(), key=lambda kv: -kv[1]):
@@ -60,6 +83,8 @@ def render(trace: Trace, m: Metrics) -> str:
             r = rm.ratio(a, b)
             lines.append(f"  pair  {a} | {b}: overlap {ov * 1e3:.3f} ms, overlap/min(busy) {r:.2f}  {verdict(r)}")
         lines.append(f"  hidden share of communication: {_pct(rm.hidden_share)}")
+        if proc in operations:
+            lines += _operation_lines(operations[proc])
     for proc, (comm, hidden) in sorted(trace.profiler_overlap.items()):
         share = hidden / comm if comm > 0 else None
         lines.append(f"{proc}: profiler's own analysis: communication {comm * 1e3:.3f} ms, "
@@ -95,11 +120,23 @@ def gate(m: Metrics, min_overlap: Optional[float], pair: Optional[Tuple[str, str
     return failures
 
 
+def _operations_json(ro: Optional[RankOperations]) -> Dict[str, Any]:
+    if ro is None:
+        return {}
+    return {"operations": [{"operation": op.op, "stream": op.stream, "kind": op.kind, "launches": op.launches,
+                            "span_s": op.span, "busy_s": op.busy, "hidden_comm_s": op.hidden_comm,
+                            "hidden_share": ro.hidden_share(op)} for op in ro.operations],
+            "busy_outside_operations_s": ro.outside}
+
+
 def _as_json(trace: Trace, m: Metrics, failures: List[str]) -> Dict[str, Any]:
-    return {"source": trace.source, "format": trace.format, "hidden_share": m.hidden_share, "failures": failures,
+    operations = operation_figures(trace.items, trace.launches)
+    return {"source": trace.source, "format": trace.format, "files": trace.files, "left_out": trace.left_out,
+            "hidden_share": m.hidden_share, "failures": failures,
             "ranks": {str(p): {"busy_s": rm.busy, "hidden_share": rm.hidden_share,
                                "pairs": [{"a": a, "b": b, "overlap_s": ov, "ratio": rm.ratio(a, b),
-                                          "verdict": verdict(rm.ratio(a, b))} for (a, b), ov in rm.overlap.items()]}
+                                          "verdict": verdict(rm.ratio(a, b))} for (a, b), ov in rm.overlap.items()],
+                               **_operations_json(operations.get(p))}
                       for p, rm in m.per_rank.items()},
             "profiler_overlap": {p: {"communication_s": c, "overlapped_s": h}
                                  for p, (c, h) in trace.profiler_overlap.items()}}
