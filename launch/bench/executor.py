@@ -29,6 +29,7 @@ import torch
 
 import microbatch
 import overlap
+from launch.bench import COMMAND_SETTINGS
 from microbatch import Batch, Operation, replay, serial_split
 from microbatch.planning import propose_split
 from overlap import EP_COMM, Timeline
@@ -163,7 +164,7 @@ def _table(title: str, figures: Dict[str, Dict[str, float]]) -> None:
               + f" {f['replayed'] - f['loop']:12.2f} {f['timeline'] - f['replayed']:16.2f}")
 
 
-@click.command()
+@click.command(context_settings=COMMAND_SETTINGS)
 @click.option("--layers", default=61, show_default=True, help="synthetic layers (DeepSeek-V3 has 61)")
 @click.option("--ops", default=6, show_default=True, help="operations per synthetic layer")
 @click.option("--preset", "preset_name", default="small", show_default=True, help="the reference decoder's shapes")

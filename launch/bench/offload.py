@@ -23,6 +23,7 @@ import click
 import torch
 
 import overlap
+from launch.bench import COMMAND_SETTINGS
 from overlap import OffloadCache
 
 
@@ -66,7 +67,7 @@ def _best_time(fn: Callable[[], float], repeats: int) -> float:
     return min(fn() for _ in range(repeats))
 
 
-@click.command()
+@click.command(context_settings=COMMAND_SETTINGS)
 @click.option("--layers", default=8, show_default=True)
 @click.option("--tokens", default=1024, show_default=True)
 @click.option("--hidden", default=512, show_default=True)
