@@ -41,9 +41,11 @@ import torch.distributed as dist
 import microbatch
 from launch.build import build_model, holds_whole_model
 from launch.config import (DECODE_AUTO_MODES, DECODE_CALIBRATION_ROUNDS, DECODE_EXCHANGES, DECODE_MODE_NAMES,
-                           DecodeConfig, JobConfig, ModeList, decode_config, job_config)
-from launch.job import main as job_main, progress, say, script as job_script
-from launch.options import batch_options, model_options, run_options, timing_options
+                           DecodeConfig, JobConfig, ModeList, check_generation_options, decode_config, job_config,
+                           prefill_modes)
+from launch.job import (CalibrationSource, calibration_note, main as job_main, progress, say, script as job_script,
+                        threads)
+from launch.options import batch_options, model_options, refresh_option, run_options, timing_options
 
 if TYPE_CHECKING:  # the launcher's parts are imported where the job needs them (a bad option fails first)
     from launch.engine import Decoders
@@ -57,20 +59,31 @@ OwnTokens = Union[List[List[int]], str, None]  # the model's own generate() for 
 
 @click.command("generate", context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @model_options
-@click.option("--mode", type=ModeList(), multiple=True, default=["all"],
+@click.option("--mode", type=ModeList(), multiple=True, show_default=False,
               help="Prefill schedules, comma-separated, of " + ", ".join(list(microbatch.MODES) + ["all"])
-                   + ": all = serial, shared, two-batch. Given more than once, the lists add up.")
+                   + ": all = serial, shared, two-batch. Given more than once, the lists add up. Default: all; "
+                     "serial where --decode-mode is given, so that the runs compare its decode modes after one "
+                     "prefill (--decode-mode auto: serial, and serial / auto).")
 @click.option("--decode-mode", type=ModeList(DECODE_MODE_NAMES), multiple=True,
               help="Decode schedules, comma-separated (default: the same as --mode): as many as --mode names, "
                    "paired in order, or one for every --mode (or one --mode for every decode mode); besides the "
                    "prefill modes, chunked-2, chunked-3 and chunked-4 (one batch, its MoE in K chunks), and auto: "
                    "each step's fastest predicted mode from a decode calibration made first, run beside serial.")
+@click.option("--path", "exec_path", type=click.Choice(["auto", "npu", "ge", "aclgraph"]), default="auto",
+              help="The prefill's NPU execution path: auto or npu, the eager streams (generation prefills its KV "
+                   "cache eagerly; ge and aclgraph are refused: --decode-graph captures the decode steps).")
+@click.option("--auto-split-margin", type=float, default=None, show_default=False,
+              help="Prefill's --mode auto only, which generation does not run: refused (--decode-mode auto chooses "
+                   "each decode step's mode).")
 @click.option("--new-tokens", type=int, default=16, help="New tokens per request (the most, with a spread).")
 @click.option("--new-tokens-spread", type=float, default=0.0,
               help="Each request's new tokens drawn from [ceil(N*(1-F)), N] with the seed, differently on each rank.")
 @click.option("--stop-token", type=int, help="A token id that ends a request (it is kept).")
 @click.option("--kv-offload/--no-kv-offload", default=False,
               help="Keep the KV cache on the host, the next layer's keys and values prefetched on the copy stream.")
+@click.option("--kv-store", type=click.Choice(["memory", "mmap"]), default="memory",
+              help="Host tier of --kv-offload's cache: memory (pinned on a device); mmap, prefill's files, is "
+                   "refused.")
 @click.option("--decode-graph", type=click.Choice(["auto", "off", "cpu", "ge", "aclgraph", "cuda"]), default="auto",
               help="Pad each decode step to its bucket and capture it once per bucket on this path, then replay "
                    "(cpu: the padded static step, eager); off: eager steps; auto: cuda with --device cuda where the "
@@ -86,6 +99,7 @@ OwnTokens = Union[List[List[int]], str, None]  # the model's own generate() for 
 @click.option("--decode-guard/--no-decode-guard", default=True,
               help="With --decode-mode auto: time every step and set aside a mode whose steps measure slower than "
                    "serial's (running serial now and then to compare); off: the calibration's choice alone.")
+@refresh_option("--decode-mode auto")
 @click.option("--decode-calibration-rounds", type=int, default=DECODE_CALIBRATION_ROUNDS,
               help="With --decode-mode auto: rounds of every candidate mode behind each entry of its calibration "
                    "(4 steps each); more rounds, steadier predictions and a longer calibration (cached).")
@@ -104,20 +118,23 @@ OwnTokens = Union[List[List[int]], str, None]  # the model's own generate() for 
                    "serial's with the model's own generate() where one rank holds the whole model; exit 1 if one "
                    "differs.")
 @run_options
-def cli(mode: Tuple[Tuple[str, ...], ...], decode_mode: Tuple[Tuple[str, ...], ...], new_tokens: int,
-        new_tokens_spread: float, stop_token: Optional[int], decode_graph: str, decode_buckets: Optional[str],
-        decode_length_buckets: bool, decode_guard: bool, decode_calibration_rounds: int,
+def cli(mode: Tuple[Tuple[str, ...], ...], decode_mode: Tuple[Tuple[str, ...], ...], auto_split_margin: Optional[float],
+        new_tokens: int, new_tokens_spread: float, stop_token: Optional[int], decode_graph: str,
+        decode_buckets: Optional[str], decode_length_buckets: bool, decode_guard: bool, decode_calibration_rounds: int,
         decode_auto_modes: Tuple[str, ...], decode_exchange: str, layers: Optional[int], dense_layers: Optional[int],
         hidden: Optional[int], experts: Optional[int], top_k: Optional[int], shared_experts: Optional[int],
         **options: Any) -> None:  # Any: click's values of every other option, each of its own type
     """Greedy generation of a MoE model (the toolkit's reference decoder, a transformers model type, or a
     checkpoint folder) with expert parallelism over all ranks, in each mode, compared side by side."""
+    check_generation_options(options["exec_path"], options["kv_offload"], options["kv_store"], auto_split_margin)
     overrides = dict(n_layers=layers, n_dense_layers=dense_layers, hidden=hidden, n_experts=experts, top_k=top_k,
                      n_shared=shared_experts)
-    job = job_config(world=int(os.environ.get("WORLD_SIZE", "1")), overrides=overrides, exec_path="auto",
-                     kv_store="memory", mode=[name for names in mode for name in names], **options)
+    decode_modes = [name for names in decode_mode for name in names]
+    job = job_config(world=int(os.environ.get("WORLD_SIZE", "1")), overrides=overrides,
+                     mode=prefill_modes([name for names in mode for name in names], decode_modes),
+                     local_world=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), **options)
     decode = decode_config(job, new_tokens=new_tokens, spread=new_tokens_spread, stop_token=stop_token,
-                           decode_modes=[name for names in decode_mode for name in names], graph=decode_graph,
+                           decode_modes=decode_modes, graph=decode_graph,
                            buckets=decode_buckets, guard=decode_guard,
                            calibration_rounds=decode_calibration_rounds, auto_modes=decode_auto_modes,
                            exchange=decode_exchange, length_buckets=decode_length_buckets)
@@ -151,6 +168,7 @@ def _generate_job(job: JobConfig, decode: DecodeConfig, dev: torch.device, fault
     from launch.agreement import agree, agree_ready
     from launch.engine import make_expert_parallel
     from launch.job import finish
+    from launch.measure import spread
     from launch.measure.generate import Run, check, measure_generation, table
     from launch.memory import check as check_memory
     from launch.outputs import check_out_dir, write_generation_outputs
@@ -177,7 +195,8 @@ def _generate_job(job: JobConfig, decode: DecodeConfig, dev: torch.device, fault
     make_cache = functools.partial(_new_cache, job, model, prompts, limits)
     decoders = _decoders(job, decode, model, runs, make_cache)
     auto = next((r.label for r in runs if r.decode == microbatch.AUTO), None)
-    calibration = _calibrate(job, decode, model, peers, decoders.get(auto)) if auto is not None else None
+    source = CalibrationSource()
+    calibration = _calibrate(job, decode, model, peers, source, decoders.get(auto)) if auto is not None else None
     results = measure_generation(model, prompts, limits, runs, dist.group.WORLD, make_cache,
                                  stop_token=decode.stop_token, warmup=job.warmup, iters=job.iters,
                                  margins=job.check and job.dtype != torch.float32,
@@ -191,6 +210,11 @@ def _generate_job(job: JobConfig, decode: DecodeConfig, dev: torch.device, fault
         own_failed, own_notes = _check_own_tokens(job, results, own)
         failed, notes = failed + own_failed, notes + own_notes
     say(table(results))
+    for r in results:
+        if r.predicted_tpot_s is not None and r.tpot_s:
+            note = calibration_note(f"{r.run.label} (TPOT)", r.predicted_tpot_s, r.tpot_s, spread(r.step_s), source)
+            if note is not None:
+                say(note)
     if job.check:
         for line in notes:
             say(f"check: {line}")
@@ -225,23 +249,24 @@ def _decoders(job: JobConfig, decode: DecodeConfig, model: DecodeModel, runs: Se
     return decoders
 
 
-def _calibrate(job: JobConfig, decode: DecodeConfig, model: DecodeModel, peers: Peers,
+def _calibrate(job: JobConfig, decode: DecodeConfig, model: DecodeModel, peers: Peers, source: CalibrationSource,
                decoders: Optional["Decoders"] = None) -> "DecodeCalibration":
     """The decode calibration ``--decode-mode auto`` chooses from: every candidate mode's step time at 1 to the
-    batch's requests per rank and the job's shortest and longest histories (the same job on every rank); with
-    ``--decode-graph``, of the captured steps of auto's ``decoders``."""
+    batch's requests per rank and the job's shortest and longest histories (the same job on every rank), cached
+    (measured again with ``--refresh-calibration``), its source said through ``source``; with ``--decode-graph``,
+    of the captured steps of auto's ``decoders``."""
     from launch.engine import calibrate_decode, calibration_histories
     from microbatch.planning import DEFAULT_CONFIDENCE, DEFAULT_MARGIN
 
     def heard(line: str) -> None:
         peers.beat(line)
-        progress(line)
+        progress(line, stage=line.split(",")[0])  # a log: a line a round of the calibration
 
     start = time.perf_counter()
     cal = calibrate_decode(model, max_tokens=len(job.seq_lens),
                            histories=calibration_histories(job.seq_lens, decode.new_tokens),
                            modes=decode.auto_modes, repeats=decode.calibration_rounds, progress=heard,
-                           report=lambda line: say(line, err=True),
+                           refresh=job.refresh_calibration, report=source,
                            decoders=decoders if isinstance(decoders, dict) else None)
     progress("")
     say(f"{cal.format()}\n(in {time.perf_counter() - start:.1f} s; auto takes serial unless another mode is "
@@ -251,10 +276,11 @@ def _calibrate(job: JobConfig, decode: DecodeConfig, model: DecodeModel, peers: 
 
 
 def _progress(peers: Peers, line: str, round_start: bool, first_round: bool) -> None:
-    """Every step on a terminal, a line per run in a log; the rank's heartbeat at every round's start."""
+    """Every step on a terminal, in a log a line per run and round (its first step); the rank's heartbeat at every
+    round's start."""
     if round_start:
         peers.beat(line)
-    progress(line, first=round_start and first_round)
+    progress(line, stage=line if round_start else None)
 
 
 def _decode_refusal(model: DecodeModel) -> Optional[str]:
@@ -328,8 +354,8 @@ def _headline(job: JobConfig, decode: DecodeConfig, model: DecodeModel, world: i
     tokens = (f"{decode.new_tokens} new tokens each" if decode.spread == 0 else
               f"{decode.min_new_tokens()}-{decode.new_tokens} new tokens each (spread {decode.spread:g})")
     return (f"generate: {name}{layers}, hidden {cfg.hidden}, {cfg.n_experts} experts top-{cfg.top_k}, "
-            f"{cfg.n_shared} shared | {world} rank(s) on {job.device} | {len(job.seq_lens)} requests of "
-            f"{_lens(job.seq_lens)} prompt tokens per rank, {tokens}"
+            f"{cfg.n_shared} shared | {world} rank(s) on {job.device}, {threads(job)} | {len(job.seq_lens)} "
+            f"requests of {_lens(job.seq_lens)} prompt tokens per rank, {tokens}"
             + (f", stop token {decode.stop_token}" if decode.stop_token is not None else "")
             + f" | {str(job.dtype).replace('torch.', '')}"
             + f" | kv cache {'host, prefetched' if job.kv_offload else 'device'}"

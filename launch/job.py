@@ -4,7 +4,9 @@ A command's process starts (`script`, `main`: a bad option is printed once per n
 joins a group; Ctrl-C and torchrun's SIGTERM end the run through its clean-up), joins the group
 (`start`), runs its job under one error policy (`guarded`: a peer's failure, a bounded wait that ran
 out, or a bug, each said in one line per rank; a bug's traceback once) and leaves with the job's status
-without the interpreter's teardown.
+without the interpreter's teardown. On the way it tells the user what it does: rank 0's lines (`say`),
+its progress (`progress`), where auto's calibration came from (`CalibrationSource`) and whether its
+prediction still holds (`calibration_note`).
 """
 from __future__ import annotations
 
@@ -38,15 +40,63 @@ def say(msg: str, err: bool = False) -> None:
         click.echo(msg, err=err)
 
 
-def progress(msg: str, first: bool = False) -> None:
-    """Progress on rank 0: a line rewritten in place on a terminal; in a log, only the lines with ``first``."""
+_LOGGED = {"stage": None}  # the stage of the last progress line written to a log
+
+
+def progress(msg: str, stage: Optional[str] = None) -> None:
+    """Progress on rank 0, on stderr: on a terminal, a line rewritten in place at every call; in a log (not a
+    terminal), ``msg`` as a line of its own where ``stage`` (a round, a calibration's round) differs from the last
+    one logged, so that a long run is seen moving without a line a step; nothing where ``stage`` is None. An empty
+    ``msg`` ends the progress (the terminal's line is cleared)."""
     if rank() != 0:
         return
     if sys.stderr.isatty():
         sys.stderr.write("\r" + msg.ljust(60) + ("\r" if not msg else ""))
         sys.stderr.flush()
-    elif first:
-        click.echo(f"running {msg}", err=True)
+    elif stage is not None and stage != _LOGGED["stage"]:
+        click.echo(msg, err=True)
+    if stage is not None or not msg:
+        _LOGGED["stage"] = stage
+
+
+def threads(job: JobConfig) -> str:
+    """The compute threads this rank runs (`start` sets them), and where that number comes from, for a headline."""
+    n = torch.get_num_threads()
+    return f"{n} compute thread{'s' if n > 1 else ''} per rank ({job.threads_from})"
+
+
+FAR = 0.2  # a calibration's prediction this far from the time measured (a share of it) is noted, beyond the spread
+
+
+class CalibrationSource:
+    """Where a launcher's calibration came from: the calibration's report line (read from the cache, its file and
+    when it was measured; or measured in this run), said on rank 0 as it comes and kept (`cached`)."""
+
+    def __init__(self) -> None:
+        self.lines: List[str] = []
+
+    def __call__(self, line: str) -> None:
+        self.lines.append(line)
+        say(line)
+
+    @property
+    def cached(self) -> bool:
+        """Whether the calibration was read from the cache (measured before this run)."""
+        return any(": cached (" in line for line in self.lines)
+
+
+def calibration_note(what: str, predicted_s: float, measured_s: float, spread: Optional[float],
+                     source: CalibrationSource) -> Optional[str]:
+    """A line where a cached calibration's prediction of ``what`` is more than `FAR` (and the rounds' ``spread``) off
+    the time measured beside it, suggesting ``--refresh-calibration``; None otherwise (a calibration measured in
+    this run says how close it comes in the table's lines)."""
+    off = abs(predicted_s - measured_s) / measured_s
+    if not source.cached or off <= max(FAR, spread or 0.0):
+        return None
+    within = f", more than the rounds' spread of {spread:.0%}" if spread is not None else ""
+    return (f"{what}: the cached calibration predicted {predicted_s * 1e3:.1f} ms and this run measured "
+            f"{measured_s * 1e3:.1f} ms ({off:.0%} apart{within}): the host may not be as it was when the calibration "
+            f"was measured; --refresh-calibration measures it again")
 
 
 def main(cli: click.Command, args: Optional[List[str]], prog_name: str) -> None:
@@ -156,12 +206,14 @@ def first_to_report_on_this_node() -> bool:
 
 
 def start(job: JobConfig) -> Optional[Tuple[torch.device, Optional[Fault], Peers]]:
-    """Set the job's path, link, priorities and wait bound, then join the group: this rank's device, the
-    injected fault (tests) and its peers' health; None (said in one line) when the group cannot be joined."""
+    """Set the job's compute threads, path, link, priorities and wait bound, then join the group: this rank's
+    device, the injected fault (tests) and its peers' health; None (said in one line) when the group cannot be
+    joined."""
     import overlap
     from launch.health import BEFORE_JOINING, Fault, Peers, StartError, join_group
     from overlap.link import OFF
 
+    torch.set_num_threads(job.threads)  # before the first operation (`launch.config.compute_threads`)
     overlap.set_path(job.device)
     overlap.set_link(job.link or OFF)  # --cpu-link off is off, whatever $OVERLAP_CPU_LINK says
     overlap.set_comm_priority(job.comm_priority)

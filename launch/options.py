@@ -50,6 +50,16 @@ def batch_options(seq_len: int) -> Callable[[F], F]:
     ])
 
 
+def refresh_option(auto: str) -> Callable[[F], F]:
+    """``--refresh-calibration``: measure the calibration of ``auto`` (``--mode auto``, ``--decode-mode auto``)
+    again, whatever the cache holds."""
+    return click.option("--refresh-calibration", is_flag=True,
+                        help=f"With {auto}: measure its calibration again instead of reading the one cached for "
+                             f"this machine, model and link (a line says where the one used came from and when it "
+                             f"was measured, and a note where a cached one's prediction is far from the time "
+                             f"measured).")
+
+
 def timing_options(f: F) -> F:
     """``--warmup``, ``--iters``, ``--seed``."""
     return _apply([

@@ -35,8 +35,9 @@ import torch.distributed as dist
 import microbatch
 from launch.build import build_model, holds_whole_model
 from launch.config import JobConfig, ModeList, job_config
-from launch.job import main as job_main, progress, say, script as job_script
-from launch.options import batch_options, model_options, run_options, timing_options
+from launch.job import (CalibrationSource, calibration_note, main as job_main, progress, say, script as job_script,
+                        threads)
+from launch.options import batch_options, model_options, refresh_option, run_options, timing_options
 
 if TYPE_CHECKING:  # the launcher's parts are imported where the job needs them (a bad option fails first)
     from launch.health import Fault, Peers
@@ -62,6 +63,7 @@ OwnForward = Union[torch.Tensor, str, None]  # the model's own forward for --che
               help="With --mode auto: how much faster than the best single batch a split must be predicted to "
                    "be chosen (a fraction; 0: any gain). The simulation leaves out the ranks' jitter at a split's "
                    "extra exchanges.")
+@refresh_option("--mode auto")
 @click.option("--kv-offload/--no-kv-offload", default=False, help="Offload each layer's K/V on the copy stream.")
 @click.option("--kv-store", type=click.Choice(["memory", "mmap"]), default="memory",
               help="Host tier of the KV offload (mmap: files under --out, or a temporary folder).")
@@ -79,7 +81,8 @@ def cli(mode: Tuple[Tuple[str, ...], ...], layers: Optional[int], dense_layers: 
     overrides = dict(n_layers=layers, n_dense_layers=dense_layers, hidden=hidden, n_experts=experts, top_k=top_k,
                      n_shared=shared_experts)
     job = job_config(world=int(os.environ.get("WORLD_SIZE", "1")), overrides=overrides,
-                     mode=[name for names in mode for name in names], **options)  # every --mode, in order
+                     mode=[name for names in mode for name in names],  # every --mode, in order
+                     local_world=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), **options)
     sys.exit(run_job(job))
 
 
@@ -150,12 +153,14 @@ def _prefill_job(job: JobConfig, dev: torch.device, fault: Optional[Fault], peer
         counter = iter(range(1 << 30))
 
         def before_iter(mode: str, i: int) -> None:
-            progress(f"{mode}: iteration {i + 1}/{job.warmup + job.iters + RECORDED}", first=i == 0)
+            progress(f"round {i + 1}/{job.warmup + job.iters + RECORDED} ({_phase(job, i)}): {mode}",
+                     stage=f"round {i + 1}")  # a log: a line a round
             if fault is not None:
                 fault.maybe_fail(rank, next(counter))
             peers.beat(f"{mode} iteration {i + 1}")
 
-        choice = _choose_auto(job, model, batch) if microbatch.AUTO in job.modes else None
+        source = CalibrationSource()
+        choice = _choose_auto(job, model, batch, source) if microbatch.AUTO in job.modes else None
         results = measure_modes(model, batch, job.modes, dist.group.WORLD, warmup=job.warmup, iters=job.iters,
                           cache=cache, before_iter=before_iter, compile_mode=compile_mode, choice=choice)
         progress("")
@@ -172,6 +177,10 @@ def _prefill_job(job: JobConfig, dev: torch.device, fault: Optional[Fault], peer
                 say(f"{r.mode} split: {r.split_reason}")
         if choice is not None:
             say(_auto_summary(choice, results))
+            auto = next(r for r in results if r.mode == microbatch.AUTO)
+            note = calibration_note("auto", choice.best.predicted_s, auto.median_s, auto.spread, source)
+            if note is not None:
+                say(note)
         if job.check or failed:
             say(("check: " if job.check else "") + ("FAILED: " + ", ".join(failed) if failed
                                                       else "every mode matches serial"))
@@ -220,15 +229,23 @@ def _check_own_forward(job: JobConfig, results: Sequence[ModeResult], own: OwnFo
     return [f"serial differs from {job.model_name}'s own forward by {diff:.3e} (tolerance {tol:.1e})"]
 
 
-def _choose_auto(job: JobConfig, model: MoEModel, batch: Batch) -> Choice:
-    """``--mode auto``: calibrate (cached per machine, model and dtype) and choose; the same on every rank."""
+def _phase(job: JobConfig, i: int) -> str:
+    """What round ``i`` (0: the first) of the measurement is for."""
+    return "warm-up" if i < job.warmup else "timed" if i < job.warmup + job.iters else "recorded for the trace"
+
+
+def _choose_auto(job: JobConfig, model: MoEModel, batch: Batch, source: CalibrationSource) -> Choice:
+    """``--mode auto``: calibrate (cached per machine, model and dtype; measured again with
+    ``--refresh-calibration``), the calibration's source said, and choose; the same on every rank."""
     from microbatch.forward import cut_refusal
     from microbatch.planning import calibrate, choose, gather_lens, request_length
 
     all_lens = gather_lens(batch.seq.seq_lens, dist.group.WORLD)
     cal = calibrate(model, dist.group.WORLD, max_tokens=max(sum(lens) for lens in all_lens),
                     seq_len=request_length(all_lens),  # attention's cost follows the requests' length
-                    report=lambda msg: say(msg, err=True))
+                    refresh=job.refresh_calibration, report=source,
+                    progress=lambda line: progress(line, stage=line))  # a log: a line a stage
+    progress("")
     choice = choose(cal, model, all_lens, allow_cut=cut_refusal(model) is None, split_margin=job.split_margin)
     say(choice.format())
     return choice
@@ -292,8 +309,8 @@ def _headline(job: JobConfig, model: MoEModel, world: int, cache: Optional[Offlo
     name = f"{job.model_name} " if job.transformers else ""
     layers = f"{cfg.n_layers} layers ({cfg.n_dense_layers} dense, {cfg.n_layers - cfg.n_dense_layers} MoE)"
     return (f"prefill: {name}{layers}, hidden {cfg.hidden}, {cfg.n_experts} experts top-{cfg.top_k}, "
-            f"{cfg.n_shared} shared | {world} rank(s) on {job.device} | {len(job.seq_lens)} requests / "
-            f"{sum(job.seq_lens)} tokens per rank | {str(job.dtype).replace('torch.', '')} | kv offload "
+            f"{cfg.n_shared} shared | {world} rank(s) on {job.device}, {threads(job)} | {len(job.seq_lens)} "
+            f"requests / {sum(job.seq_lens)} tokens per rank | {str(job.dtype).replace('torch.', '')} | kv offload "
             f"{'on (' + job.kv_store + ')' if cache else 'off'}" + (f" | simulated link {job.link}" if job.link else "")
             + (f" | comm threads {overlap.describe_comm_priority()}" if job.device == "cpu" else "")
             + (f" | {job.path} graph" if job.graph else "")

@@ -916,3 +916,18 @@ def test_a_checkpoint_of_a_family_the_adapter_does_not_run_is_refused_before_the
                    preset_name="tiny", overrides={}, batch=1, seq_len=8, seq_lens=None, dtype="float32", warmup=0,
                    iters=1, seed=0, check=False, out_dir=None, cpu_link="0.1", timeout=30.0, model_name=path)
     assert "\n" not in str(err.value.message)
+
+
+@pytest.mark.parametrize("family, field", [("mixtral", "num_local_experts"), ("deepseek_v3", "n_routed_experts")])
+def test_a_checkpoint_whose_experts_the_ranks_cannot_share_names_its_count_and_the_ranks(written, family, field):
+    """8 experts on 3 ranks: the checkpoint's count (and its config.json's field) and the rank counts that run it,
+    not --experts, an option a checkpoint does not take (it is refused with one)."""
+    from launch.config import ConfigError, job_config
+
+    path = written[family][1]
+    with pytest.raises(ConfigError) as err:
+        job_config(world=3, device="cpu", exec_path="auto", mode="serial", kv_offload=False, kv_store="memory",
+                   preset_name="tiny", overrides={}, batch=1, seq_len=8, seq_lens=None, dtype="float32", warmup=0,
+                   iters=1, seed=0, check=False, out_dir=None, cpu_link="0.1", timeout=30.0, model_name=path)
+    assert err.value.message == (f"--model {path}: the checkpoint has 8 routed experts per MoE layer ({field} in its "
+                                 f"config.json), which 3 ranks cannot share equally: run it on 1, 2, 4 or 8 ranks")

@@ -36,6 +36,15 @@ def _run(args, ranks=None, env=None, timeout=180):
     (["--decode-exchange", "mc2"], "--decode-exchange mc2 runs torch_npu's fused MC2 operators on Ascend (--device "
                                    "npu), not on cpu"),
     (["--decode-exchange", "nccl"], "Invalid value for '--decode-exchange'"),
+    (["--path", "ge"], "--path ge compiles a prefill job's modes as one graph each; generation prefills its KV cache "
+                       "on the eager path: leave --path out (or --path npu) and capture the decode steps with "
+                       "--decode-graph ge"),
+    (["--path", "aclgraph"], "capture the decode steps with --decode-graph aclgraph"),
+    (["--kv-offload", "--kv-store", "mmap"], "--kv-store mmap keeps a prefill job's offloaded keys and values in "
+                                             "files; generation's host cache (--kv-offload) is in host memory"),
+    (["--kv-store", "mmap"], "(and without --kv-offload the cache stays on the device)"),
+    (["--auto-split-margin", "0.2"], "--auto-split-margin sets what a split must gain under prefill's --mode auto, "
+                                     "which generation does not run"),
 ])
 def test_a_bad_generation_option_is_one_line_before_any_rank_joins(args, words, capsys, monkeypatch):
     from launch.generate import main
@@ -70,8 +79,8 @@ def test_two_ranks_that_finish_apart_generate_every_modes_tokens_on_the_device_a
     generates serial's tokens, the table shows each mode's figures and the files are written. With
     --kv-offload (the cache on the host, prefetched) every mode generates the same tokens, and the table and
     results say how much of the prefetch compute hid."""
-    args = ["--new-tokens", "8", "--new-tokens-spread", "0.75", "--stop-token", "5", "--batch", "3", "--seq-len", "16",
-            "--decode-calibration-rounds", "1", "--decode-mode", "serial,auto,two-batch", "--check"]
+    args = ["--mode", "all", "--new-tokens", "8", "--new-tokens-spread", "0.75", "--stop-token", "5", "--batch", "3",
+            "--seq-len", "16", "--decode-calibration-rounds", "1", "--decode-mode", "serial,auto,two-batch", "--check"]
     device = _run(args + ["--out", str(tmp_path / "device")], ranks=2)
     assert device.returncode == 0, device.stdout + device.stderr[-3000:]
     assert "check: every mode generates serial's tokens" in device.stdout
@@ -82,8 +91,8 @@ def test_two_ranks_that_finish_apart_generate_every_modes_tokens_on_the_device_a
     assert re.search(r"^noise \(relative standard error of an entry's median\): [0-9.]+% to [0-9.]+%$", device.stdout,
                      re.M) and "faster, and by 1.5 standard errors of the two entries)" in device.stdout, device.stdout
     assert "calibrating decode (none cached for this machine, model and link; cached after this run in " \
-        in device.stderr, device.stderr[-3000:]  # the conftest's empty cache of this test
-    cached = re.search(r"cached after this run in (\S+)\)", device.stderr).group(1)
+        in device.stdout, device.stdout  # the conftest's empty cache of this test
+    cached = re.search(r"cached after this run in (\S+)\)", device.stdout).group(1)
     assert json.loads(open(cached).read())["key"]["repeats"] == 1  # --decode-calibration-rounds reached it
     assert re.search(r"^shared / auto: decode steps per mode \d+ [a-z0-9-]+.*; TPOT predicted [0-9.]+ ms, "
                      r"measured [0-9.]+ ms, serial measured [0-9.]+ ms; guard: \d+ serial probe step\(s\) of \d+; "
@@ -115,7 +124,7 @@ def test_two_ranks_that_finish_apart_generate_every_modes_tokens_on_the_device_a
     names = {e.get("name") for e in trace["traceEvents"]}
     assert {"dispatch", "combine"} <= names, names  # one decode step's launches, every rank's
 
-    host = _run(args[:-3] + ["--decode-mode", "serial,two-batch", "--mode", "serial,two-batch", "--check",
+    host = _run(args[2:-3] + ["--decode-mode", "serial,two-batch", "--mode", "serial,two-batch", "--check",
                               "--kv-offload", "--out", str(tmp_path / "host")], ranks=2)
     assert host.returncode == 0, host.stdout + host.stderr[-8000:]  # a rank's error comes before torchrun's summary
     assert "KV prefetch hidden" in host.stdout and "kv cache host, prefetched" in host.stdout, host.stdout
@@ -265,3 +274,103 @@ def test_decode_graph_auto_captures_on_cuda_where_the_run_can_and_runs_eager_ste
     assert captured_path(cuda, "off") is None and captured_path(job, "cpu") == "cpu"
     with pytest.raises(ConfigError, match="drop --kv-offload"):
         captured_path(dataclasses.replace(job, kv_offload=True), "cpu")
+
+
+def _parsed(args, capsys, monkeypatch):
+    """The job and generation options ``launch/generate.py args`` runs, parsed and checked as the launcher does
+    (`run_job` stands in for the run): ``(exit status, job, decode)``."""
+    import launch.generate
+
+    seen = {}
+
+    def run_job(job, decode):
+        seen.update(job=job, decode=decode)
+        return 0
+
+    monkeypatch.setattr(launch.generate, "run_job", run_job)
+    code, _, err = run_here(launch.generate.main, TINY + list(args), capsys, monkeypatch)
+    assert code == 0, err
+    return seen["job"], seen["decode"]
+
+
+@pytest.mark.parametrize("args, runs", [
+    # --decode-mode alone: one prefill (serial), the decode modes compared; auto beside serial
+    (["--decode-mode", "auto"], [("serial", "serial"), ("serial", "auto")]),
+    (["--decode-mode", "shared,chunked-2"], [("serial", "shared"), ("serial", "chunked-2")]),
+    # --mode alone: the decode steps in the same modes; both: paired as given
+    ([], [("serial", "serial"), ("shared", "shared"), ("two-batch", "two-batch")]),
+    (["--mode", "all", "--decode-mode", "auto"],
+     [("serial", "serial"), ("serial", "auto"), ("shared", "auto"), ("two-batch", "auto")]),
+    (["--mode", "two-batch", "--decode-mode", "auto"], [("serial", "serial"), ("two-batch", "auto")]),
+])
+def test_the_runs_a_generation_makes_by_default(args, runs, capsys, monkeypatch):
+    """``--decode-mode auto`` with no ``--mode`` runs serial and serial / auto (it ran auto's serial steps after
+    three prefill modes, three rows of one schedule); ``--mode`` given is taken as it is."""
+    _, decode = _parsed(args, capsys, monkeypatch)
+    assert [tuple(r) for r in decode.runs] == runs
+
+
+def test_generation_takes_the_prefill_options_that_apply_to_it(capsys, monkeypatch):
+    """--path auto|npu (the prefill's eager path; npu needs an NPU, as in prefill), --kv-store memory (the host
+    cache's store), --refresh-calibration (auto's decode calibration) and the shared ones reach the job; the ranks
+    agree on --refresh-calibration."""
+    from launch.agreement import fingerprint
+    from launch.config import ConfigError, check_generation_options
+
+    job, _ = _parsed(["--path", "auto", "--kv-offload", "--kv-store", "memory", "--refresh-calibration",
+                      "--decode-mode", "auto", "--dispatch", "one-step"], capsys, monkeypatch)
+    assert job.path is None and job.kv_offload and job.kv_store == "memory" and job.dispatch == "one-step"
+    assert job.refresh_calibration and fingerprint(job)["--refresh-calibration"] is True
+    check_generation_options("npu", True, "memory", None)  # the eager NPU path: taken
+    with pytest.raises(ConfigError, match="--auto-split-margin"):
+        check_generation_options("auto", False, "memory", 0.1)
+    from launch.generate import main
+
+    code, _, err = run_here(main, TINY + ["--path", "npu"], capsys, monkeypatch)
+    assert code == 2 and "--path npu runs on Ascend NPUs only; this run's device is cpu" in err, err
+
+
+def _calibration_file(stdout):
+    return re.search(r"cached after this run in (\S+\.json)\)", stdout).group(1)
+
+
+def test_auto_says_where_its_calibration_came_from_and_notes_a_stale_one(tmp_path):
+    """One process, --decode-mode auto three times over one cache (the conftest's, of this test): measured (its
+    file said), then read from the cache with the time it was measured, and from a cache file whose numbers are
+    far from this host's (as a calibration measured on a busier host): a note suggesting --refresh-calibration,
+    which measures it again. In a log (stderr is no terminal) the progress is a line a calibration round and a
+    line a run and round, never a line a step."""
+    args = ["--batch", "3", "--seq-len", "8", "--new-tokens", "4", "--decode-mode", "auto",
+            "--decode-calibration-rounds", "2", "--warmup", "0", "--iters", "2"]
+    first = _run(args)
+    assert first.returncode == 0, first.stdout + first.stderr[-3000:]
+    assert "calibrating decode (none cached for this machine, model and link; cached after this run in " \
+        in first.stdout, first.stdout
+    log = first.stderr.splitlines()
+    for rnd in (1, 2):  # the calibration's rounds, a line each
+        assert sum(line.startswith(f"calibrating decode: round {rnd}/2,") for line in log) == 1, first.stderr
+    for run in ("serial", "serial / auto"):  # each run's generations, a line a round
+        assert [line.split(",")[0] for line in log if line.startswith(run + ": ")] == \
+            [f"{run}: round {r}/2" for r in (1, 2)], first.stderr
+    assert not any(", step 1," in line for line in log), first.stderr
+
+    path = _calibration_file(first.stdout)
+    data = json.loads(open(path).read())
+    data["calibration"]["seconds"] = {mode: [[t * 50 for t in row] for row in rows]
+                                      for mode, rows in data["calibration"]["seconds"].items()}
+    with open(path, "w") as f:
+        json.dump(data, f)
+    three_days = 3 * 86400 + 600
+    os.utime(path, (os.path.getmtime(path) - three_days,) * 2)
+    stale = _run(args)
+    assert stale.returncode == 0, stale.stdout + stale.stderr[-3000:]
+    assert re.search(r"^decode calibration: cached \(" + re.escape(path) + r"\), measured \d{4}-\d\d-\d\d \d\d:\d\d, 3 "
+                     r"days ago$", stale.stdout, re.M), stale.stdout
+    assert re.search(r"^serial / auto \(TPOT\): the cached calibration predicted [0-9.]+ ms and this run measured "
+                     r"[0-9.]+ ms \(\d+% apart.*--refresh-calibration measures it again$", stale.stdout, re.M), \
+        stale.stdout
+
+    refreshed = _run(args + ["--refresh-calibration"])
+    assert refreshed.returncode == 0, refreshed.stdout + refreshed.stderr[-3000:]
+    assert f"calibrating decode (refreshing; cached after this run in {path})" in refreshed.stdout, refreshed.stdout
+    assert "--refresh-calibration measures it again" not in refreshed.stdout, refreshed.stdout  # measured now

@@ -151,7 +151,7 @@ def test_auto_in_a_mode_list_says_whether_its_calibration_is_cached(tmp_path):
     for proc in runs:
         assert proc.returncode == 0, proc.stderr[-3000:]
     (cached,) = (tmp_path / "cal").glob("*.json")
-    first, second = (proc.stderr for proc in runs)
+    first, second = (proc.stdout for proc in runs)  # the calibration's source is said with the results
     assert f"cached after this run in {cached})" in first and "calibration: cached" not in first, first
     assert f"calibration: cached ({cached})" in second and "calibrating" not in second, second
     for out in (proc.stdout for proc in runs):

@@ -83,7 +83,7 @@ HERE = "here"  # ranks: `launch.prefill.main` in this process (as tests/test_gen
 
 
 @pytest.mark.parametrize("args, ranks, message", [
-    (["--experts", "5"], 2, "5 experts cannot be split evenly over 2 ranks"),
+    (["--experts", "5"], 2, "--experts 5 cannot be split evenly over 2 ranks: give a multiple of 2"),
     (["--experts", "8", "--top-k", "9"], None, "top_k=9 must be between 1 and n_experts=8"),
     (["--device", "cuda"], HERE, "no CUDA device"),
     (["--seq-lens", "4,0"], HERE, "at least one token"),
@@ -363,6 +363,15 @@ def test_ctrl_c_inside_a_finalizer_still_interrupts_the_run():
     (dict(auto_split_margin=1.0), {}, "--auto-split-margin must be a fraction in [0, 1) (0.1: a split must be"),
     (dict(auto_split_margin=float("nan")), {}, "--auto-split-margin must be a fraction in [0, 1)"),
     (dict(auto_split_margin=-0.1), {}, "--auto-split-margin must be a fraction in [0, 1)"),
+    (dict(), {"OMP_NUM_THREADS": "x"}, "$OMP_NUM_THREADS must be a positive number of threads, got 'x'"),
+    (dict(), {"OMP_NUM_THREADS": "0"}, "$OMP_NUM_THREADS must be a positive number of threads, got '0'"),
+    # experts the ranks cannot share: where the count comes from, and what runs
+    (dict(world=3), {}, "the tiny preset's 8 routed experts cannot be split evenly over 3 ranks: run on 1, 2, 4 or 8 "
+                        "ranks, or set --experts to a multiple of 3"),
+    (dict(world=3, overrides=dict(n_experts=8)), {}, "--experts 8 cannot be split evenly over 3 ranks: give a "
+                                                     "multiple of 3"),
+    (dict(world=3, model_name="qwen3_moe"), {}, "--model qwen3_moe's 8 routed experts cannot be split evenly over 3 "
+                                                "ranks"),
 ])
 def test_a_bad_option_or_environment_value_is_one_configuration_error_naming_it(monkeypatch, options, env, message):
     """Checked with the options, before any rank joins a group (exit 2 from the command line); before,
@@ -478,6 +487,7 @@ def test_the_auto_split_margin_reaches_the_planner_and_the_ranks_agree_on_it(mon
     import microbatch.planning as planning
     from launch import prefill
     from launch.agreement import fingerprint
+    from launch.job import CalibrationSource
 
     job = _job(mode="auto", auto_split_margin=0.2)
     assert job.split_margin == 0.2 and _job(mode="auto").split_margin == planning.SPLIT_MARGIN
@@ -493,5 +503,104 @@ def test_the_auto_split_margin_reaches_the_planner_and_the_ranks_agree_on_it(mon
 
     monkeypatch.setattr(planning, "choose", lambda cal, model, all_lens, **kw: seen.update(kw) or _Said())
     batch = type("B", (), {"seq": type("S", (), {"seq_lens": (16, 16)})()})()
-    prefill._choose_auto(job, model=None, batch=batch)
+    prefill._choose_auto(job, model=None, batch=batch, source=CalibrationSource())
     assert seen["split_margin"] == 0.2
+
+
+def test_refresh_calibration_reaches_the_calibration_and_the_ranks_agree_on_it(monkeypatch):
+    import microbatch.planning as planning
+    from launch import prefill
+    from launch.agreement import fingerprint
+    from launch.job import CalibrationSource
+
+    asked = []
+    monkeypatch.setattr(planning, "gather_lens", lambda lens, group: [tuple(lens)])
+    monkeypatch.setattr(planning, "calibrate", lambda *a, **k: asked.append(k["refresh"]) or "calibration")
+    monkeypatch.setattr(planning, "request_length", lambda all_lens: 16)
+    monkeypatch.setattr(planning, "choose", lambda *a, **k: type("C", (), {"format": lambda self: ""})())
+    batch = type("B", (), {"seq": type("S", (), {"seq_lens": (16, 16)})()})()
+    for refresh in (False, True):
+        job = _job(mode="auto", refresh_calibration=refresh)
+        prefill._choose_auto(job, model=None, batch=batch, source=CalibrationSource())
+        assert fingerprint(job)["--refresh-calibration"] is refresh
+    assert asked == [False, True]
+
+
+def _scaled(path, factor):
+    """The prefill calibration in the cache file ``path`` with every operation's cost times ``factor`` (as one
+    measured on a host ``factor`` times slower), written back, its file three days old."""
+    data = json.loads(open(path).read())
+    for kind in ("ops", "layer_ops"):
+        for fit in data["calibration"][kind]:
+            fit["a"], fit["b"] = fit["a"] * factor, fit["b"] * factor
+    with open(path, "w") as f:
+        json.dump(data, f)
+    os.utime(path, (os.path.getmtime(path) - 3 * 86400 - 600,) * 2)
+
+
+def test_auto_says_where_its_calibration_came_from_and_notes_a_stale_one():
+    """One process, --mode auto three times over one cache (the conftest's, of this test): measured (its file
+    said), read from a cache file whose costs are far from this host's (as one measured on a slower host), with
+    when it was measured and a note suggesting --refresh-calibration, which measures it again. In a log (stderr is
+    no terminal) the progress is a line a stage of the calibration and a line a round, with what the round is
+    for, never a line a mode and round."""
+    args = TINY + ["--seq-lens", "32,16", "--mode", "auto", "--warmup", "1", "--iters", "2"]
+    first = run_launcher(args)
+    assert first.returncode == 0, first.stdout + first.stderr[-3000:]
+    path = re.search(r"^calibrating the operations and the interconnect \(none cached for this machine and model; "
+                     r"cached after this run in (\S+\.json)\)$", first.stdout, re.M).group(1)
+    phases = ["warm-up", "timed", "timed", "recorded for the trace"]
+    rounds = [line.split(":")[0] for line in first.stderr.splitlines() if line.startswith("round ")]
+    assert rounds == [f"round {i + 1}/4 ({phase})" for i, phase in enumerate(phases)], first.stderr
+    stages = [line for line in first.stderr.splitlines() if line.startswith("calibrating: ")]
+    assert [line.split(",")[0].split(" at ")[0] for line in stages] == \
+        ["calibrating: warm-up"] + ["calibrating: the operations"] * 3 + \
+        ["calibrating: the link and the host's contention"], first.stderr  # a line a stage of the calibration
+
+    _scaled(path, 20.0)
+    stale = run_launcher(args)
+    assert stale.returncode == 0, stale.stdout + stale.stderr[-3000:]
+    assert re.search(r"^calibration: cached \(" + re.escape(path) + r"\), measured \d{4}-\d\d-\d\d \d\d:\d\d, "
+                     r"3 days ago$", stale.stdout, re.M), stale.stdout
+    assert re.search(r"^auto: the cached calibration predicted [0-9.]+ ms and this run measured [0-9.]+ ms \(\d+% "
+                     r"apart.*--refresh-calibration measures it again$", stale.stdout, re.M), stale.stdout
+
+    refreshed = run_launcher(args + ["--refresh-calibration"])
+    assert refreshed.returncode == 0, refreshed.stdout + refreshed.stderr[-3000:]
+    assert f"(refreshing; cached after this run in {path})" in refreshed.stdout, refreshed.stdout
+    assert "--refresh-calibration measures it again" not in refreshed.stdout, refreshed.stdout
+
+
+@pytest.mark.parametrize("cores, ranks, threads", [(2, 1, 1), (2, 2, 1), (16, 1, 15), (16, 2, 7), (64, 8, 7),
+                                                   (1, 1, 1)])
+def test_a_rank_computes_with_the_cores_less_one_shared_by_the_nodes_ranks(cores, ranks, threads, monkeypatch):
+    """As torchrun sets $OMP_NUM_THREADS (1 a rank with several on a node), but from the cores: the node's cores
+    less one (gloo's, the link's and the copy threads run there), shared by its ranks; the user's value wins."""
+    from launch.config import compute_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert compute_threads(ranks, cores) == (threads, f"{cores} cores less one, {ranks} rank(s) on this node")
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")
+    assert compute_threads(ranks, cores) == (5, "$OMP_NUM_THREADS")
+
+
+@pytest.mark.parametrize("script, omp", [(SCRIPT, None), (SCRIPT, "3"), (os.path.join(ROOT, "launch", "generate.py"),
+                                                                          "3")])
+def test_the_launchers_set_the_threads_they_compute_with_and_say_so(script, omp):
+    """Each launcher sets torch's threads before it computes (the headline reads them back from torch): the cores
+    less one without $OMP_NUM_THREADS (a 1-rank generation on a busy 2-core host took 5x as long to its first
+    token with torch's default of every core), $OMP_NUM_THREADS where the user set it."""
+    from support import zygote
+
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OVERLAP_FAULT")}
+    env["PYTHONPATH"] = ROOT
+    if omp is not None:
+        env["OMP_NUM_THREADS"] = omp
+    args = TINY + ["--mode", "serial", "--seq-lens", "8"] + (["--new-tokens", "2"] if "generate" in script else [])
+    proc = zygote.run([sys.executable, script] + args, env=env, cwd=ROOT, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    cores = len(os.sched_getaffinity(0))
+    said = ("3 compute threads per rank ($OMP_NUM_THREADS)" if omp else
+            f"{max(1, cores - 1)} compute thread{'s' if cores > 2 else ''} per rank ({cores} cores less one, 1 rank(s) "
+            f"on this node)")
+    assert f"1 rank(s) on cpu, {said} | " in proc.stdout.splitlines()[0], proc.stdout

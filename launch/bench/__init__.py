@@ -14,3 +14,7 @@
 # has. The benchmarks measure the CPU stand-in with its simulated link; on a machine with a GPU the path detected
 # would put their two ranks on its one card, and their CPU tensors into NCCL.
 CPU_RANKS = {"OVERLAP_PATH": "cpu"}
+
+# Every benchmark's command: -h as well as --help, as the launchers and overlap-report take, and each option's default
+# in its help.
+COMMAND_SETTINGS = {"help_option_names": ["-h", "--help"], "show_default": True}

@@ -43,7 +43,7 @@ import torch.distributed as dist
 
 import overlap
 from collectives import MoE, MoEConfig, combine, dispatch, wrap_expert_parallel
-from launch.bench import CPU_RANKS
+from launch.bench import COMMAND_SETTINGS, CPU_RANKS
 from overlap import Timeline
 from overlap.multirank import run_ranks
 from overlap.observability import gather, metrics
@@ -209,7 +209,7 @@ def _target(ratio: float, one_way_s: float) -> str:
     return f"(target <= {TARGET_RATIO}: {'met' if ratio <= TARGET_RATIO else 'MISSED'})"
 
 
-@click.command()
+@click.command(context_settings=COMMAND_SETTINGS)
 @click.option("--tokens", default=4096, show_default=True, help="tokens per rank for the exchange (start value)")
 @click.option("--hidden", default=1024, show_default=True)
 @click.option("--experts", default=8, show_default=True)

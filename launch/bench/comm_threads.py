@@ -15,10 +15,14 @@ beside a process computing on one core; ``job``, beside another 2-rank prefill j
 paused (SIGSTOP) while another load is measured, so the loads interleave as the settings do. The
 default of ``--cpu-comm-priority`` is the setting that holds up under all of them.
 
+By default it runs the launchers' setting alone (``--cpu-comm-priority``'s default, normal priority), under each
+load; ``--settings rt,off`` adds real-time threads, where the process may raise them, and compares the two.
+
 Example::
 
-    python -m launch.bench.comm_threads
-    python -m launch.bench.comm_threads --tokens 1024 --rounds 10 --loads none,job
+    python -m launch.bench.comm_threads                  # normal priority, quiet and under load
+    python -m launch.bench.comm_threads --settings rt,off # real-time against normal, side by side
+    python -m launch.bench.comm_threads --settings rt,off --tokens 1024 --rounds 10 --loads none,job
 """
 from __future__ import annotations
 
@@ -34,6 +38,9 @@ if __package__ in (None, ""):
 from typing import Any, Dict, List, Sequence, Tuple
 
 import click
+
+from launch.bench import COMMAND_SETTINGS
+from overlap.comm_threads import DEFAULT_MODE
 
 SETTINGS = ("rt", "off")
 LOADS = ("none", "compute", "job")
@@ -230,7 +237,7 @@ def report(results: List[Dict[str, Any]], modes: List[str], settings: Sequence[s
             for s in settings[:-1]:
                 lines.append(f"    {mode:12s} {base} / {s}: {med[base] / med[s]:.2f}x")
                 verdict.append(f"{mode} {_load_name(load)}: {base} / {s} {med[base] / med[s]:.2f}x")
-    if len(loads) > 1:
+    if len(loads) > 1 and verdict:  # one setting alone: nothing to compare
         lines.append("summary (above 1.00x: the first setting is faster): " + "; ".join(verdict))
     return "\n".join(lines)
 
@@ -244,14 +251,16 @@ def _parse_list(text: str, valid: Sequence[str], option: str) -> List[str]:
     return items
 
 
-@click.command(context_settings={"show_default": True})
+@click.command(context_settings=COMMAND_SETTINGS)
 @click.option("--preset", "preset_name", default="small")
 @click.option("--tokens", type=int, default=64, help="Tokens per rank.")
 @click.option("--seq-len", type=int, default=128, help="Tokens per request.")
 @click.option("--link", type=float, default=0.5, help="Simulated link in GB/s.")
 @click.option("--modes", default="serial,two-batch", help="Prefill modes, comma-separated.")
-@click.option("--settings", "settings_text", default=",".join(SETTINGS),
-              help="Communication-thread settings to compare, comma-separated (the last is the baseline).")
+@click.option("--settings", "settings_text", default=DEFAULT_MODE,
+              help="Communication-thread settings, comma-separated (the last is the baseline): by default the "
+                   "launchers' own, off (normal priority); rt,off runs real-time threads too (SCHED_FIFO where "
+                   "permitted: root, CAP_SYS_NICE or RLIMIT_RTPRIO) and compares the two.")
 @click.option("--loads", "loads_text", default=",".join(LOADS),
               help="What to measure beside, comma-separated: none (a quiet host), compute (a process computing on "
                    "one core), job (another 2-rank prefill job of this toolkit).")

@@ -61,6 +61,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import click
 
+from launch.bench import COMMAND_SETTINGS
 from launch.bench.decode_targets import BLOCKED, SERIAL, TARGET_TOKENS, report
 from microbatch import AUTO
 
@@ -377,7 +378,7 @@ def _numbers(text: str, kind: Callable[[str], Any]) -> List[Any]:
     return [kind(x) for x in text.split(",") if x.strip()]
 
 
-@click.command(context_settings={"show_default": True})
+@click.command(context_settings=COMMAND_SETTINGS)
 @click.option("--preset", "preset_name", default="small")
 @click.option("--tokens", default="1,8,32,64,128,256", help="Active requests (tokens per decode step) per rank.")
 @click.option("--links", default="0.03,0.1,1", help="Simulated link speeds in GB/s, comma-separated.")

@@ -33,6 +33,7 @@ import torch
 
 import microbatch
 import overlap
+from launch.bench import COMMAND_SETTINGS
 from launch.measure import cost, spread, verdict
 from launch.measure.verdicts import BELOW_NOISE, INCONCLUSIVE, MET, MISSED, NONE_MEASURED
 from microbatch import Batch, Operation, replay, serial_split
@@ -212,7 +213,7 @@ def _table(title: str, figures: Dict[str, Dict[str, Any]]) -> None:
               + f"{cost(*difference(f, 'timeline', 'replayed'), _us):>16}")
 
 
-@click.command()
+@click.command(context_settings=COMMAND_SETTINGS)
 @click.option("--layers", default=61, show_default=True, help="synthetic layers (DeepSeek-V3 has 61)")
 @click.option("--ops", default=6, show_default=True, help="operations per synthetic layer")
 @click.option("--preset", "preset_name", default="small", show_default=True, help="the reference decoder's shapes")

@@ -35,6 +35,7 @@ import click
 import torch
 
 import overlap
+from launch.bench import COMMAND_SETTINGS
 from launch.measure import cost, rounds, spread, verdict
 from launch.measure.verdicts import INCONCLUSIVE
 from overlap import OffloadCache
@@ -105,7 +106,7 @@ def hidden_line(keep: float, sync: float, offload: float, noise: Optional[float]
             f"rounds' spread over the copies' time; on the main stream the copies add {said} to a prefill)")
 
 
-@click.command()
+@click.command(context_settings=COMMAND_SETTINGS)
 @click.option("--layers", default=8, show_default=True)
 @click.option("--tokens", default=1024, show_default=True)
 @click.option("--hidden", default=512, show_default=True)

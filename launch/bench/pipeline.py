@@ -37,6 +37,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import click
 
+from launch.bench import COMMAND_SETTINGS
+
 
 def _build(preset_name: str, model_name: str, seed: int) -> Any:
     from launch.models import build_model, preset
@@ -194,7 +196,7 @@ def verdict(by: Dict[str, Any]) -> str:
     return f"target: two-batch not slower than serial: {said} ({serial.median_s / two.median_s:.2f}x serial, {why})"
 
 
-@click.command(context_settings={"show_default": True})
+@click.command(context_settings=COMMAND_SETTINGS)
 @click.option("--ranks", type=int, default=2)
 @click.option("--preset", "preset_name", default="small")
 @click.option("--batch", type=int, default=8)

@@ -45,6 +45,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import click
 
+from launch.bench import COMMAND_SETTINGS
+
 FIXED = ("serial", "shared", "two-batch", "three-batch", "four-batch")
 DEFAULT_POINT = (1024, 0.1)  # tokens per rank, GB/s: the launcher's default batch and link
 
@@ -241,7 +243,7 @@ def _report(points: List[Dict[str, Any]]) -> Tuple[str, List[str]]:
     return "\n".join(lines), misses
 
 
-@click.command(context_settings={"show_default": True})
+@click.command(context_settings=COMMAND_SETTINGS)
 @click.option("--preset", "preset_name", default="small")
 @click.option("--tokens", default="64,256,1024,4096", help="Tokens per rank, comma-separated.")
 @click.option("--links", default="0.02,0.1,0.5", help="Simulated link speeds in GB/s, comma-separated.")

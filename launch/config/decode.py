@@ -9,11 +9,14 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+import overlap
+
 from .errors import ConfigError
 from .job import JobConfig, vocab_size
 from .modes import AUTO, DECODE_AUTO_MODES, DECODE_CALIBRATION_ROUNDS, DECODE_EXCHANGES, resolve_modes
 
-__all__ = ["DecodeConfig", "captured_path", "check_exchange", "decode_config", "parse_buckets"]
+__all__ = ["DecodeConfig", "captured_path", "check_exchange", "check_generation_options", "decode_config",
+           "parse_buckets", "prefill_modes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +93,34 @@ def decode_config(job: JobConfig, *, new_tokens: int, spread: float, stop_token:
     check_exchange(job, exchange)
     return DecodeConfig(new_tokens, float(spread), stop_token, tuple(runs), captured, parse_buckets(buckets),
                         bool(guard), int(calibration_rounds), candidates, exchange, bool(length_buckets))
+
+
+def prefill_modes(mode: Sequence[str], decode_modes: Sequence[str]) -> List[str]:
+    """Generation's prefill modes: ``mode`` (``--mode``'s names) where given; else all (serial, shared, two-batch)
+    with decode steps in the same modes, or, where ``--decode-mode`` names the decode modes, serial alone: the runs
+    then compare those decode modes after one prefill (``--decode-mode auto``: serial, and serial / auto)."""
+    if mode:
+        return list(mode)
+    return ["serial"] if decode_modes else ["all"]
+
+
+def check_generation_options(exec_path: str, kv_offload: bool, kv_store: str, split_margin: Optional[float]) -> None:
+    """Prefill's options that generation takes where they apply: ``--path`` (``exec_path``: its prefill's path, the
+    device's eager streams), ``--kv-store`` (the store of ``--kv-offload``'s host cache: memory); a `ConfigError`
+    saying why for a value that does not apply (a graph path, mmap files) and for ``--auto-split-margin``
+    (``split_margin``: None where not given), whose ``--mode auto`` generation does not run."""
+    if exec_path != "auto" and overlap.backends.get(exec_path).is_graph:
+        raise ConfigError(f"--path {exec_path} compiles a prefill job's modes as one graph each; generation prefills "
+                          f"its KV cache on the eager path: leave --path out (or --path npu) and capture the decode "
+                          f"steps with --decode-graph {exec_path}")
+    if kv_store != "memory":
+        where = "" if kv_offload else " (and without --kv-offload the cache stays on the device)"
+        raise ConfigError(f"--kv-store {kv_store} keeps a prefill job's offloaded keys and values in files; "
+                          f"generation's host cache (--kv-offload) is in host memory{where}: leave --kv-store out")
+    if split_margin is not None:
+        raise ConfigError("--auto-split-margin sets what a split must gain under prefill's --mode auto, which "
+                          "generation does not run (its prefill runs the --mode named): --decode-mode auto chooses "
+                          "each decode step's mode")
 
 
 def captured_path(job: JobConfig, graph: str) -> Optional[str]:

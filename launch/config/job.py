@@ -19,7 +19,9 @@ import microbatch
 import overlap
 from overlap.state import MAX_WAIT_TIMEOUT
 
-from .environment import EnvValue, environment
+from launch.models.transformers.fields import EXPERT_COUNTS, held_field
+
+from .environment import EnvValue, compute_threads, environment
 from .errors import ConfigError
 from .model import (REFERENCE, ModelSettings, Overrides, build_model_config, check_transformers_model,
                     check_transformers_overrides, n_experts, transformers_config)
@@ -56,6 +58,9 @@ class JobConfig:
     environment: Tuple[Tuple[str, EnvValue], ...] = ()  # ("$NAME", value) of the variables that shape the run
     dispatch: str = "two-step"  # --dispatch: the MoE layers' count exchange apart from the tokens, or not
     split_margin: float = microbatch.planning.SPLIT_MARGIN  # --auto-split-margin: what a split must gain to be chosen
+    refresh_calibration: bool = False  # --refresh-calibration: measure auto's calibration again, whatever is cached
+    threads: int = 1  # each rank's compute threads (`launch.config.environment.compute_threads`)
+    threads_from: str = ""  # where that number comes from, for the headline
 
     @property
     def serial_added(self) -> bool:
@@ -155,10 +160,12 @@ def job_config(*, world: int, device: str, exec_path: str, mode: Union[str, Sequ
                preset_name: str, overrides: Overrides, batch: int, seq_len: int, seq_lens: Optional[str],
                dtype: str, warmup: int, iters: int, seed: int, check: bool, out_dir: Optional[str], cpu_link: str,
                timeout: float, model_name: str = REFERENCE, cpu_comm_priority: str = "off",
-               dispatch: str = "two-step", auto_split_margin: float = microbatch.planning.SPLIT_MARGIN) -> JobConfig:
+               dispatch: str = "two-step", auto_split_margin: float = microbatch.planning.SPLIT_MARGIN,
+               refresh_calibration: bool = False, local_world: int = 1) -> JobConfig:
     """The job of the command-line options and the environment, checked; `ConfigError` names the first problem.
 
-    ``mode`` is one comma-separated list, or several (``--mode`` given more than once: they add up).
+    ``mode`` is one comma-separated list, or several (``--mode`` given more than once: they add up);
+    ``local_world``: the ranks on this node (torchrun's ``$LOCAL_WORLD_SIZE``), which share its cores.
     """
     path = None if exec_path == "auto" else exec_path
     try:
@@ -178,17 +185,19 @@ def job_config(*, world: int, device: str, exec_path: str, mode: Union[str, Sequ
     if experts < 1:
         raise ConfigError(f"--model {model_name} has no routed experts: the toolkit runs MoE models")
     if experts % world:
-        raise ConfigError(f"{experts} experts cannot be split evenly over {world} ranks "
-                          f"(--experts must be a multiple of the number of ranks)")
+        raise ConfigError(_uneven_experts(model_name, model, experts, world,
+                                          given=overrides.get("n_experts") is not None, preset_name=preset_name))
     if model_name != REFERENCE and os.path.isdir(model_name):
         check_transformers_model(model_name, model, DTYPES[dtype])  # the checkpoint's own config.json
     device = resolve_device(device, path)
     env = environment(device, path)  # first: a bad $OVERLAP_CPU_LINK (--cpu-link's default) is named as such
     link = parse_cpu_link(cpu_link, device)
+    threads, threads_from = compute_threads(local_world)
     modes, expanded = resolve_modes(asked, check)
     job = JobConfig(model, tuple(lens), modes, device, path,
                     kv_offload, kv_store, DTYPES[dtype], warmup, iters, seed, check, out_dir, link, timeout,
-                    model_name, cpu_comm_priority, expanded, env, dispatch, auto_split_margin)
+                    model_name, cpu_comm_priority, expanded, env, dispatch, auto_split_margin,
+                    bool(refresh_calibration), threads, threads_from)
     if job.graph and AUTO in modes:
         raise ConfigError(f"--mode auto plans the eager paths; on --path {path} pick a mode")
     if job.graph and job.transformers:
@@ -198,6 +207,23 @@ def job_config(*, world: int, device: str, exec_path: str, mode: Union[str, Sequ
         raise ConfigError(f"--kv-offload runs on the eager paths only: a copy to host memory on its own "
                           f"stream cannot be expressed inside a {path} graph")
     return job
+
+
+def _uneven_experts(model_name: str, model: ModelSettings, experts: int, world: int, given: bool,
+                    preset_name: str) -> str:
+    """Why ``world`` ranks cannot share the model's ``experts`` routed experts, naming where that count comes from:
+    a checkpoint's config.json, ``--experts``, or the model's default (which ``--experts`` overrides)."""
+    counts = [n for n in range(1, experts + 1) if experts % n == 0]
+    fits = ", ".join(map(str, counts[:-1])) + f" or {counts[-1]}" if len(counts) > 1 else str(counts[0])
+    if model_name != REFERENCE and os.path.isdir(model_name):
+        field = held_field(model, EXPERT_COUNTS)
+        return (f"--model {model_name}: the checkpoint has {experts} routed experts per MoE layer ({field} in its "
+                f"config.json), which {world} ranks cannot share equally: run it on {fits} ranks")
+    if given:
+        return f"--experts {experts} cannot be split evenly over {world} ranks: give a multiple of {world}"
+    whose = f"the {preset_name} preset's" if model_name == REFERENCE else f"--model {model_name}'s"
+    return (f"{whose} {experts} routed experts cannot be split evenly over {world} ranks: run on {fits} ranks, or "
+            f"set --experts to a multiple of {world}")
 
 
 def vocab_size(job: JobConfig) -> int:

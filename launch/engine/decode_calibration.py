@@ -42,7 +42,7 @@ import microbatch
 import overlap
 from microbatch import DecodeModel, KVCache
 from microbatch.planning import (SERIAL, DecodeCalibration, DecodeCalibrationError, cache_file, calibration_key,
-                                 max_over_ranks, read_cache, relative_error, write_cache)
+                                 max_over_ranks, measured_ago, read_cache, relative_error, write_cache)
 from overlap.host_memory import keep_on_host_path
 
 from .decoder import Decoder, eager_decoders, expert_group
@@ -131,7 +131,7 @@ def calibrate_decode(model: DecodeModel, *, max_tokens: int, histories: Tuple[in
     cached = None if refresh else _load(key, path)
     if _everyone_has(cached, group):
         if report is not None:
-            report(f"decode calibration: cached ({path})")
+            report(f"decode calibration: cached ({path}), {measured_ago(path)}")
         return _alike(cached, group)
     if report is not None:
         why = "refreshing" if refresh else "none cached for this machine, model and link" if cached is None else \

@@ -6,7 +6,8 @@ At its top:
   every rank (`decide_split`);
 - `simulation`: a schedule's timeline and prefill time predicted from a cost model (`predict`);
 - `probes`: the link and the busy host measured with small collectives, for the calibration;
-- `cache`: where calibrations are kept, prefill's and decode's, a file per key (`calibration_key`, `cache_file`).
+- `cache`: where calibrations are kept, prefill's and decode's, a file per key (`calibration_key`, `cache_file`),
+  and how old one is (`measured_ago`).
 
 Then prefill and decode, named in parallel:
 
@@ -26,7 +27,7 @@ from .split import DEFAULT_MAX_IMBALANCE, DEFAULT_MIN_TOKENS, MAX_MICRO_BATCHES,
 from .simulation import (CostModel, Interconnect, Linear, OpCost, Prediction, Transfer, cross_stream_edges,
                          placeholder_inputs, predict, simulate)
 from .probes import barrier, contention, contention_fit, cpu_async, grouped, max_over_ranks, notice, sweep
-from .cache import ENV_CACHE, cache_dir, cache_file, calibration_key, read_cache, write_cache
+from .cache import ENV_CACHE, cache_dir, cache_file, calibration_key, measured_ago, read_cache, write_cache
 from .prefill import (Calibration, OpFit, Run, TransferFit, calibrate, check_cached, fit_collective, fit_linear,
                       fit_runs, predict_mode, request_length, token_points)
 from .prefill import SPLIT_MARGIN, Candidate, Choice, choose, gather_lens
@@ -42,7 +43,7 @@ __all__ = [
     # probes
     "barrier", "contention", "contention_fit", "cpu_async", "grouped", "max_over_ranks", "notice", "sweep",
     # the calibration cache
-    "ENV_CACHE", "cache_dir", "cache_file", "calibration_key", "read_cache", "write_cache",
+    "ENV_CACHE", "cache_dir", "cache_file", "calibration_key", "measured_ago", "read_cache", "write_cache",
     # prefill: the calibration
     "Calibration", "OpFit", "Run", "TransferFit", "calibrate", "check_cached", "fit_collective", "fit_linear",
     "fit_runs", "predict_mode", "request_length", "token_points",

@@ -4,7 +4,8 @@ A calibration is measured once per machine and kept: `calibration_key` says what
 path, ranks, model shape, dtype, link, the CPU path's settings and the calibration's own), `cache_file` names its
 file (a digest of the key) in `cache_dir` (``$OVERLAP_CALIBRATION_CACHE``, default
 ``~/.cache/npu-overlap/calibration/``), and `read_cache` / `write_cache` read and write that file's JSON object
-(atomically; a file that cannot be read or written is named in a warning). The prefill calibration
+(atomically; a file that cannot be read or written is named in a warning), and `measured_ago` says how old a
+file's calibration is. The prefill calibration
 (`microbatch.planning.prefill.calibration`: ``load``, ``save``) and the decode calibration (the launcher's
 `calibrate_decode`, whose key is this key with decode's settings) both keep theirs here.
 """
@@ -18,6 +19,7 @@ import os
 import platform
 import socket
 import tempfile
+import time
 from typing import Any, Dict, Mapping, Optional, Sequence
 
 import torch
@@ -92,6 +94,20 @@ def write_cache(path: str, data: Mapping[str, object]) -> Optional[str]:
         return None
 
 
+def measured_ago(path: str, now: Optional[float] = None) -> str:
+    """When the calibration in the cache file ``path`` was measured (the file is written once, when it is), in
+    words: ``measured 2026-05-01 14:02, 3.1 h ago``; "" where the file cannot be read. ``now``: the clock's time
+    (`time.time`)."""
+    try:
+        written = os.path.getmtime(path)
+    except OSError:
+        return ""
+    ago = max(0.0, (time.time() if now is None else now) - written)
+    words = (f"{ago:.0f} s" if ago < 90 else f"{ago / 60:.0f} min" if ago < 90 * 60 else
+             f"{ago / 3600:.1f} h" if ago < 48 * 3600 else f"{ago / 86400:.0f} days")
+    return f"measured {time.strftime('%Y-%m-%d %H:%M', time.localtime(written))}, {words} ago"
+
+
 def _config_fields(model: MoEModel) -> object:
     cfg = model.cfg
     if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
@@ -134,4 +150,4 @@ def calibration_key(model: MoEModel, group: Optional[dist.ProcessGroup] = None, 
 
 
 __all__ = ["DEFAULT_CACHE", "ENV_CACHE", "FORMAT", "cache_dir", "cache_file", "calibration_key", "canonical",
-           "model_dtype", "read_cache", "write_cache"]
+           "measured_ago", "model_dtype", "read_cache", "write_cache"]

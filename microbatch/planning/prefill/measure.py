@@ -34,7 +34,7 @@ from ...model import MoEModel
 from ...operations import Operation
 from ...schedules import Schedule, serial
 from ...split import Split
-from ..cache import cache_file, calibration_key, canonical, model_dtype
+from ..cache import cache_file, calibration_key, canonical, measured_ago, model_dtype
 from ..probes import barrier, contention_fit, grouped, max_over_ranks, notice, sweep
 from .calibration import Calibration, interconnect_of, load, save
 from .fit import Run, fit_collective, fit_outside, fit_runs
@@ -132,8 +132,11 @@ def _is_moe(model: MoEModel, index: int) -> bool:
 
 
 def measure_costs(model: MoEModel, group: Optional[dist.ProcessGroup] = None,
-                  tokens: Sequence[int] = (32, 64, 128, 256), repeats: int = 3, seq_len: int = 64) -> Calibration:
-    """Measure this rank's calibration (a collective: every rank of ``group`` calls it with the same arguments)."""
+                  tokens: Sequence[int] = (32, 64, 128, 256), repeats: int = 3, seq_len: int = 64,
+                  progress: Optional[Callable[[str], None]] = None) -> Calibration:
+    """Measure this rank's calibration (a collective: every rank of ``group`` calls it with the same arguments);
+    ``progress`` hears a line as each stage starts (the warm-up, each round of the operations, the link's probes)."""
+    said = progress or (lambda line: None)
     if backends.current().is_graph:
         raise ValueError(f"calibrate on an eager path: inside a compiled graph ({backends.current().name}) the "
                          f"launches are not seen one by one")
@@ -141,13 +144,17 @@ def measure_costs(model: MoEModel, group: Optional[dist.ProcessGroup] = None,
     rank = dist.get_rank(group) if grouped(group) else 0
     layers = model.layer_operations()
     with torch.no_grad(), overlap.enabled(True):
+        said(f"calibrating: warm-up at {len(tokens)} token counts")
         for n in tokens:
             barrier(group)
             _timed(model, layers, _batch(model, n, seq_len, seed=rank))  # warm-up: agreement, buffers of this size
         # the repeats in rounds over the counts, so that a slow spell of a shared host raises every count a little
         # rather than a few counts much, which bends each fit's fixed part against its part per token
-        runs = [_recorded(model, layers, _batch(model, n, seq_len, seed=1000 * rank + i), group)
-                for i in range(repeats) for n in tokens]
+        runs = []
+        for i in range(repeats):
+            said(f"calibrating: the operations, round {i + 1}/{repeats}")
+            runs += [_recorded(model, layers, _batch(model, n, seq_len, seed=1000 * rank + i), group) for n in tokens]
+        said("calibrating: the link and the host's contention")
         hidden = int(model.cfg.hidden)
         swept = sweep(group, sorted({1, *tokens}), hidden, model_dtype(model), repeats)
         contended, issued = contention_fit(group, (max(1, min(tokens)), max(tokens)), hidden, model_dtype(model),
@@ -212,14 +219,16 @@ def _everyone_has(cached: Optional[Calibration], key: Mapping[str, Any],
 
 def calibrate(model: MoEModel, group: Optional[dist.ProcessGroup] = None, *, max_tokens: int = 256, points: int = 5,
               repeats: int = 3, seq_len: int = 64, refresh: bool = False, cache: Optional[str] = None,
-              report: Optional[Callable[[str], None]] = None) -> Calibration:
+              report: Optional[Callable[[str], None]] = None,
+              progress: Optional[Callable[[str], None]] = None) -> Calibration:
     """This machine's calibration of ``model`` over ``group``, from the cache when every rank has it.
 
     Measures at `token_points` ``(max_tokens, points)``, ``repeats`` runs each, in requests of
     ``seq_len`` tokens; ``refresh`` measures again whatever the cache holds; ``cache`` overrides
     the cache folder. A collective: every rank of ``group`` calls it with the same arguments, and
     every rank returns the same numbers. ``report`` is told, in a line, whether the numbers come
-    from the cache (and its file) or are measured now.
+    from the cache (its file, and when they were measured) or are measured now; ``progress`` hears
+    each stage of a measurement as it starts.
     """
     tokens = token_points(max_tokens, points)
     key = calibration_key(model, group, tokens, repeats, seq_len)
@@ -227,7 +236,8 @@ def calibrate(model: MoEModel, group: Optional[dist.ProcessGroup] = None, *, max
     everyone, differ = _everyone_has(cached, key, group)
     if everyone and not differ:
         if report is not None:
-            report(f"calibration: cached ({cache_file(key, cache)})")
+            path = cache_file(key, cache)
+            report(f"calibration: cached ({path}), {measured_ago(path)}")
         return agree(cached, group)
     if differ:  # each file is a calibration, but not of one model on every rank: none can be trusted
         logger.warning("ignoring the calibration %s: the ranks' cached files of this key differ in their "
@@ -238,7 +248,7 @@ def calibrate(model: MoEModel, group: Optional[dist.ProcessGroup] = None, *, max
         report(f"calibrating the operations and the interconnect ({why}; cached after this run in "
                f"{cache_file(key, cache)})")
     keep_on_host_path()
-    cal = agree(measure_costs(model, group, tokens, repeats, seq_len), group)
+    cal = agree(measure_costs(model, group, tokens, repeats, seq_len, progress), group)
     save(cal, cache)
     return cal
 
