@@ -69,7 +69,10 @@ class GraphDecoder:
         self.device_graph = self.target.device_type == "cuda"  # torch.cuda.CUDAGraph (the NPU's graphs: aclgraph)
         self.captures = self.target.is_graph or self.device_graph
         _refuse(model, cache, path, self.target, self.captures)
-        problem = capture_problem(path, cache.device.type, own_compiler=compile_backend is None)
+        # a compile_backend of the caller's own decides where a ge / aclgraph step runs (the tests' stand-in for
+        # torchair runs it on the CPU); a CUDA graph always needs the device
+        problem = (capture_problem(path, cache.device.type) if compile_backend is None or self.device_graph
+                   else None)
         if problem is not None:
             raise ValueError(f"GraphDecoder(path={path!r}): {problem}")
         self.model, self.cache, self.path, self.mode = model, cache, path, mode
@@ -204,11 +207,11 @@ def decoders_of(decoders: Mapping[str, GraphDecoder], modes: Sequence[str]) -> D
     return chosen
 
 
-def capture_problem(path: str, device: Optional[str] = None, own_compiler: bool = True) -> Optional[str]:
+def capture_problem(path: str, device: Optional[str] = None) -> Optional[str]:
     """Why decode steps cannot be captured on ``path`` here (None where they can), found before anything runs:
     the path's device on this machine (a CUDA device for ``cuda``; torch_npu with an NPU for ``ge`` and
-    ``aclgraph``), the run's ``device`` where one is given (the model's and cache's), and with ``own_compiler``
-    the path's compiler importable (torchair for ``ge``, torch_npu's ``npugraph_ex`` for ``aclgraph``).
+    ``aclgraph``), the run's ``device`` where one is given (the model's and cache's), and the path's
+    compiler importable (torchair for ``ge``, torch_npu's ``npugraph_ex`` for ``aclgraph``).
     ``cpu`` (the padded step run eagerly) can always run; an unknown path is a ValueError."""
     target = overlap.backends.get(path)
     if target.device_type == "cpu":
@@ -221,7 +224,7 @@ def capture_problem(path: str, device: Optional[str] = None, own_compiler: bool 
                 f"{'not installed' if importlib.util.find_spec('torch_npu') is None else 'no NPU found'})")
     if device is not None and device != target.device_type:
         return f"captures on {target.device_type}, and this run's model and cache are on {device}"
-    if own_compiler and target.is_graph:
+    if target.is_graph:
         try:
             compiler = target.compile_backend()
         except ImportError as exc:
