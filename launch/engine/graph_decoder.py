@@ -210,13 +210,16 @@ def decoders_of(decoders: Mapping[str, GraphDecoder], modes: Sequence[str]) -> D
 def capture_problem(path: str, device: Optional[str] = None) -> Optional[str]:
     """Why decode steps cannot be captured on ``path`` here (None where they can), found before anything runs:
     the path's device on this machine (a CUDA device for ``cuda``; torch_npu with an NPU for ``ge`` and
-    ``aclgraph``), the run's ``device`` where one is given (the model's and cache's), and the path's
-    compiler importable (torchair for ``ge``, torch_npu's ``npugraph_ex`` for ``aclgraph``).
-    ``cpu`` (the padded step run eagerly) can always run; an unknown path is a ValueError."""
+    ``aclgraph``), the run's ``device`` where one is given (the model's and cache's), and the path's compiler
+    importable (torchair for ``ge``, torch_npu's ``npugraph_ex`` for ``aclgraph``).
+    ``cpu`` (the padded step run eagerly) can always run, and so can a path the caller forced onto a machine
+    without its device (`overlap.use_path`, ``$OVERLAP_PATH``: a stand-in device); an unknown path is a ValueError."""
     target = overlap.backends.get(path)
     if target.device_type == "cpu":
         return None
     here = overlap.backends.get(overlap.detect_path()).device_type
+    if overlap.backends.get(overlap.current_path()).device_type == target.device_type != here:
+        return None  # the caller forced this path (use_path, $OVERLAP_PATH): its device is the caller's word
     if target.device_type != here:
         return (f"needs a CUDA device, and this machine has none (torch.cuda.is_available() is False)"
                 if target.device_type == "cuda" else
