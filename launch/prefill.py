@@ -153,7 +153,7 @@ def _prefill_job(job: JobConfig, dev: torch.device, fault: Optional[Fault], peer
         counter = iter(range(1 << 30))
 
         def before_iter(mode: str, i: int) -> None:
-            progress(f"round {i + 1}/{job.warmup + job.iters + RECORDED} ({_phase(job, i)}): {mode}",
+            progress(f"round {i + 1}/{job.warmup + job.iters + RECORDED} ({_phase(job, i)}): running {mode}",
                      stage=f"round {i + 1}")  # a log: a line a round
             if fault is not None:
                 fault.maybe_fail(rank, next(counter))

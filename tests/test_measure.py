@@ -358,7 +358,10 @@ def test_the_pipeline_benchmark_splits_the_gap_to_the_ideal_at_the_ceiling(one_r
     # a part within the noise is not a figure; a measured speedup above its ceiling beyond it is none measured
     said = gap("two-batch", 1.40, 0.05, 1.45, 0.05, 1.76)
     assert "leaves out) 0.31x," in said and "not hide) below the noise" in said
-    assert "not hide) none measured" in gap("shared", 1.60, 0.01, 1.45, 0.01, 1.50)
+    assert "not hide) none: it measured above its ceiling by more than the noise" in gap("shared", 1.60, 0.01, 1.45,
+                                                                                          0.01, 1.50)
+    assert "(its launches and exchanges, which" in gap("shared", 1.2, None, 1.4, None, 1.5)
+    assert "(the split, its launches and exchanges, which" in gap("two-batch", 1.2, None, 1.4, None, 1.5)
     assert "leaves out) below the noise" in gap("shared", 1.0, 0.01, 1.48, 0.05, 1.50)
     assert gap("shared", 1.2, None, 1.4, None, 1.5).endswith("leaves out) 0.10x (33%), overlap that did not happen "
                                                              "(the link's time it did not hide) 0.20x (67%)")

@@ -124,6 +124,7 @@ def gap(mode: str, measured: float, measured_noise: Optional[float], ceiling: fl
     at all: the split, its launches and exchanges, which the ideal leaves out). Each part is a figure only beyond the
     noise (the spreads, relative, of the speedup and the ceiling; None: one round)."""
     from launch.measure import cost
+    from launch.measure.verdicts import NONE_MEASURED
 
     def points(*parts: Tuple[float, Optional[float]]) -> Optional[float]:  # the noise in speedup points
         return None if any(n is None for _, n in parts) else max(x * (n or 0.0) for x, n in parts)
@@ -137,9 +138,13 @@ def gap(mode: str, measured: float, measured_noise: Optional[float], ceiling: fl
     if own.endswith("x") and not_hidden.endswith("x") and whole > 0:
         own += f" ({(ideal - ceiling) / whole:.0%})"
         not_hidden += f" ({(ceiling - measured) / whole:.0%})"
+    what = "its launches and exchanges" if mode == "shared" else "the split, its launches and exchanges"
+    if not_hidden == NONE_MEASURED:  # faster at the link than with none, beyond the noise: the rounds drifted
+        not_hidden = (f"none: it measured above its ceiling by more than the noise (the host drifted between the "
+                      f"runs; more --iters)")
     return (f"{mode}: {measured:.2f}x against the ideal {ideal:.2f}x and its ceiling {ceiling:.2f}x; of the gap, its "
-            f"own cost with no link at all (the split, launches and exchanges the ideal leaves out) {own}, overlap "
-            f"that did not happen (the link's time it did not hide) {not_hidden}")
+            f"own cost with no link at all ({what}, which the ideal leaves out) {own}, overlap that did not happen "
+            f"(the link's time it did not hide) {not_hidden}")
 
 
 def _pct(v: Optional[float]) -> str:
