@@ -170,12 +170,14 @@ def _generate_job(job: JobConfig, decode: DecodeConfig, dev: torch.device, fault
     from launch.job import finish
     from launch.measure import spread
     from launch.measure.generate import Run, check, measure_generation, table
-    from launch.memory import check as check_memory
+    from launch.memory import check as check_memory, decode_kv_cache
     from launch.outputs import check_out_dir, write_generation_outputs
     from microbatch.batch import Batch
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    problems = [p for p in (check_memory(job, world, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), dev),
+    kv_cache = decode_kv_cache(job, decode.new_tokens, caches=len(decode.runs) if decode.graph else 1,
+                               padded=decode.graph is not None)
+    problems = [p for p in (check_memory(job, world, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), dev, kv_cache),
                             check_out_dir(job.out_dir) if job.out_dir and rank == 0 else None,
                             _exchange_problem(decode, world)) if p]
     agree(job, sum(job.seq_lens), problems, job.timeout, extra=decode.fingerprint())

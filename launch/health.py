@@ -12,7 +12,7 @@ import dataclasses
 import datetime
 import os
 import time
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -116,6 +116,30 @@ class Peers:
             return f"the rendezvous store is unreachable ({type(exc).__name__}): rank 0 is probably gone"
 
 
+FAULT_KINDS = ("exit", "hang", "raise", "nan", "inf")
+
+
+def _fault_fields(text: str) -> Dict[str, str]:
+    """``$OVERLAP_FAULT``'s ``name=value`` items (rank, iter, kind); a `ValueError` naming a bad one."""
+    fields: Dict[str, str] = {}
+    for item in text.split(","):
+        name, sep, value = item.strip().partition("=")
+        if not sep or name not in ("rank", "iter", "kind"):
+            raise ValueError(f"${ENV_FAULT}: {item!r} is not rank=N, iter=N or kind=K (e.g. rank=1,iter=2,kind=exit)")
+        fields[name] = value.strip()
+    return fields
+
+
+def _fault_int(fields: Dict[str, str], name: str, default: int) -> int:
+    """The integer ``name`` of ``$OVERLAP_FAULT``'s ``fields``, ``default`` where absent."""
+    if name not in fields:
+        return default
+    try:
+        return int(fields[name])
+    except ValueError:
+        raise ValueError(f"${ENV_FAULT}: {name}={fields[name]} is not an integer") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class Fault:
     """An injected fault: ``rank`` does ``kind`` (exit, hang or raise) before its ``at``-th iteration
@@ -131,8 +155,11 @@ class Fault:
         text = os.environ.get(ENV_FAULT)
         if not text:
             return None
-        spec = dict(kv.split("=", 1) for kv in text.split(","))
-        return cls(int(spec.get("rank", 1)), int(spec.get("iter", 0)), spec.get("kind", "exit"))
+        spec = _fault_fields(text)
+        kind = spec.get("kind", "exit")
+        if kind not in FAULT_KINDS:
+            raise ValueError(f"${ENV_FAULT}: kind={kind} is not a fault (one of {'|'.join(FAULT_KINDS)})")
+        return cls(_fault_int(spec, "rank", 1), _fault_int(spec, "iter", 0), kind)
 
     def poison(self, rank: int, model: MoEModel) -> None:
         """Kinds ``nan`` / ``inf``: this rank's model gets a non-finite weight, the final norm's (every output row

@@ -58,6 +58,16 @@ def check_kv_dir(folder: str, rank: int) -> Optional[str]:
     return None
 
 
+def _make_out_dir(out_dir: str) -> None:
+    """Create ``out_dir`` where it is missing; an `OutputError` naming it where it cannot be (a file put in its place
+    during the run, say)."""
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as exc:
+        raise OutputError(exc.errno, f"cannot write to --out {out_dir}: {exc.strerror or exc}"
+                                     + (" (not a folder)" if os.path.exists(out_dir) else "")) from None
+
+
 def _atomic(file: str, write: Callable[[str], object]) -> None:
     """``write(name)`` to a temporary name beside ``file`` (same extension), then rename it to ``file``."""
     folder, base = os.path.split(file)
@@ -80,7 +90,7 @@ def write_outputs(out_dir: str, job: JobConfig, results: Sequence[ModeResult], t
     ``job`` is the `launch.config.JobConfig`; ``failed`` the modes ``--check`` rejected; ``say``
     prints a line for the user. Raises `OutputError` naming the file that could not be written.
     """
-    os.makedirs(out_dir, exist_ok=True)
+    _make_out_dir(out_dir)
 
     def results_json(name: str) -> None:
         with open(name, "w") as f:
@@ -120,7 +130,7 @@ def write_generation_outputs(out_dir: str, job: JobConfig, decode: DecodeConfig,
     """Write ``out_dir``/results.json of a generation and each mode's ``trace_<mode>.json`` /
     ``timeline_<mode>.png`` of one decode step (``prefill__decode`` where the modes differ). Raises
     `OutputError` naming the file that could not be written."""
-    os.makedirs(out_dir, exist_ok=True)
+    _make_out_dir(out_dir)
 
     def results_json(name: str) -> None:
         with open(name, "w") as f:

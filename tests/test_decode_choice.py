@@ -75,9 +75,25 @@ def test_a_table_round_trips_and_a_bad_one_is_refused_in_one_line():
            ({"tokens": [1], "histories": [8, 24], "seconds": {"serial": [[1, 1]]}, "noise": {"serial": [[0.1, "nan"]]}},
             "two noise figures >= 0"),
            ({"tokens": [1], "histories": [8, 24], "seconds": {"serial": [[1, 1]]}, "noise": {}}, "two noise figures")]
+    # NaN, inf, a time a prediction overflows to inf from, an integer no float holds (before: NaN and 1e308 used,
+    # "TPOT predicted 0.0 ms" / "inf ms"; 10**400 an OverflowError's traceback)
+    bad += [({"tokens": [1], "histories": [8, 24], "seconds": {"serial": [[1, t]]}}, words)
+            for t, words in ((math.nan, "two positive times"), (math.inf, "two positive times"),
+                             (1e308, r"at most 3600 s"), (10 ** 400, "not a decode calibration: OverflowError"))]
     for data, words in bad:
         with pytest.raises(DecodeCalibrationError, match=words):
             DecodeCalibration.from_dict(data)
+
+
+def test_a_cache_file_nested_too_deep_is_measured_again_with_a_warning(tmp_path, caplog):
+    """(Before: json's RecursionError, a traceback.)"""
+    from microbatch.planning import read_cache
+
+    path = tmp_path / "deep.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    with caplog.at_level("WARNING", logger="microbatch.planning"):
+        assert read_cache(str(path)) is None
+    assert "ignoring the unreadable calibration" in caplog.text and "measuring again" in caplog.text
 
 
 def _guarded(guard, cost, steps, tokens=4, history=24):

@@ -30,6 +30,11 @@ def _run(args, ranks=None, env=None, timeout=180):
     (["--decode-graph", "off", "--decode-length-buckets"], "--decode-length-buckets sizes the captured steps' "
                                                             "attention; with --decode-graph off"),
     (["--decode-calibration-rounds", "0"], "--decode-calibration-rounds must be at least 1, got 0"),
+    (["--new-tokens", "99999999999999999999"], "--new-tokens must be at most 2147483647 (each request's KV cache"),
+    (["--decode-buckets", "1000000000000000000000"], "--decode-buckets sizes must be at most 2147483647"),
+    (["--decode-length-buckets"], "--decode-graph auto captures none here (cpu, the steps run eager)"),
+    (["--batch", "0"], "--batch and --seq-len must be at least 1 (or give --seq-lens), got --batch 0"),
+    (["--out", "/dev/null"], "--out /dev/null is not a directory"),
     (["--decode-auto-modes", "serial,auto"], "--decode-auto-modes names decode modes for auto to choose from"),
     (["--decode-auto-modes", "all"], "--decode-auto-modes names decode modes for auto to choose from"),
     (["--decode-auto-modes", "two-batch,five-batch"], "unknown mode 'five-batch'"),
@@ -52,6 +57,44 @@ def test_a_bad_generation_option_is_one_line_before_any_rank_joins(args, words, 
     code, _, err = run_here(main, TINY + list(args), capsys, monkeypatch)  # the check runs before any group is joined
     errors = [line for line in err.splitlines() if line.startswith("Error")]
     assert code == 2 and len(errors) == 1 and words in errors[0] and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("fault, words", [
+    ("garbage", "$OVERLAP_FAULT: 'garbage' is not rank=N, iter=N or kind=K"),
+    ("rank=1,iter=x", "$OVERLAP_FAULT: iter=x is not an integer"),
+    ("rank=1,kind=bogus", "$OVERLAP_FAULT: kind=bogus is not a fault (one of exit|hang|raise|nan|inf)"),
+])
+def test_a_bad_fault_injection_is_one_line_naming_the_variable_before_any_rank_joins(fault, words, capsys,
+                                                                                     monkeypatch):
+    """(Before: the parser's ValueError and a traceback after the headline; kind=bogus accepted.)"""
+    from launch.generate import main
+
+    monkeypatch.setenv("OVERLAP_FAULT", fault)
+    code, _, err = run_here(main, TINY, capsys, monkeypatch)
+    errors = [line for line in err.splitlines() if line.startswith("Error")]
+    assert code == 2 and len(errors) == 1 and words in errors[0] and "Traceback" not in err, err
+
+
+def test_a_kv_cache_too_big_for_the_memory_is_refused_with_the_numbers():
+    """--new-tokens 1000000000: the KV cache of the new tokens is in the memory check, before the model is built
+    (before: the allocation failed after it, with a traceback)."""
+    proc = _run(["--new-tokens", "1000000000"], ranks=2)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and 1 <= out.count("needs about") <= 2 and "KV cache" in out, out[-3000:]
+    assert "KV cache 11444" in out and "generate:" not in out, out[-3000:]  # before the headline: nothing built
+
+
+def test_the_kv_cache_estimate_holds_the_new_tokens_the_padded_room_and_every_kept_cache():
+    from launch.config import job_config
+    from launch.memory import decode_kv_cache
+
+    job = job_config(world=1, device="cpu", exec_path="auto", mode="serial", kv_offload=False, kv_store="memory",
+                     preset_name="tiny", overrides={}, batch=3, seq_len=8, seq_lens=None, dtype="float32", warmup=0,
+                     iters=1, seed=0, check=False, out_dir=None, cpu_link="off", timeout=10)
+    eager = decode_kv_cache(job, 1000)
+    assert eager == decode_kv_cache(job, 0) * 1008 // 8  # 3 slots of 8 prompt rows + 1000 new tokens each
+    assert decode_kv_cache(job, 1000, caches=2) == 2 * eager
+    assert decode_kv_cache(job, 1000, padded=True) == eager + eager // 3 * 8  # 3 slots padded to 2 x 4 rows
 
 
 @pytest.mark.parametrize("graph, words", [

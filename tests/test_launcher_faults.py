@@ -177,6 +177,16 @@ def test_a_kv_store_folder_that_cannot_hold_the_files_is_refused_before_the_run(
     assert FIRST_ROUND not in text
 
 
+def test_an_out_replaced_by_a_file_during_the_run_is_one_line_naming_it(tmp_path):
+    """(Before: os.makedirs' FileExistsError, a traceback after the run.)"""
+    from launch.outputs import OutputError, write_generation_outputs
+
+    out = tmp_path / "out"
+    out.write_text("not a folder")
+    with pytest.raises(OutputError, match=f"cannot write to --out {out}: File exists \\(not a folder\\)"):
+        write_generation_outputs(str(out), None, None, [], 2, [], print)
+
+
 def test_outputs_are_written_whole_or_not_at_all(tmp_path):
     from launch.outputs import OutputError, _atomic
 

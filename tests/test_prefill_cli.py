@@ -93,6 +93,8 @@ HERE = "here"  # ranks: `launch.prefill.main` in this process (as tests/test_gen
     (["--timeout", "0"], 2, "--timeout must be a positive number of seconds"),
     (["--timeout", "nan"], HERE, "--timeout must be a positive number of seconds"),
     (["--seq-lens", ""], HERE, "--seq-lens is empty"),
+    (["--seq-lens", "8,,8"], HERE, "--seq-lens has an empty item (two commas, or one at an end): '8,,8'"),
+    (["--batch", "0"], HERE, "--batch and --seq-len must be at least 1 (or give --seq-lens), got --batch 0"),
     (["--mode", "serial,bogus"], 2, "unknown mode 'bogus' (valid: serial, shared, two-batch, three-batch, "
                                     "four-batch, all, auto; a comma-separated list)"),
     (["--mode", "serial,"], HERE, "an empty mode name in 'serial,'"),

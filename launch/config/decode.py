@@ -18,6 +18,11 @@ from .modes import AUTO, DECODE_AUTO_MODES, DECODE_CALIBRATION_ROUNDS, DECODE_EX
 __all__ = ["DecodeConfig", "captured_path", "check_exchange", "check_generation_options", "decode_config",
            "parse_buckets", "prefill_modes"]
 
+# The most --new-tokens and a --decode-buckets size may be: a request's KV cache holds its prompt and new tokens,
+# and a bucket is a step's tokens per rank; no machine holds 2**31 rows (the memory check refuses far fewer), and
+# larger integers overflow the 64-bit sizes torch takes.
+MAX_COUNT = 2 ** 31 - 1
+
 
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
@@ -58,6 +63,9 @@ def decode_config(job: JobConfig, *, new_tokens: int, spread: float, stop_token:
     with the decode mode at its place; one list of a single mode goes with every mode of the other."""
     if new_tokens < 1:
         raise ConfigError(f"--new-tokens must be at least 1, got {new_tokens}")
+    if new_tokens > MAX_COUNT:
+        raise ConfigError(f"--new-tokens must be at most {MAX_COUNT} (each request's KV cache holds its prompt and "
+                          f"new tokens: no machine holds that many rows), got {new_tokens}")
     if calibration_rounds < 1:
         raise ConfigError(f"--decode-calibration-rounds must be at least 1, got {calibration_rounds}")
     if not auto_modes or any(m in ("all", AUTO) for m in auto_modes):
@@ -90,6 +98,10 @@ def decode_config(job: JobConfig, *, new_tokens: int, spread: float, stop_token:
     if length_buckets and graph == "off":
         raise ConfigError("--decode-length-buckets sizes the captured steps' attention; with --decode-graph off the "
                           "eager steps attend over their histories already")
+    if length_buckets and captured is None:
+        raise ConfigError(f"--decode-length-buckets sizes the captured steps' attention; --decode-graph auto "
+                          f"captures none here ({job.device}, the steps run eager): name a path (--decode-graph cpu) "
+                          f"or leave --decode-length-buckets out")
     check_exchange(job, exchange)
     return DecodeConfig(new_tokens, float(spread), stop_token, tuple(runs), captured, parse_buckets(buckets),
                         bool(guard), int(calibration_rounds), candidates, exchange, bool(length_buckets))
@@ -165,4 +177,7 @@ def parse_buckets(text: Optional[str]) -> Optional[Tuple[int, ...]]:
         raise ConfigError(f"--decode-buckets must be comma-separated integers, got {text!r}") from None
     if not sizes or sizes[0] < 1:
         raise ConfigError(f"--decode-buckets must be positive sizes, got {text!r}")
+    if sizes[-1] > MAX_COUNT:
+        raise ConfigError(f"--decode-buckets sizes must be at most {MAX_COUNT} (a bucket is a step's tokens per "
+                          f"rank), got {sizes[-1]}")
     return sizes

@@ -61,6 +61,8 @@ def environment(device: str, path: Optional[str]) -> Tuple[Tuple[str, EnvValue],
     from overlap.link import env_link
     from overlap.observability.sanitizer import ENV_SANITIZE, env_mode
 
+    from launch.health import Fault
+
     try:
         forced = env_path()
         env_graph_path()
@@ -70,6 +72,7 @@ def environment(device: str, path: Optional[str]) -> Tuple[Tuple[str, EnvValue],
         enabled = env_enabled()
         sanitize = env_mode() or "off"
         budget = env_core_budget()
+        Fault.from_env()
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     run_path = path or device

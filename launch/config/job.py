@@ -93,11 +93,17 @@ def parse_seq_lens(text: Optional[str], batch: int, seq_len: int) -> List[int]:
     if text is not None:
         if not text.strip(" ,"):
             raise ConfigError("--seq-lens is empty: give comma-separated request lengths, e.g. 512,128")
+        items = text.replace(" ", "").split(",")
+        if "" in items:
+            raise ConfigError(f"--seq-lens has an empty item (two commas, or one at an end): {text!r}")
         try:
-            lens = [int(x) for x in text.replace(" ", "").split(",") if x]
+            lens = [int(x) for x in items]
         except ValueError:
             raise ConfigError(f"--seq-lens must be comma-separated integers, got {text!r}") from None
     else:
+        if batch < 1 or seq_len < 1:
+            raise ConfigError(f"--batch and --seq-len must be at least 1 (or give --seq-lens), got --batch {batch} "
+                              f"and --seq-len {seq_len}")
         lens = [seq_len] * batch
     if not lens or any(n < 1 for n in lens):
         raise ConfigError(f"every request needs at least one token; got seq lens {lens}")
@@ -153,6 +159,8 @@ def _check_numbers(seed: int, timeout: float, warmup: int, iters: int, out_dir: 
                              if timeout > MAX_WAIT_TIMEOUT else ""))
     if out_dir is not None and not out_dir.strip():
         raise ConfigError("--out is empty: give the folder to write the results to (or leave --out out)")
+    if out_dir is not None and os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ConfigError(f"--out {out_dir} is not a directory: give a folder to write the results to")
 
 
 def job_config(*, world: int, device: str, exec_path: str, mode: Union[str, Sequence[str]], kv_offload: bool,

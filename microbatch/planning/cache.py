@@ -70,7 +70,7 @@ def read_cache(path: str) -> Optional[Dict[str, object]]:
             data = json.load(f)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+    except (OSError, ValueError, RecursionError) as e:  # UnicodeDecodeError, JSONDecodeError: ValueErrors; nesting
         logger.warning("ignoring the unreadable calibration %s (%s): measuring again", path, e)
         return None
     if not isinstance(data, dict):

@@ -24,6 +24,7 @@ import statistics
 from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 SERIAL = "serial"  # the reference mode, which every decode calibration measures
+MAX_STEP_S = 3600.0  # the longest step time an entry may hold: more is a bad edit (NaN, inf, 1e308), no measurement
 
 
 class DecodeCalibrationError(ValueError):
@@ -52,9 +53,10 @@ class DecodeCalibration:
             raise DecodeCalibrationError(f"a decode calibration measures serial, the reference; it has "
                                          f"{', '.join(self.seconds) or 'no mode'}")
         for mode, rows in self.seconds.items():
-            if len(rows) != len(self.tokens) or any(len(r) != 2 or min(r) <= 0 for r in rows):
-                raise DecodeCalibrationError(f"mode {mode}: need two positive times for each of {len(self.tokens)} "
-                                             f"token counts")
+            if len(rows) != len(self.tokens) or any(len(r) != 2 or not all(0 < x <= MAX_STEP_S for x in r)
+                                                    for r in rows):
+                raise DecodeCalibrationError(f"mode {mode}: need two positive times (at most {MAX_STEP_S:g} s, "
+                                             f"finite) for each of {len(self.tokens)} token counts")
         if self.noise is not None:
             for mode in self.seconds:
                 rows = self.noise.get(mode, ())
@@ -113,7 +115,7 @@ class DecodeCalibration:
                 raise DecodeCalibrationError(f"padded must be true or false, got {padded!r}")
             return cls(tuple(int(t) for t in data["tokens"]), tuple(int(h) for h in data["histories"]),
                        _table(data["seconds"]), None if noise is None else _table(noise), padded)
-        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError) as exc:
             if isinstance(exc, DecodeCalibrationError):
                 raise
             raise DecodeCalibrationError(f"not a decode calibration: {exc!r}") from None
