@@ -21,6 +21,7 @@ writes back what is there.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
@@ -49,12 +50,11 @@ class KVCache:
     def __init__(self, n_layers: int, max_requests: int, max_len: int, k_shape: Sequence[int],
                  v_shape: Optional[Sequence[int]] = None, *, dtype: torch.dtype = torch.float32,
                  device: Optional[torch.device] = None):
-        k_shape, v_shape = tuple(k_shape), tuple(k_shape if v_shape is None else v_shape)
-        for name, value in (("n_layers", n_layers), ("max_requests", max_requests), ("max_len", max_len),
-                            *((f"k_shape[{i}]", n) for i, n in enumerate(k_shape)),
-                            *((f"v_shape[{i}]", n) for i, n in enumerate(v_shape))):
-            if value < 1:
-                raise KVCacheError(f"{name} must be at least 1, got {value}")
+        n_layers, max_requests, max_len = (_count(name, value, 1) for name, value in (
+            ("n_layers", n_layers), ("max_requests", max_requests), ("max_len", max_len)))
+        k_shape = _shape("k_shape", k_shape)
+        v_shape = k_shape if v_shape is None else _shape("v_shape", v_shape)
+        _check_dtype(dtype)
         self.k = self._allocate((n_layers, max_requests, max_len) + k_shape, dtype, device)
         self.v = self._allocate((n_layers, max_requests, max_len) + v_shape, dtype, device)
         self.device = self.k.device  # where attention runs: the rows' indexes and masks live there
@@ -70,6 +70,7 @@ class KVCache:
     # ---- slots -------------------------------------------------------------------------------
     def admit(self, n: int = 1) -> List[int]:
         """``n`` free slots for new requests (empty); `KVCacheError` if fewer are free."""
+        n = _count("n", n, 0)
         if n > len(self._free):
             raise KVCacheError(f"{n} requests do not fit: {len(self._free)} of {len(self.lengths)} slots are free")
         slots, self._free = self._free[:n], self._free[n:]
@@ -106,7 +107,8 @@ class KVCache:
     def rows(self, slots: Sequence[int], seq_lens: Optional[Sequence[int]] = None) -> "KVRows":
         """Where the next ``seq_lens`` rows of each slot go (one each by default: a decode step), checked
         against the room; computed once per step and used by every layer (`write`, `attend`)."""
-        seq_lens = [1] * len(slots) if seq_lens is None else [int(n) for n in seq_lens]
+        seq_lens = [1] * len(slots) if seq_lens is None else [_count(f"seq_lens[{i}]", n, 0)
+                                                              for i, n in enumerate(seq_lens)]
         if len(slots) != len(seq_lens):
             raise KVCacheError(f"{len(slots)} slots but {len(seq_lens)} lengths")
         self._check(slots, seq_lens)
@@ -129,12 +131,24 @@ class KVCache:
     def write(self, layer: int, rows: "KVRows", k: torch.Tensor, v: torch.Tensor) -> None:
         """The keys ``[sum(rows.seq_lens), *k_shape]`` and values (``v_shape``), packed slot after slot, into
         ``rows``."""
-        self._check_kv(rows, k, v)
+        self._check_kv(layer, rows, k, v)
         self.k[layer, rows.where[:, 0], rows.where[:, 1]] = k.to(self.k.dtype)
         self.v[layer, rows.where[:, 0], rows.where[:, 1]] = v.to(self.v.dtype)
 
-    def _check_kv(self, rows: "KVRows", k: torch.Tensor, v: torch.Tensor) -> int:
-        """The number of ``rows``; `KVCacheError` unless ``k`` and ``v`` hold one key and value for each."""
+    def _check_layer(self, layer: int) -> None:
+        """`KVCacheError` unless ``layer`` is an index of one of the cache's layers."""
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.k.shape[0]:
+            raise KVCacheError(f"layer must be an integer in [0, {self.k.shape[0]}) (the cache's layers), "
+                               f"got {layer!r}")
+
+    def _check_kv(self, layer: int, rows: "KVRows", k: torch.Tensor, v: torch.Tensor) -> int:
+        """The number of ``rows``; `KVCacheError` unless ``layer`` is the cache's and ``k`` and ``v`` hold one key and
+        value for each, of the cache's dtype (a cast would hide a model that computes in another dtype)."""
+        self._check_layer(layer)
+        for name, x in (("keys", k), ("values", v)):
+            if x.dtype != self.k.dtype:
+                raise KVCacheError(f"{name} of dtype {x.dtype} do not go into a cache of {self.k.dtype}: make the "
+                                   f"cache of the model's dtype")
         n = rows.where.shape[0]
         if k.shape[0] != n or v.shape[0] != n or k.shape[1:] != self.k.shape[3:] or v.shape[1:] != self.v.shape[3:]:
             raise KVCacheError(f"{rows.where.shape[0]} rows, keys {tuple(k.shape)} and values {tuple(v.shape)} do "
@@ -158,6 +172,10 @@ class KVCache:
     def attend(self, layer: int, rows: "KVRows", q: torch.Tensor) -> torch.Tensor:
         """Decode attention: ``q [len(rows.slots), heads, head_dim]``, one query per request, over each slot's
         rows including those of ``rows`` (written, not yet counted); one masked attention over all the slots."""
+        self._check_layer(layer)
+        if tuple(q.shape) != (len(rows.slots),) + tuple(self.k.shape[3:]):
+            raise KVCacheError(f"queries {tuple(q.shape)} do not go with {len(rows.slots)} slots of keys "
+                               f"{tuple(self.k.shape[3:])}: one query per slot, as many heads as the keys")
         if not rows.slots:
             return q
         keys, values = (x.transpose(1, 2) for x in self.history(layer, rows))  # [B, H, L, D]
@@ -188,6 +206,7 @@ class KVCache:
     def write_static(self, layer: int, rows: "StaticRows", k: torch.Tensor, v: torch.Tensor) -> None:
         """Layer ``layer``'s keys ``[rows, *k_shape]`` and values of a static step into their rows; a padding
         row writes back what its row holds (the real rows never share it: the step's shapes stay fixed)."""
+        self._check_layer(layer)
         n = rows.index.shape[0]
         if k.shape[0] != n or v.shape[0] != n or k.shape[1:] != self.k.shape[3:] or v.shape[1:] != self.v.shape[3:]:
             raise KVCacheError(f"{n} rows, keys {tuple(k.shape)} and values {tuple(v.shape)} do not go together")
@@ -215,6 +234,30 @@ class KVCache:
         out = F.scaled_dot_product_attention(q.unsqueeze(2).to(keys.dtype), keys, values,
                                              attn_mask=mask[:, None, None, :])
         return out.squeeze(2).to(q.dtype)
+
+
+def _count(name: str, value: Any, least: int) -> int:
+    """``value``, an integer (not a bool) of at least ``least``; `KVCacheError` naming ``name`` otherwise."""
+    try:
+        count = operator.index(value) if not isinstance(value, bool) else None
+    except TypeError:
+        count = None
+    if count is None or count < least:
+        raise KVCacheError(f"{name} must be an integer of at least {least}, got {value!r}")
+    return count
+
+
+def _shape(name: str, shape: Any) -> Tuple[int, ...]:
+    """``shape``, a non-empty sequence of positive integers (one token's keys or values), as a tuple."""
+    if isinstance(shape, (str, bytes)) or not isinstance(shape, (Sequence, torch.Size)) or len(shape) == 0:
+        raise KVCacheError(f"{name} must be a non-empty sequence of positive integers (one token's), got {shape!r}")
+    return tuple(_count(f"{name}[{i}]", n, 1) for i, n in enumerate(shape))
+
+
+def _check_dtype(dtype: Any) -> None:
+    """`KVCacheError` unless ``dtype`` is a floating point torch dtype (keys and values are)."""
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise KVCacheError(f"dtype must be a floating point torch.dtype, got {dtype!r}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -184,7 +184,7 @@ class OffloadedKVCache(KVCache):
         layer are all there, on the copy stream to the host store too. ``rows`` may be part of the rows that
         `rows` placed (a prefill micro-batch's tokens: ``where`` cut, the rest the same)."""
         self._check_usable()
-        n = self._check_kv(rows, k, v)
+        n = self._check_kv(layer, rows, k, v)
         if n == 0:
             return
         lane = self._lane(rows)

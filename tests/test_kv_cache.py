@@ -72,7 +72,7 @@ def test_what_does_not_fit_is_refused_by_name():
         cache.rows([b])
     with pytest.raises(KVCacheError, match="do not go together"):
         cache.write(0, cache.rows([a], [2]), torch.zeros(3, H, D), torch.zeros(3, H, D))
-    with pytest.raises(KVCacheError, match="max_len must be at least 1"):
+    with pytest.raises(KVCacheError, match="max_len must be an integer of at least 1, got 0"):
         KVCache(1, 1, 0, (H, D))
 
 

@@ -23,7 +23,7 @@ from .generation import (DecodeError, Decoders, Generated, NonFiniteLogits, OnSt
 from .graph_decoder import MIN_LENGTH, GraphDecoder, capture_problem, decoders_of, graph_decoders
 from .prefiller import (after_attention, continue_prefill, graph_prefill, layer_operations,
                       make_capacity_expert_parallel, make_expert_parallel, prefill, prefill_cache, split_for)
-from .step import DECODE_STEP, TOKENS, Picked, bucket_of, decode_step, lower_step, read_picked
+from .step import DECODE_STEP, TOKENS, Picked, bucket_of, checked_buckets, decode_step, lower_step, read_picked
 
 __all__ = [
     # prefill
@@ -35,7 +35,7 @@ __all__ = [
     "Decoder", "EagerDecoder", "eager_decoders", "expert_group", "history_weight", "split_by_cost",
     "MIN_LENGTH", "GraphDecoder", "capture_problem", "decoders_of", "graph_decoders",
     # one decode step
-    "DECODE_STEP", "TOKENS", "Picked", "bucket_of", "decode_step", "lower_step", "read_picked",
+    "DECODE_STEP", "TOKENS", "Picked", "bucket_of", "checked_buckets", "decode_step", "lower_step", "read_picked",
     # the decode calibration
     "DECODE_AUTO_MODES", "DECODE_CALIBRATION_ROUNDS", "DECODE_FORMAT", "calibrate_decode", "calibration_histories",
     "calibration_ids", "decode_calibration_key", "graph_token_points", "token_points",

@@ -23,7 +23,7 @@ import overlap
 from collectives import MOE_ACTIVE, MOE_CAPACITY, ExpertParallelMoE, group_size
 from microbatch import KV_STEP, DecodeModel, KVCache, KVStep
 
-from .step import DECODE_STEP, TOKENS, Picked, bucket_of, decode_step
+from .step import DECODE_STEP, TOKENS, Picked, bucket_of, checked_buckets, decode_step
 
 
 @runtime_checkable
@@ -69,7 +69,7 @@ class EagerDecoder:
         self.model, self.cache, self.mode = model, cache, mode
         self.how = microbatch.decode_mode(mode)
         self.layers = model.decode_layer_operations(self.how.moe_chunks)  # a model that cannot decode says so here
-        self.buckets = buckets
+        self.buckets = checked_buckets(buckets)
         self.per_row = history_weight(model) if per_row is None else per_row
         self.device = next(model.parameters()).device
 

@@ -25,6 +25,7 @@ later. ``agreement="blocking"`` waits for each step's own agreement before it ru
 from __future__ import annotations
 
 import dataclasses
+import operator
 import time
 from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
@@ -39,7 +40,7 @@ from microbatch.planning import DEFAULT_MARGIN, DecodeCalibration, DecodeGuard, 
 from .decoder import Decoder, eager_decoders, expert_group
 from .graph_decoder import GraphDecoder, decoders_of, graph_decoders
 from .prefiller import prefill_cache
-from .step import AGREEMENT, read_picked
+from .step import AGREEMENT, checked_buckets, read_picked
 
 # (step, active requests on every rank) -> whether the caller observes the next step (step 0: the prefill's token)
 OnStep = Callable[[int, int], Optional[bool]]
@@ -86,12 +87,57 @@ def new_cache(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: 
 
 
 def _limits(prompts: Sequence[Sequence[int]], new_tokens: Union[int, Sequence[int]]) -> List[int]:
-    limits = [int(new_tokens)] * len(prompts) if isinstance(new_tokens, int) else [int(n) for n in new_tokens]
+    """Each prompt's most new tokens: ``new_tokens`` for all, or one count per prompt; a one-line ValueError naming
+    the value otherwise (a float, a bool, a count below 1)."""
+    many = isinstance(new_tokens, Sequence) and not isinstance(new_tokens, (str, bytes))
+    limits = list(new_tokens) if many else [new_tokens] * len(prompts)
+    if not all(_is_int(n) and n >= 1 for n in limits):
+        raise ValueError(f"new_tokens must be an integer of at least 1 (or one per prompt), got {new_tokens!r}")
     if len(limits) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(limits)} new-token counts")
-    if any(n < 1 for n in limits):
-        raise ValueError(f"every request generates at least one token, got {min(limits)}")
-    return limits
+    return [int(n) for n in limits]
+
+
+def _is_int(value: object) -> bool:
+    """Whether ``value`` is an integer (a Python or numpy one, not a bool)."""
+    try:
+        operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return False
+    return not isinstance(value, bool)
+
+
+def _is_list(value: object) -> bool:
+    """Whether ``value`` is a sized collection of items (a list, a tuple, a tensor), not a string."""
+    return not isinstance(value, (str, bytes)) and hasattr(value, "__len__") and hasattr(value, "__iter__")
+
+
+def _check_arguments(model: DecodeModel, prompts: Sequence[Sequence[int]], stop_token: Optional[int],
+                     cache: Optional[KVCache]) -> None:
+    """`generate`'s prompts, stop token and cache against the model (its vocabulary, its dtype): a one-line
+    ValueError naming the argument and its value, before any collective."""
+    vocab = model.cfg.vocab
+    _check_prompts(prompts, vocab)
+    if stop_token is not None and not (_is_int(stop_token) and 0 <= stop_token < vocab):
+        raise ValueError(f"stop_token must be a token id in [0, {vocab}) (the vocabulary) or None, got {stop_token!r}")
+    dtype = next(model.parameters()).dtype
+    if cache is not None and cache.k.dtype != dtype:
+        raise ValueError(f"cache holds {cache.k.dtype}, the model computes in {dtype}: make the cache of the model's "
+                         f"dtype (new_cache)")
+
+
+def _check_prompts(prompts: Sequence[Sequence[int]], vocab: int) -> None:
+    """A one-line ValueError unless ``prompts`` is a list of non-empty lists of token ids in ``[0, vocab)``."""
+    if not _is_list(prompts):
+        raise ValueError(f"prompts must be a list of prompts, each a list of token ids, got {prompts!r}")
+    for i, prompt in enumerate(prompts):
+        if not _is_list(prompt):
+            raise ValueError(f"prompts[{i}] must be a list of token ids, got {prompt!r}")
+        if len(prompt) == 0:
+            raise ValueError(f"prompts[{i}] is empty: every prompt needs at least one token")
+        wrong = next((t for t in prompt if not (_is_int(t) and 0 <= t < vocab)), None)
+        if wrong is not None:
+            raise ValueError(f"prompts[{i}] holds {wrong!r}: token ids are integers in [0, {vocab}) (the vocabulary)")
 
 
 @torch.no_grad()
@@ -135,8 +181,8 @@ def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: U
     the last, which travelled under the last step) or ``"blocking"`` (each step waits for its own; see the module
     docstring).
     """
-    if any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token")
+    _check_arguments(model, prompts, stop_token, cache)
+    buckets = checked_buckets(buckets)
     if agreement not in AGREEMENTS:
         raise ValueError(f"agreement must be one of {', '.join(AGREEMENTS)}, got {agreement!r}")
     limits = _limits(prompts, new_tokens)

@@ -43,7 +43,7 @@ from collectives import MOE_ACTIVE, MOE_CAPACITY, ExpertParallelMoE
 from microbatch import KV_STEP, DecodeModel, KVCache
 from microbatch.kv_cache import StaticKVStep, StaticRows
 
-from .step import DECODE_STEP, TOKENS, Picked, bucket_of, decode_step, lower_step
+from .step import DECODE_STEP, TOKENS, Picked, bucket_of, checked_buckets, decode_step, lower_step
 
 StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 MIN_LENGTH = 16  # the shortest room a step with length buckets attends over (fewer graphs for short histories)
@@ -77,7 +77,7 @@ class GraphDecoder:
             raise ValueError(f"GraphDecoder(path={path!r}): {problem}")
         self.model, self.cache, self.path, self.mode = model, cache, path, mode
         self.how = microbatch.decode_mode(mode)
-        self.buckets = _checked_buckets(buckets)
+        self.buckets = checked_buckets(buckets)
         self.compile_backend = compile_backend
         self.layers = model.decode_layer_operations(self.how.moe_chunks)
         self.length_buckets = bool(length_buckets)
@@ -251,15 +251,6 @@ def _refuse(model: DecodeModel, cache: KVCache, path: str, target: overlap.backe
     if captures and loose:
         raise ValueError(f"GraphDecoder on {path} needs every MoE block expert-parallel (its decode stages are "
                          f"static: launch.engine.make_expert_parallel), got {loose[0]}")
-
-
-def _checked_buckets(buckets: Optional[Sequence[int]]) -> Optional[Tuple[int, ...]]:
-    if buckets is None:
-        return None
-    out = tuple(sorted({int(b) for b in buckets}))
-    if not out or out[0] < 1:
-        raise ValueError(f"buckets must be positive row counts, got {list(buckets)}")
-    return out
 
 
 def _layout(n: int, parts: int, bucket: int) -> Tuple[List[int], List[int]]:

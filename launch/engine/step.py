@@ -9,6 +9,7 @@ nothing read on the host (`Picked`: the ids stay on the device until the caller 
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -69,6 +70,25 @@ def read_picked(picked: Picked, requests: List[int], step: int) -> Tuple[List[in
     return ids, ([] if picked.gaps is None else picked.gaps.tolist()), problem
 
 
+def checked_buckets(buckets: Optional[Sequence[int]]) -> Optional[Tuple[int, ...]]:
+    """``buckets`` (None: the powers of two) as increasing positive row counts, repeats dropped; a one-line
+    ValueError naming the value otherwise (``[0]``, ``[-4]``, ``[1.5]``, a string, an empty list)."""
+    if buckets is None:
+        return None
+    if isinstance(buckets, (str, bytes)) or not isinstance(buckets, Sequence) or not buckets or not all(
+            _is_size(b) for b in buckets):
+        raise ValueError(f"buckets must be positive row counts (integers of at least 1), got {buckets!r}")
+    return tuple(sorted({int(b) for b in buckets}))
+
+
+def _is_size(value: Any) -> bool:
+    """Whether ``value`` is an integer (not a bool) of at least 1."""
+    try:
+        return not isinstance(value, bool) and operator.index(value) >= 1
+    except TypeError:
+        return False
+
+
 def bucket_of(tokens: int, buckets: Optional[Sequence[int]] = None) -> int:
     """The bucket a step of ``tokens`` rows per micro-batch pads its exchange to: the smallest of ``buckets``
     (default: the powers of two) that holds them; past the largest, the tokens themselves."""
@@ -78,4 +98,5 @@ def bucket_of(tokens: int, buckets: Optional[Sequence[int]] = None) -> int:
     return min((b for b in buckets if b >= tokens), default=tokens)
 
 
-__all__ = ["AGREEMENT", "DECODE_STEP", "TOKENS", "Picked", "bucket_of", "decode_step", "lower_step", "read_picked"]
+__all__ = ["AGREEMENT", "DECODE_STEP", "TOKENS", "Picked", "bucket_of", "checked_buckets", "decode_step", "lower_step",
+           "read_picked"]
