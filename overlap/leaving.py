@@ -61,6 +61,13 @@ def exit_rank(status: int = 0) -> NoReturn:
         except Exception:
             traceback.print_exc()
             status = 1
+    exit_steps()
+    os._exit(status)
+
+
+def exit_steps() -> None:
+    """What a normal exit does before the interpreter's teardown: the threads that are not daemons joined, the
+    atexit handlers run, stdout and stderr flushed (`exit_rank` then leaves with ``os._exit``)."""
     try:
         threading._shutdown()  # the interpreter's own first step at exit: join the threads that are not daemons
     except Exception:
@@ -71,7 +78,6 @@ def exit_rank(status: int = 0) -> NoReturn:
             stream.flush()
         except Exception:
             pass
-    os._exit(status)
 
 
-__all__ = ["exit_rank", "leave_group"]
+__all__ = ["exit_rank", "exit_steps", "leave_group"]

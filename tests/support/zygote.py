@@ -146,20 +146,9 @@ def _exit_status(code) -> int:
 
 
 def _finalize() -> None:
-    import threading
+    from overlap.leaving import exit_steps  # imported late: the zygote preloads torch alone
 
-    try:
-        threading._shutdown()  # the interpreter's own first step at exit: join non-daemon threads
-    except Exception:
-        pass
-    import atexit
-
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            pass
+    exit_steps()
 
 
 def _leave(code: int) -> None:
