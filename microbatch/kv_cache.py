@@ -81,8 +81,7 @@ class KVCache:
 
     def release(self, slots: Sequence[int]) -> None:
         """Free the slots of finished requests (their rows are never read again)."""
-        self._check(slots)
-        for s in slots:
+        for s in self._check(slots):
             self._used.discard(s)
             self._free.append(s)
 
@@ -91,14 +90,22 @@ class KVCache:
         """The slots in use, in order."""
         return sorted(self._used)
 
-    def _check(self, slots: Sequence[int], adding: Sequence[int] = ()) -> None:
+    def _check(self, slots: Sequence[int], adding: Sequence[int] = ()) -> List[int]:
+        """``slots`` as integers, each a slot in use named once (a slot given twice would be freed twice, then
+        handed to two requests), with room for ``adding`` more rows each; `KVCacheError` naming the first that
+        is not."""
+        slots = _slots(slots)
         for s in slots:
             if s not in self._used:
                 raise KVCacheError(f"slot {s} is not in use (admit a request first)")
+        if len(set(slots)) != len(slots):
+            twice = next(s for s in slots if slots.count(s) > 1)
+            raise KVCacheError(f"slot {twice} is named twice in slots {slots}: each slot at most once")
         for s, n in zip(slots, adding):
             if self.lengths[s] + n > self.max_len:
                 raise KVCacheError(f"slot {s} holds {self.lengths[s]} rows; {n} more exceed its room of "
                                    f"{self.max_len} (prompt + new tokens)")
+        return slots
 
     def _index(self, slots: Sequence[int]) -> torch.Tensor:
         return torch.tensor(list(slots), dtype=torch.long, device=self.device)
@@ -107,11 +114,12 @@ class KVCache:
     def rows(self, slots: Sequence[int], seq_lens: Optional[Sequence[int]] = None) -> "KVRows":
         """Where the next ``seq_lens`` rows of each slot go (one each by default: a decode step), checked
         against the room; computed once per step and used by every layer (`write`, `attend`)."""
+        slots = _slots(slots)
         seq_lens = [1] * len(slots) if seq_lens is None else [_count(f"seq_lens[{i}]", n, 0)
                                                               for i, n in enumerate(seq_lens)]
         if len(slots) != len(seq_lens):
             raise KVCacheError(f"{len(slots)} slots but {len(seq_lens)} lengths")
-        self._check(slots, seq_lens)
+        slots = self._check(slots, seq_lens)
         dev = self.device
         index, counts = self._index(slots), torch.tensor(seq_lens, dtype=torch.long, device=dev)
         held = torch.tensor([self.lengths[s] for s in slots], dtype=torch.long, device=dev)
@@ -188,10 +196,9 @@ class KVCache:
         """A decode step's rows, one per entry of ``slots``: a slot in use gets its next row, None a padding
         row (it changes nothing: `StaticRows`); checked against the room. Each slot appears at most once and
         holds at least one row (its prompt: a decode step follows the prefill)."""
-        real = [s for s in slots if s is not None]
-        if len(set(real)) != len(real):
-            raise KVCacheError(f"a decode step writes one row per slot, got slots {real}")
-        self._check(real, [1] * len(real))
+        if isinstance(slots, (str, bytes, torch.Tensor)) or not isinstance(slots, Sequence):
+            _slots(slots)  # refused as a slot list is
+        real = self._check([s for s in slots if s is not None], [1] * len(slots))
         empty = [s for s in real if self.lengths[s] == 0]
         if empty:
             raise KVCacheError(f"slot {empty[0]} holds no row yet: a decode step follows the prefill")
@@ -245,6 +252,23 @@ def _count(name: str, value: Any, least: int) -> int:
     if count is None or count < least:
         raise KVCacheError(f"{name} must be an integer of at least {least}, got {value!r}")
     return count
+
+
+def _slots(slots: Any) -> List[int]:
+    """``slots``, a sequence of slot numbers, as a list of ints; `KVCacheError` naming what is not."""
+    if isinstance(slots, (str, bytes, torch.Tensor)) or not isinstance(slots, Sequence):
+        raise KVCacheError(f"slots must be a sequence of slot numbers (from admit), got {slots!r}")
+    return [_slot(s) for s in slots]
+
+
+def _slot(value: Any) -> int:
+    """``value``, a slot number (an integer, not a bool); `KVCacheError` otherwise."""
+    if isinstance(value, bool):
+        raise KVCacheError(f"a slot is an integer from admit, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise KVCacheError(f"a slot is an integer from admit, got {value!r}") from None
 
 
 def _shape(name: str, shape: Any) -> Tuple[int, ...]:
