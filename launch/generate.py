@@ -78,7 +78,8 @@ OwnTokens = Union[List[List[int]], str, None]  # the model's own generate() for 
 @click.option("--new-tokens", type=int, default=16, help="New tokens per request (the most, with a spread).")
 @click.option("--new-tokens-spread", type=float, default=0.0,
               help="Each request's new tokens drawn from [ceil(N*(1-F)), N] with the seed, differently on each rank.")
-@click.option("--stop-token", type=int, help="A token id that ends a request (it is kept).")
+@click.option("--stop-token", type=int, help="A token id that ends a request (it is kept); default: a checkpoint's "
+                                            "eos_token_id (its generation_config.json's, else its config.json's).")
 @click.option("--kv-offload/--no-kv-offload", default=False,
               help="Keep the KV cache on the host, the next layer's keys and values prefetched on the copy stream.")
 @click.option("--kv-store", type=click.Choice(["memory", "mmap"]), default="memory",
@@ -359,6 +360,7 @@ def _headline(job: JobConfig, decode: DecodeConfig, model: DecodeModel, world: i
             f"{cfg.n_shared} shared | {world} rank(s) on {job.device}, {threads(job)} | {len(job.seq_lens)} "
             f"requests of {_lens(job.seq_lens)} prompt tokens per rank, {tokens}"
             + (f", stop token {decode.stop_token}" if decode.stop_token is not None else "")
+            + (f" (from {decode.stop_file})" if decode.stop_file else "")
             + f" | {str(job.dtype).replace('torch.', '')}"
             + f" | kv cache {'host, prefetched' if job.kv_offload else 'device'}"
             + (f" | decode steps captured per bucket{' and length' if decode.length_buckets else ''} on "

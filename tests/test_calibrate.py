@@ -15,7 +15,7 @@ from launch.models import build_model, preset
 from launch.engine import make_expert_parallel, split_for, prefill
 from microbatch import Linear
 from microbatch.batch import Batch
-from microbatch.planning.cache import ENV_CACHE, cache_file, calibration_key
+from microbatch.planning.cache import ENV_CACHE, FORMAT, cache_file, calibration_key
 from microbatch.planning.prefill import measure as measure_mod
 from microbatch.planning.prefill.calibration import Calibration, OpFit, TransferFit, load
 from microbatch.planning.prefill.choice import predict_mode
@@ -162,6 +162,10 @@ BAD_TRANSFER = {"op": "attn", "moe": False, "name": "x", "a": "64", "b": 0.0, "b
     pytest.param(_set_fit("ops", 0, "b", -1e-3), id="a negative cost"),
     pytest.param(_set("host_overhead_s", True), id="a boolean for a number"),
     pytest.param(_set("elapsed_s", float("nan")), id="a NaN time"),
+    pytest.param(_set_fit("ops", 0, "b", 1e308), id="a cost of 1e308 (inf predictions)"),
+    pytest.param(_set("host_overhead_s", 1e308), id="a time of 1e308"),
+    pytest.param(_set("collective", [1e-4, 1e308]), id="a line of 1e308 per byte"),
+    pytest.param(_set_fit("ops", 0, "a", 10 ** 400), id="an integer of 400 digits (OverflowError)"),
     pytest.param(_edit(lambda cal: cal.__setitem__("layers", cal["layers"][:1])), id="fewer layers than fits"),
     pytest.param(_set_fit("layer_ops", 0, "layer", 99), id="a layer that is not there"),
     pytest.param(_edit(lambda cal: cal["layer_ops"][-1].__setitem__("moe", not cal["layer_ops"][-1]["moe"])),
@@ -196,6 +200,21 @@ def test_a_cache_no_calibration_can_hold_is_measured_again_with_a_warning(tmp_pa
     assert any(path in r.getMessage() and "measuring again" in r.getMessage() for r in caplog.records), caplog.text
     assert again.key == first.key and all(math.isfinite(v) for v in again.values())
     assert load(first.key, str(tmp_path)) == again  # the new measurement replaced the file
+
+
+def test_a_cache_nested_100000_deep_is_measured_again_with_a_warning(tmp_path, counted, caplog):
+    """A cache file of lists nested 100,000 deep is unreadable, not a RecursionError."""
+    model = build_model(CFG, seed=1)
+    opts = dict(max_tokens=24, points=2, repeats=1, seq_len=12, cache=str(tmp_path))
+    first = calibrate(model, **opts)
+    path = cache_file(first.key, str(tmp_path))
+    with open(path, "w") as f:
+        f.write('{"format": %d, "key": ' % FORMAT + "[" * 100_000 + "]" * 100_000 + "}")
+    with caplog.at_level("WARNING", logger="microbatch.planning"):
+        again = calibrate(model, **opts)
+    assert len(counted) == 2, "the nested cache was used"
+    assert any(path in r.getMessage() and "measuring again" in r.getMessage() for r in caplog.records), caplog.text
+    assert again.key == first.key and all(math.isfinite(v) for v in again.values())
 
 
 def _slowest(values, group):

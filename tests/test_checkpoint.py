@@ -931,3 +931,115 @@ def test_a_checkpoint_whose_experts_the_ranks_cannot_share_names_its_count_and_t
                    iters=1, seed=0, check=False, out_dir=None, cpu_link="0.1", timeout=30.0, model_name=path)
     assert err.value.message == (f"--model {path}: the checkpoint has 8 routed experts per MoE layer ({field} in its "
                                  f"config.json), which 3 ranks cannot share equally: run it on 1, 2, 4 or 8 ranks")
+
+
+# ---------------------------------------------------------------- generation settings
+
+
+def _settings_folder(tmp_path, config=None, generation=None):
+    """A folder holding only the JSON files `generation_settings` reads."""
+    (tmp_path / "config.json").write_text(json.dumps(config or {}))
+    if generation is not None:
+        (tmp_path / "generation_config.json").write_text(json.dumps(generation))
+    return tmp_path
+
+
+@pytest.mark.parametrize("config, generation, stop, source", [
+    ({"eos_token_id": 2}, None, 2, "config.json"),
+    ({"eos_token_id": 2}, {"eos_token_id": 5}, 5, "generation_config.json"),
+    ({"eos_token_id": 2}, {"do_sample": False}, 2, "config.json"),
+    ({}, {"eos_token_id": [7]}, 7, "generation_config.json"),
+    ({}, {"eos_token_id": [7, 7]}, 7, "generation_config.json"),
+    ({}, None, None, None),
+], ids=["config", "generation-config-wins", "generation-config-without-eos", "a-list-of-one", "a-list-of-one-id",
+        "none"])
+def test_a_checkpoints_stop_token_follows_transformers_rule(tmp_path, config, generation, stop, source):
+    """eos_token_id of generation_config.json where it sets one, else config.json's (before: neither was read)."""
+    from launch.models import generation_settings
+
+    got = generation_settings(_settings_folder(tmp_path, config, generation), vocab=128)
+    assert got.stop_token == stop
+    assert (os.path.basename(got.stop_file) if got.stop_file else None) == source
+    assert generation_settings(tmp_path, vocab=128, read_eos=False).stop_token is None  # --stop-token given: unread
+
+
+@pytest.mark.parametrize("config, generation, words", [
+    ({}, {"eos_token_id": [1, 2]}, ["generation_config.json", "eos_token_id is [1, 2]", "several stop tokens"]),
+    ({"eos_token_id": 500}, None, ["config.json", "eos_token_id is 500", "[0, 128)"]),
+    ({"eos_token_id": "2"}, None, ["config.json", "eos_token_id is '2'"]),
+    ({"eos_token_id": True}, None, ["config.json", "eos_token_id is True"]),
+    ({"max_position_embeddings": 0}, None, ["config.json", "max_position_embeddings is 0", ">= 1"]),
+    ({"max_position_embeddings": -4}, None, ["config.json", "max_position_embeddings is -4"]),
+    ({"max_position_embeddings": 16.5}, None, ["config.json", "max_position_embeddings is 16.5"]),
+], ids=["several-eos", "eos-outside-vocab", "eos-string", "eos-bool", "positions-0", "positions-negative",
+        "positions-float"])
+def test_generation_settings_a_decode_cannot_honour_are_refused_naming_file_and_value(tmp_path, config, generation,
+                                                                                      words):
+    from launch.models import generation_settings
+
+    with pytest.raises(CheckpointError) as err:
+        generation_settings(_settings_folder(tmp_path, config, generation), vocab=128)
+    for w in words:
+        assert w in str(err.value), (w, str(err.value))
+
+
+def _edited(written, tmp_path, config=None, generation=None):
+    """A copy of the qwen2_moe checkpoint with ``config`` merged into its config.json and ``generation`` written as
+    its generation_config.json."""
+    folder = str(tmp_path / "edited")
+    shutil.copytree(written["qwen2_moe"][1], folder)
+    with open(os.path.join(folder, "config.json")) as f:
+        data = json.load(f)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({**data, **(config or {})}, f)
+    if generation is not None:
+        with open(os.path.join(folder, "generation_config.json"), "w") as f:
+            json.dump(generation, f)
+    return folder
+
+
+GENERATE_SMALL = ["--batch", "2", "--seq-len", "12", "--iters", "1", "--warmup", "0"]
+
+
+@pytest.mark.parametrize("config, generation, args, words", [
+    ({"max_position_embeddings": 16}, None, ["--new-tokens", "8"],
+     ["12 prompt tokens + 8 new tokens = 20 positions, beyond max_position_embeddings 16 in", "config.json"]),
+    ({"max_position_embeddings": 0}, None, ["--new-tokens", "2"], ["config.json", "max_position_embeddings is 0"]),
+    ({}, {"eos_token_id": [1, 2]}, ["--new-tokens", "2"],
+     ["generation_config.json", "eos_token_id is [1, 2]", "choose one with --stop-token"]),
+], ids=["prompt-and-new-tokens-beyond-the-positions", "no-positions", "several-eos"])
+def test_a_generation_the_checkpoint_cannot_run_is_one_line_before_any_rank_joins(written, tmp_path, config,
+                                                                                   generation, args, words, capsys,
+                                                                                   monkeypatch):
+    """(before: 20 positions of a 16-position model, a 0-position model and the first of two eos ids all ran)"""
+    from launch.generate import main
+    from support.launcher import run_here
+
+    folder = _edited(written, tmp_path, config, generation)
+    code, out, err = run_here(main, ["--model", folder] + GENERATE_SMALL + args, capsys, monkeypatch)
+    assert code == 2, out + err
+    assert len((out + err).strip().splitlines()) == 1, out + err
+    for w in words:
+        assert w in out + err, (w, out + err)
+
+
+def test_the_checkpoints_stop_token_ends_our_run_and_its_own_generate_alike(written, tmp_path):
+    """eos_token_id of generation_config.json, a token the greedy continuation holds, is the run's stop token, said
+    in the headline, and `--check` compares with the family's own generate() stopping at the same token: a run or
+    a reference that stopped elsewhere would differ (before: the checkpoint's eos was not read)."""
+    from microbatch.batch import Batch
+    from support.launcher import GENERATE, run_launcher
+
+    model = written["qwen2_moe"][0]
+    prompt = Batch.random([12, 12], 128, seed=0 * 1000 + 0 + 1).tokens[:12]  # the launcher's request 0 of rank 0
+    config = transformers.GenerationConfig(do_sample=False, max_new_tokens=6, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        greedy = model.generate(prompt[None], attention_mask=torch.ones_like(prompt[None]),
+                                generation_config=config)[0, 12:].tolist()
+    stop = greedy[2]
+    folder = _edited(written, tmp_path, generation={"eos_token_id": stop})
+    proc = run_launcher(["--model", folder, "--check", "--new-tokens", "6"] + GENERATE_SMALL, script=GENERATE,
+                        timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"stop token {stop} (from generation_config.json)" in proc.stdout, proc.stdout
+    assert "own generate(do_sample=False) tokens" in proc.stdout, proc.stdout

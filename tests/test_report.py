@@ -299,7 +299,10 @@ NAN, INF = float("nan"), float("inf")
     (dict(ts=NAN), {}, ["'ts' of event 0", "not a finite number"]),
     (dict(ts=INF), {}, ["'ts' of event 0", "not a finite number"]),
     ({}, dict(ts=-INF), ["'ts' of event 1", "not a finite number"]),
-    (dict(ts="nan"), {}, ["'ts' of event 0", "not a finite number"]),
+    (dict(ts="nan"), {}, ["'ts' of event 0", "'nan', not a number"]),
+    ({}, dict(ts="12"), ["'ts' of event 1 ('ncclAllToAll')", "'12', not a number"]),
+    (dict(dur="100"), {}, ["'dur' of event 0 ('gemm')", "'100', not a number"]),
+    ({}, dict(ts=True), ["'ts' of event 1 ('ncclAllToAll')", "True, not a number"]),
     (dict(dur=-5), {}, ["'dur' of event 0", "negative"]),
     ({}, dict(dur=NAN), ["'dur' of event 1", "not a finite number"]),
     ({}, dict(dur=INF), ["'dur' of event 1", "not a finite number"]),
@@ -307,11 +310,28 @@ NAN, INF = float("nan"), float("inf")
     (dict(dur=1e308), dict(dur=1e308), ["'dur' of event 0", "2**53"]),
     ({}, dict(ts=1e16), ["'ts' of event 1", "2**53"]),
     (dict(ts=-1e308), dict(ts=1e308), ["'ts' of event 1", "2**53"]),
-], ids=["ts-nan", "ts-inf", "ts-minus-inf", "ts-nan-string", "dur-negative", "dur-nan", "dur-inf", "dur-huge",
+], ids=["ts-nan", "ts-inf", "ts-minus-inf", "ts-nan-string", "ts-string", "dur-string", "ts-bool", "dur-negative", "dur-nan", "dur-inf", "dur-huge",
         "dur-overflow", "ts-far", "ts-overflow"])
 def test_bad_times_in_json(tmp_path, first, second, words):
     (tmp_path / "trace.json").write_bytes(_trace([dict(GOOD[0], **first), dict(GOOD[1], **second)]))
     _bad(tmp_path / "trace.json", *words)
+
+
+def test_the_hidden_share_does_not_depend_on_the_origin_or_the_order_of_events(tmp_path):
+    """A trace shifted by a constant (to negative times) and with its events reversed is the same timeline: the
+    same figures (an answer that depended on the first event's time or on the events' order would differ)."""
+    path, _ = _toolkit_trace(tmp_path, comm_start=0.0025)
+    data = json.load(open(path))
+    for e in data["traceEvents"]:
+        if e["ph"] == "X":
+            e["ts"] -= 10 ** 6
+    data["traceEvents"].reverse()
+    (tmp_path / "moved.json").write_text(json.dumps(data))
+    want, got = _run(path), _run(tmp_path / "moved.json")
+    assert want.exit_code == got.exit_code == 0, got.output
+    assert analyse(str(tmp_path / "moved.json"))[1].per_rank["rank 0"].hidden_share == pytest.approx(
+        analyse(path)[1].per_rank["rank 0"].hidden_share, abs=1e-9)
+    assert got.output.replace("moved.json", "toolkit.json") == want.output
 
 
 def test_bad_times_in_every_json_reader(tmp_path):

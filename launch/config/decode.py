@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 import overlap
+from launch.models import CheckpointError, GenerationSettings, generation_settings
 
 from .errors import ConfigError
 from .job import JobConfig, vocab_size
@@ -30,7 +32,7 @@ class DecodeConfig:
 
     new_tokens: int
     spread: float  # each request's new tokens are drawn from [ceil(new_tokens * (1 - spread)), new_tokens]
-    stop_token: Optional[int]
+    stop_token: Optional[int]  # --stop-token, else the checkpoint's eos_token_id
     runs: Tuple[Tuple[str, str], ...]  # (prefill mode, decode mode) of each run, serial's first with --check
     graph: Optional[str] = None  # --decode-graph: the path decode steps are captured on per bucket (None: eager)
     buckets: Optional[Tuple[int, ...]] = None  # --decode-buckets (None: the powers of two)
@@ -39,6 +41,7 @@ class DecodeConfig:
     auto_modes: Tuple[str, ...] = DECODE_AUTO_MODES  # --decode-auto-modes: auto's candidates, serial first
     exchange: str = "capacity"  # --decode-exchange: one of DECODE_EXCHANGES
     length_buckets: bool = False  # --decode-length-buckets: captured steps attend over the room the histories use
+    stop_file: Optional[str] = None  # the checkpoint's file the stop token comes from (None: --stop-token, or none)
 
     def fingerprint(self) -> Dict[str, Union[bool, int, float, str, None, List[int], List[str], List[List[str]]]]:
         """What must be equal on every rank, by option (`launch.agreement.agree`)."""
@@ -77,6 +80,11 @@ def decode_config(job: JobConfig, *, new_tokens: int, spread: float, stop_token:
     vocab = vocab_size(job)
     if stop_token is not None and not 0 <= stop_token < vocab:
         raise ConfigError(f"--stop-token must be a token id in [0, {vocab}), got {stop_token}")
+    settings = _checkpoint_settings(job, vocab, asked_stop=stop_token is not None)
+    _check_positions(job, new_tokens, settings)
+    stop_file = None
+    if stop_token is None and settings.stop_token is not None:  # the user's --stop-token wins
+        stop_token, stop_file = settings.stop_token, os.path.basename(settings.stop_file or "")
     prefill = [m for m in (job.asked_modes or job.modes)]
     decode = resolve_modes(decode_modes, check=False)[1] if decode_modes else tuple(prefill)
     if AUTO in prefill:
@@ -104,7 +112,31 @@ def decode_config(job: JobConfig, *, new_tokens: int, spread: float, stop_token:
                           f"or leave --decode-length-buckets out")
     check_exchange(job, exchange)
     return DecodeConfig(new_tokens, float(spread), stop_token, tuple(runs), captured, parse_buckets(buckets),
-                        bool(guard), int(calibration_rounds), candidates, exchange, bool(length_buckets))
+                        bool(guard), int(calibration_rounds), candidates, exchange, bool(length_buckets), stop_file)
+
+
+def _checkpoint_settings(job: JobConfig, vocab: int, asked_stop: bool) -> GenerationSettings:
+    """The checkpoint's position limit and, unless ``--stop-token`` was given (it wins), its stop token (none for
+    another model); a `ConfigError` naming the file and the value for one it cannot honour."""
+    if job.checkpoint is None:
+        return GenerationSettings()
+    try:
+        return generation_settings(job.checkpoint, vocab, read_eos=not asked_stop)
+    except CheckpointError as exc:
+        hint = "; choose one with --stop-token" if "eos_token_id" in str(exc) else ""
+        raise ConfigError(f"{exc}{hint}") from None
+
+
+def _check_positions(job: JobConfig, new_tokens: int, settings: GenerationSettings) -> None:
+    """A `ConfigError` with the numbers where the longest prompt and its new tokens pass the model's position
+    limit (a checkpoint's ``max_position_embeddings``); the reference model has none (its rotary tables are
+    computed at any position)."""
+    limit = settings.max_positions
+    prompt = max(job.seq_lens, default=0)
+    if limit is not None and prompt + new_tokens > limit:
+        positions = f"{prompt} prompt tokens + {new_tokens} new tokens = {prompt + new_tokens} positions"
+        raise ConfigError(f"{positions}, beyond max_position_embeddings {limit} in {settings.positions_file}: "
+                          f"shorten --seq-len / --seq-lens or --new-tokens")
 
 
 def prefill_modes(mode: Sequence[str], decode_modes: Sequence[str]) -> List[str]:

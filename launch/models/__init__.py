@@ -20,7 +20,8 @@ from .reference import DecoderLayer, Model, RMSNorm, build_model, init_weights
 from .transformers import (FAMILIES, ShortcutLayer, TransformersConfig, TransformersLayer, TransformersModel, adapt,
                            build_transformers_model, causal_mask, check_family, from_config, is_moe_config,
                            moe_families, refused_families, seed_weights, small_config)
-from .checkpoint import CheckpointError, LoadReport, check_checkpoint, check_moe_config, load_checkpoint
+from .checkpoint import (CheckpointError, GenerationSettings, LoadReport, check_checkpoint, check_moe_config,
+                         generation_settings, load_checkpoint)
 
 __all__ = [
     "PRESETS", "ModelConfig", "preset",
@@ -30,5 +31,6 @@ __all__ = [
     "from_config", "seed_weights",
     "FAMILIES", "build_transformers_model", "check_family", "is_moe_config", "moe_families", "refused_families",
     "small_config",
-    "CheckpointError", "LoadReport", "check_checkpoint", "check_moe_config", "load_checkpoint",
+    "CheckpointError", "GenerationSettings", "LoadReport", "check_checkpoint", "check_moe_config",
+    "generation_settings", "load_checkpoint",
 ]

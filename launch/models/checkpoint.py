@@ -43,9 +43,11 @@ from torch import nn
 from .common import one_line
 from .transformers.fields import EXPERT_COUNTS, EXPERT_PROJECTIONS, MTP_LAYERS, TOP_K, stored_field
 
-__all__ = ["CheckpointError", "LoadReport", "check_checkpoint", "check_moe_config", "load_checkpoint"]
+__all__ = ["CheckpointError", "GenerationSettings", "LoadReport", "check_checkpoint", "check_moe_config",
+           "generation_settings", "load_checkpoint"]
 
 CONFIG, SINGLE, INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
+GENERATION_CONFIG = "generation_config.json"  # transformers' generation settings: its eos_token_id wins over config's
 # A part of an in-memory name -> the same part in older checkpoints (Mixtral's MoE block).
 RENAMES = ((".mlp.", ".block_sparse_moe."),)
 # Reopen a file after reading this much from it: its pages touched so far leave the process.
@@ -270,6 +272,64 @@ def _config(path: str) -> Any:
     return config
 
 
+@dataclasses.dataclass(frozen=True)
+class GenerationSettings:
+    """What a checkpoint says of generation: its stop token (``eos_token_id``) and position limit
+    (``max_position_embeddings``), each None where it says nothing, with the file each comes from."""
+
+    stop_token: Optional[int] = None
+    stop_file: Optional[str] = None
+    max_positions: Optional[int] = None
+    positions_file: Optional[str] = None
+
+
+def generation_settings(path: Union[str, "os.PathLike[str]"], vocab: int, read_eos: bool = True
+                        ) -> GenerationSettings:
+    """The stop token and position limit of the checkpoint in ``path``: ``eos_token_id`` of generation_config.json
+    where it sets one, else of config.json (transformers' rule; not read without ``read_eos``), and config.json's
+    ``max_position_embeddings``.
+    `CheckpointError` names the file and the value: an eos id outside ``[0, vocab)``, several different eos ids
+    (a decode stops at one), a position limit below 1."""
+    path = os.fspath(path)
+    stop_token, stop_file = None, None
+    config = os.path.join(path, CONFIG)
+    for file in (config, os.path.join(path, GENERATION_CONFIG)) if read_eos else ():
+        fields = _json_fields(file)
+        if fields.get("eos_token_id") is not None:
+            stop_token, stop_file = _eos_token(fields["eos_token_id"], file, vocab), file
+    limit = _json_fields(config).get("max_position_embeddings")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise CheckpointError(f"{config}: max_position_embeddings is {limit!r}, must be an integer >= 1")
+    return GenerationSettings(stop_token, stop_file, limit, config if limit is not None else None)
+
+
+def _json_fields(file: str) -> Dict[str, Any]:
+    """The JSON object of ``file``; empty where there is no such file."""
+    if not os.path.isfile(file):
+        return {}
+    try:
+        with open(file, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"{file}: not readable JSON ({one_line(e)})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file}: holds {type(data).__name__}, not a JSON object")
+    return data
+
+
+def _eos_token(value: Any, file: str, vocab: int) -> Optional[int]:
+    """The one stop token ``eos_token_id`` names (a list of one id, or of the same id, is that id; an empty list
+    none); `CheckpointError` for anything else."""
+    ids = value if isinstance(value, list) else [value]
+    for token in ids:
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab:
+            raise CheckpointError(f"{file}: eos_token_id is {value!r}, must be a token id in [0, {vocab}) (the "
+                                  f"vocabulary)")
+    if len(set(ids)) > 1:
+        raise CheckpointError(f"{file}: eos_token_id is {value!r}, several stop tokens: a decode here stops at one")
+    return ids[0] if ids else None
+
+
 def check_moe_config(config: Any, world: int = 1, where: str = "the config") -> None:
     """Check what the loader, the model's router and the toolkit assume of an MoE config and no tensor
     shape shows: counts of layers and heads, the routed experts (shared equally by ``world`` ranks),
@@ -285,6 +345,7 @@ def check_moe_config(config: Any, world: int = 1, where: str = "the config") -> 
         return value
 
     layers = field("num_hidden_layers", 1)
+    field("max_position_embeddings", 1)
     for name in ("hidden_size", "vocab_size"):
         field(name, 1)
     heads = field("num_attention_heads", 1)

@@ -234,8 +234,11 @@ def is_toolkit_trace(data: Any, events: List[Dict[str, Any]]) -> bool:
         {"rank", "stream", "kind"} <= set(e.get("args", {})) and e.get("cat") == e["args"]["kind"] for e in slices)
 
 
-def complete_slices(events: List[Dict[str, Any]], source: str) -> List[Tuple[Dict[str, Any], float, float]]:
-    """Complete ("X") events with start and end in seconds since the file's first event."""
+def complete_slices(events: List[Dict[str, Any]], source: str, text_times: bool = False
+                    ) -> List[Tuple[Dict[str, Any], float, float]]:
+    """Complete ("X") events with start and end in seconds since the file's first event. Their ``ts`` and ``dur``
+    are JSON numbers (not strings, not booleans); ``text_times``: numbers written as text are read too (msprof
+    writes its trace_view.json so)."""
     raw = []
     for i, e in enumerate(events):
         if e.get("ph") != "X":
@@ -243,9 +246,17 @@ def complete_slices(events: List[Dict[str, Any]], source: str) -> List[Tuple[Dic
         for field in ("ts", "dur"):
             if field not in e:
                 raise TraceError(f"{source}: event {i} ({e.get('name')!r}) has no {field!r} field")
+            if not text_times:
+                _check_json_number(e[field], source, f"{field!r} of event {i} ({_short(e.get('name'))})")
         ts = f"'ts' of event {i}"
         raw.append((e, _time(e["ts"], source, ts), _time(e["dur"], source, f"'dur' of event {i}", True), ts))
     return _relative(raw, source)
+
+
+def _check_json_number(value: Any, source: str, what: str) -> None:
+    """`TraceError` unless ``value`` is a JSON number: a string or a boolean is an edit, not a time."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TraceError(f"{source}: {what} is {_short(value)}, not a number (a trace's times are JSON numbers)")
 
 
 def _relative(raw: List[Tuple[Any, float, float, str]], source: str) -> List[Tuple[Any, float, float]]:
@@ -371,7 +382,7 @@ def _ascend_hardware(events: List[Dict[str, Any]], source: str, process: str) ->
     comm: List[Tuple[float, float]] = []
     not_overlapped: List[Tuple[float, float]] = []
     analysis = {pid for pid, name in procs.items() if name == "Overlap Analysis"}
-    for e, s, t in complete_slices(events, source):
+    for e, s, t in complete_slices(events, source, text_times=True):
         name = str(e.get("name", ""))
         if e.get("pid") in hw:
             tasks.append((_hardware_stream(e), name, str(e.get("args", {}).get("Task Type", "")), (s, t)))

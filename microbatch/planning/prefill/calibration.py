@@ -32,6 +32,10 @@ from ..probes import PEER_QUANTILES
 from ..simulation import CostModel, Interconnect, Linear, OpCost, Transfer
 from ...model import MoEModel
 
+# The largest figures a cached calibration may hold: more is a bad edit (1e308), whose predictions would be inf.
+MAX_SECONDS = 86400.0  # a time, or a time per token or byte: no operation of a calibration takes a day
+MAX_BYTES = float(1 << 50)  # a collective's bytes, or bytes per token: a pebibyte
+
 logger = logging.getLogger(__name__)
 
 # A layer keeps its own fit where it differs from its group's at the largest token count by more than this.
@@ -292,8 +296,9 @@ def _list(value: Any, what: str) -> List[Any]:
     return value
 
 
-def _number(value: Any, what: str, low: Optional[float] = 0.0) -> float:
-    """``value`` as a float: a finite JSON number (not a boolean), at least ``low`` (None: any)."""
+def _number(value: Any, what: str, low: Optional[float] = 0.0, high: float = MAX_SECONDS) -> float:
+    """``value`` as a float: a finite JSON number (not a boolean), at least ``low`` (None: any) and at most
+    ``high`` in magnitude (more is an edit that would predict inf, no measurement)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"'{what}' is {value!r}, not a number")
     try:
@@ -304,6 +309,8 @@ def _number(value: Any, what: str, low: Optional[float] = 0.0) -> float:
         raise ValueError(f"'{what}' is {value}, not a finite number")
     if low is not None and value < low:
         raise ValueError(f"'{what}' is {value}, below {low:g}: no measurement gives that")
+    if abs(value) > high:
+        raise ValueError(f"'{what}' is {value:g}, above {high:g}: no measurement gives that")
     return value
 
 
@@ -341,7 +348,8 @@ def _op_fit(value: Any, what: str, layers: Optional[List[bool]]) -> OpFit:
 def _transfer_fit(value: Any, what: str) -> TransferFit:
     d = _entry(value, what, TransferFit)
     # a collective's wait beyond the interconnect may be less than the link's time: wait_s of either sign
-    return TransferFit(d["op"], d["moe"], d["name"], _number(d["a"], f"{what}.a"), _number(d["b"], f"{what}.b"),
+    return TransferFit(d["op"], d["moe"], d["name"], _number(d["a"], f"{what}.a", high=MAX_BYTES),
+                       _number(d["b"], f"{what}.b", high=MAX_BYTES),
                        d["blocking"], _number(d.get("wait_s", 0.0), f"{what}.wait_s", None),
                        _number(d.get("wait_per_token", 0.0), f"{what}.wait_per_token"), _read_at(d, what))
 
