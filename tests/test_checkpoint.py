@@ -1023,6 +1023,19 @@ def test_a_generation_the_checkpoint_cannot_run_is_one_line_before_any_rank_join
         assert w in out + err, (w, out + err)
 
 
+def test_a_prefill_prompt_beyond_the_checkpoints_positions_is_one_line_before_any_rank_joins(written, tmp_path,
+                                                                                              capsys, monkeypatch):
+    """(before: a 12-token prompt of an 8-position checkpoint ran)"""
+    from launch.prefill import main
+    from support.launcher import run_here
+
+    folder = _edited(written, tmp_path, {"max_position_embeddings": 8}, None)
+    code, out, err = run_here(main, ["--model", folder] + GENERATE_SMALL, capsys, monkeypatch)
+    assert code == 2, out + err
+    assert len((out + err).strip().splitlines()) == 1, out + err
+    assert "a prompt of 12 tokens, beyond max_position_embeddings 8 in" in out + err, out + err
+
+
 def test_the_checkpoints_stop_token_ends_our_run_and_its_own_generate_alike(written, tmp_path):
     """eos_token_id of generation_config.json, a token the greedy continuation holds, is the run's stop token, said
     in the headline, and `--check` compares with the family's own generate() stopping at the same token: a run or

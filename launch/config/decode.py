@@ -14,7 +14,7 @@ import overlap
 from launch.models import CheckpointError, GenerationSettings, generation_settings
 
 from .errors import ConfigError
-from .job import JobConfig, vocab_size
+from .job import JobConfig, check_positions, vocab_size
 from .modes import AUTO, DECODE_AUTO_MODES, DECODE_CALIBRATION_ROUNDS, DECODE_EXCHANGES, resolve_modes
 
 __all__ = ["DecodeConfig", "captured_path", "check_exchange", "check_generation_options", "decode_config",
@@ -128,15 +128,10 @@ def _checkpoint_settings(job: JobConfig, vocab: int, asked_stop: bool) -> Genera
 
 
 def _check_positions(job: JobConfig, new_tokens: int, settings: GenerationSettings) -> None:
-    """A `ConfigError` with the numbers where the longest prompt and its new tokens pass the model's position
-    limit (a checkpoint's ``max_position_embeddings``); the reference model has none (its rotary tables are
-    computed at any position)."""
-    limit = settings.max_positions
-    prompt = max(job.seq_lens, default=0)
-    if limit is not None and prompt + new_tokens > limit:
-        positions = f"{prompt} prompt tokens + {new_tokens} new tokens = {prompt + new_tokens} positions"
-        raise ConfigError(f"{positions}, beyond max_position_embeddings {limit} in {settings.positions_file}: "
-                          f"shorten --seq-len / --seq-lens or --new-tokens")
+    """A `ConfigError` with the numbers where the longest prompt and its new tokens pass the checkpoint's
+    ``max_position_embeddings`` (`check_positions`)."""
+    if settings.max_positions is not None:
+        check_positions(job.seq_lens, new_tokens, settings.max_positions, settings.positions_file)
 
 
 def prefill_modes(mode: Sequence[str], decode_modes: Sequence[str]) -> List[str]:

@@ -197,6 +197,7 @@ def job_config(*, world: int, device: str, exec_path: str, mode: Union[str, Sequ
                                           given=overrides.get("n_experts") is not None, preset_name=preset_name))
     if model_name != REFERENCE and os.path.isdir(model_name):
         check_transformers_model(model_name, model, DTYPES[dtype])  # the checkpoint's own config.json
+        _check_prompt_positions(model_name, lens)
     device = resolve_device(device, path)
     env = environment(device, path)  # first: a bad $OVERLAP_CPU_LINK (--cpu-link's default) is named as such
     link = parse_cpu_link(cpu_link, device)
@@ -237,3 +238,28 @@ def _uneven_experts(model_name: str, model: ModelSettings, experts: int, world: 
 def vocab_size(job: JobConfig) -> int:
     """The model's vocabulary size, from its configuration."""
     return int(job.model.vocab_size if job.transformers else job.model.vocab)
+
+
+def _check_prompt_positions(checkpoint: str, seq_lens: Sequence[int]) -> None:
+    """The longest prompt within the checkpoint's ``max_position_embeddings`` (`check_positions`)."""
+    from launch.models import CheckpointError, generation_settings
+
+    try:
+        settings = generation_settings(checkpoint, vocab=1, read_eos=False)
+    except CheckpointError as exc:
+        raise ConfigError(str(exc)) from None
+    if settings.max_positions is not None:
+        check_positions(seq_lens, 0, settings.max_positions, settings.positions_file)
+
+
+def check_positions(seq_lens: Sequence[int], new_tokens: int, limit: int, source: Optional[str]) -> None:
+    """A `ConfigError` with the numbers where the longest prompt and its ``new_tokens`` pass the model's position
+    limit (a checkpoint's ``max_position_embeddings``, read from ``source``); the reference model has none (its
+    rotary tables are computed at any position)."""
+    prompt = max(seq_lens, default=0)
+    if prompt + new_tokens > limit:
+        positions = (f"{prompt} prompt tokens + {new_tokens} new tokens = {prompt + new_tokens} positions"
+                     if new_tokens else f"a prompt of {prompt} tokens")
+        more = " or --new-tokens" if new_tokens else ""
+        raise ConfigError(f"{positions}, beyond max_position_embeddings {limit} in {source}: shorten --seq-len / "
+                          f"--seq-lens{more}")
