@@ -232,6 +232,16 @@ def start(job: JobConfig) -> Optional[Tuple[torch.device, Optional[Fault], Peers
     return dev, fault, Peers()
 
 
+def error_line(exc: BaseException, limit: int = 600) -> str:
+    """``exc`` as the one line a rank prints: ``Type: message``'s first line, clipped to ``limit`` characters; where
+    that line is a header that ends in ``:`` (an agreement's ``the ranks cannot go on together:``), the lines after
+    it joined to it with ``; `` (the first line alone said nothing)."""
+    first, *rest = f"{type(exc).__name__}: {exc}".splitlines() or [type(exc).__name__]
+    rest = [r.strip() for r in rest if r.strip()]
+    line = f"{first} {'; '.join(rest)}" if first.endswith(":") and rest else first
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
 def guarded(peers: Peers, body: Callable[[], int]) -> int:
     """``body()``'s exit status, every way it can fail said in one line per rank: ranks that do not agree on the
     job (exit 2, said once), an output that cannot be written, a peer's failure or a bounded wait that ran out
@@ -252,7 +262,7 @@ def guarded(peers: Peers, body: Callable[[], int]) -> int:
         click.echo(f"rank {r}: {exc.strerror}", err=True)
         return 1
     except Exception as exc:
-        msg = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        msg = error_line(exc)
         peer_failure = world > 1 and is_peer_failure(exc)
         detail = peers.diagnose() if peer_failure else ""
         peers.failed(msg)

@@ -233,14 +233,29 @@ class KVCache:
                       length: Optional[int] = None) -> torch.Tensor:
         """`attend` of a static step: each row's query over its slot's first ``length`` rows (default: the whole
         ``max_len``; every row's ``held`` must lie below it), masked on the device to the rows it holds and its
-        new one (``mask``: `static_mask`, built here when not given)."""
-        n = self.max_len if length is None else length
+        new one (``mask``: `static_mask`, built here when not given); `KVCacheError` naming what does not fit."""
+        self._check_layer(layer)
+        n = self.max_len if length is None else _count("length", length, 1)
+        self._check_static(rows, q, mask, n)
         keys = self.k[layer, :, :n].index_select(0, rows.index).transpose(1, 2)  # [B, H, length, D]
         values = self.v[layer, :, :n].index_select(0, rows.index).transpose(1, 2)
         mask = self.static_mask(rows, n) if mask is None else mask
         out = F.scaled_dot_product_attention(q.unsqueeze(2).to(keys.dtype), keys, values,
                                              attn_mask=mask[:, None, None, :])
         return out.squeeze(2).to(q.dtype)
+
+    def _check_static(self, rows: "StaticRows", q: torch.Tensor, mask: Optional[torch.Tensor], length: int) -> None:
+        """`KVCacheError` naming the argument where `attend_static`'s ``length``, ``q`` or ``mask`` do not go with
+        the cache and ``rows`` (shapes only: nothing read on the device)."""
+        if length > self.max_len:
+            raise KVCacheError(f"length {length} is more than the cache's room (max_len {self.max_len})")
+        want = (rows.index.shape[0],) + tuple(self.k.shape[3:])
+        if tuple(q.shape) != want:
+            raise KVCacheError(f"queries {tuple(q.shape)} do not go with {want[0]} rows of keys "
+                               f"{tuple(self.k.shape[3:])}: one query per row, as many heads as the keys")
+        if mask is not None and tuple(mask.shape) != (want[0], length):
+            raise KVCacheError(f"mask {tuple(mask.shape)} does not go with {want[0]} rows over length {length}: "
+                               f"[rows, length] (static_mask)")
 
 
 def _count(name: str, value: Any, least: int) -> int:

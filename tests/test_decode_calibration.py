@@ -84,30 +84,43 @@ def _auto_body(ctx):
     # the calibration's choice alone
     auto = generate(model, prompts, counts, mode="auto", calibration=calibration, guard=False)
     serial = generate(model, prompts, counts)
-    try:  # the ranks call with different batches: both say so, neither waits for the other
-        calibrate_decode(model, max_tokens=2 + ctx.rank, histories=(4, 6), repeats=1, steps=1)
+    # uneven batches (the docs allow them): each rank calibrates its own, the table is the job's on every rank
+    uneven = calibrate_decode(model, max_tokens=2 + ctx.rank, histories=(4 + ctx.rank, 6 + 2 * ctx.rank),
+                              modes=("serial", "chunked-2"), repeats=1, steps=1)
+    mine = prompts if ctx.rank == 0 else prompts[:1]
+    uneven_auto = generate(model, mine, 3, mode="auto", calibration=uneven, guard=False)
+    uneven_serial = generate(model, mine, 3).tokens
+    try:  # the ranks call with different steps: both say so, neither waits for the other
+        calibrate_decode(model, max_tokens=2, histories=(4, 6), repeats=1, steps=1 + ctx.rank)
         refused = None
     except DecodeError as err:
         refused = str(err)
-    return measured, auto, serial.tokens, refused, sorted(stepped[-1])
+    return measured, auto, serial.tokens, refused, sorted(stepped[-1]), (uneven, uneven_auto, uneven_serial)
 
 
 def test_auto_chooses_per_step_alike_on_every_rank_and_generates_serials_tokens():
     """On two ranks: the calibration's table is the same on both (the slowest rank's times); auto's choice changes
-    as requests finish, is the same on every rank, and its tokens are serial's; ranks that calibrate different
-    batches get one error naming the difference instead of a hang. The calibration's steps carry other token ids on
-    each rank, as a job's do (the same ids route alike on every rank, and the exchanges line up as no job's do)."""
+    as requests finish, is the same on every rank, and its tokens are serial's; ranks with uneven
+    batches calibrate the job's table (the most tokens, the shortest and longest history over the ranks: issue 57
+    refused them, "ranks disagree on max_tokens") and auto over them chooses alike and generates serial's tokens;
+    ranks that calibrate different steps get one error naming the difference instead of a hang. The calibration's
+    steps carry other token ids on each rank, as a job's do (the same ids route alike on every rank, and the
+    exchanges line up as no job's do)."""
     from overlap.multirank import run_ranks
 
-    (cal0, auto0, serial0, refused0, ids0), (cal1, auto1, serial1, refused1, ids1) = run_ranks(_auto_body, 2,
-                                                                                                timeout=180)
+    (cal0, auto0, serial0, refused0, ids0, uneven0), (cal1, auto1, serial1, refused1, ids1, uneven1) = run_ranks(
+        _auto_body, 2, timeout=180)
     assert cal0 == cal1 and cal0.tokens == (1, 2, 3) and cal0.modes == ("serial", "chunked-2")
     assert len(ids0) == len(ids1) == 3 and ids0 != ids1, (ids0, ids1)
     assert auto0.modes == auto1.modes and auto0.modes[0] == "two-batch" and auto0.modes[-1] == "serial"
     assert len(auto0.predicted) == auto0.steps == len(auto0.modes)
     assert auto0.tokens == serial0 and auto1.tokens == serial1
     for refused in (refused0, refused1):
-        assert refused is not None and "max_tokens" in refused and "rank 0: 2" in refused, refused
+        assert refused is not None and "steps" in refused and "rank 0: 1; rank 1: 2" in refused, refused
+    (table0, auto_u0, serial_u0), (table1, auto_u1, serial_u1) = uneven0, uneven1
+    assert table0 == table1 and table0.tokens == (1, 2, 3) and table0.histories == (4, 8), table0
+    assert auto_u0.modes == auto_u1.modes and auto_u0.steps == 2
+    assert auto_u0.tokens == serial_u0 and auto_u1.tokens == serial_u1 and len(serial_u1) == 1
 
 
 def _cache_body(ctx, root):

@@ -95,7 +95,9 @@ def calibrate_decode(model: DecodeModel, *, max_tokens: int, histories: Tuple[in
     has it (``refresh``: measure anyway; ``cache``: the folder, else ``$OVERLAP_CALIBRATION_CACHE``'s); ``report``
     is told in a line which it was. ``decoders``: time the captured steps of these, one per mode (``modes`` is then
     theirs), over one cache with ``max_tokens`` free slots. Collective over the model's expert group: every rank
-    calls it with the same arguments (checked first, in one all-reduce)."""
+    calls it with the same modes, rounds, steps and decoders (checked first, in one all-reduce); ``max_tokens`` and
+    ``histories`` are each rank's own (uneven batches): the table is the job's, the most tokens and the shortest and
+    longest history over the ranks."""
     if decoders is not None:
         modes = _check_decoders(decoders)
     names = [SERIAL] + [m for m in modes if m != SERIAL]
@@ -111,16 +113,17 @@ def calibrate_decode(model: DecodeModel, *, max_tokens: int, histories: Tuple[in
             model.decode_layer_operations(how.moe_chunks)
     group = expert_group(model)
     graph = next(iter(decoders.values())) if decoders else None
-    room = [] if graph is None or len(graph.cache.active) + max_tokens <= len(graph.cache.lengths) else [
-        f"the decoders' cache has {len(graph.cache.lengths) - len(graph.cache.active)} free slots, the calibration "
-        f"takes {max_tokens} (max_tokens)"]
-    settings = {"max_tokens": max_tokens, "histories": [h0, h1], "modes": names, "repeats": repeats, "steps": steps,
-                "graph": graph.path if graph is not None else "off",
+    free = len(graph.cache.lengths) - len(graph.cache.active) if graph is not None else None  # eager: a scratch cache
+    settings = {"max_tokens": max_tokens, "histories": [h0, h1], "free": free, "modes": names, "repeats": repeats,
+                "steps": steps, "graph": graph.path if graph is not None else "off",
                 "buckets": list(graph.buckets or ()) if graph is not None else []}
     if group is not None:  # the ranks run these steps together: a rank with other ones would hang the others
-        overlap.agree(settings, overlap.GroupTransport(group, "decode.calibrate"), problems=room, error=DecodeError)
-    elif room:
-        raise DecodeError(room[0])
+        settings = _job_settings(overlap.agree(settings, overlap.GroupTransport(group, "decode.calibrate"),
+                                               per_rank=_JOB_WIDE, error=DecodeError))
+    max_tokens, (h0, h1) = settings["max_tokens"], settings["histories"]
+    if settings["free"] is not None and settings["free"] < max_tokens:
+        raise DecodeError(f"the decoders' cache has {settings['free']} free slots, the calibration takes {max_tokens} "
+                          f"(max_tokens, the largest over the ranks)")
     if graph is None:
         points = token_points(max_tokens)
     else:
@@ -148,6 +151,20 @@ def calibrate_decode(model: DecodeModel, *, max_tokens: int, histories: Tuple[in
         timer.close()
     write_cache(path, {"format": DECODE_FORMAT, "key": key, "calibration": cal.to_dict()})
     return cal
+
+
+_JOB_WIDE = ("max_tokens", "histories", "free")  # each rank's own: the calibration measures the job's, over the ranks
+
+
+def _job_settings(posts: Sequence[Mapping[str, Any]]) -> Dict[str, Any]:
+    """The calibration's settings for the whole job from every rank's (`calibrate_decode`'s agreement): the most
+    tokens any rank brings, the shortest and longest history of any rank, the fewest free slots of captured steps'
+    caches; the rest agreed. A reduction, not an agreement: ranks with uneven batches calibrate the same table."""
+    job = dict(posts[0])
+    job["max_tokens"] = max(p["max_tokens"] for p in posts)
+    job["histories"] = [min(p["histories"][0] for p in posts), max(p["histories"][1] for p in posts)]
+    job["free"] = min((p["free"] for p in posts if p["free"] is not None), default=None)
+    return job
 
 
 def decode_calibration_key(model: DecodeModel, group: Optional[Any], points: Sequence[int],

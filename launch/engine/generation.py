@@ -37,6 +37,7 @@ import overlap
 from microbatch import AUTO, Batch, DecodeModel, KVCache, OffloadedKVCache, SeqInfo
 from microbatch.planning import DEFAULT_MARGIN, DecodeCalibration, DecodeGuard, choose_decode
 
+from .alike import check_alike, collective_settings
 from .decoder import Decoder, eager_decoders, expert_group
 from .graph_decoder import GraphDecoder, decoders_of, graph_decoders
 from .prefiller import prefill_cache
@@ -120,9 +121,15 @@ def _check_arguments(model: DecodeModel, prompts: Sequence[Sequence[int]], stop_
     _check_prompts(prompts, vocab)
     if stop_token is not None and not (_is_int(stop_token) and 0 <= stop_token < vocab):
         raise ValueError(f"stop_token must be a token id in [0, {vocab}) (the vocabulary) or None, got {stop_token!r}")
+    _check_cache_dtype(model, cache, "cache")
+
+
+def _check_cache_dtype(model: DecodeModel, cache: Optional[KVCache], what: str) -> None:
+    """A one-line ValueError where ``cache`` (``what``: the argument it came from) holds another dtype than the
+    model computes in."""
     dtype = next(model.parameters()).dtype
     if cache is not None and cache.k.dtype != dtype:
-        raise ValueError(f"cache holds {cache.k.dtype}, the model computes in {dtype}: make the cache of the model's "
+        raise ValueError(f"{what} holds {cache.k.dtype}, the model computes in {dtype}: make the cache of the model's "
                          f"dtype (new_cache)")
 
 
@@ -143,11 +150,12 @@ def _check_prompts(prompts: Sequence[Sequence[int]], vocab: int) -> None:
 @torch.no_grad()
 def greedy_generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: Union[int, Sequence[int]],
                     stop_token: Optional[int] = None, cache: Optional[KVCache] = None,
-                    mode: str = "serial") -> List[List[int]]:
+                    mode: str = "serial", check_weights: bool = True) -> List[List[int]]:
     """Each prompt's greedy continuation (argmax of the LM head), at most ``new_tokens`` long (one count, or one
     per prompt), ending at ``stop_token`` (included) where it comes; the decode steps run in ``mode``
     (`microbatch.DECODE_MODES`; every rank passes the same). `generate`'s tokens."""
-    return generate(model, prompts, new_tokens, stop_token=stop_token, cache=cache, mode=mode).tokens
+    return generate(model, prompts, new_tokens, stop_token=stop_token, cache=cache, mode=mode,
+                    check_weights=check_weights).tokens
 
 
 @torch.no_grad()
@@ -156,8 +164,8 @@ def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: U
              prefill_mode: str = "serial", on_step: Optional[OnStep] = None, margins: bool = False,
              buckets: Optional[Sequence[int]] = None, calibration: Optional[DecodeCalibration] = None,
              margin: float = DEFAULT_MARGIN, guard: Union[bool, DecodeGuard] = True, graph: Optional[str] = None,
-             decoder: Optional[Decoders] = None, length_buckets: bool = False, agreement: str = LAGGED
-             ) -> Generated:
+             decoder: Optional[Decoders] = None, length_buckets: bool = False, agreement: str = LAGGED,
+             check_weights: bool = True) -> Generated:
     """Greedy generation (see the module docstring): prefill in ``prefill_mode``, decode steps in ``mode``.
 
     ``prompts``: this rank's requests' token ids (none is fine with several ranks); ``new_tokens``: the most
@@ -179,7 +187,9 @@ def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: U
     (``graph`` builds them), and ``calibration`` one of those captured steps (`launch.engine.calibrate_decode` with
     ``decoders``). ``agreement``: ``"lagged"`` (a step runs on the ranks' agreement issued after the step before
     the last, which travelled under the last step) or ``"blocking"`` (each step waits for its own; see the module
-    docstring).
+    docstring). With several ranks, one agreement before the prefill checks that every argument shaping a
+    collective (modes, buckets, graph, exchanges, the model's layers and dims) and, with ``check_weights``, the
+    replicated weights (`launch.engine.alike`) are alike on every rank: `DecodeError` on every rank otherwise.
     """
     _check_arguments(model, prompts, stop_token, cache)
     buckets = checked_buckets(buckets)
@@ -189,6 +199,7 @@ def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: U
     mode, decoders = make_decoders(model, prompts, limits, mode=mode, calibration=calibration, cache=cache,
                                    decoder=decoder, graph=graph, buckets=buckets, length_buckets=length_buckets)
     group = expert_group(model)
+    check_alike(model, group, _settings(model, mode, prefill_mode, agreement, decoders), DecodeError, check_weights)
     cache = next(iter(decoders.values())).cache
     slots = cache.admit(len(prompts))
     device = next(model.parameters()).device
@@ -280,11 +291,25 @@ def make_decoders(model: DecodeModel, prompts: Sequence[Sequence[int]], limits: 
                          "this decode calibration timed captured steps: pass their decoders (decoder=...)")
     modes = list(calibration.modes) if mode == AUTO else [mode]
     if decoder is not None:
-        return mode, _given_decoders(decoder, mode, modes, cache)
+        given = _given_decoders(decoder, mode, modes, cache)
+        _check_cache_dtype(model, next(iter(given.values())).cache, "decoder's cache")
+        return mode, given
     cache = cache or new_cache(model, prompts, limits)
     if graph is None:
         return mode, eager_decoders(model, cache, modes, buckets)
     return mode, graph_decoders(model, cache, modes, graph, buckets, length_buckets)
+
+
+def _settings(model: DecodeModel, mode: str, prefill_mode: str, agreement: str, decoders: Mapping[str, Decoder]
+              ) -> Dict[str, object]:
+    """What `generate` must run alike on every rank (`launch.engine.alike.collective_settings`)."""
+    first = next(iter(decoders.values()))
+    buckets = getattr(first, "buckets", None)
+    return collective_settings(model, **{"decode mode": mode, "prefill mode": prefill_mode, "agreement": agreement,
+                                         "modes": sorted(decoders),
+                                         "buckets": "powers of two" if buckets is None else list(buckets),
+                                         "graph": getattr(first, "path", "off"),
+                                         "length buckets": bool(getattr(first, "length_buckets", False))})
 
 
 def _given_decoders(decoder: Decoders, mode: str, modes: Sequence[str], cache: Optional[KVCache]

@@ -50,10 +50,10 @@ def run_here(main: Callable[[List[str]], None], args: Sequence[str], capsys, mon
 
 
 def by_hand(per_rank_args: Sequence[Sequence[str]], env: Union[None, Dict[str, str], List[Dict[str, str]]] = None,
-            timeout: float = 120) -> List[Tuple[int, str, str]]:
-    """Start one process per entry of ``per_rank_args`` as the ranks of one job (no torchrun); their results
-    (exit status, stdout, stderr) in rank order. ``env``: added to every rank's environment, or a list of one such
-    dict per rank; no $OVERLAP_FAULT unless it sets one."""
+            timeout: float = 120, script: str = SCRIPT) -> List[Tuple[int, str, str]]:
+    """Start one process per entry of ``per_rank_args`` as the ranks of one job (no torchrun) of ``script``
+    (`SCRIPT` or `GENERATE`); their results (exit status, stdout, stderr) in rank order. ``env``: added to every
+    rank's environment, or a list of one such dict per rank; no $OVERLAP_FAULT unless it sets one."""
     port = free_port()
     procs = []
     for rank, args in enumerate(per_rank_args):
@@ -63,7 +63,7 @@ def by_hand(per_rank_args: Sequence[Sequence[str]], env: Union[None, Dict[str, s
                         LOCAL_WORLD_SIZE=str(len(per_rank_args)))
         rank_env.pop("OVERLAP_FAULT", None)
         rank_env.update(extra or {})
-        procs.append(zygote.Popen([sys.executable, SCRIPT] + list(args), env=rank_env, cwd=ROOT))
+        procs.append(zygote.Popen([sys.executable, script] + list(args), env=rank_env, cwd=ROOT))
     outs = []
     for p in procs:
         try:
