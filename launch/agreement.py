@@ -13,7 +13,7 @@ wait for it.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch.distributed as dist
 
@@ -22,7 +22,6 @@ from overlap import agreement
 from .config import OVERRIDE_OPTIONS, ConfigError, JobConfig
 
 _PREFIX = "overlap/job"
-_TOKENS = "(this rank's token count)"  # posted beside the fingerprint, not compared
 _DEFAULT_FROM = {"--cpu-link": "$OVERLAP_CPU_LINK", "--cpu-comm-priority": "$OVERLAP_CPU_COMM_PRIORITY"}
 
 
@@ -68,19 +67,21 @@ def _store(stage: str, timeout: float, late: str) -> agreement.StoreTransport:
                                     f"{late} within --timeout {timeout:g} s")
 
 
-def agree(job: JobConfig, tokens: int, problems: Sequence[str], timeout: float,
-          extra: Optional[Dict[str, Any]] = None) -> List[int]:
+def agree(job: JobConfig, own: Mapping[str, int], problems: Sequence[str], timeout: float,
+          extra: Optional[Dict[str, Any]] = None) -> List[Dict[str, int]]:
     """Post this rank's view of the job (and ``extra``: more options that must be equal, by name) and check every
-    rank's (`overlap.agree` through the store); returns each rank's token count.
+    rank's (`overlap.agree` through the store); returns each rank's ``own`` values (its token count, its requests:
+    gathered beside the fingerprint, not compared), in rank order.
 
     Raises `JobMismatch` on every rank when the ranks differ or one reported a problem, and when a
     rank does not post within ``timeout`` seconds (naming it).
     """
     values = {_named(k): v for k, v in {**fingerprint(job), **(extra or {})}.items()}
-    values[_TOKENS] = int(tokens)
+    posted = {name: f"(this rank's {name})" for name in own}
+    values.update({posted[name]: int(value) for name, value in own.items()})
     posts = agreement.agree(values, _store("start", timeout, "reach the start of the job"), problems=problems,
-                            per_rank=(_TOKENS,), error=JobMismatch)
-    return [p[_TOKENS] for p in posts]
+                            per_rank=tuple(posted.values()), error=JobMismatch)
+    return [{name: p[key] for name, key in posted.items()} for p in posts]
 
 
 def agree_ready(stage: str, problem: Optional[str], timeout: float) -> None:

@@ -181,7 +181,9 @@ def _generate_job(job: JobConfig, decode: DecodeConfig, dev: torch.device, fault
     problems = [p for p in (check_memory(job, world, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), dev, kv_cache),
                             check_out_dir(job.out_dir) if job.out_dir and rank == 0 else None,
                             _exchange_problem(decode, world)) if p]
-    agree(job, sum(job.seq_lens), problems, job.timeout, extra=decode.fingerprint())
+    sizes = agree(job, {"tokens": sum(job.seq_lens), "requests": len(job.seq_lens),
+                        "room": max(job.seq_lens, default=0) + decode.new_tokens}, problems, job.timeout,
+                  extra=decode.fingerprint())
     model = build_model(job, rank, world, dev)
     agree_ready("checking that the model decodes", _decode_refusal(model), job.timeout)
     batch = Batch.random(job.seq_lens, model.cfg.vocab, seed=job.seed * 1000 + rank + 1, device=dev)
@@ -196,7 +198,9 @@ def _generate_job(job: JobConfig, decode: DecodeConfig, dev: torch.device, fault
     runs = [Run(p, d) for p, d in decode.runs]
     say(_headline(job, decode, model, world, limits))
     make_cache = functools.partial(_new_cache, job, model, prompts, limits)
-    decoders = _decoders(job, decode, model, runs, make_cache)
+    job_cache = functools.partial(_new_cache, job, model, prompts, limits, requests=max(r["requests"] for r in sizes),
+                                  room=max(r["room"] for r in sizes))  # the job's: auto's calibration is the job's
+    decoders = _decoders(job, decode, model, runs, job_cache)
     auto = next((r.label for r in runs if r.decode == microbatch.AUTO), None)
     source = CalibrationSource()
     calibration = _calibrate(job, decode, model, peers, source, decoders.get(auto)) if auto is not None else None
@@ -255,7 +259,7 @@ def _decoders(job: JobConfig, decode: DecodeConfig, model: DecodeModel, runs: Se
 def _calibrate(job: JobConfig, decode: DecodeConfig, model: DecodeModel, peers: Peers, source: CalibrationSource,
                decoders: Optional["Decoders"] = None) -> "DecodeCalibration":
     """The decode calibration ``--decode-mode auto`` chooses from: every candidate mode's step time at 1 to the
-    batch's requests per rank and the job's shortest and longest histories (the same job on every rank), cached
+    most requests a rank brings and the shortest and longest histories of any rank (the job's, alike on every rank), cached
     (measured again with ``--refresh-calibration``), its source said through ``source``; with ``--decode-graph``,
     of the captured steps of auto's ``decoders``."""
     from launch.engine import calibrate_decode, calibration_histories
@@ -305,12 +309,13 @@ def _new_tokens(job: JobConfig, decode: DecodeConfig, rank: int) -> List[int]:
     return torch.randint(low, high + 1, (len(job.seq_lens),), generator=g).tolist()
 
 
-def _new_cache(job: JobConfig, model: DecodeModel, prompts: Sequence[Sequence[int]], limits: Sequence[int]
-               ) -> KVCache:
-    """A fresh cache for one generation: on the device, or on the host with ``--kv-offload``."""
+def _new_cache(job: JobConfig, model: DecodeModel, prompts: Sequence[Sequence[int]], limits: Sequence[int],
+               requests: int = 0, room: int = 0) -> KVCache:
+    """A fresh cache for one generation: on the device, or on the host with ``--kv-offload``; with at least
+    ``requests`` slots of ``room`` rows (the job's most over the ranks, for decoders that calibrate the job)."""
     from launch.engine import new_cache
 
-    return new_cache(model, prompts, list(limits), offload=job.kv_offload)
+    return new_cache(model, prompts, list(limits), offload=job.kv_offload, requests=requests, room=room)
 
 
 def _own_tokens(job: JobConfig, model: DecodeModel, prompts: Sequence[Sequence[int]], limits: Sequence[int],

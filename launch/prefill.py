@@ -130,7 +130,7 @@ def _prefill_job(job: JobConfig, dev: torch.device, fault: Optional[Fault], peer
         problems = [p for p in (check_memory(job, world, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), dev),
                                 check_out_dir(job.out_dir) if job.out_dir and rank == 0 else None,
                                 check_kv_dir(_kv_dir(job), rank) if _kv_dir(job) else None) if p]
-        tokens = sum(agree(job, sum(job.seq_lens), problems, job.timeout))
+        tokens = sum(r["tokens"] for r in agree(job, {"tokens": sum(job.seq_lens)}, problems, job.timeout))
         model = build_model(job, rank, world, dev)  # a rank that cannot load a checkpoint stops every rank
         batch = Batch.random(job.seq_lens, model.cfg.vocab, seed=job.seed * 1000 + rank + 1, device=dev)
         if fault is not None:

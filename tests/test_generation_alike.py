@@ -117,13 +117,16 @@ def test_ranks_that_differ_in_what_shapes_a_collective_or_in_their_weights_say_s
 
 @pytest.mark.spawns_ranks
 @pytest.mark.timeout(300)
-def test_the_launchers_auto_decode_runs_ranks_with_uneven_batches(tmp_path):
+@pytest.mark.parametrize("graph", ["off", "cpu"])
+def test_the_launchers_auto_decode_runs_ranks_with_uneven_batches(tmp_path, graph):
     """Issue 57's run: ``--decode-mode auto`` with rank 0 bringing ``--seq-lens 30,8`` and rank 1 ``8`` (the docs
     allow uneven batches) refused them (``ranks disagree on histories``, ``on max_tokens``); now the calibration is
-    the job's, every mode generates serial's tokens (``--check``) and both ranks exit 0."""
+    the job's, every mode generates serial's tokens (``--check``) and both ranks exit 0. With captured steps the
+    decoders' cache holds the job's most requests and longest history, which the calibration measures."""
     from support.launcher import GENERATE, TINY, all_text, by_hand
 
-    common = TINY + ["--new-tokens", "3", "--decode-mode", "auto", "--decode-calibration-rounds", "1", "--check"]
+    common = TINY + ["--new-tokens", "3", "--decode-mode", "auto", "--decode-calibration-rounds", "1", "--check",
+                     "--decode-graph", graph]
     outs = by_hand([common + ["--seq-lens", "30,8"], common + ["--seq-lens", "8"]], script=GENERATE,
                    env={"OVERLAP_CALIBRATION_CACHE": str(tmp_path)}, timeout=240)
     text = all_text(outs)

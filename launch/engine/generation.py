@@ -73,17 +73,18 @@ class Generated:
 
 
 def new_cache(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: Union[int, Sequence[int]], *,
-              offload: bool = False) -> KVCache:
+              offload: bool = False, requests: int = 0, room: int = 0) -> KVCache:
     """A cache with one slot per prompt, room for the longest prompt plus its new tokens, of the model's own
     per-token key and value shapes (``cfg.k_shape``, ``cfg.v_shape``); with ``offload``, on the host, each
     layer's history prefetched on the ``kv_offload`` stream while the layer before computes
-    (`microbatch.OffloadedKVCache`: close it when done)."""
+    (`microbatch.OffloadedKVCache`: close it when done). ``requests`` / ``room``: at least that many slots / rows
+    (a cache that captured steps calibrate the whole job over, where another rank brings more)."""
     cfg = model.cfg
     limits = _limits(prompts, new_tokens)
     longest = max((len(p) + n for p, n in zip(prompts, limits)), default=1)
     weight = next(model.parameters())
     kind = OffloadedKVCache if offload else KVCache
-    return kind(cfg.n_layers, max(1, len(prompts)), longest, cfg.k_shape, cfg.v_shape,
+    return kind(cfg.n_layers, max(1, len(prompts), requests), max(longest, room), cfg.k_shape, cfg.v_shape,
                 dtype=weight.dtype, device=weight.device)
 
 
