@@ -44,6 +44,25 @@ def test_the_replicated_weights_leave_out_the_local_experts_and_their_digest_not
     assert again is not first and again[0][0] == name and again[0][1] != first[0][1] and again[1:] == first[1:]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_a_digest_is_exact_and_chunked_and_none_for_a_non_finite_weight(dtype, monkeypatch):
+    """Integer sums of bit patterns: one flipped low bit changes the digest (a float sum may not see it), a
+    digest taken in chunks equals the whole one, and NaN or inf gives None (left to the steps' NaN check)."""
+    from launch.engine import alike
+
+    w = torch.randn(1000, dtype=torch.float64).to(dtype)
+    whole = alike._digest(w)
+    monkeypatch.setattr(alike, "_CHUNK", 7)
+    assert alike._digest(w) == whole
+    flipped = w.clone()
+    flipped.view(alike._BITS[w.element_size()])[3] ^= 1  # the last bit of one element
+    assert alike._digest(flipped) != whole
+    for bad in (float("nan"), float("inf")):
+        poisoned = w.clone()
+        poisoned[500] = bad
+        assert alike._digest(poisoned) is None
+
+
 def test_a_decoders_cache_of_another_dtype_is_refused_in_one_line():
     model = build_model(preset("tiny"), seed=0)
     prompts = [[1, 2, 3]]
@@ -110,7 +129,7 @@ def test_ranks_that_differ_in_what_shapes_a_collective_or_in_their_weights_say_s
     assert r0 == r1, (r0, r1)
     assert r0["buckets"] == "ranks disagree on buckets: rank 0: [1, 2, 4]; rank 1: [8]"
     assert "ranks disagree on layers: rank 0: 2; rank 1: 3" in r0["layers"], r0["layers"]
-    assert r0["weights"].startswith("ranks hold different weights: ") and " differs: rank 0: sum " in r0["weights"]
+    assert r0["weights"].startswith("ranks hold different weights: ") and " differs: rank 0: digest " in r0["weights"]
     assert "\n" not in r0["weights"] and "experts" not in r0["weights"].split(" differs")[0]
     assert r0["unchecked"] is None and r0["alike"] is None
 

@@ -7,15 +7,14 @@ rank, else one line on every rank naming the argument and each rank's value (``r
 [1, 2, 4]; rank 1: [8]``), where gloo would have aborted on a size mismatch or a step named only a missing post.
 
 The replicated weights (every parameter but the routed experts an expert-parallel layer holds for this rank,
-which differ by design) travel as a digest (`weight_digests`: per parameter its float64 sum and sum of squares,
-kept per model until a parameter changes in place). The digests ride the same agreement as one short CRC (none
+which differ by design) travel as a digest (`weight_digests`: per parameter its bit patterns summed as integers, and
+their squares, kept per model until a parameter changes in place). The digests ride the same agreement as one short CRC (none
 where a rank's weights hold NaN or inf: its logits will, and the steps' check names the rank); where it differs, a few more agreements, on every rank alike, narrow it to the first parameter that differs (``ranks hold
-different weights: layers.0.attn.wq differs: rank 0: sum ...``).
+different weights: layers.0.attn.wq differs: rank 0: digest ...``).
 """
 from __future__ import annotations
 
 import json
-import math
 import weakref
 import zlib
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
@@ -27,7 +26,9 @@ import overlap
 from collectives import ExpertParallelMoE
 from microbatch import DecodeModel
 
-Digest = Tuple[float, float]  # a parameter's float64 sum and sum of squares
+Digest = Optional[str]  # a parameter's bit patterns summed and their squares (`_digest`); None: NaN or inf in it
+_BITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}  # an integer view of each element size
+_CHUNK = 1 << 22  # elements digested at a time
 _KEPT: "weakref.WeakKeyDictionary[torch.nn.Module, Tuple[Tuple[Any, ...], List[Tuple[str, Digest]]]]" = \
     weakref.WeakKeyDictionary()
 _GROUPS = 32  # digests compared per narrowing agreement (each a CRC: it fits a rank's post)
@@ -42,19 +43,32 @@ def replicated_parameters(model: torch.nn.Module) -> List[Tuple[str, torch.Tenso
 
 
 def weight_digests(model: torch.nn.Module) -> List[Tuple[str, Digest]]:
-    """Each replicated parameter's name and digest (float64 sum, sum of squares), computed once and kept while no
-    parameter is replaced or changed in place (its version counter)."""
+    """Each replicated parameter's name and digest (`Digest`), computed once and kept while no parameter is
+    replaced or changed in place (its version counter)."""
     params = replicated_parameters(model)
     key = tuple((n, id(p), p._version) for n, p in params)
     kept = _KEPT.get(model)
     if kept is not None and kept[0] == key:
         return kept[1]
-    with torch.no_grad():
-        sums = [torch.stack([(w := p.detach().double()).sum(), (w * w).sum()]) for _, p in params]
-        values = torch.stack(sums).tolist() if sums else []
-    digests = [(n, (float(s), float(q))) for (n, _), (s, q) in zip(params, values)]
+    digests = [(n, _digest(p)) for n, p in params]
     _KEPT[model] = (key, digests)
     return digests
+
+
+def _digest(param: torch.Tensor) -> Digest:
+    """``param``'s bit patterns summed, and their squares, modulo 2**64 (integer sums: the same on every rank
+    whatever order a device or thread count adds them in, where float sums may differ in the last bits), or None
+    where it holds NaN or inf; a chunk at a time, so that no copy of a large parameter is made whole."""
+    flat = param.detach().reshape(-1)
+    bits = flat.view(_BITS[flat.element_size()]) if flat.element_size() in _BITS else flat.view(torch.uint8)
+    total = squares = 0
+    with torch.no_grad():
+        for start in range(0, flat.numel(), _CHUNK):
+            if flat.is_floating_point() and not bool(torch.isfinite(flat[start:start + _CHUNK]).all()):
+                return None
+            chunk = bits[start:start + _CHUNK].to(torch.int64)
+            total, squares = total + int(chunk.sum()), squares + int((chunk * chunk).sum())
+    return f"{total % 2 ** 64:016x}{squares % 2 ** 64:016x}"
 
 
 def _crc(items: Sequence[Any]) -> str:
@@ -82,7 +96,7 @@ def check_alike(model: DecodeModel, group: Optional[dist.ProcessGroup], settings
     digests = weight_digests(model) if check_weights else []
     values = dict(settings)
     if check_weights:
-        finite = all(math.isfinite(x) for _, d in digests for x in d)
+        finite = all(d is not None for _, d in digests)
         values.update({"replicated parameters": len(digests), "weights": _crc(d for _, d in digests) if finite else ""})
     transport = overlap.GroupTransport(group, _LABEL)
     posts = overlap.agree(values, transport, per_rank=["weights"], error=error)
@@ -102,10 +116,9 @@ def _weights_line(digests: List[Tuple[str, Digest]], transport: overlap.GroupTra
         posts = overlap.agree({"crcs": crcs}, transport, per_rank=["crcs"], error=error)
         first = next(i for i in range(len(starts)) if len({tuple(p["crcs"])[i] for p in posts}) > 1)
         lo, hi = starts[first], min(starts[first] + size, hi)
-    name, (s, q) = digests[lo]
-    posts = overlap.agree({"digest": [s, q]}, transport, per_rank=["digest"], error=error)
-    ranks = "; ".join(f"rank {r}: sum {p['digest'][0]:.9g}, sum of squares {p['digest'][1]:.9g}"
-                      for r, p in enumerate(posts))
+    name, digest = digests[lo]
+    posts = overlap.agree({"digest": digest}, transport, per_rank=["digest"], error=error)
+    ranks = "; ".join(f"rank {r}: digest {p['digest']}" for r, p in enumerate(posts))
     return (f"ranks hold different weights: {name} differs: {ranks} (build the model alike on every rank, or pass "
             f"check_weights=False where they differ by design)")
 
