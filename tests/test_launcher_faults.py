@@ -15,7 +15,7 @@ import time
 import pytest
 
 from support import zygote
-from support.launcher import ROOT, SCRIPT, TINY, all_text, by_hand, run_launcher
+from support.launcher import GENERATE, ROOT, SCRIPT, TINY, all_text, by_hand, run_launcher
 from support.ports import free_port
 
 FIRST_ROUND = "round 1/"  # the prefill's progress as its first round starts, in a log (stderr is no terminal)
@@ -244,3 +244,13 @@ def test_a_link_too_slow_for_the_timeout_is_one_line_not_a_hang():
     assert proc.returncode != 0
     assert "needs" in proc.stderr and "more than the 10 s wait bound" in proc.stderr, proc.stderr[-3000:]
     assert "unexpected error" not in proc.stderr
+
+
+def test_a_rank_that_exits_during_decode_is_named_by_the_other():
+    """$OVERLAP_FAULT's iter counts decode steps in `launch/generate.py` (before: only nan / inf had an effect)."""
+    proc = run_launcher(TINY + ["--batch", "2", "--seq-len", "8", "--new-tokens", "4", "--mode", "serial",
+                                "--timeout", "10"], ranks=2, env={"OVERLAP_FAULT": "rank=1,iter=1,kind=exit"},
+                        script=GENERATE, timeout=120)
+    assert proc.returncode != 0
+    assert "rank 0: rank 1 has exited" in proc.stderr, proc.stderr[-3000:]
+    assert "unexpected error" not in proc.stderr, proc.stderr[-3000:]

@@ -170,14 +170,38 @@ def _peer_late(ctx):
         y = ev.wait(y)
         assert torch.equal(y, torch.cat([x[:4] * 0 + torch.arange(4.0) + 4 * ctx.rank + 10 * r
                                          for r in range(ctx.world_size)]))
+    timed_out.extend(_late_on_the_current_stream(ctx, store))
     return timed_out
+
+
+def _late_on_the_current_stream(ctx, store):
+    """The same on the current (synchronous) stream, as a decode step issues its exchange: the collective itself
+    returns within the bound, raising (before: gloo's own wait, the group's 30-minute timeout)."""
+    x = torch.arange(2.0 * ctx.world_size)
+    y = torch.zeros_like(x)
+    if ctx.rank == 1:
+        store.wait(["rank0_gave_up_current"])
+        overlap.all_to_all_single(y, x, group=ctx.group, name="exchange")
+        return []
+    overlap.set_wait_timeout(0.5)
+    start = time.monotonic()
+    try:
+        overlap.all_to_all_single(y, x, group=ctx.group, name="exchange")
+        return []
+    except overlap.WaitTimeout as exc:
+        return [(str(exc), time.monotonic() - start)]
+    finally:
+        overlap.set_wait_timeout(None)
+        store.set("rank0_gave_up_current", "1")
 
 
 def test_a_collective_a_peer_never_joins_makes_the_waits_raise():
     timed_out, nothing = run_ranks(_peer_late, 2, timeout=60)
     assert nothing == []
-    assert len(timed_out) == 4  # two waits in each round
-    for message, seconds in timed_out:
+    assert len(timed_out) == 5  # two waits in each side stream's round, the collective itself on the current one
+    for message, seconds in timed_out[:4]:
         assert message.startswith("waited 0.5 s for 'dispatch' on stream 'ep_comm' (a collective)")
+    assert timed_out[4][0].startswith("waited 0.5 s for 'exchange' on stream 'default' (a collective)")
+    for message, seconds in timed_out:
         assert "another rank may have failed" in message and "set_wait_timeout" in message
         assert seconds < RETURNED
