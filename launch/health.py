@@ -68,9 +68,13 @@ def join_group(timeout: float) -> torch.device:
 
 def is_peer_failure(exc: BaseException) -> bool:
     """A collective that failed because of another rank (timeout, closed connection), not this rank's bug."""
-    text = str(exc).lower()
-    return isinstance(exc, dist.DistError) or any(
-        w in text for w in ("timed out", "timeout", "connection closed", "connection reset", "gloo", "nccl", "hccl"))
+    return isinstance(exc, dist.DistError) or _reads_as_peer_failure(str(exc))
+
+
+def _reads_as_peer_failure(text: str) -> bool:
+    """Whether an error's text is a wait that ran out or a connection that closed (another rank's doing)."""
+    return any(w in text.lower() for w in ("timed out", "timeout", "connection closed", "connection reset", "gloo",
+                                           "nccl", "hccl"))
 
 
 WATCH_INTERVAL = 0.5  # seconds between a rank's signs of life in the store (`Peers.watch`)
@@ -91,21 +95,34 @@ class PeerView:
 def diagnosis(me: int, views: Dict[int, PeerView], failed: Dict[int, str], now: float,
               interval: float = WATCH_INTERVAL) -> str:
     """Which ranks other than ``me`` failed, stopped or fell behind, in words, from what the store holds: ``failed``
-    (rank -> its one line), ``views`` (rank -> `PeerView`), read at ``now``; "peers are alive; ..." when none."""
-    if failed:
-        return "; ".join(f"rank {r} failed: {failed[r]}" for r in sorted(failed) if r != me)
-    if not any(v.alive_at is not None for v in views.values()):
+    (rank -> its one line), ``views`` (rank -> `PeerView`), read at ``now``; "peers are alive; ..." when none.
+
+    A rank's own error comes first; then the ranks that are late; a rank that failed only waiting for another (a
+    timeout, a closed connection) is named last, where nobody is late."""
+    failed = {r: msg for r, msg in failed.items() if r != me}
+    waited = {r: msg for r, msg in failed.items() if _reads_as_peer_failure(msg)}
+    own = {r: msg for r, msg in failed.items() if r not in waited}
+    if own:
+        return _failures(own)
+    if any(v.alive_at is not None for v in views.values()):
+        most = max((v.steps for v in views.values() if v.steps is not None), default=None)
+        late = [line for r in sorted(views) if r != me and r not in waited
+                for line in [_late(r, views[r], now, interval, most, views)] if line]
+        if late:
+            return ", ".join(late)
+    elif not waited:
         return _oldest_beat(me, views)
-    most = max((v.steps for v in views.values() if v.steps is not None), default=None)
-    late = [line for r in sorted(views) if r != me
-            for line in [_late(r, views[r], now, interval, most, views)] if line]
-    return ", ".join(late) or "peers are alive; the collective itself timed out"
+    return _failures(waited) if waited else "peers are alive; the collective itself timed out"
+
+
+def _failures(failed: Dict[int, str]) -> str:
+    return "; ".join(f"rank {r} failed: {failed[r]}" for r in sorted(failed))
 
 
 def _late(r: int, view: PeerView, now: float, interval: float, most: Optional[int],
           views: Dict[int, PeerView]) -> Optional[str]:
     """Why rank ``r`` is late, in words; None when it is not."""
-    seen = f"last seen at {view.last}"
+    seen = f"last seen at {view.last}" + (f", {view.steps} decode steps made" if view.steps else "")
     if view.process == "gone":
         return f"rank {r} has exited ({seen})"
     if view.process == "stopped":

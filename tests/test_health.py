@@ -35,7 +35,8 @@ def test_a_stopped_rank_is_named_by_every_rank_still_running(me):
 @pytest.mark.parametrize("me", [0, 1, 3])
 def test_a_stopped_process_on_this_host_is_said_to_be_stopped(me):
     said = diagnosis(me, _views(stopped=2, late_by=0.2, process="stopped"), {}, NOW, INTERVAL)
-    assert said == "rank 2 is stopped (SIGSTOP or a debugger; last seen at serial: round 1/1, step 12)"
+    assert said == ("rank 2 is stopped (SIGSTOP or a debugger; last seen at serial: round 1/1, step 12, "
+                    "12 decode steps made)")
 
 
 def test_a_killed_rank_is_named_not_peers_are_alive():
@@ -55,6 +56,16 @@ def test_a_failure_posted_is_said_first_and_nobody_blames_itself():
     assert diagnosis(0, _views(stopped=2), {1: "RuntimeError: boom"}, NOW, INTERVAL) == \
         "rank 1 failed: RuntimeError: boom"
     assert diagnosis(2, _views(stopped=2), {}, NOW, INTERVAL).startswith("peers are alive")
+
+
+@pytest.mark.parametrize("me", [0, 3])
+def test_a_rank_that_only_timed_out_waiting_is_not_blamed_for_the_stopped_one(me):
+    """Before: rank 3 said ranks 0 and 1 failed (they had posted their WaitTimeout first)."""
+    waited = "WaitTimeout: waited 4 s for 'dispatch' on stream 'default' (a collective) and it has not completed"
+    failed = {r: waited for r in (0, 1, 3) if r != me}
+    said = diagnosis(me, _views(stopped=2), failed, NOW, INTERVAL)
+    assert said.startswith("rank 2 stopped responding"), said
+    assert diagnosis(me, _views(), failed, NOW, INTERVAL).startswith(f"rank {min(failed)} failed: WaitTimeout")
 
 
 def test_without_signs_of_life_the_oldest_progress_is_named():
