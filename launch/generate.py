@@ -31,8 +31,9 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import functools
+import itertools
 import time
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import click
 import torch
@@ -202,7 +203,8 @@ def _generate_job(job: JobConfig, decode: DecodeConfig, dev: torch.device, fault
     results = measure_generation(model, prompts, limits, runs, dist.group.WORLD, make_cache,
                                  stop_token=decode.stop_token, warmup=job.warmup, iters=job.iters,
                                  margins=job.check and job.dtype != torch.float32,
-                                 progress=functools.partial(_progress, peers, fault), calibration=calibration,
+                                 progress=functools.partial(_progress, peers, fault, itertools.count()),
+                                 calibration=calibration,
                                  decoders=decoders, buckets=decode.buckets, guard=decode.guard)
     progress("")
     failed: List[str] = []
@@ -277,13 +279,15 @@ def _calibrate(job: JobConfig, decode: DecodeConfig, model: DecodeModel, peers: 
     return cal
 
 
-def _progress(peers: Peers, fault: Optional[Fault], line: str, round_start: bool, first_round: bool) -> None:
+def _progress(peers: Peers, fault: Optional[Fault], decode_steps: Iterator[int], line: str, round_start: bool,
+              first_round: bool) -> None:
     """Every step on a terminal, in a log a line per run and round (its first step); the rank's heartbeat at every
     round's start; at every decode step, the injected fault's turn (``iter``: the decode steps this rank has made,
     counted from 0 over every round of every run, warmup rounds included), then one more step for its peers' watch
     (`Peers.step`: a rank that hangs there stays a step behind)."""
+    step = next(decode_steps)
     if fault is not None:
-        fault.maybe_fail(peers.rank, peers.steps)
+        fault.maybe_fail(peers.rank, step)
     peers.step()
     if round_start:
         peers.beat(line)

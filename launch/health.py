@@ -86,7 +86,7 @@ class PeerView:
     """What the store (and, on this host, ``/proc``) says of one rank when another rank's collective failed."""
 
     alive_at: Optional[float] = None  # its watch's last sign of life (`time.time()`); None: no watch heard
-    steps: Optional[int] = None  # the decode steps it has made, as its watch last carried them
+    steps: Optional[int] = None  # the steps it has made (decode steps and beats), as its watch last carried them
     last: str = "start"  # its last progress, in words (`Peers.beat`)
     beat_at: Optional[float] = None  # when it said so
     process: Optional[str] = None  # "stopped" or "gone" (read from /proc on this host); None: running or unknown
@@ -122,7 +122,7 @@ def _failures(failed: Dict[int, str]) -> str:
 def _late(r: int, view: PeerView, now: float, interval: float, most: Optional[int],
           views: Dict[int, PeerView]) -> Optional[str]:
     """Why rank ``r`` is late, in words; None when it is not."""
-    seen = f"last seen at {view.last}" + (f", {view.steps} decode steps made" if view.steps else "")
+    seen = f"last seen at {view.last}" + (f", {view.steps} steps made" if view.steps else "")
     if view.process == "gone":
         return f"rank {r} has exited ({seen})"
     if view.process == "stopped":
@@ -133,7 +133,8 @@ def _late(r: int, view: PeerView, now: float, interval: float, most: Optional[in
         return f"rank {r} stopped responding (no sign of life for {now - view.alive_at:.1f} s; {seen})"
     if most is not None and view.steps is not None and view.steps < most:
         ahead = min(q for q, v in views.items() if v.steps == most)
-        return f"rank {r} is behind (alive, at decode step {view.steps}; rank {ahead} is at step {most})"
+        return (f"rank {r} stopped responding (alive, but behind: {view.steps} steps made, rank {ahead} has made "
+                f"{most}; last seen at {view.last})")
     return None
 
 
@@ -166,8 +167,8 @@ class Peers:
     """Heartbeats in the store, so that a rank stuck in a collective can name the rank that is gone.
 
     Each rank posts its host and pid, its progress in words (`beat`), and from `watch` on, a sign of life every
-    `WATCH_INTERVAL` seconds carrying its decode steps (`step`): a rank stopped (SIGSTOP) or hung holding the
-    interpreter stops writing, a rank waiting in a collective goes on."""
+    `WATCH_INTERVAL` seconds carrying its steps (`step`: each decode step, each beat): a rank stopped (SIGSTOP) or
+    hung holding the interpreter stops writing, a rank waiting in a collective goes on."""
 
     def __init__(self) -> None:
         self.store = dist.distributed_c10d._get_default_store()
@@ -179,10 +180,12 @@ class Peers:
                       if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true" else None)
 
     def beat(self, what: str) -> None:
+        """This rank's progress, in words (said of it when it is late), and one more step (`step`)."""
+        self.step()
         self.store.set(f"overlap/progress/{self.rank}", f"{what}@{time.time():.3f}")
 
     def step(self) -> None:
-        """One more decode step made (cheap: the watch carries the count to the store)."""
+        """One more step made (a decode step; cheap: the watch carries the count to the store)."""
         self.steps += 1
 
     def watch(self, interval: float = WATCH_INTERVAL) -> None:

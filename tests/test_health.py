@@ -35,8 +35,7 @@ def test_a_stopped_rank_is_named_by_every_rank_still_running(me):
 @pytest.mark.parametrize("me", [0, 1, 3])
 def test_a_stopped_process_on_this_host_is_said_to_be_stopped(me):
     said = diagnosis(me, _views(stopped=2, late_by=0.2, process="stopped"), {}, NOW, INTERVAL)
-    assert said == ("rank 2 is stopped (SIGSTOP or a debugger; last seen at serial: round 1/1, step 12, "
-                    "12 decode steps made)")
+    assert said == "rank 2 is stopped (SIGSTOP or a debugger; last seen at serial: round 1/1, step 12, 12 steps made)"
 
 
 def test_a_killed_rank_is_named_not_peers_are_alive():
@@ -48,7 +47,8 @@ def test_a_killed_rank_is_named_not_peers_are_alive():
 
 def test_a_slow_rank_alive_but_behind_is_named():
     said = diagnosis(0, _views(steps=(13, 13, 12, 13)), {}, NOW, INTERVAL)
-    assert said == "rank 2 is behind (alive, at decode step 12; rank 0 is at step 13)"
+    assert said == ("rank 2 stopped responding (alive, but behind: 12 steps made, rank 0 has made 13; last seen at "
+                    "serial: round 1/1, step 12)")
     assert diagnosis(2, _views(steps=(13, 13, 12, 13)), {}, NOW, INTERVAL).startswith("peers are alive")
 
 
