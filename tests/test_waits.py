@@ -1,7 +1,10 @@
 """Every wait of the CPU path is bounded: past `overlap.wait_timeout()` it raises `WaitTimeout`
 naming what it waited for, and a simulated link too slow for the bound is refused when issued."""
 import math
+import os
 import re
+import subprocess
+import sys
 import threading
 import time
 
@@ -16,6 +19,7 @@ from overlap.state import STATE
 
 pytestmark = pytest.mark.cpu_only
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RETURNED = 5.0  # a generous bound on "it returned" (the waits under test take 0.5 s or nothing)
 
 
@@ -205,3 +209,32 @@ def test_a_collective_a_peer_never_joins_makes_the_waits_raise():
     for message, seconds in timed_out:
         assert "another rank may have failed" in message and "set_wait_timeout" in message
         assert seconds < RETURNED
+
+
+_UNCAUGHT = """
+import sys, time, torch, torch.distributed as dist, overlap
+dist.init_process_group("gloo")
+if dist.get_rank() == 1:
+    time.sleep(120)  # alive, never joining: the collective stays in flight on rank 0
+overlap.set_wait_timeout(1)
+overlap.all_to_all_single(torch.zeros(2), torch.ones(2), name="exchange")
+"""
+
+
+@pytest.mark.timeout(90)
+def test_an_uncaught_wait_timeout_ends_the_program_with_the_collective_in_flight(tmp_path):
+    """A program that catches nothing leaves with status 1 after its traceback; the interpreter's teardown does not
+    wait for the collective given up on (before: gloo's wait, the group's 30-minute timeout)."""
+    from support.ports import free_port
+
+    env = dict(os.environ, PYTHONPATH=ROOT, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
+    ranks = [subprocess.Popen([sys.executable, "-c", _UNCAUGHT], env=dict(env, RANK=str(r)), stderr=subprocess.PIPE,
+                              text=True, cwd=ROOT) for r in (0, 1)]
+    try:
+        _, err = ranks[0].communicate(timeout=60)
+    finally:
+        for rank in ranks:
+            rank.kill()
+        ranks[1].communicate()
+    assert ranks[0].returncode == 1, err[-3000:]
+    assert "WaitTimeout: waited 1 s for 'exchange' on stream 'default' (a collective)" in err, err[-3000:]
