@@ -112,3 +112,12 @@ def test_a_rank_whose_launcher_is_killed_leaves_with_one_line():
     err = agent.stderr.read()  # the end of the pipe the rank holds too: it comes once the rank has left
     assert f"rank 1: its launcher (torchrun agent, pid {agent.pid}) is gone; leaving" in err, err
     assert process_state(os.uname().nodename, rank_pid) in ("gone", None)
+
+
+def test_fault_iter_counts_the_decode_steps_of_the_measured_rounds():
+    """Two runs, one warmup round: its two generations' steps are not counted, then every step is, across runs."""
+    from launch.generate import MeasuredSteps
+
+    steps = MeasuredSteps(warmup_generations=2)
+    starts = [True, False, False, True, False, True, False, False, True, False]  # 4 generations' steps
+    assert [steps.number(s) for s in starts] == [None] * 5 + [0, 1, 2, 3, 4]
