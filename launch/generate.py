@@ -207,7 +207,9 @@ def _generate_job(job: JobConfig, decode: DecodeConfig, dev: torch.device, fault
     results = measure_generation(model, prompts, limits, runs, dist.group.WORLD, make_cache,
                                  stop_token=decode.stop_token, warmup=job.warmup, iters=job.iters,
                                  margins=job.check and job.dtype != torch.float32,
-                                 progress=functools.partial(_progress, peers), calibration=calibration,
+                                 progress=functools.partial(_progress, peers, fault,
+                                                            MeasuredSteps(job.warmup * len(runs))),
+                                 calibration=calibration,
                                  decoders=decoders, buckets=decode.buckets, guard=decode.guard)
     progress("")
     failed: List[str] = []
@@ -282,9 +284,34 @@ def _calibrate(job: JobConfig, decode: DecodeConfig, model: DecodeModel, peers: 
     return cal
 
 
-def _progress(peers: Peers, line: str, round_start: bool, first_round: bool) -> None:
+class MeasuredSteps:
+    """The decode steps of the measured rounds, numbered from 0 in the order they run (``$OVERLAP_FAULT``'s
+    ``iter``): the first ``warmup_generations`` generations (``--warmup`` rounds of one generation per run, as
+    `launch.measure.rounds` orders them) and the calibration's steps are not counted."""
+
+    def __init__(self, warmup_generations: int) -> None:
+        self.warmup_generations = warmup_generations
+        self.generations = 0
+        self.counted = 0
+
+    def number(self, generation_starts: bool) -> Optional[int]:
+        """This decode step's number (``generation_starts``: its generation's first), None in a warmup round."""
+        self.generations += int(generation_starts)
+        if self.generations <= self.warmup_generations:
+            return None
+        self.counted += 1
+        return self.counted - 1
+
+
+def _progress(peers: Peers, fault: Optional[Fault], steps: MeasuredSteps, line: str, round_start: bool,
+              first_round: bool) -> None:
     """Every step on a terminal, in a log a line per run and round (its first step); the rank's heartbeat at every
-    round's start."""
+    round's start; at every decode step of the measured rounds, the injected fault's turn (`MeasuredSteps`), then one
+    more step for its peers' watch (`Peers.step`: a rank that hangs there stays a step behind)."""
+    step = steps.number(round_start)
+    if fault is not None and step is not None:
+        fault.maybe_fail(peers.rank, step)
+    peers.step()
     if round_start:
         peers.beat(line)
     progress(line, stage=line if round_start else None)

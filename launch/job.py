@@ -221,6 +221,7 @@ def start(job: JobConfig) -> Optional[Tuple[torch.device, Optional[Fault], Peers
         overlap.keep_freed_memory()  # the CPU stand-in for a device's caching allocator (overlap.host_memory)
     overlap.set_wait_timeout(job.timeout)  # every wait of the toolkit, as the collectives' own timeout
     overlap.sanitize_from_env()
+    watch_launcher()
     fault = Fault.from_env()
     if fault is not None:
         fault.maybe_fail(rank(), BEFORE_JOINING)
@@ -229,7 +230,34 @@ def start(job: JobConfig) -> Optional[Tuple[torch.device, Optional[Fault], Peers
     except StartError as exc:
         click.echo(f"rank {rank()}: {exc}", err=True)
         return None
-    return dev, fault, Peers()
+    peers = Peers()
+    if peers.world > 1:
+        peers.watch()
+    return dev, fault, peers
+
+
+LAUNCHER_POLL = 1.0  # seconds between two looks at this rank's launcher (`watch_launcher`)
+
+
+def watch_launcher(poll: float = LAUNCHER_POLL) -> None:
+    """Under torchrun, a daemon thread that looks every ``poll`` s whether the agent that started this rank is still
+    its parent: once it is gone (killed), one line and the process leaves at once (status 1), whatever its main
+    thread is doing (a collective, a long step in C). Nothing outside torchrun."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    agent = os.getppid()
+    threading.Thread(target=_leave_when_orphaned, args=(agent, poll), name="overlap-launcher-watch",
+                     daemon=True).start()
+
+
+def _leave_when_orphaned(agent: int, poll: float) -> None:
+    while os.getppid() == agent:
+        time.sleep(poll)
+    try:
+        sys.stderr.write(f"rank {rank()}: its launcher (torchrun agent, pid {agent}) is gone; leaving\n")
+        sys.stderr.flush()
+    finally:
+        os._exit(1)
 
 
 def error_line(exc: BaseException, limit: int = 600) -> str:

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from support import zygote
-from support.launcher import ROOT, SCRIPT, TINY, all_text, by_hand, run_launcher
+from support.launcher import GENERATE, ROOT, SCRIPT, TINY, all_text, by_hand, run_launcher
 from support.ports import free_port
 
 FIRST_ROUND = "round 1/"  # the prefill's progress as its first round starts, in a log (stderr is no terminal)
@@ -244,3 +244,63 @@ def test_a_link_too_slow_for_the_timeout_is_one_line_not_a_hang():
     assert proc.returncode != 0
     assert "needs" in proc.stderr and "more than the 10 s wait bound" in proc.stderr, proc.stderr[-3000:]
     assert "unexpected error" not in proc.stderr
+
+
+def test_a_rank_that_exits_during_decode_is_named_by_the_other():
+    """$OVERLAP_FAULT's iter counts decode steps in `launch/generate.py` (before: only nan / inf had an effect)."""
+    proc = run_launcher(TINY + ["--batch", "2", "--seq-len", "8", "--new-tokens", "4", "--mode", "serial",
+                                "--timeout", "10"], ranks=2, env={"OVERLAP_FAULT": "rank=1,iter=1,kind=exit"},
+                        script=GENERATE, timeout=120)
+    assert proc.returncode != 0
+    assert "rank 0: rank 1 has exited" in proc.stderr, proc.stderr[-3000:]
+    assert "unexpected error" not in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_stopped_during_decode_is_named_by_every_other_rank():
+    """SIGSTOP of rank 1 of 3 mid-decode: ranks 0 and 2 name it (before: the oldest round-start beat was named)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-port", str(free_port()),
+           GENERATE] + TINY + ["--experts", "6", "--batch", "2", "--seq-len", "8", "--new-tokens", "3000",
+                               "--mode", "serial", "--timeout", "4"]
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop("OVERLAP_FAULT", None)
+    agent = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    seen = ""
+    while "step 0" not in seen and agent.poll() is None:
+        seen += agent.stderr.readline()
+    rank1 = next((pid for pid in _children(agent.pid) if _environ(pid).get("RANK") == "1"), None)
+    if rank1 is None:
+        agent.kill()
+        pytest.fail(f"no rank 1 decoding: {(seen + agent.communicate()[1])[-3000:]}")
+    os.kill(rank1, signal.SIGSTOP)
+    named = [f"rank {r}: rank 1 is stopped (SIGSTOP" for r in (0, 2)]
+    err = ""
+    try:
+        while not all(line in err for line in named) and agent.poll() is None:
+            err += agent.stderr.readline()
+    finally:
+        try:
+            os.kill(rank1, signal.SIGKILL)  # torchrun would wait 30 s for a stopped rank to take its SIGTERM
+        except ProcessLookupError:
+            pass
+        err += agent.communicate(timeout=60)[1]
+    for line in named:
+        assert line in err, (seen + err)[-3000:]
+
+
+def _children(pid):
+    """The processes whose parent is ``pid`` (read from each process's stat: not every kernel lists children)."""
+    found = []
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(name))
+        except (OSError, IndexError, ValueError):
+            pass
+    return found
+
+
+def _environ(pid):
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return dict(item.decode().partition("=")[::2] for item in f.read().split(b"\0") if item)

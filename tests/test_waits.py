@@ -1,7 +1,10 @@
 """Every wait of the CPU path is bounded: past `overlap.wait_timeout()` it raises `WaitTimeout`
 naming what it waited for, and a simulated link too slow for the bound is refused when issued."""
 import math
+import os
 import re
+import subprocess
+import sys
 import threading
 import time
 
@@ -16,6 +19,7 @@ from overlap.state import STATE
 
 pytestmark = pytest.mark.cpu_only
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RETURNED = 5.0  # a generous bound on "it returned" (the waits under test take 0.5 s or nothing)
 
 
@@ -170,14 +174,67 @@ def _peer_late(ctx):
         y = ev.wait(y)
         assert torch.equal(y, torch.cat([x[:4] * 0 + torch.arange(4.0) + 4 * ctx.rank + 10 * r
                                          for r in range(ctx.world_size)]))
+    timed_out.extend(_late_on_the_current_stream(ctx, store))
     return timed_out
+
+
+def _late_on_the_current_stream(ctx, store):
+    """The same on the current (synchronous) stream, as a decode step issues its exchange: the collective itself
+    returns within the bound, raising (before: gloo's own wait, the group's 30-minute timeout)."""
+    x = torch.arange(2.0 * ctx.world_size)
+    y = torch.zeros_like(x)
+    if ctx.rank == 1:
+        store.wait(["rank0_gave_up_current"])
+        overlap.all_to_all_single(y, x, group=ctx.group, name="exchange")
+        return []
+    overlap.set_wait_timeout(0.5)
+    start = time.monotonic()
+    try:
+        overlap.all_to_all_single(y, x, group=ctx.group, name="exchange")
+        return []
+    except overlap.WaitTimeout as exc:
+        return [(str(exc), time.monotonic() - start)]
+    finally:
+        overlap.set_wait_timeout(None)
+        store.set("rank0_gave_up_current", "1")
 
 
 def test_a_collective_a_peer_never_joins_makes_the_waits_raise():
     timed_out, nothing = run_ranks(_peer_late, 2, timeout=60)
     assert nothing == []
-    assert len(timed_out) == 4  # two waits in each round
-    for message, seconds in timed_out:
+    assert len(timed_out) == 5  # two waits in each side stream's round, the collective itself on the current one
+    for message, seconds in timed_out[:4]:
         assert message.startswith("waited 0.5 s for 'dispatch' on stream 'ep_comm' (a collective)")
+    assert timed_out[4][0].startswith("waited 0.5 s for 'exchange' on stream 'default' (a collective)")
+    for message, seconds in timed_out:
         assert "another rank may have failed" in message and "set_wait_timeout" in message
         assert seconds < RETURNED
+
+
+_UNCAUGHT = """
+import sys, time, torch, torch.distributed as dist, overlap
+dist.init_process_group("gloo")
+if dist.get_rank() == 1:
+    time.sleep(120)  # alive, never joining: the collective stays in flight on rank 0
+overlap.set_wait_timeout(1)
+overlap.all_to_all_single(torch.zeros(2), torch.ones(2), name="exchange")
+"""
+
+
+@pytest.mark.timeout(90)
+def test_an_uncaught_wait_timeout_ends_the_program_with_the_collective_in_flight(tmp_path):
+    """A program that catches nothing leaves with status 1 after its traceback; the interpreter's teardown does not
+    wait for the collective given up on (before: gloo's wait, the group's 30-minute timeout)."""
+    from support.ports import free_port
+
+    env = dict(os.environ, PYTHONPATH=ROOT, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
+    ranks = [subprocess.Popen([sys.executable, "-c", _UNCAUGHT], env=dict(env, RANK=str(r)), stderr=subprocess.PIPE,
+                              text=True, cwd=ROOT) for r in (0, 1)]
+    try:
+        _, err = ranks[0].communicate(timeout=60)
+    finally:
+        for rank in ranks:
+            rank.kill()
+        ranks[1].communicate()
+    assert ranks[0].returncode == 1, err[-3000:]
+    assert "WaitTimeout: waited 1 s for 'exchange' on stream 'default' (a collective)" in err, err[-3000:]

@@ -16,6 +16,8 @@ from __future__ import annotations
 import concurrent.futures
 import contextvars
 import datetime
+import os
+import sys
 import threading
 from typing import Any, Callable, List, Optional, Sequence
 
@@ -143,6 +145,52 @@ class _AheadRegistry:
 
 
 _AHEAD_WORK = _AheadRegistry()
+
+
+def _wait_on_current_stream(name: str, tag: str, work: Any, reads: Sequence[torch.Tensor],
+                            writes: Sequence[torch.Tensor]) -> None:
+    """Wait for a collective issued on the current (synchronous) stream, within the wait bound; past it,
+    `WaitTimeout` naming it, and the process made to leave at once if that error goes uncaught (`_ABANDONED`)."""
+    pending = _Pending(name, tag, "collective", work, reads, writes)
+    try:
+        pending.wait()
+    except WaitTimeout:
+        _ABANDONED.add(pending)
+        raise
+
+
+class _Abandoned:
+    """Collectives given up on past the wait bound, still in flight in gloo. The interpreter's teardown would wait
+    for them (gloo's threads are joined when the group goes, up to the group's own timeout), so an exception that
+    nobody catches ends the process at once, after its traceback, with status 1 (`sys.excepthook`)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.pending: List[_Pending] = []
+        self.hooked = False
+
+    def add(self, pending: _Pending) -> None:
+        with self.lock:
+            self.pending.append(pending)
+            if not self.hooked:
+                self.hooked = True
+                previous = sys.excepthook
+
+                def leave_now(kind: Any, value: Any, tb: Any) -> None:
+                    previous(kind, value, tb)
+                    if self.in_flight():
+                        sys.stdout.flush()
+                        sys.stderr.flush()
+                        os._exit(1)
+
+                sys.excepthook = leave_now
+
+    def in_flight(self) -> bool:
+        with self.lock:
+            return any(not p.done() for p in self.pending)
+
+
+_ABANDONED = _Abandoned()
 
 
 class CpuStream:
@@ -288,7 +336,9 @@ class CpuBackend(Backend):
         try:
             delay = self._delay(nbytes)
             until = reserve(delay) if delay else None  # refused before the collective, the span still closed
-            issue(False)
+            work = issue(True)  # waited for here, within the wait bound: gloo's own wait is the group's timeout
+            if work is not None:
+                _wait_on_current_stream(name, tag, work, reads, writes)
             if until is not None:
                 wait_until(until)
         finally:
