@@ -306,12 +306,11 @@ class MeasuredSteps:
 def _progress(peers: Peers, fault: Optional[Fault], steps: MeasuredSteps, line: str, round_start: bool,
               first_round: bool) -> None:
     """Every step on a terminal, in a log a line per run and round (its first step); the rank's heartbeat at every
-    round's start; at every decode step of the measured rounds, the injected fault's turn (`MeasuredSteps`), then one
-    more step for its peers' watch (`Peers.step`: a rank that hangs there stays a step behind)."""
+    round's start; at every decode step of the measured rounds, the injected fault's turn (`MeasuredSteps`: before
+    `generate` counts the step for the peers' watch, so a rank that hangs here stays a step behind)."""
     step = steps.number(round_start)
     if fault is not None and step is not None:
         fault.maybe_fail(peers.rank, step)
-    peers.step()
     if round_start:
         peers.beat(line)
     progress(line, stage=line if round_start else None)

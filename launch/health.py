@@ -11,15 +11,15 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
-import socket
-import threading
 import time
 from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
 
+import overlap
 from microbatch.model import MoEModel
+from overlap.peers import PeerView, PeerWatch, diagnosis, reads_as_peer_failure
 from overlap.ranks import default_device, default_pg_backend
 
 ENV_FAULT = "OVERLAP_FAULT"
@@ -68,141 +68,32 @@ def join_group(timeout: float) -> torch.device:
 
 def is_peer_failure(exc: BaseException) -> bool:
     """A collective that failed because of another rank (timeout, closed connection), not this rank's bug."""
-    return isinstance(exc, dist.DistError) or _reads_as_peer_failure(str(exc))
-
-
-def _reads_as_peer_failure(text: str) -> bool:
-    """Whether an error's text is a wait that ran out or a connection that closed (another rank's doing)."""
-    return any(w in text.lower() for w in ("timed out", "timeout", "connection closed", "connection reset", "gloo",
-                                           "nccl", "hccl"))
-
-
-WATCH_INTERVAL = 0.5  # seconds between a rank's signs of life in the store (`Peers.watch`)
-STALE = 3  # a rank silent for this many intervals has stopped responding
-
-
-@dataclasses.dataclass(frozen=True)
-class PeerView:
-    """What the store (and, on this host, ``/proc``) says of one rank when another rank's collective failed."""
-
-    alive_at: Optional[float] = None  # its watch's last sign of life (`time.time()`); None: no watch heard
-    steps: Optional[int] = None  # the steps it has made (decode steps and beats), as its watch last carried them
-    last: str = "start"  # its last progress, in words (`Peers.beat`)
-    beat_at: Optional[float] = None  # when it said so
-    process: Optional[str] = None  # "stopped" or "gone" (read from /proc on this host); None: running or unknown
-
-
-def diagnosis(me: int, views: Dict[int, PeerView], failed: Dict[int, str], now: float,
-              interval: float = WATCH_INTERVAL) -> str:
-    """Which ranks other than ``me`` failed, stopped or fell behind, in words, from what the store holds: ``failed``
-    (rank -> its one line), ``views`` (rank -> `PeerView`), read at ``now``; "peers are alive; ..." when none.
-
-    A rank's own error comes first; then the ranks that are late; a rank that failed only waiting for another (a
-    timeout, a closed connection) is named last, where nobody is late."""
-    failed = {r: msg for r, msg in failed.items() if r != me}
-    waited = {r: msg for r, msg in failed.items() if _reads_as_peer_failure(msg)}
-    own = {r: msg for r, msg in failed.items() if r not in waited}
-    if own:
-        return _failures(own)
-    if any(v.alive_at is not None for v in views.values()):
-        most = max((v.steps for v in views.values() if v.steps is not None), default=None)
-        late = [line for r in sorted(views) if r != me and r not in waited
-                for line in [_late(r, views[r], now, interval, most, views)] if line]
-        if late:
-            return ", ".join(late)
-    elif not waited:
-        return _oldest_beat(me, views)
-    return _failures(waited) if waited else "peers are alive; the collective itself timed out"
-
-
-def _failures(failed: Dict[int, str]) -> str:
-    return "; ".join(f"rank {r} failed: {failed[r]}" for r in sorted(failed))
-
-
-def _late(r: int, view: PeerView, now: float, interval: float, most: Optional[int],
-          views: Dict[int, PeerView]) -> Optional[str]:
-    """Why rank ``r`` is late, in words; None when it is not."""
-    seen = f"last seen at {view.last}" + (f", {view.steps} steps made" if view.steps else "")
-    if view.process == "gone":
-        return f"rank {r} has exited ({seen})"
-    if view.process == "stopped":
-        return f"rank {r} is stopped (SIGSTOP or a debugger; {seen})"
-    if view.alive_at is None:
-        return f"rank {r} stopped responding (no sign of life; {seen})"
-    if now - view.alive_at > STALE * interval:
-        return f"rank {r} stopped responding (no sign of life for {now - view.alive_at:.1f} s; {seen})"
-    if most is not None and view.steps is not None and view.steps < most:
-        ahead = min(q for q, v in views.items() if v.steps == most)
-        return (f"rank {r} stopped responding (alive, but behind: {view.steps} steps made, rank {ahead} has made "
-                f"{most}; last seen at {view.last})")
-    return None
-
-
-def _oldest_beat(me: int, views: Dict[int, PeerView]) -> str:
-    """Without signs of life (no watch ran): the ranks whose progress is the oldest."""
-    beats = {r: v.beat_at for r, v in views.items() if v.beat_at is not None}
-    if not beats:
-        return "no rank reported progress"
-    oldest = min(beats.values())
-    stale = [r for r in sorted(views) if r != me and (r not in beats or beats[r] <= oldest + 1e-3)]
-    return ", ".join(f"rank {r} stopped responding (last seen at {views[r].last})" for r in stale) \
-        or "peers are alive; the collective itself timed out"
-
-
-def process_state(host: str, pid: int) -> Optional[str]:
-    """A process of this host: "stopped" (state T), "gone" (exited, or a zombie); None when it runs or is elsewhere."""
-    if host != socket.gethostname():
-        return None
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return "gone"
-    except (OSError, IndexError):
-        return None
-    return "stopped" if state in "Tt" else "gone" if state in "ZXx" else None
+    return isinstance(exc, dist.DistError) or reads_as_peer_failure(str(exc))
 
 
 class Peers:
-    """Heartbeats in the store, so that a rank stuck in a collective can name the rank that is gone.
-
-    Each rank posts its host and pid, its progress in words (`beat`), and from `watch` on, a sign of life every
-    `WATCH_INTERVAL` seconds carrying its steps (`step`: each decode step, each beat): a rank stopped (SIGSTOP) or
-    hung holding the interpreter stops writing, a rank waiting in a collective goes on."""
+    """The launchers' view of their peers in the store: each rank's progress in words (`beat`), its failure
+    (`failed`), and from `watch` on, its signs of life (`overlap.watch_peers`): a rank stopped (SIGSTOP) or hung
+    holding the interpreter stops giving them, a rank waiting in a collective goes on. `diagnose` says, from all
+    that, which rank is to blame."""
 
     def __init__(self) -> None:
         self.store = dist.distributed_c10d._get_default_store()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.steps = 0  # decode steps made (`step`); the watch carries it to the store
-        self.interval = WATCH_INTERVAL
-        self._watching = threading.Event()
+        self._watch: Optional[PeerWatch] = None
         self.agent = (f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
                       if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true" else None)
 
+    def watch(self) -> None:
+        """Signs of life from here on (`overlap.watch_peers`), so that `diagnose` tells a stopped rank from a
+        waiting one."""
+        self._watch = overlap.watch_peers()
+
     def beat(self, what: str) -> None:
-        """This rank's progress, in words (said of it when it is late), and one more step (`step`)."""
-        self.step()
+        """This rank's progress, in words (said of it when it is late), and one more step for its watch (a prefill
+        round, a calibration's: a rank that hangs there stays a step behind)."""
+        overlap.peer_step()
         self.store.set(f"overlap/progress/{self.rank}", f"{what}@{time.time():.3f}")
-
-    def step(self) -> None:
-        """One more step made (a decode step; cheap: the watch carries the count to the store)."""
-        self.steps += 1
-
-    def watch(self, interval: float = WATCH_INTERVAL) -> None:
-        """Post this rank's host and pid, then a sign of life every ``interval`` s from a daemon thread, until the
-        store is gone."""
-        self.interval = interval
-        self.store.set(f"overlap/pid/{self.rank}", f"{socket.gethostname()} {os.getpid()}")
-        self._watching.set()
-        threading.Thread(target=self._signs_of_life, name="overlap-peers-watch", daemon=True).start()
-
-    def _signs_of_life(self) -> None:
-        while True:
-            try:
-                self.store.set(f"overlap/alive/{self.rank}", f"{time.time():.3f} {self.steps}")
-            except Exception:  # the store is gone: so is the job
-                return
-            time.sleep(self.interval)
 
     def failed(self, msg: str) -> None:
         try:
@@ -218,43 +109,25 @@ class Peers:
             return True
 
     def diagnose(self) -> str:
-        """Which ranks failed, stopped or fell behind, in words (`diagnosis`). Where every peer looks alive, the
-        store is read again for up to 2 intervals: a rank killed a moment ago has not yet gone silent."""
+        """Which ranks failed, stopped or fell behind, in words (`overlap.peers.diagnosis`; with a watch it reads
+        the signs of life over `overlap.peers.STALE` intervals, so that a rank killed a moment ago is seen silent)."""
         try:
-            said = self._diagnosis()
-            deadline = time.monotonic() + 2 * self.interval + 0.1
-            while said.startswith("peers are alive") and self._watching.is_set() and time.monotonic() < deadline:
-                time.sleep(self.interval / 2)
-                said = self._diagnosis()
-            return said
+            failed = {r: self._get(f"overlap/failed/{r}") for r in range(self.world)
+                      if r != self.rank and self.store.check([f"overlap/failed/{r}"])}
+            views = self._watch.views() if self._watch is not None else {r: PeerView() for r in range(self.world)}
+            return diagnosis(self.rank, {r: self._with_progress(r, v) for r, v in views.items()}, failed)
         except Exception as exc:
             return self._store_unreachable(exc)
-
-    def _diagnosis(self) -> str:
-        failed = {r: self._get(f"overlap/failed/{r}") for r in range(self.world)
-                  if r != self.rank and self.store.check([f"overlap/failed/{r}"])}
-        views = {r: self._view(r) for r in range(self.world)}
-        return diagnosis(self.rank, views, failed, time.time(), self.interval)
-
-    def _has(self, key: str) -> bool:
-        return self.store.check([key])
 
     def _get(self, key: str) -> str:
         return self.store.get(key).decode()
 
-    def _view(self, r: int) -> PeerView:
-        """What the store holds of rank ``r`` (`PeerView`), its process's state where it runs on this host."""
-        last, beat_at, alive_at, steps, process = "start", None, None, None, None
-        if self._has(f"overlap/progress/{r}"):
-            last, at = self._get(f"overlap/progress/{r}").rsplit("@", 1)
-            beat_at = float(at)
-        if self._has(f"overlap/alive/{r}"):
-            at, count = self._get(f"overlap/alive/{r}").split()
-            alive_at, steps = float(at), int(count)
-        if r != self.rank and self._has(f"overlap/pid/{r}"):
-            host, pid = self._get(f"overlap/pid/{r}").rsplit(" ", 1)
-            process = process_state(host, int(pid))
-        return PeerView(alive_at, steps, last, beat_at, process)
+    def _with_progress(self, r: int, view: PeerView) -> PeerView:
+        """``view`` with rank ``r``'s last progress in words, and when it said so."""
+        if not self.store.check([f"overlap/progress/{r}"]):
+            return view
+        last, at = self._get(f"overlap/progress/{r}").rsplit("@", 1)
+        return dataclasses.replace(view, last=last, beat_at=float(at))
 
     def _store_unreachable(self, exc: Exception) -> str:
         """The store is gone: torchrun's agent's (the launcher is gone), or rank 0's (never this rank's fault)."""

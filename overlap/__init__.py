@@ -6,7 +6,8 @@ is an ordering edge, ``record_stream`` keeps memory alive across streams and ``l
 splits the cores. Beside the primitives: `overlap.observability` (``Timeline``, ``Sanitizer``,
 the overlap report), `overlap.offload` (the KV-cache offload stream), `overlap.agreement` (ranks
 that must agree check that they do: `agree`, `agree_later`), `overlap.leaving` (how a rank leaves: `exit_rank`,
-the end of a multi-rank program) and `overlap.multirank` (the multi-rank harness).
+the end of a multi-rank program), `overlap.peers` (signs of life, so that a wait that runs out names the rank it
+waited for: `watch_peers`) and `overlap.multirank` (the multi-rank harness).
 Importing the package has no side effect; `reset` forgets the process-wide state (`overlap.state`) and
 tells the packages built on it (`on_reset`).
 """
@@ -29,6 +30,7 @@ from .link import Link, current_link, parse_link, set_link
 from .observability import Sanitizer, StreamRaceError, Timeline
 from .observability import enable_from_env as sanitize_from_env
 from .offload import OffloadCache, OffloadError
+from .peers import late_peers, peer_step, set_peer_watch, watch_peers
 from .state import WaitTimeout, on_reset, reset, set_wait_timeout, wait_timeout
 from .streams import (EP_COMM, KV_OFFLOAD, SHARED_EXPERT, get_stream, issue_ahead, issue_collective, issue_host,
                       record_stream, stream, synchronize)
@@ -43,9 +45,9 @@ __all__ = [
     "compare_posts", "copy_", "core_budget",
     "current_link", "current_path", "current_stream_tag", "describe_comm_priority", "detect_path", "enabled",
     "event", "exit_rank", "get_stream", "host_reads_allowed", "is_enabled",
-    "issue_ahead", "issue_collective", "issue_host", "keep_freed_memory", "leave_group",
-    "limit_cores", "no_host_sync", "on_reset", "parse_budget", "parse_link", "read_soc_config",
+    "issue_ahead", "issue_collective", "issue_host", "keep_freed_memory", "late_peers", "leave_group",
+    "limit_cores", "no_host_sync", "on_reset", "parse_budget", "parse_link", "peer_step", "read_soc_config",
     "record_stream", "remove_observer", "reset", "reset_core_limits", "sanitize_from_env", "set_core_budget",
-    "set_comm_priority", "set_enabled", "set_link", "set_path", "set_wait_timeout", "span", "stream",
+    "set_comm_priority", "set_enabled", "set_link", "set_path", "set_peer_watch", "set_wait_timeout", "span", "stream",
     "stream_limits", "synchronize", "tensors_in", "use_path", "wait_tensor", "wait_timeout",
 ]

@@ -200,6 +200,8 @@ def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: U
     mode, decoders = make_decoders(model, prompts, limits, mode=mode, calibration=calibration, cache=cache,
                                    decoder=decoder, graph=graph, buckets=buckets, length_buckets=length_buckets)
     group = expert_group(model)
+    if group is not None:
+        overlap.watch_peers()  # so that a wait that runs out names the rank it waited for
     check_alike(model, group, _settings(model, mode, prefill_mode, agreement, decoders), DecodeError, check_weights)
     cache = next(iter(decoders.values())).cache
     slots = cache.admit(len(prompts))
@@ -251,6 +253,7 @@ def generate(model: DecodeModel, prompts: Sequence[Sequence[int]], new_tokens: U
         if not follows:
             return out
         out.steps += 1
+        overlap.peer_step()  # a rank held before here (in on_step, say) stays a step behind its peers
         name = mode
         if mode == AUTO:
             if checks is not None:

@@ -28,6 +28,7 @@ from ..comm_threads import prioritize_comm_threads
 from ..context import DEFAULT, current_stream_tag, is_enabled
 from ..hooks import Span
 from ..link import DelayedWork, current_link, reserve, transfer_seconds, wait_until
+from ..peers import late_peers
 from ..state import STATE, WaitTimeout, raise_hint, wait_timeout
 from .base import Ahead, Backend
 
@@ -93,7 +94,8 @@ class _Pending:
         if self.kind == "host":
             what, why = "host work", "the work is blocked or needs longer"
         else:
-            what, why = "a collective", "another rank may have failed or stopped, or the exchange needs longer"
+            what, why = "a collective", (late_peers() or "another rank may have failed or stopped, or the exchange "
+                                                          "needs longer")
         return WaitTimeout(f"waited {bound:g} s for {self.name!r} on stream {self.stream!r} ({what}) and it has "
                            f"not completed: {why}; {raise_hint()}")
 
@@ -115,8 +117,8 @@ class _AheadWork:
             if self.future.done():
                 return self.future.result()  # finished just now, or raised TimeoutError itself
             raise WaitTimeout(f"waited {bound:g} s for {self.name!r} on stream {self.stream!r} (host work that issues "
-                              f"collectives) and it has not returned: another rank may have failed or stopped; "
-                              f"{raise_hint()}") from None
+                              f"collectives) and it has not returned: "
+                              f"{late_peers() or 'another rank may have failed or stopped'}; {raise_hint()}") from None
 
 
 class _AheadRegistry:
