@@ -94,7 +94,7 @@ def test_a_static_step_builds_its_attention_mask_once_for_every_layer():
 
 
 @pytest.mark.parametrize("slots, why", [
-    ([0, 0], "one row per slot"), ([3], "not in use"), ([2], "holds no row yet"), ([1], "exceed its room")])
+    ([0, 0], "slot 0 is named twice"), ([3], "not in use"), ([2], "holds no row yet"), ([1], "exceed its room")])
 def test_a_static_step_refuses_rows_it_cannot_place(slots, why):
     cache, _ = _prefilled([3, 12])
     cache.admit(1)  # slot 2: admitted, no prompt yet
