@@ -74,7 +74,8 @@ def _failures(failed: Dict[int, str]) -> str:
 
 def _late(r: int, view: PeerView, most: Optional[int], views: Dict[int, PeerView]) -> Optional[str]:
     """Why rank ``r`` is late, in words; None when it is not."""
-    seen = f"last seen at {view.last}" + (f", {view.steps} steps made" if view.steps else "")
+    said = [f"last seen at {view.last}"] if view.beat_at is not None or view.last != "start" else []
+    seen = ", ".join(said + ([f"{view.steps} steps made"] if view.steps else [])) or "no step made"
     if view.process == "gone":
         return f"rank {r} has exited ({seen})"
     if view.process == "stopped":
@@ -84,7 +85,7 @@ def _late(r: int, view: PeerView, most: Optional[int], views: Dict[int, PeerView
     if most is not None and view.steps is not None and view.steps < most:
         ahead = min(q for q, v in views.items() if v.steps == most)
         return (f"rank {r} stopped responding (alive, but behind: {view.steps} steps made, rank {ahead} has made "
-                f"{most}; last seen at {view.last})")
+                f"{most}" + "".join(f"; {w}" for w in said) + ")")
     return None
 
 
