@@ -5,6 +5,8 @@ import dataclasses
 import pytest
 import torch
 
+import overlap
+
 from launch.engine import DecodeError, GraphDecoder, generate, make_expert_parallel, new_cache
 from launch.engine.alike import replicated_parameters, weight_digests
 from launch.job import error_line
@@ -111,7 +113,13 @@ def _alike_body(ctx):
             return str(err)
 
     same = model_of()
-    return {"buckets": said(model=same, buckets=[1, 2, 4] if ctx.rank == 0 else [8]),
+    overlap.set_peer_watch(False)  # the switch: generate starts no watch
+    off = said(model=same)
+    watched = overlap.watch_peers() is not None
+    overlap.set_peer_watch(True)
+    said(model=same)
+    return {"watch": [off is None and not watched, overlap.watch_peers() is not None],
+            "buckets": said(model=same, buckets=[1, 2, 4] if ctx.rank == 0 else [8]),
             "layers": said(model=model_of(n_layers=2 + ctx.rank)),
             "weights": said(model=model_of(seed=2 + ctx.rank)),
             "unchecked": said(model=model_of(seed=2 + ctx.rank), check_weights=False),
@@ -127,6 +135,7 @@ def test_ranks_that_differ_in_what_shapes_a_collective_or_in_their_weights_say_s
 
     r0, r1 = run_ranks(_alike_body, 2, timeout=180)
     assert r0 == r1, (r0, r1)
+    assert r0["watch"] == [True, True]  # off with set_peer_watch(False), started by generate once on again
     assert r0["buckets"] == "ranks disagree on buckets: rank 0: [1, 2, 4]; rank 1: [8]"
     assert "ranks disagree on layers: rank 0: 2; rank 1: 3" in r0["layers"], r0["layers"]
     assert r0["weights"].startswith("ranks hold different weights: ") and " differs: rank 0: digest " in r0["weights"]
