@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 WATCH_INTERVAL = 0.5  # seconds between a rank's signs of life in the store
 STALE = 3  # a rank that gave no sign over this many intervals is silent
-_KEY = "overlap/peers"
+_KEY = f"overlap/peers/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"  # a restarted job reads no old keys
 
 
 @dataclasses.dataclass(frozen=True)

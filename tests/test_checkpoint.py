@@ -1036,6 +1036,7 @@ def test_a_prefill_prompt_beyond_the_checkpoints_positions_is_one_line_before_an
     assert "a prompt of 12 tokens, beyond max_position_embeddings 8 in" in out + err, out + err
 
 
+@pytest.mark.spawns_ranks
 def test_the_checkpoints_stop_token_ends_our_run_and_its_own_generate_alike(written, tmp_path):
     """eos_token_id of generation_config.json, a token the greedy continuation holds, is the run's stop token, said
     in the headline, and `--check` compares with the family's own generate() stopping at the same token: a run or

@@ -221,6 +221,7 @@ overlap.all_to_all_single(torch.zeros(2), torch.ones(2), name="exchange")
 """
 
 
+@pytest.mark.spawns_ranks
 @pytest.mark.timeout(90)
 def test_an_uncaught_wait_timeout_ends_the_program_with_the_collective_in_flight(tmp_path):
     """A program that catches nothing leaves with status 1 after its traceback; the interpreter's teardown does not
