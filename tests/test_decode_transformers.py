@@ -4,8 +4,9 @@ cache layouts, and generate the tokens of their own ``generate(do_sample=False)`
 Each family's small float32 model (`launch.models.build_transformers_model`): prompts of different lengths, a
 stop token that ends one request early, serial with the family's own MoE blocks and every mode's schedule with
 their expert-parallel form on one rank, the keys and values the decode writes against the model's own cache, the
-families with sliding-window and chunked attention past their window, DeepSeek-V3's latent cache, the layers a
-decode refuses, and experts over two ranks (one of them with no prompt).
+families with sliding-window and chunked attention past their window, DeepSeek-V3's latent cache, LongCat-Flash's
+two attentions per layer (the second under the MoE's dispatch, as in prefill), the layers a decode refuses, and
+experts over two ranks (one of them with no prompt; LongCat-Flash too); the generation launcher on LongCat-Flash.
 """
 import pytest
 import torch
@@ -21,7 +22,7 @@ from launch.models import build_transformers_model  # noqa: E402
 
 pytestmark = pytest.mark.cpu_only
 
-FAMILIES = ("deepseek_v3", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")
+FAMILIES = ("deepseek_v3", "qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "longcat_flash")
 SEED = 7
 NEW = 6
 
@@ -120,13 +121,12 @@ def test_deepseek_v3_caches_its_compressed_latent_and_rotary_key():
 @pytest.mark.parametrize("family, fields, says", [
     ("qwen3_next", {}, "qwen3_next: layer 0 is linear_attention: it keeps a state between tokens, not keys and "
                        "values a KV cache holds"),
-    ("longcat_flash", {}, "longcat_flash: layer 0 attends twice .*: a decode step runs one attention per layer"),
     ("mimo_v2_flash", {}, "mimo_v2_flash: layer 1 caches keys / values of .*: one KV cache holds one shape"),
     ("llama4_text", dict(no_rope_layers=[1, 0]), "llama4_text: layer 1: its attention scales queries by one position "
                                                  "for the whole batch"),
 ])
 def test_layers_a_decode_cannot_run_are_refused_in_one_line(family, fields, says):
-    """A hybrid's linear attention, LongCat-Flash's two attentions per layer, layers caching different shapes
+    """A hybrid's linear attention, layers caching different shapes
     (MiMo-V2-Flash's sliding layers have more key heads), Llama 4's layers without rotary embeddings (their
     query scale follows one position for the whole batch): a ValueError of one line before any decode step."""
     from launch.generate import _decode_refusal
@@ -139,6 +139,42 @@ def test_layers_a_decode_cannot_run_are_refused_in_one_line(family, fields, says
     # MiMo's: its prefill's keys do not fit the cache, `launch.engine.generate` prefills first
     with pytest.raises(ValueError):
         greedy_generate(model, [[1, 2, 3]], 2)
+
+
+def test_longcat_flash_decodes_its_second_attention_under_the_moe_exchange_over_its_half_of_the_cache():
+    """As in prefill: the first MLP and the second attention after the dispatch, the second MLP after the combine;
+    the cache holds both attentions' latents side by side (2, kv_lora_rank), each attention reading its own half and
+    the second writing both (the cache against the model's own: `test_greedy_decode_equals_the_familys_own_generate`).
+    (Before: ``longcat_flash: layer 0 attends twice``, a ValueError.)"""
+    model = build_transformers_model("longcat_flash", seed=SEED)
+    c = model.hf.config
+    assert model.cfg.k_shape == (2, c.kv_lora_rank) and model.cfg.v_shape == (2, c.qk_rope_head_dim)
+    serial = [op.name for op in model.decode_layer_operations()[0]]
+    assert serial == ["attn", "ffn_norm", "moe", "dense0", "attn1", "dense1", "residual"]
+    make_expert_parallel(model, None)
+    for chunks in (1, 2):  # the routed experts in chunks: every chunk's dispatch first, then each one's combine
+        names = [op.name for op in model.decode_layer_operations(chunks)[0]]
+        assert names[:2] == ["attn", "ffn_norm"] and names[-1] == "residual", names
+        dispatched = max(i for i, name in enumerate(names) if name.startswith("dispatch"))
+        combine = min(i for i, name in enumerate(names) if name.startswith("combine"))
+        assert dispatched + 1 == names.index("dense0") < names.index("attn1") < combine < names.index("dense1"), \
+            names
+        assert names[names.index("attn1") + 1].startswith("experts"), names
+
+
+@pytest.mark.spawns_ranks  # a launcher of its own: under torchrun it would join the job
+@pytest.mark.timeout(300)
+def test_the_generation_launcher_checks_longcat_flash_against_its_own_generate():
+    """``launch/generate.py --model longcat_flash --check`` on one rank: serial's tokens are the model's own
+    ``generate``'s and every mode's serial's, exit 0 (before: ``TransformersModel cannot decode: longcat_flash:
+    layer 0 attends twice``, exit 2)."""
+    from support.launcher import GENERATE, TINY, run_launcher
+
+    proc = run_launcher(TINY + ["--model", "longcat_flash", "--batch", "2", "--seq-len", "8", "--new-tokens", "4",
+                                "--mode", "serial,two-batch", "--check"], timeout=240, script=GENERATE)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "check: serial generates longcat_flash's own generate(do_sample=False) tokens" in proc.stdout
+    assert "check: every mode generates serial's tokens" in proc.stdout
 
 
 def test_own_generate_takes_nothing_from_the_models_generation_config():
@@ -161,8 +197,11 @@ PLANS = [  # per round, per rank: (prompt lengths, new tokens)
 ]  # (a rank that brings nothing: tests/test_decode.py)
 
 
-def _ranks_body(ctx):
-    model = build_transformers_model("qwen3_moe", seed=SEED)
+RANK_FAMILIES = ("qwen3_moe", "longcat_flash")  # LongCat-Flash: its second attention under the MoE's dispatch
+
+
+def _family_on_ranks(ctx, family):
+    model = build_transformers_model(family, seed=SEED)
     mine = [plan[ctx.rank] for plan in PLANS]
     prompts = [_prompts(model.cfg.vocab, lens, seed=10 + 2 * i + ctx.rank) for i, (lens, _) in enumerate(mine)]
     want = [model.own_generate(p, new) if p else [] for p, (_, new) in zip(prompts, mine)]
@@ -174,13 +213,18 @@ def _ranks_body(ctx):
     return got, want
 
 
+def _ranks_body(ctx):
+    return {family: _family_on_ranks(ctx, family) for family in RANK_FAMILIES}
+
+
 def test_experts_over_two_ranks_decode_the_models_own_tokens_in_every_mode():
-    """qwen3_moe's experts over two ranks with different prompt counts (one rank done first):
-    each rank's tokens in every mode are its requests' own ``generate``'s on one process."""
+    """qwen3_moe's and longcat_flash's experts over two ranks with different prompt counts (one rank done first):
+    each rank's tokens in every mode are its requests' own ``generate``'s on one process, with no race."""
     from overlap.multirank import run_ranks
 
-    for rank, (got, want) in enumerate(run_ranks(_ranks_body, 2, timeout=240)):
-        for round_no, (modes, tokens) in enumerate(zip(got, want)):
-            assert set(modes) == set(MODES)
-            for mode, out in modes.items():
-                assert out == tokens, (rank, round_no, mode, out, tokens)
+    for rank, families in enumerate(run_ranks(_ranks_body, 2, timeout=240)):
+        for family, (got, want) in families.items():
+            for round_no, (modes, tokens) in enumerate(zip(got, want)):
+                assert set(modes) == set(MODES)
+                for mode, out in modes.items():
+                    assert out == tokens, (family, rank, round_no, mode, out, tokens)

@@ -25,9 +25,10 @@ from microbatch.model import KV
 
 from ..common import one_line
 
-__all__ = ["ATTENTION_KINDS", "Attention", "cache_keyword", "causal_mask", "decode_mask", "first_output"]
+__all__ = ["ATTENTION_KINDS", "KV_HEADS", "Attention", "cache_keyword", "causal_mask", "decode_mask", "first_output"]
 
 ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
+KV_HEADS = Tuple[Tuple[int, int], Tuple[int, int]]  # an attention's key heads and value heads of a layer's cache
 
 
 def causal_mask(n: int, n_prefix: int, window: Optional[int], dtype: torch.dtype, device: Any,
@@ -128,14 +129,20 @@ class Attention:
                                f"keys and values of the request")
         return out[0], _from_cache(held.keys, n), _from_cache(held.values, n)
 
-    def decode(self, x: torch.Tensor, step: KVStep, layer: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def decode(self, x: torch.Tensor, step: KVStep, layer: int, heads: Optional[KV_HEADS] = None
+               ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Every request of a decode step at once: x [requests, hidden] (normed), one new token each, after the rows
-        the cache's layer ``layer`` holds of it; ``(out, k, v)``, k / v packed [requests, *k_shape / v_shape]."""
+        the cache's layer ``layer`` holds of it; ``(out, k, v)``, k / v packed [requests, *k_shape / v_shape].
+        ``heads``: this attention's key and value heads of a layer that caches several side by side
+        (``((k0, k1), (v0, v1))``, LongCat-Flash's two); None: all of them."""
         from transformers import DynamicCache
 
         rows = step.rows
         held = rows.longest - 1  # the history, padded to the longest; the new rows are not written yet
         keys, values = step.cache.history(layer, rows)
+        if heads is not None:
+            (k0, k1), (v0, v1) = heads
+            keys, values = keys[:, :, k0:k1], values[:, :, v0:v1]
         cache = DynamicCache()
         if held:
             cache.update(keys[:, :held].transpose(1, 2).to(x.dtype), values[:, :held].transpose(1, 2).to(x.dtype),

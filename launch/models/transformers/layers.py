@@ -19,8 +19,9 @@ MLP and the second attention, its keys and values are both sublayers' side by si
 
 Decode (`TransformersLayer.decode_operations`): ``attn`` reads ``HIDDEN`` (one new token per request)
 and ``KV_STEP`` and calls the family's attention module once for every request of the step; the
-operations after it are prefill's. A layer that is not plain attention (linear attention, LongCat-Flash's
-two attentions) says why it cannot decode (`TransformersLayer.decode_refusal`).
+operations after it are prefill's. A LongCat-Flash layer decodes as it prefills: its second cached
+attention under the MoE's dispatch, each attention over its own half of the layer's cache. A layer that
+is not attention (linear attention) says why it cannot decode (`TransformersLayer.decode_refusal`).
 
 transformers is imported only inside the functions of `attention`.
 """
@@ -233,30 +234,43 @@ class TransformersLayer(nn.Module):
         if not self.is_attention:
             return (f"layer {self.index} is {self.kind}: it keeps a state between tokens, not keys and values a KV "
                     f"cache holds")
-        reason = self.attns[0].decode_refusal()
+        reason = next((r for r in (a.decode_refusal() for a in self.attns) if r is not None), None)
         return None if reason is None else f"layer {self.index}: {reason}"
 
-    def decode_attention(self, hidden: torch.Tensor, step: KVStep) -> torch.Tensor:
-        """Decode: ``hidden [requests, hidden]``, one new token per request; one call of the family's attention for
-        all of them over their history in the cache, their keys and values written there; ``resid``."""
-        rows = step.rows
+    def _check_decodes(self) -> None:
+        """ValueError naming why this layer cannot decode (`decode_refusal`), if it cannot."""
+        reason = self.decode_refusal()
+        if reason is not None:
+            raise ValueError(f"cannot decode: {reason}")
+
+    def _decode_sublayer(self, i: int, hidden: torch.Tensor, step: KVStep
+                         ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Attention ``i`` of a decode step (``hidden [requests, hidden]``, one new token per request), one call of the
+        family's module for all of them over their history in its own heads of the cache: ``(resid, k, v)``, the
+        keys and values not yet written."""
+        rows, att = step.rows, self.attns[i]
         if hidden.shape[0] != len(rows.slots) or any(n != 1 for n in rows.seq_lens):
             raise ValueError(f"layer {self.index}: a decode step takes one token per request, got {hidden.shape[0]} "
                              f"tokens for rows {rows.seq_lens}")
         if not rows.slots:  # an idle rank's empty micro-batch
-            return hidden.clone()
-        att = self.attns[0]
-        out, k, v = att.decode(att.norm(hidden), step, self.index)
-        step.cache.write(self.index, rows, k, v)
-        return hidden + self._scaled(att.out_norm(out))
+            return hidden.clone(), hidden.new_zeros(0, *att.k_shape), hidden.new_zeros(0, *att.v_shape)
+        heads = self._heads[i] if len(self.attns) > 1 else None
+        out, k, v = att.decode(att.norm(hidden), step, self.index, heads)
+        return hidden + self._scaled(att.out_norm(out)), k, v
+
+    def decode_attention(self, hidden: torch.Tensor, step: KVStep) -> torch.Tensor:
+        """Decode: the cached attention of every request of the step (`_decode_sublayer`), its keys and values
+        written to the cache; ``resid``."""
+        resid, k, v = self._decode_sublayer(0, hidden, step)
+        if step.rows.slots:
+            step.cache.write(self.index, step.rows, k, v)
+        return resid
 
     def decode_operations(self, chunks: int = 1) -> List[Operation]:
         """This layer for a decode step, from ``HIDDEN`` and ``KV_STEP`` to ``OUT``: the cached attention, then what
         `operations` runs after attention, an expert-parallel MoE's decode stages (its routed experts in
         ``chunks``). ValueError where it cannot (`decode_refusal`)."""
-        reason = self.decode_refusal()
-        if reason is not None:
-            raise ValueError(f"cannot decode: {reason}")
+        self._check_decodes()
         return ([Operation("attn", self.decode_attention, (HIDDEN, KV_STEP), ("resid",))]
                 + self._after_attention(chunks))
 
@@ -311,32 +325,58 @@ class ShortcutLayer(TransformersLayer):
         resid, k1, v1 = self._sublayer(self.attns[1], hidden, seq, _split_heads(prefix, self._heads, 1))
         return resid, torch.cat([k0, k1], dim=1), torch.cat([v0, v1], dim=1)
 
-    def decode_refusal(self) -> Optional[str]:
-        return (f"layer {self.index} attends twice (LongCat-Flash's shortcut layer, the second time under the MoE "
-                f"exchange): a decode step runs one attention per layer")
-
     def _dense0(self, resid: torch.Tensor, moe_in: torch.Tensor) -> torch.Tensor:
         return resid + self.dense0(moe_in)
 
     def _dense1(self, resid: torch.Tensor) -> torch.Tensor:
         return resid + self.dense1(self.ffn_norm1(resid))
 
-    def operations(self) -> List[Operation]:
-        moe = self.ffn_operations()
+    def _under_exchange(self, moe: List[Operation], attn: Operation, attn1: Operation) -> List[Operation]:
+        """The layer's operations around the MoE's ``moe``: ``attn`` and the norm before it, the first MLP and
+        ``attn1`` after its dispatch (its count exchange and tokens, where it has two steps), the second MLP after
+        its combine, the shortcut's residual last (a MoE without an exchange: all of them after it)."""
         comm = [i for i, op in enumerate(moe) if op.stream == EP_COMM]
         first = second = len(moe)
-        if comm:  # after the dispatch (its count exchange and tokens, where it has two steps), then the combine
+        if comm:
             first = comm[0] + 1
             while first < len(moe) and moe[first].stream == EP_COMM:
                 first += 1
             second = next((i + 1 for i in comm if i >= first), len(moe))
             if second == len(moe):
                 first = len(moe)
-        under_dispatch = [Operation("dense0", self._dense0, ("resid", MOE_IN), ("resid1",)),
-                          Operation("attn1", self.second_attention, ("resid1", SEQ, PREFIX_KV, "k0", "v0"),
-                                    ("resid2", K, V))]
+        under_dispatch = [Operation("dense0", self._dense0, ("resid", MOE_IN), ("resid1",)), attn1]
         under_combine = [Operation("dense1", self._dense1, ("resid2",), ("resid3",))]
-        return ([Operation("attn", self.attention, (HIDDEN, SEQ, PREFIX_KV), ("resid", "k0", "v0")),
-                 Operation("ffn_norm", self.ffn_norm, ("resid",), (MOE_IN,))]
+        return ([attn, Operation("ffn_norm", self.ffn_norm, ("resid",), (MOE_IN,))]
                 + moe[:first] + under_dispatch + moe[first:second] + under_combine + moe[second:]
                 + [Operation("residual", torch.add, ("resid3", MOE_OUT), (OUT,))])
+
+    def operations(self) -> List[Operation]:
+        return self._under_exchange(
+            self.ffn_operations(),
+            Operation("attn", self.attention, (HIDDEN, SEQ, PREFIX_KV), ("resid", "k0", "v0")),
+            Operation("attn1", self.second_attention, ("resid1", SEQ, PREFIX_KV, "k0", "v0"), ("resid2", K, V)))
+
+    # --- decode ------------------------------------------------------------------------------------
+    def first_decode_attention(self, hidden: torch.Tensor, step: KVStep
+                               ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Decode: the first attention sublayer over its half of the cache: ``(resid, k0, v0)``, not yet written."""
+        return self._decode_sublayer(0, hidden, step)
+
+    def decode_second_attention(self, hidden: torch.Tensor, step: KVStep, k0: torch.Tensor, v0: torch.Tensor
+                                ) -> torch.Tensor:
+        """Decode: the second attention sublayer over its half of the cache; both sublayers' keys and values
+        written side by side, as prefill caches them: ``resid2``."""
+        resid, k1, v1 = self._decode_sublayer(1, hidden, step)
+        if step.rows.slots:
+            step.cache.write(self.index, step.rows, torch.cat([k0, k1], dim=1), torch.cat([v0, v1], dim=1))
+        return resid
+
+    def decode_operations(self, chunks: int = 1) -> List[Operation]:
+        """This layer for a decode step, placed as in prefill (`operations`): the first cached attention, the MoE's
+        decode stages (its routed experts in ``chunks``) with the first MLP and the second cached attention under
+        its dispatch and the second MLP under its combine. ValueError where it cannot (`decode_refusal`)."""
+        self._check_decodes()
+        return self._under_exchange(
+            self.ffn_operations(chunks),
+            Operation("attn", self.first_decode_attention, (HIDDEN, KV_STEP), ("resid", "k0", "v0")),
+            Operation("attn1", self.decode_second_attention, ("resid1", KV_STEP, "k0", "v0"), ("resid2",)))

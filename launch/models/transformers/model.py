@@ -227,7 +227,7 @@ class TransformersModel(nn.Module):
     def decode_layer_operations(self, chunks: int = 1) -> List[List[Operation]]:
         """Every layer's operations for a decode step (`TransformersLayer.decode_operations`, the routed experts of
         expert-parallel layers in ``chunks``); a ValueError of one
-        line naming the layers a decode cannot run (a hybrid's linear attention, LongCat-Flash's two attentions),
+        line naming the layers a decode cannot run (a hybrid's linear attention, layers caching other shapes),
         raised before any operation runs."""
         refused = [r for r in (layer.decode_refusal() for layer in self.layers) if r is not None]
         cfg = self.cfg
