@@ -41,11 +41,12 @@ import torch.distributed as dist
 import microbatch
 from launch.build import build_model, holds_whole_model
 from launch.config import (DECODE_AUTO_MODES, DECODE_CALIBRATION_ROUNDS, DECODE_EXCHANGES, DECODE_MODE_NAMES,
-                           DecodeConfig, JobConfig, ModeList, check_generation_options, decode_config, job_config,
-                           prefill_modes)
+                           DecodeConfig, JobConfig, ModeList, check_generation_options, decode_config,
+                           dry_run_config, job_config, prefill_modes)
 from launch.job import (CalibrationSource, calibration_note, main as job_main, progress, say, script as job_script,
                         threads)
-from launch.options import batch_options, model_options, refresh_option, run_options, timing_options
+from launch.options import (batch_options, dry_run_options, model_options, refresh_option, run_options,
+                            timing_options)
 
 if TYPE_CHECKING:  # the launcher's parts are imported where the job needs them (a bad option fails first)
     from launch.engine import Decoders
@@ -119,6 +120,7 @@ OwnTokens = Union[List[List[int]], str, None]  # the model's own generate() for 
                    "serial's with the model's own generate() where one rank holds the whole model; exit 1 if one "
                    "differs.")
 @run_options
+@dry_run_options
 def cli(mode: Tuple[Tuple[str, ...], ...], decode_mode: Tuple[Tuple[str, ...], ...], auto_split_margin: Optional[float],
         new_tokens: int, new_tokens_spread: float, stop_token: Optional[int], decode_graph: str,
         decode_buckets: Optional[str], decode_length_buckets: bool, decode_guard: bool, decode_calibration_rounds: int,
@@ -131,14 +133,20 @@ def cli(mode: Tuple[Tuple[str, ...], ...], decode_mode: Tuple[Tuple[str, ...], .
     overrides = dict(n_layers=layers, n_dense_layers=dense_layers, hidden=hidden, n_experts=experts, top_k=top_k,
                      n_shared=shared_experts)
     decode_modes = [name for names in decode_mode for name in names]
-    job = job_config(world=int(os.environ.get("WORLD_SIZE", "1")), overrides=overrides,
+    dry = dry_run_config(*(options.pop(k) for k in ("dry_run", "nproc_per_node", "nnodes", "device_memory")))
+    job = job_config(world=dry.world if dry else int(os.environ.get("WORLD_SIZE", "1")), overrides=overrides,
                      mode=prefill_modes([name for names in mode for name in names], decode_modes),
-                     local_world=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), **options)
+                     local_world=dry.nproc_per_node if dry else int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                     full_size=dry is not None, **options)
     decode = decode_config(job, new_tokens=new_tokens, spread=new_tokens_spread, stop_token=stop_token,
                            decode_modes=decode_modes, graph=decode_graph,
                            buckets=decode_buckets, guard=decode_guard,
                            calibration_rounds=decode_calibration_rounds, auto_modes=decode_auto_modes,
                            exchange=decode_exchange, length_buckets=decode_length_buckets)
+    if dry is not None:
+        from launch.memory import dry_run
+
+        sys.exit(dry_run(job, dry, "generate", _kv_cache_bytes(job, decode)))
     sys.exit(run_job(job, decode))
 
 
@@ -171,13 +179,12 @@ def _generate_job(job: JobConfig, decode: DecodeConfig, dev: torch.device, fault
     from launch.job import finish
     from launch.measure import spread
     from launch.measure.generate import Run, check, measure_generation, table
-    from launch.memory import check as check_memory, decode_kv_cache
+    from launch.memory import check as check_memory
     from launch.outputs import check_out_dir, write_generation_outputs
     from microbatch.batch import Batch
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    kv_cache = decode_kv_cache(job, decode.new_tokens, caches=len(decode.runs) if decode.graph else 1,
-                               padded=decode.graph is not None)
+    kv_cache = _kv_cache_bytes(job, decode)
     problems = [p for p in (check_memory(job, world, int(os.environ.get("LOCAL_WORLD_SIZE", "1")), dev, kv_cache),
                             check_out_dir(job.out_dir) if job.out_dir and rank == 0 else None,
                             _exchange_problem(decode, world)) if p]
@@ -232,6 +239,15 @@ def _generate_job(job: JobConfig, decode: DecodeConfig, dev: torch.device, fault
     if job.out_dir and rank == 0:  # after the last collective: a failure here cannot stall the other ranks
         write_generation_outputs(job.out_dir, job, decode, results, world, failed, lambda m: say(m, err=True))
     return 1 if failed else 0
+
+
+def _kv_cache_bytes(job: JobConfig, decode: DecodeConfig) -> int:
+    """The bytes of the generation's KV caches on each rank (`launch.memory.decode_kv_cache`): one per run kept
+    with ``--decode-graph``, with the room a captured step gathers."""
+    from launch.memory import decode_kv_cache
+
+    return decode_kv_cache(job, decode.new_tokens, caches=len(decode.runs) if decode.graph else 1,
+                           padded=decode.graph is not None)
 
 
 def _decoders(job: JobConfig, decode: DecodeConfig, model: DecodeModel, runs: Sequence["Run"],

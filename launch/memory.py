@@ -11,13 +11,15 @@ host KV store of ``--kv-offload``, and in generation the KV cache of the prompts
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Tuple
+import math
+from typing import List, Optional, Tuple
 
+import click
 import torch
 
 from launch.models.transformers.fields import TOP_K
 
-from .config import JobConfig, ModelSettings
+from .config import DryRun, JobConfig, ModelSettings, n_experts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,13 +27,20 @@ class Estimate:
     """Bytes one rank needs, by part."""
 
     weights: int
-    activations: int
+    activations: int  # the exchange buffers (`exchange`) included
     kv_store: int
     kv_cache: int = 0  # generation's KV cache: the prompts' and new tokens' keys and values (`decode_kv_cache`)
+    expert_weights: int = 0  # of ``weights``: this rank's routed experts (the rest: its dense parts)
+    exchange: int = 0  # of ``activations``: the MoE's expanded rows and expert-parallel exchange buffers
 
     @property
     def total(self) -> int:
         return self.weights + self.activations + self.kv_store + self.kv_cache
+
+    @property
+    def dense_weights(self) -> int:
+        """Everything but the routed experts: embedding, attention, dense MLPs, shared experts, routers, LM head."""
+        return self.weights - self.expert_weights
 
 
 def gib(n: float) -> str:
@@ -61,14 +70,25 @@ def _param_counts(job: JobConfig) -> Tuple[int, int]:
     return sum(p.numel() for _, p in named), sum(p.numel() for n, p in named if ".experts." in n)
 
 
+def _kv_token_elements(cfg: ModelSettings) -> Tuple[int, int]:
+    """One token's cached key and value elements in one layer, as the model's cache holds them: ``cfg.k_shape`` /
+    ``v_shape`` where the config knows them (the reference); else from a transformers config's fields, as its
+    adapter's attention caches them: MLA (``kv_lora_rank``) its compressed latent and its rotary key
+    (``qk_rope_head_dim``), once for every head; else the key-value heads x ``head_dim``."""
+    if hasattr(cfg, "k_shape"):
+        return math.prod(cfg.k_shape), math.prod(cfg.v_shape)
+    heads = _first(cfg, "num_attention_heads", default=1)
+    if _first(cfg, "kv_lora_rank"):
+        return _first(cfg, "kv_lora_rank"), _first(cfg, "qk_rope_head_dim")
+    kv_heads = _first(cfg, "num_key_value_heads", default=heads)
+    inner = kv_heads * _first(cfg, "head_dim", default=max(1, _first(cfg, "hidden_size") // heads))
+    return inner, inner
+
+
 def _kv_row_bytes(job: JobConfig) -> int:
-    """The bytes of one token's keys and values over every layer (every head, as the estimate errs high)."""
-    cfg = job.model
-    hidden = _first(cfg, "hidden", "hidden_size")
-    heads = _first(cfg, "n_heads", "num_attention_heads", default=1)
-    inner = heads * _first(cfg, "head_dim", "v_head_dim", default=max(1, hidden // heads))
-    layers = _first(cfg, "n_layers", "num_hidden_layers", default=1)
-    return 2 * layers * inner * torch.empty((), dtype=job.dtype).element_size()
+    """The bytes of one token's keys and values over every layer, as the model's KV cache holds them."""
+    layers = _first(job.model, "n_layers", "num_hidden_layers", default=1)
+    return layers * sum(_kv_token_elements(job.model)) * torch.empty((), dtype=job.dtype).element_size()
 
 
 def _padded_slots(slots: int) -> int:
@@ -86,14 +106,16 @@ def decode_kv_cache(job: JobConfig, new_tokens: int, caches: int = 1, padded: bo
     return rows * _kv_row_bytes(job)
 
 
-def estimate(job: JobConfig, world: int, kv_cache: int = 0) -> Estimate:
+def estimate(job: JobConfig, world: int, kv_cache: int = 0, deployed: bool = False) -> Estimate:
     """The bytes one of ``world`` ranks needs to run ``job`` (the reference model or a transformers one);
-    ``kv_cache``: generation's KV cache (`decode_kv_cache`), 0 for a prefill job."""
+    ``kv_cache``: generation's KV cache (`decode_kv_cache`), 0 for a prefill job; ``deployed`` (``--dry-run``):
+    the weights a rank holds as a checkpoint loads (its own experts only), even where ``--model NAME`` would
+    build the whole model on every rank."""
     cfg = job.model
     size = torch.empty((), dtype=job.dtype).element_size()
     total, experts = _param_counts(job)
     # each rank keeps its share of the routed experts; --check with a transformers model keeps the whole model
-    whole = job.transformers and job.checkpoint is None
+    whole = job.transformers and job.checkpoint is None and not deployed
     weights = (total - experts + experts // world + (experts if whole else 0)) * size
     hidden = _first(cfg, "hidden", "hidden_size")
     heads = _first(cfg, "n_heads", "num_attention_heads", default=1)
@@ -102,13 +124,16 @@ def estimate(job: JobConfig, world: int, kv_cache: int = 0) -> Estimate:
               2 * _first(cfg, "moe_ffn", "moe_intermediate_size") * _first(cfg, "top_k", *TOP_K))
     top_k = _first(cfg, "top_k", *TOP_K, default=1)
     tokens, longest = sum(job.seq_lens), max(job.seq_lens)
-    per_token = (hidden * 8 + inner * 6 + ffn * 3 + top_k * hidden * 4) * size
+    per_token = (hidden * 8 + inner * 6 + ffn * 3) * size
     scores = heads * longest * longest * 4  # the attention of the longest request, in float32
+    # each token's top-k rows: dispatched, received, computed and combined back, two micro-batches in flight
+    exchange = 2 * tokens * top_k * hidden * 4 * size
     # two micro-batches in flight, and each mode's output kept for the comparison
-    activations = 2 * (tokens * per_token + scores) + len(job.modes) * tokens * hidden * 4
+    activations = 2 * (tokens * per_token + scores) + exchange + len(job.modes) * tokens * hidden * 4
     layers = _first(cfg, "n_layers", "num_hidden_layers", default=1)
     kv = 2 * layers * tokens * inner * size if job.kv_offload and not kv_cache else 0
-    return Estimate(int(weights), int(activations), int(kv), int(kv_cache))
+    expert_weights = (experts // world + (experts if whole else 0)) * size
+    return Estimate(int(weights), int(activations), int(kv), int(kv_cache), int(expert_weights), int(exchange))
 
 
 def available(device: torch.device) -> Optional[int]:
@@ -152,3 +177,51 @@ def check(job: JobConfig, world: int, local_ranks: int, device: torch.device, kv
             + (f", KV cache {gib(cache)}" if cache else "")
             + f") but only {gib(share)} is free for it: use more ranks, fewer --layers, shorter requests (--seq-len / "
               f"--seq-lens)" + (", fewer --new-tokens" if cache else "") + " or a smaller --preset")
+
+
+def dry_run_table(job: JobConfig, nnodes: int, nproc_per_node: int, kv_cache: int = 0,
+                  device_memory: Optional[int] = None) -> Tuple[List[str], Optional[str]]:
+    """``--dry-run``'s table (`estimate` for the deployed job: each rank its own experts) over ``nnodes`` x
+    ``nproc_per_node`` ranks, and where a rank does not fit ``device_memory`` bytes, the finding in one line
+    (else None). Every rank brings the same batch and holds an equal share of the experts: one row for all."""
+    world = nnodes * nproc_per_node
+    need = estimate(job, world, kv_cache, deployed=True)
+    cache = need.kv_cache if not job.kv_offload else 0  # --kv-offload keeps it on the host
+    device = need.weights + need.activations + cache
+    experts = n_experts(job.model)
+    columns = [("ranks", f"0-{world - 1}, each" if world > 1 else "0"),
+               ("dense weights", gib(need.dense_weights)),
+               (f"routed experts ({experts // world} of {experts} a layer)", gib(need.expert_weights)),
+               ("KV cache" + (" (host)" if job.kv_offload else ""), gib(need.kv_cache)),
+               ("exchange buffers", gib(need.exchange)),
+               ("other activations", gib(need.activations - need.exchange)),
+               ("device total", gib(device))]
+    widths = [max(len(head), len(cell)) for head, cell in columns]
+    lines = ["  ".join(text.rjust(w) for (text, _), w in zip(columns, widths)),
+             "  ".join(cell.rjust(w) for (_, cell), w in zip(columns, widths))]
+    if device_memory is None:
+        return lines, None
+    if device <= device_memory:
+        lines.append(f"fits: each rank needs {gib(device)} of its {gib(device_memory)} ({gib(device_memory - device)} "
+                     f"left)")
+        return lines, None
+    return lines, (f"does not fit: each of the {world} ranks needs {gib(device)} (weights {gib(need.weights)}, "
+                   f"KV cache {gib(cache)}, activations {gib(need.activations)}) but --device-memory is "
+                   f"{gib(device_memory)}: over by {gib(device - device_memory)}")
+
+
+def dry_run(job: JobConfig, dry: DryRun, kind: str, kv_cache: int = 0) -> int:
+    """``--dry-run``: print the job's headline and `dry_run_table`; the exit status: 0, or 1 (and the finding in
+    one line) where a rank does not fit ``--device-memory``."""
+    model = f"--model {job.model_name}" if job.transformers else "the reference decoder"
+    click.echo(f"dry run, {kind}: {model} over {dry.nnodes} node(s) x {dry.nproc_per_node} rank(s) = {dry.world} "
+               f"ranks | {len(job.seq_lens)} requests of {max(job.seq_lens)} tokens per rank | "
+               f"{str(job.dtype).replace('torch.', '')} | nothing built, nothing run")
+    memory = None if dry.device_memory_gib is None else int(dry.device_memory_gib * 2**30)
+    lines, problem = dry_run_table(job, dry.nnodes, dry.nproc_per_node, kv_cache, memory)
+    for line in lines:
+        click.echo(line)
+    if problem is None:
+        return 0
+    click.echo(problem, err=True)
+    return 1

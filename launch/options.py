@@ -90,3 +90,20 @@ def run_options(f: F) -> F:
         click.option("--timeout", type=float, default=120.0,
                      help="Seconds a rank waits for its peers before giving up."),
     ])(f)
+
+
+def dry_run_options(f: F) -> F:
+    """``--dry-run`` and what only it takes: torchrun's ``--nproc-per-node`` and ``--nnodes``, ``--device-memory``."""
+    return _apply([
+        click.option("--dry-run", is_flag=True,
+                     help="Build nothing, run nothing: print each rank's bytes of weights (dense parts, its routed "
+                          "experts), KV cache and exchange buffers for the model at full size (--preset, --model "
+                          "NAME at its published config, or a checkpoint's config.json) over --nnodes x "
+                          "--nproc-per-node ranks; exit 1 where a rank does not fit --device-memory."),
+        click.option("--nproc-per-node", type=int, default=None, show_default=False,
+                     help="With --dry-run: the ranks per node the job would run on (torchrun's option; default 1)."),
+        click.option("--nnodes", type=int, default=None, show_default=False,
+                     help="With --dry-run: the nodes the job would run on (torchrun's option; default 1)."),
+        click.option("--device-memory", type=float, default=None, show_default=False, metavar="GIB",
+                     help="With --dry-run: each rank's device memory in GiB (2**30 bytes), to say what does not fit."),
+    ])(f)

@@ -34,10 +34,11 @@ import torch.distributed as dist
 
 import microbatch
 from launch.build import build_model, holds_whole_model
-from launch.config import JobConfig, ModeList, job_config
+from launch.config import JobConfig, ModeList, dry_run_config, job_config
 from launch.job import (CalibrationSource, calibration_note, main as job_main, progress, say, script as job_script,
                         threads)
-from launch.options import batch_options, model_options, refresh_option, run_options, timing_options
+from launch.options import (batch_options, dry_run_options, model_options, refresh_option, run_options,
+                            timing_options)
 
 if TYPE_CHECKING:  # the launcher's parts are imported where the job needs them (a bad option fails first)
     from launch.health import Fault, Peers
@@ -73,6 +74,7 @@ OwnForward = Union[torch.Tensor, str, None]  # the model's own forward for --che
               help="Compare every mode with serial (added to the modes if they leave it out), and serial with the "
                    "model's own forward where each rank holds the whole model; exit 1 if one differs.")
 @run_options
+@dry_run_options
 def cli(mode: Tuple[Tuple[str, ...], ...], layers: Optional[int], dense_layers: Optional[int],
         hidden: Optional[int], experts: Optional[int], top_k: Optional[int], shared_experts: Optional[int],
         **options: Any) -> None:  # Any: click's values of every other option, each of its own type
@@ -80,9 +82,15 @@ def cli(mode: Tuple[Tuple[str, ...], ...], layers: Optional[int], dense_layers: 
     folder) with expert parallelism over all ranks, in each mode, compared side by side."""
     overrides = dict(n_layers=layers, n_dense_layers=dense_layers, hidden=hidden, n_experts=experts, top_k=top_k,
                      n_shared=shared_experts)
-    job = job_config(world=int(os.environ.get("WORLD_SIZE", "1")), overrides=overrides,
+    dry = dry_run_config(*(options.pop(k) for k in ("dry_run", "nproc_per_node", "nnodes", "device_memory")))
+    job = job_config(world=dry.world if dry else int(os.environ.get("WORLD_SIZE", "1")), overrides=overrides,
                      mode=[name for names in mode for name in names],  # every --mode, in order
-                     local_world=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), **options)
+                     local_world=dry.nproc_per_node if dry else int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                     full_size=dry is not None, **options)
+    if dry is not None:
+        from launch.memory import dry_run
+
+        sys.exit(dry_run(job, dry, "prefill"))
     sys.exit(run_job(job))
 
 

@@ -10,6 +10,7 @@ process group exists, so that an invalid one is reported once per node and every
   threads of a rank (`compute_threads`);
 - `model`: the job's model settings, the reference's preset or a transformers config, checked against
   what its model can run (`transformers_config`, `check_transformers_model`);
+- `dry_run`: ``--dry-run`` and the ranks it sizes the job for (`DryRun`, `dry_run_config`);
 - `errors`: `ConfigError`.
 
 Importing it imports no transformers: that is done for ``--model NAME|PATH`` only.
@@ -24,6 +25,7 @@ from .job import (DTYPES, MAX_SEED, JobConfig, job_config, parse_cpu_link, parse
                   vocab_size)
 from .decode import (DecodeConfig, captured_path, check_exchange, check_generation_options, decode_config,
                      parse_buckets, prefill_modes)
+from .dry_run import DryRun, dry_run_config
 
 __all__ = [
     "ConfigError",
@@ -35,4 +37,5 @@ __all__ = [
     "DTYPES", "MAX_SEED", "JobConfig", "job_config", "parse_cpu_link", "parse_seq_lens", "resolve_device", "vocab_size",
     "DecodeConfig", "captured_path", "check_exchange", "check_generation_options", "decode_config", "parse_buckets",
     "prefill_modes",
+    "DryRun", "dry_run_config",
 ]

@@ -169,11 +169,12 @@ def job_config(*, world: int, device: str, exec_path: str, mode: Union[str, Sequ
                dtype: str, warmup: int, iters: int, seed: int, check: bool, out_dir: Optional[str], cpu_link: str,
                timeout: float, model_name: str = REFERENCE, cpu_comm_priority: str = "off",
                dispatch: str = "two-step", auto_split_margin: float = microbatch.planning.SPLIT_MARGIN,
-               refresh_calibration: bool = False, local_world: int = 1) -> JobConfig:
+               refresh_calibration: bool = False, local_world: int = 1, full_size: bool = False) -> JobConfig:
     """The job of the command-line options and the environment, checked; `ConfigError` names the first problem.
 
     ``mode`` is one comma-separated list, or several (``--mode`` given more than once: they add up);
-    ``local_world``: the ranks on this node (torchrun's ``$LOCAL_WORLD_SIZE``), which share its cores.
+    ``local_world``: the ranks on this node (torchrun's ``$LOCAL_WORLD_SIZE``), which share its cores;
+    ``full_size`` (``--dry-run``): ``--model NAME`` at its family's published config, not made small.
     """
     path = None if exec_path == "auto" else exec_path
     try:
@@ -184,10 +185,10 @@ def job_config(*, world: int, device: str, exec_path: str, mode: Union[str, Sequ
     if not (math.isfinite(auto_split_margin) and 0.0 <= auto_split_margin < 1.0):
         raise ConfigError(f"--auto-split-margin must be a fraction in [0, 1) (0.1: a split must be predicted 10% "
                           f"faster than one batch), got {auto_split_margin:g}")
-    if model_name != REFERENCE and not os.path.isdir(model_name):
+    if model_name != REFERENCE and not os.path.isdir(model_name) and not full_size:
         check_transformers_overrides(model_name, overrides, DTYPES[dtype])  # before transformers_config builds one
     model = (build_model_config(preset_name, overrides) if model_name == REFERENCE
-             else transformers_config(model_name, overrides))
+             else transformers_config(model_name, overrides, full_size))
     lens = parse_seq_lens(seq_lens, batch, seq_len)
     experts = n_experts(model)
     if experts < 1:

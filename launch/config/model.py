@@ -44,8 +44,9 @@ def build_model_config(preset_name: str, overrides: Overrides) -> ModelConfig:
         raise ConfigError(str(exc) + hint) from None
 
 
-def transformers_config(model_name: str, overrides: Overrides) -> PretrainedConfig:
-    """The transformers config of ``--model NAME`` (small, with the overrides) or ``--model PATH`` (as saved)."""
+def transformers_config(model_name: str, overrides: Overrides, full_size: bool = False) -> PretrainedConfig:
+    """The transformers config of ``--model NAME`` (small, with the overrides; ``full_size``: the family's published
+    default config, as ``--dry-run`` sizes it) or ``--model PATH`` (as saved)."""
     try:
         import transformers
     except ImportError:
@@ -57,10 +58,9 @@ def transformers_config(model_name: str, overrides: Overrides) -> PretrainedConf
                               f"(drop {', '.join(OVERRIDE_OPTIONS.get(k, '--' + k) for k in given)})")
         if not os.path.isfile(os.path.join(model_name, "config.json")):
             raise ConfigError(f"--model {model_name}: a checkpoint folder needs a config.json")
-        try:  # its config and the headers of its files: what every rank finds alike, before any group
-            config = check_checkpoint(model_name)
-        except CheckpointError as exc:
-            raise ConfigError(str(exc).splitlines()[0]) from None  # it names the folder or file
+        config = _saved_config(model_name, full_size)
+        if full_size:  # --dry-run runs nothing, not even a small model of the family: the run itself checks that
+            return config
         try:  # a family the adapter does not run is refused here, not halfway through the load
             check_family(config.model_type)
         except Exception as exc:  # noqa: BLE001 (transformers' own config errors are not all ValueErrors)
@@ -70,12 +70,45 @@ def transformers_config(model_name: str, overrides: Overrides) -> PretrainedConf
     if model_name not in transformers.CONFIG_MAPPING:
         raise ConfigError(f"--model {model_name}: neither 'reference', a folder, nor a transformers model type "
                           f"(e.g. qwen3_moe, deepseek_v3, mixtral, qwen2_moe, glm4_moe)")
+    if full_size:
+        return _published_config(model_name, given)
     try:  # the family must run through the adapter (a small model of it, on this rank alone): else one line
         config = small_config(model_name, given)
         check_family(model_name, given)
     except Exception as exc:  # noqa: BLE001 (transformers' own config errors are not all ValueErrors)
         raise ConfigError(f"--model {model_name}: {one_line(exc, limit=None)}") from None
     return config
+
+
+def _saved_config(folder: str, config_only: bool) -> PretrainedConfig:
+    """A checkpoint folder's config, with the headers of its files checked (what every rank finds alike, before any
+    group); ``config_only`` (``--dry-run``, which reads no weight): its ``config.json`` alone."""
+    if config_only:
+        from transformers import AutoConfig
+
+        try:
+            return AutoConfig.from_pretrained(folder)
+        except Exception as exc:  # noqa: BLE001 (transformers' own config errors are not all ValueErrors)
+            raise ConfigError(f"--model {folder}/config.json: {one_line(exc, limit=None)}") from None
+    try:
+        return check_checkpoint(folder)
+    except CheckpointError as exc:
+        raise ConfigError(str(exc).splitlines()[0]) from None  # it names the folder or file
+
+
+def _published_config(model_name: str, given: Overrides) -> PretrainedConfig:
+    """The family's published default config (``AutoConfig.for_model``, nothing made small); the shape overrides are
+    refused: it is sized as published. Whether the adapter runs the family is not tried (`check_family` runs a small
+    model of it; ``--dry-run`` runs nothing): the run itself checks it."""
+    from transformers import AutoConfig
+
+    if given:
+        raise ConfigError(f"--model {model_name} --dry-run sizes the family's published config: drop "
+                          f"{', '.join(OVERRIDE_OPTIONS.get(k, '--' + k) for k in given)}")
+    try:
+        return AutoConfig.for_model(model_name)
+    except Exception as exc:  # noqa: BLE001 (transformers' own config errors are not all ValueErrors)
+        raise ConfigError(f"--model {model_name}: {one_line(exc, limit=None)}") from None
 
 
 def n_experts(job_model: ModelSettings) -> int:
