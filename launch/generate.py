@@ -397,9 +397,10 @@ def _check_own_tokens(job: JobConfig, results: Sequence[RunResult], own: OwnToke
 
 def _headline(job: JobConfig, decode: DecodeConfig, model: DecodeModel, world: int, limits: Sequence[int]) -> str:
     import overlap
+    from launch.models import family_name
 
     cfg = model.cfg
-    name = f"{job.model_name} " if job.transformers else ""
+    name = f"{family_name(job.model_name)} " if job.transformers else ""  # a wrapper: with its text model
     layers = f"{cfg.n_layers} layers ({cfg.n_dense_layers} dense, {cfg.n_layers - cfg.n_dense_layers} MoE)"
     tokens = (f"{decode.new_tokens} new tokens each" if decode.spread == 0 else
               f"{decode.min_new_tokens()}-{decode.new_tokens} new tokens each (spread {decode.spread:g})")

@@ -312,9 +312,10 @@ def _offload_cache(job: JobConfig, model: MoEModel, batch: Batch, dev: torch.dev
 
 def _headline(job: JobConfig, model: MoEModel, world: int, cache: Optional[OffloadCache]) -> str:
     import overlap
+    from launch.models import family_name
 
     cfg = model.cfg
-    name = f"{job.model_name} " if job.transformers else ""
+    name = f"{family_name(job.model_name)} " if job.transformers else ""  # a wrapper: with its text model
     layers = f"{cfg.n_layers} layers ({cfg.n_dense_layers} dense, {cfg.n_layers - cfg.n_dense_layers} MoE)"
     return (f"prefill: {name}{layers}, hidden {cfg.hidden}, {cfg.n_experts} experts top-{cfg.top_k}, "
             f"{cfg.n_shared} shared | {world} rank(s) on {job.device}, {threads(job)} | {len(job.seq_lens)} "

@@ -228,3 +228,18 @@ def test_experts_over_two_ranks_decode_the_models_own_tokens_in_every_mode():
                 assert set(modes) == set(MODES)
                 for mode, out in modes.items():
                     assert out == tokens, (family, rank, round_no, mode, out, tokens)
+
+
+@pytest.mark.spawns_ranks
+@pytest.mark.timeout(300)
+def test_generate_runs_a_multimodal_wrapper_as_its_text_model_and_checks_its_tokens():
+    """``--model kimi_k25``: its text model (deepseek_v3) prefills and decodes in every mode of ``--mode all``,
+    named as such in the headline, with its own generate's tokens (one process, tiny sizes)."""
+    from support.launcher import GENERATE, run_launcher
+
+    proc = run_launcher(["--warmup", "0", "--iters", "1", "--batch", "2", "--seq-len", "8", "--new-tokens", "3",
+                         "--model", "kimi_k25", "--check"], script=GENERATE, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "generate: kimi_k25 (its text model, deepseek_v3) 3 layers" in proc.stdout
+    assert "check: serial generates kimi_k25's own generate(do_sample=False) tokens" in proc.stdout
+    assert "check: every mode generates serial's tokens" in proc.stdout

@@ -26,8 +26,8 @@ from overlap.multirank import run_ranks
 from support.protocols import Without, protocol_members, protocol_problems
 
 transformers = pytest.importorskip("transformers")
-from launch.models import (adapt, build_transformers_model, check_family, is_moe_config,  # noqa: E402
-                           moe_families, small_config)
+from launch.models import (adapt, build_transformers_model, check_family, family_name,  # noqa: E402
+                           is_moe_config, moe_families, small_config, text_model_type)
 
 pytestmark = pytest.mark.cpu_only
 
@@ -382,30 +382,122 @@ def test_the_package_imports_without_transformers():
 # what users run most, and the seed guide's own multi-stream case (LongCat-Flash's shortcut MoE): each must run
 BROUGHT = ("deepseek_v2", "gpt_oss", "llama4_text", "granitemoe", "granitemoeshared", "longcat_flash")
 NOT_CAUSAL = ("glm4v_moe_text", "qwen3_vl_moe_text", "switch_transformers")  # MoE configs, not causal LMs
+# multimodal wrappers of a MoE text model: None where it runs as its text model, else the start of the refusal
+WRAPPERS = {"kimi_k25": None, "aria": None,
+            "step3p7": "step3p7 runs as its text model, step3p5, which is not a causal LM AutoModelForCausalLM builds "
+                       "(transformers has no step3p5 model with an lm_head): the adapter runs decoder-only causal LMs"}
+
+
+DECODE_NEW = 3  # the walk's decode steps per request
+
+
+def _decode_refusal(model):
+    """Why the family's small model (expert-parallel on one rank) cannot decode, in one line, as the generate
+    launcher refuses it; None where it decodes: serial greedy steps give its own ``generate``'s tokens (the
+    tokens are compared by the caller)."""
+    try:
+        model.decode_layer_operations()
+    except (AttributeError, TypeError, ValueError) as exc:
+        return f"{type(model).__name__} cannot decode: {exc}".splitlines()[0]
+    return None
+
+
+def _decodes_as_its_own_generate(model):
+    """A few greedy decode steps of one prompt (serial, float32): (ours, the model's own
+    ``generate(do_sample=False)``); tests/test_decode_transformers.py decodes several, in every mode."""
+    from launch.engine import greedy_generate
+
+    prompts = [[t % model.cfg.vocab for t in (3, 1, 4, 1, 5)]]
+    return greedy_generate(model, prompts, DECODE_NEW), model.own_generate(prompts, DECODE_NEW)
+
+
+def _walk(families):
+    """Per family: prefill (None: runs, else why not), decode (the same), and anything that broke instead."""
+    prefill, decode, broken = {}, {}, {}
+    for family in families:
+        try:
+            model = check_family(family)
+            prefill[family] = None
+        except ValueError as exc:
+            prefill[family] = str(exc)
+            continue
+        except Exception as exc:  # noqa: BLE001 (anything else is a bug: a traceback where one line was due)
+            broken[family] = f"{type(exc).__name__}: {exc}"
+            continue
+        decode[family] = _decode_refusal(model)
+        if decode[family] is None:
+            try:
+                ours, own = _decodes_as_its_own_generate(model)
+            except Exception as exc:  # noqa: BLE001
+                broken[family] = f"decode: {type(exc).__name__}: {exc}"
+                continue
+            if ours != own:
+                broken[family] = f"decode: tokens {ours}, its own generate {own}"
+    return prefill, decode, broken
+
+
+def _table(prefill, decode):
+    """The walk as docs/model.md's table: family, prefill, decode, the reason where refused."""
+    rows = ["| family | prefill | decode | reason where refused |", "|---|---|---|---|"]
+    for family, why in sorted(prefill.items()):
+        name = family_name(family)
+        if why is not None:
+            rows.append(f"| `{name}` | refused | - | {why} |")
+        else:
+            refused = decode.get(family)
+            rows.append(f"| `{name}` | runs | {'refused' if refused else 'runs'} | {refused or ''} |")
+    return "\n".join(rows)
 
 
 def test_every_moe_family_runs_or_is_refused_in_one_line():
     """Every MoE causal-LM family of the installed transformers (from its auto mappings: a new release cannot
-    add one unseen) either runs, small, through the adapter and expert-parallel layers on one rank and equals
-    its own forward (`check_family`), or is refused with one line saying why; the families users bring run."""
+    add one unseen), and every multimodal wrapper of one, either runs, small, through the adapter and
+    expert-parallel layers on one rank and equals its own forward (`check_family`), then decodes a few greedy
+    steps with its own ``generate``'s tokens or is refused for decode in one line (as the generate launcher
+    refuses it); or is refused with one line saying why. The families users bring run."""
     start = time.monotonic()
     families = moe_families()
-    assert set(BROUGHT) | set(FAMILIES) <= set(families), sorted(set(BROUGHT) - set(families))
-    runs, refused, broken = [], {}, {}
-    for family in families:
-        try:
-            check_family(family)
-            runs.append(family)
-        except ValueError as exc:
-            refused[family] = str(exc)
-        except Exception as exc:  # noqa: BLE001 (anything else is a bug: a traceback where one line was due)
-            broken[family] = f"{type(exc).__name__}: {exc}"
+    assert set(BROUGHT) | set(FAMILIES) | set(WRAPPERS) <= set(families), sorted(set(BROUGHT) - set(families))
+    prefill, decode, broken = _walk(families)
+    runs = [f for f, why in prefill.items() if why is None]
+    refused = {f: why for f, why in prefill.items() if why is not None}
     took = time.monotonic() - start
     print(f"\n{len(families)} MoE causal-LM families in {took:.1f} s; {len(runs)} run: {', '.join(runs)}")
     print(f"{len(refused)} refused:\n" + "\n".join(f"  {f}: {why}" for f, why in sorted(refused.items())))
+    print(_table(prefill, decode))
     assert not broken, broken
     assert all(why and "\n" not in why for why in refused.values()), refused
+    assert all("\n" not in why for why in decode.values() if why), decode
     assert not set(BROUGHT) & set(refused), {f: refused[f] for f in BROUGHT if f in refused}
+    assert {f: prefill[f] for f in WRAPPERS} == WRAPPERS, {f: prefill[f] for f in WRAPPERS}
+    assert all(decode[f] is None for f, why in WRAPPERS.items() if why is None), decode
+    assert all(decode[f] is None for f in FAMILIES + BROUGHT if f != "longcat_flash"), decode
+
+
+def test_a_multimodal_wrapper_runs_as_its_text_model_with_the_overrides():
+    """kimi_k25 keeps a deepseek_v3 model in its text_config: ``--model kimi_k25`` is that text model, named so,
+    with the overrides on its config; step3p7's text model (step3p5) has no causal LM in transformers."""
+    assert text_model_type("kimi_k25") == "deepseek_v3" and text_model_type("deepseek_v3") is None
+    assert family_name("kimi_k25") == "kimi_k25 (its text model, deepseek_v3)" and family_name("mixtral") == "mixtral"
+    config = small_config("kimi_k25", dict(n_layers=3, hidden=96, n_experts=16, top_k=3))
+    assert config.model_type == "deepseek_v3"
+    assert (config.num_hidden_layers, config.hidden_size, config.n_routed_experts, config.num_experts_per_tok) == (
+        3, 96, 16, 3)
+    assert type(check_family("kimi_k25", dict(n_experts=16))).__name__ == "TransformersModel"
+    with pytest.raises(ValueError, match="^step3p7 runs as its text model, step3p5, which is not a causal LM"):
+        check_family("step3p7")
+
+
+def test_a_multimodal_checkpoint_is_refused_in_one_line_naming_what_the_loader_lacks(tmp_path):
+    from launch.config import ConfigError
+    from launch.config.model import transformers_config
+
+    wrapper = transformers.AutoConfig.for_model("kimi_k25", text_config=small_config("kimi_k25").to_dict())
+    wrapper.save_pretrained(str(tmp_path))
+    with pytest.raises(ConfigError, match=f"^--model {tmp_path}: a kimi_k25 checkpoint is a multimodal model: the "
+                                          f"loader does not take its text model's \\(deepseek_v3\\) weights") as err:
+        transformers_config(str(tmp_path), {})
+    assert "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize("family", NOT_CAUSAL)

@@ -8,12 +8,14 @@ overrides (``--layers``, ``--experts``, ...), which the adapter must run (`launc
 """
 from __future__ import annotations
 
+import json
 import os
 from typing import TYPE_CHECKING, Callable, Dict, Optional, Union
 
 import torch
 
-from launch.models import CheckpointError, ModelConfig, check_checkpoint, check_family, preset, small_config
+from launch.models import (CheckpointError, ModelConfig, check_checkpoint, check_family, preset, small_config,
+                           text_model_type)
 from launch.models.common import one_line
 from launch.models.transformers.fields import EXPERT_COUNTS, TOP_K, expert_count, held_field
 
@@ -58,6 +60,7 @@ def transformers_config(model_name: str, overrides: Overrides, full_size: bool =
                               f"(drop {', '.join(OVERRIDE_OPTIONS.get(k, '--' + k) for k in given)})")
         if not os.path.isfile(os.path.join(model_name, "config.json")):
             raise ConfigError(f"--model {model_name}: a checkpoint folder needs a config.json")
+        _refuse_wrapper_checkpoint(model_name)
         config = _saved_config(model_name, full_size)
         if full_size:  # --dry-run runs nothing, not even a small model of the family: the run itself checks that
             return config
@@ -109,6 +112,21 @@ def _published_config(model_name: str, given: Overrides) -> PretrainedConfig:
         return AutoConfig.for_model(model_name)
     except Exception as exc:  # noqa: BLE001 (transformers' own config errors are not all ValueErrors)
         raise ConfigError(f"--model {model_name}: {one_line(exc, limit=None)}") from None
+
+
+def _refuse_wrapper_checkpoint(folder: str) -> None:
+    """A checkpoint of a multimodal wrapper (its config.json's ``text_config`` holds the text model): a
+    `ConfigError` naming what the loader lacks (its text model's weights out of the wrapper's files)."""
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            model_type = json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return  # check_checkpoint names what is wrong with it
+    text = text_model_type(model_type) if isinstance(model_type, str) else None
+    if text is not None:
+        raise ConfigError(f"--model {folder}: a {model_type} checkpoint is a multimodal model: the loader does not "
+                          f"take its text model's ({text}) weights out of it; --model {model_type} runs its text model "
+                          f"with seeded weights, or save the text model as a {text} checkpoint of its own")
 
 
 def n_experts(job_model: ModelSettings) -> int:

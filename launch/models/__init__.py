@@ -18,8 +18,9 @@ from .presets import PRESETS, ModelConfig, preset
 from .common import check_token_ids, param_seed
 from .reference import DecoderLayer, Model, RMSNorm, build_model, init_weights
 from .transformers import (FAMILIES, ShortcutLayer, TransformersConfig, TransformersLayer, TransformersModel, adapt,
-                           build_transformers_model, causal_mask, check_family, from_config, is_moe_config,
-                           moe_families, refused_families, seed_weights, small_config)
+                           build_transformers_model, causal_mask, check_family, family_name, from_config,
+                           is_moe_config, moe_families, refused_families, seed_weights, small_config,
+                           text_model_type)
 from .checkpoint import (CheckpointError, GenerationSettings, LoadReport, check_checkpoint, check_moe_config,
                          generation_settings, load_checkpoint)
 
@@ -29,8 +30,8 @@ __all__ = [
     "DecoderLayer", "Model", "RMSNorm", "build_model", "init_weights",
     "ShortcutLayer", "TransformersConfig", "TransformersLayer", "TransformersModel", "adapt", "causal_mask",
     "from_config", "seed_weights",
-    "FAMILIES", "build_transformers_model", "check_family", "is_moe_config", "moe_families", "refused_families",
-    "small_config",
+    "FAMILIES", "build_transformers_model", "check_family", "family_name", "is_moe_config", "moe_families",
+    "refused_families", "small_config", "text_model_type",
     "CheckpointError", "GenerationSettings", "LoadReport", "check_checkpoint", "check_moe_config",
     "generation_settings", "load_checkpoint",
 ]

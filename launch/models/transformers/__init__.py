@@ -9,7 +9,8 @@
 - `model`: the model (`TransformersModel`, `TransformersConfig`; `adapt`, `from_config`, `seed_weights`);
 - `checks`: the adapter against the family's own forward and generate;
 - `families`: the families the adapter runs, their configs made small (`small_config`,
-  `build_transformers_model`), and the check that refuses the others in one line (`check_family`).
+  `build_transformers_model`; a multimodal wrapper's text model: `text_model_type`, `family_name`), and the
+  check that refuses the others in one line (`check_family`).
 
 transformers is imported only inside the functions that need it.
 """
@@ -17,14 +18,14 @@ from .attention import Attention, causal_mask, decode_mask
 from .discovery import LayerParts, ShortcutParts
 from .layers import ShortcutLayer, TransformersLayer
 from .model import TransformersConfig, TransformersModel, adapt, attention_for, from_config, seed_weights
-from .families import (FAMILIES, build_transformers_model, check_family, is_moe_config, moe_families,
-                       refused_families, small_config)
+from .families import (FAMILIES, build_transformers_model, check_family, family_name, is_moe_config, moe_families,
+                       refused_families, small_config, text_model_type)
 
 __all__ = [
     "Attention", "causal_mask", "decode_mask",
     "LayerParts", "ShortcutParts",
     "ShortcutLayer", "TransformersLayer",
     "TransformersConfig", "TransformersModel", "adapt", "attention_for", "from_config", "seed_weights",
-    "FAMILIES", "build_transformers_model", "check_family", "is_moe_config", "moe_families", "refused_families",
-    "small_config",
+    "FAMILIES", "build_transformers_model", "check_family", "family_name", "is_moe_config", "moe_families",
+    "refused_families", "small_config", "text_model_type",
 ]

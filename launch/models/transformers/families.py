@@ -24,8 +24,8 @@ from .fields import (EXPERT_COUNTS, IDENTITY_EXPERTS, LAYER_COUNTS, SHARED_COUNT
                      held_field)
 from .model import TransformersModel, attention_for, from_config
 
-__all__ = ["FAMILIES", "build_transformers_model", "check_family", "is_moe_config", "moe_families", "refused_families",
-           "small_config"]
+__all__ = ["FAMILIES", "build_transformers_model", "check_family", "family_name", "is_moe_config", "moe_families",
+           "refused_families", "small_config", "text_model_type"]
 
 _COMMON = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=96,
                moe_intermediate_size=32, vocab_size=128, num_experts_per_tok=2, max_position_embeddings=512,
@@ -62,6 +62,27 @@ _PROBE_LAYERS = 4  # `check_family` builds at most this many layers
 
 
 # --- the family's config --------------------------------------------------------------------------
+
+def text_model_type(model_type: str) -> Optional[str]:
+    """The model type of the text model a multimodal wrapper keeps in its ``text_config`` (``kimi_k25``:
+    ``deepseek_v3``), where the wrapper is no causal LM itself; None for any other model type."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return None
+    try:
+        text = getattr(AutoConfig.for_model(model_type), "text_config", None)
+    except Exception:  # noqa: BLE001 (no such model type, or its default config does not build: no wrapper)
+        return None
+    return getattr(text, "model_type", None)
+
+
+def family_name(model_type: str) -> str:
+    """``model_type`` as a headline names it: a wrapper with the text model it runs as (`text_model_type`)."""
+    text = text_model_type(model_type)
+    return f"{model_type} (its text model, {text})" if text else model_type
+
 
 def _has(config: Any, name: str) -> bool:
     """``hasattr``, where a config's own accessor may raise anything (a per-layer field read globally: it has it)."""
@@ -184,7 +205,8 @@ def _fill_unset(base: Any, fields: Dict[str, Any], overrides: Mapping[str, Any])
 
 
 def small_config(model_type: str, overrides: Optional[Mapping[str, Any]] = None, **fields: Any) -> Any:
-    """The family's config made small for the CPU, then ``overrides`` (toolkit names) and ``fields`` (its own).
+    """The family's config made small for the CPU, then ``overrides`` (toolkit names) and ``fields`` (its own);
+    a multimodal wrapper's (`text_model_type`) is its text model's config.
 
     A field the family's default leaves unset (None) gets a value from the overrides or a sensible
     default (`_fill_unset`), so that its model can be built.
@@ -192,6 +214,7 @@ def small_config(model_type: str, overrides: Optional[Mapping[str, Any]] = None,
     from transformers import AutoConfig
 
     overrides = dict(overrides or {})
+    model_type = text_model_type(model_type) or model_type  # a wrapper's: its text model's small config
     base = AutoConfig.for_model(model_type)
     small = _small_fields(base, model_type)
     expert_ffn = fields.get("moe_intermediate_size",
@@ -213,13 +236,16 @@ def is_moe_config(config: Any) -> bool:
 
 def moe_families() -> List[str]:
     """Every causal-LM model type of the installed transformers (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``) whose
-    default config is a MoE (`is_moe_config`): those ``--model NAME`` may name (`check_family` refuses any
-    other model type in one line, without building it)."""
+    default config is a MoE (`is_moe_config`), and every multimodal model type
+    (``MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES``) whose text config is one (`text_model_type`): those ``--model
+    NAME`` may name (`check_family` refuses any other model type in one line, without building it)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES)
 
     out = []
-    for model_type in sorted(set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) & set(CONFIG_MAPPING_NAMES)):
+    candidates = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) | set(MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES)
+    for model_type in sorted(candidates & set(CONFIG_MAPPING_NAMES)):
         try:
             moe = is_moe_config(_default_config(model_type))
         except Exception:  # noqa: BLE001 (its default config does not build: no family to bring)
@@ -230,9 +256,11 @@ def moe_families() -> List[str]:
 
 
 def _default_config(model_type: str) -> Any:
+    """The default config of the causal LM ``model_type`` names: a wrapper's text config, else its own."""
     from transformers import AutoConfig
 
-    return AutoConfig.for_model(model_type)
+    config = AutoConfig.for_model(model_type)
+    return config.text_config if text_model_type(model_type) else config
 
 
 def build_transformers_model(model_type: str, *, seed: int = 0, dtype: torch.dtype = torch.float32,
@@ -270,10 +298,10 @@ def _check_routing(config: Any) -> None:
 
 
 @torch.no_grad()
-def _runs_small(config: Any) -> None:
+def _runs_small(config: Any) -> TransformersModel:
     """Build ``config``'s model, adapt it (checked against its own forward), make every MoE block expert-parallel
     on one rank (checked by `collectives.wrap_expert_parallel`'s probe) and prefill two requests: the result
-    must be the model's own forward."""
+    must be the model's own forward. The model, expert-parallel on one rank."""
     from collectives import wrap_expert_parallel
 
     model = from_config(config, seed=0)
@@ -285,12 +313,14 @@ def _runs_small(config: Any) -> None:
     if not diff <= 1e-3 * max(scale, 1.0):
         raise TypeError(f"its expert-parallel layers do not compute its MoE blocks (difference {diff:.3g} at "
                         f"magnitude {scale:.3g})")
+    return model
 
 
-def check_family(model_type: str, overrides: Optional[Mapping[str, Any]] = None) -> None:
+def check_family(model_type: str, overrides: Optional[Mapping[str, Any]] = None) -> Optional[TransformersModel]:
     """Whether the adapter runs the MoE family ``model_type`` with ``overrides`` (the toolkit's names), decided
-    before any process group exists: a ValueError of one line naming what it lacks, else None (also for a
-    model type that is no MoE: nothing to check).
+    before any process group exists: a ValueError of one line naming what it lacks, else the small model it
+    ran (expert-parallel on one rank), or None for a model type that is no MoE (nothing to check). A
+    multimodal wrapper (`text_model_type`) runs as its text model.
 
     The config with the overrides must build a model (checked on the meta device, at no cost); a small model
     of the same structure (`_probe_overrides`) must then run through the adapter and the expert-parallel
@@ -299,17 +329,22 @@ def check_family(model_type: str, overrides: Optional[Mapping[str, Any]] = None)
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    text = text_model_type(model_type)
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and text is None:
         raise ValueError(f"{model_type} is not a causal LM AutoModelForCausalLM builds (the text part of a "
                          f"multimodal model, an encoder-decoder or an encoder): the adapter runs decoder-only causal "
                          f"LMs")
+    if text is not None and text not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(f"{model_type} runs as its text model, {text}, which is not a causal LM "
+                         f"AutoModelForCausalLM builds (transformers has no {text} model with an lm_head): the "
+                         f"adapter runs decoder-only causal LMs")
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
     try:
         config = small_config(model_type, overrides)
     except Exception as exc:  # noqa: BLE001 (transformers' own config errors are not all ValueErrors)
         raise ValueError(f"the family's config does not take these sizes ({one_line(exc, typed=True)})") from None
     if not is_moe_config(config):
-        return  # not a MoE: the launcher says so in its own words
+        return None  # not a MoE: the launcher says so in its own words
     _check_routing(config)
     try:
         with torch.device("meta"):
@@ -317,7 +352,7 @@ def check_family(model_type: str, overrides: Optional[Mapping[str, Any]] = None)
     except Exception as exc:  # noqa: BLE001 (any failure of the family's own code is a one-line refusal)
         raise ValueError(f"the family's model cannot be built from this config ({one_line(exc, typed=True)})") from None
     try:
-        _runs_small(small_config(model_type, _probe_overrides(overrides)))
+        return _runs_small(small_config(model_type, _probe_overrides(overrides)))
     except Exception as exc:  # noqa: BLE001
         raise ValueError(f"the adapter cannot run {model_type}: {one_line(exc, typed=True)}") from None
 
