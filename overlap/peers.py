@@ -122,6 +122,7 @@ class PeerWatch:
 
     def __init__(self, store: dist.Store, rank: int, world: int, interval: float = WATCH_INTERVAL):
         self.store, self.rank, self.world, self.interval = store, rank, world, interval
+        self.group_store: Optional[dist.Store] = None  # the group's store this watch's client was made from
         self.steps = 0  # steps made (`step`); the watch's thread carries the count to the store
         self._signs = 0
         self._stopped = threading.Event()
@@ -189,8 +190,13 @@ _LOCK = threading.Lock()
 
 
 def set_peer_watch(enabled: bool) -> None:
-    """Whether `watch_peers` may start the watch (on by default); a watch already started keeps going."""
-    _WATCH["enabled"] = bool(enabled)
+    """Whether `watch_peers` may start the watch (on by default); turned off, a running watch stops (its rank gives
+    no more signs, and its waits name nobody)."""
+    with _LOCK:
+        _WATCH["enabled"] = bool(enabled)
+        if not enabled and _WATCH["watch"] is not None:
+            _WATCH["watch"].stop()  # type: ignore[attr-defined]
+            _WATCH["watch"] = None
 
 
 def watch_peers(interval: float = WATCH_INTERVAL) -> Optional[PeerWatch]:
@@ -204,13 +210,23 @@ def watch_peers(interval: float = WATCH_INTERVAL) -> Optional[PeerWatch]:
         except (RuntimeError, ValueError):  # a group made without a store
             return None
         kept = _WATCH["watch"]
-        if kept is None or kept.store is not store:  # type: ignore[attr-defined]  # first, or a new default group
+        if kept is None or kept.group_store is not store:  # type: ignore[attr-defined]  # first, or a new group
             if kept is not None:
                 kept.stop()  # type: ignore[attr-defined]
-            watch = PeerWatch(store, dist.get_rank(), dist.get_world_size(), interval)
+            watch = PeerWatch(_own_client(store), dist.get_rank(), dist.get_world_size(), interval)
+            watch.group_store = store
             watch.start()
             _WATCH["watch"] = watch
         return _WATCH["watch"]  # type: ignore[return-value]
+
+
+def _own_client(store: dist.Store) -> dist.Store:
+    """A client of ``store`` of the watch's own (a TCPStore client serves one call at a time: a rank blocked in a long
+    store wait would hold the watch's signs back and look silent); the store itself where it cannot be cloned."""
+    try:
+        return store.clone()
+    except Exception:  # noqa: BLE001 (a store without clone: shared)
+        return store
 
 
 def peer_step() -> None:

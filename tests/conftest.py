@@ -70,6 +70,8 @@ def _clean_overlap_state(monkeypatch, tmp_path_factory):
     observers = list(STATE.observers)
     yield
     overlap.reset()
+    overlap.set_peer_watch(False)  # a watch one test's generate started stops: under torchrun every test shares
+    overlap.set_peer_watch(True)   # the process, and its step counts would carry into the next test's diagnoses
     leaked = [o for o in STATE.observers if o not in observers]
     if leaked:  # under torchrun every test shares the process: a leaked observer would change the next ones
         for o in leaked:
