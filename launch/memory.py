@@ -17,9 +17,10 @@ from typing import List, Optional, Tuple
 import click
 import torch
 
+from launch.models.common import one_line
 from launch.models.transformers.fields import TOP_K
 
-from .config import DryRun, JobConfig, ModelSettings, n_experts
+from .config import ConfigError, DryRun, JobConfig, ModelSettings, n_experts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,8 +65,12 @@ def _param_counts(job: JobConfig) -> Tuple[int, int]:
         return cfg.num_params(), n_moe * cfg.n_experts * 3 * cfg.hidden * cfg.moe_ffn
     from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
-        hf = AutoModelForCausalLM.from_config(cfg)
+    try:
+        with torch.device("meta"):
+            hf = AutoModelForCausalLM.from_config(cfg)
+    except Exception as exc:  # noqa: BLE001 (a family checked by no small run: --dry-run)
+        raise ConfigError(f"--model {job.model_name}: transformers cannot build a {cfg.model_type} causal LM "
+                          f"({one_line(exc, limit=200)}): the adapter runs decoder-only causal LMs") from None
     named = list(hf.named_parameters())
     return sum(p.numel() for _, p in named), sum(p.numel() for n, p in named if ".experts." in n)
 

@@ -124,6 +124,19 @@ def test_a_family_at_its_published_config(capsys, monkeypatch):
     assert code == 0 and "routed experts (15 of 60 a layer)" in out, (out, err)
 
 
+def test_a_multimodal_wrapper_is_sized_as_its_text_model_or_refused_in_one_line(capsys, monkeypatch):
+    """kimi_k25's text model (deepseek_v3's published config: 256 experts) is what runs, so it is what is sized; a
+    wrapper whose text model transformers cannot build as a causal LM (step3p7) is one line, exit 2 (before: "has no
+    routed experts" for both, and a traceback from the meta build once the text config was read)."""
+    from launch.prefill import main
+
+    code, out, err = run_here(main, ["--model", "kimi_k25", "--dry-run", "--nproc-per-node", "8"], capsys, monkeypatch)
+    assert code == 0 and "routed experts (32 of 256 a layer)" in out, (out, err)
+    code, out, err = run_here(main, ["--model", "step3p7", "--dry-run", "--nproc-per-node", "8"], capsys, monkeypatch)
+    assert code == 2 and "transformers cannot build a step3p5 causal LM" in err, (out, err)
+    assert len(err.strip().splitlines()) == 1, err
+
+
 @pytest.mark.spawns_ranks
 def test_the_dry_run_as_users_run_it_is_a_plain_python_process():
     proc = run_launcher(DEEPSEEK_V3, script=GENERATE, timeout=120)

@@ -109,9 +109,11 @@ def _published_config(model_name: str, given: Overrides) -> PretrainedConfig:
         raise ConfigError(f"--model {model_name} --dry-run sizes the family's published config: drop "
                           f"{', '.join(OVERRIDE_OPTIONS.get(k, '--' + k) for k in given)}")
     try:
-        return AutoConfig.for_model(model_name)
+        config = AutoConfig.for_model(model_name)
     except Exception as exc:  # noqa: BLE001 (transformers' own config errors are not all ValueErrors)
         raise ConfigError(f"--model {model_name}: {one_line(exc, limit=None)}") from None
+    text = getattr(config, "text_config", None) if text_model_type(model_name) else None
+    return text if text is not None else config  # a multimodal wrapper runs as its text model
 
 
 def _refuse_wrapper_checkpoint(folder: str) -> None:
