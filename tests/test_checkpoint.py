@@ -909,9 +909,9 @@ def test_a_checkpoint_of_a_family_the_adapter_does_not_run_is_refused_before_the
     from launch.models import small_config
 
     torch.manual_seed(0)
-    config = small_config("deepseek_v32", {"n_layers": 2, "hidden": 64, "n_experts": 4, "top_k": 2})
-    path = _save(transformers.AutoModelForCausalLM.from_config(config), str(tmp_path / "v32"))
-    with pytest.raises(ConfigError, match=r"a deepseek_v32 checkpoint: the adapter cannot run deepseek_v32") as err:
+    config = small_config("minimax", {"n_layers": 2, "hidden": 64, "n_experts": 4, "top_k": 2})
+    path = _save(transformers.AutoModelForCausalLM.from_config(config), str(tmp_path / "minimax"))
+    with pytest.raises(ConfigError, match=r"a minimax checkpoint: the adapter cannot run minimax") as err:
         job_config(world=1, device="cpu", exec_path="auto", mode="serial", kv_offload=False, kv_store="memory",
                    preset_name="tiny", overrides={}, batch=1, seq_len=8, seq_lens=None, dtype="float32", warmup=0,
                    iters=1, seed=0, check=False, out_dir=None, cpu_link="0.1", timeout=30.0, model_name=path)

@@ -508,9 +508,9 @@ def test_a_moe_model_type_that_is_no_causal_lm_is_refused_in_one_line(family):
 
 
 def test_a_family_the_adapter_cannot_run_is_refused_naming_what_it_lacks():
-    with pytest.raises(ValueError, match="the adapter cannot run deepseek_v32: .*is indexed_attention: the "
-                                         "adapter runs attention \\(self_attn\\) of the kinds full, sliding"):
-        check_family("deepseek_v32")
+    with pytest.raises(ValueError, match="the adapter cannot run deepseek_v4: .*is heavily_compressed_attention: "
+                                         "the adapter runs attention \\(self_attn\\) of the kinds full, sliding"):
+        check_family("deepseek_v4")
     with pytest.raises(ValueError, match="top-k 9 must pick between 1 and the 8 routed experts"):
         check_family("qwen3_moe", dict(top_k=9))
 

@@ -10,6 +10,11 @@ caches its compressed latent and its rotary key, of two shapes). In a decode ste
 once for every request: batch [requests, 1], each at its own position, a cache holding the padded
 history from the `microbatch.KVCache`, a mask of each request's own rows.
 
+DeepSeek sparse attention (``indexed_attention``: DeepSeek-V3.2, GLM-5) prefills the same way, its cache layer
+an indexed one (the indexer's keys beside the latent and the rotary key), so the family's own indexer picks
+each query's top-k keys. Its prefix's indexer keys are not among the keys and values the adapter carries: it
+continues no request after a prefix and does not decode (`Attention.decode_refusal`).
+
 transformers is imported only inside the functions here.
 """
 from __future__ import annotations
@@ -25,9 +30,11 @@ from microbatch.model import KV
 
 from ..common import one_line
 
-__all__ = ["ATTENTION_KINDS", "KV_HEADS", "Attention", "cache_keyword", "causal_mask", "decode_mask", "first_output"]
+__all__ = ["ATTENTION_KINDS", "INDEXED", "KV_HEADS", "Attention", "cache_keyword", "causal_mask", "decode_mask",
+           "first_output"]
 
-ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention")
+INDEXED = "indexed_attention"  # DeepSeek sparse attention (DSA): an indexer's top-k tokens per query, then MLA
+ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention", INDEXED)
 KV_HEADS = Tuple[Tuple[int, int], Tuple[int, int]]  # an attention's key heads and value heads of a layer's cache
 
 
@@ -100,6 +107,22 @@ class Attention:
         self.typed_rotary = rotary is not None and "layer_type" in inspect.signature(rotary.forward).parameters
         self.k_shape: Tuple[int, ...] = ()
         self.v_shape: Tuple[int, ...] = ()
+        self.indexed = kind == INDEXED
+        if self.indexed and getattr(module, "indexer", None) is None:
+            raise TypeError(f"layer {layer} ({type(module).__name__}) reuses an earlier layer's top-k selection "
+                            f"(indexer_types 'shared'): the adapter calls each layer's attention on its own")
+
+    def _fresh_cache(self) -> Any:
+        """An empty cache whose layer ``self.index`` is of the kind the module writes (an indexed layer keeps the
+        indexer's keys beside the latent and rotary key)."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        if self.indexed:
+            from transformers.cache_utils import DynamicIndexedLayer
+
+            cache.layers = [DynamicIndexedLayer() for _ in range(self.index + 1)]
+        return cache
 
     def _position(self, x: torch.Tensor, pos: torch.Tensor) -> Any:
         if self.rotary is None:
@@ -113,11 +136,12 @@ class Attention:
     def attend(self, x: torch.Tensor, n_prefix: int, prefix: Optional[KV]) -> Tuple[torch.Tensor, torch.Tensor,
                                                                                       torch.Tensor]:
         """One request: x [n, hidden] (normed) after ``n_prefix`` tokens whose keys / values are ``prefix``."""
-        from transformers import DynamicCache
-
+        if n_prefix and self.indexed:
+            raise ValueError(f"layer {self.layer} is {INDEXED}: continuing a request after {n_prefix} prefix tokens "
+                             f"needs their indexer keys, which the adapter's keys and values do not hold")
         n = x.shape[0]
         pos = torch.arange(n_prefix, n_prefix + n, device=x.device)[None]
-        cache = DynamicCache()
+        cache = self._fresh_cache()
         if n_prefix:
             cache.update(_to_cache(prefix[0]), _to_cache(prefix[1]), self.index)
         mask = causal_mask(n, n_prefix, self.window, x.dtype, x.device, self.chunk)
@@ -163,6 +187,9 @@ class Attention:
 
     def decode_refusal(self) -> Optional[str]:
         """Why one batched call of the module cannot decode requests at different positions (None: it can)."""
+        if self.indexed:
+            return (f"it is {INDEXED}: its top-k selection reads the indexer keys of every earlier token, which the "
+                    f"KV cache does not hold (it holds the compressed latent and the rotary key)")
         if getattr(self.module, "attn_temperature_tuning", False) and not getattr(self.module, "use_rope", True):
             return ("its attention scales queries by one position for the whole batch (Llama 4's temperature "
                     "tuning without rotary embeddings): requests at different positions cannot decode together")
