@@ -41,7 +41,7 @@ from .alike import check_alike, collective_settings
 from .decoder import Decoder, eager_decoders, expert_group
 from .graph_decoder import GraphDecoder, decoders_of, graph_decoders
 from .prefiller import prefill_cache
-from .step import AGREEMENT, checked_buckets, read_picked
+from .step import AGREEMENT, check_cache_dtype, checked_buckets, read_picked
 
 # (step, active requests on every rank) -> whether the caller observes the next step (step 0: the prefill's token)
 OnStep = Callable[[int, int], Optional[bool]]
@@ -122,16 +122,7 @@ def _check_arguments(model: DecodeModel, prompts: Sequence[Sequence[int]], stop_
     _check_prompts(prompts, vocab)
     if stop_token is not None and not (_is_int(stop_token) and 0 <= stop_token < vocab):
         raise ValueError(f"stop_token must be a token id in [0, {vocab}) (the vocabulary) or None, got {stop_token!r}")
-    _check_cache_dtype(model, cache, "cache")
-
-
-def _check_cache_dtype(model: DecodeModel, cache: Optional[KVCache], what: str) -> None:
-    """A one-line ValueError where ``cache`` (``what``: the argument it came from) holds another dtype than the
-    model computes in."""
-    dtype = next(model.parameters()).dtype
-    if cache is not None and cache.k.dtype != dtype:
-        raise ValueError(f"{what} holds {cache.k.dtype}, the model computes in {dtype}: make the cache of the model's "
-                         f"dtype (new_cache)")
+    check_cache_dtype(model, cache, "cache")
 
 
 def _check_prompts(prompts: Sequence[Sequence[int]], vocab: int) -> None:
@@ -296,7 +287,7 @@ def make_decoders(model: DecodeModel, prompts: Sequence[Sequence[int]], limits: 
     modes = list(calibration.modes) if mode == AUTO else [mode]
     if decoder is not None:
         given = _given_decoders(decoder, mode, modes, cache)
-        _check_cache_dtype(model, next(iter(given.values())).cache, "decoder's cache")
+        check_cache_dtype(model, next(iter(given.values())).cache, "decoder's cache")
         return mode, given
     cache = cache or new_cache(model, prompts, limits)
     if graph is None:

@@ -43,7 +43,8 @@ from collectives import MOE_ACTIVE, MOE_CAPACITY, ExpertParallelMoE
 from microbatch import KV_STEP, DecodeModel, KVCache
 from microbatch.kv_cache import StaticKVStep, StaticRows
 
-from .step import DECODE_STEP, TOKENS, Picked, bucket_of, checked_buckets, decode_step, lower_step
+from .step import (DECODE_STEP, TOKENS, Picked, bucket_of, check_cache_dtype, checked_buckets, decode_step,
+                   lower_step)
 
 StepFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 MIN_LENGTH = 16  # the shortest room a step with length buckets attends over (fewer graphs for short histories)
@@ -245,11 +246,7 @@ def _refuse(model: DecodeModel, cache: KVCache, path: str, target: overlap.backe
         raise ValueError(f"GraphDecoder captures on ge, aclgraph or cuda (cpu runs it eagerly), not on {path!r}")
     if type(cache) is not KVCache:
         raise ValueError(f"GraphDecoder needs a device KVCache, got {type(cache).__name__}")
-    weight = next(model.parameters(), None)
-    dtype = cache.k.dtype if weight is None else weight.dtype
-    if cache.k.dtype != dtype:
-        raise ValueError(f"GraphDecoder's cache holds {cache.k.dtype}, the model computes in {dtype}: make the cache "
-                         f"of the model's dtype (new_cache)")
+    check_cache_dtype(model, cache, "GraphDecoder's cache")
     if model.no_capture_reason is not None:
         raise ValueError(model.no_capture_reason)
     loose = [type(layer.moe).__name__ for layer in model.moe_layers() if not isinstance(layer.moe, ExpertParallelMoE)]

@@ -70,6 +70,15 @@ def read_picked(picked: Picked, requests: List[int], step: int) -> Tuple[List[in
     return ids, ([] if picked.gaps is None else picked.gaps.tolist()), problem
 
 
+def check_cache_dtype(model: DecodeModel, cache: Optional["microbatch.KVCache"], what: str) -> None:
+    """A one-line ValueError where ``cache`` (``what``: the argument it came from) holds another dtype than the
+    model computes in (its keys would be cast without a word)."""
+    weight = next(model.parameters(), None)
+    if cache is not None and weight is not None and cache.k.dtype != weight.dtype:
+        raise ValueError(f"{what} holds {cache.k.dtype}, the model computes in {weight.dtype}: make the cache of the "
+                         f"model's dtype (new_cache)")
+
+
 def checked_buckets(buckets: Optional[Sequence[int]]) -> Optional[Tuple[int, ...]]:
     """``buckets`` (None: the powers of two) as increasing positive row counts, repeats dropped; a one-line
     ValueError naming the value otherwise (``[0]``, ``[-4]``, ``[1.5]``, a string, an empty list)."""
