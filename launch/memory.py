@@ -79,12 +79,14 @@ def _kv_token_elements(cfg: ModelSettings) -> Tuple[int, int]:
     """One token's cached key and value elements in one layer, as the model's cache holds them: ``cfg.k_shape`` /
     ``v_shape`` where the config knows them (the reference); else from a transformers config's fields, as its
     adapter's attention caches them: MLA (``kv_lora_rank``) its compressed latent and its rotary key
-    (``qk_rope_head_dim``), once for every head; else the key-value heads x ``head_dim``."""
+    (``qk_rope_head_dim``), once for every head, beside which sparse attention (``index_topk``) keeps its indexer's
+    key (``index_head_dim``); else the key-value heads x ``head_dim``."""
     if hasattr(cfg, "k_shape"):
         return math.prod(cfg.k_shape), math.prod(cfg.v_shape)
     heads = _first(cfg, "num_attention_heads", default=1)
     if _first(cfg, "kv_lora_rank"):
-        return _first(cfg, "kv_lora_rank"), _first(cfg, "qk_rope_head_dim")
+        indexer = _first(cfg, "index_head_dim") if _first(cfg, "index_topk") else 0
+        return _first(cfg, "kv_lora_rank"), _first(cfg, "qk_rope_head_dim") + indexer
     kv_heads = _first(cfg, "num_key_value_heads", default=heads)
     inner = kv_heads * _first(cfg, "head_dim", default=max(1, _first(cfg, "hidden_size") // heads))
     return inner, inner

@@ -56,9 +56,10 @@ def test_the_reference_ranks_bytes_equal_the_estimate():
     assert decode_kv_cache(job, 4) == cache
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v32", "qwen2_moe"])
 def test_a_transformers_ranks_bytes_equal_the_estimate(family):
-    """deepseek_v3 (MLA: the cache holds its latent and rotary key) and qwen2_moe (key-value heads x head_dim),
+    """deepseek_v3 (MLA: the cache holds its latent and rotary key), deepseek_v32 (its indexer's key beside them)
+    and qwen2_moe (key-value heads x head_dim),
     made small, over 2 ranks: the rank's parameters are the dry run's dense weights and its experts plus the whole
     model's routed experts, which ``--model NAME`` keeps in the family's own blocks for ``--check`` (a checkpoint
     does not; a dry run sizes that); its cache is the dry run's KV cache (before: every head of K and V)."""

@@ -1,15 +1,16 @@
-"""DeepSeek sparse attention (DSA: `deepseek_v32`, `glm_moe_dsa`) in prefill: the family's own attention module, its
-indexer selecting ``index_topk`` keys per query, through every schedule on one rank and on two (expert parallel),
-equal to the family's own forward (float32). Decode and cut requests are refused in one line: the adapter's
-keys and values hold the latent and the rotary key, not the indexer's keys the top-k selection reads.
+"""DeepSeek sparse attention (DSA: `deepseek_v32`, `glm_moe_dsa`): the family's own attention module, its indexer
+selecting ``index_topk`` keys per query, through every schedule on one rank and on two (expert parallel), equal to
+the family's own forward (float32) in prefill, a cut request included, and to its own ``generate`` in decode, the
+cache on the device or on the host. The cache holds per token the latent (K) and the rotary key beside the
+indexer's key (V: `pack_indexed`), the model's own three.
 """
 import pytest
 import torch
 
 import overlap
-from launch.engine import make_expert_parallel, prefill, split_for
+from launch.engine import greedy_generate, make_expert_parallel, new_cache, prefill, split_for
 from microbatch import MODES
-from microbatch.batch import Batch
+from microbatch.batch import Batch, SeqInfo
 from overlap.multirank import run_ranks
 
 transformers = pytest.importorskip("transformers")
@@ -76,23 +77,64 @@ def test_the_indexer_really_selects_a_requests_top_k_keys(family):
     assert _diff(got_sparse[:9], got_dense[:9]) > 1e-2
 
 
+NEW = 6
+
+
+def _prompts(vocab, lens, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+def _check_cache_holds_the_models_own_three(model, cache, prompts, out):
+    """Each request's rows (slot i: request i) are the model's own latent, rotary key and indexer key of its prompt
+    and generated tokens (the last one is never fed back)."""
+    rotary = model.hf.config.qk_rope_head_dim
+    for slot, (prompt, tokens) in enumerate(zip(prompts, out)):
+        seq = prompt + tokens[:-1]
+        own = model.reference_kv(Batch(torch.tensor(seq), SeqInfo.from_lens([len(seq)])))
+        for layer, (k, v) in own.items():
+            assert v.shape[-1] == rotary + model.hf.config.index_head_dim
+            torch.testing.assert_close(cache.k[layer, slot, :len(seq)], k, **TOL)
+            torch.testing.assert_close(cache.v[layer, slot, :len(seq)], v, **TOL)
+
+
 @pytest.mark.parametrize("family", DSA)
-def test_a_request_is_not_cut_and_decode_is_refused_naming_the_indexer_keys(family):
+def test_decode_equals_the_familys_own_generate_with_the_indexer_keys_in_the_cache(family):
+    """Prompts of 3, 9 and 6 tokens (longer and shorter than the top-k of 4; a step pads them to the longest): serial
+    decode gives the model's own ``generate``'s tokens and its cache holds the model's own three per token; with
+    its MoE expert-parallel (one rank) every mode gives them; the cache on the host (prefetched) too."""
     model = build_transformers_model(family, seed=SEED)
-    assert "indexed_attention" in model.no_cut_reason and "indexer's keys" in model.no_cut_reason
-    batch = Batch.random([3, 19, 2], model.cfg.vocab, seed=2)  # every boundary far off: a cut is what would fit
+    prompts = _prompts(model.cfg.vocab, (3, 9, 6))
+    want = model.own_generate(prompts, NEW)
+    cache = new_cache(model, prompts, NEW)
+    assert greedy_generate(model, prompts, NEW, cache=cache) == want
+    _check_cache_holds_the_models_own_three(model, cache, prompts, want)
+    make_expert_parallel(model, None)
+    for mode in MODES:
+        with overlap.Sanitizer():  # raises on the first race between streams
+            assert greedy_generate(model, prompts, NEW, mode=mode) == want, mode
+    for mode in ("serial", "two-batch"):
+        with new_cache(model, prompts, NEW, offload=True) as host, overlap.Sanitizer():
+            assert greedy_generate(model, prompts, NEW, mode=mode, cache=host) == want, mode
+
+
+@pytest.mark.parametrize("family", DSA)
+def test_a_request_cut_across_micro_batches_equals_the_models_own_forward(family):
+    """Every boundary far off, so the two-batch split cuts the 19-token request: its second part continues from the
+    first's latent, rotary keys and indexer keys; the output is the family's own forward's."""
+    model = build_transformers_model(family, seed=SEED)
+    assert model.no_cut_reason is None
+    batch = Batch.random([3, 19, 2], model.cfg.vocab, seed=2)
     split = split_for("two-batch", batch, None, model=model, **SPLIT)
-    assert split.cut is None and model.no_cut_reason in split.reason
-    with pytest.raises(ValueError, match=f"^{family}: layer 0: it is indexed_attention: its top-k selection reads "
-                                         f"the indexer keys of every earlier token, which the KV cache does not "
-                                         f"hold") as err:
-        model.decode_layer_operations()
-    assert "\n" not in str(err.value)
-    attn = model.layers[0].attns[0]
-    x = torch.zeros(2, model.cfg.hidden)
-    with pytest.raises(ValueError, match="^layer 0 is indexed_attention: continuing a request after 3 prefix tokens "
-                                         "needs their indexer keys"):
-        attn.attend(x, 3, (torch.zeros(3, *attn.k_shape), torch.zeros(3, *attn.v_shape)))
+    assert split.cut is not None, split.reason
+    ref = model.reference(batch)
+    cfg = model.cfg
+    cache = overlap.OffloadCache(cfg.n_layers, batch.seq.num_tokens, cfg.k_shape, v_shape=cfg.v_shape)
+    with overlap.Sanitizer():
+        got = prefill(model, batch, "two-batch", split, cache)
+        overlap.synchronize()
+    cache.close()
+    assert _diff(got, ref) <= TOL["atol"] + TOL["rtol"] * ref.abs().max().item()
 
 
 def test_a_glm_layer_that_reuses_an_earlier_layers_top_k_is_refused_in_one_line():
@@ -108,13 +150,20 @@ def _two_ranks(ctx):
         model = build_transformers_model(family, seed=SEED)
         batch = Batch.random(_lens(ctx.rank), model.cfg.vocab, seed=100 + ctx.rank)
         ref = model.reference(batch)
+        prompts = _prompts(model.cfg.vocab, (3, 9, 6)[:2 + ctx.rank], seed=20 + ctx.rank)
+        want = model.own_generate(prompts, NEW)
         make_expert_parallel(model, ctx.group)
-        out[family] = _every_mode(model, batch, ctx.group, ref)
+        decoded = {mode: greedy_generate(model, prompts, NEW, mode=mode) == want for mode in ("serial", "two-batch")}
+        out[family] = _every_mode(model, batch, ctx.group, ref), decoded
     return out
 
 
-def test_every_mode_on_two_ranks_equals_the_models_own_forward():
+def test_every_mode_on_two_ranks_equals_the_models_own_forward_and_generate():
+    """Experts over two ranks: prefill in every mode equals the family's forward; decode (2 and 3 requests, one rank
+    done first) its ``generate``."""
     for rank, runs in enumerate(run_ranks(_two_ranks, 2, timeout=240)):
         for family in DSA:
-            _check_modes(runs[family], f"{family}, rank {rank}")
-            assert not runs[family]["two-batch"][3].serial  # split at a request boundary
+            prefilled, decoded = runs[family]
+            _check_modes(prefilled, f"{family}, rank {rank}")
+            assert not prefilled["two-batch"][3].serial  # split at a request boundary
+            assert decoded == {"serial": True, "two-batch": True}, (family, rank)

@@ -10,10 +10,11 @@ caches its compressed latent and its rotary key, of two shapes). In a decode ste
 once for every request: batch [requests, 1], each at its own position, a cache holding the padded
 history from the `microbatch.KVCache`, a mask of each request's own rows.
 
-DeepSeek sparse attention (``indexed_attention``: DeepSeek-V3.2, GLM-5) prefills the same way, its cache layer
-an indexed one (the indexer's keys beside the latent and the rotary key), so the family's own indexer picks
-each query's top-k keys. Its prefix's indexer keys are not among the keys and values the adapter carries: it
-continues no request after a prefix and does not decode (`Attention.decode_refusal`).
+DeepSeek sparse attention (``indexed_attention``: DeepSeek-V3.2, GLM-5) runs the same way, its cache layer an
+indexed one, so the family's own indexer picks each query's top-k keys from the indexer keys of every earlier
+token. The adapter carries them in the value row: K is the compressed latent ``[1, kv_lora_rank]``, V the rotary
+key and the indexer key side by side ``[1, qk_rope_head_dim + index_head_dim]`` (`pack_indexed`,
+`unpack_indexed`), so a prefix, the decode cache, its offload and its prefetch hold all three.
 
 transformers is imported only inside the functions here.
 """
@@ -31,7 +32,7 @@ from microbatch.model import KV
 from ..common import one_line
 
 __all__ = ["ATTENTION_KINDS", "INDEXED", "KV_HEADS", "Attention", "cache_keyword", "causal_mask", "decode_mask",
-           "first_output"]
+           "first_output", "pack_indexed", "unpack_indexed"]
 
 INDEXED = "indexed_attention"  # DeepSeek sparse attention (DSA): an indexer's top-k tokens per query, then MLA
 ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention", INDEXED)
@@ -82,6 +83,17 @@ def cache_keyword(module: nn.Module) -> str:
 def first_output(out: Any) -> torch.Tensor:
     """What a family's module returns first: its output alone, or the first of a tuple."""
     return out[0] if isinstance(out, tuple) else out
+
+
+def pack_indexed(rotary_keys: torch.Tensor, indexer_keys: torch.Tensor) -> torch.Tensor:
+    """An indexed layer's value rows: the rotary keys ``[..., 1, qk_rope_head_dim]`` and the indexer keys
+    ``[..., index_head_dim]`` side by side, ``[..., 1, qk_rope_head_dim + index_head_dim]``."""
+    return torch.cat([rotary_keys, indexer_keys.unsqueeze(-2).to(rotary_keys.dtype)], dim=-1)
+
+
+def unpack_indexed(values: torch.Tensor, rotary_dim: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """`pack_indexed` undone: ``(rotary keys [..., 1, rotary_dim], indexer keys [..., index_head_dim])``."""
+    return values[..., :rotary_dim], values[..., 0, rotary_dim:]
 
 
 def _to_cache(x: torch.Tensor) -> torch.Tensor:
@@ -136,14 +148,11 @@ class Attention:
     def attend(self, x: torch.Tensor, n_prefix: int, prefix: Optional[KV]) -> Tuple[torch.Tensor, torch.Tensor,
                                                                                       torch.Tensor]:
         """One request: x [n, hidden] (normed) after ``n_prefix`` tokens whose keys / values are ``prefix``."""
-        if n_prefix and self.indexed:
-            raise ValueError(f"layer {self.layer} is {INDEXED}: continuing a request after {n_prefix} prefix tokens "
-                             f"needs their indexer keys, which the adapter's keys and values do not hold")
         n = x.shape[0]
         pos = torch.arange(n_prefix, n_prefix + n, device=x.device)[None]
         cache = self._fresh_cache()
         if n_prefix:
-            cache.update(_to_cache(prefix[0]), _to_cache(prefix[1]), self.index)
+            self._fill(cache, prefix[0][None], prefix[1][None])
         mask = causal_mask(n, n_prefix, self.window, x.dtype, x.device, self.chunk)
         out = first_output(self.module(hidden_states=x[None], position_embeddings=self._position(x[None], pos),
                                        attention_mask=mask, position_ids=pos, **{self.cache_keyword: cache}))
@@ -151,7 +160,28 @@ class Attention:
         if held is None or not held.is_initialized or held.keys.shape[-2] != n_prefix + n:
             raise RuntimeError(f"layer {self.layer}: {type(self.module).__name__} did not cache the {n_prefix + n} "
                                f"keys and values of the request")
-        return out[0], _from_cache(held.keys, n), _from_cache(held.values, n)
+        return out[0], _from_cache(held.keys, n), _from_cache(self._values(held), n)
+
+    def _fill(self, cache: Any, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Put a history into ``cache``'s layer: keys / values ``[batch, tokens, heads, dim]`` as the adapter
+        carries them (an indexed layer's values holding its indexer keys: `pack_indexed`)."""
+        if self.indexed:
+            values, indexer_keys = unpack_indexed(values, self._rotary_dim)
+            cache.layers[self.index].update_indexer(indexer_keys)
+        cache.update(keys.transpose(1, 2), values.transpose(1, 2), self.index)
+
+    @property
+    def _rotary_dim(self) -> int:
+        return self.module.qk_rope_head_dim
+
+    def _values(self, held: Any) -> torch.Tensor:
+        """The values of a cache layer ``[batch, heads, tokens, dim]`` as the adapter carries them (`_fill`)."""
+        if not self.indexed:
+            return held.values
+        if held.indexer_keys is None or held.indexer_keys.shape[-2] != held.values.shape[-2]:
+            raise RuntimeError(f"layer {self.layer}: {type(self.module).__name__} did not cache an indexer key per "
+                               f"token")
+        return pack_indexed(held.values.transpose(1, 2), held.indexer_keys).transpose(1, 2)
 
     def decode(self, x: torch.Tensor, step: KVStep, layer: int, heads: Optional[KV_HEADS] = None
                ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -159,18 +189,15 @@ class Attention:
         the cache's layer ``layer`` holds of it; ``(out, k, v)``, k / v packed [requests, *k_shape / v_shape].
         ``heads``: this attention's key and value heads of a layer that caches several side by side
         (``((k0, k1), (v0, v1))``, LongCat-Flash's two); None: all of them."""
-        from transformers import DynamicCache
-
         rows = step.rows
         held = rows.longest - 1  # the history, padded to the longest; the new rows are not written yet
         keys, values = step.cache.history(layer, rows)
         if heads is not None:
             (k0, k1), (v0, v1) = heads
             keys, values = keys[:, :, k0:k1], values[:, :, v0:v1]
-        cache = DynamicCache()
+        cache = self._fresh_cache()
         if held:
-            cache.update(keys[:, :held].transpose(1, 2).to(x.dtype), values[:, :held].transpose(1, 2).to(x.dtype),
-                         self.index)
+            self._fill(cache, keys[:, :held].to(x.dtype), values[:, :held].to(x.dtype))
         pos = step.positions[:, None]  # [requests, 1]: each request's length so far
         # alike in every layer of a kind: made by the step's first (`KVStep.once`)
         mask = step.once(("mask", held, self.window, self.chunk, x.dtype),
@@ -183,13 +210,10 @@ class Attention:
         if got is None or not got.is_initialized or got.keys.shape[-2] != held + 1:
             raise RuntimeError(f"layer {self.layer}: {type(self.module).__name__} did not append one key and value "
                                f"per request to the cache")
-        return out[:, 0], got.keys[:, :, -1], got.values[:, :, -1]
+        return out[:, 0], got.keys[:, :, -1], self._values(got)[:, :, -1]
 
     def decode_refusal(self) -> Optional[str]:
         """Why one batched call of the module cannot decode requests at different positions (None: it can)."""
-        if self.indexed:
-            return (f"it is {INDEXED}: its top-k selection reads the indexer keys of every earlier token, which the "
-                    f"KV cache does not hold (it holds the compressed latent and the rotary key)")
         if getattr(self.module, "attn_temperature_tuning", False) and not getattr(self.module, "use_rope", True):
             return ("its attention scales queries by one position for the whole batch (Llama 4's temperature "
                     "tuning without rotary embeddings): requests at different positions cannot decode together")
@@ -206,4 +230,4 @@ class Attention:
         held = cache.layers[self.index]
         if held.keys.shape[-2] < n:
             return None
-        return _from_cache(held.keys, n), _from_cache(held.values, n)
+        return _from_cache(held.keys, n), _from_cache(self._values(held), n)

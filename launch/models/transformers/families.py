@@ -46,9 +46,11 @@ FAMILIES: Dict[str, Dict[str, Any]] = {
                        linear_value_head_dim=8),
     "gpt_oss": dict(_COMMON, head_dim=16, sliding_window=8),  # layers alternate sliding (8 tokens) and full
     "llama4_text": dict(_COMMON, head_dim=16, attention_chunk_size=8, interleave_moe_layer_step=1),
-    # DeepSeek sparse attention: the indexer picks 4 keys per query, so a request of more tokens really selects
-    "deepseek_v32": dict(_COMMON, index_n_heads=2, index_head_dim=16, index_topk=4),
-    "glm_moe_dsa": dict(_COMMON, index_n_heads=2, index_head_dim=16, index_topk=4),
+    # DeepSeek sparse attention: the indexer picks 4 keys per query, so a request of more tokens really selects.
+    # Its score sums ReLUs over its heads: with few heads many keys score exactly 0, and the top-k breaks such ties
+    # by the scored length (a decode step's padding changes it); 16 heads make ties rare, as 64 do at full size
+    "deepseek_v32": dict(_COMMON, index_n_heads=16, index_head_dim=16, index_topk=4),
+    "glm_moe_dsa": dict(_COMMON, index_n_heads=16, index_head_dim=16, index_topk=4),
 }
 # Sizes of a full-size model under other names, made small wherever a family's config has them (after
 # _COMMON, before FAMILIES); a field whose default is None (no such part) stays None.

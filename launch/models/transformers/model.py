@@ -30,7 +30,6 @@ from microbatch.model import KV
 
 from ..common import check_token_ids, param_seed
 from . import checks
-from .attention import INDEXED
 from .discovery import check_model_parts, final_norm, is_shortcut, multiplier
 from .fields import expert_count, shared_count, top_k
 from .layers import ShortcutLayer, TransformersLayer
@@ -183,11 +182,6 @@ class TransformersModel(nn.Module):
                     f"request from, so requests are not cut across micro-batches")
         if any(isinstance(layer, ShortcutLayer) for layer in self.layers):
             return f"{self.cfg.model_type}: {ShortcutLayer.NO_CUT}"
-        indexed = [str(layer.index) for layer in self.layers if any(a.indexed for a in layer.attns)]
-        if indexed:
-            return (f"{self.cfg.model_type} layers {', '.join(indexed)} ({INDEXED}) select their keys by the "
-                    f"indexer's keys of every earlier token, which the adapter's keys and values do not hold, so "
-                    f"requests are not cut across micro-batches")
         return None
 
     def _config(self) -> TransformersConfig:
