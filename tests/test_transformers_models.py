@@ -508,9 +508,18 @@ def test_a_moe_model_type_that_is_no_causal_lm_is_refused_in_one_line(family):
 
 
 def test_a_family_the_adapter_cannot_run_is_refused_naming_what_it_lacks():
-    with pytest.raises(ValueError, match="the adapter cannot run deepseek_v4: .*is heavily_compressed_attention: "
-                                         "the adapter runs attention \\(self_attn\\) of the kinds full, sliding"):
+    """DeepSeek-V4 by its two parts the operations cannot carry (docs/model.md says what each would take); a layer
+    kind the adapter does not know by the kinds it runs."""
+    with pytest.raises(ValueError, match=r"^the adapter cannot run deepseek_v4: TypeError: layer 0 "
+                                         r"\(DeepseekV4DecoderLayer\): heavily compressed attention \(its cache "
+                                         r"holds a compressor's state, not keys and values per token\) and "
+                                         r"hyper-connections \(attn_hc, ffn_hc: its residual is several streams\): "
+                                         r"the adapter's operations carry neither") as err:
         check_family("deepseek_v4")
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="the adapter cannot run zaya: .*is hybrid: "
+                                         "the adapter runs attention \\(self_attn\\) of the kinds full, sliding"):
+        check_family("zaya")
     with pytest.raises(ValueError, match="top-k 9 must pick between 1 and the 8 routed experts"):
         check_family("qwen3_moe", dict(top_k=9))
 

@@ -152,9 +152,28 @@ def _refuse_unknown(hf_layer: nn.Module, index: int, known: Set[str]) -> None:
                         f"run: {sorted(unknown)}")
 
 
+# What a layer may hold that the operations cannot carry (DeepSeek-V4; docs/model.md says what each would take)
+_COMPRESSED = {"compressed_sparse_attention": "compressed sparse", "heavily_compressed_attention": "heavily compressed"}
+_HYPER = ("attn_hc", "ffn_hc")  # hyper-connections: the residual as hc_mult streams, mixed around each sublayer
+
+
+def _refuse_beyond(hf_layer: nn.Module, kind: str, index: int) -> None:
+    """TypeError naming the parts of a layer whose state the operations do not carry (one hidden row per token, a
+    cache of keys and values per token)."""
+    found = [f"{_COMPRESSED[kind]} attention (its cache holds a compressor's state, not keys and values per "
+             f"token)"] if kind in _COMPRESSED else []
+    hyper = [n for n in _HYPER if isinstance(getattr(hf_layer, n, None), nn.Module)]
+    if hyper:
+        found.append(f"hyper-connections ({', '.join(hyper)}: its residual is several streams)")
+    if found:
+        raise TypeError(f"layer {index} ({type(hf_layer).__name__}): {' and '.join(found)}: the adapter's operations "
+                        f"carry {'neither' if len(found) > 1 else 'it'} (docs/model.md, 'Refused')")
+
+
 def find_parts(hf_layer: nn.Module, kind: str, index: int) -> LayerParts:
     """Layer ``index`` (of attention kind ``kind``, `layer_kind`)'s parts; TypeError naming what it lacks, or a
     child the adapter does not run."""
+    _refuse_beyond(hf_layer, kind, index)
     ffn = _child(hf_layer, _FFNS)
     if ffn is None:
         raise TypeError(f"layer {index} ({type(hf_layer).__name__}) lacks {[' / '.join(_FFNS)]}")
