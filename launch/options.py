@@ -71,7 +71,7 @@ def timing_options(f: F) -> F:
 
 
 def run_options(f: F) -> F:
-    """``--out``, ``--cpu-link``, ``--cpu-comm-priority``, ``--dispatch``, ``--timeout``."""
+    """``--out``, ``--cpu-link``, ``--cpu-comm-priority``, ``--dispatch``, ``--dispatch-dtype``, ``--timeout``."""
     return _apply([
         click.option("--out", "out_dir", type=click.Path(file_okay=False),
                      help="Write results.json, traces and timelines."),
@@ -87,6 +87,10 @@ def run_options(f: F) -> F:
                      help="The MoE layers' dispatch: its count exchange issued with the routing and read only where "
                           "the tokens go (the schedules issue the other micro-batches' work in between), or both at "
                           "once."),
+        click.option("--dispatch-dtype", default=None, metavar="bf16|int8|fp8",
+                     help="How tokens travel to their experts: int8 or fp8 (e4m3) quantized per token, each token's "
+                          "scale in the same exchange (the experts dequantize it; the combine stays in the model's "
+                          "dtype); bf16: unquantized, for a bf16 model. Default: the model's dtype, unquantized."),
         click.option("--timeout", type=float, default=120.0,
                      help="Seconds a rank waits for its peers before giving up."),
     ])(f)

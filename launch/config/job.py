@@ -22,6 +22,8 @@ from overlap.state import MAX_WAIT_TIMEOUT
 from launch.models.transformers.fields import EXPERT_COUNTS, held_field
 
 from .environment import EnvValue, compute_threads, environment
+from collectives import DISPATCH_DTYPES
+
 from .errors import ConfigError
 from .model import (REFERENCE, ModelSettings, Overrides, build_model_config, check_transformers_model,
                     check_transformers_overrides, n_experts, transformers_config)
@@ -61,6 +63,12 @@ class JobConfig:
     refresh_calibration: bool = False  # --refresh-calibration: measure auto's calibration again, whatever is cached
     threads: int = 1  # each rank's compute threads (`launch.config.environment.compute_threads`)
     threads_from: str = ""  # where that number comes from, for the headline
+    dispatch_dtype: Optional[str] = None  # --dispatch-dtype: "int8" / "fp8" (quantized per token), None: the model's
+
+    @property
+    def dispatch_name(self) -> str:
+        """How the tokens travel to their experts, as results say it: int8, fp8, or the model's dtype."""
+        return self.dispatch_dtype or str(self.dtype).replace("torch.", "")
 
     @property
     def serial_added(self) -> bool:
@@ -169,7 +177,8 @@ def job_config(*, world: int, device: str, exec_path: str, mode: Union[str, Sequ
                dtype: str, warmup: int, iters: int, seed: int, check: bool, out_dir: Optional[str], cpu_link: str,
                timeout: float, model_name: str = REFERENCE, cpu_comm_priority: str = "off",
                dispatch: str = "two-step", auto_split_margin: float = microbatch.planning.SPLIT_MARGIN,
-               refresh_calibration: bool = False, local_world: int = 1, full_size: bool = False) -> JobConfig:
+               refresh_calibration: bool = False, local_world: int = 1, full_size: bool = False,
+               dispatch_dtype: Optional[str] = None) -> JobConfig:
     """The job of the command-line options and the environment, checked; `ConfigError` names the first problem.
 
     ``mode`` is one comma-separated list, or several (``--mode`` given more than once: they add up);
@@ -182,6 +191,7 @@ def job_config(*, world: int, device: str, exec_path: str, mode: Union[str, Sequ
     except ValueError as exc:
         raise ConfigError(f"--mode: {exc}") from None
     _check_numbers(seed, timeout, warmup, iters, out_dir)
+    quantized = check_dispatch_dtype(dispatch_dtype, DTYPES[dtype])
     if not (math.isfinite(auto_split_margin) and 0.0 <= auto_split_margin < 1.0):
         raise ConfigError(f"--auto-split-margin must be a fraction in [0, 1) (0.1: a split must be predicted 10% "
                           f"faster than one batch), got {auto_split_margin:g}")
@@ -207,7 +217,7 @@ def job_config(*, world: int, device: str, exec_path: str, mode: Union[str, Sequ
     job = JobConfig(model, tuple(lens), modes, device, path,
                     kv_offload, kv_store, DTYPES[dtype], warmup, iters, seed, check, out_dir, link, timeout,
                     model_name, cpu_comm_priority, expanded, env, dispatch, auto_split_margin,
-                    bool(refresh_calibration), threads, threads_from)
+                    bool(refresh_calibration), threads, threads_from, quantized)
     if job.graph and AUTO in modes:
         raise ConfigError(f"--mode auto plans the eager paths; on --path {path} pick a mode")
     if job.graph and job.transformers:
@@ -217,6 +227,23 @@ def job_config(*, world: int, device: str, exec_path: str, mode: Union[str, Sequ
         raise ConfigError(f"--kv-offload runs on the eager paths only: a copy to host memory on its own "
                           f"stream cannot be expressed inside a {path} graph")
     return job
+
+
+def check_dispatch_dtype(name: Optional[str], dtype: torch.dtype) -> Optional[str]:
+    """``--dispatch-dtype``: the quantized dispatch it asks for (``int8`` / ``fp8``), or None (unquantized: left out,
+    or ``bf16`` for a bf16 model); `ConfigError` naming the value otherwise."""
+    if name is None:
+        return None
+    if name not in DISPATCH_DTYPES:
+        raise ConfigError(f"--dispatch-dtype must be one of {', '.join(DISPATCH_DTYPES)} (default: the model's dtype, "
+                          f"unquantized), got {name!r}")
+    if DISPATCH_DTYPES[name] is not None:
+        return name
+    if dtype != torch.bfloat16:
+        raise ConfigError(f"--dispatch-dtype {name} sends a bfloat16 model's tokens unquantized, but --dtype is "
+                          f"{str(dtype).replace('torch.', '')}: leave --dispatch-dtype out (tokens travel in the "
+                          f"model's dtype), or pass int8 / fp8")
+    return None
 
 
 def _uneven_experts(model_name: str, model: ModelSettings, experts: int, world: int, given: bool,
