@@ -224,7 +224,8 @@ def _generate_job(job: JobConfig, decode: DecodeConfig, dev: torch.device, fault
     if job.check:
         failed, notes = check(results, job.dtype, dist.group.WORLD)
         own_failed, own_notes = _check_own_tokens(job, results, own)
-        failed, notes = failed + own_failed, notes + own_notes
+        failed, notes = failed + own_failed, notes + own_notes + _unquantized_tokens(job, decode, model, prompts,
+                                                                                     limits, results, make_cache)
     say(table(results))
     for r in results:
         if r.predicted_tpot_s is not None and r.tpot_s:
@@ -372,6 +373,39 @@ def _own_tokens(job: JobConfig, model: DecodeModel, prompts: Sequence[Sequence[i
                 f"experts per MoE layer once they are spread, so serial is compared with the model's own generate() "
                 f"on one rank only (run python launch/generate.py --model {job.model_name} --check)")
     return [model.own_generate([p], n, stop_token)[0] for p, n in zip(prompts, limits)]
+
+
+def _unquantized_tokens(job: JobConfig, decode: DecodeConfig, model: DecodeModel, prompts: Sequence[Sequence[int]],
+                        limits: Sequence[int], results: Sequence["RunResult"], make_cache: Callable[[], "KVCache"]
+                        ) -> List[str]:
+    """With a quantized dispatch: serial's tokens against a serial generation with the dispatch unquantized (every
+    rank runs it), as a note: the share of the same tokens (the worst rank's) and the first token that differs. A
+    note, not a failure: greedy tokens part at a near-tie and differ after it (prefill's --check bounds the
+    logits)."""
+    from collectives import dispatch_dtype_of
+    from launch.engine import generate
+    from launch.measure.generate import first_difference
+    from microbatch.planning import max_over_ranks
+
+    if job.dispatch_dtype is None:
+        return []
+    layers = [layer.moe for layer in model.moe_layers()]
+    for ep in layers:
+        ep.dispatch_dtype = None
+    try:
+        plain = generate(model, prompts, list(limits), stop_token=decode.stop_token, cache=make_cache(),
+                         mode="serial", buckets=decode.buckets).tokens
+    finally:
+        for ep in layers:
+            ep.dispatch_dtype = dispatch_dtype_of(job.dispatch_dtype)
+    serial = next(r for r in results if r.run.label == "serial").generated.tokens
+    total = sum(len(t) for t in plain)
+    same = sum(a == b for s, p in zip(serial, plain) for a, b in zip(s, p))
+    at = first_difference(serial, plain)
+    (worst,) = max_over_ranks([1.0 - same / max(1, total)], dist.group.WORLD)
+    where = "none differs" if at is None else f"the first differs at token {at[1]} of request {at[0]} (0: the prefill's)"
+    return [f"serial with the {job.dispatch_dtype} dispatch against the unquantized dispatch: {1 - worst:.1%} of "
+            f"the tokens the same (the worst rank's); on this rank {where}"]
 
 
 def _check_own_tokens(job: JobConfig, results: Sequence[RunResult], own: OwnTokens) -> Tuple[List[str], List[str]]:

@@ -3,6 +3,7 @@ token, their scales in the same exchange, the experts dequantizing them, on ever
 from __future__ import annotations
 
 import importlib
+import json
 from types import SimpleNamespace
 from unittest import mock
 
@@ -305,3 +306,20 @@ def test_bf16_on_a_float32_model_is_refused_in_one_line(capsys, monkeypatch):
     code, _, err = run_here(main, TINY + ["--dispatch-dtype", "bf16"], capsys, monkeypatch)
     assert code == 2 and len(err.strip().splitlines()) == 1
     assert "--dispatch-dtype bf16 sends a bfloat16 model's tokens unquantized, but --dtype is float32" in err
+
+
+def test_prefill_check_compares_serial_with_the_unquantized_dispatch_and_results_say_the_dtype(
+        tmp_path, capsys, monkeypatch):
+    from launch.prefill import main
+
+    args = TINY + ["--dispatch-dtype", "int8", "--mode", "two-batch", "--check", "--cpu-link", "off",
+                   "--out", str(tmp_path)]
+    code, out, err = run_here(main, args, capsys, monkeypatch)
+    assert code == 0, out + err
+    assert "| dispatch int8 (per-token scales)" in out
+    line = next(x for x in out.splitlines() if "against the unquantized dispatch" in x)
+    assert line.startswith("check: serial with the int8 dispatch against the unquantized dispatch: largest logit "
+                           "difference "), line
+    assert "90% of the tokens within" in line and "check: every mode matches serial" in out
+    with open(tmp_path / "results.json") as f:
+        assert json.load(f)["dispatch_dtype"] == "int8"
