@@ -145,5 +145,6 @@ def as_float(tokens: Union[torch.Tensor, QuantizedTokens], dtype: torch.dtype) -
 
 
 __all__ = ["DISPATCH_DTYPES", "NonFiniteTokens", "QuantizedTokens", "as_float", "dequantize", "dispatch_dtype_name",
-           "dispatch_dtype_of", "pack", "quantize_per_token", "received_hidden", "received_tokens", "tokens_for", "unpack",
+           "dispatch_dtype_of", "pack", "quantize_per_token", "received_hidden", "received_tokens", "tokens_for",
+           "unpack",
            "wire_bytes_per_token", "wire_tokens"]

@@ -49,7 +49,8 @@ def fingerprint(job: JobConfig) -> Dict[str, Any]:
                 "--dtype": str(job.dtype).replace("torch.", ""), "--warmup": job.warmup, "--iters": job.iters,
                 "--seed": job.seed, "--check": job.check,
                 "--cpu-link": str(job.link) if job.link else "off", "--cpu-comm-priority": job.comm_priority,
-                "--dispatch": job.dispatch, "--dispatch-dtype": job.dispatch_name, "--timeout": job.timeout, "--auto-split-margin": job.split_margin,
+                "--dispatch": job.dispatch, "--dispatch-dtype": job.dispatch_name, "--timeout": job.timeout,
+                "--auto-split-margin": job.split_margin,
                 "--refresh-calibration": job.refresh_calibration})
     out.update(dict(job.environment))
     return out

@@ -403,7 +403,8 @@ def _unquantized_tokens(job: JobConfig, decode: DecodeConfig, model: DecodeModel
     same = sum(a == b for s, p in zip(serial, plain) for a, b in zip(s, p))
     at = first_difference(serial, plain)
     (worst,) = max_over_ranks([1.0 - same / max(1, total)], dist.group.WORLD)
-    where = "none differs" if at is None else f"the first differs at token {at[1]} of request {at[0]} (0: the prefill's)"
+    where = ("none differs" if at is None
+             else f"the first differs at token {at[1]} of request {at[0]} (0: the prefill's)")
     return [f"serial with the {job.dispatch_dtype} dispatch against the unquantized dispatch: {1 - worst:.1%} of "
             f"the tokens the same (the worst rank's); on this rank {where}"]
 

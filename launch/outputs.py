@@ -139,7 +139,8 @@ def write_generation_outputs(out_dir: str, job: JobConfig, decode: DecodeConfig,
                        "new_tokens": decode.new_tokens, "new_tokens_spread": decode.spread,
                        "stop_token": decode.stop_token, "kv_offload": job.kv_offload,
                        "cpu_link": str(job.link) if job.link else None, "dispatch": job.dispatch,
-                       "dispatch_dtype": job.dispatch_name, "decode_exchange": decode.exchange, "rows": [r.row() for r in results],
+                       "dispatch_dtype": job.dispatch_name, "decode_exchange": decode.exchange,
+                       "rows": [r.row() for r in results],
                        "check": None if not job.check else ("failed" if failed else "passed"),
                        "failures": failed}, f, indent=2)
 

@@ -156,9 +156,10 @@ def _report(result: Dict[str, Any], opts: Dict[str, Any]) -> str:
              f"{'dispatch':<8}  {'bytes/token':>11}  {'vs bf16':>7}  {'prefill ms':>10}  {'vs bf16':>7}  "
              f"{'decode ms':>9}  {'vs bf16':>7}"]
     for name in DISPATCHES:
+        pre, dec = times["prefill"], times["decode"]
         lines.append(f"{name:<8}  {nbytes[name]:>11.0f}  {nbytes[name] / nbytes['bf16']:>6.3f}x  "
-                     f"{times['prefill'][name] * 1e3:>10.2f}  {times['prefill'][name] / times['prefill']['bf16']:>6.3f}x"
-                     f"  {times['decode'][name] * 1e3:>9.2f}  {times['decode'][name] / times['decode']['bf16']:>6.3f}x")
+                     f"{pre[name] * 1e3:>10.2f}  {pre[name] / pre['bf16']:>6.3f}x  "
+                     f"{dec[name] * 1e3:>9.2f}  {dec[name] / dec['bf16']:>6.3f}x")
     lines.append("")
     for name in DISPATCHES[1:]:
         b = nbytes[name] / nbytes["bf16"]
