@@ -30,7 +30,9 @@ from .mc2 import (DECODE_EXCHANGES, MC2_EXCHANGES, MC2Batch, MC2CombineHandle, M
                   MC2Exchange, check_mc2_buffer, choose_exchange, decode_exchange_named, ep_combine, ep_dispatch,
                   mc2_buffer_mb, mc2_combine, mc2_dispatch)
 from .reference import MoE, MoEConfig, combine_dense
+from .quantized_experts import QuantizedExperts
 from .values import MOE_ACTIVE, MOE_CAPACITY, MOE_IN, MOE_OUT
+from .weight_quant import QuantizedLinear
 from .wrap import TransformersRouter, capacity_expert_parallel, find_moe_blocks, mc2_expert_parallel, \
     wrap_expert_parallel
 
@@ -39,7 +41,8 @@ __all__ = [
     "CombineHandle", "DECODE_EXCHANGES", "DispatchHandle", "DispatchLayout", "EPBatch", "EPCombineHandle",
     "EPDispatchHandle", "Exchange", "ExpertBatch", "ExpertLayer", "ExpertParallelMoE", "LayerShapes", "LayoutError",
     "LocalExperts", "MC2Batch", "MC2CombineHandle", "MC2DispatchHandle", "MC2Error", "MC2Exchange", "MC2_EXCHANGES",
-    "MOE_ACTIVE", "MOE_CAPACITY", "MOE_IN", "MOE_OUT", "MoE", "MoEConfig", "PendingDispatch", "RoutedTokens",
+    "MOE_ACTIVE", "MOE_CAPACITY", "MOE_IN", "MOE_OUT", "MoE", "MoEConfig", "PendingDispatch", "QuantizedExperts",
+    "QuantizedLinear", "RoutedTokens",
     "SharedExperts", "TransformersRouter", "capacity_combine", "capacity_dispatch", "capacity_expert_parallel",
     "check_mc2_buffer", "check_routing", "choose_exchange", "combine", "combine_dense", "compute_layout",
     "decode_exchange_named", "dispatch", "dispatch_counts", "ep_combine", "ep_dispatch", "exchange_counts", "expand",
