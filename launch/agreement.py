@@ -50,7 +50,7 @@ def fingerprint(job: JobConfig) -> Dict[str, Any]:
                 "--seed": job.seed, "--check": job.check,
                 "--cpu-link": str(job.link) if job.link else "off", "--cpu-comm-priority": job.comm_priority,
                 "--dispatch": job.dispatch, "--timeout": job.timeout, "--auto-split-margin": job.split_margin,
-                "--refresh-calibration": job.refresh_calibration})
+                "--refresh-calibration": job.refresh_calibration, "--indexer-stream": job.indexer_stream})
     out.update(dict(job.environment))
     return out
 

@@ -22,7 +22,9 @@ def build_model(job: JobConfig, rank: int, world: int, dev: torch.device) -> MoE
     from launch.models import adapt, from_config
 
     if job.checkpoint is None:
-        return from_config(job.model, seed=job.seed, dtype=job.dtype, device=dev)
+        model = from_config(job.model, seed=job.seed, dtype=job.dtype, device=dev)
+        model.indexer_stream = job.indexer_stream
+        return model
     from launch.agreement import agree_ready
     from launch.models.checkpoint import CheckpointError, load_checkpoint
 
@@ -47,7 +49,9 @@ def build_model(job: JobConfig, rank: int, world: int, dev: torch.device) -> MoE
         say("weights: not read, by design: " + "; ".join(report.skipped))
     # with several ranks its blocks hold only this rank's experts, and quantized experts have no transformers
     # forward: no forward of the whole model to check
-    return adapt(hf, check=holds_whole_model(job, world) and report.quantization is None)
+    model = adapt(hf, check=holds_whole_model(job, world) and report.quantization is None)
+    model.indexer_stream = job.indexer_stream
+    return model
 
 
 QUANTIZED_PARTS = ("experts", "dense", "scales")  # a quantized checkpoint's bytes per rank, as held

@@ -61,6 +61,7 @@ class JobConfig:
     refresh_calibration: bool = False  # --refresh-calibration: measure auto's calibration again, whatever is cached
     threads: int = 1  # each rank's compute threads (`launch.config.environment.compute_threads`)
     threads_from: str = ""  # where that number comes from, for the headline
+    indexer_stream: bool = True  # --indexer-stream: sparse attention's indexer on its own stream (IndexedLayer)
 
     @property
     def serial_added(self) -> bool:
@@ -169,7 +170,8 @@ def job_config(*, world: int, device: str, exec_path: str, mode: Union[str, Sequ
                dtype: str, warmup: int, iters: int, seed: int, check: bool, out_dir: Optional[str], cpu_link: str,
                timeout: float, model_name: str = REFERENCE, cpu_comm_priority: str = "off",
                dispatch: str = "two-step", auto_split_margin: float = microbatch.planning.SPLIT_MARGIN,
-               refresh_calibration: bool = False, local_world: int = 1, full_size: bool = False) -> JobConfig:
+               refresh_calibration: bool = False, local_world: int = 1, full_size: bool = False,
+               indexer_stream: bool = True) -> JobConfig:
     """The job of the command-line options and the environment, checked; `ConfigError` names the first problem.
 
     ``mode`` is one comma-separated list, or several (``--mode`` given more than once: they add up);
@@ -207,7 +209,7 @@ def job_config(*, world: int, device: str, exec_path: str, mode: Union[str, Sequ
     job = JobConfig(model, tuple(lens), modes, device, path,
                     kv_offload, kv_store, DTYPES[dtype], warmup, iters, seed, check, out_dir, link, timeout,
                     model_name, cpu_comm_priority, expanded, env, dispatch, auto_split_margin,
-                    bool(refresh_calibration), threads, threads_from)
+                    bool(refresh_calibration), threads, threads_from, bool(indexer_stream))
     if job.graph and AUTO in modes:
         raise ConfigError(f"--mode auto plans the eager paths; on --path {path} pick a mode")
     if job.graph and job.transformers:
