@@ -34,7 +34,9 @@ from .mc2 import (DECODE_EXCHANGES, MC2_EXCHANGES, MC2Batch, MC2CombineHandle, M
 from .quantize import (DISPATCH_DTYPES, NonFiniteTokens, QuantizedTokens, dequantize, dispatch_dtype_name,
                        dispatch_dtype_of, quantize_per_token, wire_bytes_per_token)
 from .reference import MoE, MoEConfig, combine_dense
+from .quantized_experts import QuantizedExperts
 from .values import MOE_ACTIVE, MOE_CAPACITY, MOE_IN, MOE_OUT
+from .weight_quant import QuantizedLinear
 from .wrap import TransformersRouter, capacity_expert_parallel, find_moe_blocks, mc2_expert_parallel, \
     wrap_expert_parallel
 
@@ -44,11 +46,11 @@ __all__ = [
     "EPCombineHandle", "EPDispatchHandle", "Exchange", "ExpertBatch", "ExpertLayer", "ExpertParallelMoE",
     "LayerShapes", "LayoutError", "LocalExperts", "MC2Batch", "MC2CombineHandle", "MC2DispatchHandle", "MC2Error",
     "MC2Exchange", "MC2_EXCHANGES", "MOE_ACTIVE", "MOE_CAPACITY", "MOE_IN", "MOE_OUT", "MoE", "MoEConfig",
-    "NonFiniteTokens", "PendingDispatch", "QuantizedTokens", "RoutedTokens", "SharedExperts", "TransformersRouter",
-    "capacity_combine", "capacity_dispatch", "capacity_expert_parallel", "check_mc2_buffer", "check_routing",
-    "choose_exchange", "combine", "combine_dense", "compute_layout", "decode_exchange_named", "dequantize",
-    "dispatch", "dispatch_counts", "dispatch_dtype_name", "dispatch_dtype_of", "ep_combine", "ep_dispatch",
-    "exchange_counts", "expand", "find_moe_blocks", "group_size", "grouped_mlp", "mc2_buffer_mb", "mc2_combine",
-    "mc2_dispatch", "mc2_expert_parallel", "quantize_per_token", "reduce_local", "reduce_ranks", "release_buffers",
-    "resolve_impl", "wire_bytes_per_token", "wrap_expert_parallel",
+    "NonFiniteTokens", "PendingDispatch", "QuantizedExperts", "QuantizedLinear", "QuantizedTokens", "RoutedTokens",
+    "SharedExperts", "TransformersRouter", "capacity_combine", "capacity_dispatch", "capacity_expert_parallel",
+    "check_mc2_buffer", "check_routing", "choose_exchange", "combine", "combine_dense", "compute_layout",
+    "decode_exchange_named", "dequantize", "dispatch", "dispatch_counts", "dispatch_dtype_name", "dispatch_dtype_of",
+    "ep_combine", "ep_dispatch", "exchange_counts", "expand", "find_moe_blocks", "group_size", "grouped_mlp",
+    "mc2_buffer_mb", "mc2_combine", "mc2_dispatch", "mc2_expert_parallel", "quantize_per_token", "reduce_local",
+    "reduce_ranks", "release_buffers", "resolve_impl", "wire_bytes_per_token", "wrap_expert_parallel",
 ]

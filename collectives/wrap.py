@@ -37,6 +37,7 @@ from .layer import ExpertParallelMoE, SharedExperts
 from .layout import LayoutError
 from .mc2 import MC2_EXCHANGES, MC2_MAX_TOKENS, MC2Exchange, decode_exchange_named
 from .quantize import DispatchDtype, dispatch_dtype_of
+from .quantized_experts import QuantizedExperts
 
 PROBE_TOKENS = 16
 _EXAMPLES = ("collectives.reference.MoE or a transformers sparse MoE block (MixtralSparseMoeBlock, "
@@ -310,6 +311,33 @@ def _wrap_beside(module: nn.Module, name: str, inner: nn.Module, group, overlap_
                              exchange=exchange, decode_exchange=decode_exchange)
 
 
+def _wrap_quantized(module: nn.Module, experts: QuantizedExperts, group, overlap_shared: bool,
+                    exchange: Optional[Exchange], decode_exchange: Optional[Exchange]) -> ExpertParallelMoE:
+    """A block whose experts a loader left quantized (`QuantizedExperts`, with its ``ep_shard``): its routing
+    captured from its own forward, its shared part, and those experts as they are (not copied, not probed:
+    their own forward is the reference path)."""
+    world = group_size(group)
+    rank = dist.get_rank(group) if dist.is_initialized() else 0
+    first, total = getattr(experts, "ep_shard", (experts.first_expert, experts.num_local * world))
+    n = _per_rank(total, world)
+    lo = rank * n
+    if first != lo or experts.num_local != n:
+        raise LayoutError(f"the quantized experts loaded on rank {rank} are {first}..{first + experts.num_local - 1} "
+                          f"of {total} (ep_shard), but rank {rank} of {world} holds experts {lo}..{lo + n - 1}")
+    shared, shared_names = shared_part(module)
+    router = CapturedRouter(module, shared_names)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, PROBE_TOKENS, experts.down_q.shape[1], generator=gen).to(device=experts.down_q.device,
+                                                                                dtype=experts.dtype)
+    with torch.no_grad():
+        seen = _runs(module, lambda: router.observe(x, total, total))
+    if seen.scale is not None or _folded(seen):
+        raise misfit(module, "its quantized experts get scaled tokens or identity experts, which the quantized "
+                             "experts do not compute")
+    return ExpertParallelMoE(seen.shortcut or router, experts, total, group, shared, overlap_shared,
+                             exchange=exchange, decode_exchange=decode_exchange)
+
+
 def wrap_expert_parallel(module: nn.Module, group: Optional[dist.ProcessGroup] = None, *,
                          overlap_shared: bool = True, impl: str = "auto", check: bool = True,
                          exchange: Optional[Exchange] = None, decode_exchange: Optional[Exchange] = None,
@@ -317,7 +345,8 @@ def wrap_expert_parallel(module: nn.Module, group: Optional[dist.ProcessGroup] =
     """An `ExpertParallelMoE` computing what ``module`` computes, with this rank's experts only.
 
     ``check``: verify once, on a probe batch of 16 tokens, that the block's output is the routed experts
-    (from the routing it computes) plus its shared part (skipped for a loader's shard, ``ep_shard``).
+    (from the routing it computes) plus its shared part (skipped for a loader's shard, ``ep_shard``). Experts a
+    loader left quantized (`QuantizedExperts`) are used as they are.
     Raises TypeError naming the part of the block that is missing or not supported. ``exchange`` /
     ``decode_exchange``: the layer's (None: the all-to-all, and the capacity exchange for decode steps).
     ``dispatch_dtype``: ``"int8"`` / ``"fp8"`` quantize the tokens per token for the dispatch (None / ``"bf16"``:
@@ -327,6 +356,10 @@ def wrap_expert_parallel(module: nn.Module, group: Optional[dist.ProcessGroup] =
     world = group_size(group)
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     experts = getattr(module, "_modules", {}).get(ROUTED)
+    if isinstance(experts, QuantizedExperts):  # quantized weights take float rows: a quantized dispatch's dequantized
+        ep = _wrap_quantized(module, experts, group, overlap_shared, exchange, decode_exchange)
+        ep.dispatch_dtype = dispatch_dtype
+        return ep
     if not isinstance(experts, nn.Module):
         inner = _routed_child(module) if isinstance(module, nn.Module) else None
         if inner is not None:

@@ -22,7 +22,9 @@ def build_model(job: JobConfig, rank: int, world: int, dev: torch.device) -> MoE
     from launch.models import adapt, from_config
 
     if job.checkpoint is None:
-        return from_config(job.model, seed=job.seed, dtype=job.dtype, device=dev)
+        model = from_config(job.model, seed=job.seed, dtype=job.dtype, device=dev)
+        model.indexer_stream = job.indexer_stream
+        return model
     from launch.agreement import agree_ready
     from launch.models.checkpoint import CheckpointError, load_checkpoint
 
@@ -32,16 +34,27 @@ def build_model(job: JobConfig, rank: int, world: int, dev: torch.device) -> MoE
     except CheckpointError as exc:  # what this rank found in its part (a missing expert...): exit 2 on every rank
         problem = str(exc).splitlines()[0]
     agree_ready("loading the checkpoint", problem, job.timeout)  # the store only: no rank is left in a collective
-    held = torch.tensor([report.bytes_held, report.bytes_read], dtype=torch.float64,
+    kept = [report.quantized_bytes.get(k, 0) for k in QUANTIZED_PARTS]
+    held = torch.tensor([report.bytes_held, report.bytes_read, *kept], dtype=torch.float64,
                         device=overlap.collective_device())
     every = [torch.zeros_like(held) for _ in range(world)]
     dist.all_gather(every, held)  # every rank reaches this point: it is after the job agreement
     say("weights: " + ", ".join(f"rank {r} holds {_mib(h[0])} (read {_mib(h[1])})" for r, h in enumerate(every))
         + f" of a {_mib(report.checkpoint_bytes)} checkpoint")
+    if report.quantization:
+        say(f"weights: {report.quantization}, kept quantized: " + ", ".join(
+            f"rank {r} " + " + ".join(f"{k} {_mib(v)}" for k, v in zip(QUANTIZED_PARTS, h[2:]))
+            for r, h in enumerate(every)))
     if report.skipped:  # what the checkpoint holds that no rank reads, by design: said, never silently
         say("weights: not read, by design: " + "; ".join(report.skipped))
-    # with several ranks its blocks hold only this rank's experts: no forward of the whole model to check
-    return adapt(hf, check=holds_whole_model(job, world))
+    # with several ranks its blocks hold only this rank's experts, and quantized experts have no transformers
+    # forward: no forward of the whole model to check
+    model = adapt(hf, check=holds_whole_model(job, world) and report.quantization is None)
+    model.indexer_stream = job.indexer_stream
+    return model
+
+
+QUANTIZED_PARTS = ("experts", "dense", "scales")  # a quantized checkpoint's bytes per rank, as held
 
 
 def _mib(n: Union[float, torch.Tensor]) -> str:

@@ -19,7 +19,8 @@ def _apply(options: List[Callable[[F], F]]) -> Callable[[F], F]:
 
 
 def model_options(f: F) -> F:
-    """``--model``, ``--device``, ``--preset`` and the shape overrides (``--layers``, ``--hidden``, ...)."""
+    """``--model``, ``--device``, ``--preset``, the shape overrides (``--layers``, ``--hidden``, ...) and
+    ``--indexer-stream``."""
     return _apply([
         click.option("--model", "model_name", default="reference", metavar="reference|NAME|PATH",
                      help="The toolkit's reference decoder, a transformers MoE model type built small from its "
@@ -35,6 +36,10 @@ def model_options(f: F) -> F:
         click.option("--experts", type=int, help="Override: routed experts (a multiple of the number of ranks)."),
         click.option("--top-k", type=int, help="Override: experts per token."),
         click.option("--shared-experts", type=int, help="Override: shared experts (0: none)."),
+        click.option("--indexer-stream/--no-indexer-stream", default=True,
+                     help="DeepSeek sparse attention (deepseek_v32, glm_moe_dsa): the indexer's top-k selection on "
+                          "its own stream beside the main attention branch; off: the family's attention module as "
+                          "one operation."),
     ])(f)
 
 

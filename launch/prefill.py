@@ -213,6 +213,9 @@ def _own_forward(job: JobConfig, model: MoEModel, batch: Batch, world: int) -> O
 
     if not (job.check and isinstance(model, TransformersModel)):
         return None
+    if job.dispatch_dtype is not None:  # the own forward sends nothing quantized: see `_check_unquantized`
+        return (f"the dispatch is quantized ({job.dispatch_dtype}); serial is compared with the unquantized dispatch "
+                f"instead")
     if not holds_whole_model(job, world):
         experts = model.cfg.n_experts
         return (f"each of the {world} ranks holds {experts // world} of the checkpoint's {experts} routed experts "

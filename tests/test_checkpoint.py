@@ -360,21 +360,22 @@ def test_a_folder_without_config_or_weights(tmp_path, written):
 
 
 def _quantized(src: str, dst: str) -> str:
-    """A copy of the checkpoint ``src`` whose config.json says its weights are FP8, as DeepSeek-V3's does."""
+    """A copy of the checkpoint ``src`` whose config.json says its weights are AWQ (a format the loader does not
+    read; FP8 and W8A8 are read: tests/test_quantized_checkpoints.py)."""
     shutil.copytree(src, dst)
     with open(os.path.join(dst, "config.json")) as f:
         config = json.load(f)
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                     "weight_block_size": [128, 128]}
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(config, f)
     return dst
 
 
 def test_a_quantized_checkpoint_is_refused_before_any_read(written, tmp_path):
-    path = _quantized(written["qwen3_moe"][1], str(tmp_path / "fp8"))
+    path = _quantized(written["qwen3_moe"][1], str(tmp_path / "awq"))
     for load in (load_checkpoint, check_checkpoint):
-        with pytest.raises(CheckpointError, match=r"config\.json: a quantized checkpoint \(fp8\) is not supported"):
+        with pytest.raises(CheckpointError, match=r"config\.json: a quantized checkpoint \(awq\) is not supported; "
+                                                  r"supported: quant_method fp8"):
             load(path)
     assert check_checkpoint(written["qwen3_moe"][2]).model_type == "qwen3_moe"
 
@@ -390,10 +391,10 @@ def _launch_two_ranks(path: str, *more: str):
 @pytest.mark.spawns_ranks
 def test_the_launcher_refuses_a_quantized_checkpoint_in_one_line(tmp_path):
     model = _model("qwen3_moe")
-    path = _quantized(_save(model, str(tmp_path / "bf16")), str(tmp_path / "fp8"))
+    path = _quantized(_save(model, str(tmp_path / "bf16")), str(tmp_path / "awq"))
     codes, text = _launch_two_ranks(path)
     assert codes == [2, 2], text[-3000:]
-    assert text.count("quantized") == 1 and "a quantized checkpoint (fp8) is not supported" in text, text[-3000:]
+    assert text.count("quantized") == 1 and "a quantized checkpoint (awq) is not supported" in text, text[-3000:]
     assert "unexpected error" not in text and "Traceback" not in text, text[-3000:]
 
 

@@ -1,4 +1,5 @@
-"""Every torch_npu / torchair call of the toolkit matches the torch_npu wheel for the installed torch.
+"""Every torch_npu / torchair call of the toolkit matches the torch_npu wheel for the installed torch, and the newest
+release's (`torchair_contract.CURRENT_RELEASE`).
 
 The toolkit's sources (overlap/, collectives/, microbatch/, launch/) are parsed with ``ast`` and
 every call that reaches ``torch_npu``, ``torch.npu``, ``torch.ops.{npu,air,npugraph_ex}``,
@@ -57,7 +58,16 @@ def test_discovery_sees_every_kind_of_call(found):
         assert any(p.startswith(kind) for p in paths), f"no call of {kind}* found; found: {paths}"
 
 
-def test_every_npu_call_matches_the_wheel(found, wheel):
+@pytest.fixture(scope="module", params=["installed", tc.CURRENT_RELEASE])
+def each_wheel(request):
+    """The installed torch's wheel (the `wheel` fixture's), then the newest release's."""
+    w = ns.Wheel(tc.wheel_path(None if request.param == "installed" else request.param))
+    yield w
+    w.close()
+
+
+def test_every_npu_call_matches_the_wheel(found, each_wheel):
+    wheel = each_wheel
     verdicts = ns.check_all(wheel, found)
     print(f"{os.path.basename(wheel.path)}: {len(found.calls)} calls, {len(found.references)} imports / references")
     print(ns.format_verdicts(verdicts))

@@ -63,6 +63,7 @@ class JobConfig:
     refresh_calibration: bool = False  # --refresh-calibration: measure auto's calibration again, whatever is cached
     threads: int = 1  # each rank's compute threads (`launch.config.environment.compute_threads`)
     threads_from: str = ""  # where that number comes from, for the headline
+    indexer_stream: bool = True  # --indexer-stream: sparse attention's indexer on its own stream (IndexedLayer)
     dispatch_dtype: Optional[str] = None  # --dispatch-dtype: "int8" / "fp8" (quantized per token), None: the model's
 
     @property
@@ -178,7 +179,7 @@ def job_config(*, world: int, device: str, exec_path: str, mode: Union[str, Sequ
                timeout: float, model_name: str = REFERENCE, cpu_comm_priority: str = "off",
                dispatch: str = "two-step", auto_split_margin: float = microbatch.planning.SPLIT_MARGIN,
                refresh_calibration: bool = False, local_world: int = 1, full_size: bool = False,
-               dispatch_dtype: Optional[str] = None) -> JobConfig:
+               indexer_stream: bool = True, dispatch_dtype: Optional[str] = None) -> JobConfig:
     """The job of the command-line options and the environment, checked; `ConfigError` names the first problem.
 
     ``mode`` is one comma-separated list, or several (``--mode`` given more than once: they add up);
@@ -217,7 +218,7 @@ def job_config(*, world: int, device: str, exec_path: str, mode: Union[str, Sequ
     job = JobConfig(model, tuple(lens), modes, device, path,
                     kv_offload, kv_store, DTYPES[dtype], warmup, iters, seed, check, out_dir, link, timeout,
                     model_name, cpu_comm_priority, expanded, env, dispatch, auto_split_margin,
-                    bool(refresh_calibration), threads, threads_from, quantized)
+                    bool(refresh_calibration), threads, threads_from, bool(indexer_stream), quantized)
     if job.graph and AUTO in modes:
         raise ConfigError(f"--mode auto plans the eager paths; on --path {path} pick a mode")
     if job.graph and job.transformers:

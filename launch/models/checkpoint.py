@@ -27,7 +27,6 @@ import contextlib
 import copy
 import dataclasses
 import errno
-import functools
 import glob
 import json
 import math
@@ -41,6 +40,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .common import one_line
+from .errors import CheckpointError, json_object
+from .quantized.formats import QuantFormat, checkpoint_format
 from .transformers.fields import EXPERT_COUNTS, EXPERT_PROJECTIONS, MTP_LAYERS, TOP_K, stored_field
 
 __all__ = ["CheckpointError", "GenerationSettings", "LoadReport", "check_checkpoint", "check_moe_config",
@@ -65,10 +66,6 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
            "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
-class CheckpointError(ValueError):
-    """A checkpoint this loader cannot load; the message names the folder, file or tensor."""
-
-
 @dataclasses.dataclass(frozen=True)
 class LoadReport:
     """What one rank read and holds."""
@@ -82,6 +79,8 @@ class LoadReport:
     sharded: Dict[str, Tuple[int, int]]  # experts module -> its ep_shard (first_expert, total_experts)
     ignored: Tuple[str, ...]  # checkpoint tensors the model does not use by design (not read by any rank)
     skipped: Tuple[str, ...] = ()  # what no rank reads on purpose, one phrase per kind (tensors, files)
+    quantization: Optional[str] = None  # the checkpoint's quantized format (fp8, w8a8), None for floats
+    quantized_bytes: Dict[str, int] = dataclasses.field(default_factory=dict)  # experts / dense / scales, as held
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,12 +262,6 @@ def _config(path: str) -> Any:
         config = AutoConfig.from_pretrained(path)
     except Exception as e:  # transformers and its dataclass checks raise many kinds for a bad config
         raise CheckpointError(f"{os.path.join(path, CONFIG)}: not a transformers config ({one_line(e)})") from None
-    quantized = getattr(config, "quantization_config", None)
-    if quantized:
-        get = quantized.get if isinstance(quantized, dict) else functools.partial(getattr, quantized)
-        method = get("quant_method", None) or "quantization_config"  # DeepSeek-V3 / R1: fp8
-        raise CheckpointError(f"{os.path.join(path, CONFIG)}: a quantized checkpoint ({method}) is not supported: "
-                              f"the loader reads float weights (convert it to bf16 first)")
     return config
 
 
@@ -305,16 +298,7 @@ def generation_settings(path: Union[str, "os.PathLike[str]"], vocab: int, read_e
 
 def _json_fields(file: str) -> Dict[str, Any]:
     """The JSON object of ``file``; empty where there is no such file."""
-    if not os.path.isfile(file):
-        return {}
-    try:
-        with open(file, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError, RecursionError) as e:
-        raise CheckpointError(f"{file}: not readable JSON ({one_line(e)})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{file}: holds {type(data).__name__}, not a JSON object")
-    return data
+    return json_object(file) if os.path.isfile(file) else {}
 
 
 def _eos_token(value: Any, file: str, vocab: int) -> Optional[int]:
@@ -450,9 +434,14 @@ class _Alloc:
 
     def __call__(self, name: str, shape: Sequence[int], stored: torch.dtype) -> torch.Tensor:
         dtype = stored
-        if stored.is_floating_point:
+        if stored.is_floating_point and stored.itemsize > 1:  # a float8 weight stays quantized, with its scales
             dtype = torch.float32 if any(p.search(name) for p in self.fp32) else (self.dtype or stored)
         return torch.empty(tuple(shape), dtype=dtype, device=self.device)
+
+
+def _param(t: torch.Tensor, requires_grad: bool) -> nn.Parameter:
+    """``t`` as a parameter; an integer one (an int8 weight) never requires grad."""
+    return nn.Parameter(t, requires_grad=requires_grad and t.is_floating_point())
 
 
 # ---------------------------------------------------------------- names
@@ -547,8 +536,8 @@ def _fused_experts(path: str, experts: nn.Module, lo: int, hi: int, ckpt: _Check
                 key = f"{prefix}.{i}.{name}.weight"
                 ckpt.expect(key, shape)
                 reads.append(_Read(key, (), dest))
-    experts.gate_up_proj = nn.Parameter(local_gu, requires_grad=gate_up.requires_grad)
-    experts.down_proj = nn.Parameter(local_d, requires_grad=down.requires_grad)
+    experts.gate_up_proj = _param(local_gu, gate_up.requires_grad)
+    experts.down_proj = _param(local_d, down.requires_grad)
     return reads
 
 
@@ -562,7 +551,7 @@ def _list_experts(path: str, experts: nn.ModuleList, lo: int, hi: int, ckpt: _Ch
     for i in range(lo, hi):
         for name, p in list(experts[i].named_parameters()):
             key, index = (_fused_rows if probe == "gate_up_proj" else _list_key)(prefix, name, p, i, ckpt)
-            local = nn.Parameter(alloc(f"{path}.{i}.{name}", p.shape, ckpt[key].dtype), requires_grad=p.requires_grad)
+            local = _param(alloc(f"{path}.{i}.{name}", p.shape, ckpt[key].dtype), p.requires_grad)
             owner, leaf = _owner(experts[i], name)
             owner._parameters[leaf] = local
             reads.append(_Read(key, index, local))
@@ -648,7 +637,7 @@ def _replicated_reads(model: nn.Module, ckpt: _Checkpoint, skip: Sequence[str],
         ckpt.expect(key, meta.shape)
         local = alloc(first, meta.shape, ckpt[key].dtype)
         if isinstance(meta, nn.Parameter):
-            local = nn.Parameter(local, requires_grad=meta.requires_grad)
+            local = _param(local, meta.requires_grad)
         for name, _, _ in names:  # tied names share the one tensor
             owner, leaf = _owner(model, name)
             (owner._parameters if leaf in owner._parameters else owner._buffers)[leaf] = local
@@ -747,6 +736,8 @@ def _execute(reads: Sequence[_Read], ckpt: _Checkpoint) -> int:
 def _finite(t: torch.Tensor) -> torch.Tensor:
     """Whether every value of ``t`` is finite, as a 0-d tensor on its device (no synchronisation); a large
     tensor is looked at in chunks, so that the mask never needs more than FINITE_CHUNK bytes."""
+    if t.is_floating_point() and t.element_size() == 1:  # float8: isfinite of its values, a chunk at a time
+        return torch.stack([torch.isfinite(c.float()).all() for c in t.reshape(-1).split(FINITE_CHUNK)]).all()
     if t.numel() <= FINITE_CHUNK or not t.is_contiguous():
         return torch.isfinite(t).all()
     return torch.stack([torch.isfinite(c).all() for c in t.view(-1).split(FINITE_CHUNK)]).all()
@@ -775,6 +766,122 @@ def _check_finite(reads: Sequence[_Read], ckpt: _Checkpoint) -> None:
                           f"{cast}: the model would compute NaN or inf")
 
 
+# ---------------------------------------------------------------- quantized checkpoints
+
+
+# A quantized weight's scales and static activation parameters, read beside it.
+_Scales = Dict[str, Tuple[List[torch.Tensor], Dict[str, torch.Tensor]]]
+
+
+def _scale_reads(reads: Sequence[_Read], fmt: Optional[QuantFormat], ckpt: _Checkpoint,
+                 device: torch.device) -> Tuple[List[_Read], _Scales]:
+    """The reads of the scales (and static activation parameters) of every quantized weight among ``reads``,
+    each allocated as stored; weight key -> its scales and parameters. A quantized weight not stored in the
+    format's dtype, or without its scales, is a `CheckpointError`."""
+    if fmt is None:
+        return [], {}
+    more: List[_Read] = []
+    found: _Scales = {}
+    for r in reads:
+        if r.key in found or not fmt.quantized(r.key, ckpt):
+            continue
+        stored = ckpt[r.key]
+        if stored.dtype != fmt.dtype:
+            raise CheckpointError(f"tensor {r.key} in {stored.file} is {str(stored.dtype).replace('torch.', '')}, "
+                                  f"the {fmt.method} format stores its quantized weights in "
+                                  f"{str(fmt.dtype).replace('torch.', '')}")
+        held: List[torch.Tensor] = []
+        extras: Dict[str, torch.Tensor] = {}
+        for key in fmt.scales(r.key) + fmt.extras(r.key):
+            if key not in ckpt:
+                raise ckpt.missing(key)
+            t = torch.empty(ckpt[key].shape, dtype=ckpt[key].dtype, device=device)
+            more.append(_Read(key, (), t))
+            if key in fmt.scales(r.key):
+                held.append(t)
+            else:
+                extras[key.rpartition(".")[2]] = t
+        found[r.key] = (held, extras)
+    return more, found
+
+
+def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _keep_quantized(model: nn.Module, ckpt: _Checkpoint, fmt: QuantFormat, scales: _Scales,
+                    sharded: Dict[str, Tuple[int, int]], dtype: Optional[torch.dtype], dequantize: bool
+                    ) -> Dict[str, int]:
+    """The quantized weights read put to use: routed experts as `collectives.QuantizedExperts`, linears as
+    `collectives.QuantizedLinear` (or, with ``dequantize``, each weight dequantized to ``dtype`` in place); the
+    bytes held, as ``experts`` / ``dense`` / ``scales``."""
+    held = {"experts": 0, "dense": 0, "scales": 0}
+    for path, (lo, total) in sharded.items():
+        _quantized_experts(model, path, lo, total, ckpt, fmt, scales, dtype or torch.float32, dequantize, held)
+    for name, module in list(model.named_modules()):
+        weight = getattr(module, "weight", None)
+        if not isinstance(module, nn.Linear) or weight.dtype != fmt.dtype:
+            continue
+        key = ckpt.find(f"{name}.weight")
+        if key not in scales:
+            raise CheckpointError(f"tensor {key} is {str(fmt.dtype).replace('torch.', '')} without the scales of the "
+                                  f"{fmt.method} format")
+        _quantized_linear(model, name, module, scales[key], fmt, dtype or torch.float32, dequantize, held)
+    return held if not dequantize else {}
+
+
+def _quantized_linear(model: nn.Module, name: str, linear: nn.Linear, scales: Tuple[List[torch.Tensor],
+                      Dict[str, torch.Tensor]], fmt: QuantFormat, dtype: torch.dtype, dequantize: bool,
+                      held: Dict[str, int]) -> None:
+    """``linear`` (its weight read quantized) replaced by a `collectives.QuantizedLinear`, or dequantized."""
+    from collectives import QuantizedLinear
+
+    quantized = QuantizedLinear(linear.weight.data, scales[0], fmt.scheme, fmt.block,
+                                None if linear.bias is None else linear.bias.data, scales[1])
+    if dequantize:
+        linear.weight = nn.Parameter(quantized.dequantized(dtype), requires_grad=False)
+        return
+    parent, leaf = _owner(model, name)
+    setattr(parent, leaf, quantized)
+    held["dense"] += _nbytes([quantized.weight])
+    held["scales"] += _nbytes(scales[0]) + _nbytes(list(scales[1].values()))
+
+
+def _quantized_experts(model: nn.Module, path: str, lo: int, total: int, ckpt: _Checkpoint, fmt: QuantFormat,
+                       scales: _Scales, dtype: torch.dtype, dequantize: bool, held: Dict[str, int]) -> None:
+    """The fused experts of ``path`` (their weights read quantized from per-expert keys) as a
+    `collectives.QuantizedExperts` carrying ``ep_shard``, or dequantized in place."""
+    from collectives import QuantizedExperts
+
+    experts = model.get_submodule(path)
+    gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if not isinstance(gate_up, torch.Tensor) or gate_up.dtype != fmt.dtype:
+        if isinstance(experts, nn.ModuleList):
+            raise CheckpointError(f"{path}: quantized experts are read into fused experts only (gate_up_proj "
+                                  f"[E, 2F, H]); {type(experts).__name__} holds them as a list")
+        return  # experts stored as floats (FLOAT in a W8A8 description)
+    prefix, _ = _prefix(path, ckpt, [f"{lo}.{g}.weight" for g, _, _ in EXPERT_PROJECTIONS])
+    names = next(n for n in EXPERT_PROJECTIONS if f"{prefix}.{lo}.{n[0]}.weight" in ckpt)
+    n = gate_up.shape[0]
+    stacked: Dict[str, List[torch.Tensor]] = {}
+    for proj, stored in zip(("gate", "up", "down"), names):
+        per_expert = [scales[f"{prefix}.{i}.{stored}.weight"][0] for i in range(lo, lo + n)]
+        stacked[proj] = [torch.stack(list(group)) for group in zip(*per_expert)]
+    quantized = QuantizedExperts(gate_up.data, down.data, stacked, fmt.scheme, lo, getattr(experts, "act_fn", None),
+                                 fmt.block, dtype)
+    if dequantize:
+        pairs = [quantized.weights(e, dtype) for e in range(n)]
+        experts.gate_up_proj = nn.Parameter(torch.stack([p[0] for p in pairs]), requires_grad=False)
+        experts.down_proj = nn.Parameter(torch.stack([p[1] for p in pairs]), requires_grad=False)
+        return
+    quantized.ep_shard = (lo, total)
+    parent, leaf = _owner(model, path)
+    setattr(parent, leaf, quantized)
+    weights, scale_bytes = quantized.quantized_bytes()
+    held["experts"] += weights
+    held["scales"] += scale_bytes
+
+
 # ---------------------------------------------------------------- the whole checkpoint
 
 
@@ -786,7 +893,8 @@ class _Unread:
     phrases: Tuple[str, ...]
 
 
-def _whole(model: nn.Module, ckpt: _Checkpoint, config: Any, world: int, where: str) -> _Unread:
+def _whole(model: nn.Module, ckpt: _Checkpoint, config: Any, world: int, where: str,
+           fmt: Optional[QuantFormat] = None) -> _Unread:
     """Check the whole checkpoint against ``model`` (left unchanged: the reads are listed on a copy), as every rank
     alike would: routed experts that ``world`` ranks share equally, every tensor of every rank there
     with its shape, and nothing left over but what the model does not use by design."""
@@ -797,7 +905,8 @@ def _whole(model: nn.Module, ckpt: _Checkpoint, config: Any, world: int, where: 
     alloc = _Alloc(torch.device("meta"), None, ())
     reads, sharded = _expert_reads(trial, ckpt, 0, 1, alloc)
     more, _ = _replicated_reads(trial, ckpt, list(sharded), alloc)
-    used = {r.key for r in reads + more}
+    scales, _ = _scale_reads(reads + more, fmt, ckpt, alloc.device)
+    used = {r.key for r in reads + more + scales}
     return _left_over(model, ckpt, config, used, [p for p, _, _ in experts], where)
 
 
@@ -873,7 +982,7 @@ def _some(keys: Sequence[str], what: str) -> str:
     return f"{n} tensor{'s' if n > 1 else ''} {what} ({', '.join(keys[:2])}{' ...' if n > 2 else ''})"
 
 
-def _open(path: str, world: int) -> Tuple[Any, _Checkpoint, nn.Module, _Unread]:
+def _open(path: str, world: int) -> Tuple[Any, _Checkpoint, nn.Module, _Unread, Optional[QuantFormat]]:
     """The config, the files' catalog and the model's skeleton, each checked, then the whole checkpoint
     against the skeleton: what every rank finds alike, without reading a weight."""
     config = _config(path)
@@ -882,7 +991,8 @@ def _open(path: str, world: int) -> Tuple[Any, _Checkpoint, nn.Module, _Unread]:
     check_moe_config(config, world, where)
     ckpt = _Checkpoint(path)
     model = _skeleton(config)
-    return config, ckpt, model, _whole(model, ckpt, config, world, where)
+    fmt = checkpoint_format(path, config)
+    return config, ckpt, model, _whole(model, ckpt, config, world, where, fmt), fmt
 
 
 # ---------------------------------------------------------------- the entry points
@@ -900,32 +1010,38 @@ def check_checkpoint(path: Union[str, "os.PathLike[str]"], world: int = 1) -> An
 
 def load_checkpoint(path: Union[str, "os.PathLike[str]"], *, rank: Optional[int] = None,
                     world: Optional[int] = None, group: Any = None, dtype: Union[torch.dtype, str, None] = None,
-                    device: Union[str, torch.device] = "cpu") -> Tuple[nn.Module, LoadReport]:
+                    device: Union[str, torch.device] = "cpu", dequantize: bool = False) -> Tuple[nn.Module, LoadReport]:
     """The transformers MoE causal LM saved in ``path``, holding this rank's routed experts only.
 
     ``rank`` / ``world`` default to ``group``'s (or the default group's, when one is initialised),
     else 0 / 1. ``dtype`` defaults to the config's, else each tensor's stored dtype. Raises
     `CheckpointError` for anything it cannot load: what `check_checkpoint` finds before any read; a
     file that cannot be read, or a tensor that holds NaN or inf (as stored or in ``dtype``), after.
+    A quantized checkpoint (`launch.models.quantized`) stays quantized: its routed experts become
+    `collectives.QuantizedExperts`, its quantized linears `collectives.QuantizedLinear`, with their scales;
+    ``dequantize``: every quantized weight is dequantized to ``dtype`` instead (the float model it stands for).
     """
     path = os.fspath(path)
     rank, world = _rank_world(rank, world, group)
     dtype = _as_dtype(dtype)
-    config, ckpt, model, unread = _open(path, world)
+    config, ckpt, model, unread, fmt = _open(path, world)
     dtype = dtype or _as_dtype(getattr(config, "dtype", None))
     device = torch.device(device)
     alloc = _Alloc(device, dtype, _fp32_patterns(model, dtype))
     reads, sharded = _expert_reads(model, ckpt, rank, world, alloc)
     more, pending = _replicated_reads(model, ckpt, list(sharded), alloc)
     reads += more
-    bytes_read = _execute(reads, ckpt)
+    scale_reads, scales = _scale_reads(reads, fmt, ckpt, device)
+    bytes_read = _execute(reads + scale_reads, ckpt)
     _init_buffers(model, pending, device)
     _check_materialised(model)
+    quantized_bytes = _keep_quantized(model, ckpt, fmt, scales, sharded, dtype, dequantize) if fmt else {}
     if dtype is not None:
         model.config.dtype = dtype
     model.eval()
     held = {id(t): t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers())}
     return model, LoadReport(rank=rank, world=world, bytes_read=bytes_read, bytes_held=sum(held.values()),
-                             tensors_read=len({r.key for r in reads}),
+                             tensors_read=len({r.key for r in reads + scale_reads}),
                              checkpoint_bytes=sum(s.nbytes for s in ckpt.catalog.values()), sharded=sharded,
-                             ignored=unread.tensors, skipped=unread.phrases)
+                             ignored=unread.tensors, skipped=unread.phrases,
+                             quantization=fmt.method if fmt else None, quantized_bytes=quantized_bytes)

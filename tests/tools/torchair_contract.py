@@ -48,6 +48,9 @@ _PACKAGES = ("torchair", "npugraph_ex")  # the two Python layers, each unpacked 
 _SUBPACKAGES = ("scope", "ops")
 NAMESPACES = ("air", "npugraph_ex")  # the operator namespaces of torchair and of the npugraph_ex backend
 _state: Dict[str, Any] = {}  # "modules" once loaded, "error" once it failed (no second download)
+# The newest torch_npu release (2026-10): its signatures are checked beside those of the installed torch's release,
+# so a call it renamed fails here before a deployment upgrades.
+CURRENT_RELEASE = "2.14.0"
 
 
 def cache_dir() -> str:
@@ -96,14 +99,15 @@ def _pip_download(spec: str, directory: str) -> str:
     return ""
 
 
-def find_wheel() -> str:
-    """Path of the torch_npu wheel matching the installed torch, downloaded into `cache_dir` if needed.
+def find_wheel(release: Optional[str] = None) -> str:
+    """Path of the torch_npu wheel of ``release`` (default: the one matching the installed torch), downloaded into
+    `cache_dir` if needed.
 
     torch_npu X.Y.Z pins torch X.Y.Z (``.postN`` rebuilds included). When no wheel of that exact
     release exists, a ``X.Y.*`` release is taken and a warning names it. Raises RuntimeError with
     pip's error when neither can be had (no registry, no wheel for this interpreter or machine).
     """
-    release = _torch_release()
+    release = release or _torch_release()
     major_minor = ".".join(release.split(".")[:2])
     directory = cache_dir()
     os.makedirs(directory, exist_ok=True)
@@ -544,26 +548,28 @@ def node_by_target(gm: torch.fx.GraphModule, target: Any) -> List[torch.fx.Node]
 ENV_WHEEL = "OVERLAP_NPU_WHEEL"
 
 
-def wheel_path() -> str:
-    """The torch_npu wheel to read: ``$OVERLAP_NPU_WHEEL`` when set, else `find_wheel`'s.
+def wheel_path(release: Optional[str] = None) -> str:
+    """The torch_npu wheel to read: for the installed torch, ``$OVERLAP_NPU_WHEEL`` when set, else `find_wheel`'s;
+    for another ``release`` (`CURRENT_RELEASE`), `find_wheel`'s of it.
 
     ``$OVERLAP_NPU_WHEEL`` names any wheel file (a new torch_npu release, before torch is upgraded
     to match it); a missing file is an error. Without it, when `find_wheel` cannot get a wheel, the
     calling test is skipped with the reason. The outcome is kept for the process (one download try).
     """
     explicit = os.environ.get(ENV_WHEEL)
-    if explicit:
+    if explicit and release is None:
         if not os.path.isfile(explicit):
             raise FileNotFoundError(f"${ENV_WHEEL}={explicit}: no such wheel file")
         return explicit
-    if "wheel" not in _state and "wheel_error" not in _state:
+    key, error = ("wheel", release), ("wheel_error", release)
+    if key not in _state and error not in _state:
         try:
-            _state["wheel"] = find_wheel()
+            _state[key] = find_wheel(release)
         except Exception as exc:  # no registry, no wheel for this torch or this machine
-            _state["wheel_error"] = f"the signature contract needs the torch_npu wheel: {exc}"
-    if "wheel" in _state:
-        return _state["wheel"]
-    pytest.skip(_state["wheel_error"])
+            _state[error] = f"the signature contract needs the torch_npu wheel: {exc}"
+    if key in _state:
+        return _state[key]
+    pytest.skip(_state[error])
 
 
 # ---- ordering: what runs after what in a captured graph ----------------------------------------------
