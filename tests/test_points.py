@@ -4,7 +4,6 @@ import json
 import os
 
 import pytest
-import torch
 from click.testing import CliRunner
 
 import overlap
