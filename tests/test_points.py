@@ -120,6 +120,23 @@ def test_the_indexer_point_on_a_tiny_deepseek_v32(tmp_path):
     assert indexer.dominator is not None and indexer.overlap_pct is not None
 
 
+def test_the_longcat_flash_shortcut_point(tmp_path):
+    """The shortcut MoE's exchange beside the layer's second attention and the dense MLPs (no data path between)."""
+    from launch.engine import make_expert_parallel, prefill, split_for
+    from launch.models import build_transformers_model
+    from microbatch.batch import Batch
+
+    model = build_transformers_model("longcat_flash", seed=3, overrides=dict(n_layers=1))
+    batch = Batch.random([12, 9], model.cfg.vocab, seed=1)
+    make_expert_parallel(model, None)
+    with overlap.Timeline() as tl:
+        prefill(model, batch, "shared", split_for("shared", batch, None, model=model))
+        overlap.synchronize()
+    path = tl.save_chrome_trace(str(tmp_path / "longcat.json"))
+    occ = {o.point: o for o in toolkit_points(named_tasks(path)[1])}
+    assert occ[f"L0.mb0.dispatch@{overlap.EP_COMM}"].dominator in ("dense0", "attn1", "dense1")
+
+
 def _kernel(name, stream, ts, dur, pid=0):
     return {"ph": "X", "cat": "kernel", "name": name, "pid": pid, "tid": stream, "ts": ts, "dur": dur,
             "args": {"stream": stream}}
