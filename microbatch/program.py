@@ -12,8 +12,9 @@
 `interpret` runs a program with one call's operation functions and inputs; every run of a schedule
 goes through it (`microbatch.run` with a kept program or a fresh one, `execute`, `Lowered.run`).
 A launch is its waits, its ``record_stream`` calls, its operation, its record and the values it
-frees. While someone observes (a `Timeline`, the sanitizer) each launch is a span too (the events
-report their records and waits themselves); while a profiler records (`overlap.hooks.profiling`) each
+frees. While someone observes (a `Timeline`, the sanitizer) each launch is a span too, its meta naming
+the operation and the values it reads and writes (``op``, ``reads``, ``writes``: the data flow
+``overlap-report --points`` reads; the events report their records and waits themselves); while a profiler records (`overlap.hooks.profiling`) each
 launch is a ``record_function`` range named ``overlap:mb1.L3.experts@default`` (`overlap.hooks.launch_name`;
 not while Dynamo traces, which drops such ranges); while neither, nothing else is built. Outside a
 trace the path (the one lowered for) and the switch are pinned for the run, so that the primitives
@@ -43,7 +44,7 @@ class _Launch:
     """One launch compiled to slots."""
 
     __slots__ = ("op", "fn", "mb", "layer", "stream", "enters", "kind", "waits", "record", "crossing", "args", "reads",
-                 "after", "writes", "names", "frees")
+                 "after", "writes", "names", "frees", "flow")
 
     def __init__(self, op: str, fn: int, mb: int, layer: int, stream: str, kind: str, waits: Tuple[Event, ...],
                  record: Optional[Event], crossing: Tuple[int, ...], reads: Tuple[Tuple[Any, ...], ...],
@@ -56,6 +57,7 @@ class _Launch:
         self.reads = reads  # else: per read (slots, packed, (mb, name) of a FromMicroBatch with a fn, or None)
         self.after = after  # and the slots of the ordering intents' values (wait_tensor, ge)
         self.writes, self.names, self.frees = writes, names, frees  # names: for the error of a wrong return
+        self.flow: Dict[str, str] = {}  # the span's data flow: the names of the values it reads and writes
 
 
 class Program:
@@ -93,6 +95,7 @@ class Program:
                 crossing=tuple(slot(k) for k in step.crossing), reads=reads, after=after,
                 writes=tuple(slot((l.mb, l.layer, w)) for w in op.writes), names=op.writes,
                 frees=tuple(slot(k) for k in step.frees)))
+            launches[-1].flow = {"op": l.op, "reads": ",".join(op.reads), "writes": ",".join(op.writes)}
         if not (self.backend.is_graph or torch.compiler.is_compiling()):  # a run on one stream enters it once
             for before, launch in zip(launches, launches[1:]):
                 launch.enters = launch.stream != before.stream
@@ -162,7 +165,7 @@ def interpret(program: Program, fns: Sequence[Callable[..., Any]], inputs: Seque
             if not seen:
                 out = fn(*args)
             elif not profiled:
-                with overlap.span(launch.op, kind=launch.kind, mb=launch.mb, layer=launch.layer):
+                with overlap.span(launch.op, kind=launch.kind, mb=launch.mb, layer=launch.layer, **launch.flow):
                     out = fn(*args)
             else:
                 with _profiled(launch, observed):
@@ -203,7 +206,7 @@ def _profiled(launch: _Launch, observed: bool) -> Iterator[None]:
         if not observed:
             yield
             return
-        with overlap.span(launch.op, kind=launch.kind, mb=launch.mb, layer=launch.layer):
+        with overlap.span(launch.op, kind=launch.kind, mb=launch.mb, layer=launch.layer, **launch.flow):
             yield
 
 

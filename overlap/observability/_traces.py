@@ -588,3 +588,108 @@ def load(source: str) -> Trace:
             return Trace(source, "torch_npu step_trace_time.csv", profiler_overlap={base: _step_trace(source)})
         return Trace(source, "torch_npu kernel_details.csv", _kernel_details(source, base))
     return _from_json(source, read_json(source))
+
+
+# ---- named tasks: what ``overlap-report --points`` reads (the names and fields the busy-time items drop) ----
+
+class Task(NamedTuple):
+    """One timed task with its name: where it ran (process, lane), what it was, when (seconds since the trace's
+    first event) and its fields (a toolkit span's meta; a profiler row's columns, such as ``Block Dim``)."""
+
+    process: str
+    lane: str
+    name: str
+    kind: str
+    start: float
+    end: float
+    fields: Dict[str, Any]
+
+
+EVENT_WAIT_PATTERN = re.compile(r"event_?wait", re.IGNORECASE)  # a stream held until another stream's event
+
+
+def _toolkit_tasks(events: List[Dict[str, Any]], source: str) -> List[Task]:
+    procs, threads = named_ids(events, "process_name"), named_ids(events, "thread_name")
+    return [Task(procs.get(e.get("pid"), f"rank {e.get('pid')}"), threads.get((e.get("pid"), e.get("tid")),
+                                                                             str(e.get("tid"))),
+                 str(e.get("name", "")), str(e.get("cat") or classify(str(e.get("name", "")))), s, t,
+                 dict(e.get("args", {}))) for e, s, t in complete_slices(events, source)]
+
+
+def _profiler_tasks(data: Any, events: List[Dict[str, Any]], source: str) -> List[Task]:
+    """A torch.profiler trace's device kernels per stream, else its host ops per thread."""
+    rank = trace_metadata(data, "distributedInfo").get("rank")
+    prefix = "" if rank is None else f"rank {rank} "
+    slices = complete_slices(events, source)
+    device = [x for x in slices if x[0].get("cat") in _DEVICE_CATS]
+    if device:
+        return [Task(f"{prefix}device {e.get('pid')}", f"stream {e.get('args', {}).get('stream', e.get('tid'))}",
+                     str(e.get("name", "")), classify(str(e.get("name", ""))), s, t, dict(e.get("args", {})))
+                for e, s, t in device]
+    return [Task(f"{prefix}process {e.get('pid')}", f"thread {e.get('tid')}", str(e.get("name", "")), "compute",
+                 s, t, dict(e.get("args", {}))) for e, s, t in slices if e.get("cat") in _HOST_CATS]
+
+
+def _hardware_tasks(events: List[Dict[str, Any]], source: str, process: str) -> List[Task]:
+    hw = {pid for pid, name in named_ids(events, "process_name").items() if name == "Ascend Hardware"}
+    return [Task(process, _hardware_stream(e), str(e.get("name", "")), classify(str(e.get("name", ""))), s, t,
+                 dict(e.get("args", {}))) for e, s, t in complete_slices(events, source, text_times=True)
+            if e.get("pid") in hw]
+
+
+def _kernel_tasks(source: str, process: str) -> List[Task]:
+    """``kernel_details.csv``'s rows, stream waits included (``EVENT_WAIT``: the join's hold on a stream)."""
+    rows = _read_csv(source, ("Name", "Stream ID", "Start Time(us)", "Duration(us)"))
+    raw = []
+    for i, r in rows:
+        if not r.get("Start Time(us)") and not r.get("Duration(us)"):
+            continue
+        start = f"'Start Time(us)' on line {i}"
+        raw.append((r, _time(r["Start Time(us)"], source, start),
+                    _time(r["Duration(us)"], source, f"'Duration(us)' on line {i}", True), start))
+    return [Task(process, f"Stream {r['Stream ID']}", r.get("Name", ""), classify(r.get("Name", "")), s, t, r)
+            for r, s, t in _relative(raw, source)]
+
+
+def _npu_folder_tasks(root: str) -> List[Task]:
+    out: List[Task] = []
+    for d in _npu_output_dirs(root):
+        process = _process_name(d, root)
+        kernels, view = os.path.join(d, KERNEL_DETAILS), os.path.join(d, TRACE_VIEW)
+        if os.path.isfile(kernels):  # it has Block Dim and the waits' task types
+            out += _kernel_tasks(kernels, process)
+        elif os.path.isfile(view):
+            out += _hardware_tasks(trace_events(read_json(view), view), view, process)
+    return out
+
+
+def _json_tasks(source: str, data: Any) -> Tuple[str, List[Task]]:
+    events = trace_events(data, source)
+    if is_toolkit_trace(data, events):
+        return "toolkit", _toolkit_tasks(events, source)
+    if "Ascend Hardware" in named_ids(events, "process_name").values():
+        return "profiler", _hardware_tasks(events, source, os.path.basename(source))
+    return "profiler", _profiler_tasks(data, events, source)
+
+
+def named_tasks(source: str) -> Tuple[str, List[Task]]:
+    """Every timed task of ``source`` with its name and fields, and whose trace it is: ``"toolkit"`` (written by
+    `overlap.Timeline`, spans naming their operation and its data flow) or ``"profiler"``; `TraceError` when it
+    cannot be read or holds no task."""
+    if os.path.isdir(source):
+        if _npu_output_dirs(source):
+            found: Tuple[str, List[Task]] = ("profiler", _npu_folder_tasks(source))
+        else:
+            files = _trace_files(source)
+            parts = [_json_tasks(f, read_json(f)) for f in files]
+            whose = {w for w, _ in parts}
+            found = ("toolkit" if whose == {"toolkit"} else "profiler", [t for _, ts in parts for t in ts])
+    elif not os.path.exists(source):
+        raise TraceError(f"{source}: no such file or folder")
+    elif os.path.basename(source).endswith(".csv"):
+        found = ("profiler", _kernel_tasks(source, os.path.basename(source)))
+    else:
+        found = _json_tasks(source, read_json(source))
+    if not found[1]:
+        raise TraceError(f"{source}: no timed tasks (complete 'X' slices or task rows) found in it")
+    return found

@@ -17,20 +17,29 @@ trace), or of another schedule than the measured trace, is refused.
 Only regular files and folders are read, each file at most to the size it has when opened: a
 named pipe or a device is refused rather than waited on.
 
-Exit status: 0 fine, 1 below ``--min-overlap`` / ``--min-hidden``, 2 unreadable input or bad options.
+With ``--points`` it prints instead one row per parallel point (`overlap.observability._points`): the side
+window, the dominator's, ``overlap_pct = overlap / min(side, dominator)`` with the verdict (real >= 0.5, false
+<= 0.05, partial between) and, for a false or partial point, the barrier. On this toolkit's traces the points
+are the schedule's; on any trace ``--point NAME SIDE_REGEX DOMINATOR_REGEX`` (repeatable) or ``--points-file``
+names them, with the median and worst per point; with ``kernel_details.csv``, the peak ``Block Dim`` summed over
+streams against ``--cores`` and the ``EVENT_WAIT`` gaps after a join longer than ``--wait-gap-us``.
+``--min-point-overlap F`` fails naming each point whose overlap_pct (median of its occurrences) is below F.
+
+Exit status: 0 fine, 1 below ``--min-overlap`` / ``--min-hidden`` / ``--min-point-overlap``, 2 unreadable input
+or bad options.
 """
 from __future__ import annotations
 
 import json
 import math
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import click
 
-from . import _compare
-from ._intervals import ISSUE, Metrics, compute_metrics, verdict
+from . import _compare, _points
+from ._intervals import ISSUE, REAL_OVERLAP, SERIALIZED, Metrics, compute_metrics, verdict
 from ._operations import RankOperations, operation_figures
-from ._traces import Trace, TraceError, load
+from ._traces import Trace, TraceError, load, named_tasks
 
 EXIT_BELOW, EXIT_BAD_INPUT = 1, 2
 
@@ -161,9 +170,30 @@ def _not_nan(ctx: click.Context, param: click.Parameter, value: Optional[float])
 @click.option("--plan", type=click.Path(), default=None,
               help="Compare SOURCE with this predicted trace of the same schedule (both written by this toolkit) "
                    "instead.")
+@click.option("--points", "by_point", is_flag=True,
+              help="Report per parallel point instead: side and dominator windows, overlap_pct, verdict, barrier.")
+@click.option("--point", "point_args", nargs=3, multiple=True, metavar="NAME SIDE_REGEX DOMINATOR_REGEX",
+              help="With --points: a point named by patterns of its side operations and its dominator (repeatable).")
+@click.option("--points-file", type=click.Path(), default=None,
+              help="With --points: points from a file, one 'NAME SIDE_REGEX DOMINATOR_REGEX' a line.")
+@click.option("--cores", default=None, metavar="N|PLATFORM_INI",
+              help="With --points: the AI core count (or CANN's platform ini with ai_core_cnt) Block Dim is held to.")
+@click.option("--wait-gap-us", type=click.FloatRange(min=0), default=None, callback=_not_nan,
+              help=f"With --points: name an EVENT_WAIT after a join longer than this "
+                   f"(default {_points.DEFAULT_WAIT_GAP_US:g} us).")
+@click.option("--min-point-overlap", type=click.FloatRange(0, 1), default=None, callback=_not_nan,
+              help="With --points: fail (exit 1) naming each point whose overlap_pct is below this.")
 def main(source: str, min_overlap: Optional[float], pair: Optional[Tuple[str, str]], min_hidden: Optional[float],
-         as_json: bool, plan: Optional[str]) -> None:
-    """Report per-stream busy time and overlap of the trace at SOURCE (or compare it with --plan)."""
+         as_json: bool, plan: Optional[str], by_point: bool, point_args: Tuple[Tuple[str, str, str], ...],
+         points_file: Optional[str], cores: Optional[str], wait_gap_us: Optional[float],
+         min_point_overlap: Optional[float]) -> None:
+    """Report per-stream busy time and overlap of the trace at SOURCE (or compare it with --plan, or per point)."""
+    _refuse_mixed(by_point, {"--point": point_args or None, "--points-file": points_file, "--cores": cores,
+                             "--wait-gap-us": wait_gap_us, "--min-point-overlap": min_point_overlap},
+                  {"--plan": plan, "--min-overlap": min_overlap, "--pair": pair, "--min-hidden": min_hidden})
+    if by_point:
+        _report_points(source, as_json, point_args, points_file, cores, wait_gap_us, min_point_overlap)
+        return
     if plan is not None:
         _compare_with_plan(source, plan, as_json, [o for o, v in (("--min-overlap", min_overlap), ("--pair", pair),
                                                                   ("--min-hidden", min_hidden)) if v is not None])
@@ -200,6 +230,114 @@ def _compare_with_plan(source: str, plan: str, as_json: bool, gates: List[str]) 
         raise _BadInput(f"--plan compares two traces; {', '.join(gates)} gate(s) one trace: run them separately")
     c = _read(f"{source} or {plan}", lambda: _compare.compare(source, plan))
     click.echo(json.dumps(_compare.as_json(c), indent=2) if as_json else _compare.render(c))
+
+
+# ---- --points ----
+
+def _refuse_mixed(by_point: bool, point_options: Dict[str, Any], stream_options: Dict[str, Any]) -> None:
+    """`_BadInput` for a point option without ``--points``, or ``--points`` with an option of the whole trace."""
+    given = [o for o, v in (stream_options if by_point else point_options).items() if v is not None]
+    if given and by_point:
+        raise _BadInput(f"--points reports per point; {', '.join(given)} read(s) the streams as a whole: "
+                        f"run them separately")
+    if given:
+        raise _BadInput(f"{', '.join(given)}: only used with --points, which is not given")
+
+def _specs(point_args: Sequence[Tuple[str, str, str]], points_file: Optional[str]) -> List[_points.PointSpec]:
+    try:
+        specs = [_points.parse_spec(*a) for a in point_args]
+        if points_file is not None:
+            specs += _points.read_specs(points_file, _read_points_file(points_file))
+    except ValueError as e:
+        raise _BadInput(str(e)) from None
+    names = [s.name for s in specs]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise _BadInput(f"--point {twice[0]}: named twice; give each point its own NAME")
+    return specs
+
+
+def _read_points_file(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise _BadInput(f"--points-file {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+
+
+def _us(window: Optional[Tuple[float, float]]) -> str:
+    return "-" if window is None else f"[{window[0] * 1e6:.2f}, {window[1] * 1e6:.2f}] us"
+
+
+def _occurrence_line(o: _points.Occurrence, cores: Optional[int], width: int) -> str:
+    pct = o.overlap_pct
+    line = (f"  point {o.point:<{width}} side {_us(o.side)}  dominator {o.dominator or '(none)'} {_us(o.dominator_window)}"
+            f"  overlap_pct {'-' if pct is None else f'{pct:.2f}'}  {o.verdict}")
+    if o.barrier is not None and o.verdict in (_points.FALSE, _points.PARTIAL):
+        line += f"  barrier: {o.barrier}"
+    if o.blocks is not None:
+        total, running = o.blocks
+        over = cores is not None and total > cores
+        line += (f"  Block Dim peak {total:g}" + (f"/{cores}" if cores is not None else "")
+                 + (f" OVER-SUBSCRIBED ({'; '.join(running)})" if over else ""))
+    for wait in o.waits:
+        line += f"  after the join: {wait}"
+    return line
+
+
+def render_points(source: str, occurrences: Sequence[_points.Occurrence], cores: Optional[int]) -> str:
+    """The per-point report as text: a row per occurrence, then median and worst of points seen more than once."""
+    lines = [f"{source}: parallel points (overlap_pct = overlap / min(side, dominator); "
+             f"real >= {REAL_OVERLAP}, false <= {SERIALIZED})"]
+    for process in sorted({o.process for o in occurrences}):
+        lines.append(f"{process}:")
+        mine = [o for o in occurrences if o.process == process]
+        width = max(len(o.point) for o in mine)
+        lines += [_occurrence_line(o, cores, width) for o in mine]
+    for name, (n, median, worst) in _points.point_figures(occurrences).items():
+        if n > 1:
+            lines.append(f"point {name}: {n} occurrences, overlap_pct median {median:.2f}, worst {worst:.2f}")
+    if not occurrences:
+        lines.append("no parallel point found")
+    return "\n".join(lines)
+
+
+def _points_json(source: str, occurrences: Sequence[_points.Occurrence], cores: Optional[int],
+                 failures: List[str]) -> Dict[str, Any]:
+    rows = [{"point": o.point, "process": o.process, "side_s": list(o.side), "dominator": o.dominator,
+             "dominator_s": None if o.dominator_window is None else list(o.dominator_window),
+             "overlap_pct": o.overlap_pct, "verdict": o.verdict, "barrier": o.barrier,
+             "block_dim_peak": None if o.blocks is None else o.blocks[0],
+             "over_subscribed": o.blocks is not None and cores is not None and o.blocks[0] > cores,
+             "join_waits": o.waits} for o in occurrences]
+    figures = {name: {"occurrences": n, "median": med, "worst": worst}
+               for name, (n, med, worst) in _points.point_figures(occurrences).items()}
+    return {"source": source, "cores": cores, "points": rows, "per_point": figures, "failures": failures}
+
+
+def _report_points(source: str, as_json: bool, point_args: Sequence[Tuple[str, str, str]],
+                   points_file: Optional[str], cores_text: Optional[str], wait_gap_us: Optional[float],
+                   floor: Optional[float]) -> None:
+    specs = _specs(point_args, points_file)
+    try:
+        cores = None if cores_text is None else _points.cores_from(cores_text)
+    except ValueError as e:
+        raise _BadInput(str(e)) from None
+    whose, tasks = _read(source, lambda: named_tasks(source))
+    if not specs and whose != "toolkit":
+        raise _BadInput(f"{source}: a profiler's trace does not name its parallel points: give them with --point "
+                        f"NAME SIDE_REGEX DOMINATOR_REGEX or --points-file")
+    gap = _points.DEFAULT_WAIT_GAP_US if wait_gap_us is None else wait_gap_us
+    occurrences = _points.spec_points(tasks, specs, gap) if specs else _points.toolkit_points(tasks)
+    failures = [] if floor is None else _points.gate_points(occurrences, specs, floor)
+    if as_json:
+        click.echo(json.dumps(_points_json(source, occurrences, cores, failures), indent=2))
+    else:
+        click.echo(render_points(source, occurrences, cores))
+        for f in failures:
+            click.echo(f"FAIL: {f}", err=True)
+    if failures:
+        click.get_current_context().exit(EXIT_BELOW)
 
 
 if __name__ == "__main__":

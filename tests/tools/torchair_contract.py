@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import operator
 import os
 import platform
 import re
@@ -581,16 +580,9 @@ def is_work(node: torch.fx.Node) -> bool:
 
 def _written_in_place(node: torch.fx.Node) -> Optional[torch.fx.Node]:
     """The tensor a work node writes in place (``out.copy_(x)``, ``out[i] = x``, ``aten.add_``), if any."""
-    if not is_work(node) or not node.args or not isinstance(node.args[0], torch.fx.Node):
-        return None
-    target = node.target
-    if target is operator.setitem:
-        return node.args[0]
-    if isinstance(target, torch._ops.OpOverload):
-        alias = target._schema.arguments[0].alias_info if target._schema.arguments else None
-        return node.args[0] if alias is not None and alias.is_write else None
-    name = target if node.op == "call_method" else getattr(target, "__name__", "")
-    return node.args[0] if isinstance(name, str) and name.endswith("_") and not name.startswith("_") else None
+    from overlap.backends.ge_reorder import written_in_place
+
+    return written_in_place(node) if is_work(node) else None
 
 
 def reads_of(gm: torch.fx.GraphModule) -> Dict[torch.fx.Node, List[torch.fx.Node]]:
