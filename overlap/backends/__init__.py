@@ -23,6 +23,7 @@ from .base import Ahead, Backend
 from .cpu import CpuBackend, CpuStream
 from .device import DeviceBackend
 from .ge import GeBackend
+from .ge_reorder import ge_hazards, pin_cheap_consumers
 
 _BACKENDS: Dict[str, Backend] = {
     "cpu": CpuBackend(),
@@ -43,4 +44,4 @@ def current() -> Backend:
     return _BACKENDS[current_path()]
 
 
-__all__ = ["Ahead", "Backend", "CpuStream", "current", "get"]
+__all__ = ["Ahead", "Backend", "CpuStream", "current", "ge_hazards", "get", "pin_cheap_consumers"]
