@@ -42,7 +42,9 @@ from launch.options import (batch_options, dry_run_options, model_options, refre
 
 if TYPE_CHECKING:  # the launcher's parts are imported where the job needs them (a bad option fails first)
     from launch.health import Fault, Peers
+    from launch.build import QuantizedWeights
     from launch.measure import ModeResult
+    from launch.models.quantized.check import QuantizedCheck
     from microbatch import Batch, MoEModel
     from microbatch.planning import Choice
     from overlap import OffloadCache
@@ -139,11 +141,11 @@ def _prefill_job(job: JobConfig, dev: torch.device, fault: Optional[Fault], peer
                                 check_out_dir(job.out_dir) if job.out_dir and rank == 0 else None,
                                 check_kv_dir(_kv_dir(job), rank) if _kv_dir(job) else None) if p]
         tokens = sum(r["tokens"] for r in agree(job, {"tokens": sum(job.seq_lens)}, problems, job.timeout))
-        model = build_model(job, rank, world, dev)  # a rank that cannot load a checkpoint stops every rank
+        model, weights = build_model(job, rank, world, dev)  # a rank that cannot load a checkpoint stops every rank
         batch = Batch.random(job.seq_lens, model.cfg.vocab, seed=job.seed * 1000 + rank + 1, device=dev)
         if fault is not None:
             fault.poison(rank, model)
-        own = _own_forward(job, model, batch, world)  # before the MoE blocks become expert-parallel
+        own = _own_forward(job, model, batch, world) if weights is None else weights.no_own_forward
         compile_mode = None
         if job.graph:  # static shapes: every rank sends each rank `capacity` rows
             capacity = int(max_over_ranks([batch.seq.num_tokens], dist.group.WORLD)[0])
@@ -154,7 +156,7 @@ def _prefill_job(job: JobConfig, dev: torch.device, fault: Optional[Fault], peer
         if job.kv_offload:  # every rank creates its store, then all go on or all stop (exit 2), collective-free
             cache, problem = _offload_cache(job, model, batch, dev, rank)
             agree_ready("creating the KV store", problem, job.timeout)
-        say(_headline(job, model, world, cache))
+        say(_headline(job, model, world, cache) + (f" | {weights.headline()}" if weights else ""))
         if job.serial_added:
             say(f"modes: {', '.join(job.modes)} (serial added: the reference of "
                 f"{'--check' if job.check else 'auto'})")
@@ -177,6 +179,9 @@ def _prefill_job(job: JobConfig, dev: torch.device, fault: Optional[Fault], peer
         if job.check and not failed:
             failed = check_against_serial(results, job.dtype) + _check_own_forward(job, results, own)
             ties = near_tie_notes(results, job.dtype)
+        quantized = _check_quantized(job, model, batch, weights, rank, world, dev) if job.check and weights else None
+        if quantized is not None:
+            failed += quantized.failures()
         say(table(results, tokens))
         for line in ties:
             say(line)
@@ -189,14 +194,18 @@ def _prefill_job(job: JobConfig, dev: torch.device, fault: Optional[Fault], peer
             note = calibration_note("auto", choice.best.predicted_s, auto.median_s, auto.spread, source)
             if note is not None:
                 say(note)
+        for line in quantized.lines() if quantized is not None else []:
+            say(f"check: {line}")
         if job.check or failed:
             say(("check: " if job.check else "") + ("FAILED: " + ", ".join(failed) if failed
-                                                      else "every mode matches serial"))
+                                                      else "every mode matches serial"
+                                                      + (" and the dequantized model" if quantized else "")))
         if cache is not None:
             cache.close()
         finish()
         if job.out_dir and rank == 0:  # after the last collective: a failure here cannot stall the other ranks
-            write_outputs(job.out_dir, job, results, tokens, world, failed, lambda m: say(m, err=True))
+            write_outputs(job.out_dir, job, results, tokens, world, failed, lambda m: say(m, err=True),
+                          quantized=weights.row(quantized) if weights else None)
             if choice is not None:
                 _write_prediction(job.out_dir, choice, model, results)
         return 1 if failed else 0
@@ -235,6 +244,18 @@ def _check_own_forward(job: JobConfig, results: Sequence[ModeResult], own: OwnFo
         say(f"check: serial matches {job.model_name}'s own forward (largest difference {diff:.2e})")
         return []
     return [f"serial differs from {job.model_name}'s own forward by {diff:.3e} (tolerance {tol:.1e})"]
+
+
+def _check_quantized(job: JobConfig, model: MoEModel, batch: Batch, weights: QuantizedWeights, rank: int,
+                     world: int, dev: torch.device) -> QuantizedCheck:
+    """For ``--check`` on a quantized checkpoint: serial's logits against the dequantized model's (every rank)."""
+    from launch.build import dequantized_model
+    from launch.engine import make_expert_parallel
+    from launch.measure.quantized import prefill_check
+
+    reference = make_expert_parallel(dequantized_model(job, rank, world, dev), dist.group.WORLD,
+                                     two_step_dispatch=job.dispatch == "two-step")
+    return prefill_check(model, reference, batch, weights.format, job.dtype, dist.group.WORLD)
 
 
 def _phase(job: JobConfig, i: int) -> str:

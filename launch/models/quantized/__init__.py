@@ -9,6 +9,6 @@ The loader (`launch.models.checkpoint`) reads the quantized tensors and their sc
 quantized in `collectives.QuantizedExperts` and `collectives.QuantizedLinear` (see docs/checkpoints.md).
 """
 from .formats import DESCRIPTION, METHODS, QuantFormat, checkpoint_format
-from .writer import save_quantized
+from .writer import quantizes, save_quantized
 
-__all__ = ["DESCRIPTION", "METHODS", "QuantFormat", "checkpoint_format", "save_quantized"]
+__all__ = ["DESCRIPTION", "METHODS", "QuantFormat", "checkpoint_format", "quantizes", "save_quantized"]
