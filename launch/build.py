@@ -3,7 +3,7 @@ local checkpoint of which each rank reads only its own experts."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Optional, Tuple, Union
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -30,12 +30,6 @@ class QuantizedWeights:
         """results.json's ``quantized``: the format, the bytes per rank and ``--check``'s figures (None without)."""
         return {"format": self.format, "bytes_per_rank": self.per_rank,
                 "check": None if check is None else check.row()}
-
-    @property
-    def no_own_forward(self) -> str:
-        """Why ``--check`` compares no run with the model's own forward or generate(): it is the dequantized model's."""
-        return (f"its experts kept quantized ({self.format.replace('_', ' ')}) have no transformers forward: "
-                f"compared with the dequantized model instead")
 
     def headline(self) -> str:
         """The weights in a headline's words: the format and the most bytes a rank holds of each part."""
@@ -66,10 +60,7 @@ def build_model(job: JobConfig, rank: int, world: int, dev: torch.device
         problem = str(exc).splitlines()[0]
     agree_ready("loading the checkpoint", problem, job.timeout)  # the store only: no rank is left in a collective
     kept = [report.quantized_bytes.get(k, 0) for k in QUANTIZED_PARTS]
-    held = torch.tensor([report.bytes_held, report.bytes_read, *kept], dtype=torch.float64,
-                        device=overlap.collective_device())
-    every = [torch.zeros_like(held) for _ in range(world)]
-    dist.all_gather(every, held)  # every rank reaches this point: it is after the job agreement
+    every = _every_rank([report.bytes_held, report.bytes_read, *kept], world)  # after the job agreement
     say("weights: " + ", ".join(f"rank {r} holds {_mib(h[0])} (read {_mib(h[1])})" for r, h in enumerate(every))
         + f" of a {_mib(report.checkpoint_bytes)} checkpoint")
     if report.quantization:
@@ -85,14 +76,59 @@ def build_model(job: JobConfig, rank: int, world: int, dev: torch.device
     return adapt(hf, check=holds_whole_model(job, world) and report.quantization is None), weights
 
 
-def dequantized_model(job: JobConfig, rank: int, world: int, dev: torch.device) -> MoEModel:
-    """The float model ``job``'s quantized checkpoint stands for, this rank's experts dequantized (the reference
-    of ``--check``); the checkpoint loaded once already, so no rank fails here that did not before."""
+def _every_rank(values: List[float], world: int) -> List[torch.Tensor]:
+    """This rank's ``values`` with every rank's (one all-gather; every rank calls it at the same point)."""
+    held = torch.tensor(values, dtype=torch.float64, device=overlap.collective_device())
+    every = [torch.zeros_like(held) for _ in range(world)]
+    dist.all_gather(every, held)
+    return every
+
+
+_IN_MEMORY_FORMATS = {"fp8": "fp8", "w8a8": "w8a8_dynamic"}  # --quantize's rules are the writer's: W8A8_DYNAMIC
+
+
+def quantize_job_model(job: JobConfig, model: MoEModel, world: int) -> Optional[QuantizedWeights]:
+    """With ``--quantize``: the expert-parallel ``model``'s weights quantized in memory (this rank's experts and
+    the projections), and what every rank holds of them; None without."""
+    if job.quantize is None:
+        return None
+    from launch.models.quantized.in_memory import quantize_in_memory
+
+    held = quantize_in_memory(model, job.quantize)
+    every = _every_rank([held[k] for k in QUANTIZED_PARTS], world)
+    say(f"weights: {job.quantize}, quantized in memory: " + ", ".join(
+        f"rank {r} " + " + ".join(f"{k} {_mib(v)}" for k, v in zip(QUANTIZED_PARTS, h)) for r, h in enumerate(every)))
+    return QuantizedWeights(_IN_MEMORY_FORMATS[job.quantize],
+                            [{k: int(v) for k, v in zip(QUANTIZED_PARTS, h.tolist())} for h in every])
+
+
+def no_own_check(job: JobConfig, weights: Optional[QuantizedWeights]) -> Optional[str]:
+    """Why ``--check`` compares no run with a transformers model's own forward or generate(): quantized weights,
+    whose reference is the dequantized model; None otherwise."""
+    fmt = weights.format if weights is not None else _IN_MEMORY_FORMATS.get(job.quantize or "")
+    if fmt is None or not job.transformers:  # the reference decoder has no forward of its own to compare with
+        return None
+    return (f"its weights kept quantized ({fmt.replace('_', ' ')}) have no transformers forward: compared with "
+            f"the dequantized model instead")
+
+
+def dequantized_model(job: JobConfig, rank: int, world: int, dev: torch.device,
+                      expert_parallel: Callable[[MoEModel], MoEModel]) -> MoEModel:
+    """The float model ``job``'s quantized weights stand for, made expert-parallel by ``expert_parallel`` as the run
+    was (the reference of ``--check``): a checkpoint's, this rank's experts dequantized (loaded once already, so no
+    rank fails here that did not before); with ``--quantize``, the same seeded model with every weight rounded by
+    the format's rules and kept in ``--dtype``."""
+    if job.checkpoint is None:
+        from launch.models.quantized.in_memory import quantize_in_memory
+
+        model = expert_parallel(build_model(job, rank, world, dev)[0])
+        quantize_in_memory(model, job.quantize or "", dequantize=True)
+        return model
     from launch.models import adapt
     from launch.models.checkpoint import load_checkpoint
 
     hf, _ = load_checkpoint(job.checkpoint, rank=rank, world=world, dtype=job.dtype, device=dev, dequantize=True)
-    return adapt(hf, check=False)
+    return expert_parallel(adapt(hf, check=False))
 
 
 def _mib(n: Union[float, torch.Tensor]) -> str:

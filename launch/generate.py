@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 import microbatch
-from launch.build import build_model, holds_whole_model
+from launch.build import build_model, holds_whole_model, no_own_check, quantize_job_model
 from launch.config import (DECODE_AUTO_MODES, DECODE_CALIBRATION_ROUNDS, DECODE_EXCHANGES, DECODE_MODE_NAMES,
                            DecodeConfig, JobConfig, ModeList, check_generation_options, decode_config,
                            dry_run_config, job_config, prefill_modes)
@@ -201,10 +201,10 @@ def _generate_job(job: JobConfig, decode: DecodeConfig, dev: torch.device, fault
     limits = _new_tokens(job, decode, rank)
     if fault is not None:
         fault.poison(rank, model)
-    own = _own_tokens(job, model, prompts, limits, decode.stop_token, world) if weights is None else \
-        weights.no_own_forward  # before the blocks become EP
+    own = no_own_check(job, weights) or _own_tokens(job, model, prompts, limits, decode.stop_token, world)
     make_expert_parallel(model, dist.group.WORLD, two_step_dispatch=job.dispatch == "two-step",
                          decode_exchange=decode.exchange)
+    weights = weights or quantize_job_model(job, model, world)
     runs = [Run(p, d) for p, d in decode.runs]
     say(_headline(job, decode, model, world, limits) + (f" | {weights.headline()}" if weights else ""))
     make_cache = functools.partial(_new_cache, job, model, prompts, limits)
@@ -414,8 +414,9 @@ def _check_quantized(job: JobConfig, decode: DecodeConfig, model: DecodeModel, b
     from launch.measure.quantized import generation_check
 
     group = dist.group.WORLD
-    reference = make_expert_parallel(dequantized_model(job, dist.get_rank(), dist.get_world_size(), dev), group,
-                                     two_step_dispatch=job.dispatch == "two-step", decode_exchange=decode.exchange)
+    reference = dequantized_model(job, dist.get_rank(), dist.get_world_size(), dev, functools.partial(
+        make_expert_parallel, group=group, two_step_dispatch=job.dispatch == "two-step",
+        decode_exchange=decode.exchange))
     serial = next(r for r in results if r.run.label == "serial")
     return generation_check(model, reference, batch, prompts, limits, serial.generated.tokens, decode.stop_token,
                             weights.format, job.dtype, group)

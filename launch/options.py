@@ -35,6 +35,11 @@ def model_options(f: F) -> F:
         click.option("--experts", type=int, help="Override: routed experts (a multiple of the number of ranks)."),
         click.option("--top-k", type=int, help="Override: experts per token."),
         click.option("--shared-experts", type=int, help="Override: shared experts (0: none)."),
+        click.option("--quantize", type=click.Choice(["fp8", "w8a8"]), default=None,
+                     help="Quantize the reference decoder's or --model NAME's seeded weights in memory and keep "
+                          "them quantized: the routed experts and the linear projections, fp8 per 128 x 128 block "
+                          "or w8a8 int8 per channel, as a checkpoint of that format holds them "
+                          "(docs/checkpoints.md)."),
     ])(f)
 
 

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 import microbatch
-from launch.build import build_model, holds_whole_model
+from launch.build import build_model, holds_whole_model, no_own_check, quantize_job_model
 from launch.config import JobConfig, ModeList, dry_run_config, job_config
 from launch.job import (CalibrationSource, calibration_note, main as job_main, progress, say, script as job_script,
                         threads)
@@ -145,7 +145,7 @@ def _prefill_job(job: JobConfig, dev: torch.device, fault: Optional[Fault], peer
         batch = Batch.random(job.seq_lens, model.cfg.vocab, seed=job.seed * 1000 + rank + 1, device=dev)
         if fault is not None:
             fault.poison(rank, model)
-        own = _own_forward(job, model, batch, world) if weights is None else weights.no_own_forward
+        own = no_own_check(job, weights) or _own_forward(job, model, batch, world)
         compile_mode = None
         if job.graph:  # static shapes: every rank sends each rank `capacity` rows
             capacity = int(max_over_ranks([batch.seq.num_tokens], dist.group.WORLD)[0])
@@ -153,6 +153,7 @@ def _prefill_job(job: JobConfig, dev: torch.device, fault: Optional[Fault], peer
             compile_mode = functools.partial(graph_prefill, model, batch, path=job.path)
         else:
             make_expert_parallel(model, dist.group.WORLD, two_step_dispatch=job.dispatch == "two-step")
+            weights = weights or quantize_job_model(job, model, world)
         if job.kv_offload:  # every rank creates its store, then all go on or all stop (exit 2), collective-free
             cache, problem = _offload_cache(job, model, batch, dev, rank)
             agree_ready("creating the KV store", problem, job.timeout)
@@ -253,8 +254,8 @@ def _check_quantized(job: JobConfig, model: MoEModel, batch: Batch, weights: Qua
     from launch.engine import make_expert_parallel
     from launch.measure.quantized import prefill_check
 
-    reference = make_expert_parallel(dequantized_model(job, rank, world, dev), dist.group.WORLD,
-                                     two_step_dispatch=job.dispatch == "two-step")
+    reference = dequantized_model(job, rank, world, dev, functools.partial(
+        make_expert_parallel, group=dist.group.WORLD, two_step_dispatch=job.dispatch == "two-step"))
     return prefill_check(model, reference, batch, weights.format, job.dtype, dist.group.WORLD)
 
 

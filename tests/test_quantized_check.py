@@ -240,3 +240,113 @@ def test_a_doubled_scale_fails_the_launchers_check_in_one_line(written, tmp_path
     assert "(bound 1.0e-05 for fp8 in float32)" in proc.stdout
     with open(os.path.join(tmp_path / "out", "results.json")) as f:
         assert json.load(f)["quantized"]["check"]["passed"] is False
+
+
+# ------------------------------------------------------------------ --quantize: the seeded models in memory
+
+
+def _reference(method=None, dequantize=False):
+    """The tiny reference decoder, expert-parallel on one rank, quantized in memory by ``method`` (or not)."""
+    from launch.engine import make_expert_parallel
+    from launch.models import preset
+    from launch.models.quantized.in_memory import quantize_in_memory
+    from launch.models.reference import build_model
+
+    model = make_expert_parallel(build_model(preset("tiny"), seed=3), None)
+    if method is not None:
+        quantize_in_memory(model, method, dequantize=dequantize)
+    return model
+
+
+@pytest.mark.parametrize("method,fmt", [("fp8", "fp8"), ("w8a8", "w8a8_dynamic")])
+def test_the_reference_decoder_quantized_in_memory_stays_quantized_and_decodes_in_every_mode(method, fmt):
+    """Its experts and projections kept float8 / int8 with their scales (the router, embedding and LM head as they
+    are); within the format's bound of the dequantized model it came from, the same greedy tokens in every decode
+    mode, eager and as the static decode (``--decode-graph cpu``: a padded step, a device group list)."""
+    from collectives import QuantizedLinear
+    from launch.engine import GraphDecoder, generate, new_cache, prefill, split_for
+    from microbatch import DECODE_MODES
+    from microbatch.batch import Batch
+
+    model, floats = _reference(method), _reference(method, dequantize=True)
+    dtype = torch.float8_e4m3fn if method == "fp8" else torch.int8
+    experts = [m for m in model.modules() if isinstance(m, QuantizedExperts)]
+    linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert len(experts) == 2 and all(e.gate_up_q.dtype == dtype for e in experts)
+    assert linears and all(m.weight.dtype == dtype for m in linears)
+    assert model.lm_head.weight.dtype == model.embed.weight.dtype == torch.float32
+    batch = Batch.random([6, 5], model.cfg.vocab, seed=1)
+    with torch.no_grad():
+        got, want = (m.logits(prefill(m, batch, "serial", split_for("serial", batch, None, model=m)))
+                     for m in (model, floats))
+    prompts, n = [[1, 2, 3], [4, 5, 6, 7]], 5
+    reference = generate(floats, prompts, n, mode="serial", margins=True)
+    serial = generate(model, prompts, n, mode="serial")
+    check = QuantizedCheck(fmt, torch.float32, logit_figures(got, want),
+                           token_figures(serial.tokens, reference.tokens, reference.margins))
+    assert check.failures() == [], check.lines()
+    for mode in [m for m in DECODE_MODES if m != "serial"]:
+        assert generate(model, prompts, n, mode=mode).tokens == serial.tokens, mode
+    captured = GraphDecoder(model, new_cache(model, prompts, n), "two-batch", path="cpu")
+    assert generate(model, prompts, n, decoder=captured).tokens == serial.tokens
+
+
+def test_quantize_in_memory_refuses_what_it_cannot_keep_quantized():
+    from launch.models.quantized.in_memory import quantize_in_memory
+    from launch.models.reference import build_model
+    from launch.models import preset
+
+    with pytest.raises(ValueError, match="the format must be one of"):
+        quantize_in_memory(_reference(), "int4")
+    with pytest.raises(ValueError, match="no expert-parallel MoE layer"):
+        quantize_in_memory(build_model(preset("tiny"), seed=0), "fp8")
+
+
+def _job(model_name="reference", world=2, **more):
+    from launch.config import job_config
+
+    options = dict(world=world, device="cpu", exec_path="auto", mode="serial", kv_offload=False, kv_store="memory",
+                   preset_name="tiny", overrides={}, batch=2, seq_len=8, seq_lens=None, dtype="float32", warmup=0,
+                   iters=1, seed=0, check=False, out_dir=None, cpu_link="off", timeout=30.0, model_name=model_name)
+    return job_config(**{**options, **more})
+
+
+def test_quantize_refuses_a_checkpoint_in_one_line(written):
+    from launch.config import ConfigError
+
+    path = written[("qwen3_moe", "fp8")]
+    with pytest.raises(ConfigError) as err:
+        _job(path, world=1, quantize="w8a8")
+    assert str(err.value).startswith(f"--quantize w8a8: --model {path} is a checkpoint, whose weights are what it "
+                                     f"holds") and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("method", ["fp8", "w8a8"])
+def test_the_dry_runs_bytes_with_quantize_equal_what_a_rank_holds(method):
+    """The reference decoder over 2 ranks with ``--quantize``: 1 byte a quantized weight plus its scales, the
+    embedding, norms, routers and LM head in the run's dtype (before: 4 bytes a weight)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from collectives import QuantizedLinear
+    from launch.build import build_model
+    from launch.engine import make_expert_parallel
+    from launch.memory import estimate
+    from launch.models.quantized.in_memory import quantize_in_memory
+
+    job = _job(quantize=method)
+    try:
+        torch.distributed.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    except ValueError:  # under torchrun the job's group is this process's default
+        pytest.skip("a process group is already set up in this process")
+    try:
+        model, _ = build_model(job, 0, 2, torch.device("cpu"))
+        make_expert_parallel(model, torch.distributed.group.WORLD)
+        quantize_in_memory(model, method)
+    finally:
+        torch.distributed.destroy_process_group()
+    kept = [m for m in model.modules() if isinstance(m, (QuantizedExperts, QuantizedLinear))]
+    held = sum(p.numel() * p.element_size() for p in model.parameters()) + \
+        sum(b.numel() * b.element_size() for m in kept for b in m.buffers())
+    experts = sum(b.numel() * b.element_size() for m in kept if isinstance(m, QuantizedExperts) for b in m.buffers())
+    need = estimate(job, 2, deployed=True)
+    assert (need.weights, need.expert_weights) == (held, experts)
