@@ -15,13 +15,14 @@ from launch.models.quantized.check import QuantizedCheck
 from microbatch.model import MoEModel
 
 
-QUANTIZED_PARTS = ("experts", "dense", "scales")  # a quantized checkpoint's bytes per rank, as held
+QUANTIZED_PARTS = ("experts", "dense", "scales")  # the bytes per rank of weights kept quantized, as held
 
 
 @dataclasses.dataclass(frozen=True)
 class QuantizedWeights:
-    """A quantized checkpoint's weights as the ranks hold them: its ``format`` (`launch.models.quantized.check`'s
-    ``fp8``, ``w8a8_dynamic``, ``w8a8_static``) and each rank's bytes of `QUANTIZED_PARTS`."""
+    """Weights kept quantized (a quantized checkpoint's, or ``--quantize``'s) as the ranks hold them: their
+    ``format`` (`launch.models.quantized.check`'s ``fp8``, ``w8a8_dynamic``, ``w8a8_static``) and each rank's bytes
+    of `QUANTIZED_PARTS`."""
 
     format: str
     per_rank: List[Dict[str, int]]

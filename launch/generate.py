@@ -407,7 +407,7 @@ def _check_own_tokens(job: JobConfig, results: Sequence[RunResult], own: OwnToke
 def _check_quantized(job: JobConfig, decode: DecodeConfig, model: DecodeModel, batch: Batch,
                      prompts: Sequence[Sequence[int]], limits: Sequence[int], results: Sequence[RunResult],
                      weights: QuantizedWeights, dev: torch.device) -> QuantizedCheck:
-    """For ``--check`` on a quantized checkpoint: serial's prefill logits and tokens against the dequantized
+    """For ``--check`` of weights kept quantized: serial's prefill logits and tokens against the dequantized
     model's (every rank)."""
     from launch.build import dequantized_model
     from launch.engine import make_expert_parallel

@@ -187,7 +187,7 @@ class Fault:
         """Kinds ``nan`` / ``inf``: this rank's model gets a non-finite weight, the final norm's (every output row
         reads it); ``scale``: its first quantized experts' first expert computes with its down projection's scales
         doubled (a wrong answer finite and near the right one, which only ``--check`` of a quantized checkpoint
-        sees; nothing for float weights)."""
+        sees; nothing for float weights, nor for ``--quantize``'s, quantized after this)."""
         if rank != self.rank:
             return
         with torch.no_grad():

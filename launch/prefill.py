@@ -41,8 +41,8 @@ from launch.options import (batch_options, dry_run_options, model_options, refre
                             timing_options)
 
 if TYPE_CHECKING:  # the launcher's parts are imported where the job needs them (a bad option fails first)
-    from launch.health import Fault, Peers
     from launch.build import QuantizedWeights
+    from launch.health import Fault, Peers
     from launch.measure import ModeResult
     from launch.models.quantized.check import QuantizedCheck
     from microbatch import Batch, MoEModel
@@ -249,7 +249,7 @@ def _check_own_forward(job: JobConfig, results: Sequence[ModeResult], own: OwnFo
 
 def _check_quantized(job: JobConfig, model: MoEModel, batch: Batch, weights: QuantizedWeights, rank: int,
                      world: int, dev: torch.device) -> QuantizedCheck:
-    """For ``--check`` on a quantized checkpoint: serial's logits against the dequantized model's (every rank)."""
+    """For ``--check`` of weights kept quantized: serial's logits against the dequantized model's (every rank)."""
     from launch.build import dequantized_model
     from launch.engine import make_expert_parallel
     from launch.measure.quantized import prefill_check

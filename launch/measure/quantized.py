@@ -1,8 +1,9 @@
-"""``--check`` of a quantized checkpoint: the run against the dequantized float model of the same checkpoint.
+"""``--check`` of weights kept quantized: the run against the dequantized float model of the same weights.
 
-The reference is the float model the checkpoint stands for, on each rank its own experts
-(`launch.models.load_checkpoint(..., dequantize=True)`), made expert-parallel as the run is and run serially on
-the same prompts. Every rank computes its figures (`launch.models.quantized.check`) and every rank gets them all
+The reference is the float model the quantized weights stand for (a checkpoint's, on each rank its own experts,
+`launch.models.load_checkpoint(..., dequantize=True)`; ``--quantize``'s, the seeded model rounded by the same
+rules, `launch.models.quantized.in_memory.quantize_in_memory(..., dequantize=True)`), made expert-parallel as the
+run is and run serially on the same prompts. Every rank computes its figures (`launch.models.quantized.check`) and every rank gets them all
 (one `overlap.agree`), so every rank judges alike.
 """
 from __future__ import annotations
@@ -28,7 +29,7 @@ def _serial_logits(model: MoEModel, batch: Batch, group: Optional[dist.ProcessGr
 
 
 def _over_every_rank(fmt: str, dtype: torch.dtype, logits: LogitFigures, tokens: Optional[TokenFigures],
-            group: Optional[dist.ProcessGroup]) -> QuantizedCheck:
+                     group: Optional[dist.ProcessGroup]) -> QuantizedCheck:
     """This rank's figures with every rank's (one exchange), as one check."""
     mine = {"logits": dataclasses.asdict(logits), "tokens": None if tokens is None else dataclasses.asdict(tokens)}
     posts = agree({"figures": mine}, GroupTransport(group, name="quantized check"), per_rank=("figures",))
