@@ -7,6 +7,8 @@ static-shape capacity exchange (`CapacityExchange`, over `capacity_dispatch` / `
 ``torch.compile(fullgraph=True)``) and torch_npu's fused MC2 operators (`MC2Exchange`, over `mc2_dispatch` /
 `mc2_combine`; ``ep_dispatch`` / ``ep_combine`` choose between MC2 and the all-to-all). Every family's handles and
 batches also offer one interface (`collectives.handles`: `EPDispatchHandle`, `EPBatch`, `EPCombineHandle`).
+Every family can send the tokens quantized per token (`collectives.quantize`: ``dispatch_dtype`` int8 / fp8, the
+scales in the same exchange, the combine in the tokens' dtype).
 
 `ExpertParallelMoE` is the one layer: an exchange for its stages (prefill), one for its decode steps, and one
 experts object (`LocalExperts`); it exposes its stages as micro-batch operations (and runs them through the
@@ -29,6 +31,8 @@ from .layout import (DispatchLayout, ExpertBatch, LayoutError, check_routing, co
 from .mc2 import (DECODE_EXCHANGES, MC2_EXCHANGES, MC2Batch, MC2CombineHandle, MC2DispatchHandle, MC2Error,
                   MC2Exchange, check_mc2_buffer, choose_exchange, decode_exchange_named, ep_combine, ep_dispatch,
                   mc2_buffer_mb, mc2_combine, mc2_dispatch)
+from .quantize import (DISPATCH_DTYPES, NonFiniteTokens, QuantizedTokens, dequantize, dispatch_dtype_name,
+                       dispatch_dtype_of, quantize_per_token, wire_bytes_per_token)
 from .reference import MoE, MoEConfig, combine_dense
 from .quantized_experts import QuantizedExperts
 from .values import MOE_ACTIVE, MOE_CAPACITY, MOE_IN, MOE_OUT
@@ -38,14 +42,15 @@ from .wrap import TransformersRouter, capacity_expert_parallel, find_moe_blocks,
 
 __all__ = [
     "AllToAllExchange", "CapacityBatch", "CapacityCombineHandle", "CapacityDispatchHandle", "CapacityExchange",
-    "CombineHandle", "DECODE_EXCHANGES", "DispatchHandle", "DispatchLayout", "EPBatch", "EPCombineHandle",
-    "EPDispatchHandle", "Exchange", "ExpertBatch", "ExpertLayer", "ExpertParallelMoE", "LayerShapes", "LayoutError",
-    "LocalExperts", "MC2Batch", "MC2CombineHandle", "MC2DispatchHandle", "MC2Error", "MC2Exchange", "MC2_EXCHANGES",
-    "MOE_ACTIVE", "MOE_CAPACITY", "MOE_IN", "MOE_OUT", "MoE", "MoEConfig", "PendingDispatch", "QuantizedExperts",
-    "QuantizedLinear", "RoutedTokens",
+    "CombineHandle", "DECODE_EXCHANGES", "DISPATCH_DTYPES", "DispatchHandle", "DispatchLayout", "EPBatch",
+    "EPCombineHandle", "EPDispatchHandle", "Exchange", "ExpertBatch", "ExpertLayer", "ExpertParallelMoE",
+    "LayerShapes", "LayoutError", "LocalExperts", "MC2Batch", "MC2CombineHandle", "MC2DispatchHandle", "MC2Error",
+    "MC2Exchange", "MC2_EXCHANGES", "MOE_ACTIVE", "MOE_CAPACITY", "MOE_IN", "MOE_OUT", "MoE", "MoEConfig",
+    "NonFiniteTokens", "PendingDispatch", "QuantizedExperts", "QuantizedLinear", "QuantizedTokens", "RoutedTokens",
     "SharedExperts", "TransformersRouter", "capacity_combine", "capacity_dispatch", "capacity_expert_parallel",
     "check_mc2_buffer", "check_routing", "choose_exchange", "combine", "combine_dense", "compute_layout",
-    "decode_exchange_named", "dispatch", "dispatch_counts", "ep_combine", "ep_dispatch", "exchange_counts", "expand",
-    "find_moe_blocks", "group_size", "grouped_mlp", "mc2_buffer_mb", "mc2_combine", "mc2_dispatch",
-    "mc2_expert_parallel", "reduce_local", "reduce_ranks", "release_buffers", "resolve_impl", "wrap_expert_parallel",
+    "decode_exchange_named", "dequantize", "dispatch", "dispatch_counts", "dispatch_dtype_name", "dispatch_dtype_of",
+    "ep_combine", "ep_dispatch", "exchange_counts", "expand", "find_moe_blocks", "group_size", "grouped_mlp",
+    "mc2_buffer_mb", "mc2_combine", "mc2_dispatch", "mc2_expert_parallel", "quantize_per_token", "reduce_local",
+    "reduce_ranks", "release_buffers", "resolve_impl", "wire_bytes_per_token", "wrap_expert_parallel",
 ]

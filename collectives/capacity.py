@@ -64,7 +64,8 @@ from .exchange import ExpertLayer, RoutedTokens
 from .experts import LocalExperts, device_group_impl, grouped_mlp, torch_npu_with
 from .group import group_size, has_peers
 from .layout import AGREED_HINTS, LayoutError, ReceivedMetadata, check_active, check_routing, fields_by_name, \
-    layer_fields, local_metadata, token_in_rank
+    local_metadata, token_in_rank, wire_fields, wire_of
+from .quantize import as_float, received_hidden, received_tokens
 
 
 @dataclasses.dataclass
@@ -104,6 +105,16 @@ class CapacityDispatchHandle(ReceivedMetadata):
     group: Optional[dist.ProcessGroup]
     dtype: torch.dtype
     num_local: int  # experts on this rank
+    quantized: Optional[torch.dtype] = None  # the dispatch dtype: rows are `collectives.quantize.pack`'s; None: dtype
+
+    @property
+    def hidden(self) -> int:
+        """The tokens' hidden size (the received rows hold a scale's columns more where quantized)."""
+        return received_hidden(self.recv_x, self.quantized)
+
+    def tokens(self) -> torch.Tensor:
+        """The received rows in the tokens' dtype (dequantized per row where the dispatch quantized them)."""
+        return as_float(received_tokens(self.recv_x, self.quantized), self.dtype)
 
     @property
     def top_k(self) -> int:
@@ -117,7 +128,7 @@ class CapacityDispatchHandle(ReceivedMetadata):
         """The received (row, slot) pairs grouped by local expert on the device, static shapes (torch_npu's
         routing operators on the NPU paths, a stable sort elsewhere; `collectives._grouping`)."""
         npu = torch_npu_with(*ROUTING_OPS)
-        return CapacityBatch(group_rows(self.recv_x, self.recv_ids, self.recv_weights, self.num_local, npu))
+        return CapacityBatch(group_rows(self.tokens(), self.recv_ids, self.recv_weights, self.num_local, npu))
 
     def combine(self, expert_out: torch.Tensor, batch: CapacityBatch, *, async_finish: bool = False,
                 dtype: Optional[torch.dtype] = None) -> "CapacityCombineHandle":
@@ -262,29 +273,34 @@ def _whole_blocks(x: torch.Tensor, idx: torch.Tensor, topk_weights: torch.Tensor
 
 def capacity_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
                       group: Optional[dist.ProcessGroup] = None, capacity: Optional[int] = None, *,
-                      validate: bool = True) -> CapacityDispatchHandle:
+                      validate: bool = True, dispatch_dtype: Optional[torch.dtype] = None) -> CapacityDispatchHandle:
     """Send tokens ``x [T, H]`` to the ranks holding their experts, ``capacity`` rows per rank (default ``T``).
 
     Issued on the current stream; ordering with the readers is the caller's job (as for
     `collectives.dispatch` with ``stream_tag=None``). Bad input raises before any tokens travel, on
-    every rank when ``validate`` (see the module docstring).
+    every rank when ``validate`` (see the module docstring). ``dispatch_dtype`` (int8, float8_e4m3fn): the rows
+    travel quantized per token (`collectives.quantize`; ``tokens()`` of the handle dequantizes them).
     """
-    return _capacity_dispatch(x, topk_idx, topk_weights, num_experts, group, capacity, validate)
+    return _capacity_dispatch(x, topk_idx, topk_weights, num_experts, group, capacity, validate,
+                              dispatch_dtype=dispatch_dtype)
 
 
 def _capacity_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
                        group: Optional[dist.ProcessGroup], capacity: Optional[int], validate: bool,
                        precheck: Optional[Callable[[], None]] = None, one_exchange: bool = False,
-                       active: Optional[torch.Tensor] = None) -> CapacityDispatchHandle:
+                       active: Optional[torch.Tensor] = None,
+                       dispatch_dtype: Optional[torch.dtype] = None) -> CapacityDispatchHandle:
     """`capacity_dispatch`; ``precheck`` (the layer's own checks) raises `LayoutError` like bad routing does;
     ``one_exchange``: the rows and their metadata travel in one all-to-all (`_exchange_with_metadata`);
     ``active`` (bool ``[T]``, `collectives.MOE_ACTIVE`; a capacity of at least ``T``): False for a padding row,
-    sent to no expert."""
+    sent to no expert; ``dispatch_dtype`` (int8, float8_e4m3fn; None: the tokens' own): the rows travel
+    quantized per token, their scales as extra columns (`collectives.quantize`)."""
     world = group_size(group)
-    fields = layer_fields(x, topk_idx, num_experts)
+    fields = wire_fields(x, topk_idx, num_experts, dispatch_dtype)
     try:
         check_routing(x, topk_idx, topk_weights, num_experts, world)
         check_active(x, active)
+        wire = wire_of(x, dispatch_dtype)
         tokens = topk_idx.shape[0]
         cap = tokens if capacity is None else int(capacity)
         if cap < 0:
@@ -305,16 +321,16 @@ def _capacity_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: to
     _check_capacity(cap, need, tokens, group, validate, fields)
     if whole:
         slot_token = None
-        send_x, send_meta = _whole_blocks(x, idx, topk_weights, world, cap, epr, active)
+        send_x, send_meta = _whole_blocks(wire, idx, topk_weights, world, cap, epr, active)
     else:
         slot_token = _slots(in_rank, cap)
-        send_x, send_meta = _pack_blocks(x, idx, topk_weights, slot_token, epr)
+        send_x, send_meta = _pack_blocks(wire, idx, topk_weights, slot_token, epr)
     if one_exchange:
         recv_x, recv_meta = _exchange_with_metadata(send_x, send_meta, cap, group)
     else:
         recv_x = _exchange(send_x, cap, group, "dispatch")
         recv_meta = _exchange(send_meta, cap, group, "dispatch.meta")
-    return CapacityDispatchHandle(recv_x, recv_meta, slot_token, tokens, cap, group, x.dtype, epr)
+    return CapacityDispatchHandle(recv_x, recv_meta, slot_token, tokens, cap, group, x.dtype, epr, dispatch_dtype)
 
 
 def all_local_experts(x: torch.Tensor, experts: LocalExperts) -> torch.Tensor:
@@ -380,7 +396,7 @@ def capacity_combine(expert_out: torch.Tensor, handle: CapacityDispatchHandle,
     collective); `CapacityCombineHandle.wait` sums them. An output of another hidden size than the
     dispatched tokens is a `LayoutError` before the exchange.
     """
-    rows, hidden = handle.recv_x.shape
+    rows, hidden = handle.recv_x.shape[0], handle.hidden
     # every rank sends back rows of the dispatched hidden size (agreed in the dispatch): checked here, locally
     if grouped is not None:
         pairs = grouped.x.shape[0]
@@ -447,9 +463,11 @@ class CapacityExchange:
         sent = (tokens.x, tokens.topk_idx, tokens.topk_weights, layer.num_experts, layer.group, capacity)
         if not self.validate:
             layer.shapes.check(tokens, layer)  # one all-reduce on the layer's first call: the prefill's, as a rule
-            return _capacity_dispatch(*sent, False, one_exchange=self.one_exchange, active=tokens.active)
+            return _capacity_dispatch(*sent, False, one_exchange=self.one_exchange, active=tokens.active,
+                                      dispatch_dtype=tokens.dispatch_dtype)
         precheck = layer.shapes.first_check(tokens, layer)  # the shapes ride in the capacity's own all-reduce
-        handle = _capacity_dispatch(*sent, True, precheck, one_exchange=self.one_exchange, active=tokens.active)
+        handle = _capacity_dispatch(*sent, True, precheck, one_exchange=self.one_exchange, active=tokens.active,
+                                    dispatch_dtype=tokens.dispatch_dtype)
         if precheck is not None:
             layer.shapes.checked = True
         return handle
@@ -458,7 +476,7 @@ class CapacityExchange:
         """The experts over the received rows: ``(every expert over every row, (ids, weights))`` on the ``"all"``
         path, else the grouped pairs' outputs and their `GroupedRows`."""
         plain = getattr(experts, "plain", True)
-        x = handle.recv_x
+        x = handle.tokens()  # dequantized per row where the dispatch quantized them
         which = expert_path(self.expert_path, x, experts) if plain else device_group_impl(x, experts.gate_up,
                                                                                            experts.down)
         if which == "all":

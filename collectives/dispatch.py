@@ -51,7 +51,9 @@ from .experts import LocalExperts
 from .group import group_size, has_peers, rank_in_group
 from .layout import (AGREED_FIELDS, AGREED_HINTS, DispatchLayout, ExpertBatch, LayoutError, LocalBags,
                      ReceivedMetadata, check_routing, check_splits, compute_layout, expand, fields_by_name,
-                     layer_fields, local_bags, pack_metadata, reduce_bags, reduce_local, reduce_ranks, sum_first)
+                     layer_fields, local_bags, pack_metadata, reduce_bags, reduce_local, reduce_ranks, sum_first,
+                     wire_fields, wire_of)
+from .quantize import received_hidden, received_tokens, tokens_for
 from .side import call_event, exchange_event, on_side
 
 
@@ -215,6 +217,12 @@ class DispatchHandle(ReceivedMetadata):
     rank: int = 0  # this rank in the group: its rows are the first recv_splits[rank]
     spare: Optional[torch.Tensor] = None  # the dispatch's send buffer, free once waited: combine receives into it
     own_event: Optional[overlap.Event] = None  # the own rows, gathered on the calling stream
+    quantized: Optional[torch.dtype] = None  # the dispatch dtype: rows are `collectives.quantize.pack`'s; None: dtype
+
+    @property
+    def hidden(self) -> int:
+        """The tokens' hidden size (the received rows hold a scale's columns more where quantized)."""
+        return received_hidden(self.recv_x, self.quantized)
 
     def wait(self) -> "DispatchHandle":
         """Make the current stream wait for the exchange; then the received tensors may be read."""
@@ -271,6 +279,8 @@ class _SendLayout:
     recv_splits: Optional[List[int]]  # None: learnt from the count exchange
     pooled: bool  # send_x is a `_buffers` buffer: combine may receive into it
     fields: List[int]  # `collectives.layout.layer_fields`, checked in the count exchange
+    wire: torch.Tensor  # the tokens as they travel: ``x`` detached, or packed quantized (`collectives.quantize`)
+    quantized: Optional[torch.dtype]  # the dispatch dtype (None: the tokens' own)
 
     @property
     def n_own(self) -> int:
@@ -279,9 +289,12 @@ class _SendLayout:
 
 def _send_layout(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
                    group: Optional[dist.ProcessGroup], world: int, send_splits: Optional[Sequence[int]],
-                   recv_splits: Optional[Sequence[int]], check_ids: bool) -> _SendLayout:
-    """Validate, lay out and pack what travels; raises `LayoutError` before any collective."""
+                   recv_splits: Optional[Sequence[int]], check_ids: bool,
+                   dispatch_dtype: Optional[torch.dtype] = None) -> _SendLayout:
+    """Validate, lay out and pack what travels (quantized per token with ``dispatch_dtype``); raises
+    `LayoutError` before any collective."""
     check_routing(x, topk_idx, topk_weights, num_experts, world, check_ids)
+    wire = wire_of(x, dispatch_dtype)
     if (send_splits is None) != (recv_splits is None):
         raise LayoutError("pass both send_splits and recv_splits, or neither")
     if recv_splits is not None:
@@ -297,12 +310,12 @@ def _send_layout(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     send_rows = _cat_rows(layout.send_token, others)
     pooled = _reuses_buffers(x)
     if pooled:
-        send_x = _buffers.take(send_rows.shape[0], x.shape[1], x.dtype)
-        _gather_rows(send_x, x.detach(), send_rows)
+        send_x = _buffers.take(send_rows.shape[0], wire.shape[1], wire.dtype)
+        _gather_rows(send_x, wire, send_rows)
     else:
-        send_x = x.index_select(0, send_rows)
+        send_x = wire.index_select(0, send_rows)
     return _SendLayout(layout, me, own, others, meta, send_x, send_meta, recv_splits, pooled,
-                         layer_fields(x, topk_idx, num_experts))
+                       wire_fields(x, topk_idx, num_experts, dispatch_dtype), wire, dispatch_dtype)
 
 
 def _issue_dispatch(sending: _SendLayout, x: torch.Tensor, group: Optional[dist.ProcessGroup],
@@ -318,13 +331,13 @@ def _issue_dispatch(sending: _SendLayout, x: torch.Tensor, group: Optional[dist.
             recv_splits, per_expert = (counts.read() if counts is not None
                                        else exchange_counts(layout, group, fields=sending.fields))
         rows = sum(recv_splits)
-        recv_x = x.new_empty(rows, x.shape[1])
+        recv_x = sending.wire.new_empty(rows, sending.wire.shape[1])
         recv_meta = sending.meta.new_empty(rows, sending.meta.shape[1])
         travel_in, travel_out = _others(recv_splits, me), _others(layout.send_splits, me)
         _exchange_into(recv_x[n_own:], sending.send_x, travel_in, travel_out, group, "dispatch", caller)
         _exchange_into(recv_meta[n_own:], sending.send_meta, travel_in, travel_out, group, "dispatch.meta", caller)
         handle = DispatchHandle(layout, recv_x, recv_meta, recv_splits, per_expert, group, x.dtype, rank=me,
-                                spare=sending.send_x if sending.pooled else None)
+                                spare=sending.send_x if sending.pooled else None, quantized=sending.quantized)
         handle.event = exchange_event(stream_tag, caller, event_tag, recv_x, recv_meta)
     return handle
 
@@ -334,7 +347,7 @@ def _keep_own_rows(sending: _SendLayout, x: torch.Tensor, handle: DispatchHandle
     the exchange (disjoint rows of the same buffers); detached, as the rows that travel are (the
     exchange is not differentiable)."""
     a, b = sending.own
-    _gather_rows(handle.recv_x[:sending.n_own], x.detach(), sending.layout.send_token[a:b])
+    _gather_rows(handle.recv_x[:sending.n_own], sending.wire, sending.layout.send_token[a:b])
     handle.recv_meta[:sending.n_own].copy_(sending.meta[a:b].detach())
     handle.own_event = _own_event(handle.event, event_tag, handle.recv_x, handle.recv_meta)
 
@@ -357,21 +370,23 @@ def dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
              group: Optional[dist.ProcessGroup] = None, *, send_splits: Optional[Sequence[int]] = None,
              recv_splits: Optional[Sequence[int]] = None, previous_event: Optional[overlap.Event] = None,
              async_finish: bool = False, stream_tag: Optional[str] = EP_COMM, event_tag: str = "ep_dispatch",
-             check_ids: bool = True) -> DispatchHandle:
+             check_ids: bool = True, dispatch_dtype: Optional[torch.dtype] = None) -> DispatchHandle:
     """Send tokens ``x [T, H]`` to the ranks holding their experts (once per rank); see the module docstring.
 
     ``send_splits`` / ``recv_splits``: rows sent to / received from each rank, when known; both
     skip the count exchange and its host synchronisation. Input is validated before any tokens travel;
     a rank that rejects its input still takes part in the count exchange, so that every rank raises.
     Rows a rank keeps are gathered straight into its receive buffer, while the exchange is in flight.
-    Without the splits this is ``dispatch_counts(...).dispatch(async_finish)``.
+    Without the splits this is ``dispatch_counts(...).dispatch(async_finish)``. ``dispatch_dtype``: see
+    `dispatch_counts` (the handle's ``recv_x`` then holds packed rows, `collectives.quantize.unpack`).
     """
     if send_splits is None and recv_splits is None:
         return dispatch_counts(x, topk_idx, topk_weights, num_experts, group, previous_event=previous_event,
-                               stream_tag=stream_tag, event_tag=event_tag,
-                               check_ids=check_ids).dispatch(async_finish=async_finish)
+                               stream_tag=stream_tag, event_tag=event_tag, check_ids=check_ids,
+                               dispatch_dtype=dispatch_dtype).dispatch(async_finish=async_finish)
     world = group_size(group)  # a group this rank is not in: nothing to join
-    sending = _send_layout(x, topk_idx, topk_weights, num_experts, group, world, send_splits, recv_splits, check_ids)
+    sending = _send_layout(x, topk_idx, topk_weights, num_experts, group, world, send_splits, recv_splits, check_ids,
+                           dispatch_dtype)
     return _finish_dispatch(sending, x, group, previous_event, stream_tag, event_tag, None, async_finish)
 
 
@@ -439,16 +454,19 @@ class PendingDispatch:
 def dispatch_counts(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int,
                     group: Optional[dist.ProcessGroup] = None, *, previous_event: Optional[overlap.Event] = None,
                     stream_tag: Optional[str] = EP_COMM, event_tag: str = "ep_dispatch",
-                    check_ids: bool = True) -> PendingDispatch:
+                    check_ids: bool = True, dispatch_dtype: Optional[torch.dtype] = None) -> PendingDispatch:
     """The first half of `dispatch`: validate and lay out ``x [T, H]`` and issue the count exchange on
     ``stream_tag`` without reading it; `PendingDispatch.dispatch` reads it and sends the tokens.
+    ``dispatch_dtype`` (int8, float8_e4m3fn; None: the tokens' own): the tokens travel quantized per token,
+    their scales in the same rows (`collectives.quantize`).
 
     A rank that rejects its input takes part in the count exchange and raises here; the other ranks
     raise the same `LayoutError` from `PendingDispatch.dispatch`.
     """
     world = group_size(group)  # a group this rank is not in: nothing to join
     try:
-        sending = _send_layout(x, topk_idx, topk_weights, num_experts, group, world, None, None, check_ids)
+        sending = _send_layout(x, topk_idx, topk_weights, num_experts, group, world, None, None, check_ids,
+                               dispatch_dtype)
     except LayoutError as err:
         _join_as_rejected(err, x, topk_idx, num_experts, group, world, previous_event, stream_tag, event_tag)
         raise
@@ -525,7 +543,7 @@ def _return_layout(expert_out: torch.Tensor, batch: ExpertBatch, handle: Dispatc
     if batch.num_rows != handle.recv_x.shape[0]:
         raise LayoutError(f"the batch expands {batch.num_rows} received rows, but this dispatch received "
                           f"{handle.recv_x.shape[0]}: pass the batch of this handle's expand()")
-    hidden_in = handle.recv_x.shape[1]  # agreed in the count exchange: every rank sends rows of this size
+    hidden_in = handle.hidden  # agreed in the count exchange: every rank sends rows of this size
     if expert_out.dim() != 2 or tuple(expert_out.shape) != (batch.rows.shape[0], hidden_in):
         raise LayoutError(f"expert output must be [{batch.rows.shape[0]}, {hidden_in}] (one row per expanded token, "
                           f"of the dispatched tokens' hidden size, which every rank's combine sends), got shape "
@@ -637,7 +655,7 @@ class AllToAllExchange:
         `PendingDispatch.issue_ahead` (on the CPU path the stream's thread sends the tokens once the counts arrive)."""
         layer.shapes.check(tokens, layer)
         pending = dispatch_counts(tokens.x, tokens.topk_idx, tokens.topk_weights, layer.num_experts, layer.group,
-                                  stream_tag=None)
+                                  stream_tag=None, dispatch_dtype=tokens.dispatch_dtype)
         if ahead:
             pending.issue_ahead()
         return pending
@@ -647,7 +665,8 @@ class AllToAllExchange:
 
     def run_experts(self, handle: DispatchHandle, experts: LocalExperts) -> Tuple[torch.Tensor, ExpertBatch]:
         batch = handle.expand()
-        return experts(batch.x, batch.counts), batch
+        return experts(tokens_for(experts, received_tokens(batch.x, handle.quantized), handle.dtype), batch.counts), \
+            batch
 
     def combine(self, expert_out: torch.Tensor, batch: ExpertBatch, handle: DispatchHandle) -> CombineHandle:
         return combine(expert_out, batch, handle, stream_tag=None, async_finish=True)

@@ -53,6 +53,9 @@ class RoutedTokens:
     # bool [T] on the device, the real rows first (False: a padding row of a captured step, which no expert
     # computes); None: every row is real
     active: Optional[torch.Tensor] = None
+    # how the tokens travel to their experts (`collectives.quantize`): int8 / float8_e4m3fn quantized per token,
+    # their scales in the same exchange; None: in their own dtype. The combine travels in the tokens' dtype.
+    dispatch_dtype: Optional[torch.dtype] = None
 
 
 class LayerShapes:

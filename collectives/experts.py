@@ -32,6 +32,8 @@ from torch import nn
 import overlap
 from overlap.state import STATE
 
+from .quantize import QuantizedTokens, as_float
+
 IMPLS = ("auto", "loop", "grouped")
 Counts = Union[Sequence[int], torch.Tensor]  # host counts per expert, or a device group list (int64 counts)
 Act = Callable[[torch.Tensor], torch.Tensor]
@@ -341,8 +343,13 @@ class LocalExperts(nn.Module):
         ids = (row_experts(counts, x.shape[0], x.device) + self.first_expert)[:, None]
         return x * scores.gather(1, ids.clamp(max=scores.shape[1] - 1)).to(x.dtype)
 
-    def forward(self, x: torch.Tensor, counts: Counts, impl: Optional[str] = None) -> torch.Tensor:
-        """The experts over rows grouped by ``counts``; ``impl`` (`resolve_impl`'s names) overrides theirs."""
+    takes_quantized_tokens = True  # a quantized dispatch's rows as they arrive: dequantized per row in `forward`
+
+    def forward(self, x: Union[torch.Tensor, QuantizedTokens], counts: Counts,
+                impl: Optional[str] = None) -> torch.Tensor:
+        """The experts over rows grouped by ``counts``; ``impl`` (`resolve_impl`'s names) overrides theirs. Rows
+        of a quantized dispatch (`collectives.quantize.QuantizedTokens`) are dequantized per row first."""
+        x = as_float(x, self.gate_up.dtype)
         if self.input_scale is not None and x.shape[0]:
             counts = _check_counts(x, counts, self.num_local)
             x = self._scaled(x, counts)

@@ -93,6 +93,7 @@ from .exchange import Exchange, LayerShapes, RoutedTokens
 from .experts import LocalExperts
 from .group import group_size
 from .layout import LayoutError
+from .quantize import DispatchDtype, dispatch_dtype_of
 from .reference import MoEConfig, Router
 from .values import MOE_ACTIVE, MOE_CAPACITY, MOE_IN, MOE_OUT
 
@@ -142,13 +143,15 @@ class ExpertParallelMoE(nn.Module):
     ``two_step_dispatch``: the count exchange and the tokens as two stages where the exchange has a count
     exchange (see the module docstring). ``exchange``: what `stages` and ``forward`` exchange through (default
     the all-to-all); ``decode_exchange``: what `decode_stages` do (default the capacity exchange): any
-    `collectives.exchange.Exchange`.
+    `collectives.exchange.Exchange`. ``dispatch_dtype``: how tokens travel to their experts in both
+    (`collectives.quantize`): ``"int8"`` / ``"fp8"`` (or their torch dtypes) quantized per token, their scales in
+    the same exchange; None or ``"bf16"``: in the tokens' own dtype. The combine stays in the tokens' dtype.
     """
 
     def __init__(self, router: nn.Module, experts: LocalExperts, num_experts: int,
                  group: Optional[dist.ProcessGroup] = None, shared: Optional[SharedExperts] = None,
                  overlap_shared: bool = True, *, two_step_dispatch: bool = True, exchange: Optional[Exchange] = None,
-                 decode_exchange: Optional[Exchange] = None):
+                 decode_exchange: Optional[Exchange] = None, dispatch_dtype: DispatchDtype = None):
         super().__init__()
         world = group_size(group)
         if num_experts % world:
@@ -167,11 +170,13 @@ class ExpertParallelMoE(nn.Module):
         self.exchange: Exchange = AllToAllExchange() if exchange is None else exchange
         self.decode_exchange: Exchange = CapacityExchange.for_decode() if decode_exchange is None else decode_exchange
         self.shapes = LayerShapes()  # the ranks' agreement on the layer's shapes (see the module docstring)
+        self.dispatch_dtype: Optional[torch.dtype] = dispatch_dtype_of(dispatch_dtype)
 
     @classmethod
     def from_config(cls, cfg: MoEConfig, group: Optional[dist.ProcessGroup] = None, *, rank: Optional[int] = None,
                     overlap_shared: bool = True, impl: str = "auto", exchange: Optional[Exchange] = None,
-                    decode_exchange: Optional[Exchange] = None) -> "ExpertParallelMoE":
+                    decode_exchange: Optional[Exchange] = None,
+                    dispatch_dtype: DispatchDtype = None) -> "ExpertParallelMoE":
         """A freshly initialised layer with the reference router (softmax / sigmoid top-k, optional norm)."""
         world = group_size(group)
         if cfg.n_experts % world:
@@ -187,7 +192,7 @@ class ExpertParallelMoE(nn.Module):
 
             shared = SharedExperts(Expert(cfg.hidden, cfg.ffn * cfg.n_shared), act=F.silu)
         return cls(Router(cfg), LocalExperts(gate_up, down, rank * n, F.silu, impl), cfg.n_experts, group, shared,
-                   overlap_shared, exchange=exchange, decode_exchange=decode_exchange)
+                   overlap_shared, exchange=exchange, decode_exchange=decode_exchange, dispatch_dtype=dispatch_dtype)
 
     # --- stage functions: pure in their arguments (the exchange's are `_Stages`') -------------------
     def _gate(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -320,11 +325,15 @@ class _Stages:
     def __init__(self, layer: ExpertParallelMoE, exchange: Exchange):
         self.layer, self.exchange = layer, exchange
 
+    def _routed(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, capacity: Optional[int] = None,
+                active: Optional[torch.Tensor] = None) -> RoutedTokens:
+        return RoutedTokens(x, idx, weights, capacity, active, dispatch_dtype=self.layer.dispatch_dtype)
+
     def dispatch(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> object:
-        return self.exchange.dispatch(self.exchange.prepare(RoutedTokens(x, idx, weights), self.layer))
+        return self.exchange.dispatch(self.exchange.prepare(self._routed(x, idx, weights), self.layer))
 
     def prepare(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> object:
-        return self.exchange.prepare(RoutedTokens(x, idx, weights), self.layer, ahead=True)
+        return self.exchange.prepare(self._routed(x, idx, weights), self.layer, ahead=True)
 
     def dispatch_prepared(self, prepared: object) -> object:
         return self.exchange.dispatch(prepared)
@@ -333,7 +342,7 @@ class _Stages:
                       active: Optional[torch.Tensor]) -> object:
         """A decode step's dispatch: ``capacity`` rows to every rank, padding rows (``active`` False) to no expert."""
         _check_step_capacity(capacity, x.shape[0])
-        tokens = RoutedTokens(x, idx, weights, capacity, active)
+        tokens = self._routed(x, idx, weights, capacity, active)
         return self.exchange.dispatch(self.exchange.prepare(tokens, self.layer))
 
     def dispatch_chunk(self, chunk: _Chunk) -> object:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 import overlap
 
 from .experts import group_list
+from .quantize import NonFiniteTokens, wire_tokens
 
 
 class LayoutError(ValueError):
@@ -47,6 +48,25 @@ def layer_fields(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int) -> L
     k = topk_idx.shape[-1] if topk_idx.dim() else 0
     experts = max(-_FIELD_LIMIT, min(_FIELD_LIMIT, int(num_experts)))
     return [int(hidden), experts, int(k), dtype_code(x.dtype)]
+
+
+def wire_fields(x: torch.Tensor, topk_idx: torch.Tensor, num_experts: int,
+                dispatch_dtype: Optional[torch.dtype]) -> List[int]:
+    """`layer_fields`, the dtype the tokens travel in (``dispatch_dtype``, else their own) as the dtype: ranks that
+    quantize differently disagree on it before any token travels."""
+    fields = layer_fields(x, topk_idx, num_experts)
+    if dispatch_dtype is not None:
+        fields[-1] = dtype_code(dispatch_dtype)
+    return fields
+
+
+def wire_of(x: torch.Tensor, dispatch_dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """`collectives.quantize.wire_tokens`: what a dispatch sends for ``x``; a token holding NaN or inf where it
+    quantizes is a `LayoutError` (raised before any token travels, so every rank's exchange refuses it)."""
+    try:
+        return wire_tokens(x, dispatch_dtype)
+    except NonFiniteTokens as err:
+        raise LayoutError(str(err)) from None
 
 
 def _field_value(i: int, code: int) -> Union[int, str]:

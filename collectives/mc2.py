@@ -52,6 +52,7 @@ from .experts import LocalExperts, torch_npu_with
 from .group import group_size, has_peers, rank_in_group
 from .handles import EPBatch, EPCombineHandle, EPDispatchHandle
 from .layout import AGREED_HINTS, LayoutError, check_active, check_routing, fields_by_name, layer_fields
+from .quantize import QuantizedTokens, tokens_for
 from .side import exchange_event, on_side
 
 MC2_EXCHANGES = ("auto", "all_to_all", "mc2")  # what `choose_exchange` and `ep_dispatch` take
@@ -273,10 +274,18 @@ class MC2DispatchHandle:
     call: _Call
     num_tokens: int
     event: Optional[overlap.Event] = None
+    dynamic_scales: Optional[torch.Tensor] = None  # [A] float32 per received row where MC2 quantized (quant_mode=2)
 
     @property
     def recv_x(self) -> torch.Tensor:
         return self.expand_x
+
+    def tokens(self, batch: MC2Batch) -> Union[torch.Tensor, QuantizedTokens]:
+        """``batch``'s rows as the experts take them: the rows, or with MC2's int8 quantization their
+        `collectives.quantize.QuantizedTokens` (the operator's ``dynamic_scales``)."""
+        if self.dynamic_scales is None:
+            return batch.x
+        return QuantizedTokens(batch.x, self.dynamic_scales.reshape(-1)[: batch.x.shape[0]].float())
 
     def wait(self) -> "MC2DispatchHandle":
         """Make the current stream wait for the dispatch; then the received rows may be read."""
@@ -359,7 +368,8 @@ def mc2_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
                  previous_event: Optional[overlap.Event] = None, async_finish: bool = False,
                  stream_tag: Optional[str] = EP_COMM, event_tag: str = "ep_mc2_dispatch", validate: bool = True,
                  check_ids: bool = True, chip: Optional[str] = None, group_name: Optional[str] = None,
-                 precheck: Any = None, active: Optional[torch.Tensor] = None) -> MC2DispatchHandle:
+                 precheck: Any = None, active: Optional[torch.Tensor] = None,
+                 dispatch_dtype: Optional[torch.dtype] = None) -> MC2DispatchHandle:
     """Send tokens ``x [T, H]`` (T <= ``max_tokens_per_rank``, the same bound on every rank) to their experts
     with ``npu_moe_distribute_dispatch_v2``; streams and events as `collectives.dispatch.dispatch`.
     ``active`` (bool ``[T]``, the active tokens first; None: all): the tokens sent, the others left out
@@ -368,8 +378,11 @@ def mc2_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
     ``chip`` (``"a2"`` / ``"a3"``; None: from the SoC name) picks the buffer formula and limits;
     ``group_name``: the group's HCCL communicator name, when known (None: asked from the group, eagerly);
     ``precheck`` (the layer's own checks) raises like bad routing does, on every rank with ``validate``.
+    ``dispatch_dtype`` int8: the operator quantizes each token (``quant_mode=2``, its ``dynamic_scales`` per
+    row); MC2 has no fp8 mode, so float8_e4m3fn is an `MC2Error` before any collective.
     """
     npu = _require()  # CPU / CUDA: an MC2Error before any collective
+    quant_mode = _quant_mode(dispatch_dtype)
     max_tokens = int(max_tokens_per_rank)
     chip = chip or chip_of(overlap.backends.current().soc_version())
     _validated(x, topk_idx, topk_weights, num_experts, group, max_tokens, validate, check_ids, chip, precheck, active)
@@ -382,17 +395,28 @@ def mc2_dispatch(x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Te
         with _comm_span("mc2.dispatch", (xs, ids)):
             out = npu.npu_moe_distribute_dispatch_v2(
                 x=xs, expert_ids=ids, group_ep=call.group_ep, ep_world_size=call.world, ep_rank_id=call.rank,
-                moe_expert_num=call.num_experts, x_active_mask=mask, quant_mode=0, global_bs=call.global_bs,
+                moe_expert_num=call.num_experts, x_active_mask=mask, quant_mode=quant_mode, global_bs=call.global_bs,
                 expert_token_nums_type=1)
-        expand_x, _scales, assist_info, group_list, ep_recv_counts, _tp_recv, _expand_scales = out
+        expand_x, scales, assist_info, group_list, ep_recv_counts, _tp_recv, _expand_scales = out
         for t in (expand_x, group_list, assist_info, ep_recv_counts):
             overlap.record_stream(t, caller)  # allocated on this stream, read on the caller's
         handle = MC2DispatchHandle(expand_x, group_list, ids, weights, assist_info, ep_recv_counts, mask, call,
-                                   x.shape[0])
+                                   x.shape[0], dynamic_scales=scales if quant_mode else None)
         handle.event = exchange_event(stream_tag, caller, event_tag, expand_x, group_list)
     if not async_finish:
         handle.wait()
     return handle
+
+
+_QUANT_MODES = {None: 0, torch.int8: 2}  # MC2's quant_mode per dispatch dtype: 2 is int8 per token (dynamic)
+
+
+def _quant_mode(dispatch_dtype: Optional[torch.dtype]) -> int:
+    """MC2's ``quant_mode`` for ``dispatch_dtype``; an `MC2Error` for a dtype it cannot send."""
+    if dispatch_dtype not in _QUANT_MODES:
+        raise MC2Error(f"MC2 (npu_moe_distribute_dispatch_v2) quantizes tokens to int8 only (quant_mode=2), not "
+                       f"{dispatch_dtype}: use dispatch_dtype int8, or the all-to-all / capacity exchange for fp8")
+    return _QUANT_MODES[dispatch_dtype]
 
 
 def mc2_combine(expert_out: torch.Tensor, batch: Optional[MC2Batch], handle: MC2DispatchHandle, *,
@@ -508,7 +532,7 @@ class MC2Exchange:
         handle = mc2_dispatch(tokens.x, tokens.topk_idx, tokens.topk_weights, layer.num_experts, layer.group,
                               max_tokens_per_rank=bound, stream_tag=None, async_finish=True,
                               validate=self.validate or precheck is not None, group_name=group_name,
-                              precheck=precheck, active=tokens.active)
+                              precheck=precheck, active=tokens.active, dispatch_dtype=tokens.dispatch_dtype)
         if precheck is not None:
             layer.shapes.checked = True
         return _Through(None, handle)
@@ -519,7 +543,8 @@ class MC2Exchange:
         if handle.fallback is not None:
             return handle.fallback.run_experts(handle.value, experts)
         batch = handle.value.expand()
-        return experts(batch.x, batch.group_list), batch
+        dtype = batch.x.dtype if handle.value.dynamic_scales is None else experts.gate_up.dtype
+        return experts(tokens_for(experts, handle.value.tokens(batch), dtype), batch.group_list), batch
 
     def combine(self, expert_out: torch.Tensor, batch: object, handle: _Through) -> EPCombineHandle:
         """`mc2_combine` on the calling stream (or the fallback's `combine`)."""

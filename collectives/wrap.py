@@ -36,6 +36,7 @@ from .group import group_size
 from .layer import ExpertParallelMoE, SharedExperts
 from .layout import LayoutError
 from .mc2 import MC2_EXCHANGES, MC2_MAX_TOKENS, MC2Exchange, decode_exchange_named
+from .quantize import DispatchDtype, dispatch_dtype_of
 from .quantized_experts import QuantizedExperts
 
 PROBE_TOKENS = 16
@@ -339,8 +340,8 @@ def _wrap_quantized(module: nn.Module, experts: QuantizedExperts, group, overlap
 
 def wrap_expert_parallel(module: nn.Module, group: Optional[dist.ProcessGroup] = None, *,
                          overlap_shared: bool = True, impl: str = "auto", check: bool = True,
-                         exchange: Optional[Exchange] = None, decode_exchange: Optional[Exchange] = None
-                         ) -> ExpertParallelMoE:
+                         exchange: Optional[Exchange] = None, decode_exchange: Optional[Exchange] = None,
+                         dispatch_dtype: DispatchDtype = None) -> ExpertParallelMoE:
     """An `ExpertParallelMoE` computing what ``module`` computes, with this rank's experts only.
 
     ``check``: verify once, on a probe batch of 16 tokens, that the block's output is the routed experts
@@ -348,16 +349,23 @@ def wrap_expert_parallel(module: nn.Module, group: Optional[dist.ProcessGroup] =
     loader left quantized (`QuantizedExperts`) are used as they are.
     Raises TypeError naming the part of the block that is missing or not supported. ``exchange`` /
     ``decode_exchange``: the layer's (None: the all-to-all, and the capacity exchange for decode steps).
+    ``dispatch_dtype``: ``"int8"`` / ``"fp8"`` quantize the tokens per token for the dispatch (None / ``"bf16"``:
+    the model's dtype); see `ExpertParallelMoE`.
     """
+    dispatch_dtype = dispatch_dtype_of(dispatch_dtype)  # a bad value refused before the block is looked at
     world = group_size(group)
     rank = dist.get_rank(group) if dist.is_initialized() else 0
     experts = getattr(module, "_modules", {}).get(ROUTED)
-    if isinstance(experts, QuantizedExperts):
-        return _wrap_quantized(module, experts, group, overlap_shared, exchange, decode_exchange)
+    if isinstance(experts, QuantizedExperts):  # quantized weights take float rows: a quantized dispatch's dequantized
+        ep = _wrap_quantized(module, experts, group, overlap_shared, exchange, decode_exchange)
+        ep.dispatch_dtype = dispatch_dtype
+        return ep
     if not isinstance(experts, nn.Module):
         inner = _routed_child(module) if isinstance(module, nn.Module) else None
         if inner is not None:
-            return _wrap_beside(module, *inner, group, overlap_shared, impl, check, exchange, decode_exchange)
+            ep = _wrap_beside(module, *inner, group, overlap_shared, impl, check, exchange, decode_exchange)
+            ep.dispatch_dtype = dispatch_dtype
+            return ep
         raise TypeError(f"wrap_expert_parallel: unsupported module {type(module).__name__}: no routed experts found "
                         f"(no child named {ROUTED!r}); expected an MoE block such as {_EXAMPLES}")
     routed = RoutedExperts(module, experts)
@@ -394,18 +402,20 @@ def wrap_expert_parallel(module: nn.Module, group: Optional[dist.ProcessGroup] =
     local = LocalExperts(gate_up, down, first, routed.act, impl, gate_up_bias=gate_up_bias, down_bias=down_bias,
                          glu=glu, identity=int(identity), input_scale=scale)
     return ExpertParallelMoE(router, local, total, group, shared, overlap_shared, exchange=exchange,
-                             decode_exchange=decode_exchange)
+                             decode_exchange=decode_exchange, dispatch_dtype=dispatch_dtype)
 
 
 def capacity_expert_parallel(module: nn.Module, group: Optional[dist.ProcessGroup] = None, *,
                              capacity: Optional[int] = None, overlap_shared: bool = True, validate: bool = True,
-                             expert_path: str = "auto") -> ExpertParallelMoE:
+                             expert_path: str = "auto", dispatch_dtype: DispatchDtype = None) -> ExpertParallelMoE:
     """The static-shape layer of ``module``: `wrap_expert_parallel` with the capacity exchange for its stages too
     (`CapacityExchange` of ``capacity``, ``validate`` and ``expert_path``), so that it traces under
     ``torch.compile(fullgraph=True)`` (graph prefill). Its experts must compute the plain form
-    ``down(act(gate) * up)``, which its expert paths compute (TypeError otherwise, when it is built)."""
+    ``down(act(gate) * up)``, which its expert paths compute (TypeError otherwise, when it is built).
+    ``dispatch_dtype``: as `wrap_expert_parallel`'s."""
     exchange = CapacityExchange(capacity, validate=validate, expert_path=expert_path)
-    ep = wrap_expert_parallel(module, group, overlap_shared=overlap_shared, impl="loop", exchange=exchange)
+    ep = wrap_expert_parallel(module, group, overlap_shared=overlap_shared, impl="loop", exchange=exchange,
+                              dispatch_dtype=dispatch_dtype)
     if not ep.experts.plain:
         raise TypeError(f"the static-shape layer computes plain experts down(act(gate) * up) only; these have "
                         f"{', '.join(ep.experts.extras())}: use wrap_expert_parallel (the eager paths)")
@@ -415,14 +425,15 @@ def capacity_expert_parallel(module: nn.Module, group: Optional[dist.ProcessGrou
 def mc2_expert_parallel(module: nn.Module, group: Optional[dist.ProcessGroup] = None, *, exchange: str = "auto",
                         max_tokens_per_rank: Optional[int] = None, mc2_threshold: int = MC2_MAX_TOKENS,
                         validate: bool = True, decode_exchange: Optional[str] = None,
-                        overlap_shared: bool = True) -> ExpertParallelMoE:
+                        overlap_shared: bool = True, dispatch_dtype: DispatchDtype = None) -> ExpertParallelMoE:
     """`wrap_expert_parallel` whose exchanges take MC2 (`MC2Exchange`), each named by one of `MC2_EXCHANGES`.
 
     ``exchange``: its stages' (a prefill's), with ``max_tokens_per_rank`` as MC2's bound (``"auto"`` without one
     keeps the all-to-all and its count stage); ``decode_exchange`` (None: ``exchange``): its decode steps', with
     the step's capacity as the bound, the capacity exchange where that is ``"all_to_all"`` or auto does not take
     MC2. ``validate``: MC2's agreement all-reduce on every prefill call (else on the layer's first only); a decode
-    step never runs one after the layer's first call.
+    step never runs one after the layer's first call. ``dispatch_dtype``: as `wrap_expert_parallel`'s (MC2 takes
+    int8 only: its ``quant_mode=2``).
     """
     decode = decode_exchange or exchange
     for name, value in (("exchange", exchange), ("decode_exchange", decode)):
@@ -432,4 +443,5 @@ def mc2_expert_parallel(module: nn.Module, group: Optional[dist.ProcessGroup] = 
         AllToAllExchange(), auto=exchange == "auto", max_tokens_per_rank=max_tokens_per_rank,
         mc2_threshold=mc2_threshold, validate=validate)
     steps = decode_exchange_named("capacity" if decode == "all_to_all" else decode, mc2_threshold)
-    return wrap_expert_parallel(module, group, overlap_shared=overlap_shared, exchange=prefill, decode_exchange=steps)
+    return wrap_expert_parallel(module, group, overlap_shared=overlap_shared, exchange=prefill, decode_exchange=steps,
+                                dispatch_dtype=dispatch_dtype)

@@ -49,8 +49,9 @@ def fingerprint(job: JobConfig) -> Dict[str, Any]:
                 "--dtype": str(job.dtype).replace("torch.", ""), "--warmup": job.warmup, "--iters": job.iters,
                 "--seed": job.seed, "--check": job.check,
                 "--cpu-link": str(job.link) if job.link else "off", "--cpu-comm-priority": job.comm_priority,
-                "--dispatch": job.dispatch, "--timeout": job.timeout, "--auto-split-margin": job.split_margin,
-                "--refresh-calibration": job.refresh_calibration})
+                "--dispatch": job.dispatch, "--dispatch-dtype": job.dispatch_name, "--timeout": job.timeout,
+                "--auto-split-margin": job.split_margin, "--refresh-calibration": job.refresh_calibration,
+                "--indexer-stream": job.indexer_stream, "--quantize": job.quantize})
     out.update(dict(job.environment))
     return out
 

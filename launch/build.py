@@ -50,7 +50,9 @@ def build_model(job: JobConfig, rank: int, world: int, dev: torch.device
     from launch.models import adapt, from_config
 
     if job.checkpoint is None:
-        return from_config(job.model, seed=job.seed, dtype=job.dtype, device=dev), None
+        model = from_config(job.model, seed=job.seed, dtype=job.dtype, device=dev)
+        model.indexer_stream = job.indexer_stream
+        return model, None
     from launch.agreement import agree_ready
     from launch.models.checkpoint import CheckpointError, load_checkpoint
 
@@ -74,7 +76,9 @@ def build_model(job: JobConfig, rank: int, world: int, dev: torch.device
     # forward: no forward of the whole model to check
     weights = None if report.quantized_format is None else QuantizedWeights(
         report.quantized_format, [{k: int(v) for k, v in zip(QUANTIZED_PARTS, h[2:].tolist())} for h in every])
-    return adapt(hf, check=holds_whole_model(job, world) and report.quantization is None), weights
+    model = adapt(hf, check=holds_whole_model(job, world) and report.quantization is None)
+    model.indexer_stream = job.indexer_stream
+    return model, weights
 
 
 def _every_rank(values: List[float], world: int) -> List[torch.Tensor]:
@@ -129,7 +133,9 @@ def dequantized_model(job: JobConfig, rank: int, world: int, dev: torch.device,
     from launch.models.checkpoint import load_checkpoint
 
     hf, _ = load_checkpoint(job.checkpoint, rank=rank, world=world, dtype=job.dtype, device=dev, dequantize=True)
-    return expert_parallel(adapt(hf, check=False))
+    model = adapt(hf, check=False)
+    model.indexer_stream = job.indexer_stream
+    return expert_parallel(model)
 
 
 def _mib(n: Union[float, torch.Tensor]) -> str:

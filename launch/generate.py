@@ -203,7 +203,7 @@ def _generate_job(job: JobConfig, decode: DecodeConfig, dev: torch.device, fault
         fault.poison(rank, model)
     own = no_own_check(job, weights) or _own_tokens(job, model, prompts, limits, decode.stop_token, world)
     make_expert_parallel(model, dist.group.WORLD, two_step_dispatch=job.dispatch == "two-step",
-                         decode_exchange=decode.exchange)
+                         decode_exchange=decode.exchange, dispatch_dtype=job.dispatch_dtype)
     weights = weights or quantize_job_model(job, model, world)
     runs = [Run(p, d) for p, d in decode.runs]
     say(_headline(job, decode, model, world, limits) + (f" | {weights.headline()}" if weights else ""))
@@ -227,7 +227,8 @@ def _generate_job(job: JobConfig, decode: DecodeConfig, dev: torch.device, fault
     if job.check:
         failed, notes = check(results, job.dtype, dist.group.WORLD)
         own_failed, own_notes = _check_own_tokens(job, results, own)
-        failed, notes = failed + own_failed, notes + own_notes
+        failed, notes = failed + own_failed, notes + own_notes + _unquantized_tokens(job, decode, model, prompts,
+                                                                                     limits, results, make_cache)
     quantized = _check_quantized(job, decode, model, batch, prompts, limits, results, weights, dev) \
         if job.check and weights else None
     if quantized is not None:
@@ -383,6 +384,40 @@ def _own_tokens(job: JobConfig, model: DecodeModel, prompts: Sequence[Sequence[i
     return [model.own_generate([p], n, stop_token)[0] for p, n in zip(prompts, limits)]
 
 
+def _unquantized_tokens(job: JobConfig, decode: DecodeConfig, model: DecodeModel, prompts: Sequence[Sequence[int]],
+                        limits: Sequence[int], results: Sequence["RunResult"], make_cache: Callable[[], "KVCache"]
+                        ) -> List[str]:
+    """With a quantized dispatch: serial's tokens against a serial generation with the dispatch unquantized (every
+    rank runs it), as a note: the share of the same tokens (the worst rank's) and the first token that differs. A
+    note, not a failure: greedy tokens part at a near-tie and differ after it (prefill's --check bounds the
+    logits)."""
+    from collectives import dispatch_dtype_of
+    from launch.engine import generate
+    from launch.measure.generate import first_difference
+    from microbatch.planning import max_over_ranks
+
+    if job.dispatch_dtype is None:
+        return []
+    layers = [layer.moe for layer in model.moe_layers()]
+    for ep in layers:
+        ep.dispatch_dtype = None
+    try:
+        plain = generate(model, prompts, list(limits), stop_token=decode.stop_token, cache=make_cache(),
+                         mode="serial", buckets=decode.buckets).tokens
+    finally:
+        for ep in layers:
+            ep.dispatch_dtype = dispatch_dtype_of(job.dispatch_dtype)
+    serial = next(r for r in results if r.run.label == "serial").generated.tokens
+    total = sum(len(t) for t in plain)
+    same = sum(a == b for s, p in zip(serial, plain) for a, b in zip(s, p))
+    at = first_difference(serial, plain)
+    (worst,) = max_over_ranks([1.0 - same / max(1, total)], dist.group.WORLD)
+    where = ("none differs" if at is None
+             else f"the first differs at token {at[1]} of request {at[0]} (0: the prefill's)")
+    return [f"serial with the {job.dispatch_dtype} dispatch against the unquantized dispatch: {1 - worst:.1%} of "
+            f"the tokens the same (the worst rank's); on this rank {where}"]
+
+
 def _check_own_tokens(job: JobConfig, results: Sequence[RunResult], own: OwnTokens) -> Tuple[List[str], List[str]]:
     """Serial's tokens against the model's own generate(): ``(failures, notes)`` (one rank: no collective)."""
     from launch.measure.generate import first_difference, judge
@@ -396,6 +431,9 @@ def _check_own_tokens(job: JobConfig, results: Sequence[RunResult], own: OwnToke
     if at is None:
         return [], [f"serial generates {job.model_name}'s own generate(do_sample=False) tokens"]
     req, step = at
+    if job.dispatch_dtype is not None:  # own generate() sends no quantized tokens: a difference is no failure
+        return [], [f"serial's tokens with the {job.dispatch_dtype} dispatch first differ from {job.model_name}'s own "
+                    f"generate() (unquantized) at step {step} of request {req}"]
     margins = serial.generated.margins
     failures: List[str] = []
     notes: List[str] = []
@@ -416,7 +454,7 @@ def _check_quantized(job: JobConfig, decode: DecodeConfig, model: DecodeModel, b
     group = dist.group.WORLD
     reference = dequantized_model(job, dist.get_rank(), dist.get_world_size(), dev, functools.partial(
         make_expert_parallel, group=group, two_step_dispatch=job.dispatch == "two-step",
-        decode_exchange=decode.exchange))
+        decode_exchange=decode.exchange, dispatch_dtype=job.dispatch_dtype))
     serial = next(r for r in results if r.run.label == "serial")
     return generation_check(model, reference, batch, prompts, limits, serial.generated.tokens, decode.stop_token,
                             weights.format, job.dtype, group)
@@ -442,6 +480,7 @@ def _headline(job: JobConfig, decode: DecodeConfig, model: DecodeModel, world: i
                f"{decode.graph}" if decode.graph else "")
             + (f" | buckets {','.join(map(str, decode.buckets))}" if decode.buckets else "")
             + (f" | decode exchange {decode.exchange}" if decode.exchange != "capacity" else "")
+            + (f" | dispatch {job.dispatch_dtype} (per-token scales)" if job.dispatch_dtype else "")
             + (f" | simulated link {job.link}" if job.link else "")
             + ("" if overlap.is_enabled() else f" | overlap off (${overlap.ENV_ENABLE}): every mode single-stream"))
 

@@ -19,7 +19,8 @@ def _apply(options: List[Callable[[F], F]]) -> Callable[[F], F]:
 
 
 def model_options(f: F) -> F:
-    """``--model``, ``--device``, ``--preset`` and the shape overrides (``--layers``, ``--hidden``, ...)."""
+    """``--model``, ``--device``, ``--preset``, the shape overrides (``--layers``, ``--hidden``, ...) and
+    ``--indexer-stream``."""
     return _apply([
         click.option("--model", "model_name", default="reference", metavar="reference|NAME|PATH",
                      help="The toolkit's reference decoder, a transformers MoE model type built small from its "
@@ -35,6 +36,10 @@ def model_options(f: F) -> F:
         click.option("--experts", type=int, help="Override: routed experts (a multiple of the number of ranks)."),
         click.option("--top-k", type=int, help="Override: experts per token."),
         click.option("--shared-experts", type=int, help="Override: shared experts (0: none)."),
+        click.option("--indexer-stream/--no-indexer-stream", default=True,
+                     help="DeepSeek sparse attention (deepseek_v32, glm_moe_dsa): the indexer's top-k selection on "
+                          "its own stream beside the main attention branch; off: the family's attention module as "
+                          "one operation."),
         click.option("--quantize", type=click.Choice(["fp8", "w8a8"]), default=None,
                      help="Quantize the reference decoder's or --model NAME's seeded weights in memory and keep "
                           "them quantized: the routed experts and the linear projections, fp8 per 128 x 128 block "
@@ -76,7 +81,7 @@ def timing_options(f: F) -> F:
 
 
 def run_options(f: F) -> F:
-    """``--out``, ``--cpu-link``, ``--cpu-comm-priority``, ``--dispatch``, ``--timeout``."""
+    """``--out``, ``--cpu-link``, ``--cpu-comm-priority``, ``--dispatch``, ``--dispatch-dtype``, ``--timeout``."""
     return _apply([
         click.option("--out", "out_dir", type=click.Path(file_okay=False),
                      help="Write results.json, traces and timelines."),
@@ -92,6 +97,10 @@ def run_options(f: F) -> F:
                      help="The MoE layers' dispatch: its count exchange issued with the routing and read only where "
                           "the tokens go (the schedules issue the other micro-batches' work in between), or both at "
                           "once."),
+        click.option("--dispatch-dtype", default=None, metavar="bf16|int8|fp8",
+                     help="How tokens travel to their experts: int8 or fp8 (e4m3) quantized per token, each token's "
+                          "scale in the same exchange (the experts dequantize it; the combine stays in the model's "
+                          "dtype); bf16: unquantized, for a bf16 model. Default: the model's dtype, unquantized."),
         click.option("--timeout", type=float, default=120.0,
                      help="Seconds a rank waits for its peers before giving up."),
     ])(f)

@@ -100,7 +100,7 @@ def write_outputs(out_dir: str, job: JobConfig, results: Sequence[ModeResult], t
                        "config": job.model_fields(),
                        "kv_offload": job.kv_offload, "cpu_link": str(job.link) if job.link else None,
                        "cpu_comm_priority": job.comm_priority if job.device == "cpu" else None,
-                       "dispatch": job.dispatch,
+                       "dispatch": job.dispatch, "dispatch_dtype": job.dispatch_name,
                        "rows": [r.row(tokens) for r in results],
                        "serial_added": bool(getattr(job, "serial_added", False)),  # a row only as the reference
                        "check": None if not job.check else ("failed" if failed else "passed"),
@@ -142,7 +142,8 @@ def write_generation_outputs(out_dir: str, job: JobConfig, decode: DecodeConfig,
                        "new_tokens": decode.new_tokens, "new_tokens_spread": decode.spread,
                        "stop_token": decode.stop_token, "kv_offload": job.kv_offload,
                        "cpu_link": str(job.link) if job.link else None, "dispatch": job.dispatch,
-                       "decode_exchange": decode.exchange, "rows": [r.row() for r in results],
+                       "dispatch_dtype": job.dispatch_name, "decode_exchange": decode.exchange,
+                       "rows": [r.row() for r in results],
                        "check": None if not job.check else ("failed" if failed else "passed"),
                        "failures": failed, "quantized": quantized}, f, indent=2)
 

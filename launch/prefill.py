@@ -149,10 +149,11 @@ def _prefill_job(job: JobConfig, dev: torch.device, fault: Optional[Fault], peer
         compile_mode = None
         if job.graph:  # static shapes: every rank sends each rank `capacity` rows
             capacity = int(max_over_ranks([batch.seq.num_tokens], dist.group.WORLD)[0])
-            make_capacity_expert_parallel(model, dist.group.WORLD, capacity)
+            make_capacity_expert_parallel(model, dist.group.WORLD, capacity, job.dispatch_dtype)
             compile_mode = functools.partial(graph_prefill, model, batch, path=job.path)
         else:
-            make_expert_parallel(model, dist.group.WORLD, two_step_dispatch=job.dispatch == "two-step")
+            make_expert_parallel(model, dist.group.WORLD, two_step_dispatch=job.dispatch == "two-step",
+                                 dispatch_dtype=job.dispatch_dtype)
             weights = weights or quantize_job_model(job, model, world)
         if job.kv_offload:  # every rank creates its store, then all go on or all stop (exit 2), collective-free
             cache, problem = _offload_cache(job, model, batch, dev, rank)
@@ -178,7 +179,8 @@ def _prefill_job(job: JobConfig, dev: torch.device, fault: Optional[Fault], peer
         failed = not_finite(results)  # a wrong answer whatever --check says
         ties: List[str] = []
         if job.check and not failed:
-            failed = check_against_serial(results, job.dtype) + _check_own_forward(job, results, own)
+            failed = (check_against_serial(results, job.dtype) + _check_own_forward(job, results, own)
+                      + _check_unquantized(job, model, batch, results))
             ties = near_tie_notes(results, job.dtype)
         quantized = _check_quantized(job, model, batch, weights, rank, world, dev) if job.check and weights else None
         if quantized is not None:
@@ -221,6 +223,9 @@ def _own_forward(job: JobConfig, model: MoEModel, batch: Batch, world: int) -> O
 
     if not (job.check and isinstance(model, TransformersModel)):
         return None
+    if job.dispatch_dtype is not None:  # the own forward sends nothing quantized: see `_check_unquantized`
+        return (f"the dispatch is quantized ({job.dispatch_dtype}); serial is compared with the unquantized dispatch "
+                f"instead")
     if not holds_whole_model(job, world):
         experts = model.cfg.n_experts
         return (f"each of the {world} ranks holds {experts // world} of the checkpoint's {experts} routed experts "
@@ -255,8 +260,52 @@ def _check_quantized(job: JobConfig, model: MoEModel, batch: Batch, weights: Qua
     from launch.measure.quantized import prefill_check
 
     reference = dequantized_model(job, rank, world, dev, functools.partial(
-        make_expert_parallel, group=dist.group.WORLD, two_step_dispatch=job.dispatch == "two-step"))
+        make_expert_parallel, group=dist.group.WORLD, two_step_dispatch=job.dispatch == "two-step",
+        dispatch_dtype=job.dispatch_dtype))
     return prefill_check(model, reference, batch, weights.format, job.dtype, dist.group.WORLD)
+
+
+# --check of a quantized dispatch: serial's logits against the same prefill's with the dispatch unquantized. Per
+# token, the largest logit difference; 90% of the tokens must be within this share of the largest logit (at least 1):
+# per-token int8 rounds each element by at most 1/254 of its token's largest, fp8 e4m3 by 1/16 of itself. The other
+# tokens may differ more where the rounding flips a router's near-tie in a later layer (docs/expert-parallel.md).
+QUANTIZED_BOUNDS = {"int8": 2e-2, "fp8": 5e-2}
+QUANTIZED_QUANTILE = 0.9
+
+
+def _check_unquantized(job: JobConfig, model: MoEModel, batch: Batch, results: Sequence[ModeResult]) -> List[str]:
+    """With a quantized dispatch: serial's logits against serial's with the dispatch unquantized (every rank runs it:
+    its exchanges and one all-reduce), the largest difference printed; failure lines beyond `QUANTIZED_BOUNDS`."""
+    from collectives import dispatch_dtype_of
+    from launch.engine.prefiller import prefill, split_for
+    from microbatch.planning import max_over_ranks
+
+    if job.dispatch_dtype is None or job.graph:
+        return []
+    serial = next(r for r in results if r.mode == "serial")
+    layers = [layer.moe for layer in model.moe_layers()]
+    for ep in layers:
+        ep.dispatch_dtype = None
+    try:
+        with torch.no_grad():
+            plain = prefill(model, batch, "serial", split_for("serial", batch, dist.group.WORLD))
+    finally:
+        for ep in layers:
+            ep.dispatch_dtype = dispatch_dtype_of(job.dispatch_dtype)
+    with torch.no_grad():
+        want, got = model.logits(plain).float(), model.logits(serial.output.to(plain.dtype)).float()
+    per_token = (got - want).abs().amax(-1)
+    most = torch.quantile(per_token, QUANTIZED_QUANTILE).item() if per_token.numel() else 0.0
+    diff, most, scale = max_over_ranks([per_token.max().item() if per_token.numel() else 0.0, most,
+                                        want.abs().max().item() if want.numel() else 0.0], dist.group.WORLD)
+    bound = QUANTIZED_BOUNDS[job.dispatch_dtype] * max(1.0, scale)
+    share = f"{QUANTIZED_QUANTILE:.0%} of the tokens"
+    say(f"check: serial with the {job.dispatch_dtype} dispatch against the unquantized dispatch: largest logit "
+        f"difference {diff:.2e}, {share} within {most:.2e} (bound {bound:.1e}, the largest logit {scale:.2e})")
+    if most <= bound:
+        return []
+    return [f"serial with the {job.dispatch_dtype} dispatch differs from the unquantized dispatch by {most:.3e} in "
+            f"the logits of {share} (bound {bound:.1e})"]
 
 
 def _phase(job: JobConfig, i: int) -> str:
@@ -345,6 +394,7 @@ def _headline(job: JobConfig, model: MoEModel, world: int, cache: Optional[Offlo
             f"{'on (' + job.kv_store + ')' if cache else 'off'}" + (f" | simulated link {job.link}" if job.link else "")
             + (f" | comm threads {overlap.describe_comm_priority()}" if job.device == "cpu" else "")
             + (f" | {job.path} graph" if job.graph else "")
+            + (f" | dispatch {job.dispatch_dtype} (per-token scales)" if job.dispatch_dtype else "")
             + ("" if overlap.is_enabled() else f" | overlap off (${overlap.ENV_ENABLE}): every mode single-stream"))
 
 

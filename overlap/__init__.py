@@ -32,11 +32,11 @@ from .observability import enable_from_env as sanitize_from_env
 from .offload import OffloadCache, OffloadError
 from .peers import late_peers, peer_step, set_peer_watch, watch_peers
 from .state import WaitTimeout, on_reset, reset, set_wait_timeout, wait_timeout
-from .streams import (EP_COMM, KV_OFFLOAD, SHARED_EXPERT, get_stream, issue_ahead, issue_collective, issue_host,
-                      record_stream, stream, synchronize)
+from .streams import (EP_COMM, INDEXER, KV_OFFLOAD, SHARED_EXPERT, get_stream, issue_ahead, issue_collective,
+                      issue_host, record_stream, stream, synchronize)
 
 __all__ = [
-    "DEFAULT", "EP_COMM", "KV_OFFLOAD", "SHARED_EXPERT", "PATHS", "ENV_COMM_PRIORITY", "ENV_ENABLE",
+    "DEFAULT", "EP_COMM", "INDEXER", "KV_OFFLOAD", "SHARED_EXPERT", "PATHS", "ENV_COMM_PRIORITY", "ENV_ENABLE",
     "ENV_KEEP_MEMORY", "ENV_PATH",
     "CoreBudget", "CoreBudgetError", "Disagreement", "Event", "GroupTransport", "HostSync", "HostSyncs", "Link", "OffloadCache",
     "PendingAgreement",

@@ -18,6 +18,7 @@ from .context import DEFAULT, current_stream_tag, is_enabled, swap_stream_tag
 EP_COMM = "ep_comm"  # expert-parallel dispatch / combine
 SHARED_EXPERT = "shared_expert"  # shared experts beside the routed path
 KV_OFFLOAD = "kv_offload"  # KV-cache offload and prefetch
+INDEXER = "indexer"  # sparse attention's indexer (its top-k selection) beside the main attention branch
 
 
 def get_stream(tag: str, priority: int = 0) -> Any:
@@ -105,6 +106,6 @@ def synchronize() -> None:
     hooks.synchronized()
 
 
-__all__ = ["DEFAULT", "EP_COMM", "KV_OFFLOAD", "SHARED_EXPERT", "get_stream", "issue_ahead", "issue_collective",
+__all__ = ["DEFAULT", "EP_COMM", "INDEXER", "KV_OFFLOAD", "SHARED_EXPERT", "get_stream", "issue_ahead", "issue_collective",
            "issue_host",
            "record_stream", "stream", "synchronize"]

@@ -14,7 +14,7 @@ class _Started(Exception):
     pass
 
 
-@pytest.mark.parametrize("name", ["collectives", "comm_threads", "decode", "pipeline", "plan"])
+@pytest.mark.parametrize("name", ["collectives", "comm_threads", "decode", "pipeline", "plan", "quantized"])
 def test_a_benchmarks_ranks_run_the_cpu_path(name, monkeypatch):
     module = importlib.import_module(f"launch.bench.{name}")
     seen = {}

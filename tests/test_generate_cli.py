@@ -224,11 +224,14 @@ def test_mc2_decode_wants_half_precision_tokens():
 
     from launch.config import ConfigError, check_exchange
 
-    npu = types.SimpleNamespace(device="npu", dtype=torch.float32)
+    npu = types.SimpleNamespace(device="npu", dtype=torch.float32, dispatch_dtype=None)
     with pytest.raises(ConfigError, match="--decode-exchange mc2 takes bfloat16 or float16 tokens, not float32"):
         check_exchange(npu, "mc2")
-    check_exchange(types.SimpleNamespace(device="npu", dtype=torch.bfloat16), "mc2")
+    check_exchange(types.SimpleNamespace(device="npu", dtype=torch.bfloat16, dispatch_dtype="int8"), "mc2")
     check_exchange(npu, "auto")  # auto runs the capacity exchange wherever MC2 does not
+    fp8 = types.SimpleNamespace(device="npu", dtype=torch.bfloat16, dispatch_dtype="fp8")  # MC2 has int8's mode only
+    with pytest.raises(ConfigError, match="--decode-exchange mc2 quantizes tokens to int8 only .*not fp8"):
+        check_exchange(fp8, "mc2")
 
 
 def test_auto_chooses_among_captured_steps_from_a_calibration_of_them():

@@ -8,6 +8,7 @@
 - `decode`: time per output token of every decode mode and of ``--decode-mode auto`` over batch sizes and links
   (`decode_targets`: its table and issue 29's targets);
 - `comm_threads`: the CPU path's communication threads at real-time and normal priority, quiet and under load.
+- `quantized`: the int8 / fp8 dispatch against bf16: bytes per token, prefill and decode step time.
 """
 
 # The environment of a benchmark's ranks (`overlap.run_ranks`): the CPU path, over gloo, whatever devices the machine

@@ -192,6 +192,9 @@ def check_exchange(job: JobConfig, exchange: str) -> None:
     if exchange == "mc2" and job.dtype not in (torch.bfloat16, torch.float16):
         raise ConfigError(f"--decode-exchange mc2 takes bfloat16 or float16 tokens, not "
                           f"{str(job.dtype).replace('torch.', '')}: pass --dtype bfloat16")
+    if exchange == "mc2" and job.dispatch_dtype == "fp8":
+        raise ConfigError("--decode-exchange mc2 quantizes tokens to int8 only (its quant_mode=2), not fp8: pass "
+                          "--dispatch-dtype int8, or --decode-exchange capacity for fp8")
 
 
 def parse_buckets(text: Optional[str]) -> Optional[Tuple[int, ...]]:

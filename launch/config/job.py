@@ -22,6 +22,8 @@ from overlap.state import MAX_WAIT_TIMEOUT
 from launch.models.transformers.fields import EXPERT_COUNTS, held_field
 
 from .environment import EnvValue, compute_threads, environment
+from collectives import DISPATCH_DTYPES
+
 from .errors import ConfigError
 from .model import (REFERENCE, ModelSettings, Overrides, build_model_config, check_transformers_model,
                     check_transformers_overrides, n_experts, transformers_config)
@@ -61,7 +63,14 @@ class JobConfig:
     refresh_calibration: bool = False  # --refresh-calibration: measure auto's calibration again, whatever is cached
     threads: int = 1  # each rank's compute threads (`launch.config.environment.compute_threads`)
     threads_from: str = ""  # where that number comes from, for the headline
+    indexer_stream: bool = True  # --indexer-stream: sparse attention's indexer on its own stream (IndexedLayer)
+    dispatch_dtype: Optional[str] = None  # --dispatch-dtype: "int8" / "fp8" (quantized per token), None: the model's
     quantize: Optional[str] = None  # --quantize: fp8 or w8a8, the seeded model's weights quantized in memory
+
+    @property
+    def dispatch_name(self) -> str:
+        """How the tokens travel to their experts, as results say it: int8, fp8, or the model's dtype."""
+        return self.dispatch_dtype or str(self.dtype).replace("torch.", "")
 
     @property
     def serial_added(self) -> bool:
@@ -171,6 +180,7 @@ def job_config(*, world: int, device: str, exec_path: str, mode: Union[str, Sequ
                timeout: float, model_name: str = REFERENCE, cpu_comm_priority: str = "off",
                dispatch: str = "two-step", auto_split_margin: float = microbatch.planning.SPLIT_MARGIN,
                refresh_calibration: bool = False, local_world: int = 1, full_size: bool = False,
+               indexer_stream: bool = True, dispatch_dtype: Optional[str] = None,
                quantize: Optional[str] = None) -> JobConfig:
     """The job of the command-line options and the environment, checked; `ConfigError` names the first problem.
 
@@ -184,6 +194,7 @@ def job_config(*, world: int, device: str, exec_path: str, mode: Union[str, Sequ
     except ValueError as exc:
         raise ConfigError(f"--mode: {exc}") from None
     _check_numbers(seed, timeout, warmup, iters, out_dir)
+    quantized = check_dispatch_dtype(dispatch_dtype, DTYPES[dtype])
     if not (math.isfinite(auto_split_margin) and 0.0 <= auto_split_margin < 1.0):
         raise ConfigError(f"--auto-split-margin must be a fraction in [0, 1) (0.1: a split must be predicted 10% "
                           f"faster than one batch), got {auto_split_margin:g}")
@@ -209,7 +220,8 @@ def job_config(*, world: int, device: str, exec_path: str, mode: Union[str, Sequ
     job = JobConfig(model, tuple(lens), modes, device, path,
                     kv_offload, kv_store, DTYPES[dtype], warmup, iters, seed, check, out_dir, link, timeout,
                     model_name, cpu_comm_priority, expanded, env, dispatch, auto_split_margin,
-                    bool(refresh_calibration), threads, threads_from, quantize)
+                    bool(refresh_calibration), threads, threads_from, bool(indexer_stream), quantized,
+                    quantize)
     _check_quantize(job)
     if job.graph and AUTO in modes:
         raise ConfigError(f"--mode auto plans the eager paths; on --path {path} pick a mode")
@@ -233,6 +245,23 @@ def _check_quantize(job: JobConfig) -> None:
     if job.graph:
         raise ConfigError(f"--quantize {job.quantize} runs on the eager paths: the static-shape graph prefill "
                           f"of --path {job.path} does not take quantized experts")
+
+
+def check_dispatch_dtype(name: Optional[str], dtype: torch.dtype) -> Optional[str]:
+    """``--dispatch-dtype``: the quantized dispatch it asks for (``int8`` / ``fp8``), or None (unquantized: left out,
+    or ``bf16`` for a bf16 model); `ConfigError` naming the value otherwise."""
+    if name is None:
+        return None
+    if name not in DISPATCH_DTYPES:
+        raise ConfigError(f"--dispatch-dtype must be one of {', '.join(DISPATCH_DTYPES)} (default: the model's dtype, "
+                          f"unquantized), got {name!r}")
+    if DISPATCH_DTYPES[name] is not None:
+        return name
+    if dtype != torch.bfloat16:
+        raise ConfigError(f"--dispatch-dtype {name} sends a bfloat16 model's tokens unquantized, but --dtype is "
+                          f"{str(dtype).replace('torch.', '')}: leave --dispatch-dtype out (tokens travel in the "
+                          f"model's dtype), or pass int8 / fp8")
+    return None
 
 
 def _uneven_experts(model_name: str, model: ModelSettings, experts: int, world: int, given: bool,

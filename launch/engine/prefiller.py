@@ -41,16 +41,18 @@ _PREFILL_ROWS = "kv_prefill_rows"  # a prefill micro-batch's rows of the cache (
 
 
 def make_expert_parallel(model: MoEModel, group: Optional[dist.ProcessGroup], impl: str = "auto", *,
-                         two_step_dispatch: bool = True, decode_exchange: str = "capacity") -> MoEModel:
+                         two_step_dispatch: bool = True, decode_exchange: str = "capacity",
+                         dispatch_dtype: Optional[str] = None) -> MoEModel:
     """Replace every MoE block of ``model`` by its expert-parallel form over ``group`` (in place);
     ``two_step_dispatch``: the count exchange and the tokens as two operations (`ExpertParallelMoE`);
     ``decode_exchange`` (one of `collectives.DECODE_EXCHANGES`): what decode steps exchange through, the capacity
     exchange, MC2 (prefill keeps the all-to-all), or ``"auto"``: MC2 where torch_npu has it, for buckets up to 256
-    tokens (`collectives.decode_exchange_named`)."""
+    tokens (`collectives.decode_exchange_named`); ``dispatch_dtype``: ``"int8"`` / ``"fp8"`` quantize the tokens per
+    token for the dispatch of prefill and decode (`collectives.quantize`; None: the model's dtype)."""
     steps = decode_exchange_named(decode_exchange)
 
     def wrap(layer: MoELayer) -> ExpertParallelMoE:
-        ep = wrap_expert_parallel(layer.moe, group, impl=impl, decode_exchange=steps)
+        ep = wrap_expert_parallel(layer.moe, group, impl=impl, decode_exchange=steps, dispatch_dtype=dispatch_dtype)
         ep.two_step_dispatch = two_step_dispatch
         return ep
 
@@ -58,9 +60,12 @@ def make_expert_parallel(model: MoEModel, group: Optional[dist.ProcessGroup], im
     return model
 
 
-def make_capacity_expert_parallel(model: MoEModel, group: Optional[dist.ProcessGroup], capacity: int) -> MoEModel:
-    """Replace every MoE block by its static-shape expert-parallel form (graph paths; in place)."""
-    model.replace_moe(lambda layer: capacity_expert_parallel(layer.moe, group, capacity=capacity))
+def make_capacity_expert_parallel(model: MoEModel, group: Optional[dist.ProcessGroup], capacity: int,
+                                  dispatch_dtype: Optional[str] = None) -> MoEModel:
+    """Replace every MoE block by its static-shape expert-parallel form (graph paths; in place), its dispatch
+    quantized as ``dispatch_dtype`` says."""
+    model.replace_moe(lambda layer: capacity_expert_parallel(layer.moe, group, capacity=capacity,
+                                                             dispatch_dtype=dispatch_dtype))
     return model
 
 

@@ -20,7 +20,7 @@ import platform
 import socket
 import tempfile
 import time
-from typing import Any, Dict, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -146,7 +146,18 @@ def calibration_key(model: MoEModel, group: Optional[dist.ProcessGroup] = None, 
             # measured with freed host memory kept or not (overlap.host_memory): the CPU path's calibrations differ
             "host_memory": freed_memory_setting() if backends.current().name == "cpu" else None,
             "tokens": [int(n) for n in tokens], "repeats": int(repeats), "seq_len": int(seq_len)}
+    quantized = _dispatch_dtypes(model)
+    if quantized:  # a quantized dispatch moves other bytes (keys without one stay as they were)
+        key["dispatch_dtype"] = quantized
     return json.loads(canonical(key))  # as it reads back from the cache
+
+
+def _dispatch_dtypes(model: MoEModel) -> List[str]:
+    """The dtypes the model's MoE layers quantize their dispatch to (`collectives.quantize`), if any."""
+    layers = getattr(model, "moe_layers", None)
+    if layers is None:
+        return []
+    return sorted({str(d) for d in (getattr(layer.moe, "dispatch_dtype", None) for layer in layers()) if d is not None})
 
 
 __all__ = ["DEFAULT_CACHE", "ENV_CACHE", "FORMAT", "cache_dir", "cache_file", "calibration_key", "canonical",

@@ -26,7 +26,7 @@ from .. import backends, hooks
 from ..hooks import Span
 from ._intervals import Metrics, compute_metrics, verdict
 
-_STREAM_ORDER = ("default", "ep_comm", "shared_expert", "kv_offload")
+_STREAM_ORDER = ("default", "ep_comm", "shared_expert", "indexer", "kv_offload")
 GENERATOR = "npu-overlap"
 
 

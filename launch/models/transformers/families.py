@@ -270,15 +270,20 @@ def _default_config(model_type: str) -> Any:
 
 def build_transformers_model(model_type: str, *, seed: int = 0, dtype: torch.dtype = torch.float32,
                              device: Any = "cpu", overrides: Optional[Mapping[str, Any]] = None,
-                             attn_implementation: str = "sdpa", **fields: Any) -> TransformersModel:
+                             attn_implementation: str = "sdpa", indexer_stream: bool = True,
+                             **fields: Any) -> TransformersModel:
     """A small ``model_type`` causal LM (`small_config`) with weights from ``seed`` (the same on every rank),
     adapted.
 
     ``overrides`` take the toolkit's names (``n_layers``, ``n_dense_layers``, ``hidden``,
     ``n_experts``, ``top_k``, ``n_shared``); ``fields`` set the family's own config fields.
+    ``indexer_stream``: sparse attention's indexer as an operation on its own stream
+    (`TransformersModel.indexer_stream`).
     """
-    return from_config(small_config(model_type, overrides, **fields), seed=seed, dtype=dtype, device=device,
-                       attn_implementation=attn_implementation)
+    model = from_config(small_config(model_type, overrides, **fields), seed=seed, dtype=dtype, device=device,
+                        attn_implementation=attn_implementation)
+    model.indexer_stream = indexer_stream
+    return model
 
 
 # --- which families the adapter runs ---------------------------------------------------------------

@@ -30,8 +30,10 @@ from microbatch.model import KV
 
 from ..common import check_token_ids, param_seed
 from . import checks
-from .discovery import check_model_parts, final_norm, is_shortcut, multiplier
+from .attention import INDEXED
+from .discovery import check_model_parts, final_norm, is_shortcut, layer_kind, multiplier
 from .fields import expert_count, shared_count, top_k
+from .indexed import IndexedLayer, not_as_operations
 from .layers import ShortcutLayer, TransformersLayer
 
 __all__ = ["TransformersConfig", "TransformersModel", "adapt", "attention_for", "from_config", "seed_weights"]
@@ -170,8 +172,7 @@ class TransformersModel(nn.Module):
         self.final_norm = final_norm(hf_model.model)
         self.embed_scale = multiplier(config, "embedding_multiplier")
         self.logits_scale = multiplier(config, "logits_scaling")
-        self.layers = nn.ModuleList(_layer_class(hf_model.model.layers[i])(hf_model, i)
-                                    for i in range(len(hf_model.model.layers)))
+        self.layers = nn.ModuleList(_layer_class(hf_model, i)(hf_model, i) for i in range(len(hf_model.model.layers)))
         self.cfg = self._config()
         self.no_cut_reason = self._no_cut_reason()
 
@@ -183,6 +184,18 @@ class TransformersModel(nn.Module):
         if any(isinstance(layer, ShortcutLayer) for layer in self.layers):
             return f"{self.cfg.model_type}: {ShortcutLayer.NO_CUT}"
         return None
+
+    @property
+    def indexer_stream(self) -> bool:
+        """Whether the sparse-attention layers run their indexer as an operation on `overlap.INDEXER`
+        (`IndexedLayer`); False: the family's attention module as one operation."""
+        return all(layer.indexer_stream for layer in self.layers if isinstance(layer, IndexedLayer))
+
+    @indexer_stream.setter
+    def indexer_stream(self, on: bool) -> None:
+        for layer in self.layers:
+            if isinstance(layer, IndexedLayer):
+                layer.indexer_stream = bool(on)
 
     def _config(self) -> TransformersConfig:
         c = self.hf.config
@@ -280,5 +293,13 @@ class TransformersModel(nn.Module):
         return checks.own_kv(self, batch)
 
 
-def _layer_class(hf_layer: nn.Module) -> type:
-    return ShortcutLayer if is_shortcut(hf_layer) else TransformersLayer
+def _layer_class(hf_model: nn.Module, index: int) -> type:
+    """A layer's class: `ShortcutLayer` (LongCat-Flash), `IndexedLayer` (DeepSeek sparse attention whose module has
+    DeepSeek-V3.2's parts: `indexed.not_as_operations`) or `TransformersLayer`."""
+    if is_shortcut(hf_model.model.layers[index]):
+        return ShortcutLayer
+    if layer_kind(hf_model.config, index) != INDEXED:
+        return TransformersLayer
+    module = getattr(hf_model.model.layers[index], "self_attn", None)
+    rotary = getattr(hf_model.model, "rotary_emb", None)
+    return TransformersLayer if module is None or not_as_operations(module, rotary) else IndexedLayer
