@@ -51,7 +51,7 @@ def fingerprint(job: JobConfig) -> Dict[str, Any]:
                 "--cpu-link": str(job.link) if job.link else "off", "--cpu-comm-priority": job.comm_priority,
                 "--dispatch": job.dispatch, "--dispatch-dtype": job.dispatch_name, "--timeout": job.timeout,
                 "--auto-split-margin": job.split_margin, "--refresh-calibration": job.refresh_calibration,
-                "--indexer-stream": job.indexer_stream})
+                "--indexer-stream": job.indexer_stream, "--quantize": job.quantize})
     out.update(dict(job.environment))
     return out
 

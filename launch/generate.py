@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 import microbatch
-from launch.build import build_model, holds_whole_model
+from launch.build import build_model, holds_whole_model, no_own_check, quantize_job_model
 from launch.config import (DECODE_AUTO_MODES, DECODE_CALIBRATION_ROUNDS, DECODE_EXCHANGES, DECODE_MODE_NAMES,
                            DecodeConfig, JobConfig, ModeList, check_generation_options, decode_config,
                            dry_run_config, job_config, prefill_modes)
@@ -49,10 +49,12 @@ from launch.options import (batch_options, dry_run_options, model_options, refre
                             timing_options)
 
 if TYPE_CHECKING:  # the launcher's parts are imported where the job needs them (a bad option fails first)
+    from launch.build import QuantizedWeights
     from launch.engine import Decoders
     from launch.health import Fault, Peers
     from launch.measure import Run, RunResult
-    from microbatch import DecodeModel, KVCache
+    from launch.models.quantized.check import QuantizedCheck
+    from microbatch import Batch, DecodeModel, KVCache
     from microbatch.planning import DecodeCalibration
 
 OwnTokens = Union[List[List[int]], str, None]  # the model's own generate() for --check, why there is none, or no check
@@ -191,7 +193,7 @@ def _generate_job(job: JobConfig, decode: DecodeConfig, dev: torch.device, fault
     sizes = agree(job, {"tokens": sum(job.seq_lens), "requests": len(job.seq_lens),
                         "room": max(job.seq_lens, default=0) + decode.new_tokens}, problems, job.timeout,
                   extra=decode.fingerprint())
-    model = build_model(job, rank, world, dev)
+    model, weights = build_model(job, rank, world, dev)
     agree_ready("checking that the model decodes", _decode_refusal(model), job.timeout)
     batch = Batch.random(job.seq_lens, model.cfg.vocab, seed=job.seed * 1000 + rank + 1, device=dev)
     cu = batch.seq.cu_seqlens
@@ -199,11 +201,12 @@ def _generate_job(job: JobConfig, decode: DecodeConfig, dev: torch.device, fault
     limits = _new_tokens(job, decode, rank)
     if fault is not None:
         fault.poison(rank, model)
-    own = _own_tokens(job, model, prompts, limits, decode.stop_token, world)  # before the blocks become EP
+    own = no_own_check(job, weights) or _own_tokens(job, model, prompts, limits, decode.stop_token, world)
     make_expert_parallel(model, dist.group.WORLD, two_step_dispatch=job.dispatch == "two-step",
                          decode_exchange=decode.exchange, dispatch_dtype=job.dispatch_dtype)
+    weights = weights or quantize_job_model(job, model, world)
     runs = [Run(p, d) for p, d in decode.runs]
-    say(_headline(job, decode, model, world, limits))
+    say(_headline(job, decode, model, world, limits) + (f" | {weights.headline()}" if weights else ""))
     make_cache = functools.partial(_new_cache, job, model, prompts, limits)
     job_cache = functools.partial(_new_cache, job, model, prompts, limits, requests=max(r["requests"] for r in sizes),
                                   room=max(r["room"] for r in sizes))  # the job's: auto's calibration is the job's
@@ -226,6 +229,10 @@ def _generate_job(job: JobConfig, decode: DecodeConfig, dev: torch.device, fault
         own_failed, own_notes = _check_own_tokens(job, results, own)
         failed, notes = failed + own_failed, notes + own_notes + _unquantized_tokens(job, decode, model, prompts,
                                                                                      limits, results, make_cache)
+    quantized = _check_quantized(job, decode, model, batch, prompts, limits, results, weights, dev) \
+        if job.check and weights else None
+    if quantized is not None:
+        failed, notes = failed + quantized.failures(), notes + quantized.lines()
     say(table(results))
     for r in results:
         if r.predicted_tpot_s is not None and r.tpot_s:
@@ -235,10 +242,12 @@ def _generate_job(job: JobConfig, decode: DecodeConfig, dev: torch.device, fault
     if job.check:
         for line in notes:
             say(f"check: {line}")
-        say("check: " + ("FAILED: " + "; ".join(failed) if failed else "every mode generates serial's tokens"))
+        say("check: " + ("FAILED: " + "; ".join(failed) if failed else "every mode generates serial's tokens"
+                         + (" and serial the dequantized model's" if quantized else "")))
     finish()
     if job.out_dir and rank == 0:  # after the last collective: a failure here cannot stall the other ranks
-        write_generation_outputs(job.out_dir, job, decode, results, world, failed, lambda m: say(m, err=True))
+        write_generation_outputs(job.out_dir, job, decode, results, world, failed, lambda m: say(m, err=True),
+                                 quantized=weights.row(quantized) if weights else None)
     return 1 if failed else 0
 
 
@@ -431,6 +440,24 @@ def _check_own_tokens(job: JobConfig, results: Sequence[RunResult], own: OwnToke
     judge(f"serial's tokens differ from {job.model_name}'s own generate() at step {step} of request {req}", job.dtype,
           margins[req][step] if margins and step < len(margins[req]) else None, failures, notes)
     return failures, notes
+
+
+def _check_quantized(job: JobConfig, decode: DecodeConfig, model: DecodeModel, batch: Batch,
+                     prompts: Sequence[Sequence[int]], limits: Sequence[int], results: Sequence[RunResult],
+                     weights: QuantizedWeights, dev: torch.device) -> QuantizedCheck:
+    """For ``--check`` of weights kept quantized: serial's prefill logits and tokens against the dequantized
+    model's (every rank)."""
+    from launch.build import dequantized_model
+    from launch.engine import make_expert_parallel
+    from launch.measure.quantized import generation_check
+
+    group = dist.group.WORLD
+    reference = dequantized_model(job, dist.get_rank(), dist.get_world_size(), dev, functools.partial(
+        make_expert_parallel, group=group, two_step_dispatch=job.dispatch == "two-step",
+        decode_exchange=decode.exchange, dispatch_dtype=job.dispatch_dtype))
+    serial = next(r for r in results if r.run.label == "serial")
+    return generation_check(model, reference, batch, prompts, limits, serial.generated.tokens, decode.stop_token,
+                            weights.format, job.dtype, group)
 
 
 def _headline(job: JobConfig, decode: DecodeConfig, model: DecodeModel, world: int, limits: Sequence[int]) -> str:

@@ -137,7 +137,7 @@ class Peers:
         return f"the rendezvous store is unreachable ({type(exc).__name__}){holder}"
 
 
-FAULT_KINDS = ("exit", "hang", "raise", "nan", "inf")
+FAULT_KINDS = ("exit", "hang", "raise", "nan", "inf", "scale")
 
 
 def _fault_fields(text: str) -> Dict[str, str]:
@@ -164,7 +164,8 @@ def _fault_int(fields: Dict[str, str], name: str, default: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class Fault:
     """An injected fault: ``rank`` does ``kind`` (exit, hang or raise) before its ``at``-th iteration
-    (``at=-1``: before it joins the process group), or (``nan``, ``inf``) holds a non-finite weight."""
+    (``at=-1``: before it joins the process group), or (``nan``, ``inf``) holds a non-finite weight, or
+    (``scale``) computes with a quantized expert's scales doubled."""
 
     rank: int = 1
     at: int = 0
@@ -172,7 +173,7 @@ class Fault:
 
     @classmethod
     def from_env(cls) -> Optional["Fault"]:
-        """``$OVERLAP_FAULT="rank=1,iter=2,kind=exit|hang|raise|nan|inf"``, or None."""
+        """``$OVERLAP_FAULT="rank=1,iter=2,kind=exit|hang|raise|nan|inf|scale"``, or None."""
         text = os.environ.get(ENV_FAULT)
         if not text:
             return None
@@ -184,10 +185,20 @@ class Fault:
 
     def poison(self, rank: int, model: MoEModel) -> None:
         """Kinds ``nan`` / ``inf``: this rank's model gets a non-finite weight, the final norm's (every output row
-        reads it)."""
-        if rank == self.rank and self.kind in ("nan", "inf"):
-            with torch.no_grad():
+        reads it); ``scale``: its first quantized experts' first expert computes with its down projection's scales
+        doubled (a wrong answer finite and near the right one, which only ``--check`` of a quantized checkpoint
+        sees; nothing for float weights, nor for ``--quantize``'s, quantized after this)."""
+        if rank != self.rank:
+            return
+        with torch.no_grad():
+            if self.kind in ("nan", "inf"):
                 model.final_norm.weight[0] = float(self.kind)
+            if self.kind == "scale":
+                from collectives import QuantizedExperts
+
+                experts = next((m for m in model.modules() if isinstance(m, QuantizedExperts)), None)
+                if experts is not None:
+                    experts.scales("down", 0)[0].mul_(2)
 
     def maybe_fail(self, rank: int, iteration: int) -> None:
         if rank != self.rank or iteration != self.at:
@@ -196,6 +207,6 @@ class Fault:
             os._exit(17)
         if self.kind == "hang":
             time.sleep(3600)
-        if self.kind in ("nan", "inf"):
+        if self.kind in ("nan", "inf", "scale"):  # a poisoned weight: `poison`
             return
         raise RuntimeError(f"injected fault on rank {rank} at iteration {iteration}")

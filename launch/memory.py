@@ -18,6 +18,8 @@ import click
 import torch
 
 from launch.models.common import one_line
+from launch.models.quantized import QuantFormat, checkpoint_format, quantizes
+from launch.models.quantized.formats import QUANTIZED_TYPES
 from launch.models.transformers.fields import TOP_K
 
 from .config import ConfigError, DryRun, JobConfig, ModelSettings, n_experts
@@ -63,6 +65,23 @@ def _param_counts(job: JobConfig) -> Tuple[int, int]:
     if not job.transformers:
         n_moe = cfg.n_layers - cfg.n_dense_layers
         return cfg.num_params(), n_moe * cfg.n_experts * 3 * cfg.hidden * cfg.moe_ffn
+    named = _meta_parameters(job)
+    return sum(p.numel() for _, p in named), sum(p.numel() for n, p in named if ".experts." in n)
+
+
+def _meta_parameters(job: JobConfig) -> List[Tuple[str, torch.Tensor]]:
+    """The transformers model's named parameters, built on the meta device (no memory)."""
+    return list(_meta_model(job).named_parameters())
+
+
+def _meta_model(job: JobConfig) -> torch.nn.Module:
+    """The job's model (the reference decoder, or the transformers model) on the meta device (no memory)."""
+    cfg = job.model
+    if not job.transformers:
+        from launch.models.reference import Model
+
+        with torch.device("meta"):
+            return Model(cfg)
     from transformers import AutoModelForCausalLM
 
     try:
@@ -71,8 +90,72 @@ def _param_counts(job: JobConfig) -> Tuple[int, int]:
     except Exception as exc:  # noqa: BLE001 (a family checked by no small run: --dry-run)
         raise ConfigError(f"--model {job.model_name}: transformers cannot build a {cfg.model_type} causal LM "
                           f"({one_line(exc, limit=200)}): the adapter runs decoder-only causal LMs") from None
-    named = list(hf.named_parameters())
-    return sum(p.numel() for _, p in named), sum(p.numel() for n, p in named if ".experts." in n)
+    return hf
+
+
+def _scale_bytes(out: int, inp: int, fmt: QuantFormat) -> int:
+    """The scales of one quantized ``[out, in]`` weight, float32 as stored: FP8 one per block, int8 a scale and an
+    offset per output channel."""
+    if fmt.method == "fp8":
+        return math.ceil(out / fmt.block[0]) * math.ceil(inp / fmt.block[1]) * 4
+    return out * 2 * 4
+
+
+def _held_bytes(name: str, p: torch.Tensor, fmt: QuantFormat, size: int, in_memory: Optional[bool] = None) -> int:
+    """The bytes a quantized checkpoint's parameter ``name`` is held in (`launch.models.load_checkpoint`): a fused
+    experts' stack of gate, up and down weights 1 byte a weight plus each expert's scales; a quantized linear's
+    weight the same, and static W8A8's activation parameters (input scale and offset, a bias and a scale per
+    output channel); anything else in the run's dtype (``size`` bytes). ``in_memory`` (``--quantize``): whether
+    ``name`` is quantized in memory (a linear's weight that `launch.models.quantized.quantizes`, or an expert's)."""
+    if ".experts." in name and p.dim() == 3 and (in_memory or (in_memory is None and _experts_quantized(fmt))):
+        e, rows, cols = p.shape  # gate_up [E, 2F, H] (two weights of [F, H] each) or down [E, H, F]
+        halves = 2 if name.endswith("gate_up_proj") else 1
+        return e * (rows * cols + halves * _scale_bytes(rows // halves, cols, fmt))
+    quantized = in_memory if in_memory is not None else \
+        quantizes(name, p) if fmt.method == "fp8" else fmt.types.get(name) in QUANTIZED_TYPES
+    if not quantized:
+        return p.numel() * size
+    static = 4 + 4 + p.shape[0] * (4 + 4) if fmt.types.get(name) == "W8A8" else 0
+    return p.numel() + _scale_bytes(p.shape[0], p.shape[1], fmt) + static
+
+
+def _experts_quantized(fmt: QuantFormat) -> bool:
+    """Whether a checkpoint keeps its routed experts quantized: FP8's always, W8A8's where its description types
+    them so."""
+    return fmt.method == "fp8" or any(".experts." in k and v in QUANTIZED_TYPES for k, v in fmt.types.items())
+
+
+def _quantized_weight_bytes(job: JobConfig, world: int, whole: bool) -> Optional[Tuple[int, int]]:
+    """(weights, routed experts' weights) in bytes one of ``world`` ranks holds of a quantized checkpoint, or with
+    ``--quantize``, kept quantized (``whole``: and the float experts a ``--model NAME`` keeps for ``--check``);
+    None for anything else."""
+    if job.quantize is not None:
+        return _in_memory_weight_bytes(job, world, whole)
+    fmt = checkpoint_format(job.checkpoint, job.model) if job.checkpoint is not None else None
+    if fmt is None:
+        return None
+    size = torch.empty((), dtype=job.dtype).element_size()
+    held = [(".experts." in n, _held_bytes(n, p, fmt, size)) for n, p in _meta_parameters(job)]
+    experts = sum(b for routed, b in held if routed) // world
+    return sum(b for routed, b in held if not routed) + experts, experts
+
+
+def _in_memory_weight_bytes(job: JobConfig, world: int, whole: bool) -> Tuple[int, int]:
+    """(weights, routed experts' weights) in bytes one of ``world`` ranks holds with ``--quantize``
+    (`launch.models.quantized.quantize_in_memory`): its routed experts and the linear projections quantized, the
+    rest in the run's dtype; ``whole``: and every routed expert in it (what a ``--model NAME`` keeps)."""
+    model, size = _meta_model(job), torch.empty((), dtype=job.dtype).element_size()
+    fmt = QuantFormat(job.quantize or "fp8")
+    linears = {id(m.weight) for n, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and quantizes(f"{n}.weight", m.weight)}
+    named = list(model.named_parameters())
+    routed = [_held_bytes(n, p, fmt, size, in_memory=True) for n, p in named
+              if ".experts." in n and (p.dim() == 3 or id(p) in linears)]
+    rest = sum(_held_bytes(n, p, fmt, size, in_memory=id(p) in linears) for n, p in named
+               if not (".experts." in n and (p.dim() == 3 or id(p) in linears)))
+    experts = sum(routed) // world
+    kept = sum(p.numel() for n, p in named if ".experts." in n) * size if whole else 0
+    return rest + experts + kept, experts + kept
 
 
 def _kv_token_elements(cfg: ModelSettings) -> Tuple[int, int]:
@@ -124,6 +207,8 @@ def estimate(job: JobConfig, world: int, kv_cache: int = 0, deployed: bool = Fal
     # each rank keeps its share of the routed experts; --check with a transformers model keeps the whole model
     whole = job.transformers and job.checkpoint is None and not deployed
     weights = (total - experts + experts // world + (experts if whole else 0)) * size
+    expert_weights = (experts // world + (experts if whole else 0)) * size
+    weights, expert_weights = _quantized_weight_bytes(job, world, whole) or (weights, expert_weights)
     hidden = _first(cfg, "hidden", "hidden_size")
     heads = _first(cfg, "n_heads", "num_attention_heads", default=1)
     inner = heads * _first(cfg, "head_dim", "v_head_dim", default=max(1, hidden // heads))
@@ -139,7 +224,6 @@ def estimate(job: JobConfig, world: int, kv_cache: int = 0, deployed: bool = Fal
     activations = 2 * (tokens * per_token + scores) + exchange + len(job.modes) * tokens * hidden * 4
     layers = _first(cfg, "n_layers", "num_hidden_layers", default=1)
     kv = 2 * layers * tokens * inner * size if job.kv_offload and not kv_cache else 0
-    expert_weights = (experts // world + (experts if whole else 0)) * size
     return Estimate(int(weights), int(activations), int(kv), int(kv_cache), int(expert_weights), int(exchange))
 
 

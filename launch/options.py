@@ -40,6 +40,11 @@ def model_options(f: F) -> F:
                      help="DeepSeek sparse attention (deepseek_v32, glm_moe_dsa): the indexer's top-k selection on "
                           "its own stream beside the main attention branch; off: the family's attention module as "
                           "one operation."),
+        click.option("--quantize", type=click.Choice(["fp8", "w8a8"]), default=None,
+                     help="Quantize the reference decoder's or --model NAME's seeded weights in memory and keep "
+                          "them quantized: the routed experts and the linear projections, fp8 per 128 x 128 block "
+                          "or w8a8 int8 per channel, as a checkpoint of that format holds them "
+                          "(docs/checkpoints.md)."),
     ])(f)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from typing import TYPE_CHECKING, Callable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple
 
 from overlap.observability import save_chrome_trace, save_png
 
@@ -84,11 +84,12 @@ def _atomic(file: str, write: Callable[[str], object]) -> None:
 
 
 def write_outputs(out_dir: str, job: JobConfig, results: Sequence[ModeResult], tokens: int, world: int,
-                  failed: List[str], say: Callable[[str], None]) -> None:
+                  failed: List[str], say: Callable[[str], None], quantized: Optional[Dict[str, object]] = None) -> None:
     """Write ``out_dir``/results.json and each mode's ``trace_<mode>.json`` / ``timeline_<mode>.png``.
 
     ``job`` is the `launch.config.JobConfig`; ``failed`` the modes ``--check`` rejected; ``say``
-    prints a line for the user. Raises `OutputError` naming the file that could not be written.
+    prints a line for the user; ``quantized``: a quantized checkpoint's format, bytes per rank and check.
+    Raises `OutputError` naming the file that could not be written.
     """
     _make_out_dir(out_dir)
 
@@ -102,7 +103,8 @@ def write_outputs(out_dir: str, job: JobConfig, results: Sequence[ModeResult], t
                        "dispatch": job.dispatch, "dispatch_dtype": job.dispatch_name,
                        "rows": [r.row(tokens) for r in results],
                        "serial_added": bool(getattr(job, "serial_added", False)),  # a row only as the reference
-                       "check": None if not job.check else ("failed" if failed else "passed")}, f, indent=2)
+                       "check": None if not job.check else ("failed" if failed else "passed"),
+                       "quantized": quantized}, f, indent=2)
 
     _atomic(os.path.join(out_dir, "results.json"), results_json)
     pngs = _traces(out_dir, [(r.mode, r.spans, f"{r.mode}: {world} rank(s), {tokens} tokens") for r in results], say)
@@ -126,10 +128,11 @@ def _traces(out_dir: str, traces: Sequence[Tuple[str, Sequence[Span], str]], say
 
 
 def write_generation_outputs(out_dir: str, job: JobConfig, decode: DecodeConfig, results: Sequence[RunResult],
-                             world: int, failed: List[str], say: Callable[[str], None]) -> None:
+                             world: int, failed: List[str], say: Callable[[str], None],
+                             quantized: Optional[Dict[str, object]] = None) -> None:
     """Write ``out_dir``/results.json of a generation and each mode's ``trace_<mode>.json`` /
-    ``timeline_<mode>.png`` of one decode step (``prefill__decode`` where the modes differ). Raises
-    `OutputError` naming the file that could not be written."""
+    ``timeline_<mode>.png`` of one decode step (``prefill__decode`` where the modes differ); ``quantized`` as
+    `write_outputs`'. Raises `OutputError` naming the file that could not be written."""
     _make_out_dir(out_dir)
 
     def results_json(name: str) -> None:
@@ -142,7 +145,7 @@ def write_generation_outputs(out_dir: str, job: JobConfig, decode: DecodeConfig,
                        "dispatch_dtype": job.dispatch_name, "decode_exchange": decode.exchange,
                        "rows": [r.row() for r in results],
                        "check": None if not job.check else ("failed" if failed else "passed"),
-                       "failures": failed}, f, indent=2)
+                       "failures": failed, "quantized": quantized}, f, indent=2)
 
     _atomic(os.path.join(out_dir, "results.json"), results_json)
     traced = [(r.run.file_label, r.spans, f"{r.run.label}: one decode step, {world} rank(s)") for r in results

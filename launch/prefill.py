@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 import microbatch
-from launch.build import build_model, holds_whole_model
+from launch.build import build_model, holds_whole_model, no_own_check, quantize_job_model
 from launch.config import JobConfig, ModeList, dry_run_config, job_config
 from launch.job import (CalibrationSource, calibration_note, main as job_main, progress, say, script as job_script,
                         threads)
@@ -41,8 +41,10 @@ from launch.options import (batch_options, dry_run_options, model_options, refre
                             timing_options)
 
 if TYPE_CHECKING:  # the launcher's parts are imported where the job needs them (a bad option fails first)
+    from launch.build import QuantizedWeights
     from launch.health import Fault, Peers
     from launch.measure import ModeResult
+    from launch.models.quantized.check import QuantizedCheck
     from microbatch import Batch, MoEModel
     from microbatch.planning import Choice
     from overlap import OffloadCache
@@ -139,11 +141,11 @@ def _prefill_job(job: JobConfig, dev: torch.device, fault: Optional[Fault], peer
                                 check_out_dir(job.out_dir) if job.out_dir and rank == 0 else None,
                                 check_kv_dir(_kv_dir(job), rank) if _kv_dir(job) else None) if p]
         tokens = sum(r["tokens"] for r in agree(job, {"tokens": sum(job.seq_lens)}, problems, job.timeout))
-        model = build_model(job, rank, world, dev)  # a rank that cannot load a checkpoint stops every rank
+        model, weights = build_model(job, rank, world, dev)  # a rank that cannot load a checkpoint stops every rank
         batch = Batch.random(job.seq_lens, model.cfg.vocab, seed=job.seed * 1000 + rank + 1, device=dev)
         if fault is not None:
             fault.poison(rank, model)
-        own = _own_forward(job, model, batch, world)  # before the MoE blocks become expert-parallel
+        own = no_own_check(job, weights) or _own_forward(job, model, batch, world)
         compile_mode = None
         if job.graph:  # static shapes: every rank sends each rank `capacity` rows
             capacity = int(max_over_ranks([batch.seq.num_tokens], dist.group.WORLD)[0])
@@ -152,10 +154,11 @@ def _prefill_job(job: JobConfig, dev: torch.device, fault: Optional[Fault], peer
         else:
             make_expert_parallel(model, dist.group.WORLD, two_step_dispatch=job.dispatch == "two-step",
                                  dispatch_dtype=job.dispatch_dtype)
+            weights = weights or quantize_job_model(job, model, world)
         if job.kv_offload:  # every rank creates its store, then all go on or all stop (exit 2), collective-free
             cache, problem = _offload_cache(job, model, batch, dev, rank)
             agree_ready("creating the KV store", problem, job.timeout)
-        say(_headline(job, model, world, cache))
+        say(_headline(job, model, world, cache) + (f" | {weights.headline()}" if weights else ""))
         if job.serial_added:
             say(f"modes: {', '.join(job.modes)} (serial added: the reference of "
                 f"{'--check' if job.check else 'auto'})")
@@ -179,6 +182,9 @@ def _prefill_job(job: JobConfig, dev: torch.device, fault: Optional[Fault], peer
             failed = (check_against_serial(results, job.dtype) + _check_own_forward(job, results, own)
                       + _check_unquantized(job, model, batch, results))
             ties = near_tie_notes(results, job.dtype)
+        quantized = _check_quantized(job, model, batch, weights, rank, world, dev) if job.check and weights else None
+        if quantized is not None:
+            failed += quantized.failures()
         say(table(results, tokens))
         for line in ties:
             say(line)
@@ -191,14 +197,18 @@ def _prefill_job(job: JobConfig, dev: torch.device, fault: Optional[Fault], peer
             note = calibration_note("auto", choice.best.predicted_s, auto.median_s, auto.spread, source)
             if note is not None:
                 say(note)
+        for line in quantized.lines() if quantized is not None else []:
+            say(f"check: {line}")
         if job.check or failed:
             say(("check: " if job.check else "") + ("FAILED: " + ", ".join(failed) if failed
-                                                      else "every mode matches serial"))
+                                                      else "every mode matches serial"
+                                                      + (" and the dequantized model" if quantized else "")))
         if cache is not None:
             cache.close()
         finish()
         if job.out_dir and rank == 0:  # after the last collective: a failure here cannot stall the other ranks
-            write_outputs(job.out_dir, job, results, tokens, world, failed, lambda m: say(m, err=True))
+            write_outputs(job.out_dir, job, results, tokens, world, failed, lambda m: say(m, err=True),
+                          quantized=weights.row(quantized) if weights else None)
             if choice is not None:
                 _write_prediction(job.out_dir, choice, model, results)
         return 1 if failed else 0
@@ -240,6 +250,19 @@ def _check_own_forward(job: JobConfig, results: Sequence[ModeResult], own: OwnFo
         say(f"check: serial matches {job.model_name}'s own forward (largest difference {diff:.2e})")
         return []
     return [f"serial differs from {job.model_name}'s own forward by {diff:.3e} (tolerance {tol:.1e})"]
+
+
+def _check_quantized(job: JobConfig, model: MoEModel, batch: Batch, weights: QuantizedWeights, rank: int,
+                     world: int, dev: torch.device) -> QuantizedCheck:
+    """For ``--check`` of weights kept quantized: serial's logits against the dequantized model's (every rank)."""
+    from launch.build import dequantized_model
+    from launch.engine import make_expert_parallel
+    from launch.measure.quantized import prefill_check
+
+    reference = dequantized_model(job, rank, world, dev, functools.partial(
+        make_expert_parallel, group=dist.group.WORLD, two_step_dispatch=job.dispatch == "two-step",
+        dispatch_dtype=job.dispatch_dtype))
+    return prefill_check(model, reference, batch, weights.format, job.dtype, dist.group.WORLD)
 
 
 # --check of a quantized dispatch: serial's logits against the same prefill's with the dispatch unquantized. Per

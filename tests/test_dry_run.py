@@ -34,7 +34,7 @@ def _built_rank(job):
     except ValueError:  # under torchrun the job's group is this process's default (hidden outside run_ranks bodies)
         pytest.skip("a process group is already set up in this process")
     try:
-        model = build_model(job, 0, WORLD, torch.device("cpu"))
+        model, _ = build_model(job, 0, WORLD, torch.device("cpu"))
         make_expert_parallel(model, dist.group.WORLD)
         cache = new_cache(model, [[1] * 8, [1] * 8], 4)
     finally:

@@ -62,7 +62,7 @@ def test_a_bad_generation_option_is_one_line_before_any_rank_joins(args, words, 
 @pytest.mark.parametrize("fault, words", [
     ("garbage", "$OVERLAP_FAULT: 'garbage' is not rank=N, iter=N or kind=K"),
     ("rank=1,iter=x", "$OVERLAP_FAULT: iter=x is not an integer"),
-    ("rank=1,kind=bogus", "$OVERLAP_FAULT: kind=bogus is not a fault (one of exit|hang|raise|nan|inf)"),
+    ("rank=1,kind=bogus", "$OVERLAP_FAULT: kind=bogus is not a fault (one of exit|hang|raise|nan|inf|scale)"),
 ])
 def test_a_bad_fault_injection_is_one_line_naming_the_variable_before_any_rank_joins(fault, words, capsys,
                                                                                      monkeypatch):

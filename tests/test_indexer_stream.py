@@ -252,7 +252,7 @@ def test_the_launcher_switch_reaches_the_job_its_agreement_and_the_model():
     assert (on.indexer_stream, off.indexer_stream) == (True, False)
     assert (fingerprint(on)["--indexer-stream"], fingerprint(off)["--indexer-stream"]) == (True, False)
     for job in (on, off):
-        model = build_model(job, 0, 1, torch.device("cpu"))
+        model, _ = build_model(job, 0, 1, torch.device("cpu"))
         assert model.indexer_stream is job.indexer_stream
         assert [op.name for op in model.layers[0].operations()][1] == ("indexer" if job.indexer_stream else "ffn_norm")
 

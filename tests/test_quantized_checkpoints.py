@@ -19,7 +19,7 @@ import os
 import pytest
 import torch
 
-from collectives import QuantizedExperts, QuantizedLinear, wrap_expert_parallel
+from collectives import QuantizedExperts, QuantizedLinear
 from collectives.weight_quant import FP8_MAX, INT8_MAX, dequantize, quantize
 from launch.models.checkpoint import CheckpointError, check_checkpoint, load_checkpoint
 
@@ -27,29 +27,9 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from launch.models.quantized import DESCRIPTION, save_quantized  # noqa: E402
+from support.quantized import FAMILIES, small_model, wrapped  # noqa: E402
 
-# hidden 160: the blocks of 128 leave an edge of 32 (not a multiple of 128), as do the experts' 48 rows
-COMMON = dict(hidden_size=160, num_hidden_layers=2, num_attention_heads=4, vocab_size=128, intermediate_size=96,
-              max_position_embeddings=64)
-FAMILIES = {
-    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, num_key_value_heads=2,
-                      head_dim=16, mlp_only_layers=[0]),
-    "deepseek_v3": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, n_shared_experts=1,
-                        first_k_dense_replace=1, n_group=1, topk_group=1, kv_lora_rank=16, q_lora_rank=24,
-                        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, num_key_value_heads=4),
-}
 CASES = [("fp8", (128, 128)), ("fp8", (32, 32)), ("w8a8", None)]
-
-
-def _model(family: str):
-    torch.manual_seed(0)
-    config = transformers.AutoConfig.for_model(family, **COMMON, **FAMILIES[family])
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for b in model.buffers():  # DeepSeek-V3's score correction bias is zeros at init
-            if b.is_floating_point() and b.abs().sum() == 0:
-                b.normal_(0, 0.1)
-    return model
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +37,7 @@ def written(tmp_path_factory):
     """family -> (float model, {case: folder})."""
     out = {}
     for family in FAMILIES:
-        model = _model(family)
+        model = small_model(family)
         folders = {}
         for method, block in CASES:
             path = str(tmp_path_factory.mktemp(f"{family}-{method}"))
@@ -65,14 +45,6 @@ def written(tmp_path_factory):
             folders[(method, block)] = path
         out[family] = (model, folders)
     return out
-
-
-def _wrapped(model):
-    """``model`` with each MoE block as the expert-parallel layer (one rank), as the launcher runs it."""
-    for layer in model.model.layers:
-        if hasattr(layer.mlp, "experts"):
-            layer.mlp = wrap_expert_parallel(layer.mlp)
-    return model
 
 
 @pytest.mark.parametrize("method,block", CASES)
@@ -111,7 +83,7 @@ def test_a_quantized_checkpoint_loads_quantized_and_computes_the_dequantized_mod
     ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = floats(ids).logits
-        got = _wrapped(model)(ids).logits
+        got = wrapped(model)(ids).logits
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * float(want.abs().max()))
 
 

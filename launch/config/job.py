@@ -65,6 +65,7 @@ class JobConfig:
     threads_from: str = ""  # where that number comes from, for the headline
     indexer_stream: bool = True  # --indexer-stream: sparse attention's indexer on its own stream (IndexedLayer)
     dispatch_dtype: Optional[str] = None  # --dispatch-dtype: "int8" / "fp8" (quantized per token), None: the model's
+    quantize: Optional[str] = None  # --quantize: fp8 or w8a8, the seeded model's weights quantized in memory
 
     @property
     def dispatch_name(self) -> str:
@@ -179,7 +180,8 @@ def job_config(*, world: int, device: str, exec_path: str, mode: Union[str, Sequ
                timeout: float, model_name: str = REFERENCE, cpu_comm_priority: str = "off",
                dispatch: str = "two-step", auto_split_margin: float = microbatch.planning.SPLIT_MARGIN,
                refresh_calibration: bool = False, local_world: int = 1, full_size: bool = False,
-               indexer_stream: bool = True, dispatch_dtype: Optional[str] = None) -> JobConfig:
+               indexer_stream: bool = True, dispatch_dtype: Optional[str] = None,
+               quantize: Optional[str] = None) -> JobConfig:
     """The job of the command-line options and the environment, checked; `ConfigError` names the first problem.
 
     ``mode`` is one comma-separated list, or several (``--mode`` given more than once: they add up);
@@ -218,7 +220,9 @@ def job_config(*, world: int, device: str, exec_path: str, mode: Union[str, Sequ
     job = JobConfig(model, tuple(lens), modes, device, path,
                     kv_offload, kv_store, DTYPES[dtype], warmup, iters, seed, check, out_dir, link, timeout,
                     model_name, cpu_comm_priority, expanded, env, dispatch, auto_split_margin,
-                    bool(refresh_calibration), threads, threads_from, bool(indexer_stream), quantized)
+                    bool(refresh_calibration), threads, threads_from, bool(indexer_stream), quantized,
+                    quantize)
+    _check_quantize(job)
     if job.graph and AUTO in modes:
         raise ConfigError(f"--mode auto plans the eager paths; on --path {path} pick a mode")
     if job.graph and job.transformers:
@@ -228,6 +232,19 @@ def job_config(*, world: int, device: str, exec_path: str, mode: Union[str, Sequ
         raise ConfigError(f"--kv-offload runs on the eager paths only: a copy to host memory on its own "
                           f"stream cannot be expressed inside a {path} graph")
     return job
+
+
+def _check_quantize(job: JobConfig) -> None:
+    """``--quantize`` quantizes seeded weights on the eager paths: not a checkpoint's, not inside a graph."""
+    if job.quantize is None:
+        return
+    if job.checkpoint is not None:
+        raise ConfigError(f"--quantize {job.quantize}: --model {job.model_name} is a checkpoint, whose weights are "
+                          f"what it holds (a quantized checkpoint stays quantized; a float one is quantized with "
+                          f"launch.models.quantized.save_quantized)")
+    if job.graph:
+        raise ConfigError(f"--quantize {job.quantize} runs on the eager paths: the static-shape graph prefill "
+                          f"of --path {job.path} does not take quantized experts")
 
 
 def check_dispatch_dtype(name: Optional[str], dtype: torch.dtype) -> Optional[str]:

@@ -37,8 +37,10 @@ _LABEL = "generate.start"
 
 def replicated_parameters(model: torch.nn.Module) -> List[Tuple[str, torch.Tensor]]:
     """The model's parameters every rank holds alike, by name: all but the routed experts of its expert-parallel
-    layers (`ExpertParallelMoE.experts`: this rank's share)."""
+    layers (`ExpertParallelMoE.experts`: this rank's share) and of the modules a checkpoint's loader sharded (those
+    with an ``ep_shard``, which a transformers model's own tree still holds beside its expert-parallel layers)."""
     local = {id(p) for m in model.modules() if isinstance(m, ExpertParallelMoE) for p in m.experts.parameters()}
+    local |= {id(p) for m in model.modules() if getattr(m, "ep_shard", None) is not None for p in m.parameters()}
     return [(n, p) for n, p in model.named_parameters() if id(p) not in local]
 
 

@@ -4,6 +4,8 @@
   the check of every mode's output against serial's (`launch/prefill.py`);
 - `generate`: generation runs (a prefill and a decode mode) timed side by side: TTFT, TPOT, tokens/s
   (`measure_generation`), their table and the check of every run's tokens against serial's (`launch/generate.py`);
+- `quantized`: ``--check`` of a quantized checkpoint, the run against its dequantized model (`prefill_check`,
+  `generation_check`);
 - `rounds`: the order runs take, round by round, and the spread of their times, which both use (and the
   benchmarks);
 - `verdicts`: what a figure measured in rounds says against their spread: a speedup, noise, or a mode that runs

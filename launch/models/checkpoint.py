@@ -81,6 +81,7 @@ class LoadReport:
     skipped: Tuple[str, ...] = ()  # what no rank reads on purpose, one phrase per kind (tensors, files)
     quantization: Optional[str] = None  # the checkpoint's quantized format (fp8, w8a8), None for floats
     quantized_bytes: Dict[str, int] = dataclasses.field(default_factory=dict)  # experts / dense / scales, as held
+    quantized_format: Optional[str] = None  # fp8, w8a8_dynamic or w8a8_static (`QuantFormat.variant`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1044,4 +1045,5 @@ def load_checkpoint(path: Union[str, "os.PathLike[str]"], *, rank: Optional[int]
                              tensors_read=len({r.key for r in reads + scale_reads}),
                              checkpoint_bytes=sum(s.nbytes for s in ckpt.catalog.values()), sharded=sharded,
                              ignored=unread.tensors, skipped=unread.phrases,
-                             quantization=fmt.method if fmt else None, quantized_bytes=quantized_bytes)
+                             quantization=fmt.method if fmt else None, quantized_bytes=quantized_bytes,
+                             quantized_format=fmt.variant if fmt else None)

@@ -49,6 +49,14 @@ class QuantFormat:
         return "fp8_block" if self.method == "fp8" else "int8_channel"
 
     @property
+    def variant(self) -> str:
+        """The format as `launch.models.quantized.check` bounds it: ``fp8``, ``w8a8_dynamic`` or, where a tensor is
+        typed ``W8A8`` (static activation parameters), ``w8a8_static``."""
+        if self.method == "fp8":
+            return "fp8"
+        return "w8a8_static" if "W8A8" in self.types.values() else "w8a8_dynamic"
+
+    @property
     def dtype(self) -> torch.dtype:
         """The dtype its quantized weights are stored in."""
         return torch.float8_e4m3fn if self.method == "fp8" else torch.int8

@@ -22,17 +22,19 @@ from .formats import DESCRIPTION, METHODS, STATIC_EXTRAS
 _KEPT = re.compile(r"(embed_tokens|lm_head|norm|\.gate\.weight$|shared_expert_gate|e_score_correction_bias)")
 _EXPERT = re.compile(r"\.experts\.\d+\.")
 
-__all__ = ["save_quantized"]
+__all__ = ["quantizes", "save_quantized"]
 
 
-def _quantizes(key: str, t: torch.Tensor) -> bool:
+def quantizes(key: str, t: torch.Tensor) -> bool:
+    """Whether the formats' rule quantizes tensor ``key`` (``t``: its value, or a meta tensor of its shape): a 2-D
+    float ``.weight`` of a linear projection, not the embedding, a norm, a router or the LM head."""
     return key.endswith(".weight") and t.dim() == 2 and t.is_floating_point() and not _KEPT.search(key)
 
 
 def _fp8_tensors(state: Dict[str, torch.Tensor], block: Tuple[int, int]) -> Dict[str, torch.Tensor]:
     out = {}
     for key, t in state.items():
-        if _quantizes(key, t):
+        if quantizes(key, t):
             q = quantize(t, "fp8_block", block)
             out[key], out[f"{key}_scale_inv"] = q["weight"], q["weight_scale_inv"]
         else:
@@ -53,7 +55,7 @@ def _static_extras(q: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
 def _w8a8_tensors(state: Dict[str, torch.Tensor], static: bool) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
     out, types = {}, {}
     for key, t in state.items():
-        if not _quantizes(key, t):
+        if not quantizes(key, t):
             out[key], types[key] = t, "FLOAT"
             continue
         kind = "W8A8" if static and not _EXPERT.search(key) else "W8A8_DYNAMIC"
