@@ -323,3 +323,18 @@ def test_prefill_check_compares_serial_with_the_unquantized_dispatch_and_results
     assert "90% of the tokens within" in line and "check: every mode matches serial" in out
     with open(tmp_path / "results.json") as f:
         assert json.load(f)["dispatch_dtype"] == "int8"
+
+
+def test_the_benchmark_counts_a_ranks_experts_kept_quantized():
+    """launch.bench.quantized's expert memory: bf16 two bytes a weight; fp8 one byte plus a float32 scale per 128 x 128
+    block (edges included); int8 one byte plus a float32 scale and offset per output channel."""
+    from collectives import LocalExperts
+    from launch.bench.quantized import _expert_bytes
+
+    e, f, h = 2, 96, 160  # 2F = 192 rows (2 blocks), H = 160 columns (2 blocks)
+    experts = LocalExperts(torch.randn(e, 2 * f, h).bfloat16(), torch.randn(e, h, f).bfloat16())
+    held = _expert_bytes(experts)
+    weights = e * (2 * f * h + h * f)
+    assert held["bf16"] == 2 * weights
+    assert held["fp8"] == weights + 4 * e * (2 * 2 + 2 * 1)  # gate_up 2x2 blocks, down 2x1
+    assert held["int8"] == weights + 8 * e * (2 * f + h)

@@ -37,6 +37,7 @@ import torch.distributed as dist
 import microbatch
 import overlap
 from collectives import MOE_ACTIVE, MOE_CAPACITY, MOE_IN, MOE_OUT, MoE, MoEConfig, wrap_expert_parallel
+from collectives.weight_quant import quantize
 from launch.bench import COMMAND_SETTINGS, CPU_RANKS
 from overlap.link import OFF, parse_link
 from overlap.multirank import run_ranks
@@ -118,6 +119,16 @@ def _steps(moe: MoE, group: Any, opts: Dict[str, Any], rank: int) -> Dict[str, D
     return steps
 
 
+def _expert_bytes(experts: Any) -> Dict[str, int]:
+    """A rank's routed experts' bytes held in bf16, and kept quantized by each checkpoint format's rule (the weights
+    and their scales: `collectives.weight_quant`)."""
+    weights = [experts.gate_up.detach(), experts.down.detach()]
+    held = {"bf16": sum(w.numel() * w.element_size() for w in weights)}
+    for name, scheme in (("fp8", "fp8_block"), ("int8", "int8_channel")):
+        held[name] = sum(t.numel() * t.element_size() for w in weights for t in quantize(w, scheme).values())
+    return held
+
+
 def _body(ctx: Any, opts: Dict[str, Any]) -> Dict[str, Any]:
     overlap.set_link(parse_link(opts["link"], "--link"))
     torch.set_num_threads(1)
@@ -135,7 +146,7 @@ def _body(ctx: Any, opts: Dict[str, Any]) -> Dict[str, Any]:
             fns = {name: s[phase] for name, s in steps.items()}
             fns[UNLINKED] = _unlinked(steps["bf16"][phase])
             times[phase] = _medians(fns, opts["repeats"], ctx.group)
-    return {"bytes": nbytes, "times": times}
+    return {"bytes": nbytes, "times": times, "experts": _expert_bytes(wrap_expert_parallel(moe, ctx.group).experts)}
 
 
 def _verdict(ratio: float, target: float, share: float) -> str:
@@ -168,6 +179,10 @@ def _report(result: Dict[str, Any], opts: Dict[str, Any]) -> str:
             r = times[phase][name] / times[phase]["bf16"]
             verdicts.append(f"{phase} {r:.3f}x (target <= {STEP_TARGET}x: {_verdict(r, STEP_TARGET, shares[phase])})")
         lines.append(f"{name}: " + "; ".join(verdicts))
+    held = result["experts"]
+    lines += ["", "routed experts' memory per rank, kept quantized as a checkpoint holds them (weights + scales): "
+              + ", ".join(f"{name} {held[name] / 2**20:.2f} MiB ({held[name] / held['bf16']:.3f}x)"
+                          for name in ("bf16", "fp8", "int8"))]
     return "\n".join(lines)
 
 
