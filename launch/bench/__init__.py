@@ -9,6 +9,8 @@
   (`decode_targets`: its table and issue 29's targets);
 - `comm_threads`: the CPU path's communication threads at real-time and normal priority, quiet and under load.
 - `quantized`: the int8 / fp8 dispatch against bf16: bytes per token, prefill and decode step time.
+- `points`: each parallel point's candidate orchestrations in a layer: predicted and measured time relative to the
+  single-stream layer, overlap_pct and verdict.
 """
 
 # The environment of a benchmark's ranks (`overlap.run_ranks`): the CPU path, over gloo, whatever devices the machine
