@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, 
 
 import overlap
 from overlap import DEFAULT, EP_COMM, Span
+from overlap.observability import FALSE, PARTIAL, REAL, busy_overlap_pct, point_verdict
 
 from ..executor import run
 from ..operations import Operation, as_operation
@@ -37,8 +38,6 @@ from ..schedules import Schedule, ScheduledOp
 
 SIDE = "point_side"  # the side stream of a branch the model places on the main stream
 SIDE2 = "point_side2"  # the second side stream (``two side streams``)
-REAL, PARTIAL, FALSE = "real", "partial", "false"
-REAL_AT, FALSE_AT = 0.5, 0.05
 DEFAULT_BUDGET = overlap.CoreBudget(24, 48, "a 24|48 device (no budget found here)")
 
 
@@ -266,24 +265,6 @@ def _busy(spans: Sequence[Span], names: Sequence[str]) -> Intervals:
     return merged
 
 
-def _length(intervals: Intervals) -> float:
-    return sum(b - a for a, b in intervals)
-
-
-def _overlap_pct(side: Intervals, dominator: Intervals) -> float:
-    """overlap / min(side length, dominator length): the time both ran over the shorter one's (0 when one is empty).
-
-    With one interval each this is the guide's window formula; a branch of several operations counts the time its
-    operations ran, so branches that take turns on one thread are not read as parallel."""
-    shorter = min(_length(side), _length(dominator))
-    both = sum(max(0.0, min(b, d) - max(a, c)) for a, b in side for c, d in dominator)
-    return both / shorter if shorter > 0 else 0.0
-
-
-def _verdict(pct: float) -> str:
-    return REAL if pct >= REAL_AT else FALSE if pct <= FALSE_AT else PARTIAL
-
-
 @dataclasses.dataclass(frozen=True)
 class PointOverlap:
     """A point's measured windows (host seconds: when the side branch's and the main branch's operations ran),
@@ -300,8 +281,8 @@ def point_overlap(spans: Sequence[Span], point: ParallelPoint) -> Optional[Point
     side, dominator = _busy(spans, point.side), _busy(spans, point.main)
     if not side or not dominator:
         return None
-    pct = _overlap_pct(side, dominator)
-    return PointOverlap(side, dominator, pct, _verdict(pct))
+    pct = busy_overlap_pct(side, dominator)
+    return PointOverlap(side, dominator, pct, point_verdict(pct))
 
 
 __all__ = ["DEFAULT_BUDGET", "FALSE", "Orchestration", "PARTIAL", "ParallelPoint", "PointOverlap", "REAL", "SIDE",

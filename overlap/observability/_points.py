@@ -76,9 +76,16 @@ class Occurrence:
 
 def overlap_pct(side: Interval, dominator: Interval) -> float:
     """overlap / min(side length, dominator length); 0 when either window is empty."""
-    overlap = max(0.0, min(side[1], dominator[1]) - max(side[0], dominator[0]))
-    low = min(side[1] - side[0], dominator[1] - dominator[0])
-    return overlap / low if low > 0 else 0.0
+    return busy_overlap_pct([side], [dominator])
+
+
+def busy_overlap_pct(side: Sequence[Interval], dominator: Sequence[Interval]) -> float:
+    """`overlap_pct` of two branches given as the disjoint intervals their operations ran: the time both ran over
+    the shorter one's busy time. One interval each: the window formula; branches that took turns on one thread
+    (compute inline on a CPU host) read as false, where their windows would overlap."""
+    low = min(sum(b - a for a, b in side), sum(b - a for a, b in dominator))
+    both = sum(max(0.0, min(b, d) - max(a, c)) for a, b in side for c, d in dominator)
+    return both / low if low > 0 else 0.0
 
 
 def point_verdict(pct: float) -> str:
