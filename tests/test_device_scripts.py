@@ -48,3 +48,31 @@ def test_every_launcher_command_of_the_device_scripts_parses(script, at_least):
         assert not [a for a in args if "$" in a], (launcher, args)  # every shell value stood in for
         _cli(launcher).make_context(launcher, list(args))  # click.UsageError / BadParameter name the option
     assert any("--decode-exchange" in args for _, args in commands) == (script == ".ci/npu-smoke")
+
+
+@pytest.mark.spawns_ranks  # the script makes its own process group
+@pytest.mark.timeout(180)
+def test_the_smokes_profiled_prefills_give_overlap_report_its_points(tmp_path):
+    """.ci/profile_points.py (device-smoke's torch.profiler traces of a shared and a two-batch prefill), run on CPU at
+    the tiny size, writes the traces that the smoke's `overlap-report --points --point ...` commands read: one row
+    per layer for each named point."""
+    import subprocess
+    import sys
+
+    from click.testing import CliRunner
+
+    from overlap.observability.report import main
+
+    env = dict(os.environ, MASTER_PORT=str(29700 + os.getpid() % 200), OVERLAP_PATH="cpu")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, ".ci", "profile_points.py"), str(tmp_path), "cpu",
+                           "tiny"], capture_output=True, text=True, timeout=150, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    text = open(os.path.join(ROOT, ".ci", "device-smoke")).read().replace("\\\n", "")
+    specs = re.findall(r"--point (\w+) '([^']+)' '([^']+)'", text)
+    assert [name for name, _, _ in specs] == ["shared_experts", "exchange_beside_attention"], specs
+    for (name, side, dominator), mode in zip(specs, ("shared", "two-batch")):
+        got = CliRunner().invoke(main, [str(tmp_path / f"profile_{mode}.json"), "--points", "--point", name, side,
+                                        dominator])
+        assert got.exit_code == 0, got.output
+        rows = [line for line in got.output.splitlines() if line.strip().startswith(f"point {name} side")]
+        assert len(rows) >= 2, got.output  # the tiny preset's MoE layers
