@@ -10,7 +10,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the scripts' shell values, as they are when the commands run
-VALUES = {'"$(experts 8)"': "8", '"$(experts 16)"': "16", '"$path"': "ge", '"$exchange"': "mc2", '"$n"': "2"}
+VALUES = {'"$(experts 8)"': "8", '"$fp8"': "fp8-checkpoint", '"$(experts 16)"': "16", '"$path"': "ge", '"$exchange"': "mc2", '"$n"': "2"}
 
 
 def _commands(script: str):

@@ -81,10 +81,18 @@ def test_a_quantized_checkpoint_loads_quantized_and_computes_the_dequantized_mod
     assert report.quantized_bytes["scales"] > 0 and report.quantized_bytes["dense"] > 0
     assert not any(t.dtype == dtype for t in floats.parameters())
     ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(1))
+    experts[0].kernel = "reference"  # the dequantized weights computed as they are: float rounding only
+    ep_model = wrapped(model)
     with torch.no_grad():
         want = floats(ids).logits
-        got = wrapped(model)(ids).logits
+        got = ep_model(ids).logits
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5 * float(want.abs().max()))
+    if method == "w8a8":  # CPU's own kernel (torch._int_mm) quantizes the activations too: W8A8_DYNAMIC's rounding
+        experts[0].kernel = "auto"
+        with torch.no_grad():
+            got = ep_model(ids).logits
+        assert experts[0].last_kernel == "int_mm"
+        torch.testing.assert_close(got, want, rtol=0, atol=2e-2 * float(want.abs().max()))
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))

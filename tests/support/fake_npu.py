@@ -30,23 +30,58 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
                        tuning_config=None, output_dtype=None, x_dtype=None, weight_dtype=None, scale_dtype=None,
                        per_token_scale_dtype=None):
     """One x split along M by a tensor group list (split_item 2/3, group_type 0), one stacked weight [E, K, N];
-    rows past the group list are undefined (NaN). Refuses a group list of length 1."""
+    rows past the group list are undefined (NaN). Refuses a group list of length 1. Per-token quantized (the
+    torch_npu docs' table): int8 x and weight, ``scale`` [E, N] float32 / bf16, ``per_token_scale`` [M] float32,
+    ``output_dtype`` bf16 / fp16; ``y = (x @ w) * scale[e] * per_token_scale``."""
     assert split_item in (2, 3) and group_type == 0 and group_list_type in (0, 1), (split_item, group_type)
     assert len(x) == 1 and len(weight) == 1 and x[0].dim() == 2 and weight[0].dim() == 3
     assert isinstance(group_list, torch.Tensor) and group_list.dtype == torch.int64 and group_list.dim() == 1
     (a,), (w,) = x, weight
     assert a.dtype == w.dtype and w.shape[1] == a.shape[1] and group_list.shape[0] == w.shape[0]
+    quantized = a.dtype == torch.int8
+    if quantized:
+        _check_per_token_args(a, w, scale, per_token_scale, output_dtype, offset)
+    else:
+        assert scale is None and per_token_scale is None, "scales are for int8 x and weight"
     if group_list.shape[0] == 1:
         raise RuntimeError("npu_grouped_matmul: a group list of length 1 is not supported")
     ends = group_list.cumsum(0) if group_list_type == 1 else group_list
-    y = torch.full((a.shape[0], w.shape[2]), UNDEFINED, dtype=a.dtype)
+    out_dtype = output_dtype if quantized else a.dtype
+    y = torch.full((a.shape[0], w.shape[2]), UNDEFINED, dtype=out_dtype)
     start = 0
     for e, end in enumerate(ends.tolist()):
-        y[start:end] = (a[start:end].float() @ w[e].float()).to(a.dtype)
+        part = a[start:end].double() @ w[e].double()
+        if quantized:
+            part = part * scale[0][e].double() * per_token_scale[0][start:end, None].double()
+        y[start:end] = part.to(out_dtype)
         start = end
     CALLS.append(("npu_grouped_matmul", dict(group_list_type=group_list_type, groups=group_list.shape[0],
-                                             rows=start, list_ptr=group_list.data_ptr())))
+                                             rows=start, list_ptr=group_list.data_ptr(), x_dtype=a.dtype,
+                                             scale=None if scale is None else scale[0],
+                                             per_token_scale=None if per_token_scale is None else per_token_scale[0],
+                                             group_list=group_list.clone(), output_dtype=output_dtype)))
     return [y]
+
+
+def _check_per_token_args(a, w, scale, per_token_scale, output_dtype, offset) -> None:
+    """The per-token quantized form's arguments, as the torch_npu docs' table allows them."""
+    assert offset is None, "offset: only None is supported"
+    assert scale is not None and len(scale) == 1 and scale[0].dtype in (torch.float32, torch.bfloat16)
+    assert tuple(scale[0].shape) == (w.shape[0], w.shape[2]), ("scale must be [E, N]", tuple(scale[0].shape))
+    assert per_token_scale is not None and len(per_token_scale) == 1
+    assert per_token_scale[0].dtype == torch.float32 and tuple(per_token_scale[0].shape) == (a.shape[0],)
+    assert output_dtype in (torch.bfloat16, torch.float16), f"output_dtype {output_dtype}"
+
+
+def npu_dynamic_quant(input, *, smooth_scales=None, group_index=None, dst_type=None, quant_mode="pertoken",
+                      dst_type_max=0.0):
+    """Per-token symmetric int8: ``(round(x / s).clamp(-127, 127) int8, s = absmax / 127 float32 [rows])``."""
+    assert smooth_scales is None and group_index is None and dst_type is None and quant_mode == "pertoken"
+    absmax = input.double().abs().amax(dim=-1)
+    s = torch.where(absmax == 0, torch.ones_like(absmax), absmax / 127.0)
+    q = torch.round(input.double() / s[:, None]).clamp(-127, 127).to(torch.int8)
+    CALLS.append(("npu_dynamic_quant", dict(rows=input.shape[0], dtype=input.dtype)))
+    return q, s.float()
 
 
 def npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_num=-1, expert_capacity=-1,
@@ -169,6 +204,8 @@ def check_against_schema(fns: Iterable[Callable]) -> None:
             if default is not None:
                 norm = {"None": None, "False": False, "True": True, "[]": [], '""': ""}.get(default, default)
                 norm = int(norm) if isinstance(norm, str) and re.fullmatch(r"-?\d+", norm) else norm
+                norm = float(norm) if isinstance(norm, str) and re.fullmatch(r"-?\d+\.\d*", norm) else norm
+                norm = norm[1:-1] if isinstance(norm, str) and re.fullmatch(r'"[^"]*"', norm) else norm
                 assert got[name][1] == norm, (fn.__name__, name, got[name][1], default)
 
 
