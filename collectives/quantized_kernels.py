@@ -1,6 +1,7 @@
 """How `collectives.QuantizedExperts` computes on each path: the kernels (`KERNELS`) and which one runs where.
 
-- ``"int_mm"`` (W8A8, ``int8_channel``; CPU and CUDA): the tokens quantized per token to int8 (the dispatch's
+- ``"int_mm"`` (W8A8, ``int8_channel``; CUDA, and CPU when named: on CPU ``"auto"`` is the reference, the path
+  every quantized run is checked on): the tokens quantized per token to int8 (the dispatch's
   `QuantizedTokens` taken as they arrive, float tokens quantized first: W8A8_DYNAMIC's meaning), then
   ``torch._int_mm`` (int8 x int8 -> int32, exact) times the token scale and the channel scale, minus the
   weight offset's share; the gated activations are quantized per token again before ``down``. Where
@@ -57,8 +58,8 @@ def resolve_kernel(kernel: str, scheme: str, device: torch.device, zero_offsets:
         if scheme == "int8_channel" and zero_offsets and torch_npu_with("npu_dynamic_quant") is not None:
             return "npu_w8a8"
         return "npu_dequant"
-    if scheme == "int8_channel":
-        return "int_mm"
+    if scheme == "int8_channel":  # on CPU the reference: exactly the dequantized model's, what --check bounds tightly
+        return "int_mm" if torch.device(device).type == "cuda" else "reference"
     return "scaled_mm" if _cuda_has_fp8(device) else "reference"
 
 

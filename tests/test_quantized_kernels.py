@@ -84,6 +84,7 @@ def _counting(name: str):
 @pytest.mark.parametrize("offsets", [False, True], ids=["symmetric", "offsets"])
 def test_w8a8_on_cpu_is_the_int_mm_kernel_within_the_int8_bound(offsets):
     experts = _experts("int8_channel", offsets)
+    experts.kernel = "int_mm"  # named: on CPU "auto" is the reference (below)
     x = _tokens()
     want = experts.reference(x, COUNTS)
     with _counting("_int_mm") as int_mm:
@@ -98,6 +99,7 @@ def test_w8a8_on_cpu_is_the_int_mm_kernel_within_the_int8_bound(offsets):
 def test_int8_dispatch_tokens_are_taken_as_they_arrive():
     """An int8 dispatch's QuantizedTokens go to the integer matmul as they are: nothing dequantizes them."""
     experts = _experts("int8_channel")
+    experts.kernel = "int_mm"
     q = quantize_per_token(_tokens(), torch.int8)
     assert experts.takes_quantized_tokens
     with mock.patch("collectives.quantize.dequantize", side_effect=AssertionError("dequantized")) as deq:
@@ -109,6 +111,19 @@ def test_int8_dispatch_tokens_are_taken_as_they_arrive():
     x = q.values.float() * q.scales[:, None]  # what the tokens stand for: the float model's input
     diff = (got - experts.reference(x, COUNTS)).abs()
     assert bool((diff <= _bound(experts, x, _int8_error, exact_input=True)).all())
+
+
+def test_on_cpu_auto_is_the_reference_kernel_the_dequantized_model_to_float_rounding():
+    """W8A8 on CPU without a kernel named: each expert's weights dequantized as its rows come, the activations as
+    they are, so a quantized run's --check is bounded by float rounding (int_mm's rounding of the activations
+    would flip a router's near-tie at real sizes)."""
+    experts = _experts("int8_channel")
+    x = _tokens()
+    with _counting("_int_mm") as int_mm:
+        got = experts(x, COUNTS)
+    assert experts.last_kernel == "reference" and not int_mm.called
+    torch.testing.assert_close(got, experts.reference(x, COUNTS), rtol=0, atol=0)
+    assert qk.resolve_kernel("auto", "int8_channel", torch.device("cpu")) == "reference"
 
 
 def test_fp8_experts_keep_taking_float_rows():
