@@ -44,7 +44,7 @@ from microbatch.kv_cache import KVStep
 from microbatch.model import KV
 
 from .attention import causal_mask, decode_mask, pack_indexed, unpack_indexed
-from .layers import TransformersLayer
+from .layers import TransformersLayer, packed_requests
 
 __all__ = ["NPU_OPERATORS", "IndexedLayer", "not_as_operations"]
 
@@ -210,22 +210,13 @@ class IndexedLayer(TransformersLayer):
         parts = [torch.arange(p, p + n, device=device) for n, p in zip(seq.seq_lens, seq.prefix_lens)]
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=device)
 
-    def _requests(self, seq: SeqInfo) -> List[Tuple[int, int, int, int]]:
-        """``(start, tokens, prefix start, prefix tokens)`` of each non-empty request of the packed batch."""
-        out, start, pstart = [], 0, 0
-        for n, p in zip(seq.seq_lens, seq.prefix_lens):
-            if n:
-                out.append((start, n, pstart, p))
-            start, pstart = start + n, pstart + p
-        return out
-
     def _select_prefill(self, x: torch.Tensor, q_resid: torch.Tensor, seq: SeqInfo, prefix: Optional[KV]
                         ) -> Tuple[torch.Tensor, torch.Tensor]:
         """The indexer's branch of a packed batch: ``(top-k [tokens, index_topk], indexer keys [tokens, dim])``."""
         cos, sin = self._turn(x, self._positions(seq, x.device))
         q, keys = self._index_query_key(x, q_resid, cos, sin)
         tops = []
-        for start, n, pstart, p in self._requests(seq):
+        for start, n, pstart, p in packed_requests(seq):
             own = keys[start:start + n]
             if p:
                 own = torch.cat([self._prefix_rows(prefix, pstart, p)[2].to(own.dtype), own])
@@ -261,7 +252,7 @@ class IndexedLayer(TransformersLayer):
         """``attn_sparse`` in prefill: each request's attention to its selected keys (after its prefix), ``o_proj``,
         the residual: ``(resid, K, V)`` in the layout of the cache (module docstring)."""
         outs = []
-        for start, n, pstart, p in self._requests(seq):
+        for start, n, pstart, p in packed_requests(seq):
             lat, rot = latent[start:start + n], k_rot[start:start + n]
             if p:
                 plat, prot, _ = self._prefix_rows(prefix, pstart, p)

@@ -44,10 +44,10 @@ from ..common import module_stages
 from .attention import Attention, first_output
 from .discovery import find_parts, find_shortcut_parts, layer_kind, multiplier
 
-__all__ = ["ShortcutLayer", "TransformersLayer"]
+__all__ = ["ShortcutLayer", "TransformersLayer", "packed_requests"]
 
 
-def _requests(seq: SeqInfo) -> Iterator[Tuple[int, int, int, int]]:
+def packed_requests(seq: SeqInfo) -> Iterator[Tuple[int, int, int, int]]:
     """``(start, tokens, prefix start, prefix tokens)`` of each non-empty request in the packed batch."""
     start = pstart = 0
     for n, p in zip(seq.seq_lens, seq.prefix_lens):
@@ -135,7 +135,7 @@ class TransformersLayer(nn.Module):
         """Norm, one attention within each request (after its prefix), residual: ``(resid, k, v)``."""
         x = att.norm(hidden)
         outs, ks, vs = [], [], []
-        for start, n, pstart, p in _requests(seq):
+        for start, n, pstart, p in packed_requests(seq):
             out, k, v = att.attend(x[start:start + n], p, _rows(prefix, pstart, p))
             outs.append(out)
             ks.append(k)
@@ -156,7 +156,7 @@ class TransformersLayer(nn.Module):
         if self.is_attention:
             return self._sublayer(self.attns[0], hidden, seq, prefix)
         x = self.input_norm(hidden)
-        outs = [self._mix(x[start:start + n]) for start, n, _, _ in _requests(seq)]
+        outs = [self._mix(x[start:start + n]) for start, n, _, _ in packed_requests(seq)]
         return (hidden + self._scaled(self.attn_out_norm(torch.cat(outs))) if outs else hidden.clone()), None, None
 
     def _mixer_op(self, hidden: torch.Tensor, seq: SeqInfo, prefix: Optional[KV]) -> torch.Tensor:
