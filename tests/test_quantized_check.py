@@ -109,6 +109,31 @@ def test_logits_beyond_the_bound_fail_in_one_line_naming_the_figure_and_the_boun
         bound("int4", torch.float32)
 
 
+def test_a_kernel_that_quantizes_the_activations_is_judged_on_the_typical_tokens():
+    """With int_mm (npu_w8a8, scaled_mm) a router's near-tie may flip and one token's logits move far: the logits
+    are judged at the 90th percentile of the tokens against the kernel's wider bound, tokens that differ are
+    reported; a difference in more than a tenth of the tokens fails, and the exact kernels keep the largest."""
+    want = torch.zeros(1, 20, 8)
+    want[0, 0, 0] = 10.0
+    one = want.clone()
+    one[0, 5, 3] = 3.0  # one token of 20 rerouted: 0.3 of the largest logit
+    figures = logit_figures(one, want)
+    assert figures.relative == pytest.approx(0.3) and figures.typical_relative == 0
+    flipped = token_figures([[1, 2, 9]], [[1, 2, 3]], [[5.0, 5.0, 5.0]])  # a large margin: no rounding flip
+    widened = QuantizedCheck("w8a8_dynamic", torch.float32, figures, flipped, ("int_mm",))
+    assert widened.widened and widened.relative_bound == 2e-2 and widened.failures() == []
+    assert "90% of the tokens within 0.00e+00, bound 2.0e-02" in widened.lines()[0]
+    assert len(QuantizedCheck("w8a8_dynamic", torch.float32, figures, flipped, ("reference",)).failures()) == 2
+    many = want.clone()
+    many[0, :3, 3] = 0.5  # 3 tokens of 20 off by 5e-2: beyond the 90th percentile
+    (line,) = QuantizedCheck("w8a8_dynamic", torch.float32, logit_figures(many, want), None, ("int_mm",)).failures()
+    assert line.startswith("90% of the tokens' logits differ from the dequantized model's by up to 5.00e-02")
+    assert "(bound 2.0e-02 for w8a8 dynamic in float32 by int_mm)" in line
+    nan = one.clone()
+    nan[0, 1, 1] = float("nan")
+    assert QuantizedCheck("w8a8_dynamic", torch.float32, logit_figures(nan, want), None, ("int_mm",)).failures()
+
+
 def test_every_ranks_figures_as_one_judge_the_worst_first_difference():
     posts = [{"logits": {"max_abs": 1e-7, "largest": 3.0},
               "tokens": {"identical": 4, "total": 4, "first": None, "margin": None}},
