@@ -235,6 +235,7 @@ def test_the_dry_runs_bytes_of_a_quantized_checkpoint_equal_what_a_rank_holds(wr
 # ---------------------------------------------------------------------------------------- the launcher
 
 
+@pytest.mark.spawns_ranks  # starts the launcher: processes of its own
 def test_generation_from_a_quantized_checkpoint_on_2_ranks_checks_every_mode_and_writes_its_bytes(written, tmp_path):
     """W8A8 static, 2 ranks, every decode mode through the capacity exchange: the modes generate serial's tokens,
     serial the dequantized model's; the headline and results.json carry the format and each rank's bytes (before:
@@ -255,6 +256,7 @@ def test_generation_from_a_quantized_checkpoint_on_2_ranks_checks_every_mode_and
     assert quantized["check"]["passed"] and quantized["check"]["identical_tokens"] == 1.0
 
 
+@pytest.mark.spawns_ranks  # starts the launcher: processes of its own
 def test_a_doubled_scale_fails_the_launchers_check_in_one_line(written, tmp_path):
     """One rank computing with expert 0's down scales x2 (``$OVERLAP_FAULT`` ``kind=scale``; a doubled scale in the
     checkpoint's file is the dequantized model's too, so the check cannot see it): exit 1 naming the figure and the

@@ -308,6 +308,7 @@ def test_bf16_on_a_float32_model_is_refused_in_one_line(capsys, monkeypatch):
     assert "--dispatch-dtype bf16 sends a bfloat16 model's tokens unquantized, but --dtype is float32" in err
 
 
+@pytest.mark.spawns_ranks  # starts the launcher: processes of its own
 def test_prefill_check_compares_serial_with_the_unquantized_dispatch_and_results_say_the_dtype(
         tmp_path, capsys, monkeypatch):
     from launch.prefill import main
