@@ -260,3 +260,17 @@ def test_the_worked_example_in_the_docs_is_what_the_report_prints(monkeypatch):
     monkeypatch.chdir(root)
     r = _run("tests/data/shared_tiny_timeline.json", "--points", "--min-point-overlap", 0.5)
     assert r.exit_code == EXIT_BELOW and r.output == shown
+
+
+def test_a_point_seen_on_several_ranks_with_no_dominator_is_summed_up_in_words():
+    """A 2-rank trace (the launcher's --out): each rank's exchange point once, neither with a main-stream operation
+    beside it: the summary line says so (before: a TypeError formatting None, a traceback)."""
+    from overlap.observability._points import Occurrence
+    from overlap.observability.report import render_points
+
+    occurrences = [Occurrence("L1.mb0.combine@ep_comm", f"rank {r}", (0.001, 0.002)) for r in range(2)]
+    occurrences += [Occurrence("L1.mb0.shared_act@shared_expert", f"rank {r}", (0.001, 0.002), "experts",
+                               (0.0015, 0.003)) for r in range(2)]
+    text = render_points("trace.json", occurrences, None)
+    assert "point L1.mb0.combine@ep_comm: 2 occurrences, no dominator in any" in text
+    assert "point L1.mb0.shared_act@shared_expert: 2 occurrences, overlap_pct median 0.50, worst 0.50" in text

@@ -296,7 +296,8 @@ def render_points(source: str, occurrences: Sequence[_points.Occurrence], cores:
         lines += [_occurrence_line(o, cores, width) for o in mine]
     for name, (n, median, worst) in _points.point_figures(occurrences).items():
         if n > 1:
-            lines.append(f"point {name}: {n} occurrences, overlap_pct median {median:.2f}, worst {worst:.2f}")
+            figures = "no dominator in any" if median is None else f"overlap_pct median {median:.2f}, worst {worst:.2f}"
+            lines.append(f"point {name}: {n} occurrences, {figures}")
     if not occurrences:
         lines.append("no parallel point found")
     return "\n".join(lines)
