@@ -17,6 +17,7 @@ from typing import List, Optional, Tuple
 import click
 import torch
 
+from collectives.quantize import dispatch_dtype_of, wire_bytes_per_token
 from launch.models.common import one_line
 from launch.models.quantized import QuantFormat, checkpoint_format, quantizes
 from launch.models.quantized.formats import QUANTIZED_TYPES
@@ -218,8 +219,10 @@ def estimate(job: JobConfig, world: int, kv_cache: int = 0, deployed: bool = Fal
     tokens, longest = sum(job.seq_lens), max(job.seq_lens)
     per_token = (hidden * 8 + inner * 6 + ffn * 3) * size
     scores = heads * longest * longest * 4  # the attention of the longest request, in float32
-    # each token's top-k rows: dispatched, received, computed and combined back, two micro-batches in flight
-    exchange = 2 * tokens * top_k * hidden * 4 * size
+    # each token's top-k rows: dispatched and received (quantized with --dispatch-dtype: a byte a value and the
+    # token's scale), computed and combined back (the model's dtype), two micro-batches in flight
+    wire = wire_bytes_per_token(hidden, dispatch_dtype_of(job.dispatch_dtype), job.dtype)
+    exchange = 2 * tokens * top_k * (2 * wire + 2 * hidden * size)
     # two micro-batches in flight, and each mode's output kept for the comparison
     activations = 2 * (tokens * per_token + scores) + exchange + len(job.modes) * tokens * hidden * 4
     layers = _first(cfg, "n_layers", "num_hidden_layers", default=1)

@@ -156,3 +156,17 @@ def test_a_checkpoints_config_json_alone(tmp_path, capsys, monkeypatch):
     code, out, err = run_here(main, ["--model", str(tmp_path), "--dry-run", "--nproc-per-node", "2", "--nnodes", "2"],
                               capsys, monkeypatch)
     assert code == 0 and "routed experts (15 of 60 a layer)" in out and "0-3, each" in out, (out, err)
+
+
+def test_a_quantized_dispatch_sizes_its_exchange_buffers_by_the_bytes_it_sends():
+    """--dispatch-dtype int8: the dispatched and received rows take a byte a value and the token's 4-byte scale (as
+    collectives.quantize packs them), the computed and combined rows the model's dtype (before: all four in it)."""
+    import dataclasses
+
+    from launch.memory import estimate
+
+    job = _job("reference")  # tiny: hidden 64, top-2, float32, 2 requests of 8 tokens
+    plain, quantized = (estimate(dataclasses.replace(job, dispatch_dtype=d), WORLD).exchange for d in (None, "int8"))
+    rows = 2 * 16 * 2  # two micro-batches in flight, 16 tokens, top-2
+    assert plain == rows * 4 * 64 * 4
+    assert quantized == rows * (2 * (64 + 4) + 2 * 64 * 4)
