@@ -103,37 +103,30 @@ def test_a_shared_mode_run_carries_its_data_flow_and_its_shared_expert_point(tmp
     assert occ["L1.mb0.shared_gate_up@shared_expert"].dominator == "experts"
 
 
-def test_the_indexer_point_on_a_tiny_deepseek_v32(tmp_path):
+def _family_points(family, tmp_path):
+    """The points of a one-layer small ``family``'s shared-mode prefill (expert-parallel on one rank), by name."""
     from launch.engine import make_expert_parallel, prefill, split_for
     from launch.models import build_transformers_model
     from microbatch.batch import Batch
 
-    model = build_transformers_model("deepseek_v32", seed=3, overrides=dict(n_layers=1))
+    model = build_transformers_model(family, seed=3, overrides=dict(n_layers=1))
     batch = Batch.random([12, 9], model.cfg.vocab, seed=1)
     make_expert_parallel(model, None)
     with overlap.Timeline() as tl:
         prefill(model, batch, "shared", split_for("shared", batch, None, model=model))
         overlap.synchronize()
-    path = tl.save_chrome_trace(str(tmp_path / "dsa.json"))
-    occ = {o.point: o for o in toolkit_points(named_tasks(path)[1])}
-    indexer = occ[f"L0.mb0.indexer@{overlap.INDEXER}"]
+    path = tl.save_chrome_trace(str(tmp_path / f"{family}.json"))
+    return {o.point: o for o in toolkit_points(named_tasks(path)[1])}
+
+
+def test_the_indexer_point_on_a_tiny_deepseek_v32(tmp_path):
+    indexer = _family_points("deepseek_v32", tmp_path)[f"L0.mb0.indexer@{overlap.INDEXER}"]
     assert indexer.dominator is not None and indexer.overlap_pct is not None
 
 
 def test_the_longcat_flash_shortcut_point(tmp_path):
     """The shortcut MoE's exchange beside the layer's second attention and the dense MLPs (no data path between)."""
-    from launch.engine import make_expert_parallel, prefill, split_for
-    from launch.models import build_transformers_model
-    from microbatch.batch import Batch
-
-    model = build_transformers_model("longcat_flash", seed=3, overrides=dict(n_layers=1))
-    batch = Batch.random([12, 9], model.cfg.vocab, seed=1)
-    make_expert_parallel(model, None)
-    with overlap.Timeline() as tl:
-        prefill(model, batch, "shared", split_for("shared", batch, None, model=model))
-        overlap.synchronize()
-    path = tl.save_chrome_trace(str(tmp_path / "longcat.json"))
-    occ = {o.point: o for o in toolkit_points(named_tasks(path)[1])}
+    occ = _family_points("longcat_flash", tmp_path)
     assert occ[f"L0.mb0.dispatch@{overlap.EP_COMM}"].dominator in ("dense0", "attn1", "dense1")
 
 
